@@ -1,0 +1,355 @@
+"""Plain-torch reference of every op the engine runs: the CPU path, and the oracle for Triton.
+
+Rules every op keeps:
+- Math in fp32. Inputs are upcast right after reading; outputs are cast back to the dtype each
+  docstring names. Recurrent states are fp32 unless a docstring says otherwise.
+- Tokens are rows. One sequence is [T, H, D]; a varlen prefill concatenates B sequences' new
+  tokens into [T, H, D] with `cu_seqlens_q` [B+1] int32 offsets; a decode batch is [B, H, D],
+  one token per sequence.
+- Units: positions and lengths count tokens, `page_table` holds page ids, a KV slot is
+  `page * page_size + offset_in_page` (token units), a state slot is a row of a state pool.
+- Paged KV: `k_cache`, `v_cache` are [num_pages, page_size, H_kv, D]. Token p of sequence b lives
+  in page `page_table[b, p // page_size]` at offset `p % page_size`. `seq_lens` counts a
+  sequence's tokens including the new ones, whose K/V are stored before attention runs. Entries of
+  `page_table` past a sequence's ceil(seq_len / page_size) pages are garbage and never read; so
+  are unwritten slots of the caches.
+- GQA: query head h reads KV head h // (H_q // H_kv). Gated DeltaNet: value head h reads key head
+  h // (H_v // H_k) (transformers' repeat_interleave).
+- Gated delta rule, per value head, with state S [D_k, D_v] and per token t:
+      S = S * exp(g_t);  S = S + k_t (beta_t (v_t - k_t^T S))^T;  o_t = q_t^T S
+  g is a log decay (<= 0). With `use_qk_l2norm`, q and k are first mapped to
+  x * rsqrt(sum(x * x) + 1e-6); q is then scaled by `scale` (default D_k ** -0.5).
+- Causal conv: depthwise, weight [C, K], no bias, SiLU after. A conv state [C, K-1] holds the
+  K-1 inputs that precede the next token, oldest first (zeros for a fresh sequence).
+- Mutation: only `store_kv` (caches), `causal_conv1d_update` (conv state),
+  `gated_delta_rule_step` (state) and `copy_state_slots` (pools) write into their arguments.
+- Validation is cheap: ranks, sizes and dtypes raise ValueError("expected …, got …"); values
+  (slots in range, page ids valid) are the caller's contract.
+
+Must match transformers' Qwen3-Next (`torch_chunk_gated_delta_rule`,
+`torch_recurrent_gated_delta_rule`, `causal_conv1d_fn`) numerically in fp32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+_F32 = torch.float32
+
+
+def _expect_shape(name: str, t: Tensor, layout: str, shape: Sequence[int | None]) -> None:
+    """Raise unless `t` has len(shape) dims and matches every non-None size."""
+    if t.dim() != len(shape) or any(s is not None and s != n for s, n in zip(shape, t.shape)):
+        want = ", ".join("*" if s is None else str(s) for s in shape)
+        raise ValueError(f"expected {name} [{layout}] = [{want}], got {list(t.shape)}")
+
+
+def _expect_dtype(name: str, t: Tensor, dtype: torch.dtype) -> None:
+    if t.dtype != dtype:
+        raise ValueError(f"expected {name} of dtype {dtype}, got {t.dtype}")
+
+
+def _expect(ok: bool, what: str, got: object) -> None:
+    if not ok:
+        raise ValueError(f"expected {what}, got {got}")
+
+
+# ---------------------------------------------------------------- paged KV and attention
+
+
+def store_kv(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
+    """Write each token's K/V into its cache slot, cast to the cache dtype; negative slots are skipped.
+
+    key, value [T, H_kv, D]; k_cache, v_cache [num_pages, page_size, H_kv, D] (contiguous, written
+    in place); slot_mapping [T] int64, slot = page * page_size + offset_in_page.
+    """
+    _expect_shape("k_cache", k_cache, "num_pages, page_size, H_kv, D", (None, None, None, None))
+    _, _, h_kv, d = k_cache.shape
+    _expect_shape("v_cache", v_cache, "num_pages, page_size, H_kv, D", tuple(k_cache.shape))
+    _expect(k_cache.is_contiguous() and v_cache.is_contiguous(), "contiguous caches", "strided ones")
+    _expect_shape("key", key, "T, H_kv, D", (None, h_kv, d))
+    _expect_shape("value", value, "T, H_kv, D", tuple(key.shape))
+    _expect_shape("slot_mapping", slot_mapping, "T", (key.shape[0],))
+    _expect_dtype("slot_mapping", slot_mapping, torch.int64)
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    k_cache.view(-1, h_kv, d)[slots] = key[keep].to(k_cache.dtype)
+    v_cache.view(-1, h_kv, d)[slots] = value[keep].to(v_cache.dtype)
+
+
+def _check_paged(query: Tensor, k_cache: Tensor, v_cache: Tensor, page_table: Tensor,
+                 seq_lens: Tensor) -> tuple[int, int]:
+    """Validate the inputs both attention ops share; return (batch size, query heads per KV head)."""
+    _expect_shape("k_cache", k_cache, "num_pages, page_size, H_kv, D", (None, None, None, None))
+    _expect_shape("v_cache", v_cache, "num_pages, page_size, H_kv, D", tuple(k_cache.shape))
+    h_kv, d = k_cache.shape[2], k_cache.shape[3]
+    _expect_shape("query", query, "T, H_q, D", (None, None, d))
+    _expect(query.shape[1] % h_kv == 0, f"H_q a multiple of H_kv = {h_kv}", query.shape[1])
+    _expect_shape("page_table", page_table, "B, max_pages", (None, None))
+    _expect_dtype("page_table", page_table, torch.int32)
+    _expect_shape("seq_lens", seq_lens, "B", (page_table.shape[0],))
+    _expect_dtype("seq_lens", seq_lens, torch.int32)
+    return page_table.shape[0], query.shape[1] // h_kv
+
+
+def paged_attention_prefill(query: Tensor, k_cache: Tensor, v_cache: Tensor, page_table: Tensor,
+                            cu_seqlens_q: Tensor, seq_lens: Tensor, scale: float) -> Tensor:
+    """Causal attention of B sequences' new tokens over their cached prefix and themselves.
+
+    query [T, H_q, D] (new tokens of B sequences concatenated); k_cache, v_cache
+    [num_pages, page_size, H_kv, D]; page_table [B, max_pages] int32; cu_seqlens_q [B+1] int32;
+    seq_lens [B] int32, totals including the new tokens. New token i of sequence b sits at
+    position seq_lens[b] - q_len_b + i and attends to positions [0, that position].
+    Returns [T, H_q, D] in query's dtype.
+    """
+    batch, group = _check_paged(query, k_cache, v_cache, page_table, seq_lens)
+    _expect_shape("cu_seqlens_q", cu_seqlens_q, "B+1", (batch + 1,))
+    _expect_dtype("cu_seqlens_q", cu_seqlens_q, torch.int32)
+    page_size, h_kv, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    cu, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
+    _expect(cu[0] == 0 and cu[-1] == query.shape[0], f"cu_seqlens_q from 0 to T = {query.shape[0]}", cu)
+    out = torch.empty_like(query)
+    for b in range(batch):
+        start, end, total = cu[b], cu[b + 1], lens[b]
+        n_new = end - start
+        _expect(0 <= n_new <= total <= page_table.shape[1] * page_size,
+                f"0 <= q_len <= seq_len <= max_pages * page_size for sequence {b}", (n_new, total))
+        if n_new == 0:
+            continue
+        pages = page_table[b, : -(-total // page_size)].long()
+        k = k_cache[pages].flatten(0, 1)[:total].float()  # [total, H_kv, D]
+        v = v_cache[pages].flatten(0, 1)[:total].float()
+        q = query[start:end].float().reshape(n_new, h_kv, group, d)
+        scores = torch.einsum("qhgd,khd->hgqk", q, k) * scale  # [H_kv, group, n_new, total]
+        q_pos = torch.arange(total - n_new, total, device=query.device)
+        visible = torch.arange(total, device=query.device)[None, :] <= q_pos[:, None]  # [n_new, total]
+        probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
+        o = torch.einsum("hgqk,khd->qhgd", probs, v)
+        out[start:end] = o.reshape(n_new, h_kv * group, d).to(query.dtype)
+    return out
+
+
+def paged_attention_decode(query: Tensor, k_cache: Tensor, v_cache: Tensor, page_table: Tensor,
+                           seq_lens: Tensor, scale: float) -> Tensor:
+    """One new token per sequence attends to its sequence's positions [0, seq_lens[b]).
+
+    query [B, H_q, D]; k_cache, v_cache [num_pages, page_size, H_kv, D]; page_table
+    [B, max_pages] int32; seq_lens [B] int32 (>= 1, the new token's K/V already stored).
+    Returns [B, H_q, D] in query's dtype. Batched: pages of every sequence are gathered into a
+    [B, max(seq_lens), H_kv, D] tensor, padding zeroed and masked out of one softmax.
+    """
+    batch, group = _check_paged(query, k_cache, v_cache, page_table, seq_lens)
+    _expect_shape("query", query, "B, H_q, D", (batch, None, None))
+    if batch == 0:
+        return torch.empty_like(query)
+    page_size, h_kv, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    lens = seq_lens.long()
+    longest, shortest = int(lens.max()), int(lens.min())
+    _expect(1 <= shortest and longest <= page_table.shape[1] * page_size,
+            "1 <= seq_lens <= max_pages * page_size", (shortest, longest))
+    n_pages = -(-longest // page_size)
+    # Garbage page-table entries (past a sequence's own pages) are redirected to page 0, then masked.
+    own_page = torch.arange(n_pages, device=lens.device)[None, :] < (lens[:, None] + page_size - 1) // page_size
+    pages = torch.where(own_page, page_table[:, :n_pages].long(), 0)  # [B, n_pages]
+    live = torch.arange(longest, device=lens.device)[None, :] < lens[:, None]  # [B, longest]
+    # Padding scores are masked to -inf below; padding values must be zeroed too (0 * NaN = NaN).
+    k = k_cache[pages].flatten(1, 2)[:, :longest].float()  # [B, longest, H_kv, D]
+    v = torch.where(live[:, :, None, None], v_cache[pages].flatten(1, 2)[:, :longest].float(), 0.0)
+    q = query.float().reshape(batch, h_kv, group, d)
+    scores = torch.einsum("bhgd,bkhd->bhgk", q, k) * scale  # [B, H_kv, group, longest]
+    probs = scores.masked_fill(~live[:, None, None, :], float("-inf")).softmax(dim=-1)
+    out = torch.einsum("bhgk,bkhd->bhgd", probs, v)
+    return out.reshape(batch, h_kv * group, d).to(query.dtype)
+
+
+# ---------------------------------------------------------------- causal conv1d
+
+
+def causal_conv1d(x: Tensor, weight: Tensor, conv_state: Tensor | None) -> tuple[Tensor, Tensor]:
+    """SiLU of the causal depthwise conv over one sequence, continuing from `conv_state`.
+
+    x [T, C]; weight [C, K]; conv_state [C, K-1] (the inputs preceding x; None = zeros).
+    Returns (out [T, C] in x's dtype, new_state [C, K-1] = the last K-1 inputs of
+    cat(conv_state, x) along time, in conv_state's dtype, fp32 if None).
+    """
+    _expect_shape("weight", weight, "C, K", (None, None))
+    channels, width = weight.shape
+    _expect_shape("x", x, "T, C", (None, channels))
+    state_dtype = _F32 if conv_state is None else conv_state.dtype
+    if conv_state is None:
+        conv_state = torch.zeros(channels, width - 1, dtype=_F32, device=x.device)
+    _expect_shape("conv_state", conv_state, "C, K-1", (channels, width - 1))
+    history = torch.cat((conv_state.float(), x.float().t()), dim=1)  # [C, K-1+T]
+    out = F.conv1d(history[None], weight.float()[:, None, :], groups=channels)[0]  # [C, T]
+    new_state = history[:, history.shape[1] - (width - 1):].to(state_dtype)
+    return F.silu(out).t().to(x.dtype), new_state
+
+
+def causal_conv1d_update(x: Tensor, weight: Tensor, conv_state: Tensor) -> Tensor:
+    """One decode step of `causal_conv1d` for B sequences.
+
+    x [B, C]; weight [C, K]; conv_state [B, C, K-1], updated in place (shifted left, x appended).
+    Returns silu(conv) [B, C] in x's dtype.
+    """
+    _expect_shape("weight", weight, "C, K", (None, None))
+    channels, width = weight.shape
+    _expect_shape("x", x, "B, C", (None, channels))
+    _expect_shape("conv_state", conv_state, "B, C, K-1", (x.shape[0], channels, width - 1))
+    window = torch.cat((conv_state.float(), x.float()[:, :, None]), dim=2)  # [B, C, K]
+    out = (window * weight.float()).sum(dim=2)
+    conv_state.copy_(window[:, :, 1:])
+    return F.silu(out).to(x.dtype)
+
+
+# ---------------------------------------------------------------- gated delta rule
+
+
+def _check_delta(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, rows: str) -> tuple[int, ...]:
+    """Validate q, k [N, H_k, D_k], v [N, H_v, D_v], g, beta [N, H_v]; return (N, H_v, D_k, D_v)."""
+    _expect_shape("q", q, f"{rows}, H_k, D_k", (None, None, None))
+    n, h_k, d_k = q.shape
+    _expect_shape("k", k, f"{rows}, H_k, D_k", (n, h_k, d_k))
+    _expect_shape("v", v, f"{rows}, H_v, D_v", (n, None, None))
+    h_v, d_v = v.shape[1], v.shape[2]
+    _expect(h_v % h_k == 0, f"H_v a multiple of H_k = {h_k}", h_v)
+    _expect_shape("g", g, f"{rows}, H_v", (n, h_v))
+    _expect_shape("beta", beta, f"{rows}, H_v", (n, h_v))
+    return n, h_v, d_k, d_v
+
+
+def _prepare(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float | None,
+             use_qk_l2norm: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """fp32 copies of the inputs, q and k normalised, q scaled, key heads repeated to H_v."""
+    q, k, v, g, beta = (t.float() for t in (q, k, v, g, beta))
+    if use_qk_l2norm:
+        q = q * torch.rsqrt((q * q).sum(dim=-1, keepdim=True) + 1e-6)
+        k = k * torch.rsqrt((k * k).sum(dim=-1, keepdim=True) + 1e-6)
+    q = q * (q.shape[-1] ** -0.5 if scale is None else scale)
+    repeat = v.shape[-2] // k.shape[-2]
+    return q.repeat_interleave(repeat, dim=-2), k.repeat_interleave(repeat, dim=-2), v, g, beta
+
+
+def _delta_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor) -> tuple[Tensor, Tensor]:
+    """One token of the recurrence: q, k [..., D_k], v [..., D_v], g, beta [...], state [..., D_k, D_v]."""
+    state = state * g.exp()[..., None, None]
+    recalled = torch.einsum("...k,...kv->...v", k, state)
+    state = state + k[..., :, None] * (beta[..., None] * (v - recalled))[..., None, :]
+    return torch.einsum("...k,...kv->...v", q, state), state
+
+
+def _initial_state(initial_state: Tensor | None, h_v: int, d_k: int, d_v: int, device: torch.device) -> Tensor:
+    if initial_state is None:
+        return torch.zeros(h_v, d_k, d_v, dtype=_F32, device=device)
+    _expect_shape("initial_state", initial_state, "H_v, D_k, D_v", (h_v, d_k, d_v))
+    return initial_state.float()
+
+
+def recurrent_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+                               initial_state: Tensor | None = None, *, scale: float | None = None,
+                               use_qk_l2norm: bool = True) -> tuple[Tensor, Tensor]:
+    """The gated delta rule over one sequence, token by token (the oracle for the chunked form).
+
+    q, k [T, H_k, D_k]; v [T, H_v, D_v]; g, beta [T, H_v]; initial_state [H_v, D_k, D_v] or None.
+    Returns (out [T, H_v, D_v] in v's dtype, final_state [H_v, D_k, D_v] fp32).
+    """
+    length, h_v, d_k, d_v = _check_delta(q, k, v, g, beta, "T")
+    state = _initial_state(initial_state, h_v, d_k, d_v, v.device)
+    q, k, vf, g, beta = _prepare(q, k, v, g, beta, scale, use_qk_l2norm)
+    out = torch.empty(length, h_v, d_v, dtype=_F32, device=v.device)
+    for t in range(length):
+        out[t], state = _delta_step(q[t], k[t], vf[t], g[t], beta[t], state)
+    return out.to(v.dtype), state
+
+
+def _delta_chunk(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor) -> tuple[Tensor, Tensor]:
+    """L tokens at once (UT transform). q, k [H, L, D_k]; v [H, L, D_v]; g, beta [H, L]; state [H, D_k, D_v].
+
+    With G the in-chunk cumulative log decay, the updates u_t = beta_t (v_t - k_t^T S_{t-1}) solve
+    (I + A) u = beta (v - e^G k S0), A[t, j] = beta_t e^(G_t - G_j) k_t.k_j for j < t; then
+    o_t = e^(G_t) q_t^T S0 + sum_{j<=t} e^(G_t - G_j) (q_t.k_j) u_j and
+    S_L = e^(G_L) S0 + sum_j e^(G_L - G_j) k_j u_j^T.
+    """
+    length = g.shape[1]
+    cum = g.cumsum(dim=1)  # [H, L]
+    causal = torch.ones(length, length, dtype=torch.bool, device=g.device).tril()
+    decay = (cum[:, :, None] - cum[:, None, :]).masked_fill(~causal, float("-inf")).exp()  # [H, L, L]
+    system = (beta[:, :, None] * (k @ k.transpose(1, 2)) * decay).tril(-1)
+    system = system + torch.eye(length, dtype=_F32, device=g.device)
+    rhs = beta[:, :, None] * (v - (cum.exp()[:, :, None] * k) @ state)
+    u = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)  # [H, L, D_v]
+    out = (cum.exp()[:, :, None] * q) @ state + ((q @ k.transpose(1, 2)) * decay) @ u
+    to_end = (cum[:, -1:] - cum).exp()[:, :, None] * k  # [H, L, D_k]
+    state = cum[:, -1].exp()[:, None, None] * state + to_end.transpose(1, 2) @ u
+    return out, state
+
+
+def chunk_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+                           initial_state: Tensor | None = None, *, scale: float | None = None,
+                           chunk_size: int = 64, use_qk_l2norm: bool = True,
+                           state_positions: Sequence[int] = ()) -> tuple[Tensor, Tensor, Tensor]:
+    """The gated delta rule over one sequence, chunk by chunk; also the states at chosen positions.
+
+    q, k [T, H_k, D_k]; v [T, H_v, D_v]; g, beta [T, H_v]; initial_state [H_v, D_k, D_v] or None;
+    T >= 1. Chunks end at every multiple of chunk_size and at every requested position.
+    state_positions: strictly increasing ints, 0 < p <= T. Returns (out [T, H_v, D_v] in v's
+    dtype, final_state [H_v, D_k, D_v] fp32, states [len(state_positions), H_v, D_k, D_v] fp32,
+    states[i] being the state after the first state_positions[i] tokens).
+    """
+    length, h_v, d_k, d_v = _check_delta(q, k, v, g, beta, "T")
+    _expect(length >= 1, "T >= 1", length)
+    _expect(chunk_size >= 1, "chunk_size >= 1", chunk_size)
+    positions = [int(p) for p in state_positions]
+    _expect(all(0 < p <= length for p in positions) and all(a < b for a, b in zip(positions, positions[1:])),
+            f"state_positions strictly increasing in (0, {length}]", positions)
+    state = _initial_state(initial_state, h_v, d_k, d_v, v.device)
+    q, k, vf, g, beta = (t.transpose(0, 1) for t in _prepare(q, k, v, g, beta, scale, use_qk_l2norm))
+    ends = sorted(set(range(chunk_size, length, chunk_size)) | set(positions) | {length})
+    wanted = set(positions)
+    out = torch.empty(h_v, length, d_v, dtype=_F32, device=v.device)
+    states = []
+    start = 0
+    for end in ends:
+        part = slice(start, end)
+        out[:, part], state = _delta_chunk(q[:, part], k[:, part], vf[:, part], g[:, part], beta[:, part], state)
+        if end in wanted:
+            states.append(state)
+        start = end
+    saved = torch.stack(states) if states else torch.empty(0, h_v, d_k, d_v, dtype=_F32, device=v.device)
+    return out.transpose(0, 1).to(v.dtype), state, saved
+
+
+def gated_delta_rule_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, *,
+                          scale: float | None = None, use_qk_l2norm: bool = True) -> Tensor:
+    """One decode token for each of B sequences.
+
+    q, k [B, H_k, D_k]; v [B, H_v, D_v]; g, beta [B, H_v]; state [B, H_v, D_k, D_v] fp32,
+    updated in place. Returns out [B, H_v, D_v] in v's dtype.
+    """
+    batch, h_v, d_k, d_v = _check_delta(q, k, v, g, beta, "B")
+    _expect_shape("state", state, "B, H_v, D_k, D_v", (batch, h_v, d_k, d_v))
+    _expect_dtype("state", state, _F32)
+    q, k, vf, g, beta = _prepare(q, k, v, g, beta, scale, use_qk_l2norm)
+    out, new_state = _delta_step(q, k, vf, g, beta, state)
+    state.copy_(new_state)
+    return out.to(v.dtype)
+
+
+# ---------------------------------------------------------------- state pools
+
+
+def copy_state_slots(tensors: Sequence[Tensor], src_slots: Tensor, dst_slots: Tensor) -> None:
+    """For each pool (dim 0 = slot): tensor[dst_slots] = tensor[src_slots], in place.
+
+    src_slots, dst_slots [N] int64, disjoint.
+    """
+    _expect_shape("src_slots", src_slots, "N", (None,))
+    _expect_shape("dst_slots", dst_slots, "N", (src_slots.shape[0],))
+    _expect_dtype("src_slots", src_slots, torch.int64)
+    _expect_dtype("dst_slots", dst_slots, torch.int64)
+    for pool in tensors:
+        _expect(pool.dim() >= 1, "state pools with a slot dim", list(pool.shape))
+        pool.index_copy_(0, dst_slots, pool.index_select(0, src_slots))

@@ -1,0 +1,71 @@
+"""Shared test setup.
+
+TRITON_INTERPRET must be set before any @triton.jit is decorated, so it is set here, first.
+Nothing may come from a hub: HF_HUB_OFFLINE=1. Tiny checkpoints are built locally, once per
+session: by transformers (the outside oracle's own save_pretrained) and by `cairn demo-model`.
+"""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+# Small Qwen3-Next shapes that keep every feature of the architecture: GQA, partial rotary,
+# more value heads than key heads, key dim != value dim, odd vocab.
+BASE = dict(
+    vocab_size=211, hidden_size=48, intermediate_size=80, num_hidden_layers=4,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    linear_key_head_dim=8, linear_value_head_dim=12, linear_num_key_heads=2, linear_num_value_heads=6,
+    linear_conv_kernel_dim=4, max_position_embeddings=512, rms_norm_eps=1e-6, num_experts=0,
+)
+CHECKPOINTS = {
+    "dense": dict(BASE, full_attention_interval=2),
+    "moe": dict(BASE, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=24,
+                shared_expert_intermediate_size=32, decoder_sparse_step=1, mlp_only_layers=[2],
+                full_attention_interval=4),
+    "tied": dict(BASE, tie_word_embeddings=True, full_attention_interval=4, num_hidden_layers=3,
+                 layer_types=["linear_attention", "full_attention", "linear_attention"]),
+}
+
+
+def build_hf_checkpoint(path: Path, kind: str, dtype: torch.dtype = torch.float32, seed: int = 0, **save) -> Path:
+    """Writes a random Qwen3NextForCausalLM with transformers' own save_pretrained."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen3NextConfig(**CHECKPOINTS[kind])
+    model = Qwen3NextForCausalLM(cfg).eval()
+    with torch.no_grad():  # zero-initialised norms would hide a wrong (1 + w) convention
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+        model.model.embed_tokens.weight.mul_(20)  # sharper logits: greedy choices are not near-ties
+    model.to(dtype).save_pretrained(path, **save)
+    return path
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoint(tmp_path_factory):
+    made: dict[str, Path] = {}
+
+    def get(kind: str) -> Path:
+        if kind not in made:
+            made[kind] = build_hf_checkpoint(tmp_path_factory.mktemp(f"hf-{kind}"), kind)
+        return made[kind]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    from workers.demo import write_demo_model
+
+    return write_demo_model(tmp_path_factory.mktemp("demo-tiny"), size="tiny", seed=0)

@@ -1,0 +1,109 @@
+"""The asyncio engine streams each request's tokens as they come, serves many at once, and a
+caller that goes away gets its request aborted and its pages back."""
+
+import asyncio
+
+import pytest
+import torch
+
+from workers import AsyncEngine, Engine, EngineError, SamplingParams
+
+PARAMS = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def path(hf_checkpoint):
+    return hf_checkpoint("dense")
+
+
+def prompts(n, length=9):
+    g = torch.Generator().manual_seed(n)
+    return [torch.randint(0, 211, (length + i,), generator=g).tolist() for i in range(n)]
+
+
+async def collect(engine, prompt, params=PARAMS):
+    return [out async for out in engine.generate(prompt, params)]
+
+
+def test_concurrent_streams_equal_the_batch_engine(path):
+    ps = prompts(4)
+    expected = [o.token_ids for o in Engine.from_pretrained(path, num_pages=64).generate(ps, PARAMS)]
+
+    async def main():
+        engine = AsyncEngine.from_pretrained(path, num_pages=64)
+        streams = await asyncio.gather(*(collect(engine, p) for p in ps))
+        await engine.close()
+        return streams
+
+    for stream, want in zip(asyncio.run(main()), expected):
+        assert [t for out in stream for t in out.new_token_ids] == want  # one token per chunk, in order
+        assert stream[-1].finished and not any(o.finished for o in stream[:-1])
+        assert stream[-1].token_ids == want
+
+
+def test_a_caller_that_stops_reading_aborts_its_request_and_frees_its_pages(path):
+    async def main():
+        engine = AsyncEngine.from_pretrained(path, num_pages=64)
+        agen = engine.generate(prompts(1, 40)[0], SamplingParams(max_tokens=200, ignore_eos=True))
+        await agen.__anext__()
+        assert engine.engine.pages.num_free < 64
+        await agen.aclose()  # what a disconnecting HTTP client does
+        free = engine.engine.pages.num_free
+        still = await collect(engine, prompts(1)[0])  # the engine keeps serving
+        await engine.close()
+        return free, still
+
+    free, still = asyncio.run(main())
+    assert free == 64
+    assert still[-1].finished
+
+
+def test_abort_ends_the_stream_with_finish_reason_abort(path):
+    async def main():
+        engine = AsyncEngine.from_pretrained(path, num_pages=64)
+        outs = []
+        async for out in engine.generate(prompts(1)[0], SamplingParams(max_tokens=500, ignore_eos=True),
+                                         request_id="r1"):
+            outs.append(out)
+            if len(outs) == 2:
+                assert await engine.abort("r1")
+        await engine.close()
+        return outs, engine.engine.pages.num_free
+
+    outs, free = asyncio.run(main())
+    assert outs[-1].finish_reason == "abort" and free == 64
+
+
+def test_a_refused_request_raises_at_once_and_others_continue(path):
+    async def main():
+        engine = AsyncEngine.from_pretrained(path, num_pages=64)
+        with pytest.raises(ValueError, match="at least one token"):
+            await collect(engine, [])
+        good = await collect(engine, prompts(1)[0])
+        await engine.close()
+        return good
+
+    assert asyncio.run(main())[-1].finished
+
+
+def test_an_engine_fault_fails_requests_in_flight_but_not_the_loop(path, monkeypatch):
+    async def main():
+        engine = AsyncEngine.from_pretrained(path, num_pages=64)
+        real_step = engine.engine.step
+        calls = {"n": 0}
+
+        def flaky_step():
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise RuntimeError("simulated kernel fault")
+            return real_step()
+
+        engine.engine.step = flaky_step
+        with pytest.raises(EngineError, match="internal error"):
+            await collect(engine, prompts(1)[0])
+        after = await collect(engine, prompts(1)[0])
+        await engine.close()
+        return after, engine.engine.pages.num_free
+
+    after, free = asyncio.run(main())
+    assert after[-1].finished and free == 64

@@ -1,0 +1,121 @@
+"""The engine behind an asyncio interface: many callers stream tokens, one thread steps.
+
+Every call into the `Engine` (add, abort, step) runs on one dedicated worker thread, in order,
+so the engine needs no locks and the event loop never blocks on a model step. A background task
+steps while any request is unfinished and sleeps otherwise. Each request gets a queue of
+`RequestOutput`s; `generate` yields them until the one that finishes.
+
+A caller that stops iterating (client gone, task cancelled) aborts its request, so its pages
+and state slot go back to the pools. A fault inside a step fails the requests in flight with
+`EngineError` (logged once) and the loop goes on serving new requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from workers.engine import Engine, RequestOutput
+from workers.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class EngineError(RuntimeError):
+    """An internal fault while a request was running (not the caller's doing)."""
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cairn-engine")
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._wake: asyncio.Event | None = None
+        self._loop_task: asyncio.Task | None = None
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path, **options: object) -> "AsyncEngine":
+        return cls(Engine.from_pretrained(model_dir, **options))
+
+    async def _call(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def _ensure_loop(self) -> None:
+        if self._loop_task is None or self._loop_task.done():
+            self._wake = asyncio.Event()
+            self._loop_task = asyncio.get_running_loop().create_task(self._run())
+
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Streams outputs of one request; raises ValueError at once for a request the engine refuses."""
+        self._ensure_loop()
+        request_id = request_id if request_id is not None else f"async-{next(self._ids)}"
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = queue
+        try:
+            await self._call(self.engine.add_request, prompt_token_ids, params, request_id)
+        except BaseException:
+            self._queues.pop(request_id, None)
+            raise
+        self._wake.set()
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:
+                await asyncio.shield(self._call(self.engine.abort, request_id))
+
+    async def abort(self, request_id: str) -> bool:
+        """Ends a request; its stream yields a last output with finish_reason "abort"."""
+        final = await self._call(self.engine.abort, request_id)
+        queue = self._queues.get(request_id)
+        if final is not None and queue is not None:
+            queue.put_nowait(final)
+        return final is not None
+
+    async def _run(self) -> None:
+        while True:
+            if not self.engine.has_unfinished():
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            try:
+                outputs = await self._call(self.engine.step)
+            except Exception as e:  # an engine fault must not kill the loop
+                log.exception("engine step failed; failing %d request(s) in flight", len(self._queues))
+                await self._fail_all(e)
+                continue
+            for out in outputs:
+                queue = self._queues.get(out.request_id)
+                if queue is not None:
+                    queue.put_nowait(out)
+            await asyncio.sleep(0)  # let consumers run between steps
+
+    async def _fail_all(self, cause: Exception) -> None:
+        for request_id, queue in list(self._queues.items()):
+            await self._call(self.engine.abort, request_id)
+            queue.put_nowait(EngineError(f"internal error while running request {request_id}: "
+                                         f"{type(cause).__name__}"))
+
+    async def close(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            try:
+                await self._loop_task
+            except asyncio.CancelledError:
+                pass
+        self._executor.shutdown(wait=True)

@@ -1,0 +1,216 @@
+"""The engine: requests in, tokens out, one step at a time. No Ray, no asyncio.
+
+`Engine.from_pretrained(dir, **options)` loads a checkpoint (see workers.model.loader) and sizes
+the pools from `EngineOptions`. `add_request` validates a prompt and queues it; `step` schedules,
+runs the model once and samples, returning a `RequestOutput` for every request that produced a
+token or finished; `generate` runs a batch to completion. A request that can never fit (prompt
+beyond `max_model_len`, more pages than the pool has) is refused with `ValueError` at
+`add_request`, never halfway through.
+
+Stops: EOS ids from the config (unless `ignore_eos`), `stop_token_ids`, `max_tokens`, or the
+model's length (`finish_reason` "stop" / "length"; "abort" for `abort`).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from workers.model import ModelConfig, Qwen3NextForCausalLM, load_model
+from workers.options import EngineOptions
+from workers.page_pool import PagePool
+from workers.runner import ModelRunner, page_bytes
+from workers.sampler import Sampler
+from workers.sampling_params import SamplingParams
+from workers.scheduler import Scheduler, Segment, StepPlan
+from workers.sequence import Sequence, TokenLogprob
+from workers.state_pool import StatePool
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # every output token so far
+    new_token_ids: list[int]  # output tokens produced by this step
+    logprobs: list[TokenLogprob] | None
+    cached_tokens: int
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    prompt_tokens: int = 0
+    computed_tokens: int = 0
+    generated_tokens: int = 0
+    cached_tokens: int = 0
+    preemptions: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+def _pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+class Engine:
+    def __init__(self, model: Qwen3NextForCausalLM, options: EngineOptions | None = None):
+        self.options = options = options or EngineOptions()
+        self.model = model
+        cfg: ModelConfig = model.config
+        self.config = cfg
+        dtype = next(model.parameters()).dtype
+        self.max_model_len = min(options.max_model_len or cfg.max_position_embeddings,
+                                 cfg.max_position_embeddings)
+        if options.num_pages:
+            num_pages = options.num_pages
+        elif cfg.attention_layers:
+            num_pages = max(1, options.cache_memory_bytes // page_bytes(cfg, options.page_size, dtype))
+        else:  # pages cost nothing without attention layers; enough for every slot at full length
+            num_pages = options.max_num_seqs * -(-self.max_model_len // options.page_size)
+        self.pages = PagePool(num_pages, options.page_size)
+        self.states = StatePool(options.max_num_seqs)
+        self.scheduler = Scheduler(options, self.pages, self.states)
+        self.runner = ModelRunner(model, num_pages, options.page_size, options.max_num_seqs)
+        self.sampler = Sampler(options.seed)
+        self.eos_token_ids = frozenset(cfg.eos_token_ids)
+        self.stats = EngineStats()
+        self._requests: dict[str, Sequence] = {}
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path, **options: object) -> "Engine":
+        opts = EngineOptions.from_kwargs(**options)
+        model = load_model(model_dir, dtype=opts.dtype, device=_pick_device(opts.device))
+        return cls(model, opts)
+
+    # ---- requests --------------------------------------------------------------------------
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        params = params or SamplingParams()
+        prompt = list(prompt_token_ids)
+        vocab = self.config.vocab_size
+        if not prompt:
+            raise ValueError("prompt must hold at least one token")
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in prompt):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be in [0, {vocab})")
+        if len(prompt) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(prompt)} tokens; this model allows at most "
+                             f"{self.max_model_len - 1} (max_model_len {self.max_model_len} minus one to generate)")
+        total = min(len(prompt) + params.max_tokens, self.max_model_len)
+        pages = self.pages.pages_for_tokens(total)
+        if pages > self.pages.num_pages:
+            raise ValueError(f"request needs {pages} KV pages for {total} tokens; the pool holds "
+                             f"{self.pages.num_pages}")
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        seq = Sequence(request_id, prompt, params, max_total_tokens=total)
+        self._requests[request_id] = seq
+        self.scheduler.add(seq)
+        self.stats.prompt_tokens += len(prompt)
+        return request_id
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Ends a request and frees what it holds; returns its final output (None if unknown)."""
+        seq = self._requests.pop(request_id, None)
+        if seq is None:
+            return None
+        self.scheduler.finish(seq, "abort")
+        return self._output(seq, [], [])
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- stepping --------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        if not plan:
+            return []
+        logits = self.runner.execute(plan)
+        self.stats.steps += 1
+        self.stats.computed_tokens += plan.num_tokens
+        self.stats.preemptions = self.scheduler.num_preemptions
+        sampling = [seg.seq for seg in plan.segments if seg.samples]
+        for seg in plan.segments:
+            seg.seq.num_computed = seg.end
+        outputs = []
+        for seq, (token, logprob) in zip(sampling, self.sampler.sample(logits, sampling)):
+            seq.token_ids.append(token)
+            if logprob is not None:
+                seq.logprobs.append(logprob)
+            self.stats.generated_tokens += 1
+            reason = self._stop_reason(seq, token)
+            if reason:
+                self.scheduler.finish(seq, reason)
+                self._requests.pop(seq.request_id, None)
+            outputs.append(self._output(seq, [token], [logprob] if logprob else []))
+        return outputs
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        if token in seq.params.stop_token_ids or (not seq.params.ignore_eos and token in self.eos_token_ids):
+            return "stop"
+        if seq.num_tokens >= seq.max_total_tokens:
+            return "length"
+        return None
+
+    @staticmethod
+    def _output(seq: Sequence, new: list[int], new_logprobs: list[TokenLogprob]) -> RequestOutput:
+        return RequestOutput(
+            request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids,
+            token_ids=seq.output_token_ids, new_token_ids=new,
+            logprobs=seq.logprobs if seq.params.logprobs is not None else None,
+            cached_tokens=seq.cached_tokens, finish_reason=seq.finish_reason,
+            num_preemptions=seq.num_preemptions)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
+                 ) -> list[RequestOutput]:
+        """Runs a batch to completion; outputs in prompt order."""
+        per = params if isinstance(params, list) else [params] * len(prompts)
+        if len(per) != len(prompts):
+            raise ValueError(f"expected one SamplingParams per prompt ({len(prompts)}), got {len(per)}")
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, per)]
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(ids):
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[i] for i in ids]
+
+    def prompt_logits(self, prompt_token_ids: list[int]) -> torch.Tensor:
+        """fp32 logits [n, vocab] at every prompt position, from one prefill that holds pages and
+        a slot only while it runs. For scoring and tests; refuses when the pools are short."""
+        prompt = list(prompt_token_ids)
+        seq = Sequence("prompt-logits", prompt, SamplingParams(max_tokens=1))
+        need = self.pages.pages_for_tokens(len(prompt))
+        if not prompt or not self.pages.can_allocate(need) or not self.states.can_allocate():
+            raise ValueError(f"cannot score {len(prompt)} tokens now: needs {need} free pages and a "
+                             f"free state slot ({self.pages.num_free} pages free)")
+        seq.page_ids = self.pages.allocate(need)
+        seq.state_slot = self.states.allocate()
+        try:
+            segment = Segment(seq, 0, len(prompt))
+            plan = StepPlan(decodes=[segment] if len(prompt) == 1 else [],
+                            prefills=[] if len(prompt) == 1 else [segment],
+                            fresh_state_slots=[seq.state_slot])
+            return self.runner.execute(plan, all_logits=True)
+        finally:
+            self.pages.release(seq.page_ids)
+            self.states.release(seq.state_slot)
+
+    def check(self) -> None:
+        """Integrity check for idle moments and tests: pools add up."""
+        self.pages.check()
+        self.states.check()

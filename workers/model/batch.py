@@ -1,0 +1,50 @@
+"""What one model forward needs besides the weights: the flattened tokens of a step and where
+their caches live.
+
+A step runs a varlen batch: the new tokens of B sequences concatenated into T rows. The runner
+orders sequences so the first `num_decodes` have exactly one new token and a state that already
+exists (decodes), and the rest are prefill segments; the model takes the batched decode paths for
+the first group and a per-segment path for the second.
+
+Units: `positions`, `seq_lens`, `cu_seqlens` are in tokens; `page_table` holds page ids;
+`slot_mapping` holds KV slots (`page * page_size + offset`); `state_slots` index the state pool.
+
+Caches are passed beside the batch, not inside it:
+- `kv_caches[i]` = (k, v) for the i-th attention layer, each [num_pages, page_size, H_kv, D];
+- `conv_states` [num_slots, L_lin, conv_dim, K-1] and `ssm_states`
+  [num_slots, L_lin, H_v, D_k, D_v] (fp32), indexed by a linear layer's rank among linear layers.
+A sequence's state slot always holds its state at the start of the segment (zeros for a fresh
+sequence, a restored checkpoint for a resumed one); the model leaves it at the segment's end.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    cu_seqlens: torch.Tensor  # [B+1] int32
+    query_lens: list[int]  # B ints, sum = T
+    seq_lens: torch.Tensor  # [B] int32, each sequence's length after this step
+    page_table: torch.Tensor  # [B, max_pages] int32
+    slot_mapping: torch.Tensor  # [T] int64
+    state_slots: torch.Tensor  # [B] int64
+    num_decodes: int  # the first num_decodes sequences have one new token each
+    logits_indices: torch.Tensor  # [N] int64: rows of T whose logits are computed
+    # Per prefill segment (index b >= num_decodes): offsets inside the segment after which the
+    # recurrent state is saved, and the state-pool slots receiving each copy.
+    checkpoint_offsets: dict[int, list[int]] = field(default_factory=dict)
+    checkpoint_slots: dict[int, list[int]] = field(default_factory=dict)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return self.num_decodes

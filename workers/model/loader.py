@@ -1,0 +1,132 @@
+"""Loads a Hugging Face checkpoint directory into `Qwen3NextForCausalLM`.
+
+Accepts what `save_pretrained` writes: `config.json` plus `model.safetensors`, or shards listed
+in `model.safetensors.index.json`; tensors in fp32, bf16 or fp16, converted to the requested
+dtype. MoE experts may be stored per expert (`mlp.experts.{e}.gate_proj.weight`, the on-disk
+format) or fused (`mlp.experts.gate_up_proj`); they are fused at load. `mtp.*` tensors
+(multi-token-prediction heads of published checkpoints) are ignored.
+
+Every refusal is a `CheckpointError` naming the file and the tensor or field at fault.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from workers.model.config import CheckpointError, ModelConfig
+from workers.model.qwen3_next import Qwen3NextForCausalLM, Rotary
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_IGNORED = re.compile(r"^mtp\.")
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, cfg: ModelConfig) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    name = cfg.torch_dtype if dtype in (None, "auto") else dtype
+    if name not in DTYPES:
+        raise ValueError(f"dtype: expected one of {sorted(DTYPES)} or 'auto', got {dtype!r}")
+    return DTYPES[name]
+
+
+def weight_files(model_dir: Path) -> list[Path]:
+    single = model_dir / "model.safetensors"
+    index = model_dir / "model.safetensors.index.json"
+    if single.exists():
+        return [single]
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index}: expected a JSON object with 'weight_map' ({e})") from None
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        for f in files:
+            if not f.exists():
+                raise CheckpointError(f"{index}: lists shard '{f.name}', which is missing")
+        return files
+    raise CheckpointError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
+
+
+def read_tensors(files: list[Path], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
+    for f in files:
+        try:
+            handle = safe_open(str(f), framework="pt")
+        except Exception as e:  # safetensors raises its own error types
+            raise CheckpointError(f"{f}: not a readable safetensors file ({e})") from None
+        with handle:
+            for name in handle.keys():
+                if _IGNORED.match(name):
+                    continue
+                t = handle.get_tensor(name)
+                if t.dtype not in DTYPES.values():
+                    raise CheckpointError(f"{f}: tensor '{name}' has dtype {t.dtype}; expected fp32/bf16/fp16")
+                t = t.to(dtype)
+                m = _EXPERT.match(name)
+                if m:
+                    experts.setdefault((m.group(1), m.group(3)), {})[int(m.group(2))] = t
+                else:
+                    tensors[name] = t
+    prefixes = sorted({prefix for prefix, _ in experts})
+    for prefix in prefixes:
+        parts = {proj: experts.get((prefix, proj), {}) for proj in ("gate_proj", "up_proj", "down_proj")}
+        n = max(len(p) for p in parts.values())
+        for proj, got in parts.items():
+            if sorted(got) != list(range(n)):
+                missing = sorted(set(range(n)) - set(got))
+                raise CheckpointError(f"{files[0].parent}: experts {missing} of {prefix} lack {proj}")
+        gate_up = [torch.cat((parts["gate_proj"][e], parts["up_proj"][e]), dim=0) for e in range(n)]
+        tensors[f"{prefix}.experts.gate_up_proj"] = torch.stack(gate_up)
+        tensors[f"{prefix}.experts.down_proj"] = torch.stack([parts["down_proj"][e] for e in range(n)])
+    return tensors
+
+
+def _our_name(name: str) -> str:
+    # Fused experts sit directly on our SparseMoE module.
+    return name.replace(".mlp.experts.gate_up_proj", ".mlp.gate_up_proj").replace(
+        ".mlp.experts.down_proj", ".mlp.down_proj")
+
+
+def load_model(model_dir: str | Path, dtype: str | torch.dtype | None = None,
+               device: str | torch.device = "cpu") -> Qwen3NextForCausalLM:
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise CheckpointError(f"{model_dir}: not a directory")
+    cfg = ModelConfig.from_file(model_dir / "config.json")
+    torch_dtype = resolve_dtype(dtype, cfg)
+    files = weight_files(model_dir)
+    state = {_our_name(k): v for k, v in read_tensors(files, torch_dtype).items()}
+
+    with torch.device("meta"):
+        model = Qwen3NextForCausalLM(cfg)
+    expected = model.state_dict()
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+        expected.pop("lm_head.weight", None)
+    where = files[0] if len(files) == 1 else files[0].parent / "model.safetensors.index.json"
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        raise CheckpointError(f"{where}: missing tensor '{missing[0]}'" + (
+            f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    unexpected = sorted(set(state) - set(expected))
+    if unexpected:
+        raise CheckpointError(f"{where}: unexpected tensor '{unexpected[0]}' for this config.json" + (
+            f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""))
+    for name, t in state.items():
+        if tuple(t.shape) != tuple(expected[name].shape):
+            raise CheckpointError(f"{where}: tensor '{name}' has shape {tuple(t.shape)}, config.json "
+                                  f"implies {tuple(expected[name].shape)}")
+    model.load_state_dict({k: v.to(device) for k, v in state.items()}, strict=False, assign=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    for module in model.modules():  # non-persistent buffers are not in the checkpoint
+        if isinstance(module, Rotary):
+            module.inv_freq = Rotary(cfg).inv_freq.to(device)
+    return model.eval()

@@ -1,0 +1,47 @@
+"""Engine options: the knobs `Engine.from_pretrained(dir, **options)` accepts.
+
+Every field is checked at construction; a bad value raises `ValueError` naming the field and its
+allowed range. Sizes say their unit: tokens, pages, slots or bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    page_size: int = 16                       # tokens per KV page
+    num_pages: int | None = None              # KV pages; None = from cache_memory_bytes
+    cache_memory_bytes: int = 256 * 2**20     # budget for KV pages when num_pages is None
+    max_num_seqs: int = 64                    # sequences running at once (= state slots)
+    max_num_batched_tokens: int = 1024        # tokens computed in one step (decodes + prefill chunks)
+    max_model_len: int | None = None          # prompt + output tokens; None = model's max positions
+    dtype: str = "auto"                       # float32 | bfloat16 | float16 | auto (config's)
+    device: str = "auto"                      # cpu | cuda | cuda:N | auto (cuda when present)
+    seed: int = 0                             # randomness of requests that carry no seed
+
+    def __post_init__(self) -> None:
+        def positive(name: str, allow_none: bool = False) -> None:
+            v = getattr(self, name)
+            if allow_none and v is None:
+                return
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive integer{' or None' if allow_none else ''}, got {v!r}")
+
+        for name in ("page_size", "cache_memory_bytes", "max_num_seqs", "max_num_batched_tokens"):
+            positive(name)
+        positive("num_pages", allow_none=True)
+        positive("max_model_len", allow_none=True)
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: object) -> "EngineOptions":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(f"unknown engine option(s) {unknown}; expected some of {sorted(known)}")
+        return cls(**kwargs)  # type: ignore[arg-type]

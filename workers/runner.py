@@ -1,0 +1,93 @@
+"""Turns a `StepPlan` into tensors, runs the model, returns the logits of sampling rows.
+
+The runner owns the cache tensors: per attention layer a (K, V) pair of
+[num_pages, page_size, H_kv, D] in the model's dtype, and the state pool
+(`conv_states` [num_slots, L_lin, conv_dim, K-1] in the model's dtype, `ssm_states`
+[num_slots, L_lin, H_v, D_k, D_v] in fp32). Page and slot ids come from the pools; the runner
+never decides who holds what. Fresh state slots are zeroed before a step, so every segment
+starts from its slot.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from workers.model import ForwardBatch, ModelCaches, ModelConfig, Qwen3NextForCausalLM
+from workers.scheduler import StepPlan
+
+
+def page_bytes(cfg: ModelConfig, page_size: int, dtype: torch.dtype) -> int:
+    """Bytes one KV page costs across all attention layers."""
+    elem = torch.empty(0, dtype=dtype).element_size()
+    return page_size * len(cfg.attention_layers) * 2 * cfg.num_key_value_heads * cfg.head_dim * elem
+
+
+def state_slot_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes one recurrent-state slot costs across all linear layers (conv in dtype, ssm in fp32)."""
+    elem = torch.empty(0, dtype=dtype).element_size()
+    per_layer = (cfg.conv_dim * (cfg.linear_conv_kernel_dim - 1) * elem
+                 + cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4)
+    return len(cfg.linear_layers) * per_layer
+
+
+class ModelRunner:
+    def __init__(self, model: Qwen3NextForCausalLM, num_pages: int, page_size: int, num_slots: int):
+        self.model = model
+        cfg = self.cfg = model.config
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.page_size = page_size
+        kv_shape = (num_pages, page_size, cfg.num_key_value_heads, cfg.head_dim)
+        kv = [(torch.zeros(kv_shape, dtype=self.dtype, device=self.device),
+               torch.zeros(kv_shape, dtype=self.dtype, device=self.device)) for _ in cfg.attention_layers]
+        n_lin, k = len(cfg.linear_layers), cfg.linear_conv_kernel_dim
+        conv = torch.zeros(num_slots, n_lin, cfg.conv_dim, k - 1, dtype=self.dtype, device=self.device)
+        ssm = torch.zeros(num_slots, n_lin, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                          cfg.linear_value_head_dim, dtype=torch.float32, device=self.device)
+        self.caches = ModelCaches(kv, conv, ssm)
+
+    def execute(self, plan: StepPlan, all_logits: bool = False) -> torch.Tensor:
+        """Runs one step; returns fp32 logits [num sampling segments, vocab] in plan order
+        (or, with `all_logits`, one row per computed token)."""
+        if plan.fresh_state_slots:
+            slots = torch.tensor(plan.fresh_state_slots, dtype=torch.long, device=self.device)
+            self.caches.conv_states[slots] = 0
+            self.caches.ssm_states[slots] = 0
+        return self.model(self.build_batch(plan, all_logits), self.caches)
+
+    def build_batch(self, plan: StepPlan, all_logits: bool = False) -> ForwardBatch:
+        segments = plan.segments
+        ps = self.page_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        cu = [0]
+        logits_rows: list[int] = []
+        for seg in segments:
+            seq = seg.seq
+            input_ids += seq.token_ids[seg.start:seg.end]
+            positions += range(seg.start, seg.end)
+            slot_mapping += [seq.page_ids[pos // ps] * ps + pos % ps for pos in range(seg.start, seg.end)]
+            cu.append(cu[-1] + seg.num_tokens)
+            if all_logits:
+                logits_rows += range(cu[-2], cu[-1])
+            elif seg.samples:
+                logits_rows.append(cu[-1] - 1)
+        max_pages = max(len(seg.seq.page_ids) for seg in segments)
+        table = [seg.seq.page_ids + [0] * (max_pages - len(seg.seq.page_ids)) for seg in segments]
+
+        def t(values: list, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=self.device)
+
+        return ForwardBatch(
+            input_ids=t(input_ids, torch.long),
+            positions=t(positions, torch.long),
+            cu_seqlens=t(cu, torch.int32),
+            query_lens=[seg.num_tokens for seg in segments],
+            seq_lens=t([seg.end for seg in segments], torch.int32),
+            page_table=t(table, torch.int32),
+            slot_mapping=t(slot_mapping, torch.long),
+            state_slots=t([seg.seq.state_slot for seg in segments], torch.long),
+            num_decodes=len(plan.decodes),
+            logits_indices=t(logits_rows, torch.long),
+        )
