@@ -1,0 +1,62 @@
+"""The `cairn` command line.
+
+Contract: `main(argv)` parses `argv` (default `sys.argv[1:]`), runs one subcommand and returns
+its exit status (0 on success; argparse exits with 2 on bad usage). Each subcommand imports
+what it needs inside its own function, so `cairn --help` and `cairn demo-model` never import
+Ray or the engine. Output meant for scripts goes to stdout, one value per line.
+
+Subcommands:
+- `demo-model OUT_DIR [--size tiny|bench] [--seed N]` — write a random-weight Qwen3-Next
+  checkpoint (see `workers.demo`) and print the directory written.
+- `generate`, `serve` — added by their owners: write `_add_<name>(subparsers)` that registers
+  the parser with `set_defaults(run=_<name>)`, and list it in `COMMANDS`.
+"""
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+
+
+def _add_demo_model(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "demo-model", help="write a random-weight Qwen3-Next checkpoint in Hugging Face layout",
+        description="Write a random-weight Qwen3-Next checkpoint (config, safetensors, "
+                    "tokenizer with chat template, generation config) into OUT_DIR.",
+    )
+    parser.add_argument("out_dir", metavar="OUT_DIR",
+                        help="directory to write (created if missing)")
+    parser.add_argument("--size", choices=("tiny", "bench"), default="tiny",
+                        help="tiny: for tests (~0.25M params); bench: for CPU benchmarks (~31M)")
+    parser.add_argument("--seed", type=int, default=0, help="weight seed (same seed, same bytes)")
+    parser.set_defaults(run=_demo_model)
+
+
+def _demo_model(args: argparse.Namespace) -> int:
+    from workers.demo import write_demo_model
+
+    print(write_demo_model(args.out_dir, size=args.size, seed=args.seed))
+    return 0
+
+
+# `generate` and `serve` go here: one `_add_<name>` / `_<name>` pair each, listed below.
+COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_add_demo_model,)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="cairn",
+        description="Serve hybrid LLMs with prefix caching that survives chat templates.",
+    )
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in COMMANDS:
+        add(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,9 @@
+"""Demo checkpoints: random-weight Qwen3-Next models with a real tokenizer and chat template.
+
+`write_demo_model(out_dir, size="tiny", seed=0)` writes one in Hugging Face layout; tests use
+"tiny", CPU benchmarks "bench". No weights or data come from a hub.
+"""
+
+from workers.demo.checkpoint import write_demo_model
+
+__all__ = ["write_demo_model"]

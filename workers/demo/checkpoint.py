@@ -1,0 +1,50 @@
+"""`write_demo_model`: a random-weight Qwen3-Next checkpoint in Hugging Face layout.
+
+Contract: `write_demo_model(out_dir, size, seed)` creates `out_dir` (parents included) and
+writes `config.json`, `model.safetensors` (fp32), `tokenizer.json`, `tokenizer_config.json`,
+`chat_template.jinja` and `generation_config.json`, overwriting those files and touching
+nothing else. Both transformers (`AutoModelForCausalLM` / `AutoTokenizer`, offline) and our
+engine load the result. The output is a pure function of (size, seed): same arguments, same
+bytes; the tokenizer depends on the size only. Writes only under `out_dir` and prints nothing.
+Unknown sizes raise `ValueError`.
+"""
+
+import json
+from pathlib import Path
+
+from safetensors.torch import save_file
+
+from workers.demo.config import SIZES, hf_config
+from workers.demo.tokenizer import EOS_TOKEN, PAD_TOKEN, train_tokenizer, write_tokenizer_files
+from workers.demo.weights import random_weights
+
+
+def write_demo_model(out_dir: str | Path, size: str = "tiny", seed: int = 0) -> Path:
+    """Write the demo checkpoint of `size` ("tiny" or "bench") into `out_dir`; return its path."""
+    if size not in SIZES:
+        raise ValueError(f"expected size in {sorted(SIZES)}, got {size!r}")
+    shape = SIZES[size]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+
+    tokenizer = train_tokenizer(shape.vocab_size)
+    write_tokenizer_files(out, tokenizer, model_max_length=shape.max_position_embeddings)
+    eos, pad = tokenizer.token_to_id(EOS_TOKEN), tokenizer.token_to_id(PAD_TOKEN)
+    _write_json(out / "config.json", hf_config(shape, {"eos": eos, "bos": None, "pad": pad}))
+    _write_json(out / "generation_config.json", {
+        "eos_token_id": [eos, pad],  # <|im_end|> ends a turn; <|endoftext|> ends a document
+        "pad_token_id": pad,
+        "bos_token_id": None,
+        "do_sample": True,
+        "temperature": 0.7,
+        "top_p": 0.8,
+        "top_k": 20,
+    })
+    weights = random_weights(shape, seed)
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "model.safetensors").chmod(0o644)  # readable like the other files, by other users too
+    return out
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
