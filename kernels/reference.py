@@ -265,26 +265,27 @@ def recurrent_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta:
     return out.to(v.dtype), state
 
 
-def _delta_chunk(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor) -> tuple[Tensor, Tensor]:
-    """L tokens at once (UT transform). q, k [H, L, D_k]; v [H, L, D_v]; g, beta [H, L]; state [H, D_k, D_v].
+def _chunk_terms(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> tuple[Tensor, ...]:
+    """The state-independent terms of every chunk at once (UT transform).
 
-    With G the in-chunk cumulative log decay, the updates u_t = beta_t (v_t - k_t^T S_{t-1}) solve
-    (I + A) u = beta (v - e^G k S0), A[t, j] = beta_t e^(G_t - G_j) k_t.k_j for j < t; then
-    o_t = e^(G_t) q_t^T S0 + sum_{j<=t} e^(G_t - G_j) (q_t.k_j) u_j and
-    S_L = e^(G_L) S0 + sum_j e^(G_L - G_j) k_j u_j^T.
+    q, k [H, N, C, D_k]; v [H, N, C, D_v]; g, beta [H, N, C]. With G the in-chunk cumulative log
+    decay and A[t, j] = beta_t e^(G_t - G_j) k_t.k_j for j < t, a chunk that starts from state S
+    has updates u = W - K S where (I + A) W = beta v and (I + A) K = beta e^G k. Then
+    o = (e^G q) S + (q k^T * D) u, and the state after the first r tokens is
+    e^(G_r) S + sum_{j<r} e^(G_r - G_j) k_j u_j^T, with D[t, j] = e^(G_t - G_j) for j <= t.
+    Returns (W, K, intra = q k^T * D, decayed q, cum G).
     """
-    length = g.shape[1]
-    cum = g.cumsum(dim=1)  # [H, L]
-    causal = torch.ones(length, length, dtype=torch.bool, device=g.device).tril()
-    decay = (cum[:, :, None] - cum[:, None, :]).masked_fill(~causal, float("-inf")).exp()  # [H, L, L]
-    system = (beta[:, :, None] * (k @ k.transpose(1, 2)) * decay).tril(-1)
-    system = system + torch.eye(length, dtype=_F32, device=g.device)
-    rhs = beta[:, :, None] * (v - (cum.exp()[:, :, None] * k) @ state)
-    u = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)  # [H, L, D_v]
-    out = (cum.exp()[:, :, None] * q) @ state + ((q @ k.transpose(1, 2)) * decay) @ u
-    to_end = (cum[:, -1:] - cum).exp()[:, :, None] * k  # [H, L, D_k]
-    state = cum[:, -1].exp()[:, None, None] * state + to_end.transpose(1, 2) @ u
-    return out, state
+    size = g.shape[-1]
+    cum = g.cumsum(dim=-1)
+    causal = torch.ones(size, size, dtype=torch.bool, device=g.device).tril()
+    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~causal, float("-inf")).exp()
+    system = (beta[..., :, None] * (k @ k.transpose(-1, -2)) * decay).tril(-1)
+    system = system + torch.eye(size, dtype=_F32, device=g.device)
+    rhs = torch.cat((beta[..., None] * v, (beta * cum.exp())[..., None] * k), dim=-1)
+    solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+    w, kk = solved.split([v.shape[-1], k.shape[-1]], dim=-1)
+    intra = (q @ k.transpose(-1, -2)) * decay
+    return w, kk, intra, cum.exp()[..., None] * q, cum
 
 
 def chunk_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
@@ -294,10 +295,11 @@ def chunk_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
     """The gated delta rule over one sequence, chunk by chunk; also the states at chosen positions.
 
     q, k [T, H_k, D_k]; v [T, H_v, D_v]; g, beta [T, H_v]; initial_state [H_v, D_k, D_v] or None;
-    T >= 1. Chunks end at every multiple of chunk_size and at every requested position.
-    state_positions: strictly increasing ints, 0 < p <= T. Returns (out [T, H_v, D_v] in v's
-    dtype, final_state [H_v, D_k, D_v] fp32, states [len(state_positions), H_v, D_k, D_v] fp32,
-    states[i] being the state after the first state_positions[i] tokens).
+    T >= 1. The in-chunk terms of all chunks are solved in one batch; only the state scan loops.
+    state_positions: strictly increasing ints, 0 < p <= T, anywhere (not only on chunk bounds).
+    Returns (out [T, H_v, D_v] in v's dtype, final_state [H_v, D_k, D_v] fp32, states
+    [len(state_positions), H_v, D_k, D_v] fp32, states[i] being the state after the first
+    state_positions[i] tokens).
     """
     length, h_v, d_k, d_v = _check_delta(q, k, v, g, beta, "T")
     _expect(length >= 1, "T >= 1", length)
@@ -306,20 +308,34 @@ def chunk_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
     _expect(all(0 < p <= length for p in positions) and all(a < b for a, b in zip(positions, positions[1:])),
             f"state_positions strictly increasing in (0, {length}]", positions)
     state = _initial_state(initial_state, h_v, d_k, d_v, v.device)
-    q, k, vf, g, beta = (t.transpose(0, 1) for t in _prepare(q, k, v, g, beta, scale, use_qk_l2norm))
-    ends = sorted(set(range(chunk_size, length, chunk_size)) | set(positions) | {length})
-    wanted = set(positions)
-    out = torch.empty(h_v, length, d_v, dtype=_F32, device=v.device)
+    q, k, vf, g, beta = _prepare(q, k, v, g, beta, scale, use_qk_l2norm)
+    size = min(chunk_size, length)
+    num_chunks = -(-length // size)
+    pad = num_chunks * size - length  # padded tokens have g = 0 and beta = 0: they change nothing
+
+    def chunked(t: Tensor) -> Tensor:  # [T, H, ...] -> [H, N, C, ...]
+        t = F.pad(t, (0, 0) * (t.dim() - 2) + (0, 0, 0, pad))
+        return t.reshape(num_chunks, size, *t.shape[1:]).movedim(2, 0)
+
+    q, k, vf, g, beta = (chunked(t) for t in (q, k, vf, g, beta))
+    w, kk, intra, q_decayed, cum = _chunk_terms(q, k, vf, g, beta)
+    k_to_end = (cum[..., -1:] - cum).exp()[..., None] * k  # [H, N, C, D_k]
+    out = torch.empty(h_v, num_chunks, size, d_v, dtype=_F32, device=v.device)
+    by_chunk: dict[int, list[int]] = {}
+    for p in positions:
+        by_chunk.setdefault((p - 1) // size, []).append(p - ((p - 1) // size) * size)
     states = []
-    start = 0
-    for end in ends:
-        part = slice(start, end)
-        out[:, part], state = _delta_chunk(q[:, part], k[:, part], vf[:, part], g[:, part], beta[:, part], state)
-        if end in wanted:
-            states.append(state)
-        start = end
+    for n in range(num_chunks):
+        u = w[:, n] - kk[:, n] @ state  # [H, C, D_v]
+        out[:, n] = q_decayed[:, n] @ state + intra[:, n] @ u
+        for r in by_chunk.get(n, []):  # state after the first r tokens of this chunk
+            c = cum[:, n, :r]
+            part = (c[:, -1:] - c).exp()[..., None] * k[:, n, :r]
+            states.append(c[:, -1].exp()[:, None, None] * state + part.transpose(-1, -2) @ u[:, :r])
+        state = cum[:, n, -1].exp()[:, None, None] * state + k_to_end[:, n].transpose(-1, -2) @ u
+    out = out.reshape(h_v, num_chunks * size, d_v)[:, :length].transpose(0, 1)
     saved = torch.stack(states) if states else torch.empty(0, h_v, d_k, d_v, dtype=_F32, device=v.device)
-    return out.transpose(0, 1).to(v.dtype), state, saved
+    return out.to(v.dtype), state, saved
 
 
 def gated_delta_rule_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, *,
