@@ -8,7 +8,9 @@ Ray or the engine. Output meant for scripts goes to stdout, one value per line.
 Subcommands:
 - `demo-model OUT_DIR [--size tiny|bench] [--seed N]` — write a random-weight Qwen3-Next
   checkpoint (see `workers.demo`) and print the directory written.
-- `generate`, `serve` — added by their owners: write `_add_<name>(subparsers)` that registers
+- `generate [--model DIR] --prompt TEXT [--chat] [--max-tokens N] [--temperature T]` — load
+  the checkpoint (default: the tiny demo model) into an in-process engine, print a completion.
+- `serve` — added by its owner: write `_add_<name>(subparsers)` that registers
   the parser with `set_defaults(run=_<name>)`, and list it in `COMMANDS`.
 """
 
@@ -38,8 +40,49 @@ def _demo_model(args: argparse.Namespace) -> int:
     return 0
 
 
-# `generate` and `serve` go here: one `_add_<name>` / `_<name>` pair each, listed below.
-COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_add_demo_model,)
+def _add_generate(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "generate", help="print one completion from the engine (a debugging aid)",
+        description="Load a checkpoint into the engine in this process and print one completion.")
+    parser.add_argument("--model", help="checkpoint directory (default: the tiny demo model, "
+                                        "written to $CAIRN_HOME on first use)")
+    parser.add_argument("--prompt", required=True, help="prompt text")
+    parser.add_argument("--chat", action="store_true",
+                        help="send the prompt as one user message through the model's chat template")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.set_defaults(run=_generate)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from tokenizers import Tokenizer
+
+    from workers import Engine, SamplingParams
+    from workers.demo import demo_model_dir
+
+    model_dir = Path(args.model) if args.model else demo_model_dir("tiny")
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    text = args.prompt
+    if args.chat:
+        from cluster.chat_template import ChatTemplate
+
+        text = ChatTemplate.from_dir(model_dir).render([{"role": "user", "content": args.prompt}])
+    engine = Engine.from_pretrained(model_dir)
+    try:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+        out = engine.generate([tokenizer.encode(text, add_special_tokens=False).ids], params)[0]
+    except ValueError as e:
+        print(f"cairn generate: {e}", file=sys.stderr)
+        return 2
+    print(tokenizer.decode(out.token_ids, skip_special_tokens=False))
+    return 0
+
+
+# `serve` goes here: one `_add_<name>` / `_<name>` pair, listed below.
+COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_add_demo_model, _add_generate)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -7,13 +7,14 @@ token or finished; `generate` runs a batch to completion. A request that can nev
 beyond `max_model_len`, more pages than the pool has) is refused with `ValueError` at
 `add_request`, never halfway through.
 
-Stops: EOS ids from the config (unless `ignore_eos`), `stop_token_ids`, `max_tokens`, or the
+Stops: EOS ids from config.json and generation_config.json (unless `ignore_eos`), `stop_token_ids`, `max_tokens`, or the
 model's length (`finish_reason` "stop" / "length"; "abort" for `abort`).
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -57,6 +58,16 @@ class EngineStats:
     extra: dict = field(default_factory=dict)
 
 
+def generation_eos_ids(model_dir: Path) -> frozenset[int]:
+    """EOS ids listed in generation_config.json (chat models end turns on more than one id)."""
+    try:
+        eos = json.loads((model_dir / "generation_config.json").read_text()).get("eos_token_id")
+    except (FileNotFoundError, json.JSONDecodeError, AttributeError):
+        return frozenset()
+    ids = eos if isinstance(eos, list) else [eos]
+    return frozenset(i for i in ids if isinstance(i, int) and not isinstance(i, bool))
+
+
 def _pick_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -92,7 +103,9 @@ class Engine:
     def from_pretrained(cls, model_dir: str | Path, **options: object) -> "Engine":
         opts = EngineOptions.from_kwargs(**options)
         model = load_model(model_dir, dtype=opts.dtype, device=_pick_device(opts.device))
-        return cls(model, opts)
+        engine = cls(model, opts)
+        engine.eos_token_ids |= generation_eos_ids(Path(model_dir))
+        return engine
 
     # ---- requests --------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,

@@ -4,6 +4,6 @@
 "tiny", CPU benchmarks "bench". No weights or data come from a hub.
 """
 
-from workers.demo.checkpoint import write_demo_model
+from workers.demo.checkpoint import demo_model_dir, write_demo_model
 
-__all__ = ["write_demo_model"]
+__all__ = ["demo_model_dir", "write_demo_model"]

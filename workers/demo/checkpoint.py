@@ -10,6 +10,8 @@ Unknown sizes raise `ValueError`.
 """
 
 import json
+import os
+import shutil
 from pathlib import Path
 
 from safetensors.torch import save_file
@@ -43,6 +45,21 @@ def write_demo_model(out_dir: str | Path, size: str = "tiny", seed: int = 0) -> 
     weights = random_weights(shape, seed)
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "model.safetensors").chmod(0o644)  # readable like the other files, by other users too
+    return out
+
+
+def demo_model_dir(size: str = "tiny") -> Path:
+    """The demo checkpoint of `size` under $CAIRN_HOME (default ~/.cache/cairn), written on
+    first use. What `cairn serve` and `cairn generate` run when no --model is given."""
+    home = Path(os.environ.get("CAIRN_HOME") or Path.home() / ".cache" / "cairn")
+    out = home / f"demo-{size}"
+    if not (out / "model.safetensors").exists():
+        tmp = home / f".demo-{size}-{os.getpid()}"
+        write_demo_model(tmp, size=size)
+        try:
+            tmp.rename(out)  # atomic: a concurrent first use never sees half a checkpoint
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)  # another process won the race
     return out
 
 
