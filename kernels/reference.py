@@ -158,7 +158,8 @@ def paged_attention_decode(query: Tensor, k_cache: Tensor, v_cache: Tensor, page
     live = torch.arange(longest, device=lens.device)[None, :] < lens[:, None]  # [B, longest]
     # Padding scores are masked to -inf below; padding values must be zeroed too (0 * NaN = NaN).
     k = k_cache[pages].flatten(1, 2)[:, :longest].float()  # [B, longest, H_kv, D]
-    v = torch.where(live[:, :, None, None], v_cache[pages].flatten(1, 2)[:, :longest].float(), 0.0)
+    v = v_cache[pages].flatten(1, 2)[:, :longest].float()  # a fresh copy: safe to zero in place
+    v.masked_fill_(~live[:, :, None, None], 0.0)
     q = query.float().reshape(batch, h_kv, group, d)
     scores = torch.einsum("bhgd,bkhd->bhgk", q, k) * scale  # [B, H_kv, group, longest]
     probs = scores.masked_fill(~live[:, None, None, :], float("-inf")).softmax(dim=-1)
@@ -348,10 +349,18 @@ def gated_delta_rule_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tens
     batch, h_v, d_k, d_v = _check_delta(q, k, v, g, beta, "B")
     _expect_shape("state", state, "B, H_v, D_k, D_v", (batch, h_v, d_k, d_v))
     _expect_dtype("state", state, _F32)
+    _expect(state.is_contiguous(), "a contiguous state (it is updated in place)", "a strided view")
     q, k, vf, g, beta = _prepare(q, k, v, g, beta, scale, use_qk_l2norm)
-    out, new_state = _delta_step(q, k, vf, g, beta, state)
-    state.copy_(new_state)
-    return out.to(v.dtype)
+    # The decode hot path on CPU: batched matmuls and in-place updates touch the state a few
+    # times instead of materialising an outer product per step.
+    flat = state.view(batch * h_v, d_k, d_v)
+    flat.mul_(g.exp().reshape(-1, 1, 1))
+    k_rows = k.reshape(batch * h_v, 1, d_k)
+    recalled = torch.bmm(k_rows, flat)  # [B*H_v, 1, D_v]
+    delta = (vf.reshape(batch * h_v, 1, d_v) - recalled) * beta.reshape(-1, 1, 1)
+    flat.baddbmm_(k_rows.transpose(1, 2), delta)
+    out = torch.bmm(q.reshape(batch * h_v, 1, d_k), flat)
+    return out.view(batch, h_v, d_v).to(v.dtype)
 
 
 # ---------------------------------------------------------------- state pools

@@ -1,0 +1,127 @@
+"""Output tokens/s of cairn's engine against transformers' `generate`, measured in one run.
+
+Workload (defaults from the engine-core issue): the `bench` demo model, prompts of 512 random
+tokens, 128 new tokens each (greedy, EOS ignored so every request runs to length), measured
+for 1 request and for 32 concurrent requests.
+
+Baselines, both measured here, on the same machine, same model, same threads:
+- transformers serving requests one at a time (`generate` per request: what a server without
+  continuous batching does with 32 concurrent clients), and
+- transformers' static batch (`generate` over all 32 prompts at once, equal lengths, no
+  padding): its best case, which a server only gets when requests arrive together and are the
+  same length.
+
+Prints a table and the ratios; writes benchmarks/out/throughput.png. Not a test: nothing here
+asserts timings. Usage: python benchmarks/throughput.py [--concurrency 32] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+from workers import Engine, SamplingParams  # noqa: E402
+from workers.demo import demo_model_dir  # noqa: E402
+
+OUT = Path(__file__).parent / "out"
+
+
+def make_prompts(n: int, length: int, vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    # Stay clear of the special tokens at the top of the vocabulary.
+    return [torch.randint(0, vocab - 16, (length,), generator=g).tolist() for _ in range(n)]
+
+
+def timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def cairn_run(engine: Engine, prompts: list[list[int]], new_tokens: int) -> float:
+    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    outs: list = []
+    seconds = timed(lambda: outs.extend(engine.generate(prompts, params)))
+    assert all(len(o.token_ids) == new_tokens for o in outs)
+    return len(prompts) * new_tokens / seconds
+
+
+def hf_generate(model, batch: torch.Tensor, new_tokens: int) -> None:
+    with torch.no_grad():
+        out = model.generate(batch, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                             pad_token_id=0)
+    assert out.shape[1] == batch.shape[1] + new_tokens
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--quick", action="store_true", help="smaller run to check the script works")
+    args = parser.parse_args()
+    if args.quick:
+        args.concurrency, args.prompt_len, args.new_tokens = 4, 64, 16
+    torch.set_num_threads(args.threads)
+    from transformers import AutoModelForCausalLM
+
+    model_dir = demo_model_dir("bench")
+    engine = Engine.from_pretrained(model_dir, max_num_seqs=max(args.concurrency, 1),
+                                    max_num_batched_tokens=2048)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    prompts = make_prompts(args.concurrency, args.prompt_len, engine.config.vocab_size)
+    n, new = args.concurrency, args.new_tokens
+
+    cairn_run(engine, prompts[:1], 4)  # warm-up (allocator, first-call costs) for both
+    hf_generate(hf, torch.tensor(prompts[:1]), 4)
+
+    rows = {}
+    rows["cairn, 1 request"] = cairn_run(engine, prompts[:1], new)
+    rows[f"cairn, {n} concurrent"] = cairn_run(engine, prompts, new)
+    rows["transformers, 1 request"] = new / timed(lambda: hf_generate(hf, torch.tensor(prompts[:1]), new))
+    seq_seconds = sum(timed(lambda p=p: hf_generate(hf, torch.tensor([p]), new)) for p in prompts)
+    rows[f"transformers, {n} one at a time"] = n * new / seq_seconds
+    rows[f"transformers, {n} static batch"] = n * new / timed(lambda: hf_generate(hf, torch.tensor(prompts), new))
+
+    print(f"bench demo model ({sum(p.numel() for p in engine.model.parameters()) / 1e6:.1f}M params), "
+          f"prompts {args.prompt_len} tokens, {new} new tokens, {args.threads} threads")
+    for name, tps in rows.items():
+        print(f"  {name:40s} {tps:8.1f} output tokens/s")
+    c1, cn = rows["cairn, 1 request"], rows[f"cairn, {n} concurrent"]
+    print(f"ratio cairn/transformers, 1 request:                  {c1 / rows['transformers, 1 request']:.2f}x")
+    print(f"ratio cairn {n} concurrent / transformers one at a time: "
+          f"{cn / rows[f'transformers, {n} one at a time']:.2f}x")
+    print(f"ratio cairn {n} concurrent / transformers static batch:  "
+          f"{cn / rows[f'transformers, {n} static batch']:.2f}x")
+    plot(rows)
+
+
+def plot(rows: dict[str, float]) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(matplotlib missing: no plot)")
+        return
+    OUT.mkdir(exist_ok=True)
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    names = list(rows)
+    ax.barh(names, [rows[k] for k in names], color=["#2a7" if k.startswith("cairn") else "#888" for k in names])
+    ax.set_xlabel("output tokens / s (higher is better)")
+    ax.invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(OUT / "throughput.png", dpi=120)
+    print(f"plot: {OUT / 'throughput.png'}")
+
+
+if __name__ == "__main__":
+    main()
