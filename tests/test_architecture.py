@@ -1,0 +1,40 @@
+"""The folders are the architecture: dependencies point one way, plan-making touches no tensor."""
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PLAN_MAKING = ["workers/scheduler.py", "workers/page_pool.py", "workers/state_pool.py",
+               "workers/sequence.py", "workers/sampling_params.py", "workers/options.py"]
+
+
+def imported_roots(path: Path) -> set[str]:
+    roots = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            roots |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            roots.add(node.module.split(".")[0])
+    return roots
+
+
+def test_plan_making_code_imports_no_torch():
+    for rel in PLAN_MAKING:
+        assert "torch" not in imported_roots(ROOT / rel), rel
+
+
+def test_dependencies_point_one_way():
+    allowed = {"kernels": set(), "cache_service": {"cache_service"}, "workers": {"workers", "kernels", "cache_service"}}
+    ours = {"cluster", "workers", "cache_service", "kernels"}
+    for package, may_import in allowed.items():
+        for path in (ROOT / package).rglob("*.py"):
+            bad = (imported_roots(path) & ours) - may_import - {package}
+            assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
+
+
+def test_only_the_index_actor_imports_ray_below_cluster():
+    for package in ("workers", "cache_service", "kernels"):
+        for path in (ROOT / package).rglob("*.py"):
+            if path.relative_to(ROOT).as_posix() == "cache_service/actor.py":
+                continue
+            assert "ray" not in imported_roots(path), path.relative_to(ROOT)
