@@ -13,6 +13,7 @@ model's length (`finish_reason` "stop" / "length"; "abort" for `abort`).
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 from dataclasses import dataclass, field
@@ -20,10 +21,16 @@ from pathlib import Path
 
 import torch
 
+from cache_service.events import EventBatch, EventStream
+from cache_service.hashing import DIGEST_BYTES, model_fingerprint, root_hash
+from workers.checkpoint_policy import END, CheckpointPolicy
+from workers.checkpoint_store import CheckpointStore
+from workers.memory_budget import MemoryBudget
 from workers.model import ModelConfig, Qwen3NextForCausalLM, load_model
 from workers.options import EngineOptions
 from workers.page_pool import PagePool
-from workers.runner import ModelRunner, page_bytes
+from workers.prefix_cache import PrefixCache
+from workers.runner import ModelRunner
 from workers.sampler import Sampler
 from workers.sampling_params import SamplingParams
 from workers.scheduler import Scheduler, Segment, StepPlan
@@ -75,7 +82,8 @@ def _pick_device(name: str) -> torch.device:
 
 
 class Engine:
-    def __init__(self, model: Qwen3NextForCausalLM, options: EngineOptions | None = None):
+    def __init__(self, model: Qwen3NextForCausalLM, options: EngineOptions | None = None,
+                 fingerprint: str | None = None, worker_id: str = "local"):
         self.options = options = options or EngineOptions()
         self.model = model
         cfg: ModelConfig = model.config
@@ -83,33 +91,45 @@ class Engine:
         dtype = next(model.parameters()).dtype
         self.max_model_len = min(options.max_model_len or cfg.max_position_embeddings,
                                  cfg.max_position_embeddings)
-        if options.num_pages:
-            num_pages = options.num_pages
-        elif cfg.attention_layers:
-            num_pages = max(1, options.cache_memory_bytes // page_bytes(cfg, options.page_size, dtype))
-        else:  # pages cost nothing without attention layers; enough for every slot at full length
-            num_pages = options.max_num_seqs * -(-self.max_model_len // options.page_size)
-        self.pages = PagePool(num_pages, options.page_size)
+        self.memory = mem = MemoryBudget.plan(cfg, options, dtype, self.max_model_len)
+        self.policy = CheckpointPolicy(options.cache_policy, tail_guard=options.tail_guard,
+                                       interval_pages=options.checkpoint_interval_pages, seed=options.seed)
+        self.pages = PagePool(mem.num_pages, options.page_size)
         self.states = StatePool(options.max_num_seqs)
-        self.scheduler = Scheduler(options, self.pages, self.states)
-        self.runner = ModelRunner(model, num_pages, options.page_size, options.max_num_seqs)
+        self.cache = PrefixCache(
+            self.pages, CheckpointStore(options.max_num_seqs, mem.max_checkpoints), self.policy,
+            mem.page_bytes, mem.checkpoint_bytes, mem.budget_bytes, recurrent=cfg.has_recurrent_layers)
+        self.scheduler = Scheduler(options, self.cache, self.states, self.policy)
+        self.runner = ModelRunner(model, mem.num_pages, options.page_size, options.max_num_seqs + mem.max_checkpoints)
         self.sampler = Sampler(options.seed)
         self.eos_token_ids = frozenset(cfg.eos_token_ids)
+        # Page hashes are namespaced by the model: the same tokens under another model never match.
+        self.fingerprint = fingerprint or hashlib.blake2b(repr(cfg).encode(), digest_size=16).hexdigest()
+        self.events = EventStream(worker_id)
         self.stats = EngineStats()
         self._requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, **options: object) -> "Engine":
+        worker_id = str(options.pop("worker_id", "local"))
         opts = EngineOptions.from_kwargs(**options)
         model = load_model(model_dir, dtype=opts.dtype, device=_pick_device(opts.device))
-        engine = cls(model, opts)
+        engine = cls(model, opts, fingerprint=model_fingerprint(model_dir), worker_id=worker_id)
         engine.eos_token_ids |= generation_eos_ids(Path(model_dir))
         return engine
 
+    def hash_root(self, cache_salt: str | None = None) -> bytes:
+        """The root of this engine's page-hash chains (what the ingress hashes with)."""
+        return root_hash(self.fingerprint, self.options.page_size, cache_salt)
+
     # ---- requests --------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None, *, cache_salt: str | None = None,
+                    page_hashes: list[bytes] | None = None, checkpoint_hints: list[int] | None = None) -> str:
+        """Queues a prompt. `page_hashes` (from the ingress, hashed with `hash_root(cache_salt)`)
+        saves hashing here; `checkpoint_hints` are token positions (message starts) where a
+        state checkpoint may pay off."""
         params = params or SamplingParams()
         prompt = list(prompt_token_ids)
         vocab = self.config.vocab_size
@@ -127,10 +147,18 @@ class Engine:
         if pages > self.pages.num_pages:
             raise ValueError(f"request needs {pages} KV pages for {total} tokens; the pool holds "
                              f"{self.pages.num_pages}")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
+        whole = len(prompt) // self.options.page_size
+        if page_hashes is not None and (len(page_hashes) != whole or not all(
+                isinstance(h, bytes) and len(h) == DIGEST_BYTES for h in page_hashes)):
+            raise ValueError(f"page_hashes must be {whole} hashes of {DIGEST_BYTES} bytes, one per whole page")
+        hints = tuple(sorted({int(h) for h in checkpoint_hints or () if 0 < int(h) < len(prompt)}))
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        seq = Sequence(request_id, prompt, params, max_total_tokens=total)
+        seq = Sequence(request_id, prompt, params, max_total_tokens=total, hash_root=self.hash_root(cache_salt),
+                       page_hashes=list(page_hashes or ()), hints=hints)
         self._requests[request_id] = seq
         self.scheduler.add(seq)
         self.stats.prompt_tokens += len(prompt)
@@ -138,11 +166,22 @@ class Engine:
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Ends a request and frees what it holds; returns its final output (None if unknown)."""
-        seq = self._requests.pop(request_id, None)
+        seq = self._requests.get(request_id)
         if seq is None:
             return None
-        self.scheduler.finish(seq, "abort")
+        self._finish(seq, "abort")
         return self._output(seq, [], [])
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        """Stores the finish checkpoint (the last boundary crossed), then frees what seq holds."""
+        kind = self.policy.captures_finish
+        if reason != "abort" and seq.pending_slot is not None and seq.pending_page:
+            ps = self.options.page_size
+            tail = tuple(seq.token_ids[seq.pending_page * ps:]) if kind == END else None
+            self.cache.commit_checkpoint(seq, seq.pending_slot, seq.pending_page, {kind}, exact_tail=tail)
+            seq.pending_slot = seq.pending_page = None
+        self.scheduler.finish(seq, reason)
+        self._requests.pop(seq.request_id, None)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -152,13 +191,20 @@ class Engine:
         plan = self.scheduler.schedule()
         if not plan:
             return []
-        logits = self.runner.execute(plan)
+        try:
+            logits = self.runner.execute(plan)
+        finally:
+            self.cache.unpin()
         self.stats.steps += 1
         self.stats.computed_tokens += plan.num_tokens
         self.stats.preemptions = self.scheduler.num_preemptions
+        self.stats.cached_tokens = self.scheduler.hit_tokens
         sampling = [seg.seq for seg in plan.segments if seg.samples]
         for seg in plan.segments:
             seg.seq.num_computed = seg.end
+            self.cache.register_pages(seg.seq)
+        for c in plan.commits:
+            self.cache.commit_checkpoint(c.seq, c.slot, c.depth, c.kinds)
         outputs = []
         for seq, (token, logprob) in zip(sampling, self.sampler.sample(logits, sampling)):
             seq.token_ids.append(token)
@@ -167,8 +213,7 @@ class Engine:
             self.stats.generated_tokens += 1
             reason = self._stop_reason(seq, token)
             if reason:
-                self.scheduler.finish(seq, reason)
-                self._requests.pop(seq.request_id, None)
+                self._finish(seq, reason)
             outputs.append(self._output(seq, [token], [logprob] if logprob else []))
         return outputs
 
@@ -208,10 +253,10 @@ class Engine:
         prompt = list(prompt_token_ids)
         seq = Sequence("prompt-logits", prompt, SamplingParams(max_tokens=1))
         need = self.pages.pages_for_tokens(len(prompt))
-        if not prompt or not self.pages.can_allocate(need) or not self.states.can_allocate():
+        if not prompt or not self.cache.can_allocate_pages(need) or not self.states.can_allocate():
             raise ValueError(f"cannot score {len(prompt)} tokens now: needs {need} free pages and a "
                              f"free state slot ({self.pages.num_free} pages free)")
-        seq.page_ids = self.pages.allocate(need)
+        seq.page_ids = self.cache.allocate_pages(need)
         seq.state_slot = self.states.allocate()
         try:
             segment = Segment(seq, 0, len(prompt))
@@ -220,10 +265,29 @@ class Engine:
                             fresh_state_slots=[seq.state_slot])
             return self.runner.execute(plan, all_logits=True)
         finally:
-            self.pages.release(seq.page_ids)
+            self.cache.release(seq)
             self.states.release(seq.state_slot)
 
+    # ---- cache events ------------------------------------------------------------------------
+    def drain_events(self) -> EventBatch | None:
+        """What changed in the cache since the last drain, as the next numbered batch. The first
+        batch is a snapshot: a (re)started worker introduces itself with its full contents."""
+        if self.events.next_seq == 0:
+            return self.snapshot_events()
+        events = self.cache.drain_events()
+        return self.events.batch(events) if events else None
+
+    def snapshot_events(self) -> EventBatch:
+        """Everything resident now, as a self-contained batch (the answer to a resync request)."""
+        self.cache.drain_events()  # superseded by the snapshot
+        pages, states = self.cache.snapshot()
+        return self.events.snapshot(pages, states)
+
+    def clear_cache(self) -> None:
+        """Drops every cached page and checkpoint no running request holds."""
+        self.cache.clear()
+
     def check(self) -> None:
-        """Integrity check for idle moments and tests: pools add up."""
-        self.pages.check()
+        """Integrity check for idle moments and tests: pools and the budget add up."""
+        self.cache.check()
         self.states.check()

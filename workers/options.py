@@ -13,7 +13,11 @@ from dataclasses import dataclass, fields
 class EngineOptions:
     page_size: int = 16                       # tokens per KV page
     num_pages: int | None = None              # KV pages; None = from cache_memory_bytes
-    cache_memory_bytes: int = 256 * 2**20     # budget for KV pages when num_pages is None
+    cache_memory_bytes: int | None = None     # one budget for pages + checkpoints (256 MiB default)
+    max_checkpoints: int | None = None        # checkpoint slots; None = as many as the budget pays
+    cache_policy: str = "cairn"               # cairn | exact | all | interval | end_branch
+    tail_guard: int = 8                       # tokens before a prompt's end the tail checkpoint keeps clear
+    checkpoint_interval_pages: int = 32       # pages between `interval` checkpoints
     max_num_seqs: int = 64                    # sequences running at once (= state slots)
     max_num_batched_tokens: int = 1024        # tokens computed in one step (decodes + prefill chunks)
     max_model_len: int | None = None          # prompt + output tokens; None = model's max positions
@@ -29,9 +33,14 @@ class EngineOptions:
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive integer{' or None' if allow_none else ''}, got {v!r}")
 
-        for name in ("page_size", "cache_memory_bytes", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "checkpoint_interval_pages"):
             positive(name)
-        positive("num_pages", allow_none=True)
+        for name in ("num_pages", "cache_memory_bytes"):
+            positive(name, allow_none=True)
+        if self.max_checkpoints is not None and (not isinstance(self.max_checkpoints, int) or self.max_checkpoints < 0):
+            raise ValueError(f"max_checkpoints must be an integer >= 0 or None, got {self.max_checkpoints!r}")
+        if isinstance(self.tail_guard, bool) or not isinstance(self.tail_guard, int) or self.tail_guard < 0:
+            raise ValueError(f"tail_guard must be an integer >= 0, got {self.tail_guard!r}")
         positive("max_model_len", allow_none=True)
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")

@@ -1,12 +1,14 @@
-"""Attention KV pages: which page ids are free and who holds the rest.
+"""Attention KV pages: free, held (reference-counted) or cached (hashed, unreferenced).
 
-Plain Python, no tensors: the runner owns the KV tensors, this pool owns the ids. A page is held
-by reference count; `release` drops one reference per page, and a page whose count reaches zero
-returns to the free queue. A sequence releases its pages tail first, so when cached pages join
-this pool (prefix cache) the shared head of a chain is reused last.
+Plain Python, no tensors: the runner owns the KV tensors, this pool owns the ids. A page is
+held by reference count. A whole page can be registered under its chain hash
+(cache_service.hashing) with its parent's hash; when its last holder releases it, a registered
+page stays cached for reuse, an unregistered one is free again. The prefix cache decides
+eviction order; `evict` unregisters a cached page and, with it, every cached descendant on its
+chain (they are unreachable from the root without it).
 
-A refused allocation is a result (`can_allocate` is False), never an exception: the scheduler
-waits or preempts. Integrity: `free + held == total`, checked by `check()`.
+Invariant the prefix cache relies on: a held page's ancestors are held too (a sequence holds
+its whole chain), so a cached page has only cached descendants. `check()` verifies the counts.
 """
 
 from __future__ import annotations
@@ -24,7 +26,12 @@ class PagePool:
         self.page_size = page_size
         self._free: deque[int] = deque(range(num_pages))
         self._refs: dict[int, int] = {}
+        self._hash_of: dict[int, bytes] = {}
+        self._page_of: dict[bytes, int] = {}
+        self._parent: dict[bytes, bytes | None] = {}
+        self._children: dict[bytes, set[bytes]] = {}
 
+    # ---- counts ----------------------------------------------------------------------------
     @property
     def num_free(self) -> int:
         return len(self._free)
@@ -33,30 +40,99 @@ class PagePool:
     def num_held(self) -> int:
         return len(self._refs)
 
+    @property
+    def num_cached(self) -> int:
+        return self.num_pages - len(self._free) - len(self._refs)
+
     def pages_for_tokens(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
-    def can_allocate(self, num_pages: int) -> bool:
-        return num_pages <= len(self._free)
+    # ---- holding ---------------------------------------------------------------------------
+    def take_free(self) -> int:
+        """A free page, now held once. The caller checked `num_free`."""
+        page = self._free.popleft()
+        self._refs[page] = 1
+        return page
 
-    def allocate(self, num_pages: int) -> list[int]:
-        if not self.can_allocate(num_pages):
-            raise RuntimeError(f"allocate({num_pages}) with {len(self._free)} free pages; call can_allocate first")
-        pages = [self._free.popleft() for _ in range(num_pages)]
-        for p in pages:
-            self._refs[p] = 1
-        return pages
+    def acquire(self, page: int) -> None:
+        """One more holder of a held or cached page."""
+        self._refs[page] = self._refs.get(page, 0) + 1
 
-    def release(self, pages: list[int]) -> None:
-        for p in reversed(pages):  # tail first
-            refs = self._refs[p] - 1
-            if refs:
-                self._refs[p] = refs
-            else:
-                del self._refs[p]
-                self._free.append(p)
+    def release(self, page: int) -> str:
+        """Drops one holder; says what the page is now: "held", "cached" or "free"."""
+        refs = self._refs[page] - 1
+        if refs:
+            self._refs[page] = refs
+            return "held"
+        del self._refs[page]
+        if page in self._hash_of:
+            return "cached"
+        self._free.append(page)
+        return "free"
+
+    def is_held(self, page: int) -> bool:
+        return page in self._refs
+
+    # ---- hashes ----------------------------------------------------------------------------
+    def page_of(self, page_hash: bytes) -> int | None:
+        return self._page_of.get(page_hash)
+
+    def hash_of(self, page: int) -> bytes | None:
+        return self._hash_of.get(page)
+
+    def register(self, page: int, page_hash: bytes, parent: bytes | None) -> bool:
+        """Names a held, full page by its chain hash. False if that hash already names another
+        page (a duplicate computed concurrently): this page stays private."""
+        if page_hash in self._page_of or page in self._hash_of:
+            return False
+        self._page_of[page_hash] = page
+        self._hash_of[page] = page_hash
+        self._parent[page_hash] = parent
+        if parent is not None:
+            self._children.setdefault(parent, set()).add(page_hash)
+        return True
+
+    def evict(self, page: int) -> list[tuple[int, bytes]]:
+        """Frees a cached page and its cached descendants; returns (page, hash) of each page
+        freed, deepest first."""
+        if page in self._refs or page not in self._hash_of:
+            raise RuntimeError(f"evict({page}): only cached pages can be evicted")
+        freed: list[tuple[int, bytes]] = []
+        self._evict_chain(self._hash_of[page], freed)
+        return freed
+
+    def _evict_chain(self, page_hash: bytes, freed: list[tuple[int, bytes]]) -> None:
+        for child in list(self._children.get(page_hash, ())):
+            self._evict_chain(child, freed)
+        page = self._page_of.pop(page_hash)
+        if page in self._refs:  # the invariant above forbids this; fail loudly rather than corrupt
+            raise RuntimeError(f"page {page} is held but its ancestor was evicted")
+        del self._hash_of[page]
+        parent = self._parent.pop(page_hash)
+        if parent is not None and parent in self._children:
+            self._children[parent].discard(page_hash)
+            if not self._children[parent]:
+                del self._children[parent]
+        self._children.pop(page_hash, None)
+        self._free.append(page)
+        freed.append((page, page_hash))
+
+    def registered(self) -> list[tuple[bytes, bytes | None]]:
+        """Every (hash, parent) registered, parents before children (for snapshots)."""
+        out: list[tuple[bytes, bytes | None]] = []
+        roots = [h for h, p in self._parent.items() if p is None or p not in self._page_of]
+        stack = list(reversed(roots))
+        while stack:
+            h = stack.pop()
+            out.append((h, self._parent[h]))
+            stack.extend(sorted(self._children.get(h, ())))
+        return out
 
     def check(self) -> None:
-        if len(self._free) + len(self._refs) != self.num_pages or set(self._free) & set(self._refs):
-            raise AssertionError(f"page pool corrupt: free={len(self._free)} held={len(self._refs)} "
+        free, held = set(self._free), set(self._refs)
+        cached = set(self._hash_of) - held
+        if free & held or free & set(self._hash_of) or len(free) + len(held) + len(cached) != self.num_pages:
+            raise AssertionError(f"page pool corrupt: free={len(free)} held={len(held)} cached={len(cached)} "
                                  f"total={self.num_pages}")
+        if len(self._page_of) != len(self._hash_of):
+            raise AssertionError("page pool corrupt: hash maps disagree")

@@ -12,26 +12,14 @@ from __future__ import annotations
 
 import torch
 
-from workers.model import ForwardBatch, ModelCaches, ModelConfig, Qwen3NextForCausalLM
+import kernels
+from workers.model import ForwardBatch, ModelCaches, Qwen3NextForCausalLM
 from workers.scheduler import StepPlan
-
-
-def page_bytes(cfg: ModelConfig, page_size: int, dtype: torch.dtype) -> int:
-    """Bytes one KV page costs across all attention layers."""
-    elem = torch.empty(0, dtype=dtype).element_size()
-    return page_size * len(cfg.attention_layers) * 2 * cfg.num_key_value_heads * cfg.head_dim * elem
-
-
-def state_slot_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
-    """Bytes one recurrent-state slot costs across all linear layers (conv in dtype, ssm in fp32)."""
-    elem = torch.empty(0, dtype=dtype).element_size()
-    per_layer = (cfg.conv_dim * (cfg.linear_conv_kernel_dim - 1) * elem
-                 + cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4)
-    return len(cfg.linear_layers) * per_layer
 
 
 class ModelRunner:
     def __init__(self, model: Qwen3NextForCausalLM, num_pages: int, page_size: int, num_slots: int):
+        """num_slots: state-pool rows, sequence slots first, then checkpoint slots."""
         self.model = model
         cfg = self.cfg = model.config
         p = next(model.parameters())
@@ -48,12 +36,26 @@ class ModelRunner:
 
     def execute(self, plan: StepPlan, all_logits: bool = False) -> torch.Tensor:
         """Runs one step; returns fp32 logits [num sampling segments, vocab] in plan order
-        (or, with `all_logits`, one row per computed token)."""
+        (or, with `all_logits`, one row per computed token). Before the model: restore
+        checkpoints into resuming sequences' slots, zero fresh slots. After: snapshot slots
+        into checkpoint slots."""
+        states = (self.caches.conv_states, self.caches.ssm_states)
+        if plan.restores:
+            self._copy_slots(states, plan.restores)
         if plan.fresh_state_slots:
-            slots = torch.tensor(plan.fresh_state_slots, dtype=torch.long, device=self.device)
-            self.caches.conv_states[slots] = 0
-            self.caches.ssm_states[slots] = 0
-        return self.model(self.build_batch(plan, all_logits), self.caches)
+            slots = self._index(plan.fresh_state_slots)
+            for t in states:
+                t[slots] = 0
+        logits = self.model(self.build_batch(plan, all_logits), self.caches)
+        if plan.snapshots:
+            self._copy_slots(states, plan.snapshots)
+        return logits
+
+    def _index(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)
+
+    def _copy_slots(self, tensors, pairs: list[tuple[int, int]]) -> None:
+        kernels.copy_state_slots(tensors, self._index([s for s, _ in pairs]), self._index([d for _, d in pairs]))
 
     def build_batch(self, plan: StepPlan, all_logits: bool = False) -> ForwardBatch:
         segments = plan.segments
@@ -63,11 +65,18 @@ class ModelRunner:
         slot_mapping: list[int] = []
         cu = [0]
         logits_rows: list[int] = []
-        for seg in segments:
+        offsets: dict[int, list[int]] = {}
+        offset_slots: dict[int, list[list[int]]] = {}
+        for b, seg in enumerate(segments):
             seq = seg.seq
             input_ids += seq.token_ids[seg.start:seg.end]
             positions += range(seg.start, seg.end)
-            slot_mapping += [seq.page_ids[pos // ps] * ps + pos % ps for pos in range(seg.start, seg.end)]
+            shared = seq.shared_pages * ps  # K/V below this is in cached pages: never rewritten
+            slot_mapping += [-1 if pos < shared else seq.page_ids[pos // ps] * ps + pos % ps
+                             for pos in range(seg.start, seg.end)]
+            if seg.ckpt_slots:
+                offsets[b] = sorted(seg.ckpt_slots)
+                offset_slots[b] = [seg.ckpt_slots[o] for o in offsets[b]]
             cu.append(cu[-1] + seg.num_tokens)
             if all_logits:
                 logits_rows += range(cu[-2], cu[-1])
@@ -90,4 +99,6 @@ class ModelRunner:
             state_slots=t([seg.seq.state_slot for seg in segments], torch.long),
             num_decodes=len(plan.decodes),
             logits_indices=t(logits_rows, torch.long),
+            checkpoint_offsets=offsets,
+            checkpoint_slots=offset_slots,
         )

@@ -1,14 +1,17 @@
-"""Continuous batching: each step, which sequences compute how many tokens.
+"""Continuous batching over the prefix cache: each step, which sequences compute how many tokens,
+from where, and which states are saved on the way.
 
 A step holds decodes (one token each) and prefill chunks together, at most
 `max_num_batched_tokens` tokens and `max_num_seqs` running sequences. Running sequences are
-served oldest first; waiting ones are admitted while tokens, pages and a state slot are free.
-When a running sequence needs a page and none is free, the newest running sequence is
-preempted: it gives back its pages and slot and waits at the head of the queue to recompute
-its tokens later. Running out of pages is never an error.
+served oldest first; a waiting one is admitted by matching it against the prefix cache (it
+starts at its resume point, its state restored from the checkpoint it resumes from) while
+tokens, pages and a state slot are free. When a running sequence needs a page and none can be
+had, the newest running sequence is preempted: it gives back what it holds and waits at the
+head of the queue to recompute later. Running out of pages is never an error.
 
-Plans, not tensors: this module imports no torch. The runner turns a `StepPlan` into tensors.
-Decode segments come first in a plan (the model batches them).
+Checkpoints cost a copy, not compute: a state wanted at a boundary inside a segment is taken
+from the chunked delta rule (`ckpt_offsets`), one at a segment's end is a slot copy after the
+step (`snapshots`). Plans, not tensors: this module imports no torch.
 """
 
 from __future__ import annotations
@@ -16,8 +19,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from workers.checkpoint_policy import EVERY, CheckpointPolicy
 from workers.options import EngineOptions
-from workers.page_pool import PagePool
+from workers.prefix_cache import PrefixCache
 from workers.sequence import Sequence, Status
 from workers.state_pool import StatePool
 
@@ -27,6 +31,7 @@ class Segment:
     seq: Sequence
     start: int  # tokens computed before this step
     num_tokens: int  # tokens computed in this step
+    ckpt_slots: dict[int, list[int]] = field(default_factory=dict)  # offset inside -> slots to fill
 
     @property
     def end(self) -> int:
@@ -38,10 +43,21 @@ class Segment:
 
 
 @dataclass
+class Commit:
+    seq: Sequence
+    slot: int
+    depth: int  # pages
+    kinds: set[str]
+
+
+@dataclass
 class StepPlan:
     decodes: list[Segment] = field(default_factory=list)
     prefills: list[Segment] = field(default_factory=list)
     fresh_state_slots: list[int] = field(default_factory=list)  # zero these before the step
+    restores: list[tuple[int, int]] = field(default_factory=list)  # (checkpoint slot, seq slot), before
+    snapshots: list[tuple[int, int]] = field(default_factory=list)  # (seq slot, checkpoint slot), after
+    commits: list[Commit] = field(default_factory=list)  # checkpoints to store after the step
     preempted: list[Sequence] = field(default_factory=list)
 
     @property
@@ -57,13 +73,16 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, options: EngineOptions, pages: PagePool, states: StatePool):
+    def __init__(self, options: EngineOptions, cache: PrefixCache, states: StatePool, policy: CheckpointPolicy):
         self.options = options
-        self.pages = pages
+        self.cache = cache
         self.states = states
+        self.policy = policy
+        self.page_size = cache.page_size
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.hit_tokens = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -85,38 +104,97 @@ class Scheduler:
             i += 1
         while (self.waiting and budget > 0 and not plan.preempted
                and len(self.running) < self.options.max_num_seqs and self.states.can_allocate()):
-            seq = self.waiting[0]
-            n = min(seq.num_uncomputed, budget)
-            need = self.pages.pages_for_tokens(seq.num_computed + n) - len(seq.page_ids)
-            if not self.pages.can_allocate(need):
+            admitted = self._admit(self.waiting[0], budget, plan)
+            if admitted is None:
                 break
-            self.waiting.popleft()
-            seq.page_ids += self.pages.allocate(need)
-            seq.state_slot = self.states.allocate()
-            plan.fresh_state_slots.append(seq.state_slot)
-            seq.status = Status.RUNNING
-            self.running.append(seq)
-            self._add_segment(plan, seq, n)
-            budget -= n
+            budget -= admitted
         return plan
 
+    def _admit(self, seq: Sequence, budget: int, plan: StepPlan) -> int | None:
+        """Starts `seq` at its resume point; returns the tokens scheduled (None: cannot now)."""
+        cache = self.cache
+        m = cache.match(seq)
+        cache.begin(seq, m)
+        n = min(seq.num_uncomputed, budget)
+        need = cache.pages.pages_for_tokens(seq.num_computed + n) - len(seq.page_ids)
+        if not cache.can_allocate_pages(need):
+            cache.release(seq)
+            return None
+        cache.credit(m)
+        self.waiting.popleft()
+        seq.page_ids += cache.allocate_pages(max(0, need))
+        seq.state_slot = self.states.allocate()
+        if m.checkpoint is not None:
+            plan.restores.append((m.checkpoint.slot, seq.state_slot))
+        else:
+            plan.fresh_state_slots.append(seq.state_slot)
+        if not seq.admitted_once:
+            seq.admitted_once = True
+            seq.cached_tokens = m.resume_token
+            self.hit_tokens += m.resume_token
+        seq.ckpt_targets = self.policy.prompt_targets(
+            seq.num_tokens, self.page_size, m.resume_token // self.page_size, m.hit_pages, seq.hints)
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+        self._add_segment(plan, seq, n)
+        return n
+
     def _reserve_pages(self, seq: Sequence, n: int, plan: StepPlan) -> bool:
-        need = self.pages.pages_for_tokens(seq.num_computed + n) - len(seq.page_ids)
-        while not self.pages.can_allocate(need):
+        need = self.cache.pages.pages_for_tokens(seq.num_computed + n) - len(seq.page_ids)
+        while not self.cache.can_allocate_pages(need):
             victim = self.running[-1]
             self._preempt(victim)
             plan.preempted.append(victim)
             if victim is seq:
                 return False
         if need > 0:
-            seq.page_ids += self.pages.allocate(need)
+            seq.page_ids += self.cache.allocate_pages(need)
         return True
 
-    @staticmethod
-    def _add_segment(plan: StepPlan, seq: Sequence, n: int) -> None:
+    def _add_segment(self, plan: StepPlan, seq: Sequence, n: int) -> None:
         segment = Segment(seq, seq.num_computed, n)
         (plan.decodes if n == 1 else plan.prefills).append(segment)
+        self._plan_checkpoints(plan, segment)
 
+    # ---- checkpoints -----------------------------------------------------------------------
+    def _plan_checkpoints(self, plan: StepPlan, seg: Segment) -> None:
+        seq, ps, policy = seg.seq, self.page_size, self.policy
+        if not self.cache.recurrent:
+            return
+        first, last = seg.start // ps + 1, seg.end // ps  # boundaries inside (start, end]
+        for j in range(first, last + 1):
+            kinds = set(seq.ckpt_targets.get(j, ()))
+            if EVERY in policy.kinds and j * ps > seq.num_prompt_tokens:
+                kinds.add(EVERY)  # decode crossings of the `all` baseline
+            admitted = policy.admit(kinds) if kinds else set()
+            if admitted:
+                slot = self.cache.allocate_checkpoint()
+                if slot is not None:
+                    self._attach(plan, seg, j * ps - seg.start, slot)
+                    plan.commits.append(Commit(seq, slot, j, admitted))
+        # The finish capture: the last boundary crossed, from the prompt's last one on.
+        finish_kind = policy.captures_finish
+        if finish_kind is None or last < max(first, seq.num_prompt_tokens // ps, 1):
+            return
+        crossing = last
+        if seq.finish_admitted is None:
+            seq.finish_admitted = bool(policy.admit({finish_kind}))
+        if not seq.finish_admitted:
+            return
+        if seq.pending_slot is None:
+            seq.pending_slot = self.cache.allocate_checkpoint()
+        if seq.pending_slot is not None:
+            self._attach(plan, seg, crossing * ps - seg.start, seq.pending_slot)
+            seq.pending_page = crossing
+
+    @staticmethod
+    def _attach(plan: StepPlan, seg: Segment, offset: int, slot: int) -> None:
+        if offset == seg.num_tokens:  # the segment's final state: copy the slot after the step
+            plan.snapshots.append((seg.seq.state_slot, slot))
+        else:
+            seg.ckpt_slots.setdefault(offset, []).append(slot)
+
+    # ---- ending ----------------------------------------------------------------------------
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self._release(seq)
@@ -127,8 +205,7 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def _release(self, seq: Sequence) -> None:
-        self.pages.release(seq.page_ids)
-        seq.page_ids = []
+        self.cache.release(seq)
         if seq.state_slot is not None:
             self.states.release(seq.state_slot)
             seq.state_slot = None

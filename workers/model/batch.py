@@ -36,10 +36,11 @@ class ForwardBatch:
     state_slots: torch.Tensor  # [B] int64
     num_decodes: int  # the first num_decodes sequences have one new token each
     logits_indices: torch.Tensor  # [N] int64: rows of T whose logits are computed
-    # Per prefill segment (index b >= num_decodes): offsets inside the segment after which the
-    # recurrent state is saved, and the state-pool slots receiving each copy.
+    # Per prefill segment (index b >= num_decodes): offsets inside the segment (strictly
+    # increasing, each < its length) after which the recurrent state is saved, and for each
+    # offset the state-pool slots receiving a copy.
     checkpoint_offsets: dict[int, list[int]] = field(default_factory=dict)
-    checkpoint_slots: dict[int, list[int]] = field(default_factory=dict)
+    checkpoint_slots: dict[int, list[list[int]]] = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:

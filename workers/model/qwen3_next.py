@@ -174,9 +174,10 @@ class GatedDeltaNet(nn.Module):
             core[s:e] = out
             if offsets:
                 history = torch.cat((prev_conv, mixed[s:e].t().to(prev_conv.dtype)), dim=1)
-                for j, (off, ck) in enumerate(zip(offsets, batch.checkpoint_slots[i])):
-                    conv_states[ck, r] = history[:, off: off + self.kernel - 1]
-                    ssm_states[ck, r] = states[j]
+                for j, (off, slots) in enumerate(zip(offsets, batch.checkpoint_slots[i])):
+                    for ck in slots:
+                        conv_states[ck, r] = history[:, off: off + self.kernel - 1]
+                        ssm_states[ck, r] = states[j]
             conv_states[slot, r] = new_conv
             ssm_states[slot, r] = final
 

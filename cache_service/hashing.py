@@ -1,0 +1,62 @@
+"""The one page hash every process uses (design rule 1).
+
+A chain over whole pages: a root from (model fingerprint, page size, cache_salt), then
+h_i = H(h_{i-1}, tokens of page i), with H = blake2b (16-byte digest) over a msgpack encoding.
+A hash names a page *and everything before it*, so equal hashes mean equal prefixes (up to a
+2^-128 collision). Nothing here depends on the process, the machine or Python's `hash()`:
+the ingress, every worker and the index compute identical values.
+
+Partial pages have no hash: a prompt of n tokens has n // page_size page hashes. Requests with
+different `cache_salt` values get different roots, so they never share a page.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import msgpack
+
+DIGEST_BYTES = 16
+HASH_VERSION = 1
+
+
+def _digest(payload: object) -> bytes:
+    return hashlib.blake2b(msgpack.packb(payload, use_bin_type=True), digest_size=DIGEST_BYTES).digest()
+
+
+def root_hash(model_fingerprint: str, page_size: int, cache_salt: str | None = None) -> bytes:
+    """The chain's root: what a hash of page 0 builds on."""
+    return _digest(["cairn-pages", HASH_VERSION, model_fingerprint, page_size, cache_salt])
+
+
+def next_page_hash(parent: bytes, page_tokens: Sequence[int]) -> bytes:
+    return _digest([parent, list(page_tokens)])
+
+
+def page_hashes(token_ids: Sequence[int], page_size: int, root: bytes, start: int = 0,
+                parent: bytes | None = None) -> list[bytes]:
+    """Hashes of whole pages `start`, `start+1`, ... of `token_ids` (units: pages).
+
+    Continuing a chain: pass the hash of page `start - 1` as `parent` (root when start == 0).
+    """
+    prev = root if start == 0 else parent
+    if prev is None:
+        raise ValueError("page_hashes from start > 0 needs the parent hash of page start - 1")
+    out = []
+    for i in range(start, len(token_ids) // page_size):
+        prev = next_page_hash(prev, token_ids[i * page_size:(i + 1) * page_size])
+        out.append(prev)
+    return out
+
+
+def model_fingerprint(model_dir: str | Path) -> str:
+    """Names a checkpoint's behaviour: its config.json and the names and sizes of its weight
+    files. Two copies of the same checkpoint agree; a different model, or a retrained one with
+    a different config, does not share pages."""
+    model_dir = Path(model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    files = sorted((p.name, p.stat().st_size) for p in model_dir.glob("*.safetensors"))
+    return _digest([json.dumps(config, sort_keys=True), files]).hex()

@@ -1,0 +1,161 @@
+"""Cache events survive the wire exactly, and nothing malformed gets past decode as anything but
+EventDecodeError."""
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cache_service.events import (EVENTS_VERSION, AllCleared, EventBatch, EventDecodeError, EventStream,
+                                  PagesRemoved, PagesStored, StateRemoved, StateStored)
+
+hashes = st.binary(min_size=16, max_size=16)
+hash_tuples = st.lists(hashes, max_size=8).map(tuple)
+events = st.one_of(
+    st.builds(PagesStored, hash_tuples, st.none() | hashes),
+    st.builds(PagesRemoved, hash_tuples),
+    st.builds(StateStored, hashes),
+    st.builds(StateRemoved, hashes),
+    st.builds(AllCleared),
+)
+batches = st.builds(
+    EventBatch,
+    worker_id=st.text(min_size=1, max_size=20),
+    seq=st.integers(0, 2**64 - 1),
+    ts=st.floats(allow_nan=False),
+    events=st.lists(events, max_size=10).map(tuple),
+)
+H1, H2 = b"\x01" * 16, b"\x02" * 16
+
+
+def good_body() -> list:
+    return [EVENTS_VERSION, "w0", 3, 1.5, [[0, [H1, H2], None], [1, [H1]], [2, H2], [3, H2], [4]]]
+
+
+def pack(body: object) -> bytes:
+    return msgpack.packb(body, use_bin_type=True)
+
+
+@given(batches)
+def test_every_batch_round_trips_exactly(batch):
+    assert EventBatch.decode(batch.encode()) == batch
+
+
+def test_a_well_formed_body_decodes_to_every_event_type():
+    batch = EventBatch.decode(pack(good_body()))
+    assert batch == EventBatch("w0", 3, 1.5, (PagesStored((H1, H2), None), PagesRemoved((H1,)),
+                                                StateStored(H2), StateRemoved(H2), AllCleared()))
+
+
+def test_the_wire_form_is_compact():
+    batch = EventBatch("w0", 7, 0.0, (PagesStored(tuple(bytes([i]) * 16 for i in range(100)), None),))
+    assert len(batch.encode()) < 100 * 18 + 40  # bin8 header (2 B) per hash, a few bytes of framing
+
+
+@pytest.mark.parametrize("data", [b"", b"\xc1", b"\x93\x01\x02", b"not msgpack at all", "a str", None, 5])
+def test_garbage_is_refused(data):
+    with pytest.raises(EventDecodeError):
+        EventBatch.decode(data)
+
+
+def test_every_truncation_of_a_batch_is_refused():
+    data = pack(good_body())
+    for n in range(len(data)):
+        with pytest.raises(EventDecodeError):
+            EventBatch.decode(data[:n])
+
+
+def test_trailing_bytes_are_refused():
+    with pytest.raises(EventDecodeError):
+        EventBatch.decode(pack(good_body()) + b"\x00")
+
+
+@pytest.mark.parametrize("version", [0, 2, True, 1.0, "1", None])
+def test_another_version_is_refused(version):
+    body = good_body()
+    body[0] = version
+    with pytest.raises(EventDecodeError, match="version"):
+        EventBatch.decode(pack(body))
+
+
+def mutate(path: tuple, value: object) -> list:
+    body = good_body()
+    target = body
+    for i in path[:-1]:
+        target = target[i]
+    target[path[-1]] = value
+    return body
+
+
+@pytest.mark.parametrize("path,value", [
+    ((1,), 7), ((1,), b"w0"), ((1,), ""),          # worker_id
+    ((2,), "3"), ((2,), -1), ((2,), 3.0), ((2,), True),  # seq
+    ((3,), "1.5"), ((3,), None), ((3,), False),      # ts
+    ((4,), {"a": 1}), ((4,), None),                  # events
+    ((4, 0), [0, H1, None]),                         # hashes not a list
+    ((4, 0), [0, [H1, "x" * 16], None]),             # a hash that is a str
+    ((4, 0), [0, [H1, b"short"], None]),             # a hash of the wrong length
+    ((4, 0), [0, [H1], b"short"]),                   # bad parent
+    ((4, 0), [0, [H1]]),                             # missing field
+    ((4, 1), [1, [H1], None]),                       # extra field
+    ((4, 2), [2, [H2]]),                             # state hash inside a list
+    ((4, 3), [3, None]),
+    ((4, 4), [4, 0]),
+    ((4, 4), []), ((4, 4), "AllCleared"), ((4, 4), [True]),  # not [tag, ...]
+])
+def test_a_wrong_typed_field_is_refused(path, value):
+    with pytest.raises(EventDecodeError):
+        EventBatch.decode(pack(mutate(path, value)))
+
+
+@pytest.mark.parametrize("tag", [5, -1, 99, 2**40])
+def test_an_unknown_tag_is_refused(tag):
+    with pytest.raises(EventDecodeError, match="unknown event tag"):
+        EventBatch.decode(pack(mutate((4, 4), [tag])))
+
+
+def test_a_top_level_that_is_not_a_five_element_array_is_refused():
+    for body in [good_body()[:4], good_body() + [0], {"v": 1}, 1, "x", None]:
+        with pytest.raises(EventDecodeError):
+            EventBatch.decode(pack(body))
+
+
+msgpack_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats() | st.text(max_size=5)
+    | st.binary(max_size=20) | st.sampled_from([H1, 0, 1, 4, EVENTS_VERSION]),
+    lambda inner: st.lists(inner, max_size=6) | st.dictionaries(st.text(max_size=3), inner, max_size=3),
+    max_leaves=30,
+)
+
+
+@settings(max_examples=300)
+@given(st.binary(max_size=64) | msgpack_values.map(pack)
+       | st.lists(msgpack_values, min_size=5, max_size=5).map(lambda b: pack([EVENTS_VERSION] + b[1:])))
+def test_decode_raises_nothing_but_event_decode_error(data):
+    try:
+        assert isinstance(EventBatch.decode(data), EventBatch)
+    except EventDecodeError:
+        pass
+
+
+def test_a_stream_numbers_its_batches_from_zero():
+    stream = EventStream("w0", clock=lambda: 42.0)
+    first, second = stream.batch([StateStored(H1)]), stream.batch([])
+    assert (first.seq, second.seq) == (0, 1)
+    assert first == EventBatch("w0", 0, 42.0, (StateStored(H1),))
+    assert not first.is_snapshot and not second.is_snapshot
+
+
+def test_a_snapshot_opens_with_all_cleared_and_coalesces_chain_runs():
+    stream = EventStream("w0", clock=lambda: 0.0)
+    stream.batch([])
+    a, b, c, x, y = (bytes([i]) * 16 for i in range(5))
+    snap = stream.snapshot([(a, None), (b, a), (c, b), (x, b), (y, None)], states=[c, x])
+    assert snap.seq == 1 and snap.is_snapshot
+    assert snap.events == (AllCleared(), PagesStored((a, b, c), None), PagesStored((x,), b),
+                           PagesStored((y,), None), StateStored(c), StateStored(x))
+
+
+def test_an_empty_snapshot_is_just_all_cleared():
+    snap = EventStream("w0").snapshot([], [])
+    assert snap.events == (AllCleared(),) and snap.is_snapshot and snap.seq == 0

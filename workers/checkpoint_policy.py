@@ -1,0 +1,124 @@
+"""Where recurrent-state checkpoints go, and which kinds earn their keep (design rule 6).
+
+Positions are page boundaries (units: pages; page j ends at token j * page_size). Kinds:
+- `tail`: the last boundary at or before n - tail_guard of every prompt (the thinking-drop
+  divergence lies a few tokens before the previous prompt's end);
+- `hint`: boundaries at or before positions the ingress passes (message starts, generation
+  prompt start), rounded down;
+- `finish`: the last boundary a sequence crossed before it finished, captured during decode
+  (a client that echoes the whole turn extends it);
+- `branch`: where a prompt's page hit runs deeper than its state hit, at the page hit;
+- `interval`: every `interval_pages` pages of long prefills;
+- `every` (baseline `all` only): every boundary, prefill and decode;
+- `end` (baseline `exact` only): the request's end, usable only by a prompt that contains the
+  whole finished sequence — today's "exact length or nothing" behaviour.
+
+Each kind earns its keep under the `cairn` policy: counts of checkpoints admitted and of hits
+served, decayed so a workload change shows, decide admission; a kind that does not pay is still
+admitted with a small exploration probability (seeded, so runs repeat). Baselines admit their
+fixed kinds always. This module decides; it holds no slots and touches no tensor.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+TAIL, HINT, FINISH, BRANCH, INTERVAL, EVERY, END = "tail", "hint", "finish", "branch", "interval", "every", "end"
+ALL_KINDS = (TAIL, HINT, FINISH, BRANCH, INTERVAL, EVERY, END)
+
+POLICY_KINDS = {
+    "cairn": frozenset({TAIL, HINT, FINISH, BRANCH, INTERVAL}),
+    "exact": frozenset({END}),
+    "all": frozenset({EVERY}),
+    "interval": frozenset({INTERVAL, FINISH}),
+    "end_branch": frozenset({FINISH, BRANCH}),
+}
+FINISH_KINDS = (FINISH, END)  # captured at decode crossings into one pending slot per sequence
+
+
+@dataclass
+class KindRecord:
+    admitted: float = 0.0
+    hits: float = 0.0
+    total_admitted: int = 0
+    total_hits: int = 0
+
+
+@dataclass
+class CheckpointPolicy:
+    name: str = "cairn"
+    tail_guard: int = 8  # tokens
+    interval_pages: int = 32
+    exploration: float = 0.05
+    warmup: int = 8  # admissions of a kind before its hit rate is judged
+    min_hit_rate: float = 0.1  # hits per admitted checkpoint a kind must sustain
+    decay: float = 0.98  # per admission of that kind: older evidence fades
+    seed: int = 0
+    records: dict[str, KindRecord] = field(default_factory=lambda: {k: KindRecord() for k in ALL_KINDS})
+
+    def __post_init__(self) -> None:
+        if self.name not in POLICY_KINDS:
+            raise ValueError(f"cache_policy must be one of {sorted(POLICY_KINDS)}, got {self.name!r}")
+        if not isinstance(self.tail_guard, int) or self.tail_guard < 0:
+            raise ValueError(f"tail_guard must be an integer >= 0, got {self.tail_guard!r}")
+        if not isinstance(self.interval_pages, int) or self.interval_pages < 1:
+            raise ValueError(f"checkpoint_interval_pages must be an integer >= 1, got {self.interval_pages!r}")
+        self.kinds = POLICY_KINDS[self.name]
+        self._rng = random.Random(self.seed)
+
+    @property
+    def captures_finish(self) -> str | None:
+        """The kind a finished sequence's last crossing is stored as (None: not captured)."""
+        return next((k for k in FINISH_KINDS if k in self.kinds), None)
+
+    def prompt_targets(self, n_tokens: int, page_size: int, resume_pages: int, hit_pages: int,
+                       hints: tuple[int, ...] = ()) -> dict[int, set[str]]:
+        """Boundaries (pages j, resume_pages < j <= n // page_size) to checkpoint while this
+        prompt is prefilled, with the kinds asking for each."""
+        last = n_tokens // page_size
+        wanted: dict[int, set[str]] = {}
+
+        def want(j: int, kind: str) -> None:
+            if kind in self.kinds and resume_pages < j <= last:
+                wanted.setdefault(j, set()).add(kind)
+
+        want((n_tokens - self.tail_guard) // page_size, TAIL)
+        for pos in hints:
+            want(pos // page_size, HINT)
+        if hit_pages > resume_pages:
+            want(hit_pages, BRANCH)
+        for j in range(self.interval_pages, last + 1, self.interval_pages):
+            want(j, INTERVAL)
+        if EVERY in self.kinds:
+            for j in range(resume_pages + 1, last + 1):
+                want(j, EVERY)
+        return wanted
+
+    # ---- earning their keep ---------------------------------------------------------------
+    def admit(self, kinds: set[str]) -> set[str]:
+        """The subset of `kinds` admitted now; each admitted kind is charged one checkpoint."""
+        admitted = {k for k in kinds if self._admits(k)}
+        for k in admitted:
+            rec = self.records[k]
+            rec.admitted = rec.admitted * self.decay + 1.0
+            rec.hits *= self.decay
+            rec.total_admitted += 1
+        return admitted
+
+    def _admits(self, kind: str) -> bool:
+        if self.name != "cairn":
+            return kind in self.kinds
+        rec = self.records[kind]
+        if rec.total_admitted < self.warmup or rec.hits >= self.min_hit_rate * rec.admitted:
+            return True
+        return self._rng.random() < self.exploration
+
+    def record_hit(self, kinds: set[str]) -> None:
+        for k in kinds:
+            self.records[k].hits += 1.0
+            self.records[k].total_hits += 1
+
+    def summary(self) -> dict[str, dict[str, int]]:
+        return {k: {"admitted": r.total_admitted, "hits": r.total_hits}
+                for k, r in self.records.items() if k in self.kinds}
