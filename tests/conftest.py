@@ -34,6 +34,7 @@ CHECKPOINTS = {
                 full_attention_interval=4),
     "tied": dict(BASE, tie_word_embeddings=True, full_attention_interval=4, num_hidden_layers=3,
                  layer_types=["linear_attention", "full_attention", "linear_attention"]),
+    "attention_only": dict(BASE, num_hidden_layers=2, layer_types=["full_attention"] * 2),
 }
 
 

@@ -56,10 +56,14 @@ class PrefixCache:
         self.page_bytes, self.checkpoint_bytes, self.budget_bytes = page_bytes, checkpoint_bytes, budget_bytes
         self.recurrent = recurrent
         self.used_bytes = 0
-        self._lru: OrderedDict[tuple[str, object], None] = OrderedDict()  # cold end first
-        self._evictable_pages = 0
+        # Evictable items, cold end first, each with the tick of its last use: one LRU order
+        # across both kinds, kept as two queues so either kind's coldest is found at once.
+        self._cold_pages: OrderedDict[int, int] = OrderedDict()
+        self._cold_ckpts: OrderedDict[bytes, int] = OrderedDict()
+        self._tick = 0
         self._evictable_bytes = 0
         self._pinned: list[bytes] = []
+        self._demoted: set[bytes] = set()
         self._events: list = []
         self.stats = CacheStats()
 
@@ -91,7 +95,7 @@ class PrefixCache:
         held = []
         for j in range(m.hit_pages):
             page = self.pages.page_of(seq.page_hashes[j])
-            self._unlist(("p", page))
+            self._unlist_page(page)
             self.pages.acquire(page)
             held.append(page)
         seq.page_ids = held
@@ -100,7 +104,7 @@ class PrefixCache:
         seq.num_computed = m.resume_token
         seq.resumed_from = None
         if m.checkpoint is not None:
-            self._unlist(("c", m.checkpoint.page_hash))
+            self._unlist_ckpt(m.checkpoint.page_hash)
             self._pinned.append(m.checkpoint.page_hash)
             seq.resumed_from = (m.checkpoint.page_hash, m.checkpoint.depth)
 
@@ -116,22 +120,27 @@ class PrefixCache:
     def unpin(self) -> None:
         """Ends the scheduling pass: pinned checkpoints become evictable again (just used)."""
         for page_hash in self._pinned:
-            if self.checkpoints.get(page_hash) is not None:
-                self._list(("c", page_hash), self.checkpoint_bytes, pages=0)
+            if self.checkpoints.get(page_hash) is not None and page_hash not in self._cold_ckpts:
+                self._list_ckpt(page_hash)
+                if page_hash in self._demoted:
+                    self._demote(page_hash)
         self._pinned.clear()
+        self._demoted.clear()
 
     # ---- allocation -------------------------------------------------------------------------
     def can_allocate_pages(self, n: int) -> bool:
         if n <= 0:
             return True
-        return (self.pages.num_free + self._evictable_pages >= n
+        return (self.pages.num_free + len(self._cold_pages) >= n
                 and self.budget_bytes - self.used_bytes + self._evictable_bytes >= n * self.page_bytes)
 
     def allocate_pages(self, n: int) -> list[int]:
         if not self.can_allocate_pages(n):
             raise RuntimeError(f"allocate_pages({n}) refused; call can_allocate_pages first")
-        while self.pages.num_free < n or self.used_bytes + n * self.page_bytes > self.budget_bytes:
-            self._evict_one()
+        while self.pages.num_free < n:  # short of page ids: only a page eviction helps
+            self._evict_page(next(iter(self._cold_pages)))
+        while self.used_bytes + n * self.page_bytes > self.budget_bytes:
+            self._evict_coldest()
         self.used_bytes += n * self.page_bytes
         return [self.pages.take_free() for _ in range(n)]
 
@@ -139,10 +148,14 @@ class PrefixCache:
         """A pending checkpoint slot, evicting to make room; None when none can be had."""
         if self.checkpoints.num_slots == 0:
             return None
-        while self.checkpoints.num_free == 0 or self.used_bytes + self.checkpoint_bytes > self.budget_bytes:
-            if not self._lru:
+        while self.checkpoints.num_free == 0:  # short of slots: only a checkpoint eviction helps
+            if not self._cold_ckpts:
                 return None
-            self._evict_one()
+            self._evict_ckpt(next(iter(self._cold_ckpts)))
+        while self.used_bytes + self.checkpoint_bytes > self.budget_bytes:
+            if not (self._cold_pages or self._cold_ckpts):
+                return None
+            self._evict_coldest()
         self.used_bytes += self.checkpoint_bytes
         self._note_state_bytes()
         return self.checkpoints.take()
@@ -180,19 +193,22 @@ class PrefixCache:
             self.stats.checkpoints_dropped += 1
             if existing is not None:
                 existing.kinds |= kinds
-                if ("c", page_hash) in self._lru:
-                    self._lru.move_to_end(("c", page_hash))
+                if page_hash in self._cold_ckpts:
+                    self._unlist_ckpt(page_hash)
+                    self._list_ckpt(page_hash)
             return False
         self.checkpoints.store(slot, page_hash, depth, kinds, exact_tail)
-        self._list(("c", page_hash), self.checkpoint_bytes, pages=0)
+        self._list_ckpt(page_hash)
         self._events.append(StateStored(page_hash))
         self.stats.checkpoints_stored += 1
         for k in kinds:
             self.stats.by_kind.setdefault(k, {"stored": 0})["stored"] += 1
         if seq.resumed_from is not None and depth > seq.resumed_from[1]:
-            old = ("c", seq.resumed_from[0])  # the conversation moved on: its old resume point goes cold
-            if old in self._lru:
-                self._lru.move_to_end(old, last=False)
+            old = seq.resumed_from[0]  # the conversation moved on: its old resume point goes cold
+            if old in self._cold_ckpts:
+                self._demote(old)
+            else:
+                self._demoted.add(old)  # still pinned by this scheduling pass: demote on unpin
             seq.resumed_from = None
         return True
 
@@ -202,7 +218,7 @@ class PrefixCache:
         for page in reversed(seq.page_ids):
             state = self.pages.release(page)
             if state == "cached":
-                self._list(("p", page), self.page_bytes, pages=1)
+                self._list_page(page)
             elif state == "free":
                 self.used_bytes -= self.page_bytes
         seq.page_ids = []
@@ -211,35 +227,55 @@ class PrefixCache:
             seq.pending_slot = seq.pending_page = None
 
     # ---- eviction ---------------------------------------------------------------------------
-    def _list(self, key: tuple[str, object], nbytes: int, pages: int) -> None:
-        self._lru[key] = None
-        self._evictable_bytes += nbytes
-        self._evictable_pages += pages
+    def _next_tick(self) -> int:
+        self._tick += 1
+        return self._tick
 
-    def _unlist(self, key: tuple[str, object]) -> bool:
-        if key not in self._lru:
+    def _list_page(self, page: int) -> None:
+        self._cold_pages[page] = self._next_tick()
+        self._evictable_bytes += self.page_bytes
+
+    def _list_ckpt(self, page_hash: bytes) -> None:
+        self._cold_ckpts[page_hash] = self._next_tick()
+        self._evictable_bytes += self.checkpoint_bytes
+
+    def _demote(self, page_hash: bytes) -> None:
+        self._cold_ckpts[page_hash] = -1  # colder than anything used
+        self._cold_ckpts.move_to_end(page_hash, last=False)
+
+    def _unlist_page(self, page: int) -> bool:
+        if self._cold_pages.pop(page, None) is None:
             return False
-        del self._lru[key]
-        is_page = key[0] == "p"
-        self._evictable_bytes -= self.page_bytes if is_page else self.checkpoint_bytes
-        self._evictable_pages -= 1 if is_page else 0
+        self._evictable_bytes -= self.page_bytes
         return True
 
-    def _evict_one(self) -> None:
-        key = next(iter(self._lru))
-        self._unlist(key)
-        if key[0] == "c":
-            self._remove_checkpoint(key[1])
-            return
+    def _unlist_ckpt(self, page_hash: bytes) -> bool:
+        if self._cold_ckpts.pop(page_hash, None) is None:
+            return False
+        self._evictable_bytes -= self.checkpoint_bytes
+        return True
+
+    def _evict_coldest(self) -> None:
+        page = next(iter(self._cold_pages.items()), None)
+        ckpt = next(iter(self._cold_ckpts.items()), None)
+        if ckpt is not None and (page is None or ckpt[1] < page[1]):
+            self._evict_ckpt(ckpt[0])
+        else:
+            self._evict_page(page[0])
+
+    def _evict_ckpt(self, page_hash: bytes) -> None:
+        self._unlist_ckpt(page_hash)
+        self._remove_checkpoint(page_hash)
+
+    def _evict_page(self, first: int) -> None:
         removed = []
-        for page, page_hash in self.pages.evict(key[1]):
-            if page != key[1]:
-                self._unlist(("p", page))
+        for page, page_hash in self.pages.evict(first):
+            self._unlist_page(page)
             self.used_bytes -= self.page_bytes
             self.stats.pages_evicted += 1
             removed.append(page_hash)
             if self.checkpoints.get(page_hash) is not None:
-                self._unlist(("c", page_hash))
+                self._unlist_ckpt(page_hash)  # a pinned one is not listed; it goes all the same
                 self._remove_checkpoint(page_hash)
         self._events.append(PagesRemoved(tuple(removed)))
 
@@ -251,7 +287,7 @@ class PrefixCache:
 
     def remove_checkpoint(self, page_hash: bytes) -> bool:
         """Drops one stored checkpoint (operators and tests); False if absent or pinned."""
-        if not self._unlist(("c", page_hash)):
+        if not self._unlist_ckpt(page_hash):
             return False
         self._remove_checkpoint(page_hash)
         return True
@@ -259,8 +295,8 @@ class PrefixCache:
     def clear(self) -> None:
         """Drops everything not held by a running sequence; announces the result as a fresh
         picture (AllCleared, then what remains)."""
-        while self._lru:
-            self._evict_one()
+        while self._cold_pages or self._cold_ckpts:
+            self._evict_coldest()
         self._events.clear()
         self._events.append(AllCleared())
         for page_hash, parent in self.pages.registered():
@@ -291,5 +327,8 @@ class PrefixCache:
         if expect != self.used_bytes or self.used_bytes > self.budget_bytes:
             raise AssertionError(f"prefix cache accounting off: used={self.used_bytes} expected={expect} "
                                  f"budget={self.budget_bytes}")
-        if self._evictable_pages != self.pages.num_cached:
-            raise AssertionError(f"evictable pages {self._evictable_pages} != cached {self.pages.num_cached}")
+        if len(self._cold_pages) != self.pages.num_cached:
+            raise AssertionError(f"evictable pages {len(self._cold_pages)} != cached {self.pages.num_cached}")
+        listed = len(self._cold_pages) * self.page_bytes + len(self._cold_ckpts) * self.checkpoint_bytes
+        if listed != self._evictable_bytes:
+            raise AssertionError(f"evictable bytes {self._evictable_bytes} != listed {listed}")

@@ -1,0 +1,218 @@
+"""The hybrid prefix cache as a user meets it through the engine: history rewritten by a chat
+template still hits, divergence keeps the pages before it, a resumed request computes what a
+cold one computes, hashes agree across processes, and the event stream tells the truth."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tokenizers import Tokenizer
+
+from cache_service.hashing import page_hashes, root_hash
+from cache_service.index import CacheIndex
+from cluster.chat_template import ChatTemplate
+from workers import Engine, SamplingParams
+
+PS = 16
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=1)
+
+
+@pytest.fixture(scope="module")
+def chat(tiny_model_dir):
+    tok = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
+    template = ChatTemplate.from_dir(tiny_model_dir)
+    return lambda messages: tok.encode(template.render(messages), add_special_tokens=False).ids, tok
+
+
+def first_turn():
+    return [{"role": "system", "content": "You answer questions about stone piles. " * 6},
+            {"role": "user", "content": "How do I build a cairn that lasts through winter storms? " * 3}]
+
+
+def second_turn(answer_text: str):
+    return first_turn() + [
+        {"role": "assistant", "content": "Stack flat stones, widest first.",
+         "reasoning_content": "The user wants durable cairns. " + answer_text},
+        {"role": "user", "content": "And how tall?"}]
+
+
+@pytest.mark.parametrize("policy", ["cairn", "all"])
+def test_thinking_drop_turn_two_resumes_near_turn_ones_prompt_end(tiny_model_dir, chat, policy):
+    render, tok = chat
+    engine = Engine.from_pretrained(tiny_model_dir, cache_policy=policy, num_pages=128)
+    p1 = render(first_turn())
+    out1 = engine.generate([p1], GREEDY)[0]
+    assert out1.cached_tokens == 0
+    p2 = render(second_turn(tok.decode(out1.token_ids)))
+    assert p2[:len(p1)] == p1 and p2[:len(p1) + len(out1.token_ids)] != p1 + out1.token_ids
+    out2 = engine.generate([p2], GREEDY)[0]
+    assert out2.cached_tokens >= len(p1) - engine.options.tail_guard - PS
+    assert engine.stats.cached_tokens == out2.cached_tokens
+
+
+def test_thinking_drop_turn_two_gets_nothing_under_exact_matching(tiny_model_dir, chat):
+    render, tok = chat
+    engine = Engine.from_pretrained(tiny_model_dir, cache_policy="exact", num_pages=128)
+    p1 = render(first_turn())
+    out1 = engine.generate([p1], GREEDY)[0]
+    out2 = engine.generate([render(second_turn(tok.decode(out1.token_ids)))], GREEDY)[0]
+    assert out2.cached_tokens == 0
+
+
+@pytest.mark.parametrize("policy", ["cairn", "exact", "end_branch"])
+def test_a_client_echoing_the_whole_turn_resumes_at_its_last_page(tiny_model_dir, chat, policy):
+    render, _ = chat
+    engine = Engine.from_pretrained(tiny_model_dir, cache_policy=policy, num_pages=128)
+    p1 = render(first_turn())
+    out1 = engine.generate([p1], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))[0]
+    p2 = p1 + out1.token_ids + render([{"role": "user", "content": "go on"}])
+    out2 = engine.generate([p2], GREEDY)[0]
+    assert out2.cached_tokens >= len(p1) + len(out1.token_ids) - PS
+
+
+def prompt(n, seed, vocab=200):
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_divergence_inside_page_k_keeps_the_k_pages_before_it_attention_only(hf_checkpoint):
+    engine = Engine.from_pretrained(hf_checkpoint("attention_only"), num_pages=64)
+    assert not engine.config.has_recurrent_layers
+    a = prompt(6 * PS + 5, seed=1)
+    engine.generate([a], GREEDY)
+    b = list(a)
+    b[3 * PS + 7] = (b[3 * PS + 7] + 1) % 200  # inside page 3 (0-based)
+    assert engine.generate([b], GREEDY)[0].cached_tokens == 3 * PS
+    assert engine.generate([a], GREEDY)[0].cached_tokens == 6 * PS  # all whole pages of a
+
+
+def test_divergence_inside_page_k_keeps_the_k_pages_before_it_hybrid(tiny_model_dir):
+    engine = Engine.from_pretrained(tiny_model_dir, cache_policy="all", num_pages=64)
+    a = prompt(6 * PS + 5, seed=2)
+    engine.generate([a], GREEDY)
+    b = list(a)
+    b[3 * PS + 7] = (b[3 * PS + 7] + 1) % 200
+    assert engine.generate([b], GREEDY)[0].cached_tokens == 3 * PS
+    # With the deepest checkpoint gone, the next one down is used (never zero while one exists).
+    root = engine.hash_root()
+    hashes = page_hashes(a, PS, root)
+    assert engine.cache.remove_checkpoint(hashes[2])
+    c = list(a)
+    c[3 * PS + 9] = (c[3 * PS + 9] + 3) % 200
+    assert engine.generate([c], GREEDY)[0].cached_tokens == 2 * PS
+    for j in (2, 1, 0):
+        engine.cache.remove_checkpoint(hashes[j])
+    assert engine.generate([c[:3 * PS] + [5, 6, 7]], GREEDY)[0].cached_tokens == 0
+
+
+def test_cached_tokens_is_reported_for_every_request_zero_included(tiny_model_dir):
+    engine = Engine.from_pretrained(tiny_model_dir, num_pages=64)
+    outs = engine.generate([prompt(40, 3), prompt(3, 4)], GREEDY)
+    assert [o.cached_tokens for o in outs] == [0, 0]
+
+
+@pytest.fixture(scope="module")
+def warm_and_cold(tiny_model_dir):
+    return {policy: Engine.from_pretrained(tiny_model_dir, cache_policy=policy, num_pages=512, max_num_seqs=4)
+            for policy in ("all", "cairn")}
+
+
+@settings(max_examples=120, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(data=st.data())
+@pytest.mark.parametrize("policy", ["all", "cairn"])
+def test_a_resumed_request_computes_what_a_cold_one_computes(warm_and_cold, policy, data):
+    engine = warm_and_cold[policy]
+    base_len = data.draw(st.integers(PS + 2, 5 * PS), label="base")
+    base = data.draw(st.lists(st.integers(0, 500), min_size=base_len, max_size=base_len), label="tokens")
+    keep = data.draw(st.integers(1, base_len), label="shared")
+    tail = data.draw(st.lists(st.integers(0, 500), min_size=1, max_size=2 * PS), label="tail")
+    second = base[:keep] + tail
+    engine.generate([base], GREEDY)
+    warm = engine.generate([second], GREEDY)[0]
+    salt = f"cold-{engine.stats.steps}"  # a fresh salt shares nothing: a cold run, same engine
+    rid = engine.add_request(second, GREEDY, cache_salt=salt)
+    cold = None
+    while cold is None or not cold.finished:
+        for out in engine.step():
+            if out.request_id == rid:
+                cold = out
+    assert cold.cached_tokens == 0
+    if policy == "all" and keep >= PS + 1:
+        assert warm.cached_tokens >= ((keep - 1) // PS) * PS - PS
+    assert warm.token_ids == cold.token_ids
+    torch.testing.assert_close(torch.tensor([lp.logprob for lp in warm.logprobs]),
+                               torch.tensor([lp.logprob for lp in cold.logprobs]), atol=1e-4, rtol=0)
+    engine.check()
+
+
+HASH_SCRIPT = """
+import sys
+from cache_service.hashing import page_hashes, root_hash
+print(",".join(h.hex() for h in page_hashes(list(range(100)), 16, root_hash("model-x", 16, "salt"))))
+"""
+
+
+def test_hash_chains_are_equal_in_two_processes():
+    here = ",".join(h.hex() for h in page_hashes(list(range(100)), 16, root_hash("model-x", 16, "salt")))
+    other = subprocess.run([sys.executable, "-c", HASH_SCRIPT], capture_output=True, text=True, check=True,
+                           env={"PYTHONHASHSEED": "123", "PATH": ""}, cwd=str(__import__("pathlib").Path(__file__).parent.parent))
+    assert other.stdout.strip() == here
+    assert len(here.split(",")) == 100 // 16
+
+
+def test_different_cache_salts_never_share_a_page(tiny_model_dir):
+    engine = Engine.from_pretrained(tiny_model_dir, cache_policy="all", num_pages=64)
+    p = prompt(5 * PS, 9)
+
+    def run(salt):
+        rid = engine.add_request(p, GREEDY, cache_salt=salt)
+        while True:
+            for out in engine.step():
+                if out.request_id == rid and out.finished:
+                    return out.cached_tokens
+
+    assert run("alice") == 0
+    assert run("bob") == 0
+    assert run(None) == 0
+    assert run("alice") > 0
+    assert page_hashes(p, PS, engine.hash_root("alice"))[0] != page_hashes(p, PS, engine.hash_root("bob"))[0]
+
+
+def replay_matches(engine, index):
+    batch = engine.drain_events()
+    if batch is not None:
+        assert index.apply(batch.encode())
+    pages, states = engine.cache.snapshot()
+    got_pages, got_states = index.contents(engine.events.worker_id)
+    assert got_pages == {h for h, _ in pages}
+    assert got_states == set(states)
+
+
+@pytest.mark.parametrize("policy", ["cairn", "all"])
+def test_an_event_stream_replayed_into_an_index_equals_the_workers_contents(tiny_model_dir, policy):
+    # A budget so small that pages and checkpoints are evicted all the time.
+    engine = Engine.from_pretrained(tiny_model_dir, cache_policy=policy, num_pages=24, max_checkpoints=6,
+                                    max_num_seqs=3, max_num_batched_tokens=48)
+    index = CacheIndex()
+    g = torch.Generator().manual_seed(5)
+    shared = prompt(2 * PS, 11)
+    for i in range(14):
+        p = shared + torch.randint(0, 300, (int(torch.randint(1, 3 * PS, (1,), generator=g)),), generator=g).tolist()
+        engine.add_request(p, SamplingParams(max_tokens=int(torch.randint(1, 20, (1,), generator=g)),
+                                             temperature=0, ignore_eos=True))
+        if i % 3 == 2:
+            while engine.has_unfinished():
+                engine.step()
+                engine.check()
+                replay_matches(engine, index)
+    while engine.has_unfinished():
+        engine.step()
+        replay_matches(engine, index)
+    assert engine.cache.stats.pages_evicted > 0
+    engine.clear_cache()
+    replay_matches(engine, index)
+    assert index.contents(engine.events.worker_id) == (frozenset(), frozenset())
+    assert index.workers_needing_resync() == set()
