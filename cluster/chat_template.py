@@ -12,6 +12,7 @@ the API turns into a 400: it is the request's messages that the template refused
 from __future__ import annotations
 
 import json
+import os
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -58,6 +59,20 @@ class ChatTemplate:
         if not isinstance(source, str):
             raise TemplateError(f"{model_dir}: no chat_template.jinja and no chat_template in tokenizer_config.json")
         return cls(source)
+
+    def message_starts(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                       **kwargs: Any) -> tuple[str, list[int]]:
+        """The rendered text and the character offsets where each message (and the generation
+        prompt) starts: checkpoint hints for the prefix cache. A template may render earlier
+        messages differently once later ones exist (dropped reasoning); an offset is then the
+        longest common prefix with the full text, so a hint is never past the real start."""
+        text = self.render(messages, add_generation_prompt=add_generation_prompt, **kwargs)
+        starts = []
+        for i in range(1, len(messages) + (1 if add_generation_prompt else 0)):
+            prefix = self.render(messages[:i], add_generation_prompt=False, **kwargs)
+            n = len(os.path.commonprefix([prefix, text]))
+            starts.append(n)
+        return text, sorted(set(starts))
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                tools: list[dict] | None = None, **kwargs: Any) -> str:

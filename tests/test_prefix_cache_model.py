@@ -38,7 +38,8 @@ class Harness:
         self.stored_pages: set[tuple] = set()  # brute force: every prefix ever registered
         self.stored_ckpts: set[tuple] = set()
         self.history: list[list[int]] = []
-        self.running: list[Sequence] = []
+        self.running: list[Sequence] = []  # computed, holding their pages
+        self.computing: list[Sequence] = []  # admitted, not yet computed
         self.index = CacheIndex()
         self.stream = EventStream("w")
         self.index.apply(self.stream.snapshot([], []))
@@ -80,18 +81,27 @@ class Harness:
             return
         self.cache.credit(m)
         self.hits += m.resume_token
-        held_before = {p: self.page_data.get(p) for p in seq.page_ids}
+        n_held = len(seq.page_ids)
         seq.page_ids += self.cache.allocate_pages(need)
-        for p in seq.page_ids[len(held_before):]:
-            assert all(p not in r.page_ids for r in self.running), "a held page was handed out again"
-        # "Compute" the prompt: pages past the shared ones get this prompt's prefixes.
+        for p in seq.page_ids[n_held:]:
+            assert all(p not in r.page_ids for r in self.running + self.computing), "a held page was handed out again"
+        seq.resume_pages = m.state_pages  # type: ignore[attr-defined]
+        self.cache.unpin()
+        self.computing.append(seq)
+        if self.rng.random() < 0.5:  # else it computes later: concurrent twins happen
+            self.compute(len(self.computing) - 1)
+
+    def compute(self, i: int) -> None:
+        """"Computes" a prompt: pages past the shared ones get its prefixes; checkpoints on the way."""
+        seq = self.computing.pop(i)
+        tokens, n = seq.token_ids, seq.num_tokens
         for j in range(seq.shared_pages, len(seq.page_ids)):
             self.page_data[seq.page_ids[j]] = tuple(tokens[:(j + 1) * PS])
         seq.num_computed = n
         self.cache.register_pages(seq)
-        for j in range(seq.registered_pages):
+        for j in range(n // PS):  # every whole page computed must be findable (twins included)
             self.stored_pages.add(tuple(tokens[:(j + 1) * PS]))
-        for j in range(m.state_pages + 1, n // PS + 1):
+        for j in range(seq.resume_pages + 1, n // PS + 1):
             if self.rng.random() < 0.5:
                 slot = self.cache.allocate_checkpoint()
                 if slot is not None:
@@ -100,6 +110,15 @@ class Harness:
                         self.stored_ckpts.add(tuple(tokens[:j * PS]))
         self.cache.unpin()
         self.running.append(seq)
+
+    def step(self, unlimited: bool) -> None:
+        rng = self.rng
+        if self.computing and rng.random() < 0.4:
+            self.compute(rng.randrange(len(self.computing)))
+        elif self.running and (len(self.running) > 3 or rng.random() < 0.5):
+            self.finish_one()
+        elif len(self.computing) < 3:
+            self.admit(unlimited)
 
     def finish_one(self) -> None:
         seq = self.running.pop(self.rng.randrange(len(self.running)))
@@ -122,11 +141,8 @@ class Harness:
 def test_with_memory_to_spare_hits_are_exactly_the_brute_force_ones(seed):
     rng = random.Random(seed)
     harness = Harness(rng, num_pages=5000, ckpt_slots=5000, budget=10**9)
-    for _ in range(1500):
-        if harness.running and (len(harness.running) > 4 or rng.random() < 0.5):
-            harness.finish_one()
-        else:
-            harness.admit(unlimited=True)
+    for _ in range(2000):
+        harness.step(unlimited=True)
         harness.check()
     assert harness.hits > 0
 
@@ -136,13 +152,12 @@ def test_with_memory_to_spare_hits_are_exactly_the_brute_force_ones(seed):
 def test_under_tiny_budgets_every_hit_is_sound_and_the_budget_holds(seed, pages, slots, budget):
     rng = random.Random(seed)
     harness = Harness(rng, num_pages=pages, ckpt_slots=slots, budget=budget)
-    for _ in range(1500):
-        if harness.running and (len(harness.running) > 2 or rng.random() < 0.5):
-            harness.finish_one()
-        else:
-            harness.admit(unlimited=False)
+    for _ in range(2000):
+        harness.step(unlimited=False)
         harness.check()
     assert harness.cache.stats.pages_evicted > 0
+    while harness.computing:
+        harness.compute(0)
     while harness.running:
         harness.finish_one()
     harness.cache.clear()

@@ -166,21 +166,38 @@ class PrefixCache:
 
     # ---- registration -----------------------------------------------------------------------
     def register_pages(self, seq: Sequence) -> None:
-        """Registers every whole page `seq` has computed (prompt and output), under its hash."""
+        """Registers every whole page `seq` has computed (prompt and output), under its hash.
+
+        A page whose hash a concurrent twin registered first (two prompts with one prefix,
+        prefilled in the same steps) is swapped for the twin's page, which holds the same K/V;
+        ours goes back to the free pool. So a sequence always holds its whole chain."""
         full = seq.num_computed // self.page_size
         if seq.register_stopped or seq.registered_pages >= full:
             return
         self.extend_hashes(seq, full)
-        first, stored = seq.registered_pages, []
-        for j in range(first, full):
-            parent = seq.page_hashes[j - 1] if j else None
-            if not self.pages.register(seq.page_ids[j], seq.page_hashes[j], parent):
-                seq.register_stopped = True  # a twin computed it first; our chain stays private
+        run_start, run = seq.registered_pages, []  # one PagesStored per consecutive run
+        for j in range(seq.registered_pages, full):
+            page_hash, parent = seq.page_hashes[j], seq.page_hashes[j - 1] if j else None
+            twin = self.pages.page_of(page_hash)
+            if twin is not None:
+                self._flush_run(seq, run_start, run)
+                run_start, run = j + 1, []
+                self._unlist_page(twin)
+                self.pages.acquire(twin)
+                if self.pages.release(seq.page_ids[j]) == "free":
+                    self.used_bytes -= self.page_bytes
+                seq.page_ids[j] = twin
+            elif self.pages.register(seq.page_ids[j], page_hash, parent):
+                run.append(page_hash)
+            else:
+                seq.register_stopped = True  # cannot happen while every chain is held whole
                 break
-            stored.append(seq.page_hashes[j])
             seq.registered_pages = j + 1
-        if stored:
-            self._events.append(PagesStored(tuple(stored), seq.page_hashes[first - 1] if first else None))
+        self._flush_run(seq, run_start, run)
+
+    def _flush_run(self, seq: Sequence, start: int, run: list[bytes]) -> None:
+        if run:
+            self._events.append(PagesStored(tuple(run), seq.page_hashes[start - 1] if start else None))
 
     def commit_checkpoint(self, seq: Sequence, slot: int, depth: int, kinds: set[str],
                           exact_tail: tuple[int, ...] | None = None) -> bool:

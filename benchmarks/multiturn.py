@@ -1,0 +1,260 @@
+"""Multi-turn chats against each checkpoint policy: hit tokens vs the oracle, prefill work, TTFT.
+
+Workloads, on the `bench` demo model (or `tiny` with --quick), the model's own outputs fed back
+as a client would:
+- thinking-drop: thinking on; the client splits each answer into reasoning (first half) and
+  content (second half); the demo template drops earlier turns' reasoning, so each new prompt
+  rewrites history a few tokens before the previous prompt ended;
+- echo: the client sends each turn back verbatim (token ids), as agent loops do.
+Conversations share a system prompt; all are open at once and advance turn by turn. The trace
+(prompts, hints, output lengths) is recorded once per workload and replayed identically for every
+policy: `exact` (today's exact-length behaviour), `all`, `interval`, `end_branch`, and `cairn`.
+
+Each policy runs twice: with memory to spare, and under one shared budget (pages + states) sized
+so that pages and checkpoints compete. The oracle hit of a request is its longest common prefix
+with every sequence (prompt + output) finished before it was sent, capped at n - 1: unlimited
+memory and a state at every token. Printed per policy: prefill tokens computed, hit tokens and
+their ratio to the oracle, checkpoints stored, state memory peak, median TTFT per turn.
+Writes benchmarks/out/multiturn.png (hit tokens per turn). Not a test: nothing is asserted.
+
+Usage: python benchmarks/multiturn.py [--convs 16] [--turns 6] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+from tokenizers import Tokenizer  # noqa: E402
+
+from cluster.chat_template import ChatTemplate  # noqa: E402
+from workers import Engine, SamplingParams  # noqa: E402
+from workers.demo import demo_model_dir  # noqa: E402
+
+OUT = Path(__file__).parent / "out"
+POLICIES = ["exact", "all", "interval", "end_branch", "cairn"]
+WORDS = ("stone cairn ridge trail summit marker path weather snow rock pile guide north map river valley "
+         "build stack wide flat base tall lasting winter storm hikers route visible balance").split()
+
+
+@dataclass
+class Request:
+    conv: int
+    turn: int
+    prompt: list[int]
+    hints: list[int]
+    output_len: int
+    oracle: int = 0
+
+
+@dataclass
+class Result:
+    policy: str
+    hit: dict[int, int] = field(default_factory=dict)  # turn -> hit tokens
+    oracle: dict[int, int] = field(default_factory=dict)
+    prefill: int = 0
+    ttft: dict[int, list[float]] = field(default_factory=dict)
+    checkpoints: int = 0
+    state_peak: int = 0
+    seconds: float = 0.0
+
+
+def sentence(rng: torch.Generator, n_words: int) -> str:
+    idx = torch.randint(0, len(WORDS), (n_words,), generator=rng).tolist()
+    return " ".join(WORDS[i] for i in idx).capitalize() + "."
+
+
+class Client:
+    """Renders conversations like an ingress: template, tokens, checkpoint hints."""
+
+    def __init__(self, model_dir: Path):
+        self.tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        self.template = ChatTemplate.from_dir(model_dir)
+
+    def encode(self, messages: list[dict]) -> tuple[list[int], list[int]]:
+        text, starts = self.template.message_starts(messages)
+        enc = self.tok.encode(text, add_special_tokens=False)
+        ends = [e for _, e in enc.offsets]
+        hints = [sum(1 for e in ends if e <= c) for c in starts]
+        return enc.ids, hints
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+
+def record_trace(engine: Engine, client: Client, workload: str, convs: int, turns: int,
+                 system_words: int, user_words: int, answer_tokens: int) -> list[list[Request]]:
+    """Runs the conversations once and records each round's requests (what every policy replays)."""
+    rng = torch.Generator().manual_seed(1)
+    system = {"role": "system", "content": " ".join(sentence(rng, 12) for _ in range(system_words // 12))}
+    messages = [[system] for _ in range(convs)]
+    echo_ids: list[list[int] | None] = [None] * convs
+    rounds = []
+    params = SamplingParams(max_tokens=answer_tokens, temperature=0, ignore_eos=True)
+    for turn in range(1, turns + 1):
+        reqs = []
+        for c in range(convs):
+            user = {"role": "user", "content": " ".join(sentence(rng, 10) for _ in range(user_words // 10))}
+            messages[c].append(user)
+            if workload == "echo" and echo_ids[c] is not None:
+                suffix, _ = client.encode([user])  # the new user turn + generation prompt, as tokens
+                prompt = echo_ids[c] + client.tok.encode("<|im_end|>\n", add_special_tokens=False).ids + suffix
+                hints = [len(echo_ids[c])]
+            else:
+                prompt, hints = client.encode(messages[c])
+            reqs.append(Request(c, turn, prompt, hints, answer_tokens))
+        outs = engine.generate([r.prompt for r in reqs], params)
+        for r, out in zip(reqs, outs):
+            half = len(out.token_ids) // 2
+            if workload == "thinking-drop":
+                messages[r.conv].append({"role": "assistant", "content": client.decode(out.token_ids[half:]),
+                                         "reasoning_content": client.decode(out.token_ids[:half])})
+            else:
+                messages[r.conv].append({"role": "assistant", "content": client.decode(out.token_ids)})
+                echo_ids[r.conv] = r.prompt + out.token_ids
+        rounds.append(reqs)
+        for r, out in zip(reqs, outs):
+            r.output_len = len(out.token_ids)
+            r.full = r.prompt + out.token_ids  # type: ignore[attr-defined]
+    # Oracle: longest common prefix with everything finished before this round, capped at n - 1.
+    seen: list[list[int]] = []
+    for reqs in rounds:
+        for r in reqs:
+            best = 0
+            for s in seen:
+                k = 0
+                limit = min(len(s), len(r.prompt) - 1)
+                while k < limit and s[k] == r.prompt[k]:
+                    k += 1
+                best = max(best, k)
+            r.oracle = best
+        seen += [r.full for r in reqs]  # type: ignore[attr-defined]
+    return rounds
+
+
+def replay(engine: Engine, rounds: list[list[Request]], policy: str) -> Result:
+    res = Result(policy)
+    start = time.perf_counter()
+    for reqs in rounds:
+        ids = {}
+        sent = time.perf_counter()
+        for r in reqs:
+            rid = engine.add_request(r.prompt, SamplingParams(max_tokens=r.output_len, temperature=0, ignore_eos=True),
+                                     checkpoint_hints=r.hints)
+            ids[rid] = r
+        first: dict[str, float] = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.request_id not in first:
+                    first[out.request_id] = time.perf_counter() - sent
+                if out.finished:
+                    r = ids[out.request_id]
+                    res.hit[r.turn] = res.hit.get(r.turn, 0) + out.cached_tokens
+                    res.oracle[r.turn] = res.oracle.get(r.turn, 0) + r.oracle
+                    res.prefill += len(r.prompt) - out.cached_tokens
+        for rid, r in ids.items():
+            res.ttft.setdefault(r.turn, []).append(first[rid])
+        engine.check()
+    res.seconds = time.perf_counter() - start
+    res.checkpoints = engine.cache.stats.checkpoints_stored
+    res.state_peak = engine.cache.stats.state_bytes_peak
+    return res
+
+
+def report(workload: str, setting: str, results: list[Result], turns: int) -> None:
+    print(f"\n== {workload}, {setting} ==")
+    print(f"{'policy':11s} {'prefill':>8s} {'hit':>8s} {'oracle':>8s} {'ratio':>6s} {'ckpts':>6s} "
+          f"{'state MiB':>9s} {'run s':>6s}  median TTFT per turn (s)")
+    for r in results:
+        hit, oracle = sum(r.hit.values()), sum(r.oracle.values())
+        ttft = " ".join(f"{statistics.median(r.ttft[t]):.2f}" for t in range(1, turns + 1))
+        print(f"{r.policy:11s} {r.prefill:8d} {hit:8d} {oracle:8d} {hit / max(oracle, 1):6.3f} {r.checkpoints:6d} "
+              f"{r.state_peak / 2**20:9.1f} {r.seconds:6.1f}  {ttft}")
+    by = {r.policy: r for r in results}
+    exact_t, cairn_t = statistics.median(by["exact"].ttft[turns]), statistics.median(by["cairn"].ttft[turns])
+    best_base = max((r for r in results if r.policy != "cairn"),
+                    key=lambda r: sum(r.hit.values()))
+    ratio = sum(by["cairn"].hit.values()) / max(sum(best_base.hit.values()), 1)
+    print(f"turn-{turns} median TTFT: exact {exact_t:.2f}s, cairn {cairn_t:.2f}s ({exact_t / cairn_t:.1f}x lower); "
+          f"cairn hit tokens / best baseline ({best_base.policy}): {ratio:.2f}x")
+
+
+def plot(all_results: dict[tuple[str, str], list[Result]], turns: int) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(matplotlib missing: no plot)")
+        return
+    OUT.mkdir(exist_ok=True)
+    fig, axes = plt.subplots(1, len(all_results), figsize=(5 * len(all_results), 4), squeeze=False)
+    for ax, ((workload, setting), results) in zip(axes[0], all_results.items()):
+        xs = list(range(1, turns + 1))
+        ax.plot(xs, [results[0].oracle.get(t, 0) for t in xs], "k--", label="oracle")
+        for r in results:
+            ax.plot(xs, [r.hit.get(t, 0) for t in xs], marker="o", label=r.policy)
+        ax.set_title(f"{workload}, {setting}")
+        ax.set_xlabel("turn")
+        ax.set_ylabel("hit tokens (all conversations)")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(OUT / "multiturn.png", dpi=110)
+    print(f"\nplot: {OUT / 'multiturn.png'}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--convs", type=int, default=16)
+    parser.add_argument("--turns", type=int, default=6)
+    parser.add_argument("--system-words", type=int, default=180)
+    parser.add_argument("--user-words", type=int, default=40)
+    parser.add_argument("--answer-tokens", type=int, default=32)
+    parser.add_argument("--workloads", default="thinking-drop,echo")
+    parser.add_argument("--quick", action="store_true", help="tiny model, 4 conversations, 3 turns")
+    args = parser.parse_args()
+    size = "bench"
+    if args.quick:
+        size, args.convs, args.turns, args.system_words = "tiny", 4, 3, 60
+    torch.set_num_threads(os.cpu_count() or 1)
+    model_dir = demo_model_dir(size)
+    client = Client(model_dir)
+    engine_opts = dict(max_num_seqs=max(args.convs, 4), max_num_batched_tokens=2048)
+    probe = Engine.from_pretrained(model_dir, **engine_opts)
+    page_b, ckpt_b = probe.memory.page_bytes, probe.memory.checkpoint_bytes
+    all_results = {}
+    for workload in args.workloads.split(","):
+        rounds = record_trace(Engine.from_pretrained(model_dir, cache_policy="all", cache_memory_bytes=2**31,
+                                                     **engine_opts),
+                              client, workload, args.convs, args.turns, args.system_words, args.user_words,
+                              args.answer_tokens)
+        final_tokens = sum(len(r.prompt) + r.output_len for r in rounds[-1])
+        final_pages = -(-final_tokens // probe.options.page_size)
+        # Tight: 80% of the pages the last round's sequences need, plus one checkpoint per conversation.
+        budget = int(0.8 * final_pages) * page_b + args.convs * ckpt_b
+        settings = {"memory to spare": 2**31,
+                    f"budget {budget / 2**20:.1f} MiB = {int(0.8 * final_pages)} pages + {args.convs} states":
+                    budget}
+        for setting, nbytes in settings.items():
+            results = []
+            for policy in POLICIES:
+                engine = Engine.from_pretrained(model_dir, cache_policy=policy, cache_memory_bytes=nbytes, **engine_opts)
+                results.append(replay(engine, rounds, policy))
+            report(workload, setting, results, args.turns)
+            all_results[(workload, setting.split(" =")[0])] = results
+    print(f"\nmodel: {size} demo; {args.convs} conversations open at once, {args.turns} turns; "
+          f"page {page_b / 1024:.0f} KiB, state checkpoint {ckpt_b / 1024:.0f} KiB "
+          f"(= {ckpt_b / page_b:.1f} pages)")
+    plot(all_results, args.turns)
+
+
+if __name__ == "__main__":
+    main()
