@@ -216,3 +216,29 @@ def test_an_event_stream_replayed_into_an_index_equals_the_workers_contents(tiny
     replay_matches(engine, index)
     assert index.contents(engine.events.worker_id) == (frozenset(), frozenset())
     assert index.workers_needing_resync() == set()
+
+
+def run_conversations(engine, workload: str, turns: int = 10, convs: int = 2):
+    """Token-level multi-turn chats: `drop` rewrites the previous answer's first half away (the
+    thinking-drop history rewrite), `echo` sends everything back verbatim."""
+    g = torch.Generator().manual_seed(3)
+    history = [prompt(3 * PS, 20 + c) for c in range(convs)]
+    for _ in range(turns):
+        outs = engine.generate(history, SamplingParams(max_tokens=2 * PS, temperature=0, ignore_eos=True))
+        for c, out in enumerate(outs):
+            answer = out.token_ids[PS:] if workload == "drop" else out.token_ids
+            history[c] = history[c] + answer + torch.randint(0, 400, (PS + 3,), generator=g).tolist()
+    return engine.metrics()
+
+
+def test_each_checkpoint_kind_earns_its_keep(tiny_model_dir):
+    # Thinking-drop never reuses finish checkpoints; echo never reuses prompt tails: after the
+    # warm-up, each workload stops paying for the kind it does not use (exploration aside).
+    drop = run_conversations(Engine.from_pretrained(tiny_model_dir, num_pages=512), "drop", turns=14)
+    echo = run_conversations(Engine.from_pretrained(tiny_model_dir, num_pages=512), "echo", turns=14)
+    assert drop["checkpoint_hits_total:finish"] == 0
+    assert drop["checkpoint_hits_total:tail"] >= 20
+    assert drop["checkpoints_admitted_total:finish"] <= 12  # 28 finished requests: warm-up + exploration
+    assert echo["checkpoint_hits_total:tail"] == 0
+    assert echo["checkpoint_hits_total:finish"] >= 20
+    assert echo["checkpoints_admitted_total:tail"] <= 12

@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -62,7 +62,6 @@ class EngineStats:
     generated_tokens: int = 0
     cached_tokens: int = 0
     preemptions: int = 0
-    extra: dict = field(default_factory=dict)
 
 
 def generation_eos_ids(model_dir: Path) -> frozenset[int]:
@@ -286,6 +285,36 @@ class Engine:
     def clear_cache(self) -> None:
         """Drops every cached page and checkpoint no running request holds."""
         self.cache.clear()
+
+    def metrics(self) -> dict[str, float]:
+        """Counters and gauges for /metrics and routing: tokens (prompt, cached, computed,
+        generated), pages and checkpoint state in use, budget, checkpoints by kind."""
+        cache, stats = self.cache, self.cache.stats
+        out: dict[str, float] = {
+            "steps": self.stats.steps,
+            "prompt_tokens": self.stats.prompt_tokens,
+            "cached_tokens": self.stats.cached_tokens,
+            "computed_tokens": self.stats.computed_tokens,
+            "generated_tokens": self.stats.generated_tokens,
+            "preemptions": self.stats.preemptions,
+            "running_requests": len(self.scheduler.running),
+            "waiting_requests": len(self.scheduler.waiting),
+            "pages_total": self.pages.num_pages,
+            "pages_held": self.pages.num_held,
+            "pages_cached": self.pages.num_cached,
+            "checkpoints_stored": cache.checkpoints.num_stored,
+            "state_bytes": cache.state_bytes,
+            "cache_used_bytes": cache.used_bytes,
+            "cache_budget_bytes": cache.budget_bytes,
+            "pages_evicted_total": stats.pages_evicted,
+            "checkpoints_stored_total": stats.checkpoints_stored,
+            "checkpoints_used_total": stats.checkpoints_used,
+            "checkpoints_evicted_total": stats.checkpoints_evicted,
+        }
+        for kind, rec in self.policy.summary().items():
+            out[f"checkpoints_admitted_total:{kind}"] = rec["admitted"]
+            out[f"checkpoint_hits_total:{kind}"] = rec["hits"]
+        return out
 
     def check(self) -> None:
         """Integrity check for idle moments and tests: pools and the budget add up."""
