@@ -219,26 +219,55 @@ def test_an_event_stream_replayed_into_an_index_equals_the_workers_contents(tiny
 
 
 def run_conversations(engine, workload: str, turns: int = 10, convs: int = 2):
-    """Token-level multi-turn chats: `drop` rewrites the previous answer's first half away (the
-    thinking-drop history rewrite), `echo` sends everything back verbatim."""
+    """Token-level multi-turn chats. `drop`: the previous answer's first half is rewritten away
+    (Qwen3's thinking drop: history diverges at the previous prompt's end); `drop_guarded`: the
+    previous prompt's last 3 tokens are rewritten too (a generation prompt that opened a think
+    block); `echo`: everything is sent back verbatim."""
     g = torch.Generator().manual_seed(3)
     history = [prompt(3 * PS, 20 + c) for c in range(convs)]
     for _ in range(turns):
         outs = engine.generate(history, SamplingParams(max_tokens=2 * PS, temperature=0, ignore_eos=True))
         for c, out in enumerate(outs):
-            answer = out.token_ids[PS:] if workload == "drop" else out.token_ids
-            history[c] = history[c] + answer + torch.randint(0, 400, (PS + 3,), generator=g).tolist()
+            if workload == "echo":
+                history[c] = history[c] + out.token_ids
+            elif workload == "drop":
+                history[c] = history[c] + out.token_ids[PS:]
+            else:
+                history[c] = history[c][:-3] + out.token_ids[PS:]
+            history[c] += torch.randint(0, 400, (PS + 3,), generator=g).tolist()
     return engine.metrics()
 
 
-def test_each_checkpoint_kind_earns_its_keep(tiny_model_dir):
-    # Thinking-drop never reuses finish checkpoints; echo never reuses prompt tails: after the
-    # warm-up, each workload stops paying for the kind it does not use (exploration aside).
-    drop = run_conversations(Engine.from_pretrained(tiny_model_dir, num_pages=512), "drop", turns=14)
-    echo = run_conversations(Engine.from_pretrained(tiny_model_dir, num_pages=512), "echo", turns=14)
-    assert drop["checkpoint_hits_total:finish"] == 0
-    assert drop["checkpoint_hits_total:tail"] >= 20
-    assert drop["checkpoints_admitted_total:finish"] <= 12  # 28 finished requests: warm-up + exploration
-    assert echo["checkpoint_hits_total:tail"] == 0
-    assert echo["checkpoint_hits_total:finish"] >= 20
-    assert echo["checkpoints_admitted_total:tail"] <= 12
+@pytest.mark.parametrize("workload, pays, idle", [
+    ("drop", "prompt_end", ["finish"]),
+    ("drop_guarded", "tail", ["finish", "prompt_end"]),
+    ("echo", "finish", ["tail", "prompt_end"]),
+])
+def test_each_checkpoint_kind_earns_its_keep(tiny_model_dir, workload, pays, idle):
+    # Each workload reuses one kind; after the warm-up it stops paying for kinds it never hits
+    # (exploration aside): 28 requests finish, the warm-up is 8 admissions.
+    m = run_conversations(Engine.from_pretrained(tiny_model_dir, num_pages=512), workload, turns=14)
+    assert m[f"checkpoint_hits_total:{pays}"] >= 20
+    for kind in idle:
+        assert m[f"checkpoint_hits_total:{kind}"] == 0
+        assert m[f"checkpoints_admitted_total:{kind}"] <= 12
+
+
+@pytest.mark.parametrize("policy", ["cairn", "all"])
+def test_a_prompt_arriving_beside_a_twin_waits_a_step_and_resumes_where_they_part(tiny_model_dir, policy):
+    engine = Engine.from_pretrained(tiny_model_dir, cache_policy=policy, num_pages=128, max_num_batched_tokens=512)
+    shared = prompt(6 * PS + 5, 30)
+    a, b = shared + prompt(10, 31), shared + prompt(12, 32)
+    out_a, out_b = engine.generate([a, b], GREEDY)
+    assert (out_a.cached_tokens, out_b.cached_tokens) == (0, 6 * PS)
+    cold = Engine.from_pretrained(tiny_model_dir, num_pages=128).generate([b], GREEDY)[0]
+    assert out_b.token_ids == cold.token_ids
+
+
+def test_exact_matching_does_not_make_twins_wait(tiny_model_dir):
+    engine = Engine.from_pretrained(tiny_model_dir, cache_policy="exact", num_pages=128, max_num_batched_tokens=512)
+    shared = prompt(6 * PS + 5, 30)
+    engine.add_request(shared + [1], GREEDY)
+    engine.add_request(shared + [2], GREEDY)
+    engine.step()
+    assert len(engine.scheduler.running) == 2

@@ -2,7 +2,10 @@
 
 Positions are page boundaries (units: pages; page j ends at token j * page_size). Kinds:
 - `tail`: the last boundary at or before n - tail_guard of every prompt (the thinking-drop
-  divergence lies a few tokens before the previous prompt's end);
+  divergence lies a few tokens before the previous prompt's end, as in templates whose
+  generation prompt opens a think block);
+- `prompt_end`: the last boundary at or before n (templates that rewrite only what was
+  generated, like Qwen3's: the divergence is the previous prompt's end itself);
 - `hint`: boundaries at or before positions the ingress passes (message starts, generation
   prompt start), rounded down;
 - `finish`: the last boundary a sequence crossed before it finished, captured during decode
@@ -24,11 +27,12 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-TAIL, HINT, FINISH, BRANCH, INTERVAL, EVERY, END = "tail", "hint", "finish", "branch", "interval", "every", "end"
-ALL_KINDS = (TAIL, HINT, FINISH, BRANCH, INTERVAL, EVERY, END)
+TAIL, PROMPT_END, HINT, FINISH, BRANCH, INTERVAL, EVERY, END = (
+    "tail", "prompt_end", "hint", "finish", "branch", "interval", "every", "end")
+ALL_KINDS = (TAIL, PROMPT_END, HINT, FINISH, BRANCH, INTERVAL, EVERY, END)
 
 POLICY_KINDS = {
-    "cairn": frozenset({TAIL, HINT, FINISH, BRANCH, INTERVAL}),
+    "cairn": frozenset({TAIL, PROMPT_END, HINT, FINISH, BRANCH, INTERVAL}),
     "exact": frozenset({END}),
     "all": frozenset({EVERY}),
     "interval": frozenset({INTERVAL, FINISH}),
@@ -84,6 +88,7 @@ class CheckpointPolicy:
                 wanted.setdefault(j, set()).add(kind)
 
         want((n_tokens - self.tail_guard) // page_size, TAIL)
+        want(last, PROMPT_END)
         for pos in hints:
             want(pos // page_size, HINT)
         if hit_pages > resume_pages:

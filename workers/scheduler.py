@@ -5,8 +5,9 @@ A step holds decodes (one token each) and prefill chunks together, at most
 `max_num_batched_tokens` tokens and `max_num_seqs` running sequences. Running sequences are
 served oldest first; a waiting one is admitted by matching it against the prefix cache (it
 starts at its resume point, its state restored from the checkpoint it resumes from) while
-tokens, pages and a state slot are free. When a running sequence needs a page and none can be
-had, the newest running sequence is preempted: it gives back what it holds and waits at the
+tokens, pages and a state slot are free; one whose next pages a running sequence is computing
+right now waits a step to share them (that sequence checkpoints where the two prompts part).
+When a running sequence needs a page and none can be had, the newest running sequence is preempted: it gives back what it holds and waits at the
 head of the queue to recompute later. Running out of pages is never an error.
 
 Checkpoints cost a copy, not compute: a state wanted at a boundary inside a segment is taken
@@ -19,7 +20,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from workers.checkpoint_policy import EVERY, CheckpointPolicy
+from workers.checkpoint_policy import BRANCH, EVERY, CheckpointPolicy
 from workers.options import EngineOptions
 from workers.prefix_cache import PrefixCache
 from workers.sequence import Sequence, Status
@@ -102,18 +103,52 @@ class Scheduler:
             self._add_segment(plan, seq, n)
             budget -= n
             i += 1
+        inflight = self._inflight_pages()
         while (self.waiting and budget > 0 and not plan.preempted
                and len(self.running) < self.options.max_num_seqs and self.states.can_allocate()):
-            admitted = self._admit(self.waiting[0], budget, plan)
+            admitted = self._admit(self.waiting[0], budget, plan, inflight)
             if admitted is None:
                 break
             budget -= admitted
+        for segment in plan.segments:  # after admission: it may add branch targets to running ones
+            self._plan_checkpoints(plan, segment)
         return plan
 
-    def _admit(self, seq: Sequence, budget: int, plan: StepPlan) -> int | None:
-        """Starts `seq` at its resume point; returns the tokens scheduled (None: cannot now)."""
+    def _inflight_pages(self) -> dict[bytes, Sequence]:
+        """Whole prompt pages running sequences compute from this step on, by hash."""
+        inflight: dict[bytes, Sequence] = {}
+        for seq in self.running:
+            self._add_inflight(inflight, seq)
+        return inflight
+
+    def _add_inflight(self, inflight: dict[bytes, Sequence], seq: Sequence) -> None:
+        whole = seq.num_tokens // self.page_size
+        if seq.registered_pages < whole:
+            self.cache.extend_hashes(seq, whole)
+            for j in range(seq.registered_pages, whole):
+                inflight.setdefault(seq.page_hashes[j], seq)
+
+    def _defer_for_twin(self, seq: Sequence, hit_pages: int, inflight: dict[bytes, Sequence]) -> bool:
+        """True if a running sequence is computing `seq`'s next pages right now: `seq` waits a
+        step and resumes from them, and the running one checkpoints where the two part."""
+        hashes, whole = seq.page_hashes, seq.num_tokens // self.page_size
+        if hit_pages >= whole or hashes[hit_pages] not in inflight:
+            return False
+        if self.cache.recurrent and not ({BRANCH, EVERY} & self.policy.kinds):
+            return False  # no state would be kept where they part: waiting would gain nothing
+        owner, k = inflight[hashes[hit_pages]], hit_pages
+        while k < whole and inflight.get(hashes[k]) is owner:
+            k += 1
+        if self.cache.recurrent:
+            owner.ckpt_targets.setdefault(k, set()).add(BRANCH)
+        return True
+
+    def _admit(self, seq: Sequence, budget: int, plan: StepPlan, inflight: dict[bytes, Sequence]) -> int | None:
+        """Starts `seq` at its resume point; returns the tokens scheduled (None: not now)."""
         cache = self.cache
         m = cache.match(seq)
+        if self._defer_for_twin(seq, m.hit_pages, inflight):
+            return None
         cache.begin(seq, m)
         n = min(seq.num_uncomputed, budget)
         need = cache.pages.pages_for_tokens(seq.num_computed + n) - len(seq.page_ids)
@@ -137,6 +172,7 @@ class Scheduler:
         seq.status = Status.RUNNING
         self.running.append(seq)
         self._add_segment(plan, seq, n)
+        self._add_inflight(inflight, seq)
         return n
 
     def _reserve_pages(self, seq: Sequence, n: int, plan: StepPlan) -> bool:
@@ -154,7 +190,6 @@ class Scheduler:
     def _add_segment(self, plan: StepPlan, seq: Sequence, n: int) -> None:
         segment = Segment(seq, seq.num_computed, n)
         (plan.decodes if n == 1 else plan.prefills).append(segment)
-        self._plan_checkpoints(plan, segment)
 
     # ---- checkpoints -----------------------------------------------------------------------
     def _plan_checkpoints(self, plan: StepPlan, seg: Segment) -> None:
