@@ -10,8 +10,8 @@ Subcommands:
   checkpoint (see `workers.demo`) and print the directory written.
 - `generate [--model DIR] --prompt TEXT [--chat] [--max-tokens N] [--temperature T]` — load
   the checkpoint (default: the tiny demo model) into an in-process engine, print a completion.
-- `serve` — added by its owner: write `_add_<name>(subparsers)` that registers
-  the parser with `set_defaults(run=_<name>)`, and list it in `COMMANDS`.
+- `serve [--model DIR] [--host H] [--port P] [--api-key K] ...` — the HTTP API over one
+  in-process engine (the demo model by default).
 """
 
 import argparse
@@ -81,8 +81,35 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-# `serve` goes here: one `_add_<name>` / `_<name>` pair, listed below.
-COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_add_demo_model, _add_generate)
+def _add_serve(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "serve", help="serve the OpenAI-compatible HTTP API",
+        description="Serve /v1/chat/completions, /v1/completions, /v1/models, /health and /metrics.")
+    parser.add_argument("--model", help="checkpoint directory (default: the tiny demo model)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 "
+                                                        "(default: $CAIRN_API_KEY, else none)")
+    parser.add_argument("--served-model-name", default=None, help="model id clients send (default: folder name)")
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--cache-memory-bytes", type=int, default=None)
+    parser.add_argument("--cache-policy", default="cairn", help="cairn | exact | all | interval | end_branch")
+    parser.set_defaults(run=_serve)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from cluster.server import serve_in_process
+
+    print(f"cairn: serving on http://{args.host}:{args.port}/v1 (Ctrl-C to stop)", flush=True)
+    serve_in_process(args.model, host=args.host, port=args.port, api_key=args.api_key,
+                     served_model_name=args.served_model_name, page_size=args.page_size,
+                     max_num_seqs=args.max_num_seqs, cache_memory_bytes=args.cache_memory_bytes,
+                     cache_policy=args.cache_policy)
+    return 0
+
+
+COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_add_demo_model, _add_generate, _add_serve)
 
 
 def build_parser() -> argparse.ArgumentParser:

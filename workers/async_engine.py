@@ -13,6 +13,7 @@ and state slot go back to the pools. A fault inside a step fails the requests in
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 from collections.abc import AsyncIterator
@@ -51,14 +52,19 @@ class AsyncEngine:
             self._loop_task = asyncio.get_running_loop().create_task(self._run())
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Streams outputs of one request; raises ValueError at once for a request the engine refuses."""
+                       request_id: str | None = None, *, cache_salt: str | None = None,
+                       page_hashes: list[bytes] | None = None,
+                       checkpoint_hints: list[int] | None = None) -> AsyncIterator[RequestOutput]:
+        """Streams outputs of one request; raises ValueError at once for a request the engine
+        refuses. Keyword arguments as for `Engine.add_request`."""
         self._ensure_loop()
         request_id = request_id if request_id is not None else f"async-{next(self._ids)}"
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
+        add = functools.partial(self.engine.add_request, prompt_token_ids, params, request_id,
+                                cache_salt=cache_salt, page_hashes=page_hashes, checkpoint_hints=checkpoint_hints)
         try:
-            await self._call(self.engine.add_request, prompt_token_ids, params, request_id)
+            await self._call(add)
         except BaseException:
             self._queues.pop(request_id, None)
             raise
@@ -78,6 +84,14 @@ class AsyncEngine:
             self._queues.pop(request_id, None)
             if not finished:
                 await asyncio.shield(self._call(self.engine.abort, request_id))
+
+    async def metrics(self) -> dict[str, float]:
+        """`Engine.metrics()`, read on the engine thread (never mid-step)."""
+        return await self._call(self.engine.metrics)
+
+    async def call(self, fn, *args):
+        """Runs `fn(engine, *args)` on the engine thread, between steps (snapshots, admin)."""
+        return await self._call(fn, self.engine, *args)
 
     async def abort(self, request_id: str) -> bool:
         """Ends a request; its stream yields a last output with finish_reason "abort"."""

@@ -1,0 +1,133 @@
+"""The OpenAI-compatible HTTP API: `build_app(client, model_dir, ...)` returns the FastAPI app.
+
+Endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models[/ID] (the /v1 ones need
+`Authorization: Bearer <key>` when an API key is set, by argument or CAIRN_API_KEY), GET
+/health, GET /metrics (Prometheus text). The same app runs in-process over one engine
+(`LocalEngineClient`) and as the Ray Serve ingress (the cluster's client): it knows engines
+only through `EngineClient`.
+
+A body is parsed here, not by FastAPI: bytes that are not UTF-8, not JSON, or not an object
+are a 400 with what is wrong; then the pydantic model checks fields strictly (400 naming the
+field). See `cluster.errors` for the error shape and `cluster.middleware` for the body limit
+(413) and the last-resort 500.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+import time
+from pathlib import Path
+from typing import TypeVar
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse
+from pydantic import BaseModel, ValidationError
+from starlette.responses import Response
+
+from cluster.chat_completions import ChatCompletions
+from cluster.chat_template import ChatTemplate, TemplateError
+from cluster.completions import Completions
+from cluster.engine_client import EngineClient
+from cluster.errors import APIError, bad_request, from_validation, install_error_handlers
+from cluster.metrics import CONTENT_TYPE, APIMetrics
+from cluster.middleware import RequestGuard
+from cluster.protocol import ChatCompletionRequest, CompletionRequest
+from cluster.responses import ModelCard, ModelList
+from cluster.serving import Serving
+from cluster.tokenizer import TextTokenizer
+
+DEFAULT_MAX_BODY_BYTES = 8 << 20
+DEFAULT_MAX_WAITING = 256
+ENDPOINTS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics"})
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def parse_body(model: type[M], body: bytes) -> M:
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise bad_request(f"request body is not valid UTF-8 (byte {e.start})", code="invalid_encoding") from None
+    if not text.strip():
+        raise bad_request("request body is empty; expected a JSON object", code="invalid_body")
+    try:
+        return model.model_validate_json(text)
+    except ValidationError as e:
+        raise from_validation(e.errors(include_url=False)) from None
+
+
+async def _client_gone(request: Request) -> None:
+    """Returns when the client disconnects (the body has been read; what comes next is that)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _api_key_check(api_key: str | None):
+    async def check(request: Request) -> None:
+        if api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+            raise APIError(401, "missing or wrong API key; send Authorization: Bearer <key>",
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+    return check
+
+
+def build_app(client: EngineClient, model_dir: str | Path, served_model_name: str | None = None,
+              api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+              max_waiting: int = DEFAULT_MAX_WAITING) -> FastAPI:
+    """The API over `client`; the tokenizer and chat template come from `model_dir`."""
+    api_key = api_key if api_key is not None else (os.environ.get("CAIRN_API_KEY") or None)
+    name = served_model_name or Path(model_dir).name
+    try:
+        template: ChatTemplate | None = ChatTemplate.from_dir(model_dir)
+    except TemplateError:
+        template = None  # completions still work; chat answers 400
+    metrics = APIMetrics()
+    serving = Serving(client, TextTokenizer.from_dir(model_dir), template, name, max_waiting, metrics)
+    chat, completions = ChatCompletions(serving), Completions(serving)
+
+    app = FastAPI(title="cairn", summary="OpenAI-compatible API for hybrid LLMs with prefix caching",
+                  docs_url=None, redoc_url=None)
+    install_error_handlers(app)
+    app.add_middleware(RequestGuard, max_body_bytes=max_body_bytes, count=metrics.count_request,
+                       endpoints=ENDPOINTS)
+    app.state.serving = serving
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return PlainTextResponse(metrics.render(await client.metrics()), media_type=CONTENT_TYPE)
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(_api_key_check(api_key))])
+
+    @v1.get("/models")
+    async def models() -> JSONResponse:
+        card = ModelCard(id=name, max_model_len=client.max_model_len)
+        return JSONResponse(ModelList(data=[card]).model_dump(mode="json"))
+
+    @v1.get("/models/{model:path}")
+    async def model(model: str) -> JSONResponse:
+        if model != name:
+            raise APIError(404, f"model {model!r} does not exist; this server serves {name!r}", "model",
+                           "model_not_found")
+        return JSONResponse(ModelCard(id=name, max_model_len=client.max_model_len).model_dump(mode="json"))
+
+    @v1.post("/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        arrived = time.monotonic()
+        req = parse_body(ChatCompletionRequest, await request.body())
+        return await chat(req, request.state.request_id, arrived, lambda: _client_gone(request))
+
+    @v1.post("/completions")
+    async def text_completions(request: Request) -> Response:
+        arrived = time.monotonic()
+        req = parse_body(CompletionRequest, await request.body())
+        return await completions(req, request.state.request_id, arrived, lambda: _client_gone(request))
+
+    app.include_router(v1)
+    return app

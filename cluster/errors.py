@@ -1,0 +1,106 @@
+"""Errors in OpenAI's shape, grouped by who must act (design rule 9).
+
+Every error body is `{"error": {"message", "type", "param", "code"}}`. The client's fault is
+4xx with a message that says what to change and `param` naming the field (a dotted path such
+as `messages[2].role`); a full queue is 429 (come back later); our own fault is 500 with a
+generic message and the request id, the traceback going to the log under that id, never to
+the client.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from cluster.responses import ErrorInfo, ErrorResponse
+
+TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+         405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+         500: "server_error", 503: "service_unavailable"}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers
+
+    def body(self) -> dict[str, Any]:
+        info = ErrorInfo(message=self.message, type=TYPES.get(self.status, "invalid_request_error"),
+                         param=self.param, code=self.code)
+        return ErrorResponse(error=info).model_dump()
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param, code)
+
+
+def internal_error(request_id: str) -> APIError:
+    return APIError(500, f"internal server error (request id {request_id})", code="internal_error")
+
+
+def _is_field(part: str | int) -> bool:
+    """A location part that names a field (ours are snake_case), not a union member's type tag
+    such as `str`, `list[int]` or `TextPart`."""
+    return isinstance(part, int) or (re.fullmatch(r"[a-z_][a-z0-9_]*", part) is not None
+                                     and part not in ("str", "int", "float", "bool", "dict", "list", "none"))
+
+
+def _path(loc: Sequence[str | int]) -> str:
+    path = ""
+    for part in loc:
+        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else part)
+    return path
+
+
+def param_path(loc: Sequence[str | int]) -> str | None:
+    """The field a pydantic error location names, as a path (`messages[2].role`); a union's
+    member errors name the union field itself."""
+    fields = []
+    for part in loc:
+        if not _is_field(part):
+            break
+        fields.append(part)
+    return _path(fields) or None
+
+
+def from_validation(errors: Sequence[dict[str, Any]]) -> APIError:
+    """A 400 naming the field; of a union's member errors, the deepest says the most."""
+    if any(e.get("type") == "json_invalid" for e in errors):
+        msg = next(e for e in errors if e.get("type") == "json_invalid").get("msg", "")
+        return bad_request(f"request body is not valid JSON: {msg}", code="invalid_json")
+    worst = max(errors, key=lambda e: len(e.get("loc", ())))
+    loc = worst.get("loc", ())
+    param = param_path(loc)
+    if param is None and worst.get("type") in ("model_type", "model_attributes_type", "dict_type"):
+        return bad_request("request body must be a JSON object", code="invalid_body")
+    msg = str(worst.get("msg", "invalid value")).removeprefix("Value error, ")
+    where = _path([p for p in loc if _is_field(p)])
+    return bad_request(f"{where}: {msg}" if where else msg, param=param, code="invalid_value")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """OpenAI-shaped bodies for our errors, FastAPI's validation errors and Starlette's 404/405
+    (anything else is the outermost `RequestGuard`'s 500)."""
+    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return from_validation(exc.errors()).response()
+
+    async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
+        return APIError(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None)).response()
+
+    app.add_exception_handler(APIError, api_error)
+    app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(HTTPException, http_error)

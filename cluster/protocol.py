@@ -1,0 +1,136 @@
+"""The OpenAI-shaped requests the HTTP API accepts, as pydantic models.
+
+Rules: unknown fields are ignored, as OpenAI does (`extra="ignore"`); known fields are checked
+strictly against their JSON types (no "5" for 5, no 1.0 for an int, no NaN or infinity), so
+a wrong type is a 400 naming the field. Ranges the engine owns (temperature, top_p, seed, ...)
+are checked once, by `SamplingParams`; the ones only the API knows are checked here. Fields we
+accept but cannot honour (penalties, logit_bias, JSON modes, forced tool calls, suffix) are
+refused by the serving layer with a 400 naming them, never silently dropped.
+Responses live in `cluster.responses`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+MAX_N = 16            # choices per request
+MAX_STOP_STRINGS = 16
+MAX_LOGPROBS = 20
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+
+
+class StreamOptions(_Request):
+    include_usage: bool = Field(False, description="send a last chunk with usage for the whole request")
+
+
+class TextPart(_Request):
+    type: Literal["text"] = Field(description="only text parts: this server reads no images or audio")
+    text: str = Field(description="the text")
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant", "tool"] = Field(
+        description="who speaks; developer is rendered as system")
+    content: str | list[TextPart] | None = Field(None, description="text, or a list of text parts")
+    name: str | None = Field(None, description="speaker name, passed to the template")
+    reasoning_content: str | None = Field(
+        None, description="an assistant turn's reasoning, echoed back; the template decides whether to keep it")
+    tool_calls: list[dict[str, Any]] | None = Field(
+        None, description="an assistant turn's tool calls, for the template")
+    tool_call_id: str | None = Field(None, description="the call a tool message answers")
+
+    @model_validator(mode="after")
+    def _content_required(self) -> "ChatMessage":
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content")
+        return self
+
+    def for_template(self) -> dict[str, Any]:
+        message = self.model_dump(exclude_none=True)
+        if message["role"] == "developer":
+            message["role"] = "system"
+        return message
+
+
+class SamplingFields(_Request):
+    """Fields both endpoints share."""
+
+    model: str = Field(description="the served model's name (see GET /v1/models)")
+    temperature: float | None = Field(None, description="0 = greedy; in [0, 2]; default 1")
+    top_p: float | None = Field(None, description="nucleus sampling mass, in (0, 1]")
+    top_k: int | None = Field(None, description="sample among the k most likely tokens; 0 or -1 = off")
+    seed: int | None = Field(None, description="reproducible sampling; choice i uses seed + i")
+    stop: str | list[str] | None = Field(None, description="strings that end a choice; never part of its text")
+    n: int = Field(1, ge=1, le=MAX_N, description=f"choices to generate, 1..{MAX_N}")
+    stream: bool = Field(False, description="server-sent events instead of one JSON body")
+    stream_options: StreamOptions | None = Field(None, description="streaming extras (include_usage)")
+    presence_penalty: float = Field(0.0, description="not supported: must be 0")
+    frequency_penalty: float = Field(0.0, description="not supported: must be 0")
+    logit_bias: dict[str, float] | None = Field(None, description="not supported: must be empty")
+    user: str | None = Field(None, description="end-user id (not used)")
+    cache_salt: str | None = Field(None, max_length=1024,
+                                   description="requests with different salts never share cached pages")
+    ignore_eos: bool = Field(False, description="keep generating past end-of-sequence tokens")
+    stop_token_ids: list[int] | None = Field(None, description="token ids that end a choice")
+
+    def stop_strings(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return [s for s in stops if s]
+
+    @field_validator("stop")
+    @classmethod
+    def _at_most_max_stop_strings(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(stop, list) and len(stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
+        return stop
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1, description="the conversation so far")
+    max_tokens: int | None = Field(None, description="deprecated name of max_completion_tokens")
+    max_completion_tokens: int | None = Field(None, description="tokens to generate at most; default: "
+                                                                "what the context leaves")
+    logprobs: bool = Field(False, description="return each token's log-probability")
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
+                                     description="alternatives per token (needs logprobs=true)")
+    tools: list[dict[str, Any]] | None = Field(None, description="tool schemas, passed to the chat template")
+    tool_choice: str | dict[str, Any] | None = Field(None, description="none or auto; forced calls are not supported")
+    response_format: dict[str, Any] | None = Field(None, description="only {type: text} is supported")
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="extra template variables, such as enable_thinking")
+    add_generation_prompt: bool = Field(True, description="end the prompt with the assistant turn's opening")
+    continue_final_message: bool = Field(
+        False, description="continue the last (assistant) message instead of starting a new turn")
+
+    def requested_max_tokens(self) -> tuple[str, int | None]:
+        """(field name, value) of the output budget the client asked for."""
+        if self.max_completion_tokens is not None:
+            return "max_completion_tokens", self.max_completion_tokens
+        return "max_tokens", self.max_tokens
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        description="text, token ids, or a batch of either")
+    max_tokens: int | None = Field(16, description="tokens to generate at most")
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
+                                 description="return log-probabilities with this many alternatives")
+    echo: bool = Field(False, description="return the prompt before the completion")
+    suffix: str | None = Field(None, description="not supported: must be empty")
+    best_of: int | None = Field(None, description="not supported beyond n")
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and all(isinstance(x, int) for x in p):
+            return [p]  # type: ignore[list-item]
+        return list(p)  # type: ignore[arg-type]
+
+    def requested_max_tokens(self) -> tuple[str, int | None]:
+        return "max_tokens", self.max_tokens

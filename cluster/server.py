@@ -1,0 +1,78 @@
+"""`serve_in_process`: the HTTP API over one engine in this process (no Ray).
+
+For `cairn serve --replicas 1` debugging and local use: loads the checkpoint into an
+`AsyncEngine`, builds the app over a `LocalEngineClient` and runs uvicorn until stopped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+
+def serve_in_process(model_dir: str | Path | None = None, host: str = "127.0.0.1", port: int = 8000,
+                     api_key: str | None = None, served_model_name: str | None = None,
+                     max_body_bytes: int | None = None, max_waiting: int | None = None,
+                     **engine_options: object) -> None:
+    """Serves until interrupted. `model_dir` None serves the tiny demo model."""
+    import uvicorn
+
+    from cluster.api import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING, build_app
+    from cluster.engine_client import LocalEngineClient
+    from workers import AsyncEngine
+    from workers.demo import demo_model_dir
+
+    model_dir = Path(model_dir) if model_dir is not None else demo_model_dir("tiny")
+    engine = AsyncEngine.from_pretrained(model_dir, **engine_options)
+    app = build_app(LocalEngineClient(engine), model_dir, served_model_name, api_key,
+                    max_body_bytes=max_body_bytes or DEFAULT_MAX_BODY_BYTES,
+                    max_waiting=max_waiting or DEFAULT_MAX_WAITING)
+
+    async def main() -> None:
+        server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info"))
+        try:
+            await server.serve()
+        finally:
+            await engine.close()
+
+    asyncio.run(main())
+
+
+class BackgroundServer:
+    """An ASGI app served by uvicorn on a free loopback port, in a daemon thread: for tests,
+    notebooks and benchmarks that want real HTTP. Use as a context manager; `url` is its root."""
+
+    def __init__(self, app: object, host: str = "127.0.0.1", log_level: str = "warning"):
+        self.app, self.host, self.log_level = app, host, log_level
+        self.port = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def __enter__(self) -> "BackgroundServer":
+        import socket
+        import threading
+        import time
+
+        import uvicorn
+
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.host, 0))
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(self.app, log_level=self.log_level, timeout_graceful_shutdown=2)
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, daemon=True,
+                                        name=f"uvicorn-{self.port}")
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the server on port {self.port} did not start")
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=10)

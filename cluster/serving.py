@@ -1,0 +1,218 @@
+"""From a validated request to engine requests, and from engine outputs to an OpenAI response.
+
+The ingress does its share of the prefix cache's work here, once per prompt: render the chat
+template, tokenize, turn message starts into checkpoint hints, and hash whole pages with the
+engine's root under the request's cache_salt. Then it checks what only it can check (model
+name, context length with both numbers, fields we cannot honour, queue room: 429 when full),
+starts one engine request per choice (`seed + i` for choice i) and waits for the first output,
+so a request the engine refuses is still a 400 even when streaming. A non-streaming request
+whose client disconnects is aborted too. Prompt tokens are counted once per prompt, completion
+tokens summed over choices; cached_tokens is a prompt's smallest over its choices.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from cache_service.hashing import page_hashes
+from cluster.chat_template import ChatTemplate, TemplateError
+from cluster.choice import Choice, Delta
+from cluster.engine_client import EngineClient, GenerateRequest
+from cluster.errors import APIError, bad_request
+from cluster.fanout import Fanout
+from cluster.metrics import APIMetrics
+from cluster.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from cluster.reasoning import ReasoningParser
+from cluster.tokenizer import TextTokenizer
+from workers import SamplingParams
+from workers.sampling_params import MAX_SEED
+
+CLIENT_CLOSED_REQUEST = 499  # the status logged for a request whose client left (nginx's convention)
+
+
+@dataclass
+class Prepared:
+    """One prompt ready for the engine: token ids, the text and messages they came from,
+    checkpoint hints (token positions), and whether its generation prompt opened <think>."""
+
+    ids: list[int]
+    text: str | None
+    hints: list[int] = field(default_factory=list)
+    messages: list[dict[str, Any]] | None = None
+    opens_think: bool = False
+
+
+class Serving:
+    def __init__(self, client: EngineClient, tokenizer: TextTokenizer, template: ChatTemplate | None,
+                 model_name: str, max_waiting: int, metrics: APIMetrics):
+        self.client, self.tokenizer, self.template = client, tokenizer, template
+        self.model_name, self.max_waiting, self.metrics = model_name, max_waiting, metrics
+        self.reasoning_model = tokenizer.has_tokens("<think>", "</think>")
+
+    # ---- checks shared by both endpoints -------------------------------------------------------
+    def check_common(self, req: SamplingFields) -> None:
+        if req.model != self.model_name:
+            raise APIError(404, f"model {req.model!r} does not exist; this server serves {self.model_name!r}",
+                           "model", "model_not_found")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(req, name) != 0:
+                raise bad_request(f"{name} is not supported (must be 0)", name, "unsupported")
+        if req.logit_bias:
+            raise bad_request("logit_bias is not supported", "logit_bias", "unsupported")
+
+    def max_tokens(self, req: SamplingFields, n_prompt: int, prompt_param: str) -> int:
+        limit = self.client.max_model_len
+        if n_prompt >= limit:
+            raise bad_request(f"prompt has {n_prompt} tokens; this model allows at most {limit - 1} "
+                              f"(max_model_len {limit}, one left to generate)", prompt_param,
+                              "context_length_exceeded")
+        name, asked = req.requested_max_tokens()
+        if asked is None or name not in req.model_fields_set:
+            return min(asked or limit, limit - n_prompt)  # a default never overflows the context
+        if asked < 1:
+            raise bad_request(f"{name} must be at least 1, got {asked}", name)
+        if n_prompt + asked > limit:
+            raise bad_request(f"this model's context is {limit} tokens; the request needs {n_prompt + asked} "
+                              f"({n_prompt} in the prompt, {asked} to generate)", name, "context_length_exceeded")
+        return asked
+
+    def sampling(self, req: SamplingFields, max_tokens: int, logprobs: int | None,
+                 names: dict[str, str]) -> list[SamplingParams]:
+        out = []
+        for i in range(req.n):
+            seed = req.seed
+            if seed is not None and 0 <= seed <= MAX_SEED:  # out of range: SamplingParams says so
+                seed = (seed + i) % (MAX_SEED + 1)
+            try:
+                out.append(SamplingParams(
+                    max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
+                    top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0, seed=seed,
+                    stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos, logprobs=logprobs))
+            except ValueError as e:  # the message starts with the field's name
+                param = names.get(str(e).split()[0], str(e).split()[0])
+                raise bad_request(param + str(e)[len(str(e).split()[0]):], param) from None
+        return out
+
+    def admit(self, count: int) -> None:
+        waiting = self.client.num_waiting()
+        if waiting + count > self.max_waiting:
+            raise APIError(429, f"the server's queue is full ({waiting} requests waiting); retry later",
+                           code="queue_full", headers={"Retry-After": "1"})
+
+    def engine_requests(self, request_id: str, req: SamplingFields, prompts: list[Prepared],
+                        params: list[SamplingParams]) -> list[GenerateRequest]:
+        root = self.client.hash_root(req.cache_salt)
+        out = []
+        for p_index, p in enumerate(prompts):
+            hashes = page_hashes(p.ids, self.client.page_size, root)
+            for i, sp in enumerate(params):
+                out.append(GenerateRequest(
+                    request_id=f"{request_id}-{p_index * len(params) + i}", prompt_token_ids=p.ids, params=sp,
+                    prompt=p.text, messages=p.messages, cache_salt=req.cache_salt, page_hashes=hashes,
+                    checkpoint_hints=p.hints))
+        return out
+
+    # ---- chat prompt ---------------------------------------------------------------------------
+    def render_chat(self, req: ChatCompletionRequest) -> Prepared:
+        if self.template is None:
+            raise bad_request("this model has no chat template; use /v1/completions", "messages")
+        messages = [m.for_template() for m in req.messages]
+        add_generation_prompt = req.add_generation_prompt and not req.continue_final_message
+        if req.continue_final_message and messages[-1]["role"] != "assistant":
+            raise bad_request("continue_final_message needs an assistant message last", "continue_final_message")
+        kwargs = dict(req.chat_template_kwargs or {})
+        clash = sorted(kwargs.keys() & {"messages", "add_generation_prompt", "tools"})
+        if clash:
+            raise bad_request(f"chat_template_kwargs may not set {clash}; use the request fields",
+                              "chat_template_kwargs")
+        try:
+            text, starts = self.template.message_starts(messages, add_generation_prompt=add_generation_prompt,
+                                                        tools=req.tools, **kwargs)
+        except TemplateError as e:
+            raise bad_request(str(e), "messages", "template_error") from None
+        if req.continue_final_message:
+            final = messages[-1].get("content") or ""
+            final = final if isinstance(final, str) else "".join(p.get("text", "") for p in final)
+            cut = text.rfind(final) if final else -1
+            text = text[:cut + len(final)] if cut >= 0 else text
+        ids, ends = self.tokenizer.encode_with_ends(text)
+        gen_start = starts[-1] if starts else 0
+        opens = self.reasoning_model and ReasoningParser.prompt_opens_think(text[gen_start:])
+        return Prepared(ids, text, self.tokenizer.token_positions(ends, starts), messages, opens)
+
+    def completion_prompts(self, req: CompletionRequest) -> list[Prepared]:
+        prompts = req.prompts()
+        if not prompts:
+            raise bad_request("prompt must not be empty", "prompt")
+        out = []
+        for p in prompts:
+            if isinstance(p, str):
+                out.append(Prepared(self.tokenizer.encode(p, add_special_tokens=True), p))
+            else:
+                out.append(Prepared(list(p), None))
+            if not out[-1].ids:
+                raise bad_request("prompt must hold at least one token", "prompt")
+        return out
+
+    # ---- running -----------------------------------------------------------------------------
+    async def start(self, requests: list[GenerateRequest], prompt_param: str, names: dict[str, str]
+                    ) -> tuple[Fanout, tuple[int, Any]]:
+        """Starts the engine requests and waits for the first output (or the engine's refusal)."""
+        fan = Fanout(self.client, requests)
+        try:
+            return fan, await fan.__anext__()
+        except ValueError as e:  # the engine refused: the message names the field or the prompt
+            await fan.close()
+            raise bad_request(str(e), names.get(str(e).split()[0], prompt_param)) from None
+        except BaseException:
+            await fan.close()
+            raise
+
+    async def drive(self, fan: Fanout, first: tuple[int, Any], choices: list[Choice], arrived: float
+                    ) -> AsyncIterator[tuple[Choice, Delta]]:
+        """Feeds outputs to their choices; yields (choice, delta) for each that adds something."""
+        self.metrics.ttft.observe(time.monotonic() - arrived)
+        item: tuple[int, Any] | None = first
+        while item is not None:
+            index, out = item
+            choice = choices[index]
+            delta = choice.update(out)
+            if choice.finished and not out.finished:
+                await fan.close(index)
+            if delta:
+                yield choice, delta
+            item = await anext(fan, None)
+
+    async def collect(self, fan: Fanout, first: tuple[int, Any], choices: list[Choice], arrived: float,
+                      client_gone: Callable[[], Awaitable[None]]) -> bool:
+        """Runs every choice to its end for a non-streaming response. False if the client went
+        away first: its engine requests are then aborted, not left to run for no one."""
+        async def consume() -> None:
+            async for _ in self.drive(fan, first, choices, arrived):
+                pass
+
+        work, gone = asyncio.ensure_future(consume()), asyncio.ensure_future(client_gone())
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not work.done():
+                work.cancel()
+            await fan.close()
+        if work.cancelled():
+            return False
+        work.result()  # raises what the engine raised
+        return True
+
+    def record(self, prompts: list[Prepared], choices: list[Choice], arrived: float) -> tuple[int, int, int]:
+        """(prompt, completion, cached) tokens of the request, counted into the metrics."""
+        per = len(choices) // len(prompts)
+        prompt_tokens = sum(len(p.ids) for p in prompts)
+        cached = sum(min(c.cached_tokens for c in choices[k * per:(k + 1) * per]) for k in range(len(prompts)))
+        completion = sum(c.num_tokens for c in choices)
+        self.metrics.observe_finished(prompt_tokens, cached, completion, time.monotonic() - arrived)
+        return prompt_tokens, completion, cached

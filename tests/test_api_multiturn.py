@@ -1,0 +1,76 @@
+"""A conversation through the official client, the way chat apps hold one: each turn the client
+echoes the assistant's answer back (its content; in the second case its reasoning_content as
+well, which a thinking template drops once a new user turn arrives). cached_tokens grows every
+turn and covers at least the previous turn's prompt but its last page and the tail guard."""
+
+import shutil
+
+import openai
+import pytest
+
+from cluster.api import build_app
+from cluster.engine_client import LocalEngineClient
+from cluster.server import BackgroundServer
+from workers import AsyncEngine
+
+MODEL, TURNS = "tiny", 4
+QUESTIONS = ["How do I build a cairn that lasts through the winter storms on the ridge?",
+             "And how tall should it be so hikers see it in fog?",
+             "Which stones hold best when they are wet?",
+             "How often should someone check on it?"]
+
+
+@pytest.fixture(scope="module")
+def thinking_model_dir(tiny_model_dir, tmp_path_factory):
+    """The demo checkpoint with a template that opens <think> in the generation prompt (as
+    thinking-only Qwen3 and DeepSeek-R1 templates do), so every answer starts as reasoning."""
+    out = tmp_path_factory.mktemp("thinking-model")
+    for f in tiny_model_dir.iterdir():
+        if f.is_file():
+            shutil.copy(f, out / f.name)
+    source = (out / "chat_template.jinja").read_text()
+    forced = source.replace(r"{{- '<think>\n\n</think>\n\n' -}}{%- endif -%}",
+                            r"{{- '<think>\n\n</think>\n\n' -}}{%- else -%}{{- '<think>\n' -}}{%- endif -%}")
+    assert forced != source
+    (out / "chat_template.jinja").write_text(forced)
+    return out
+
+
+def converse(model_dir, echo_reasoning: bool):
+    engine = AsyncEngine.from_pretrained(model_dir, num_pages=1024)
+    page_size, tail_guard = engine.engine.options.page_size, engine.engine.options.tail_guard
+    with BackgroundServer(build_app(LocalEngineClient(engine), model_dir, MODEL)) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        messages = [{"role": "system", "content": "You are a patient guide to stone cairns. " * 5}]
+        prompts, cached, reasoning = [], [], []
+        for question in QUESTIONS[:TURNS]:
+            messages.append({"role": "user", "content": question})
+            out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0)
+            msg = out.choices[0].message
+            prompts.append(out.usage.prompt_tokens)
+            cached.append(out.usage.prompt_tokens_details.cached_tokens)
+            reasoning.append(getattr(msg, "reasoning_content", None))
+            turn = {"role": "assistant", "content": msg.content or ""}
+            if echo_reasoning and reasoning[-1]:
+                turn["reasoning_content"] = reasoning[-1]
+            messages.append(turn)
+    return prompts, cached, reasoning, page_size, tail_guard
+
+
+def assert_cache_grows(prompts, cached, page_size, tail_guard):
+    assert cached[0] == 0
+    for t in range(1, len(prompts)):
+        assert cached[t] > cached[t - 1], (prompts, cached)
+        assert cached[t] >= prompts[t - 1] - page_size - tail_guard, (t, prompts, cached)
+        assert cached[t] < prompts[t]
+
+
+def test_echoing_the_content_back_hits_the_cache_every_turn(tiny_model_dir):
+    prompts, cached, _, page_size, tail_guard = converse(tiny_model_dir, echo_reasoning=False)
+    assert_cache_grows(prompts, cached, page_size, tail_guard)
+
+
+def test_echoing_content_and_reasoning_that_the_template_drops_still_hits(thinking_model_dir):
+    prompts, cached, reasoning, page_size, tail_guard = converse(thinking_model_dir, echo_reasoning=True)
+    assert all(reasoning), reasoning  # the generation prompt opened <think>: answers start as reasoning
+    assert_cache_grows(prompts, cached, page_size, tail_guard)
