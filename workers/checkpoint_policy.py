@@ -16,15 +16,19 @@ Positions are page boundaries (units: pages; page j ends at token j * page_size)
 - `end` (baseline `exact` only): the request's end, usable only by a prompt that contains the
   whole finished sequence — today's "exact length or nothing" behaviour.
 
-Each kind earns its keep under the `cairn` policy: counts of checkpoints admitted and of hits
-served, decayed so a workload change shows, decide admission; a kind that does not pay is still
-admitted with a small exploration probability (seeded, so runs repeat). Baselines admit their
-fixed kinds always. This module decides; it holds no slots and touches no tensor.
+Each kind earns its keep under the `cairn` policy: hits served against checkpoints admitted,
+decayed so a workload change shows, decide admission. A checkpoint is judged only once it has
+settled (`settle_after` admission decisions later, enough for the next turns of the
+conversations in flight to have come back), so a kind is not refused while its first hits are
+still on their way. A kind that does not pay is still admitted with a small exploration
+probability (seeded, so runs repeat). Baselines admit their fixed kinds always. This module
+decides; it holds no slots and touches no tensor.
 """
 
 from __future__ import annotations
 
 import random
+from collections import deque
 from dataclasses import dataclass, field
 
 TAIL, PROMPT_END, HINT, FINISH, BRANCH, INTERVAL, EVERY, END = (
@@ -43,10 +47,11 @@ FINISH_KINDS = (FINISH, END)  # captured at decode crossings into one pending sl
 
 @dataclass
 class KindRecord:
-    admitted: float = 0.0
-    hits: float = 0.0
+    settled: float = 0.0  # admissions old enough to judge, decayed
+    hits: float = 0.0  # decayed alongside
     total_admitted: int = 0
     total_hits: int = 0
+    pending: deque[int] = field(default_factory=deque)  # clock of admissions not yet settled
 
 
 @dataclass
@@ -55,9 +60,10 @@ class CheckpointPolicy:
     tail_guard: int = 8  # tokens
     interval_pages: int = 32
     exploration: float = 0.05
-    warmup: int = 8  # admissions of a kind before its hit rate is judged
-    min_hit_rate: float = 0.1  # hits per admitted checkpoint a kind must sustain
-    decay: float = 0.98  # per admission of that kind: older evidence fades
+    warmup: int = 8  # settled admissions of a kind before its hit rate is judged
+    min_hit_rate: float = 0.1  # hits per settled checkpoint a kind must sustain
+    decay: float = 0.98  # per settled admission of that kind: older evidence fades
+    settle_after: int = 64  # admission decisions before a checkpoint's outcome is judged
     seed: int = 0
     records: dict[str, KindRecord] = field(default_factory=lambda: {k: KindRecord() for k in ALL_KINDS})
 
@@ -70,6 +76,7 @@ class CheckpointPolicy:
             raise ValueError(f"checkpoint_interval_pages must be an integer >= 1, got {self.interval_pages!r}")
         self.kinds = POLICY_KINDS[self.name]
         self._rng = random.Random(self.seed)
+        self._clock = 0
 
     @property
     def captures_finish(self) -> str | None:
@@ -103,11 +110,11 @@ class CheckpointPolicy:
     # ---- earning their keep ---------------------------------------------------------------
     def admit(self, kinds: set[str]) -> set[str]:
         """The subset of `kinds` admitted now; each admitted kind is charged one checkpoint."""
+        self._clock += 1
         admitted = {k for k in kinds if self._admits(k)}
         for k in admitted:
             rec = self.records[k]
-            rec.admitted = rec.admitted * self.decay + 1.0
-            rec.hits *= self.decay
+            rec.pending.append(self._clock)
             rec.total_admitted += 1
         return admitted
 
@@ -115,7 +122,11 @@ class CheckpointPolicy:
         if self.name != "cairn":
             return kind in self.kinds
         rec = self.records[kind]
-        if rec.total_admitted < self.warmup or rec.hits >= self.min_hit_rate * rec.admitted:
+        while rec.pending and rec.pending[0] <= self._clock - self.settle_after:
+            rec.pending.popleft()
+            rec.settled = rec.settled * self.decay + 1.0
+            rec.hits *= self.decay
+        if rec.settled < self.warmup or rec.hits >= self.min_hit_rate * rec.settled:
             return True
         return self._rng.random() < self.exploration
 

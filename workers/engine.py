@@ -91,8 +91,10 @@ class Engine:
         self.max_model_len = min(options.max_model_len or cfg.max_position_embeddings,
                                  cfg.max_position_embeddings)
         self.memory = mem = MemoryBudget.plan(cfg, options, dtype, self.max_model_len)
+        # A checkpoint is judged once the conversations in flight had time to come back to it.
         self.policy = CheckpointPolicy(options.cache_policy, tail_guard=options.tail_guard,
-                                       interval_pages=options.checkpoint_interval_pages, seed=options.seed)
+                                       interval_pages=options.checkpoint_interval_pages, seed=options.seed,
+                                       settle_after=4 * options.max_num_seqs)
         self.pages = PagePool(mem.num_pages, options.page_size)
         self.states = StatePool(options.max_num_seqs)
         self.cache = PrefixCache(
