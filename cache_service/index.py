@@ -25,9 +25,13 @@ Bounded memory: at most `max_pages` (worker, page) entries in all. Past it, furt
 worker stores are dropped (counted as `pages_dropped` in `stats()`); the index then under-reports
 hits for them, which costs a cache miss, never a wrong hit.
 
-Storage sits behind `_MemoryStore` (who holds which hash, and the scoring walk); a Redis backend
-implements the same methods. Scoring walks the prompt's hashes once over hash -> worker-bitmask
-maps and stops as soon as no trusted worker still matches.
+Storage is a backend (`IndexStore`): everything the index knows — contents, last seq numbers,
+trust, counters — lives in it, so an index rebuilt on the same backend resumes exactly.
+`MemoryStore` (the default) keeps it in this process; `cache_service.redis_store.RedisStore`
+keeps it in Redis, where it outlives the actor and several readers share it. The event
+semantics are written once, here: the Redis backend replays a batch on a `MemoryStore` slice of
+the keys it touches and writes back the difference. Scoring walks the prompt's hashes once over
+hash -> worker-bitmask maps and stops as soon as no trusted worker still matches.
 """
 
 from __future__ import annotations
@@ -35,9 +39,12 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from cache_service.events import (AllCleared, Event, EventBatch, PagesRemoved, PagesStored,
                                   StateRemoved, StateStored)
+
+COUNTERS = ("batches_applied", "batches_ignored", "batches_refused", "gaps_detected", "pages_dropped")
 
 
 @dataclass(frozen=True)
@@ -51,39 +58,131 @@ class WorkerScore:
 ZERO = WorkerScore(0, 0)
 
 
-class _MemoryStore:
-    """Who holds which page and state: hash -> bitmask of workers, plus each worker's own sets
-    (for clearing, removal and `contents`). Knows nothing of seq numbers or trust."""
+@dataclass(frozen=True)
+class WorkerStatus:
+    known: bool
+    last_seq: int | None  # None: no batch applied yet (or unknown)
+    needs_resync: bool
+
+
+class IndexStore(Protocol):
+    """A backend: holds contents, seq numbers, trust and counters; CacheIndex decides ordering."""
+    max_pages: int
+
+    def status(self, worker: str) -> WorkerStatus: ...
+    def ignore(self, worker: str) -> None: ...
+    def refuse(self, worker: str) -> None: ...
+    def commit(self, worker: str, seq: int, events: Sequence[Event]) -> None: ...
+    def forget(self, worker: str) -> None: ...
+    def score(self, page_hashes: Sequence[bytes]) -> dict[str, WorkerScore]: ...
+    def workers(self) -> set[str]: ...
+    def needing_resync(self) -> set[str]: ...
+    def contents(self, worker: str) -> tuple[frozenset[bytes], frozenset[bytes]]: ...
+    def stats(self) -> dict: ...
+
+
+def walk_scores(masks: Iterable[tuple[int, int]], trusted: int, bits: dict[str, int]) -> dict[str, WorkerScore]:
+    """Scores from the prompt's (page mask, state mask) pairs, in prompt order; `bits` maps every
+    known worker to its bit, `trusted` masks those that may score. Consumes `masks` only while
+    some trusted worker still matches (a lazy iterable stops fetching there)."""
+    alive, depth = trusted, 0
+    ends: list[tuple[int, int]] = []   # (hit_pages, workers whose run ends there)
+    marks: list[tuple[int, int]] = []  # (j, alive workers with a state at page j-1)
+    if alive:
+        for page_mask, state_mask in masks:
+            here = page_mask & alive
+            if here != alive:
+                ends.append((depth, alive & ~here))
+                alive = here
+                if not alive:
+                    break
+            depth += 1
+            s = state_mask & alive
+            if s:
+                marks.append((depth, s))
+    if alive:
+        ends.append((depth, alive))
+    out = {}
+    for worker, bit in bits.items():
+        m = 1 << bit
+        hit = next((d for d, ended in ends if ended & m), 0)
+        state = next((j for j, s in reversed(marks) if s & m), 0) if marks else 0
+        out[worker] = WorkerScore(hit, state) if hit else ZERO
+    return out
+
+
+class MemoryStore:
+    """The in-process backend: hash -> bitmask of workers, plus each worker's own sets (for
+    clearing, removal and `contents`), seq numbers, the untrusted set and the counters."""
 
     def __init__(self, max_pages: int):
+        if max_pages < 0:
+            raise ValueError(f"max_pages must be >= 0, got {max_pages}")
         self.max_pages = max_pages
         self.entries = 0  # (worker, page) pairs, the quantity max_pages bounds
-        self._bit: dict[str, int] = {}
-        self._free_bits: list[int] = []
-        self._pages: dict[bytes, int] = {}
-        self._states: dict[bytes, int] = {}
-        self._held: dict[str, tuple[set[bytes], set[bytes]]] = {}
+        self.bits: dict[str, int] = {}
+        self.pages: dict[bytes, int] = {}   # hash -> mask of workers holding the page
+        self.states: dict[bytes, int] = {}  # hash -> mask of workers holding a state there
+        self.held: dict[str, tuple[set[bytes], set[bytes]]] = {}  # worker -> (pages, states)
+        self.last_seq: dict[str, int | None] = {}  # None: known, but no batch applied yet
+        self.resync: set[str] = set()
+        self.counts = dict.fromkeys(COUNTERS, 0)
 
-    def add_worker(self, worker: str) -> None:
-        if worker not in self._bit:
-            self._bit[worker] = self._free_bits.pop() if self._free_bits else len(self._bit)
-            self._held[worker] = (set(), set())
+    # ---- ordering state ----------------------------------------------------------------------
+    def status(self, worker: str) -> WorkerStatus:
+        return WorkerStatus(worker in self.last_seq, self.last_seq.get(worker), worker in self.resync)
+
+    def ignore(self, worker: str) -> None:
+        self.counts["batches_ignored"] += 1
+
+    def refuse(self, worker: str) -> None:
+        self.counts["batches_refused"] += 1
+        if worker not in self.resync:
+            self.counts["gaps_detected"] += 1
+            self.resync.add(worker)
+            self.last_seq.setdefault(worker, None)
+            self._add_worker(worker)
+
+    def commit(self, worker: str, seq: int, events: Sequence[Event]) -> None:
+        self.last_seq[worker] = seq
+        self.resync.discard(worker)
+        self._add_worker(worker)
+        for event in events:
+            self._apply_event(worker, event)
+        self.counts["batches_applied"] += 1
 
     def forget(self, worker: str) -> None:
-        if worker in self._bit:
-            self.clear(worker)
-            self._free_bits.append(self._bit.pop(worker))
-            del self._held[worker]
+        if worker in self.bits:
+            self._clear(worker)
+            del self.bits[worker], self.held[worker]
+        self.last_seq.pop(worker, None)
+        self.resync.discard(worker)
 
-    def mask(self, workers: Iterable[str]) -> int:
-        m = 0
-        for w in workers:
-            m |= 1 << self._bit[w]
-        return m
+    # ---- contents ----------------------------------------------------------------------------
+    def _add_worker(self, worker: str) -> None:
+        if worker not in self.bits:
+            taken = set(self.bits.values())
+            self.bits[worker] = next(b for b in range(len(taken) + 1) if b not in taken)
+            self.held[worker] = (set(), set())
 
-    def add_pages(self, worker: str, hashes: Sequence[bytes]) -> int:
+    def _apply_event(self, worker: str, event: Event) -> None:
+        match event:
+            case PagesStored(hashes):
+                self.counts["pages_dropped"] += self._add_pages(worker, hashes)
+            case PagesRemoved(hashes):
+                self._remove_pages(worker, hashes)
+            case StateStored(page_hash):
+                self._add_state(worker, page_hash)
+            case StateRemoved(page_hash):
+                self._remove_state(worker, page_hash)
+            case AllCleared():
+                self._clear(worker)
+            case _:
+                raise TypeError(f"expected an Event, got {type(event).__name__}")
+
+    def _add_pages(self, worker: str, hashes: Sequence[bytes]) -> int:
         """Stores what fits under max_pages; returns how many pages were dropped."""
-        bit, pages, held = 1 << self._bit[worker], self._pages, self._held[worker][0]
+        bit, pages, held = 1 << self.bits[worker], self.pages, self.held[worker][0]
         for i, h in enumerate(hashes):
             if h in held:
                 continue
@@ -94,76 +193,67 @@ class _MemoryStore:
             self.entries += 1
         return 0
 
-    def remove_pages(self, worker: str, hashes: Iterable[bytes]) -> None:
-        held = self._held[worker][0]
+    def _remove_pages(self, worker: str, hashes: Iterable[bytes]) -> None:
+        held = self.held[worker][0]
         for h in hashes:
             if h in held:
                 held.remove(h)
-                _unset(self._pages, h, self._bit[worker])
+                _unset(self.pages, h, self.bits[worker])
                 self.entries -= 1
-                self.remove_state(worker, h)
+                self._remove_state(worker, h)
 
-    def add_state(self, worker: str, page_hash: bytes) -> None:
-        held, held_states = self._held[worker]
+    def _add_state(self, worker: str, page_hash: bytes) -> None:
+        held, held_states = self.held[worker]
         if page_hash in held and page_hash not in held_states:
             held_states.add(page_hash)
-            self._states[page_hash] = self._states.get(page_hash, 0) | 1 << self._bit[worker]
+            self.states[page_hash] = self.states.get(page_hash, 0) | 1 << self.bits[worker]
 
-    def remove_state(self, worker: str, page_hash: bytes) -> None:
-        held_states = self._held[worker][1]
+    def _remove_state(self, worker: str, page_hash: bytes) -> None:
+        held_states = self.held[worker][1]
         if page_hash in held_states:
             held_states.remove(page_hash)
-            _unset(self._states, page_hash, self._bit[worker])
+            _unset(self.states, page_hash, self.bits[worker])
 
-    def clear(self, worker: str) -> None:
-        held, held_states = self._held[worker]
-        bit = self._bit[worker]
+    def _clear(self, worker: str) -> None:
+        held, held_states = self.held[worker]
+        bit = self.bits[worker]
         for h in held:
-            _unset(self._pages, h, bit)
+            _unset(self.pages, h, bit)
         for h in held_states:
-            _unset(self._states, h, bit)
+            _unset(self.states, h, bit)
         self.entries -= len(held)
         held.clear()
         held_states.clear()
 
+    # ---- reading -----------------------------------------------------------------------------
+    def score(self, page_hashes: Sequence[bytes]) -> dict[str, WorkerScore]:
+        trusted = 0
+        for w, bit in self.bits.items():
+            if w not in self.resync:
+                trusted |= 1 << bit
+        pages_get, states_get = self.pages.get, self.states.get
+        return walk_scores(((pages_get(h, 0), states_get(h, 0)) for h in page_hashes), trusted, self.bits)
+
+    def workers(self) -> set[str]:
+        return set(self.last_seq)
+
+    def needing_resync(self) -> set[str]:
+        return set(self.resync)
+
     def contents(self, worker: str) -> tuple[frozenset[bytes], frozenset[bytes]]:
-        held, held_states = self._held[worker]
+        if worker not in self.last_seq:
+            raise KeyError(worker)
+        held, held_states = self.held[worker]
         return frozenset(held), frozenset(held_states)
 
-    def score(self, page_hashes: Sequence[bytes], trusted: int) -> dict[str, WorkerScore]:
-        pages_get, states_get = self._pages.get, self._states.get
-        alive, depth = trusted, 0
-        ends: list[tuple[int, int]] = []   # (hit_pages, workers whose run ends there)
-        marks: list[tuple[int, int]] = []  # (j, alive workers with a state at page j-1)
-        for h in page_hashes:
-            here = pages_get(h, 0) & alive
-            if here != alive:
-                ends.append((depth, alive & ~here))
-                alive = here
-                if not alive:
-                    break
-            depth += 1
-            s = states_get(h, 0) & alive
-            if s:
-                marks.append((depth, s))
-        if alive:
-            ends.append((depth, alive))
-        out = {}
-        for worker, bit in self._bit.items():
-            m = 1 << bit
-            hit = next((d for d, ended in ends if ended & m), 0)
-            state = next((j for j, s in reversed(marks) if s & m), 0) if marks else 0
-            out[worker] = WorkerScore(hit, state) if hit else ZERO
-        return out
-
-    def approx_bytes(self) -> int:
+    def stats(self) -> dict:
         # containers plus one 16-byte bytes object (~49 B) and one mask int (~28 B) per key
-        sets = sum(sys.getsizeof(a) + sys.getsizeof(b) for a, b in self._held.values())
-        keys = len(self._pages) + len(self._states)
-        return sys.getsizeof(self._pages) + sys.getsizeof(self._states) + sets + keys * 77
-
-    def counts(self) -> tuple[int, int]:
-        return self.entries, sum(len(s) for _, s in self._held.values())
+        sets = sum(sys.getsizeof(a) + sys.getsizeof(b) for a, b in self.held.values())
+        keys = len(self.pages) + len(self.states)
+        approx = sys.getsizeof(self.pages) + sys.getsizeof(self.states) + sets + keys * 77
+        return dict(workers=len(self.last_seq), workers_needing_resync=len(self.resync),
+                    pages=self.entries, states=sum(len(s) for _, s in self.held.values()),
+                    max_pages=self.max_pages, approx_bytes=approx, **self.counts)
 
 
 def _unset(table: dict[bytes, int], h: bytes, bit: int) -> None:
@@ -177,86 +267,58 @@ def _unset(table: dict[bytes, int], h: bytes, bit: int) -> None:
 class CacheIndex:
     """Replays workers' event batches in seq order and scores prompts against every worker.
 
-    `max_pages` bounds the (worker, page) entries held in all; pages stored past it are dropped
-    and counted in `stats()["pages_dropped"]`."""
+    `store` is the backend (default: a `MemoryStore(max_pages)`). `max_pages` bounds the
+    (worker, page) entries held in all; pages stored past it are dropped and counted in
+    `stats()["pages_dropped"]`."""
 
-    def __init__(self, max_pages: int = 4_000_000):
-        if max_pages < 0:
-            raise ValueError(f"max_pages must be >= 0, got {max_pages}")
-        self._store = _MemoryStore(max_pages)
-        self._last_seq: dict[str, int | None] = {}  # None: known, but no batch applied yet
-        self._resync: set[str] = set()
-        self._counts = dict(batches_applied=0, batches_ignored=0, batches_refused=0,
-                            gaps_detected=0, pages_dropped=0)
+    def __init__(self, max_pages: int = 4_000_000, store: IndexStore | None = None):
+        self._store: IndexStore = store if store is not None else MemoryStore(max_pages)
 
     def apply(self, batch: EventBatch | bytes) -> bool:
         """Applies the batch if it is the worker's next one (or a snapshot); True iff applied.
         Bytes are decoded first; EventDecodeError propagates and nothing changes."""
         if not isinstance(batch, EventBatch):
             batch = EventBatch.decode(batch)
-        worker, seq = batch.worker_id, batch.seq
-        last = self._last_seq.get(worker)
+        worker, seq, store = batch.worker_id, batch.seq, self._store
         if not batch.is_snapshot:
+            status = store.status(worker)
+            last = status.last_seq
             if last is not None and seq <= last:
-                self._counts["batches_ignored"] += 1  # redelivery: already applied
+                store.ignore(worker)  # redelivery: already applied
                 return False
-            expected = 0 if last is None else last + 1
-            if seq != expected or worker in self._resync:
-                self._counts["batches_refused"] += 1
-                if worker not in self._resync:
-                    self._counts["gaps_detected"] += 1
-                    self._resync.add(worker)
-                    self._last_seq.setdefault(worker, None)
-                    self._store.add_worker(worker)
+            if seq != (0 if last is None else last + 1) or status.needs_resync:
+                store.refuse(worker)
                 return False
-        self._last_seq[worker] = seq
-        self._resync.discard(worker)
-        self._store.add_worker(worker)
-        for event in batch.events:
-            self._apply_event(worker, event)
-        self._counts["batches_applied"] += 1
+        store.commit(worker, seq, batch.events)
         return True
 
-    def _apply_event(self, worker: str, event: Event) -> None:
-        store = self._store
-        match event:
-            case PagesStored(hashes):
-                self._counts["pages_dropped"] += store.add_pages(worker, hashes)
-            case PagesRemoved(hashes):
-                store.remove_pages(worker, hashes)
-            case StateStored(page_hash):
-                store.add_state(worker, page_hash)
-            case StateRemoved(page_hash):
-                store.remove_state(worker, page_hash)
-            case AllCleared():
-                store.clear(worker)
-            case _:
-                raise TypeError(f"expected an Event, got {type(event).__name__}")
-
     def workers_needing_resync(self) -> set[str]:
-        return set(self._resync)
+        return self._store.needing_resync()
+
+    def needs_resync(self, worker_id: str) -> bool:
+        """The worker lost events and scores 0/0 until its next snapshot."""
+        return self._store.status(worker_id).needs_resync
 
     def score(self, page_hashes: Sequence[bytes]) -> dict[str, WorkerScore]:
         """Every known worker's hit for this prompt (units: pages); 0/0 for untrusted ones."""
-        return self._store.score(page_hashes, self._store.mask(self._last_seq.keys() - self._resync))
+        return self._store.score(page_hashes)
 
     def drop_worker(self, worker_id: str) -> None:
         self._store.forget(worker_id)
-        self._last_seq.pop(worker_id, None)
-        self._resync.discard(worker_id)
 
     def workers(self) -> set[str]:
-        return set(self._last_seq)
+        return self._store.workers()
+
+    def last_seq(self, worker_id: str) -> int | None:
+        """The seq of the worker's last applied batch; None if none was (or it is unknown)."""
+        return self._store.status(worker_id).last_seq
 
     def contents(self, worker_id: str) -> tuple[frozenset[bytes], frozenset[bytes]]:
         """(page hashes, state page hashes) the index holds for the worker, trusted or not.
         KeyError for a worker it does not know."""
-        if worker_id not in self._last_seq:
-            raise KeyError(worker_id)
         return self._store.contents(worker_id)
 
     def stats(self) -> dict:
-        pages, states = self._store.counts()
-        return dict(workers=len(self._last_seq), workers_needing_resync=len(self._resync),
-                    pages=pages, states=states, max_pages=self._store.max_pages,
-                    approx_bytes=self._store.approx_bytes(), **self._counts)
+        """workers, workers_needing_resync, pages, states, max_pages, approx_bytes, and the
+        counters batches_applied/ignored/refused, gaps_detected, pages_dropped."""
+        return self._store.stats()

@@ -1,0 +1,388 @@
+"""Cache-affinity routing: send each request to the replica where it recomputes the least.
+
+Per request the router awaits the cache index's scores (never a blocking ray.get; at most
+`index_timeout_ms`) and ranks replicas by cost in tokens (design rule 4):
+    cost = prefill tokens left after the resume point + load_weight * load tokens
+- resume point: min(resume_pages * page_size, n - 1) for an n-token prompt, where resume_pages
+  is the deepest state checkpoint under the page hit for a hybrid model (pages without a usable
+  state count for nothing), and the page hit itself for an attention-only model;
+- load tokens: the prefill tokens of requests this router has in flight there, plus
+  `request_load_tokens` per in-flight request (the larger of this router's count and the
+  replica's reported running + waiting), plus `occupancy_load_tokens` times the fraction of its
+  pages or state slots in use (reported through record_routing_stats, see `routing_stats`).
+A replica with `spill_limit` more in-flight requests than the least-loaded one ranks after all
+others, so a hot prefix spills over instead of piling onto one replica. Ties break at random.
+Right after routing, the chosen replica is the predicted holder of the prompt's pages (and a
+state at their end) for `predicted_holder_ttl_s`, so a burst sharing a new prefix sticks
+together before the replica's events reach the index. Index down, slow or not yet found: the
+request is ranked by load alone and `cairn_router_index_fallbacks_total` counts it; routing
+never fails because of the index.
+
+The ranking (`rank_replicas`, `PredictedHolders`, `AffinityRanker`) is plain Python, tested
+without Ray; `CacheAffinityRouter` is the thin Ray Serve adapter. Replica identity everywhere
+(events, index, routing) is `replica_worker_id(replica_id)`, the full Serve replica id string,
+which the router (RunningReplica.replica_id) and the replica (serve.get_replica_context()
+.replica_id) both produce.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections import OrderedDict, deque
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from cluster.routing_config import RoutingConfig
+
+logger = logging.getLogger(__name__)
+
+Score = tuple[int, int]  # (hit_pages, state_pages), as the index actor answers
+ScoreFn = Callable[[list[bytes]], Awaitable[Mapping[str, Score]]]
+
+
+class RoutingRequest(Protocol):
+    """What the router reads from the engine deployment call's first argument.
+    page_hashes: one per whole prompt page (cache_service.hashing), None or [] for none.
+    num_prompt_tokens: prompt length in tokens (else len(prompt_token_ids) is used).
+    prompt / messages: the text, read only by the ray_prefix policy."""
+    page_hashes: list[bytes] | None
+    num_prompt_tokens: int
+    prompt: str | None
+    messages: list | None
+
+
+def replica_worker_id(replica_id: ReplicaID) -> str:
+    """The worker id a replica reports events under and the index scores by."""
+    return replica_id.to_full_id_str()
+
+
+def routing_stats(engine_metrics: Mapping[str, float], max_num_seqs: int) -> dict[str, float]:
+    """What an engine replica's record_routing_stats() returns, from `Engine.metrics()`: pages
+    held by running requests and state slots in use (one per running sequence), with totals."""
+    m = engine_metrics
+    return dict(running_requests=m.get("running_requests", 0), waiting_requests=m.get("waiting_requests", 0),
+                pages_in_use=m.get("pages_held", 0), pages_total=m.get("pages_total", 0),
+                states_in_use=m.get("running_requests", 0), states_total=max_num_seqs)
+
+
+@dataclass
+class ReplicaLoad:
+    requests: int = 0           # in flight from this router
+    tokens: int = 0             # prefill tokens those requests cost there
+    reported_requests: int = 0  # running + waiting, as the replica last reported
+    occupancy: float = 0.0      # fraction of its pages or state slots in use, as reported
+
+
+def reported_load(own: ReplicaLoad | None, stats: Mapping[str, Any] | None) -> ReplicaLoad:
+    own, stats = own or ReplicaLoad(), stats or {}
+
+    def fraction(used: str, total: str) -> float:
+        try:
+            return min(1.0, max(0.0, float(stats.get(used, 0)) / float(stats[total])))
+        except (KeyError, TypeError, ValueError, ZeroDivisionError):
+            return 0.0
+    try:
+        reported = int(stats.get("running_requests", 0)) + int(stats.get("waiting_requests", 0))
+    except (TypeError, ValueError):
+        reported = 0
+    return ReplicaLoad(own.requests, own.tokens, reported,
+                       max(fraction("pages_in_use", "pages_total"), fraction("states_in_use", "states_total")))
+
+
+def resume_at_token(score: Score, num_prompt_tokens: int, page_size: int, hybrid_model: bool) -> int:
+    """Tokens a replica skips for this prompt (design rule 4); the last token is always computed."""
+    hit_pages, state_pages = score
+    return max(0, min((state_pages if hybrid_model else hit_pages) * page_size, num_prompt_tokens - 1))
+
+
+def load_tokens(load: ReplicaLoad, config: RoutingConfig) -> float:
+    requests = max(load.requests, load.reported_requests)
+    return load.tokens + config.request_load_tokens * requests + config.occupancy_load_tokens * load.occupancy
+
+
+def rank_replicas(replicas: Sequence[str], scores: Mapping[str, Score], loads: Mapping[str, ReplicaLoad],
+                  config: RoutingConfig, num_prompt_tokens: int, rng: random.Random | None = None) -> list[str]:
+    """Replica ids, cheapest first; spilled replicas (see module doc) after all others."""
+    rng = rng or random
+    empty = ReplicaLoad()
+    busy = {r: max(loads.get(r, empty).requests, loads.get(r, empty).reported_requests) for r in replicas}
+    least = min(busy.values(), default=0)
+
+    def key(r: str) -> tuple[bool, float, float]:
+        resume = resume_at_token(scores.get(r, (0, 0)), num_prompt_tokens, config.page_size, config.hybrid_model)
+        cost = num_prompt_tokens - resume + config.load_weight * load_tokens(loads.get(r, empty), config)
+        return busy[r] - least >= config.spill_limit, cost, rng.random()
+    return sorted(replicas, key=key)
+
+
+class PredictedHolders:
+    """Replicas recently sent a prompt, taken to hold its pages (and a state at their end) until
+    `ttl_s` passes. A hash names its whole prefix, so a replica's predicted depth for a prompt is
+    the deepest of its hashes recorded for that replica."""
+
+    def __init__(self, ttl_s: float, clock: Callable[[], float] = time.monotonic, max_hashes: int = 1_000_000):
+        self.ttl_s, self._clock, self._max = ttl_s, clock, max_hashes
+        self._until: dict[bytes, dict[str, float]] = {}  # hash -> replica -> expiry
+        self._log: deque[tuple[float, str, list[bytes]]] = deque()
+        self._size = 0
+
+    def record(self, replica: str, page_hashes: Sequence[bytes]) -> None:
+        if self.ttl_s <= 0 or not page_hashes:
+            return
+        until = self._clock() + self.ttl_s
+        for h in page_hashes:
+            self._until.setdefault(h, {})[replica] = until
+        self._log.append((until, replica, list(page_hashes)))
+        self._size += len(page_hashes)
+        self._purge()
+
+    def pages(self, page_hashes: Sequence[bytes]) -> dict[str, int]:
+        """replica -> predicted hit pages for this prompt (absent: none)."""
+        self._purge()
+        now, out = self._clock(), {}
+        for depth, h in enumerate(page_hashes, 1):
+            holders = self._until.get(h)
+            if not holders:
+                break
+            for replica, until in holders.items():
+                if until > now:
+                    out[replica] = depth
+        return out
+
+    def forget(self, replica: str) -> None:
+        for holders in self._until.values():
+            holders.pop(replica, None)
+
+    def _purge(self) -> None:
+        now = self._clock()
+        while self._log and (self._log[0][0] <= now or self._size > self._max):
+            until, replica, hashes = self._log.popleft()
+            self._size -= len(hashes)
+            for h in hashes:
+                holders = self._until.get(h)
+                if holders is not None and holders.get(replica) == until:
+                    del holders[replica]
+                    if not holders:
+                        del self._until[h]
+
+
+def prompt_tokens(request: Any, page_size: int) -> int:
+    n = getattr(request, "num_prompt_tokens", None)
+    if isinstance(n, int):
+        return n
+    ids = getattr(request, "prompt_token_ids", None)
+    if ids is not None:
+        return len(ids)
+    return len(getattr(request, "page_hashes", None) or ()) * page_size
+
+
+class AffinityRanker:
+    """The router's state and decisions, without Ray: in-flight accounting, predicted holders,
+    the index call with its timeout and fallback, and the counters the adapter exports.
+    After `BREAKER_FAILURES` index failures in a row the index is skipped for
+    `BREAKER_COOLDOWN_S` (then tried again), so a dead index costs no routing latency."""
+
+    BREAKER_FAILURES, BREAKER_COOLDOWN_S = 3, 1.0
+
+    def __init__(self, config: RoutingConfig, clock: Callable[[], float] = time.monotonic,
+                 rng: random.Random | None = None, on_fallback: Callable[[str], None] | None = None):
+        self.config, self._clock, self._rng, self._on_fallback = config, clock, rng or random.Random(), on_fallback
+        self.predicted = PredictedHolders(config.predicted_holder_ttl_s, clock)
+        self.loads: dict[str, ReplicaLoad] = {}
+        self._in_flight: dict[tuple[str, str], int] = {}  # (replica, request id) -> prefill tokens
+        self._prefill: OrderedDict[str, dict[str, int]] = OrderedDict()  # request id -> replica -> tokens
+        self._failures, self._skip_index_until = 0, float("-inf")
+        self.counts = dict(ranked=0, routed=0, index_fallbacks=0, index_timeouts=0, index_errors=0, index_skipped=0)
+
+    async def rank(self, request_id: str, request: Any, replicas: Mapping[str, Mapping[str, Any] | None],
+                   score: ScoreFn) -> list[str]:
+        """Replica ids best first, for the request; `replicas` maps each candidate to its
+        reported routing stats."""
+        cfg, self.counts["ranked"] = self.config, self.counts["ranked"] + 1
+        hashes = list(getattr(request, "page_hashes", None) or ())
+        n = prompt_tokens(request, cfg.page_size)
+        scores = await self._scores(hashes, score) if hashes else {}
+        loads = {r: reported_load(self.loads.get(r), stats) for r, stats in replicas.items()}
+        order = rank_replicas(list(replicas), scores, loads, cfg, n, self._rng)
+        self._prefill[request_id] = {r: n - resume_at_token(scores.get(r, (0, 0)), n, cfg.page_size, cfg.hybrid_model)
+                                     for r in replicas}
+        while len(self._prefill) > 4096:  # requests cancelled before routing leave entries behind
+            self._prefill.popitem(last=False)
+        return order
+
+    async def _scores(self, hashes: list[bytes], score: ScoreFn) -> dict[str, Score]:
+        """The index's scores merged with predicted holders; {} (load alone) if the index fails."""
+        if self._clock() < self._skip_index_until:
+            self._fallback("skipped")
+            return {}
+        try:
+            scores = dict(await asyncio.wait_for(score(hashes), self.config.index_timeout_ms / 1000))
+        except Exception as e:  # timeout, index unavailable, actor restarting, Redis down, ...
+            timeout = isinstance(e, asyncio.TimeoutError)
+            self._fallback("timeout" if timeout else "error")
+            if not timeout:
+                logger.debug("index score failed, routing by load: %r", e)
+            self._failures += 1
+            if self._failures >= self.BREAKER_FAILURES:
+                self._skip_index_until = self._clock() + self.BREAKER_COOLDOWN_S
+                self._failures = self.BREAKER_FAILURES - 1  # one more failure after the cooldown reopens it
+            return {}
+        self._failures = 0
+        hybrid = self.config.hybrid_model
+        for replica, pages in self.predicted.pages(hashes).items():
+            scores[replica] = max(scores.get(replica, (0, 0)), (pages, pages), key=lambda s: s[1] if hybrid else s[0])
+        return scores
+
+    def _fallback(self, reason: str) -> None:
+        self.counts["index_fallbacks"] += 1
+        self.counts[{"timeout": "index_timeouts", "error": "index_errors", "skipped": "index_skipped"}[reason]] += 1
+        if self._on_fallback is not None:
+            self._on_fallback(reason)
+
+    def on_routed(self, request_id: str, replica: str, request: Any) -> None:
+        prefill = self._prefill.pop(request_id, {}).get(replica, prompt_tokens(request, self.config.page_size))
+        if (replica, request_id) in self._in_flight:
+            return
+        self.counts["routed"] += 1
+        self._in_flight[(replica, request_id)] = prefill
+        load = self.loads.setdefault(replica, ReplicaLoad())
+        load.requests += 1
+        load.tokens += prefill
+        self.predicted.record(replica, getattr(request, "page_hashes", None) or ())
+
+    def on_completed(self, request_id: str, replica: str) -> None:
+        prefill = self._in_flight.pop((replica, request_id), None)
+        if prefill is not None:
+            load = self.loads[replica]
+            load.requests -= 1
+            load.tokens -= prefill
+
+    def forget(self, replica: str) -> None:
+        self.loads.pop(replica, None)
+        self.predicted.forget(replica)
+        for key in [k for k in self._in_flight if k[0] == replica]:
+            del self._in_flight[key]
+
+
+class IndexUnavailable(RuntimeError):
+    """The router has no handle to the index actor (yet)."""
+
+
+class CacheAffinityRouter(RequestRouter):
+    """Ray Serve adapter around `AffinityRanker`; configured through request_router_kwargs
+    (`RoutingConfig.router_kwargs()`)."""
+
+    def initialize_state(self, **kwargs: Any) -> None:
+        from ray.util import metrics
+
+        self._config = RoutingConfig.model_validate(kwargs)
+        self._fallbacks = metrics.Counter(
+            "cairn_router_index_fallbacks_total",
+            description="Requests routed by load alone because the cache index timed out or failed.",
+            tag_keys=("deployment", "reason"))
+        self._fallbacks.set_default_tags({"deployment": self._deployment_id.name})
+        self.ranker = AffinityRanker(self._config,
+                                     on_fallback=lambda reason: self._fallbacks.inc(1, tags={"reason": reason}))
+        self._index: Any = None
+        self._index_lookup: asyncio.Task | None = None
+        self._index_retry_at = 0.0
+        try:  # start looking for the index now if Serve calls this on the router's loop
+            asyncio.get_running_loop()
+            self._index_handle()
+        except RuntimeError:
+            pass
+
+    def _index_handle(self) -> Any:
+        """The actor handle, or None while a background lookup (off this loop) finds or creates it.
+        Never starts Ray: without a connected Ray (a unit test) there is no index."""
+        import ray
+
+        if self._index is None and self._index_lookup is None and time.monotonic() >= self._index_retry_at \
+                and ray.is_initialized():
+            self._index_lookup = asyncio.get_running_loop().create_task(self._find_index())
+        return self._index
+
+    async def _find_index(self) -> None:
+        from cache_service.actor import index_actor
+
+        cfg = self._config
+        try:
+            self._index = await asyncio.to_thread(
+                index_actor, cfg.index_actor_name, cfg.index_actor_namespace, cfg.redis_url, cfg.namespace,
+                cfg.index_max_pages)
+        except Exception as e:
+            logger.warning("cache index actor %s not available (%s); routing by load", cfg.index_actor_name, e)
+            self._index_retry_at = time.monotonic() + 5.0
+        finally:
+            self._index_lookup = None
+
+    async def _score(self, page_hashes: list[bytes]) -> Mapping[str, Score]:
+        index = self._index_handle()
+        if index is None:
+            raise IndexUnavailable(self._config.index_actor_name)
+        return await index.score.remote(page_hashes)
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        if pending_request is not None:
+            pending_request.routing_context.should_backoff = True  # back off when every rank is full
+        if not candidate_replicas:
+            return []
+        by_id = {replica_worker_id(r.replica_id): r for r in candidate_replicas}
+        request = pending_request.args[0] if pending_request is not None and pending_request.args else None
+        request_id = pending_request.metadata.internal_request_id if pending_request is not None else ""
+        order = await self.ranker.rank(request_id, request, {w: r.routing_stats for w, r in by_id.items()}, self._score)
+        return [[by_id[w]] for w in order]  # singleton ranks: Serve tries them strictly in order
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+        request = pending_request.args[0] if pending_request.args else None
+        self.ranker.on_routed(pending_request.metadata.internal_request_id, replica_worker_id(replica_id), request)
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        self.ranker.on_completed(internal_request_id, replica_worker_id(replica_id))
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        worker = replica_worker_id(replica_id)
+        self.ranker.forget(worker)
+        if self._index is not None:
+            self._index.drop_worker.remote(worker)  # fire and forget: its cache died with it
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        gone = set(self._replicas) - {r.replica_id for r in replicas}
+        super().update_replicas(replicas)
+        for replica_id in gone:
+            self.ranker.forget(replica_worker_id(replica_id))
+
+
+def _ray_prefix_router() -> type:
+    from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router import PrefixCacheAffinityRouter
+
+    class RayPrefixRouter(PrefixCacheAffinityRouter):
+        """Ray Serve LLM's PrefixCacheAffinityRouter, reading `.messages` only when it is set
+        (Ray's stops at a `messages` attribute that is None, as a completions request has) and
+        routing a request without text by its power-of-two fallback instead of failing."""
+
+        def _extract_text_from_request(self, pending_request: PendingRequest) -> str | None:
+            for arg in pending_request.args:
+                messages, prompt = getattr(arg, "messages", None), getattr(arg, "prompt", None)
+                text = self._normalize_prompt_to_string(messages if messages else prompt)
+                if text:
+                    return text
+            return None
+
+    RayPrefixRouter.__module__, RayPrefixRouter.__qualname__ = __name__, "RayPrefixRouter"
+    return RayPrefixRouter
+
+
+def __getattr__(name: str) -> Any:  # PEP 562: ray.llm is imported only when ray_prefix is chosen
+    if name == "RayPrefixRouter":
+        globals()[name] = cls = _ray_prefix_router()
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,113 @@
+"""How requests are routed to engine replicas: one pydantic model, loadable from
+configs/routing.yaml, that also yields the deployment's Ray Serve `RequestRouterConfig`.
+
+Policies (`policy`):
+- `cache_affinity` (default): `cluster.router.CacheAffinityRouter` — the cache index's resume
+  point per replica plus load (this repository).
+- `pow2`: Ray Serve's default, power of two choices on queue length.
+- `round_robin`: Ray Serve's experimental `RoundRobinRouter`.
+- `ray_prefix`: Ray Serve LLM's `PrefixCacheAffinityRouter` (a character prefix tree over the
+  request's `.prompt` / `.messages`, imported from ray.llm without the ray[llm] extra);
+  `ray_prefix_options` go to its `initialize_state`.
+Unknown keys are refused, so a misspelt field fails loudly instead of silently defaulting.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+ROUTER_CLASSES = {
+    "cache_affinity": "cluster.router:CacheAffinityRouter",
+    "pow2": "ray.serve._private.request_router.pow_2_router:PowerOfTwoChoicesRequestRouter",
+    "round_robin": "ray.serve.experimental.round_robin_router:RoundRobinRouter",
+    # Ray Serve LLM's PrefixCacheAffinityRouter, reading a None `.messages` as absent (see there)
+    "ray_prefix": "cluster.router:RayPrefixRouter",
+}
+
+
+class RoutingConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    policy: Literal["cache_affinity", "pow2", "round_robin", "ray_prefix"] = Field(
+        "cache_affinity", description="Which request router the engine deployment uses (see the module doc).")
+    index_actor_name: str = Field(
+        "cairn-cache-index", min_length=1, description="Name of the detached cache-index actor (one per cluster).")
+    index_actor_namespace: str = Field(
+        "cairn", min_length=1, description="Ray namespace the index actor is registered in.")
+    index_timeout_ms: float = Field(
+        20.0, gt=0, description="How long the router waits for the index's scores before routing by load "
+        "alone (counted in cairn_router_index_fallbacks_total).")
+    load_weight: float = Field(
+        0.5, ge=0, description="Tokens of cost per token of load: cost = prefill tokens left after the "
+        "resume point + load_weight * load tokens. Below 1 favours reuse over balance (a twin's in-flight "
+        "prefill of a shared prefix is work the new request shares, not only waits for); 0 routes by cache alone.")
+    request_load_tokens: int = Field(
+        256, ge=0, description="Load tokens each in-flight request adds besides its own prefill "
+        "(its decode and scheduling share).")
+    occupancy_load_tokens: int = Field(
+        2048, ge=0, description="Load tokens of a replica whose pages or state slots are all in use, "
+        "from its reported routing stats (scales with the fraction in use).")
+    spill_limit: int = Field(
+        8, ge=1, description="In-flight requests a replica may have above the least-loaded one before "
+        "cache affinity stops preferring it: a hot prefix spills to the next replica instead of piling up.")
+    predicted_holder_ttl_s: float = Field(
+        2.0, ge=0, description="How long a replica just sent a prompt counts as holding its pages (and a "
+        "state at their end), so a burst sharing a new prefix sticks together before its events arrive. "
+        "0 disables.")
+    page_size: int = Field(
+        16, ge=1, description="Tokens per KV page; must equal the engines' page size (the page hashes' unit).")
+    hybrid_model: bool = Field(
+        True, description="The model has recurrent layers: a replica resumes at its deepest state "
+        "checkpoint, pages beyond it are recomputed. False: it resumes at its page hit (attention only).")
+    routing_stats_period_s: float = Field(
+        2.0, gt=0, description="How often Serve collects each replica's record_routing_stats().")
+    redis_url: str | None = Field(
+        None, description="Redis holding the cache index (redis://host:port/db); the index then survives "
+        "actor restarts. None: in the actor's memory, rebuilt by worker resyncs after a restart.")
+    namespace: str = Field(
+        "cairn", pattern=r"^[A-Za-z0-9_.-]+$", description="Key prefix of this cluster's index in Redis; "
+        "clusters sharing one Redis need distinct namespaces.")
+    index_max_pages: int = Field(
+        4_000_000, ge=0, description="Bound on the (replica, page) entries the index holds in all.")
+    ray_prefix_options: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword arguments for Ray's PrefixCacheAffinityRouter "
+        "(policy ray_prefix), e.g. imbalanced_threshold, match_rate_threshold.")
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> RoutingConfig:
+        """Loads the YAML mapping at `path`; errors name the file and every bad field."""
+        import yaml
+
+        path = Path(path)
+        data = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: expected a mapping of routing settings, got {type(data).__name__}")
+        try:
+            return cls.model_validate(data)
+        except ValidationError as e:
+            problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or '(top)'}: {err['msg']} "
+                                 f"(got {err.get('input')!r})" for err in e.errors())
+            raise ValueError(f"{path}: invalid routing config: {problems}") from None
+
+    @property
+    def router_class(self) -> str:
+        return ROUTER_CLASSES[self.policy]
+
+    def router_kwargs(self) -> dict[str, Any]:
+        """What Serve passes to the router's initialize_state (JSON-serializable)."""
+        if self.policy == "cache_affinity":
+            return self.model_dump(mode="json")
+        if self.policy == "ray_prefix":
+            return dict(self.ray_prefix_options)
+        return {}
+
+    def request_router_config(self):
+        """The deployment's `ray.serve.config.RequestRouterConfig` for this policy."""
+        from ray.serve.config import RequestRouterConfig
+
+        return RequestRouterConfig(request_router_class=self.router_class,
+                                   request_router_kwargs=self.router_kwargs(),
+                                   request_routing_stats_period_s=self.routing_stats_period_s)

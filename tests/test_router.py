@@ -1,0 +1,384 @@
+"""The router sends a request where it recomputes the least, unless that replica is busy; it never
+fails because the index does. Plain ranking first (no Ray), then the Ray Serve adapter driven by
+Serve's own fake replicas (no Ray session)."""
+
+import asyncio
+import random
+from dataclasses import dataclass, field
+
+import pytest
+
+from cluster.router import (AffinityRanker, PredictedHolders, ReplicaLoad, rank_replicas, replica_worker_id,
+                            reported_load, resume_at_token, routing_stats)
+from cluster.routing_config import RoutingConfig
+
+PAGE = 16
+CFG = RoutingConfig(page_size=PAGE, load_weight=0.5, request_load_tokens=256, occupancy_load_tokens=2048,
+                    spill_limit=4, predicted_holder_ttl_s=2.0, index_timeout_ms=50)
+H = [bytes([i]) * 16 for i in range(200)]
+
+
+@dataclass
+class Request:
+    page_hashes: list[bytes] | None
+    num_prompt_tokens: int
+    prompt: str | None = "hello"
+    messages: list | None = None
+    prompt_token_ids: list[int] = field(default_factory=list)
+
+
+def request(pages: int, extra_tokens: int = 5) -> Request:
+    return Request(H[:pages], pages * PAGE + extra_tokens)
+
+
+def rank(scores, loads=None, n=1000, config=CFG, replicas=("a", "b", "c"), seed=0):
+    return rank_replicas(list(replicas), scores, loads or {}, config, n, random.Random(seed))
+
+
+# ---- the resume point (design rule 4) --------------------------------------------------------
+
+def test_a_hybrid_model_resumes_at_its_deepest_state_and_an_attention_model_at_its_page_hit():
+    assert resume_at_token((10, 6), 1000, PAGE, hybrid_model=True) == 96
+    assert resume_at_token((10, 6), 1000, PAGE, hybrid_model=False) == 160
+    assert resume_at_token((10, 0), 1000, PAGE, hybrid_model=True) == 0
+
+
+def test_the_last_prompt_token_is_always_computed():
+    assert resume_at_token((4, 4), 64, PAGE, hybrid_model=True) == 63
+    assert resume_at_token((4, 4), 1, PAGE, hybrid_model=False) == 0
+    assert resume_at_token((0, 0), 0, PAGE, hybrid_model=True) == 0
+
+
+# ---- ranking ---------------------------------------------------------------------------------
+
+def test_the_deepest_resume_point_wins():
+    assert rank({"a": (40, 10), "b": (50, 30), "c": (60, 0)}) == ["b", "a", "c"]
+
+
+def test_pages_without_a_usable_state_score_as_a_miss_for_a_hybrid_model():
+    busy_a = {"a": ReplicaLoad(tokens=2)}  # a hair more load on the replica with the pages
+    assert rank({"a": (60, 0)}, busy_a, replicas=("a", "b")) == ["b", "a"]
+    attention = CFG.model_copy(update=dict(hybrid_model=False))
+    assert rank({"a": (60, 0)}, busy_a, replicas=("a", "b"), config=attention) == ["a", "b"]
+
+
+def test_load_breaks_a_tie_between_equal_resume_points():
+    scores = {"a": (20, 20), "b": (20, 20), "c": (20, 20)}
+    loads = {"a": ReplicaLoad(requests=2), "b": ReplicaLoad(requests=1), "c": ReplicaLoad(requests=3)}
+    assert rank(scores, loads) == ["b", "a", "c"]
+
+
+def test_equal_costs_spread_at_random():
+    firsts = {rank({}, seed=seed)[0] for seed in range(30)}
+    assert firsts == {"a", "b", "c"}
+
+
+def test_load_overrides_a_small_cache_gain_but_not_a_large_one():
+    one_request = {"a": ReplicaLoad(requests=1, tokens=100)}  # 0.5 * (100 + 256) = 178 tokens of cost
+    assert rank({"a": (3, 3)}, one_request, replicas=("a", "b"))[0] == "b", "48 tokens saved < 178 of load"
+    assert rank({"a": (30, 30)}, one_request, replicas=("a", "b"))[0] == "a", "480 tokens saved > 178 of load"
+
+
+def test_reported_stats_count_load_the_router_did_not_send():
+    full = reported_load(None, dict(running_requests=3, waiting_requests=2, pages_in_use=90, pages_total=100,
+                                    states_in_use=1, states_total=8))
+    assert full.reported_requests == 5 and full.occupancy == pytest.approx(0.9)
+    assert rank({"a": (10, 10)}, {"a": full}, replicas=("a", "b"))[0] == "b"
+    assert reported_load(ReplicaLoad(requests=2, tokens=7), {"pages_total": 0, "running_requests": "x"}) == \
+        ReplicaLoad(2, 7, 0, 0.0), "malformed stats count as none"
+
+
+def test_routing_stats_come_from_engine_metrics():
+    stats = routing_stats(dict(running_requests=2, waiting_requests=1, pages_held=30, pages_total=120), max_num_seqs=8)
+    assert reported_load(None, stats) == ReplicaLoad(0, 0, 3, 0.25)
+
+
+def test_a_replica_past_the_spill_limit_ranks_after_all_others_whatever_its_cache():
+    scores = {"a": (60, 60)}
+    at_limit = {"a": ReplicaLoad(requests=4), "b": ReplicaLoad(requests=0), "c": ReplicaLoad(requests=1)}
+    below = dict(at_limit, a=ReplicaLoad(requests=3))
+    no_weight = CFG.model_copy(update=dict(load_weight=0.0))
+    assert rank(scores, below, config=no_weight)[0] == "a"
+    assert rank(scores, at_limit, config=no_weight)[-1] == "a"
+    everyone_busy = {r: ReplicaLoad(requests=9) for r in "abc"}  # relative to the least loaded
+    assert rank(scores, everyone_busy, config=no_weight)[0] == "a"
+
+
+# ---- predicted holders -------------------------------------------------------------------------
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_predicted_holders_name_the_deepest_recorded_page_until_they_expire():
+    clock = Clock()
+    held = PredictedHolders(ttl_s=2.0, clock=clock)
+    held.record("a", H[:10])
+    clock.now += 1
+    held.record("b", H[:4])
+    assert held.pages(H[:12]) == {"a": 10, "b": 4}
+    assert held.pages(H[20:30]) == {}
+    clock.now += 1.5  # a's record expired, b's has not
+    assert held.pages(H[:12]) == {"b": 4}
+    clock.now += 1
+    assert held.pages(H[:12]) == {} and held._until == {}, "expired records leave nothing behind"
+
+
+async def no_index(hashes):
+    return {}
+
+
+def test_a_burst_sharing_a_new_prefix_sticks_together_until_the_prediction_expires():
+    async def main():
+        clock = Clock()
+        ranker = AffinityRanker(CFG, clock=clock, rng=random.Random(0))
+        replicas = {r: {} for r in "abc"}
+        first = await ranker.rank("r0", request(60), replicas, no_index)
+        ranker.on_routed("r0", first[0], request(60))
+        followers = []
+        for i in range(1, 4):  # the index knows nothing yet: events have not arrived
+            order = await ranker.rank(f"r{i}", request(60), replicas, no_index)
+            ranker.on_routed(f"r{i}", order[0], request(60))
+            followers.append(order[0])
+        clock.now += 2.5
+        later = await ranker.rank("r9", request(60), replicas, no_index)
+        return first[0], followers, later[0]
+
+    first, followers, later = asyncio.run(main())
+    assert followers == [first] * 3
+    assert later != first, "once the prediction expires, the busy replica loses to idle ones"
+
+
+def test_in_flight_accounting_follows_routing_and_completion():
+    async def main():
+        ranker = AffinityRanker(CFG, rng=random.Random(0))
+
+        async def index(hashes):
+            return {"a": (10, 8)}
+        await ranker.rank("r1", request(20), {"a": {}, "b": {}}, index)
+        ranker.on_routed("r1", "a", request(20))
+        ranker.on_routed("r1", "a", request(20))  # reported twice: counted once
+        assert ranker.loads["a"] == ReplicaLoad(requests=1, tokens=20 * PAGE + 5 - 8 * PAGE)
+        ranker.on_completed("r1", "b")  # not there: nothing happens
+        ranker.on_completed("r1", "a")
+        ranker.on_completed("r1", "a")
+        assert ranker.loads["a"] == ReplicaLoad()
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("failure", ["timeout", "error"])
+def test_an_index_that_is_slow_or_down_leaves_routing_by_load_and_is_counted(failure):
+    async def main():
+        fallbacks = []
+        ranker = AffinityRanker(CFG, rng=random.Random(0), on_fallback=fallbacks.append)
+        ranker.loads["a"] = ReplicaLoad(requests=2)
+
+        async def index(hashes):
+            if failure == "timeout":
+                await asyncio.sleep(10)
+            raise ConnectionError("index actor died")
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        order = await ranker.rank("r1", request(60), {"a": {}, "b": {}}, index)
+        return order, loop.time() - start, fallbacks, ranker.counts
+
+    order, elapsed, fallbacks, counts = asyncio.run(main())
+    assert order == ["b", "a"], "by load alone"
+    assert elapsed < 0.5, "the router waits index_timeout_ms, not for the index"
+    assert fallbacks == [failure] and counts["index_fallbacks"] == 1
+    assert counts["index_timeouts" if failure == "timeout" else "index_errors"] == 1
+
+
+def test_a_request_without_page_hashes_is_ranked_by_load_without_asking_the_index():
+    async def main():
+        ranker = AffinityRanker(CFG, rng=random.Random(0))
+        ranker.loads["a"] = ReplicaLoad(requests=1)
+        asked = []
+
+        async def index(hashes):
+            asked.append(hashes)
+            return {}
+        return await ranker.rank("r1", Request(None, 10), {"a": {}, "b": {}}, index), asked, ranker.counts
+
+    order, asked, counts = asyncio.run(main())
+    assert order == ["b", "a"] and asked == [] and counts["index_fallbacks"] == 0
+
+
+# ---- configuration -----------------------------------------------------------------------------
+
+def test_the_shipped_routing_yaml_loads_and_names_a_router_for_every_policy(tmp_path):
+    from pathlib import Path
+
+    config = RoutingConfig.from_yaml(Path(__file__).parent.parent / "configs" / "routing.yaml")
+    assert config == RoutingConfig(), "the shipped file spells out the defaults"
+    for policy in ("cache_affinity", "pow2", "round_robin", "ray_prefix"):
+        rrc = RoutingConfig(policy=policy).request_router_config()
+        assert rrc.get_request_router_class().__name__ == \
+            {"cache_affinity": "CacheAffinityRouter", "pow2": "PowerOfTwoChoicesRequestRouter",
+             "round_robin": "RoundRobinRouter", "ray_prefix": "RayPrefixRouter"}[policy]
+    assert RoutingConfig.model_validate(RoutingConfig(load_weight=2).router_kwargs()).load_weight == 2
+
+
+def test_a_bad_routing_yaml_names_the_file_and_every_bad_field(tmp_path):
+    path = tmp_path / "routing.yaml"
+    path.write_text("spill_limit: 0\npolicy: nearest\nspil_limit: 3\n")
+    with pytest.raises(ValueError) as e:
+        RoutingConfig.from_yaml(path)
+    message = str(e.value)
+    assert str(path) in message and "spill_limit" in message and "policy" in message and "spil_limit" in message
+    path.write_text("- a list\n")
+    with pytest.raises(ValueError, match="expected a mapping"):
+        RoutingConfig.from_yaml(path)
+
+
+def test_every_config_field_is_described():
+    assert all(f.description for f in RoutingConfig.model_fields.values())
+
+
+# ---- the Ray Serve adapter, with Serve's fake replicas -----------------------------------------
+
+def make_router(config=CFG, scores=None, delay_s=0.0):
+    from ray.serve._private.common import DeploymentHandleSource, DeploymentID
+
+    from cluster.router import CacheAffinityRouter
+
+    class FakeIndex:
+        def __init__(self):
+            self.dropped = []
+            self.score = self.Method(self._score)
+            self.drop_worker = self.Method(self.dropped.append)
+
+        class Method:
+            def __init__(self, fn):
+                self.fn = fn
+
+            def remote(self, *args):
+                return self.fn(*args)
+
+        async def _score(self, hashes):
+            await asyncio.sleep(delay_s)
+            return scores or {}
+
+    router = CacheAffinityRouter(deployment_id=DeploymentID(name="engine", app_name="app"),
+                                 handle_source=DeploymentHandleSource.UNKNOWN, use_replica_queue_len_cache=True)
+    router.initialize_state(**config.router_kwargs())
+    router._index = FakeIndex()
+    return router
+
+
+def fake_replicas(n, stats=None):
+    from ray.serve._private.test_utils import FakeRunningReplica
+
+    class Replica(FakeRunningReplica):
+        @property
+        def routing_stats(self):
+            return (stats or {}).get(self.replica_id.unique_id, {})
+
+    out = [Replica(f"r{i}", max_ongoing_requests=4) for i in range(n)]
+    for r in out:
+        r.set_queue_len_response(0)
+    return out
+
+
+def pending(req, request_id="req-1"):
+    from ray.serve._private.common import RequestMetadata
+    from ray.serve.request_router import PendingRequest
+
+    return PendingRequest(args=[req], kwargs={}, metadata=RequestMetadata(request_id=request_id,
+                                                                          internal_request_id=request_id))
+
+
+def test_the_serve_router_ranks_replicas_by_the_index_and_routes_to_the_best():
+    async def main():
+        replicas = fake_replicas(3)
+        ids = [replica_worker_id(r.replica_id) for r in replicas]
+        router = make_router(scores={ids[2]: (60, 50), ids[0]: (60, 10)})
+        router.update_replicas(replicas)
+        ranks = await router.choose_replicas(replicas, pending(request(60)))
+        assert [[r.replica_id for r in rank] for rank in ranks] == [[replicas[i].replica_id] for i in (2, 0, 1)]
+        pr = pending(request(60), "req-2")
+        chosen = await router._choose_replica_for_request(pr)
+        assert chosen is replicas[2]
+        router.on_request_routed(pr, chosen.replica_id, None)
+        assert router.ranker.loads[ids[2]].requests == 1
+        router.on_request_completed(chosen.replica_id, "req-2")
+        assert router.ranker.loads[ids[2]].requests == 0
+        router.on_replica_actor_died(replicas[2].replica_id)
+        assert router._index.dropped == [ids[2]] and replicas[2].replica_id not in router.curr_replicas
+    asyncio.run(main())
+
+
+def test_the_serve_router_reads_reported_routing_stats():
+    async def main():
+        stats = {"r0": dict(running_requests=6, waiting_requests=4, pages_in_use=10, pages_total=10)}
+        replicas = fake_replicas(2, stats)
+        ids = [replica_worker_id(r.replica_id) for r in replicas]
+        router = make_router(scores={ids[0]: (10, 10)})
+        router.update_replicas(replicas)
+        ranks = await router.choose_replicas(replicas, pending(request(10)))
+        return [rank[0] for rank in ranks] == [replicas[1], replicas[0]]
+    assert asyncio.run(main())
+
+
+def test_the_serve_router_falls_back_to_load_when_the_index_is_slow_and_counts_it():
+    async def main():
+        replicas = fake_replicas(2)
+        ids = [replica_worker_id(r.replica_id) for r in replicas]
+        router = make_router(scores={ids[1]: (60, 60)}, delay_s=1.0)
+        router.update_replicas(replicas)
+        router.ranker.loads[ids[1]] = ReplicaLoad(requests=1)
+        ranks = await router.choose_replicas(replicas, pending(request(60)))
+        return [rank[0] for rank in ranks], router.ranker.counts
+
+    order, counts = asyncio.run(main())
+    assert order[0].replica_id.unique_id == "r0" and counts["index_timeouts"] == 1
+
+
+def test_the_replica_worker_id_is_the_full_serve_replica_id():
+    from ray.serve._private.common import DeploymentID, ReplicaID
+
+    rid = ReplicaID("abc123", DeploymentID(name="engine", app_name="app"))
+    assert replica_worker_id(rid) == rid.to_full_id_str() == "SERVE_REPLICA::app#engine#abc123"
+    assert ReplicaID.from_full_id_str(replica_worker_id(rid)) == rid
+
+
+def test_the_ray_prefix_router_reads_the_prompt_when_messages_is_none():
+    from ray.serve._private.common import DeploymentHandleSource, DeploymentID
+
+    from cluster.router import RayPrefixRouter
+
+    async def texts():  # a PendingRequest makes a future: it needs a running loop
+        router = RayPrefixRouter(deployment_id=DeploymentID(name="engine", app_name="app"),
+                                 handle_source=DeploymentHandleSource.UNKNOWN)
+        completion = Request(H[:1], 20, prompt="once upon a time", messages=None)
+        chat = Request(H[:1], 20, prompt="rendered", messages=[{"role": "user", "content": "hi there"}])
+        nothing = Request(None, 0, prompt=None)
+        return [router._extract_text_from_request(pending(r)) for r in (completion, chat, nothing)]
+
+    assert asyncio.run(texts()) == ["once upon a time", "hi there", None]
+
+
+def test_a_failing_index_is_skipped_for_a_while_then_tried_again():
+    async def main():
+        clock, calls = Clock(), []
+        ranker = AffinityRanker(CFG, clock=clock, rng=random.Random(0))
+
+        async def index(hashes):
+            calls.append(clock.now)
+            raise ConnectionError("down")
+        replicas = {"a": {}, "b": {}}
+        for _ in range(5):
+            await ranker.rank("r", request(4), replicas, index)
+        assert len(calls) == AffinityRanker.BREAKER_FAILURES, "then it stops asking"
+        clock.now += AffinityRanker.BREAKER_COOLDOWN_S + 0.1
+        await ranker.rank("r", request(4), replicas, index)
+        await ranker.rank("r", request(4), replicas, index)
+        assert len(calls) == AffinityRanker.BREAKER_FAILURES + 1, "one try after the cooldown, failed: skipping again"
+        return ranker.counts
+
+    counts = asyncio.run(main())
+    assert counts["index_fallbacks"] == 7 and counts["index_skipped"] == 3 and counts["index_errors"] == 4
