@@ -10,8 +10,9 @@ Subcommands:
   checkpoint (see `workers.demo`) and print the directory written.
 - `generate [--model DIR] --prompt TEXT [--chat] [--max-tokens N] [--temperature T]` — load
   the checkpoint (default: the tiny demo model) into an in-process engine, print a completion.
-- `serve [--model DIR] [--host H] [--port P] [--api-key K] ...` — the HTTP API over one
-  in-process engine (the demo model by default).
+- `serve [--model DIR] [--replicas N] [--address A] [--config YAML] [--routing YAML] ...` —
+  Ray Serve replicas behind the HTTP API (see `cluster.deploy`); `--replicas 1` alone runs one
+  in-process engine.
 """
 
 import argparse
@@ -83,15 +84,23 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "serve", help="serve the OpenAI-compatible HTTP API",
-        description="Serve /v1/chat/completions, /v1/completions, /v1/models, /health and /metrics.")
+        "serve", help="serve the OpenAI-compatible HTTP API (Ray Serve replicas, cache-affinity routing)",
+        description="Start (or join, with --address) Ray, deploy the engine replicas and the HTTP "
+                    "ingress, print the endpoint, serve until Ctrl-C. --replicas 1 without "
+                    "--address/--config runs one engine in this process instead (debugging).")
     parser.add_argument("--model", help="checkpoint directory (default: the tiny demo model)")
+    parser.add_argument("--replicas", type=int, default=2, help="engine replicas (default 2)")
+    parser.add_argument("--address", default=None, help="join this Ray cluster instead of starting one")
+    parser.add_argument("--config", default=None, help="a Serve config YAML (configs/serve.yaml): "
+                                                       "deploy it as written")
+    parser.add_argument("--routing", default=None, help="routing YAML (configs/routing.yaml)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 "
                                                         "(default: $CAIRN_API_KEY, else none)")
     parser.add_argument("--served-model-name", default=None, help="model id clients send (default: folder name)")
-    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--num-cpus", type=float, default=0.5, help="CPUs per engine replica")
+    parser.add_argument("--num-gpus", type=float, default=0, help="GPUs per engine replica (1 on GPU nodes)")
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--cache-memory-bytes", type=int, default=None)
     parser.add_argument("--cache-policy", default="cairn", help="cairn | exact | all | interval | end_branch")
@@ -99,14 +108,19 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from cluster.server import serve_in_process
+    engine_options = dict(max_num_seqs=args.max_num_seqs, cache_policy=args.cache_policy)
+    if args.cache_memory_bytes:
+        engine_options["cache_memory_bytes"] = args.cache_memory_bytes
+    if args.replicas == 1 and not args.address and not args.config:
+        from cluster.server import serve_in_process
 
-    print(f"cairn: serving on http://{args.host}:{args.port}/v1 (Ctrl-C to stop)", flush=True)
-    serve_in_process(args.model, host=args.host, port=args.port, api_key=args.api_key,
-                     served_model_name=args.served_model_name, page_size=args.page_size,
-                     max_num_seqs=args.max_num_seqs, cache_memory_bytes=args.cache_memory_bytes,
-                     cache_policy=args.cache_policy)
-    return 0
+        print(f"cairn: one in-process engine on http://{args.host}:{args.port}/v1 (Ctrl-C to stop)", flush=True)
+        serve_in_process(args.model, host=args.host, port=args.port, api_key=args.api_key,
+                         served_model_name=args.served_model_name, **engine_options)
+        return 0
+    from cluster.deploy import serve_forever
+
+    return serve_forever(args, engine_options)
 
 
 COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_add_demo_model, _add_generate, _add_serve)
