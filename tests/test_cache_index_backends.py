@@ -294,6 +294,22 @@ def test_removing_a_page_removes_its_state_and_the_hit_behind_it(backend):
     assert index.score(H[:4])["a"] == WorkerScore(4, 2), "the state died with its page"
 
 
+def test_a_state_under_a_missing_page_does_not_count(backend):
+    index, a = backend.make(), EventStream("a")
+    index.apply(a.batch([chain(4), StateStored(H[3]), PagesRemoved((H[1],))]))
+    assert index.score(H[:4])["a"] == WorkerScore(1, 0)
+
+
+def test_all_cleared_empties_only_that_worker(backend):
+    index, a, b = backend.make(), EventStream("a"), EventStream("b")
+    index.apply(a.batch([chain(3), StateStored(H[2])]))
+    index.apply(b.batch([chain(3), StateStored(H[2])]))
+    index.apply(a.batch([AllCleared()]))
+    assert index.contents("a") == (frozenset(), frozenset())
+    assert index.score(H[:3])["b"] == WorkerScore(3, 3)
+    assert index.score(H[:3]).get("a", WorkerScore(0, 0)) == WorkerScore(0, 0)
+
+
 def test_all_cleared_in_the_middle_of_a_batch_keeps_what_follows_it(backend):
     index, a, b = backend.make(), EventStream("a"), EventStream("b")
     index.apply(b.batch([chain(3), StateStored(H[2])]))
