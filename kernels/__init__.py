@@ -1,22 +1,31 @@
 """Kernels: the ops the engine runs, as Triton kernels and their plain-torch references.
 
 Callers import ops from here (`from kernels import store_kv`), never from an implementation.
-Each op asks `_backend` which module implements it for the tensors it was given. Today every op
-runs `kernels.reference` (fp32 torch: the CPU path, and the oracle every Triton kernel is tested
-against). A Triton module for CUDA tensors slots in by being returned from `_backend`; it
-implements the same functions with the same signatures.
+Each op asks `_backend` which module implements it for the tensors it was given:
+- CUDA tensors run `kernels.gpu` (compiled Triton, imported on first use);
+- CPU tensors run `kernels.reference` (fp32 torch: the CPU path, and the oracle every Triton
+  kernel is tested against) and `kernels.reference_varlen` (its per-sequence loops);
+- `CAIRN_KERNELS=reference` in the environment (read at every call) or `force_reference(True)`
+  sends CUDA tensors to the references too, for debugging a suspected kernel.
+Interpreted Triton (`TRITON_INTERPRET=1`) is for the CPU tests only, which import the
+`kernels.triton_*` modules directly. A process that imported triton interpreted cannot compile
+kernels at all, so there CUDA tensors run the references, with a warning (a test session on a
+GPU machine keeps working; tests/test_triton_gpu.py runs the compiled kernels in a child process).
 
 Shapes, units and conventions are stated once, in `kernels.reference`.
 """
 
 from __future__ import annotations
 
+import importlib
+import os
+import warnings
 from collections.abc import Sequence
 from types import ModuleType
 
 from torch import Tensor
 
-from kernels import reference
+from kernels import reference, reference_varlen
 
 __all__ = [
     "store_kv",
@@ -28,12 +37,46 @@ __all__ = [
     "recurrent_gated_delta_rule",
     "gated_delta_rule_step",
     "copy_state_slots",
+    "chunk_gated_delta_rule_varlen",
+    "gated_delta_rule_step_slots",
+    "causal_conv1d_varlen",
+    "causal_conv1d_update_slots",
+    "force_reference",
 ]
+
+_forced_reference = False
+_warned_interpreted = False
+
+
+def force_reference(on: bool = True) -> None:
+    """Run the torch references on every device (or, with on=False, go back to the default)."""
+    global _forced_reference
+    _forced_reference = bool(on)
+
+
+def _uses_triton(tensor: Tensor) -> bool:
+    if not tensor.is_cuda or _forced_reference or os.environ.get("CAIRN_KERNELS", "").strip().lower() == "reference":
+        return False
+    from kernels import triton_common  # imports triton: only once CUDA tensors show up
+
+    if triton_common.INTERPRETED:  # compiled kernels cannot run in this process (see kernels.gpu)
+        global _warned_interpreted
+        if not _warned_interpreted:
+            _warned_interpreted = True
+            warnings.warn("TRITON_INTERPRET=1 in this process: CUDA tensors run the torch reference ops",
+                          RuntimeWarning, stacklevel=3)
+        return False
+    return True
 
 
 def _backend(tensor: Tensor) -> ModuleType:
-    """The module implementing ops on `tensor`'s device (today always the reference)."""
-    return reference
+    """The module implementing the `reference` ops on `tensor`'s device."""
+    return importlib.import_module("kernels.gpu") if _uses_triton(tensor) else reference
+
+
+def _varlen_backend(tensor: Tensor) -> ModuleType:
+    """The module implementing the `reference_varlen` ops on `tensor`'s device."""
+    return importlib.import_module("kernels.gpu") if _uses_triton(tensor) else reference_varlen
 
 
 def store_kv(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
@@ -91,3 +134,32 @@ def gated_delta_rule_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tens
 def copy_state_slots(tensors: Sequence[Tensor], src_slots: Tensor, dst_slots: Tensor) -> None:
     """See `reference.copy_state_slots`."""
     _backend(tensors[0] if tensors else src_slots).copy_state_slots(tensors, src_slots, dst_slots)
+
+
+def chunk_gated_delta_rule_varlen(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, cu_seqlens: Tensor,
+                                  state_pool: Tensor, state_slots: Tensor, *, scale: float | None = None,
+                                  use_qk_l2norm: bool = True,
+                                  state_positions: Sequence[Sequence[int]] = ()) -> tuple[Tensor, Tensor]:
+    """See `reference_varlen.chunk_gated_delta_rule_varlen`."""
+    return _varlen_backend(v).chunk_gated_delta_rule_varlen(q, k, v, g, beta, cu_seqlens, state_pool, state_slots,
+                                                            scale=scale, use_qk_l2norm=use_qk_l2norm,
+                                                            state_positions=state_positions)
+
+
+def gated_delta_rule_step_slots(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state_pool: Tensor,
+                                state_slots: Tensor, *, scale: float | None = None,
+                                use_qk_l2norm: bool = True) -> Tensor:
+    """See `reference_varlen.gated_delta_rule_step_slots`."""
+    return _varlen_backend(v).gated_delta_rule_step_slots(q, k, v, g, beta, state_pool, state_slots, scale=scale,
+                                                          use_qk_l2norm=use_qk_l2norm)
+
+
+def causal_conv1d_varlen(x: Tensor, weight: Tensor, cu_seqlens: Tensor, conv_pool: Tensor,
+                         state_slots: Tensor) -> Tensor:
+    """See `reference_varlen.causal_conv1d_varlen`."""
+    return _varlen_backend(x).causal_conv1d_varlen(x, weight, cu_seqlens, conv_pool, state_slots)
+
+
+def causal_conv1d_update_slots(x: Tensor, weight: Tensor, conv_pool: Tensor, state_slots: Tensor) -> Tensor:
+    """See `reference_varlen.causal_conv1d_update_slots`."""
+    return _varlen_backend(x).causal_conv1d_update_slots(x, weight, conv_pool, state_slots)

@@ -1,0 +1,118 @@
+"""Plain-torch references of the slot-indexed and varlen ops: a per-sequence loop over `reference`.
+
+These are the entry points an engine adopts to run a whole batch in one launch per op: states
+live in pools and are read from and written back to slots in place, instead of being gathered
+into a batch tensor and scattered back. Conventions are `reference`'s; in addition:
+- A pool is [num_slots, ...] (any strides, e.g. the per-layer view `ssm_states[:, r]`) indexed by
+  state_slots [B] int64; the slots of one call are distinct (the caller's contract).
+- A varlen batch may hold empty sequences (cu_seqlens[b] == cu_seqlens[b+1]); their state is
+  left as it is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from kernels import reference
+from kernels.reference import _check_delta, _expect, _expect_dtype, _expect_shape
+
+
+def _cu_host(cu_seqlens: Tensor, total: int) -> list[int]:
+    _expect_shape("cu_seqlens", cu_seqlens, "B+1", (None,))
+    _expect_dtype("cu_seqlens", cu_seqlens, torch.int32)
+    cu = cu_seqlens.tolist()
+    _expect(cu[0] == 0 and cu[-1] == total and all(a <= b for a, b in zip(cu, cu[1:])),
+            f"cu_seqlens non-decreasing from 0 to T = {total}", cu)
+    return cu
+
+
+def _check_slots(name: str, pool: Tensor, layout: str, inner: tuple[int, ...], state_slots: Tensor,
+                 batch: int) -> None:
+    _expect_shape(name, pool, layout, (None, *inner))
+    _expect_shape("state_slots", state_slots, "B", (batch,))
+    _expect_dtype("state_slots", state_slots, torch.int64)
+
+
+def chunk_gated_delta_rule_varlen(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, cu_seqlens: Tensor,
+                                  state_pool: Tensor, state_slots: Tensor, *, scale: float | None = None,
+                                  use_qk_l2norm: bool = True,
+                                  state_positions: Sequence[Sequence[int]] = ()) -> tuple[Tensor, Tensor]:
+    """The chunked delta rule over B sequences, each starting from and ending in its state slot.
+
+    q, k [T, H_k, D_k]; v [T, H_v, D_v]; g, beta [T, H_v]; cu_seqlens [B+1] int32; state_pool
+    [num_slots, H_v, D_k, D_v] fp32, state_pool[state_slots[b]] read as sequence b's initial state
+    and overwritten with its final state. state_positions: per sequence (a shorter list means no
+    positions for the rest), strictly increasing 0 < p <= len_b. Returns (out [T, H_v, D_v] in v's
+    dtype, states [P, H_v, D_k, D_v] fp32: the state after state_positions[b][i] tokens of
+    sequence b, sequence by sequence, position by position).
+    """
+    total, h_v, d_k, d_v = _check_delta(q, k, v, g, beta, "T")
+    cu = _cu_host(cu_seqlens, total)
+    batch = len(cu) - 1
+    _check_slots("state_pool", state_pool, "num_slots, H_v, D_k, D_v", (h_v, d_k, d_v), state_slots, batch)
+    _expect_dtype("state_pool", state_pool, torch.float32)
+    _expect(len(state_positions) <= batch, f"at most B = {batch} lists of state_positions", len(state_positions))
+    out = torch.empty(total, h_v, d_v, dtype=v.dtype, device=v.device)
+    saved = []
+    for b, slot in enumerate(state_slots.tolist()):
+        start, end = cu[b], cu[b + 1]
+        positions = list(state_positions[b]) if b < len(state_positions) else []
+        if start == end:
+            _expect(not positions, f"no state_positions for the empty sequence {b}", positions)
+            continue
+        out[start:end], final, states = reference.chunk_gated_delta_rule(
+            q[start:end], k[start:end], v[start:end], g[start:end], beta[start:end], state_pool[slot],
+            scale=scale, use_qk_l2norm=use_qk_l2norm, state_positions=positions)
+        state_pool[slot] = final
+        saved.append(states)
+    states = torch.cat(saved) if saved else torch.empty(0, h_v, d_k, d_v, dtype=torch.float32, device=v.device)
+    return out, states
+
+
+def gated_delta_rule_step_slots(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state_pool: Tensor,
+                                state_slots: Tensor, *, scale: float | None = None,
+                                use_qk_l2norm: bool = True) -> Tensor:
+    """`reference.gated_delta_rule_step` on states kept in a pool: state_pool [num_slots, H_v, D_k,
+    D_v] fp32, rows state_slots [B] int64 updated in place. Returns out [B, H_v, D_v] in v's dtype."""
+    batch, h_v, d_k, d_v = _check_delta(q, k, v, g, beta, "B")
+    _check_slots("state_pool", state_pool, "num_slots, H_v, D_k, D_v", (h_v, d_k, d_v), state_slots, batch)
+    _expect_dtype("state_pool", state_pool, torch.float32)
+    state = state_pool[state_slots]  # a gathered copy
+    out = reference.gated_delta_rule_step(q, k, v, g, beta, state, scale=scale, use_qk_l2norm=use_qk_l2norm)
+    state_pool[state_slots] = state
+    return out
+
+
+def causal_conv1d_varlen(x: Tensor, weight: Tensor, cu_seqlens: Tensor, conv_pool: Tensor,
+                         state_slots: Tensor) -> Tensor:
+    """`reference.causal_conv1d` over B sequences, each continuing from and leaving its conv state in
+    its slot: x [T, C]; weight [C, K]; cu_seqlens [B+1] int32; conv_pool [num_slots, C, K-1] (its
+    dtype is the states'). Returns out [T, C] in x's dtype."""
+    _expect_shape("weight", weight, "C, K", (None, None))
+    channels, width = weight.shape
+    _expect_shape("x", x, "T, C", (None, channels))
+    cu = _cu_host(cu_seqlens, x.shape[0])
+    _check_slots("conv_pool", conv_pool, "num_slots, C, K-1", (channels, width - 1), state_slots, len(cu) - 1)
+    out = torch.empty_like(x)
+    for b, slot in enumerate(state_slots.tolist()):
+        start, end = cu[b], cu[b + 1]
+        if start == end:
+            continue
+        out[start:end], conv_pool[slot] = reference.causal_conv1d(x[start:end], weight, conv_pool[slot])
+    return out
+
+
+def causal_conv1d_update_slots(x: Tensor, weight: Tensor, conv_pool: Tensor, state_slots: Tensor) -> Tensor:
+    """`reference.causal_conv1d_update` on states kept in a pool: x [B, C]; conv_pool
+    [num_slots, C, K-1], rows state_slots [B] int64 updated in place. Returns [B, C] in x's dtype."""
+    _expect_shape("weight", weight, "C, K", (None, None))
+    channels, width = weight.shape
+    _expect_shape("x", x, "B, C", (None, channels))
+    _check_slots("conv_pool", conv_pool, "num_slots, C, K-1", (channels, width - 1), state_slots, x.shape[0])
+    state = conv_pool[state_slots]
+    out = reference.causal_conv1d_update(x, weight, state)
+    conv_pool[state_slots] = state
+    return out

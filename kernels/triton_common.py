@@ -1,0 +1,50 @@
+"""Small host-side helpers the Triton launchers share.
+
+`INTERPRETED`: whether this process runs Triton interpreted. It is fixed when triton is first
+imported (TRITON_INTERPRET=1 then makes even triton's own `tl.sum` interpreted), so one process
+cannot run both interpreted and compiled kernels.
+
+`FILL`: when set (tests set NaN), every buffer a launcher allocates, outputs and scratch alike, is
+filled with it instead of left uninitialised, so a kernel that reads memory nobody wrote, or
+leaves part of its output unwritten, fails loudly rather than by luck.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+INTERPRETED = not isinstance(tl.standard.sum, triton.runtime.jit.JITFunction)
+FILL: float | None = None
+
+
+def empty(*shape: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    if FILL is None:
+        return torch.empty(*shape, dtype=dtype, device=device)
+    return torch.full(shape, FILL, dtype=dtype, device=device)
+
+
+def empty_like(t: Tensor) -> Tensor:
+    return empty(*t.shape, dtype=t.dtype, device=t.device)
+
+
+def pow2(n: int, least: int = 16) -> int:
+    """The block size covering n: a power of two, at least `least` (tl.dot wants >= 16)."""
+    return max(least, triton.next_power_of_2(max(int(n), 1)))
+
+
+def unit_last(t: Tensor) -> Tensor:
+    """`t` itself when its last dim is contiguous (kernels take the other strides), else a copy."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def dot_dtype(t: Tensor) -> tl.dtype:
+    """Matmul operand dtype for data stored as `t`: 16-bit stays 16-bit (tensor cores), else fp32."""
+    return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}.get(t.dtype, tl.float32)
+
+
+def device_tensor(rows: list[list[int]], device: torch.device) -> Tensor:
+    """A small int32 table built on the host, moved in one copy: [len(rows), len(rows[0])]."""
+    return torch.tensor(rows, dtype=torch.int32).to(device)

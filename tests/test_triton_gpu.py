@@ -1,0 +1,229 @@
+"""On a CUDA device, the compiled kernels agree with the torch reference at realistic shapes
+(Qwen3-Next-80B heads: attention 16 query / 2 KV heads of 256, DeltaNet 16 key / 32 value heads of
+128) in bf16 and fp32, and the engine on CUDA gives the CPU path's greedy tokens.
+
+A process runs Triton either interpreted or compiled, fixed when triton is imported, and
+tests/conftest.py makes the test session interpreted. So in such a session the one test here that
+runs re-runs this file in a child pytest with TRITON_INTERPRET=0, where the others run."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import reference, reference_varlen, triton_common
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+compiled_only = pytest.mark.skipif(torch.cuda.is_available() and triton_common.INTERPRETED,
+                                   reason="runs in the child process that runs compiled Triton")
+CUDA = "cuda"
+DTYPES = [torch.float32, torch.bfloat16]
+# fp32 runs exact dots, so only summation order differs: element-wise tolerances, per tensor kind.
+# bf16 rounds matmul operands and scratch to bf16 (as flash-linear-attention does): a few elements
+# of thousands may stray, so bf16 is held to a relative error over the whole tensor.
+FP32_TOL = {"out": dict(atol=2e-4, rtol=1e-3), "state": dict(atol=1e-3, rtol=1e-3)}
+BF16_REL = {"out": 1.5e-2, "state": 2e-2}
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor, kind: str, dtype: torch.dtype) -> None:
+    """NaN where the reference has NaN (slots nobody may touch), else close for `kind` at `dtype`."""
+    assert torch.equal(got.isnan(), want.isnan()), "NaN where the reference has a value, or the reverse"
+    got, want = got[~want.isnan()].float(), want[~want.isnan()].float()
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, **FP32_TOL[kind])
+    else:
+        error = ((got - want).norm() / want.norm().clamp_min(1e-12)).item()
+        assert error <= BF16_REL[kind], f"relative error {error:.2e} > {BF16_REL[kind]:.0e}"
+
+
+def test_gpu_tests_pass_in_a_process_running_compiled_triton():
+    if not triton_common.INTERPRETED:
+        pytest.skip("this process runs compiled Triton: the tests below run here")
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    done = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-rs"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0, done.stdout[-8000:] + done.stderr[-2000:]
+
+
+@pytest.fixture(scope="module")
+def gpu():
+    from kernels import gpu
+
+    return gpu
+
+
+@pytest.fixture(autouse=True)
+def nan_filled_buffers(monkeypatch):
+    monkeypatch.setattr(triton_common, "FILL", math.nan)
+
+
+def _nan_caches(pages: int, page: int, h_kv: int, d: int, dtype: torch.dtype):
+    return tuple(torch.full((pages, page, h_kv, d), math.nan, dtype=dtype, device=CUDA) for _ in range(2))
+
+
+def _paged(cached_and_new: list[tuple[int, int]], dtype: torch.dtype, page: int = 16, h_q: int = 16, h_kv: int = 2,
+           d: int = 256):
+    """Sequences on shuffled pages of NaN caches, K/V stored by the reference."""
+    gen = torch.Generator().manual_seed(0)
+    totals = [c + n for c, n in cached_and_new]
+    need = [-(-t // page) for t in totals]
+    k_cache, v_cache = _nan_caches(sum(need) + 1, page, h_kv, d, dtype)
+    order = torch.randperm(sum(need), generator=gen).tolist()
+    table = torch.full((len(totals), max(need) + 1), -1, dtype=torch.int32)
+    for b, n in enumerate(need):
+        pages, order = order[:n], order[n:]
+        table[b, :n] = torch.tensor(pages, dtype=torch.int32)
+        slots = torch.tensor([pages[p // page] * page + p % page for p in range(totals[b])], device=CUDA)
+        kv = torch.randn(2, totals[b], h_kv, d, generator=gen).to(CUDA, dtype)
+        reference.store_kv(kv[0], kv[1], k_cache, v_cache, slots)
+    query = torch.randn(sum(n for _, n in cached_and_new), h_q, d, generator=gen).to(CUDA, dtype)
+    cu = torch.tensor([0] + [n for _, n in cached_and_new]).cumsum(0).to(CUDA, torch.int32)
+    return query, k_cache, v_cache, table.to(CUDA), cu, torch.tensor(totals, dtype=torch.int32, device=CUDA)
+
+
+@compiled_only
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_store_kv_and_paged_attention_match_the_reference(gpu, dtype):
+    key, value = (torch.randn(2048, 2, 256, device=CUDA, dtype=dtype) for _ in range(2))
+    slots = torch.randperm(4096, device=CUDA)[:2048]
+    slots[::7] = -1
+    got, want = _nan_caches(256, 16, 2, 256, dtype), _nan_caches(256, 16, 2, 256, dtype)
+    gpu.store_kv(key, value, *got, slots)
+    reference.store_kv(key, value, *want, slots)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, equal_nan=True, atol=0, rtol=0)
+
+    query, k_cache, v_cache, table, cu, lens = _paged([(0, 1000), (3000, 517), (100, 1), (4095, 64)], dtype)
+    scale = 256 ** -0.5
+    assert_close(gpu.paged_attention_prefill(query, k_cache, v_cache, table, cu, lens, scale),
+                 reference.paged_attention_prefill(query, k_cache, v_cache, table, cu, lens, scale), "out", dtype)
+    gen = torch.Generator().manual_seed(1)
+    batch = [(int(torch.randint(0, 4096, (1,), generator=gen)), 1) for _ in range(64)]
+    query, k_cache, v_cache, table, _, lens = _paged(batch, dtype)
+    assert_close(gpu.paged_attention_decode(query, k_cache, v_cache, table, lens, scale),
+                 reference.paged_attention_decode(query, k_cache, v_cache, table, lens, scale), "out", dtype)
+
+
+def _delta_inputs(length: int, dtype: torch.dtype, seed: int = 0, h_k: int = 16, h_v: int = 32, d: int = 128):
+    gen = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(length, h_k, d, generator=gen) for _ in range(2))
+    v = torch.randn(length, h_v, d, generator=gen)
+    g = F.logsigmoid(2 * torch.randn(length, h_v, generator=gen) + 2)
+    beta = torch.sigmoid(torch.randn(length, h_v, generator=gen))
+    return q.to(CUDA, dtype), k.to(CUDA, dtype), v.to(CUDA, dtype), g.to(CUDA), beta.to(CUDA, dtype)
+
+
+def _states(*lead: int, seed: int = 1) -> torch.Tensor:
+    return 0.5 * torch.randn(*lead, 32, 128, 128, generator=torch.Generator().manual_seed(seed)).to(CUDA)
+
+
+@compiled_only
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_chunked_delta_rule_matches_the_reference_with_states_at_positions(gpu, dtype):
+    q, k, v, g, beta = _delta_inputs(1000, dtype)
+    init = _states()
+    positions = [16, 64, 500, 1000]
+    got = gpu.chunk_gated_delta_rule(q, k, v, g, beta, init, state_positions=positions)
+    want = reference.chunk_gated_delta_rule(q, k, v, g, beta, init, state_positions=positions)
+    assert_close(got[0], want[0], "out", dtype)
+    assert_close(got[1], want[1], "state", dtype)
+    assert_close(got[2], want[2], "state", dtype)
+
+    lengths, used = [700, 1, 64, 300], [3, 9, 0, 5]
+    q, k, v, g, beta = _delta_inputs(sum(lengths), dtype, seed=2)
+    cu = torch.tensor([0, *lengths]).cumsum(0).to(CUDA, torch.int32)
+    pool = torch.full((10, 3, 32, 128, 128), math.nan, device=CUDA)
+    pool[used, 1] = _states(len(used))
+    want_pool = pool.clone()
+    slots = torch.tensor(used, device=CUDA)
+    positions = [[256, 700], [1], [], [48, 300]]
+    out, states = gpu.chunk_gated_delta_rule_varlen(q, k, v, g, beta, cu, pool[:, 1], slots, state_positions=positions)
+    want_out, want_states = reference_varlen.chunk_gated_delta_rule_varlen(q, k, v, g, beta, cu, want_pool[:, 1],
+                                                                           slots, state_positions=positions)
+    assert_close(out, want_out, "out", dtype)
+    assert_close(states, want_states, "state", dtype)
+    assert_close(pool, want_pool, "state", dtype)
+
+
+@compiled_only
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_step_and_recurrence_match_the_reference(gpu, dtype):
+    q, k, v, g, beta = _delta_inputs(64, dtype, seed=3)  # 64 sequences, one token each
+    pool = torch.full((80, 32, 128, 128), math.nan, device=CUDA)
+    slots = torch.randperm(80, device=CUDA)[:64]
+    pool[slots] = _states(64)
+    want_pool = pool.clone()
+    assert_close(gpu.gated_delta_rule_step_slots(q, k, v, g, beta, pool, slots),
+                 reference_varlen.gated_delta_rule_step_slots(q, k, v, g, beta, want_pool, slots), "out", dtype)
+    assert_close(pool, want_pool, "state", dtype)
+    state, want_state = _states(64), _states(64)
+    assert_close(gpu.gated_delta_rule_step(q, k, v, g, beta, state),
+                 reference.gated_delta_rule_step(q, k, v, g, beta, want_state), "out", dtype)
+    assert_close(state, want_state, "state", dtype)
+    q, k, v, g, beta = _delta_inputs(300, dtype, seed=4)
+    got, want = gpu.recurrent_gated_delta_rule(q, k, v, g, beta), reference.recurrent_gated_delta_rule(q, k, v, g, beta)
+    assert_close(got[0], want[0], "out", dtype)
+    assert_close(got[1], want[1], "state", dtype)
+
+
+@compiled_only
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_conv_and_state_copies_match_the_reference(gpu, dtype):
+    channels = 2 * 16 * 128 + 32 * 128
+    weight = torch.randn(channels, 4, device=CUDA, dtype=dtype)
+    lengths, used = [1000, 1, 2, 333], [4, 0, 7, 2]
+    x = torch.randn(sum(lengths), channels, device=CUDA, dtype=dtype)
+    cu = torch.tensor([0, *lengths]).cumsum(0).to(CUDA, torch.int32)
+    pool = torch.full((8, 3, channels, 3), math.nan, device=CUDA, dtype=dtype)
+    pool[used, 2] = torch.randn(len(used), channels, 3, device=CUDA, dtype=dtype)
+    want_pool = pool.clone()
+    slots = torch.tensor(used, device=CUDA)
+    assert_close(gpu.causal_conv1d_varlen(x, weight, cu, pool[:, 2], slots),
+                 reference_varlen.causal_conv1d_varlen(x, weight, cu, want_pool[:, 2], slots), "out", dtype)
+    torch.testing.assert_close(pool, want_pool, equal_nan=True, atol=0, rtol=0)  # conv states: copied inputs
+    out, state = gpu.causal_conv1d(x[:1000], weight, None)
+    want_out, want_state = reference.causal_conv1d(x[:1000], weight, None)
+    assert_close(out, want_out, "out", dtype)
+    torch.testing.assert_close(state, want_state, atol=0, rtol=0)
+    state, want_state = pool[used, 2].clone(), pool[used, 2].clone()
+    assert_close(gpu.causal_conv1d_update(x[:4], weight, state),
+                 reference.causal_conv1d_update(x[:4], weight, want_state), "out", dtype)
+    torch.testing.assert_close(state, want_state, atol=0, rtol=0)
+
+    ssm = torch.randn(16, 3, 32, 128, 128, device=CUDA)
+    want_ssm, want_conv = ssm.clone(), pool.clone()
+    src, dst = torch.tensor([4, 0, 7], device=CUDA), torch.tensor([1, 9, 12], device=CUDA)
+    gpu.copy_state_slots([ssm], src, dst)
+    reference.copy_state_slots([want_ssm], src, dst)
+    assert torch.equal(ssm, want_ssm)
+    gpu.copy_state_slots([pool], src[:2], torch.tensor([1, 3], device=CUDA))
+    reference.copy_state_slots([want_conv], src[:2], torch.tensor([1, 3], device=CUDA))
+    assert torch.equal(pool.nan_to_num(7.0), want_conv.nan_to_num(7.0))
+
+
+@compiled_only
+def test_the_engine_on_cuda_gives_the_cpu_paths_greedy_tokens(tiny_model_dir):
+    from workers import Engine, SamplingParams
+
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    gen = torch.Generator().manual_seed(0)
+    first = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in (150, 37, 1, 90)]
+    results = {}
+    for device in ("cpu", "cuda"):
+        engine = Engine.from_pretrained(tiny_model_dir, device=device, page_size=16, num_pages=128, max_num_seqs=4,
+                                        max_num_batched_tokens=96)
+        turn1 = engine.generate(first, params)
+        # second turns share the first turn's pages and checkpoints: resumed, not recomputed
+        second = [p + o.token_ids[:5] + [7, 8, 9] for p, o in zip(first, turn1)]
+        turn2 = engine.generate(second, params)
+        results[device] = [(o.token_ids, o.cached_tokens) for o in turn1 + turn2]
+    assert results["cuda"] == results["cpu"]
+    assert any(cached for _, cached in results["cuda"][len(first):])
