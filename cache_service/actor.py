@@ -2,7 +2,14 @@
 
 `index_actor(...)` gets or creates the one named, detached `CacheIndexActor` of a cluster (Ray
 restarts it on failure, `max_restarts=-1`). Its async methods wrap `CacheIndex`: `apply(bytes)`,
-`score(page_hashes)`, `drop_worker`, `workers_needing_resync`, `needs_resync`, `stats`.
+`score(page_hashes)`, `drop_worker`, `workers`, `contents`, `workers_needing_resync`,
+`needs_resync`, `stats`.
+- Dead replicas are dropped by the index itself: a worker id that is a Serve replica id
+  (`SERVE_REPLICA::app#deployment#id`, the name Serve gives the replica's actor in the `serve`
+  namespace) is looked up every `liveness_interval_s`; once its actor is gone on two lookups in a
+  row the worker is dropped (`stats()["workers_reaped"]`). So a killed replica leaves the index
+  within about two intervals even if no router ever sends it a request (routers that do drop it
+  at once, on `on_replica_actor_died`). Other worker ids (tests, other launchers) are never reaped.
 - With a Redis URL the index lives in Redis: a restarted actor resumes exactly where the last
   one stopped (contents, seq numbers, trust), and fences the old one out.
 - Without, a restarted actor starts empty and asks every worker it does not know to resync:
@@ -40,6 +47,9 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_ACTOR_NAME = "cairn-cache-index"
 DEFAULT_RAY_NAMESPACE = "cairn"
+SERVE_REPLICA_PREFIX = "SERVE_REPLICA::"  # ray.serve._private.common.REPLICA_ID_FULL_ID_STR_PREFIX
+SERVE_NAMESPACE = "serve"                 # where Serve names its replica actors
+LIVENESS_INTERVAL_S = 1.0
 
 
 class ApplyResult(NamedTuple):
@@ -49,7 +59,8 @@ class ApplyResult(NamedTuple):
 
 @ray.remote
 class CacheIndexActor:
-    def __init__(self, redis_url: str | None = None, namespace: str = "cairn", max_pages: int = 4_000_000):
+    def __init__(self, redis_url: str | None = None, namespace: str = "cairn", max_pages: int = 4_000_000,
+                 liveness_interval_s: float = LIVENESS_INTERVAL_S):
         self._restarted = ray.get_runtime_context().was_current_actor_reconstructed
         if redis_url:
             from cache_service.redis_store import RedisStore
@@ -60,8 +71,31 @@ class CacheIndexActor:
         self._backend = "redis" if redis_url else "memory"
         self._resync_unknown = self._restarted and not redis_url  # what it knew died with it
         self._decode_errors = 0
+        self._liveness_s, self._watcher, self._reaped = liveness_interval_s, None, 0
+
+    def _watch(self) -> None:
+        """Starts the dead-replica watcher on the actor's loop (first call of any method)."""
+        if self._watcher is None and self._liveness_s > 0:
+            self._watcher = asyncio.get_running_loop().create_task(self._watch_replicas())
+
+    async def _watch_replicas(self) -> None:
+        missing: set[str] = set()
+        while True:
+            await asyncio.sleep(self._liveness_s)
+            try:
+                replicas = sorted(w for w in self._index.workers() if w.startswith(SERVE_REPLICA_PREFIX))
+                gone = {w for w, alive in zip(replicas, await asyncio.to_thread(_actors_alive, replicas))
+                        if alive is False}
+                for worker in gone & missing:  # gone on two lookups in a row
+                    logger.info("replica %s is gone: dropping it from the cache index", worker)
+                    self._index.drop_worker(worker)
+                    self._reaped += 1
+                missing = gone - missing
+            except Exception as e:  # GCS or Redis hiccup: look again next time
+                logger.warning("replica liveness check failed: %s", e)
 
     async def apply(self, data: bytes) -> ApplyResult:
+        self._watch()
         try:
             batch = EventBatch.decode(data)
         except EventDecodeError as e:
@@ -74,10 +108,23 @@ class CacheIndexActor:
 
     async def score(self, page_hashes: list[bytes]) -> dict[str, tuple[int, int]]:
         """worker -> (hit_pages, state_pages); workers absent from the answer score (0, 0)."""
+        self._watch()
         return {w: (s.hit_pages, s.state_pages) for w, s in self._index.score(page_hashes).items() if s.hit_pages}
 
     async def drop_worker(self, worker_id: str) -> None:
         self._index.drop_worker(worker_id)
+
+    async def workers(self) -> set[str]:
+        """Every worker the index knows (trusted or awaiting a resync)."""
+        self._watch()
+        return self._index.workers()
+
+    async def contents(self, worker_id: str) -> tuple[frozenset[bytes], frozenset[bytes]] | None:
+        """(page hashes, state page hashes) held for the worker; None if it is unknown."""
+        try:
+            return self._index.contents(worker_id)
+        except KeyError:
+            return None
 
     async def workers_needing_resync(self) -> set[str]:
         return self._index.workers_needing_resync()
@@ -88,8 +135,25 @@ class CacheIndexActor:
         return self._resync_unknown and worker_id not in self._index.workers()
 
     async def stats(self) -> dict[str, Any]:
+        self._watch()
         return dict(self._index.stats(), backend=self._backend, restarted=self._restarted,
-                    resync_unknown_workers=self._resync_unknown, decode_errors=self._decode_errors)
+                    resync_unknown_workers=self._resync_unknown, decode_errors=self._decode_errors,
+                    workers_reaped=self._reaped)
+
+
+def _actors_alive(names: list[str]) -> list[bool | None]:
+    """Per Serve replica actor name: True if it exists, False if Ray says it does not, None if
+    the lookup failed otherwise (unknown: never a reason to drop). Blocking: run off the loop."""
+    out: list[bool | None] = []
+    for name in names:
+        try:
+            ray.get_actor(name, namespace=SERVE_NAMESPACE)
+            out.append(True)
+        except ValueError:  # "Failed to look up actor ...": no live actor has this name
+            out.append(False)
+        except Exception:
+            out.append(None)
+    return out
 
 
 def index_actor(name: str = DEFAULT_ACTOR_NAME, ray_namespace: str = DEFAULT_RAY_NAMESPACE,

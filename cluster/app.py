@@ -9,6 +9,18 @@
   renders, tokenizes and hashes once, then calls `Engine.generate` through a DeploymentHandle
   with a `GenerateRequest` (the router reads its page hashes).
 
+Which replica served a request: every HTTP response of the ingress that reached an engine carries
+the header `x-cairn-replica` with the worker id (the Serve replica id, as in the cache index) of
+the replica that produced it (several, comma-separated, for `n > 1` choices that landed apart).
+Tests and benchmarks use it to check affinity; it is not part of the OpenAI API.
+
+Each engine replica admits up to `max_ongoing_requests` requests (default: the engine's
+`max_num_seqs`, since the engine batches that many; Serve's own default of 5 would cap a replica
+far below what its engine runs and make Serve, not the router, decide where load goes). Each
+ingress replica admits `ingress_max_ongoing_requests` HTTP requests (default 1024): a streamed
+completion holds its slot for its whole life, and with Serve's default of 5 a sixth concurrent
+client would wait at the proxy for one of them to finish.
+
 `build_application(model_dir, replicas, ...)` returns the bound application; `app_builder(args)`
 is the same for `serve run` / `serve deploy` (configs/serve.yaml).
 """
@@ -17,7 +29,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
+import weakref
 from collections.abc import AsyncIterator
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +45,66 @@ from cluster.routing_config import RoutingConfig
 
 log = logging.getLogger(__name__)
 DRAIN_INTERVAL_S = 0.05
+REPLICA_HEADER = "x-cairn-replica"
+# the worker ids that served the HTTP request being handled (set per request by ReplicaHeader;
+# a list, so the tasks the request spawns append to the same one)
+_served_by: ContextVar[list[str] | None] = ContextVar("cairn_served_by", default=None)
+
+
+# The cache-affinity routers of this process (the ingress's handle to the engines), each with the
+# loop it runs on. Here, not in cluster.router: Serve pickles the router's module by value.
+_ROUTERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_ROUTERS_LOCK = threading.Lock()
+
+
+def register_router(ranker: Any, loop: asyncio.AbstractEventLoop) -> None:
+    """Called by `CacheAffinityRouter` on its loop: report first outputs to `ranker` there."""
+    with _ROUTERS_LOCK:
+        _ROUTERS[ranker] = loop
+
+
+def prefill_done(engine_request_id: str) -> None:
+    """Thread-safe: the request produced its first output, so the routers of this process stop
+    counting its prefill tokens as load on its replica (`AffinityRanker.on_prefill_done`)."""
+    with _ROUTERS_LOCK:
+        routers = list(_ROUTERS.items())
+    for ranker, loop in routers:
+        try:
+            loop.call_soon_threadsafe(ranker.on_prefill_done, engine_request_id)
+        except RuntimeError:  # its loop is closed: the router is gone
+            pass
+
+
+class _IndexRef:
+    """The index actor as the publisher sees it (`.apply/.needs_resync/.drop_worker.remote`), looked
+    up again after it was killed for good (ActorDiedError), so events flow to its successor."""
+
+    def __init__(self, cfg: RoutingConfig, handle: Any):
+        self._cfg, self._handle = cfg, handle
+
+    def __getattr__(self, method: str) -> Any:
+        ref = self
+
+        class Method:
+            @staticmethod
+            async def remote(*args: Any) -> Any:
+                from ray.exceptions import ActorDiedError
+
+                handle = ref._handle
+                try:
+                    return await getattr(handle, method).remote(*args)
+                except ActorDiedError:
+                    await ref._relookup(handle)
+                    raise
+        return Method
+
+    async def _relookup(self, dead: Any) -> None:
+        from cache_service.actor import index_actor
+
+        if self._handle is dead:
+            cfg = self._cfg
+            self._handle = await asyncio.to_thread(index_actor, cfg.index_actor_name, cfg.index_actor_namespace,
+                                                   cfg.redis_url, cfg.namespace, cfg.index_max_pages)
 
 
 class EngineReplica:
@@ -45,8 +120,8 @@ class EngineReplica:
         self.engine = AsyncEngine.from_pretrained(model_dir, worker_id=self.worker_id, **engine_options)
         self.max_num_seqs = self.engine.engine.options.max_num_seqs
         index = await asyncio.to_thread(index_actor, cfg.index_actor_name, cfg.index_actor_namespace,
-                                        cfg.redis_url, cfg.namespace)
-        self.publisher = EventPublisher(self.worker_id, index,
+                                        cfg.redis_url, cfg.namespace, cfg.index_max_pages)
+        self.publisher = EventPublisher(self.worker_id, _IndexRef(cfg, index),
                                         snapshot=lambda: self.engine.call(lambda e: e.snapshot_events()))
         self._metrics: dict[str, float] = {}
         self._drain = asyncio.get_running_loop().create_task(self._drain_loop())
@@ -63,9 +138,12 @@ class EngineReplica:
             await asyncio.sleep(DRAIN_INTERVAL_S)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Any]:
+        first = True
         async for out in self.engine.generate(
                 request.prompt_token_ids, request.params, request.request_id, cache_salt=request.cache_salt,
                 page_hashes=request.page_hashes, checkpoint_hints=request.checkpoint_hints):
+            if first:  # who served it travels with the first output (see REPLICA_HEADER)
+                out.worker_id, first = self.worker_id, False
             yield out
 
     async def abort(self, request_id: str) -> bool:
@@ -73,6 +151,13 @@ class EngineReplica:
 
     async def metrics(self) -> dict[str, float]:
         return dict(await self.engine.metrics(), worker_id=self.worker_id)  # type: ignore[arg-type]
+
+    async def cache_contents(self) -> tuple[str, frozenset[bytes], frozenset[bytes]]:
+        """(worker id, page hashes, state page hashes) resident now: what the index should hold
+        for this replica once its events are in (`handle.broadcast("cache_contents")`)."""
+        pages, states = await self.engine.call(lambda e: e.cache.snapshot())
+        held = frozenset(h for h, _ in pages)
+        return self.worker_id, held, frozenset(states) & held
 
     def record_routing_stats(self) -> dict[str, float]:
         from cluster.router import routing_stats
@@ -101,8 +186,14 @@ class HandleEngineClient:
         stream = self.handle.options(stream=True).generate.remote(request)
         self._streams[request.request_id] = stream
         finished = False
+        served = _served_by.get()
         try:
             async for out in stream:
+                worker = getattr(out, "worker_id", None)
+                if worker is not None:  # the first output: the prompt is computed
+                    prefill_done(request.request_id)
+                    if served is not None:
+                        served.append(worker)
                 finished = out.finished
                 yield out
         finally:
@@ -139,16 +230,47 @@ class Ingress:
     def __serve_build_asgi_app__(self):
         from cluster.api import build_app
 
-        return build_app(self.client, self.model_dir, self.served_model_name, self.api_key)
+        app = build_app(self.client, self.model_dir, self.served_model_name, self.api_key)
+        app.add_middleware(ReplicaHeader)
+        return app
+
+
+class ReplicaHeader:
+    """ASGI middleware: adds `x-cairn-replica: <worker id>[,<worker id>...]` to a response whose
+    request reached engine replicas (the ids come from `HandleEngineClient.generate`)."""
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        served: list[str] = []
+        token = _served_by.set(served)
+
+        async def send_with_header(message: dict) -> None:
+            if message["type"] == "http.response.start" and served:
+                value = ",".join(dict.fromkeys(served)).encode("latin-1")
+                message = {**message, "headers": [*message.get("headers", []), (REPLICA_HEADER.encode(), value)]}
+            await send(message)
+        try:
+            await self.app(scope, receive, send_with_header)
+        finally:
+            _served_by.reset(token)
 
 
 def build_application(model_dir: str | Path | None = None, replicas: int = 2, *,
                       engine_options: dict[str, Any] | None = None, routing: RoutingConfig | None = None,
                       num_cpus: float = 0.5, num_gpus: float = 0, ingress_replicas: int = 1,
                       served_model_name: str | None = None, api_key: str | None = None,
-                      autoscaling: dict[str, Any] | None = None):
-    """The bound Serve application. `model_dir` None serves the tiny demo model."""
+                      autoscaling: dict[str, Any] | None = None, max_ongoing_requests: int | None = None,
+                      ingress_max_ongoing_requests: int = 1024, health_check_period_s: float | None = None):
+    """The bound Serve application. `model_dir` None serves the tiny demo model.
+    `max_ongoing_requests` per engine replica defaults to the engine's max_num_seqs;
+    `health_check_period_s` (Serve's default: 10) is how often the controller checks a replica,
+    hence how soon it replaces one that died."""
     from workers.demo import demo_model_dir
+    from workers.options import EngineOptions
 
     model_dir = str(model_dir or demo_model_dir("tiny"))
     routing = routing or RoutingConfig()
@@ -158,25 +280,36 @@ def build_application(model_dir: str | Path | None = None, replicas: int = 2, *,
         raise ValueError(f"engine page_size {options['page_size']} differs from routing page_size "
                          f"{routing.page_size}: the router would score the wrong pages")
     placement: dict[str, Any] = dict(num_cpus=num_cpus, num_gpus=num_gpus)
+    extra: dict[str, Any] = {}
+    if health_check_period_s is not None:
+        extra["health_check_period_s"] = health_check_period_s
     engine = serve.deployment(
         EngineReplica, name="Engine", ray_actor_options=placement,
         request_router_config=routing.request_router_config(),
+        max_ongoing_requests=max_ongoing_requests or options.get("max_num_seqs", EngineOptions.max_num_seqs),
+        **extra,
         **({"autoscaling_config": autoscaling} if autoscaling else {"num_replicas": replicas}),
     ).bind(model_dir, options, routing.model_dump())
     ingress = serve.deployment(serve.ingress()(Ingress), name="Ingress", num_replicas=ingress_replicas,
+                               max_ongoing_requests=ingress_max_ongoing_requests,
                                ray_actor_options=dict(num_cpus=min(num_cpus, 0.25)))
     return ingress.bind(engine, model_dir, options["page_size"], options.get("max_model_len"),
                         served_model_name, api_key)
 
 
 def app_builder(args: dict[str, Any]):
-    """`import_path: cluster.app:app_builder` for `serve run` / `serve deploy`. Keys: model_dir,
-    replicas, engine_options, routing (a dict or a path to a routing YAML), num_cpus, num_gpus,
-    ingress_replicas, served_model_name, api_key, autoscaling."""
+    """`import_path: cluster.app:app_builder` for `serve run` / `serve deploy`. Keys: model_dir
+    (null: the demo model), replicas, engine_options, routing (a dict, or a path to a routing YAML:
+    absolute, relative to the working directory, or to this repository), num_cpus, num_gpus,
+    ingress_replicas, served_model_name, api_key, autoscaling, max_ongoing_requests,
+    ingress_max_ongoing_requests, health_check_period_s. Unknown keys are an error."""
     args = dict(args or {})
     routing = args.pop("routing", None)
     if isinstance(routing, str):
-        routing = RoutingConfig.from_yaml(routing)
+        path = Path(routing)
+        if not path.is_absolute() and not path.exists():  # the repository's configs/, from anywhere
+            path = Path(__file__).resolve().parent.parent / routing
+        routing = RoutingConfig.from_yaml(path)
     elif isinstance(routing, dict):
         routing = RoutingConfig.model_validate(routing)
     return build_application(args.pop("model_dir", None), args.pop("replicas", 2), routing=routing, **args)

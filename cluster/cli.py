@@ -11,7 +11,8 @@ Subcommands:
 - `generate [--model DIR] --prompt TEXT [--chat] [--max-tokens N] [--temperature T]` — load
   the checkpoint (default: the tiny demo model) into an in-process engine, print a completion.
 - `serve [--model DIR] [--replicas N] [--address A] [--config YAML] [--routing YAML] ...` —
-  Ray Serve replicas behind the HTTP API (see `cluster.deploy`); `--replicas 1` alone runs one
+  Ray Serve replicas behind the HTTP API (see `cluster.deploy`): deploys --config, default
+  configs/local.yaml, with the flags given written over it; `--replicas 1` alone runs one
   in-process engine.
 """
 
@@ -86,36 +87,40 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "serve", help="serve the OpenAI-compatible HTTP API (Ray Serve replicas, cache-affinity routing)",
         description="Start (or join, with --address) Ray, deploy the engine replicas and the HTTP "
-                    "ingress, print the endpoint, serve until Ctrl-C. --replicas 1 without "
+                    "ingress, print the endpoint, serve until Ctrl-C. What is deployed is the Serve "
+                    "config --config (default: configs/local.yaml, 2 CPU replicas of the demo model "
+                    "on 127.0.0.1:8000); the flags given override it. --replicas 1 without "
                     "--address/--config runs one engine in this process instead (debugging).")
-    parser.add_argument("--model", help="checkpoint directory (default: the tiny demo model)")
-    parser.add_argument("--replicas", type=int, default=2, help="engine replicas (default 2)")
-    parser.add_argument("--address", default=None, help="join this Ray cluster instead of starting one")
-    parser.add_argument("--config", default=None, help="a Serve config YAML (configs/serve.yaml): "
-                                                       "deploy it as written")
+    parser.add_argument("--model", help="checkpoint directory (default: the config's; local.yaml: the tiny demo model)")
+    parser.add_argument("--replicas", type=int, default=None, help="engine replicas (local.yaml: 2)")
+    parser.add_argument("--address", default=None, help="join this Ray cluster (e.g. auto) instead of starting one")
+    parser.add_argument("--config", default=None, help="a Serve config YAML (configs/serve.yaml); "
+                                                       "default: configs/local.yaml")
     parser.add_argument("--routing", default=None, help="routing YAML (configs/routing.yaml)")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--host", default=None, help="HTTP host (local.yaml: 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=None, help="HTTP port (local.yaml: 8000)")
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 "
                                                         "(default: $CAIRN_API_KEY, else none)")
     parser.add_argument("--served-model-name", default=None, help="model id clients send (default: folder name)")
-    parser.add_argument("--num-cpus", type=float, default=0.5, help="CPUs per engine replica")
-    parser.add_argument("--num-gpus", type=float, default=0, help="GPUs per engine replica (1 on GPU nodes)")
-    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--num-cpus", type=float, default=None, help="CPUs per engine replica (local.yaml: 0.5)")
+    parser.add_argument("--num-gpus", type=float, default=None, help="GPUs per engine replica (1 on GPU nodes)")
+    parser.add_argument("--max-num-seqs", type=int, default=None, help="sequences an engine runs at once (64)")
     parser.add_argument("--cache-memory-bytes", type=int, default=None)
-    parser.add_argument("--cache-policy", default="cairn", help="cairn | exact | all | interval | end_branch")
+    parser.add_argument("--cache-policy", default=None, help="cairn | exact | all | interval | end_branch")
     parser.set_defaults(run=_serve)
 
 
 def _serve(args: argparse.Namespace) -> int:
-    engine_options = dict(max_num_seqs=args.max_num_seqs, cache_policy=args.cache_policy)
-    if args.cache_memory_bytes:
-        engine_options["cache_memory_bytes"] = args.cache_memory_bytes
+    engine_options = {name: value for name, value in (("max_num_seqs", args.max_num_seqs),
+                                                      ("cache_policy", args.cache_policy),
+                                                      ("cache_memory_bytes", args.cache_memory_bytes))
+                      if value is not None}
     if args.replicas == 1 and not args.address and not args.config:
         from cluster.server import serve_in_process
 
-        print(f"cairn: one in-process engine on http://{args.host}:{args.port}/v1 (Ctrl-C to stop)", flush=True)
-        serve_in_process(args.model, host=args.host, port=args.port, api_key=args.api_key,
+        host, port = args.host or "127.0.0.1", args.port or 8000
+        print(f"cairn: one in-process engine on http://{host}:{port}/v1 (Ctrl-C to stop)", flush=True)
+        serve_in_process(args.model, host=host, port=port, api_key=args.api_key,
                          served_model_name=args.served_model_name, **engine_options)
         return 0
     from cluster.deploy import serve_forever

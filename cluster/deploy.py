@@ -1,50 +1,154 @@
 """`cairn serve` on Ray: start or join a cluster, deploy, print the endpoint, wait for Ctrl-C.
 
-With `--config` the Serve config YAML is deployed as written (`serve deploy` semantics, through
-Ray's own schema); otherwise the application is built from the flags (`cluster.app`). The cache
-index is the in-memory one unless the routing config names a Redis URL.
+What is deployed is always a Serve config (Ray's `ServeDeploySchema`, the format of
+`serve deploy`): the file given with `--config` (configs/serve.yaml), else the embedded default
+configs/local.yaml (2 CPU replicas of the demo model, in-memory cache index, 127.0.0.1:8000).
+Flags given on the command line override it (`apply_overrides`): `--model`, `--replicas`,
+`--routing` (loaded here and sent inline), `--num-cpus`, `--num-gpus`, engine options, API key,
+model name go into every application's `args`; `--host`/`--port` into `http_options`. The
+config is then deployed the way `serve deploy` does (the controller imports each application's
+`import_path` with its `args`; `deployments:` overrides and `runtime_env` apply), and this
+process waits until every application is RUNNING.
+
+Without `--address` (or RAY_ADDRESS) a new local Ray is started and stopped on exit; with it the
+cluster is joined and, on exit, only the applications deployed here are deleted. SIGINT and
+SIGTERM both stop it cleanly (exit status 0); a failed deployment exits 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import signal
+import sys
 import threading
+from pathlib import Path
 from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+LOCAL_CONFIG = REPO / "configs" / "local.yaml"
+# Used only where configs/ is not shipped (a wheel install): the same as configs/local.yaml.
+FALLBACK_CONFIG: dict[str, Any] = {
+    "proxy_location": "HeadOnly",
+    "http_options": {"host": "127.0.0.1", "port": 8000},
+    "applications": [{"name": "cairn", "route_prefix": "/", "import_path": "cluster.app:app_builder",
+                      "args": {"model_dir": None, "replicas": 2, "num_cpus": 0.5, "num_gpus": 0,
+                               "engine_options": {}, "routing": {"policy": "cache_affinity", "redis_url": None}}}],
+}
+
+
+def load_config(path: str | Path | None = None) -> dict[str, Any]:
+    """The Serve config at `path` (default: configs/local.yaml) as a plain dict, validated by
+    Ray's ServeDeploySchema; errors name the file."""
+    import yaml
+    from pydantic import ValidationError
+    from ray.serve.schema import ServeDeploySchema
+
+    if path is None and not LOCAL_CONFIG.exists():
+        data = copy.deepcopy(FALLBACK_CONFIG)
+    else:
+        path = Path(path or LOCAL_CONFIG)
+        data = yaml.safe_load(path.read_text())
+    try:
+        ServeDeploySchema.model_validate(data)
+    except ValidationError as e:
+        raise ValueError(f"{path or 'the default config'}: not a Serve config: {e}") from None
+    return data
+
+
+def apply_overrides(config: dict[str, Any], args: argparse.Namespace,
+                    engine_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A copy of `config` with the flags that were given (not None) written over it."""
+    from cluster.routing_config import RoutingConfig
+
+    config = copy.deepcopy(config)
+    http = config.setdefault("http_options", {})
+    for flag in ("host", "port"):
+        if getattr(args, flag, None) is not None:
+            http[flag] = getattr(args, flag)
+    app_args: dict[str, Any] = {}
+    if getattr(args, "model", None):
+        app_args["model_dir"] = str(Path(args.model).expanduser().resolve())
+    if getattr(args, "routing", None):
+        app_args["routing"] = RoutingConfig.from_yaml(args.routing).model_dump(mode="json")
+    for flag, key in (("replicas", "replicas"), ("num_cpus", "num_cpus"), ("num_gpus", "num_gpus"),
+                      ("served_model_name", "served_model_name"), ("api_key", "api_key")):
+        if getattr(args, flag, None) is not None:
+            app_args[key] = getattr(args, flag)
+    for app in config.get("applications", []):
+        merged = dict(app.get("args") or {})
+        merged.update(app_args)
+        if engine_options:
+            merged["engine_options"] = {**(merged.get("engine_options") or {}), **engine_options}
+        app["args"] = merged
+    return config
+
+
+def _wait_running(names: list[str], stop: threading.Event) -> str | None:
+    """Waits until every application is RUNNING; an error message if one failed (None: running,
+    or stopped meanwhile)."""
+    from ray import serve
+
+    while not stop.is_set():
+        apps = serve.status().applications
+        states = {n: apps.get(n) for n in names}
+        failed = [f"{n}: {a.status}: {a.message}" for n, a in states.items()
+                  if a is not None and a.status in ("DEPLOY_FAILED", "UNHEALTHY")]
+        if failed:
+            return "; ".join(failed)
+        if all(a is not None and a.status == "RUNNING" for a in states.values()):
+            return None
+        stop.wait(0.5)
+    return None
 
 
 def serve_forever(args: argparse.Namespace, engine_options: dict[str, Any]) -> int:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
     from ray import serve
+    from ray.serve._private import api as serve_api
+    from ray.serve.config import gRPCOptions
+    from ray.serve.schema import ServeDeploySchema
 
-    from cluster.app import app_builder, build_application
-    from cluster.routing_config import RoutingConfig
-
-    ray.init(address=args.address, include_dashboard=False) if args.address else ray.init(include_dashboard=False)
-    serve.start(http_options={"host": args.host, "port": args.port})
-    if args.config:
-        import yaml
-        from ray.serve.schema import ServeDeploySchema
-
-        config = ServeDeploySchema.model_validate(yaml.safe_load(open(args.config)))
-        for app in config.applications:
-            serve.run(app_builder(app.args), name=app.name, route_prefix=app.route_prefix, blocking=False)
-    else:
-        routing = RoutingConfig.from_yaml(args.routing) if args.routing else RoutingConfig()
-        app = build_application(args.model, args.replicas, engine_options=engine_options, routing=routing,
-                                num_cpus=args.num_cpus, num_gpus=args.num_gpus,
-                                served_model_name=args.served_model_name, api_key=args.api_key)
-        serve.run(app, name="cairn", route_prefix="/", blocking=False)
-    print(f"cairn: serving on http://{args.host}:{args.port}/v1 (Ctrl-C to stop)", flush=True)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
-        stop.wait()
-    except KeyboardInterrupt:
-        pass
+        config = ServeDeploySchema.model_validate(
+            apply_overrides(load_config(args.config), args, engine_options))
+    except (OSError, ValueError) as e:
+        print(f"cairn serve: {e}", file=sys.stderr)
+        return 2
+    address = args.address or os.environ.get("RAY_ADDRESS") or None
+    stop = threading.Event()
+    names = [app.name for app in config.applications]
+    ray.init(address=address or "local", include_dashboard=False, namespace="serve")
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    status = 0
+    try:
+        client = serve_api.serve_start(http_options=config.http_options.model_dump(),
+                                       proxy_location=config.proxy_location,
+                                       grpc_options=gRPCOptions(**config.grpc_options.model_dump()),
+                                       controller_options=config.controller_options)
+        client.deploy_apps(config, _blocking=False)
+        failure = _wait_running(names, stop)
+        if failure:
+            print(f"cairn serve: deployment failed: {failure}", file=sys.stderr, flush=True)
+            status = 1
+        elif not stop.is_set():
+            host, port = config.http_options.host, config.http_options.port
+            where = "a joined Ray cluster" if address else "a local Ray"
+            print(f"cairn: serving on http://{host}:{port}/v1 ({where}; Ctrl-C to stop)", flush=True)
+            while not stop.wait(0.5):  # a timed wait: signal handlers run between the waits
+                pass
     finally:
-        serve.shutdown()
+        try:
+            if address:  # someone else's cluster: take down only what we deployed
+                for name in names:
+                    serve.delete(name, _blocking=True)
+            else:
+                serve.shutdown()
+        except Exception as e:  # stopping anyway
+            print(f"cairn serve: while stopping: {e}", file=sys.stderr)
         ray.shutdown()
-    return 0
+        print("cairn: stopped", flush=True)
+    return status

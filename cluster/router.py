@@ -6,17 +6,23 @@ Per request the router awaits the cache index's scores (never a blocking ray.get
 - resume point: min(resume_pages * page_size, n - 1) for an n-token prompt, where resume_pages
   is the deepest state checkpoint under the page hit for a hybrid model (pages without a usable
   state count for nothing), and the page hit itself for an attention-only model;
-- load tokens: the prefill tokens of requests this router has in flight there, plus
+- load tokens: the prefill tokens left of requests this router has in flight there (a request's
+  prefill counts until the ingress sees its first output: `cluster.app.prefill_done`), plus
   `request_load_tokens` per in-flight request (the larger of this router's count and the
   replica's reported running + waiting), plus `occupancy_load_tokens` times the fraction of its
   pages or state slots in use (reported through record_routing_stats, see `routing_stats`).
 A replica with `spill_limit` more in-flight requests than the least-loaded one ranks after all
 others, so a hot prefix spills over instead of piling onto one replica. Ties break at random.
+A request counts as in flight on the replica it ranked first from the moment it is ranked until
+Serve reports where it went (`on_request_routed`; at most `TENTATIVE_TTL_S`): a burst of
+requests ranked at once, each awaiting the index, sees the others instead of all taking the
+same "least loaded" replica.
 Right after routing, the chosen replica is the predicted holder of the prompt's pages (and a
 state at their end) for `predicted_holder_ttl_s`, so a burst sharing a new prefix sticks
 together before the replica's events reach the index. Index down, slow or not yet found: the
-request is ranked by load alone and `cairn_router_index_fallbacks_total` counts it; routing
-never fails because of the index.
+request is ranked by load and this router's own predicted holders (what it sent where in the
+last `predicted_holder_ttl_s`, so a conversation's next turn still finds its replica), and
+`cairn_router_index_fallbacks_total` counts it; routing never fails because of the index.
 
 The ranking (`rank_replicas`, `PredictedHolders`, `AffinityRanker`) is plain Python, tested
 without Ray; `CacheAffinityRouter` is the thin Ray Serve adapter. Replica identity everywhere
@@ -182,6 +188,10 @@ def prompt_tokens(request: Any, page_size: int) -> int:
     return len(getattr(request, "page_hashes", None) or ()) * page_size
 
 
+class IndexUnavailable(RuntimeError):
+    """The router has no handle to the index actor (yet)."""
+
+
 class AffinityRanker:
     """The router's state and decisions, without Ray: in-flight accounting, predicted holders,
     the index call with its timeout and fallback, and the counters the adapter exports.
@@ -189,14 +199,18 @@ class AffinityRanker:
     `BREAKER_COOLDOWN_S` (then tried again), so a dead index costs no routing latency."""
 
     BREAKER_FAILURES, BREAKER_COOLDOWN_S = 3, 1.0
+    TENTATIVE_TTL_S = 5.0  # a ranked request Serve never reports as routed (cancelled) stops counting
 
     def __init__(self, config: RoutingConfig, clock: Callable[[], float] = time.monotonic,
                  rng: random.Random | None = None, on_fallback: Callable[[str], None] | None = None):
         self.config, self._clock, self._rng, self._on_fallback = config, clock, rng or random.Random(), on_fallback
         self.predicted = PredictedHolders(config.predicted_holder_ttl_s, clock)
         self.loads: dict[str, ReplicaLoad] = {}
-        self._in_flight: dict[tuple[str, str], int] = {}  # (replica, request id) -> prefill tokens
+        self._in_flight: dict[tuple[str, str], int] = {}  # (replica, request id) -> prefill tokens left
+        self._engine_ids: dict[str, tuple[str, str]] = {}  # the request's own id -> (replica, request id)
         self._prefill: OrderedDict[str, dict[str, int]] = OrderedDict()  # request id -> replica -> tokens
+        # ranked, not yet routed: request id -> (replica ranked first, its prefill tokens, expiry)
+        self._tentative: OrderedDict[str, tuple[str, int, float]] = OrderedDict()
         self._failures, self._skip_index_until = 0, float("-inf")
         self.counts = dict(ranked=0, routed=0, index_fallbacks=0, index_timeouts=0, index_errors=0, index_skipped=0)
 
@@ -207,17 +221,42 @@ class AffinityRanker:
         cfg, self.counts["ranked"] = self.config, self.counts["ranked"] + 1
         hashes = list(getattr(request, "page_hashes", None) or ())
         n = prompt_tokens(request, cfg.page_size)
+        self._tentative.pop(request_id, None)  # ranked again (a retry): its earlier pick no longer stands
         scores = await self._scores(hashes, score) if hashes else {}
-        loads = {r: reported_load(self.loads.get(r), stats) for r, stats in replicas.items()}
+        loads = {r: reported_load(self._own_load(r), stats) for r, stats in replicas.items()}
         order = rank_replicas(list(replicas), scores, loads, cfg, n, self._rng)
-        self._prefill[request_id] = {r: n - resume_at_token(scores.get(r, (0, 0)), n, cfg.page_size, cfg.hybrid_model)
-                                     for r in replicas}
+        prefill = {r: n - resume_at_token(scores.get(r, (0, 0)), n, cfg.page_size, cfg.hybrid_model)
+                   for r in replicas}
+        self._prefill[request_id] = prefill
         while len(self._prefill) > 4096:  # requests cancelled before routing leave entries behind
             self._prefill.popitem(last=False)
+        if order:
+            self._tentative[request_id] = (order[0], prefill[order[0]], self._clock() + self.TENTATIVE_TTL_S)
         return order
 
+    def _own_load(self, replica: str) -> ReplicaLoad | None:
+        """This router's in-flight load on the replica, requests ranked there first but not yet
+        routed included."""
+        now = self._clock()
+        while self._tentative and next(iter(self._tentative.values()))[2] <= now:
+            self._tentative.popitem(last=False)
+        base = self.loads.get(replica)
+        pending = [tokens for r, tokens, _ in self._tentative.values() if r == replica]
+        if not pending:
+            return base
+        base = base or ReplicaLoad()
+        return ReplicaLoad(base.requests + len(pending), base.tokens + sum(pending))
+
     async def _scores(self, hashes: list[bytes], score: ScoreFn) -> dict[str, Score]:
-        """The index's scores merged with predicted holders; {} (load alone) if the index fails."""
+        """The index's scores merged with predicted holders; the predicted holders alone if the
+        index fails."""
+        scores = await self._index_scores(hashes, score)
+        hybrid = self.config.hybrid_model
+        for replica, pages in self.predicted.pages(hashes).items():
+            scores[replica] = max(scores.get(replica, (0, 0)), (pages, pages), key=lambda s: s[1] if hybrid else s[0])
+        return scores
+
+    async def _index_scores(self, hashes: list[bytes], score: ScoreFn) -> dict[str, Score]:
         if self._clock() < self._skip_index_until:
             self._fallback("skipped")
             return {}
@@ -228,15 +267,14 @@ class AffinityRanker:
             self._fallback("timeout" if timeout else "error")
             if not timeout:
                 logger.debug("index score failed, routing by load: %r", e)
+            if isinstance(e, IndexUnavailable):  # still being looked up: nothing slow to skip
+                return {}
             self._failures += 1
             if self._failures >= self.BREAKER_FAILURES:
                 self._skip_index_until = self._clock() + self.BREAKER_COOLDOWN_S
                 self._failures = self.BREAKER_FAILURES - 1  # one more failure after the cooldown reopens it
             return {}
         self._failures = 0
-        hybrid = self.config.hybrid_model
-        for replica, pages in self.predicted.pages(hashes).items():
-            scores[replica] = max(scores.get(replica, (0, 0)), (pages, pages), key=lambda s: s[1] if hybrid else s[0])
         return scores
 
     def _fallback(self, reason: str) -> None:
@@ -246,11 +284,15 @@ class AffinityRanker:
             self._on_fallback(reason)
 
     def on_routed(self, request_id: str, replica: str, request: Any) -> None:
+        self._tentative.pop(request_id, None)
         prefill = self._prefill.pop(request_id, {}).get(replica, prompt_tokens(request, self.config.page_size))
         if (replica, request_id) in self._in_flight:
             return
         self.counts["routed"] += 1
         self._in_flight[(replica, request_id)] = prefill
+        engine_id = getattr(request, "request_id", None)
+        if isinstance(engine_id, str):
+            self._engine_ids[engine_id] = (replica, request_id)
         load = self.loads.setdefault(replica, ReplicaLoad())
         load.requests += 1
         load.tokens += prefill
@@ -262,16 +304,25 @@ class AffinityRanker:
             load = self.loads[replica]
             load.requests -= 1
             load.tokens -= prefill
+        if len(self._engine_ids) > len(self._in_flight) + 4096:  # drop ids of completed requests
+            self._engine_ids = {e: k for e, k in self._engine_ids.items() if k in self._in_flight}
+
+    def on_prefill_done(self, engine_request_id: str) -> None:
+        """The request (by its own id, the routed argument's `request_id`) produced its first
+        output: its prompt is computed, so it no longer adds prefill tokens to its replica's load."""
+        key = self._engine_ids.pop(engine_request_id, None)
+        prefill = self._in_flight.get(key) if key is not None else None
+        if prefill:
+            self._in_flight[key] = 0
+            self.loads[key[0]].tokens -= prefill
 
     def forget(self, replica: str) -> None:
         self.loads.pop(replica, None)
         self.predicted.forget(replica)
+        for request_id in [k for k, (r, _, _) in self._tentative.items() if r == replica]:
+            del self._tentative[request_id]
         for key in [k for k in self._in_flight if k[0] == replica]:
             del self._in_flight[key]
-
-
-class IndexUnavailable(RuntimeError):
-    """The router has no handle to the index actor (yet)."""
 
 
 class CacheAffinityRouter(RequestRouter):
@@ -323,15 +374,31 @@ class CacheAffinityRouter(RequestRouter):
             self._index_lookup = None
 
     async def _score(self, page_hashes: list[bytes]) -> Mapping[str, Score]:
+        from ray.exceptions import ActorDiedError
+
         index = self._index_handle()
         if index is None:
             raise IndexUnavailable(self._config.index_actor_name)
-        return await index.score.remote(page_hashes)
+        try:
+            return await index.score.remote(page_hashes)
+        except ActorDiedError:
+            # killed for good (no restart): look it up again, which creates a new, empty one
+            # that the replicas' event streams refill (their next batch is a gap: a resync)
+            if self._index is index:
+                self._index = None
+            raise
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         if pending_request is not None:
             pending_request.routing_context.should_backoff = True  # back off when every rank is full
+        if not getattr(self, "_registered", False):
+            # Serve pickles this module by value into the router's process, so the process-wide
+            # registry the ingress reports first outputs to lives in cluster.app (by reference)
+            from cluster.app import register_router
+
+            register_router(self.ranker, asyncio.get_running_loop())
+            self._registered = True
         if not candidate_replicas:
             return []
         by_id = {replica_worker_id(r.replica_id): r for r in candidate_replicas}

@@ -1,0 +1,598 @@
+"""Routing policies side by side on a real local Ray Serve cluster, and the cache index alone.
+
+Cluster part: the Serve application of `cluster.app` (HTTP ingress + engine replicas), one per
+policy: `cache_affinity` (cairn's router over the cache index), `pow2` (Serve's default),
+`round_robin`, `ray_prefix` (Ray Serve LLM's PrefixCacheAffinityRouter). Every policy replays the
+same three traces of concurrent multi-turn chats through HTTP (streamed, the answer echoed back,
+each turn sent a think time after the previous answer, greedy decoding):
+- shared-system: every conversation opens with the same system prompt;
+- no-shared: every conversation has a system prompt of its own;
+- hot-prefix: 80% of conversations open with one hot 2,000-token prefix, the rest with their own.
+Each trace runs under its own cache_salt, so nothing cached in one trace helps another.
+
+Measured per (trace, policy), from the client and the `x-cairn-replica` response header:
+- hit tokens: usage.prompt_tokens_details.cached_tokens summed, and their ratio to the oracle
+  (per request, the longest common prefix of its prompt with everything seen before it: earlier
+  prompts and prompt + answer of finished requests; to within a page; capped at n - 1);
+- TTFT p50/p99 (request sent to first streamed event);
+- requests per replica and time-averaged in-flight requests per replica, as max/mean over the
+  replicas (1.0 = perfectly even), and the peak in-flight of any replica;
+- stay: the share of turns after the first served by the replica that served the previous turn;
+- routing overhead per request: time in the policy's `choose_replicas` (cairn's includes the
+  index call), p50/p99, measured inside the routers (each policy's class wrapped with a timer).
+Then the ratios of cache_affinity against each baseline, measured in the same run.
+
+Index part (no Serve): `CacheIndex` fed 1M pages from 16 workers as wire-format event batches
+(decode + apply, what the index actor does per batch): events/s and pages/s ingested; then the
+score of a 32k-token prompt (2,048 pages, held to 16 different depths by the 16 workers), p50/p99;
+and the same through the index actor (a Ray RPC per batch and per score).
+
+Writes benchmarks/out/routing.png. Not a test: nothing is asserted and no test runs it.
+
+Usage: python benchmarks/routing.py [--quick] [--replicas 4] [--convs 32] [--turns 6] [--model DIR]
+  --quick: 2 replicas, 6 conversations, 3 turns, the tiny demo model, all four policies deployed
+  at once (less than 3 minutes on a 2-core machine). Without it the policies are deployed one
+  after another (4 replicas each: on GPUs pass --num-gpus 1 and a --model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import ray  # noqa: E402
+
+from cluster.router import CacheAffinityRouter  # noqa: E402
+
+OUT = Path(__file__).parent / "out"
+POLICIES = ["cache_affinity", "pow2", "round_robin", "ray_prefix"]
+TRACES = ["shared-system", "no-shared", "hot-prefix"]
+MODEL = "bench-model"
+NAMESPACE = "cairn-bench"
+STATS_ACTOR = "cairn-bench-route-stats"
+HOT_PREFIX_TOKENS, HOT_SHARE = 2000, 0.8
+WORDS = ("stone cairn ridge trail summit marker path weather snow rock pile guide north map river valley "
+         "build stack wide flat base tall lasting winter storm hikers route visible balance moss lichen").split()
+
+
+# ---- routers with a stopwatch ------------------------------------------------------------------
+
+def _record(router, policy: str, seconds: float) -> None:
+    """Buffers a routing time; ships the buffer to the stats actor at most twice a second."""
+    samples = router.__dict__.setdefault("_bench_samples", [])
+    samples.append(seconds)
+    now = time.monotonic()
+    if now - router.__dict__.get("_bench_flushed", 0.0) < 0.5:
+        return
+    router._bench_flushed = now
+    try:
+        actor = router.__dict__.get("_bench_actor") or ray.get_actor(STATS_ACTOR, namespace=NAMESPACE)
+        router._bench_actor = actor
+        actor.add.remote(policy, list(samples))  # fire and forget
+        samples.clear()
+    except Exception:  # the stats actor is gone: nothing to report to
+        pass
+
+
+def _timed(base: type, policy: str) -> type:
+    class Timed(base):
+        async def choose_replicas(self, candidate_replicas, pending_request=None):
+            start = time.perf_counter()
+            try:
+                return await super().choose_replicas(candidate_replicas, pending_request)
+            finally:
+                _record(self, policy, time.perf_counter() - start)
+
+    Timed.__name__ = Timed.__qualname__ = f"Timed_{policy}"
+    return Timed
+
+
+def _base_router(policy: str) -> type:
+    from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
+    from ray.serve.experimental.round_robin_router import RoundRobinRouter
+
+    import cluster.router
+
+    return {"cache_affinity": CacheAffinityRouter, "pow2": PowerOfTwoChoicesRequestRouter,
+            "round_robin": RoundRobinRouter, "ray_prefix": cluster.router.RayPrefixRouter}[policy]
+
+
+TIMED = {}
+for _policy in POLICIES:  # module attributes: Serve imports a router class by its path
+    TIMED[_policy] = globals()[f"Timed_{_policy}"] = _timed(_base_router(_policy), _policy)
+
+
+@ray.remote(num_cpus=0)
+class RouteStats:
+    def __init__(self):
+        self.samples = defaultdict(list)
+
+    def add(self, policy: str, samples: list[float]) -> None:
+        self.samples[policy].extend(samples)
+
+    def take(self, policy: str) -> list[float]:
+        return self.samples.pop(policy, [])
+
+
+def build_app(policy: str, args, model_dir: Path):
+    """cluster.app's application for `policy`, its router class wrapped with the stopwatch."""
+    from ray.serve.config import RequestRouterConfig
+
+    from cluster.app import build_application
+    from cluster.routing_config import RoutingConfig
+
+    routing = RoutingConfig(policy=policy, index_actor_name=f"cairn-bench-index-{policy}",
+                            routing_stats_period_s=args.stats_period)
+    app = build_application(model_dir, args.replicas, routing=routing, num_cpus=args.num_cpus,
+                            num_gpus=args.num_gpus, served_model_name=MODEL)
+    ingress = app._bound_deployment
+    engine = ingress.init_args[0]._bound_deployment
+    timed = engine.options(request_router_config=RequestRouterConfig(
+        request_router_class=TIMED[policy], request_router_kwargs=routing.router_kwargs(),
+        request_routing_stats_period_s=routing.routing_stats_period_s))
+    return ingress.bind(timed.bind(*engine.init_args, **engine.init_kwargs), *ingress.init_args[1:],
+                        **ingress.init_kwargs)
+
+
+# ---- traces ------------------------------------------------------------------------------------
+
+@dataclass
+class Conversation:
+    system: str
+    users: list[str]
+    start_s: float
+    think_s: list[float]
+
+
+def words(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n)).capitalize() + "."
+
+
+def text_of_tokens(tokenizer, rng: random.Random, tokens: int, head: str = "") -> str:
+    text = head
+    while len(tokenizer.encode(text)) < tokens:
+        text += " " + words(rng, 20)
+    return text
+
+
+def make_trace(name: str, args, tokenizer, seed: int) -> list[Conversation]:
+    rng = random.Random(f"{name}-{seed}")
+    shared = text_of_tokens(tokenizer, rng, args.system_tokens, "You are the cairn club's trail guide.")
+    hot = text_of_tokens(tokenizer, rng, HOT_PREFIX_TOKENS, "You are the cairn club's archive.")
+    hot_convs = set(rng.sample(range(args.convs), round(HOT_SHARE * args.convs)))
+    convs = []
+    for c in range(args.convs):
+        own = text_of_tokens(tokenizer, rng, args.system_tokens, f"Conversation {c} of {name}.")
+        system = {"shared-system": shared, "no-shared": own, "hot-prefix": hot if c in hot_convs else own}[name]
+        convs.append(Conversation(system, [words(rng, args.user_words) for _ in range(args.turns)],
+                                  rng.uniform(0, args.think), [rng.uniform(0.5, 1.5) * args.think
+                                                               for _ in range(args.turns)]))
+    return convs
+
+
+# ---- one trace through one policy's endpoint ---------------------------------------------------
+
+@dataclass
+class Req:
+    conv: int
+    turn: int
+    start: float
+    first: float = 0.0
+    end: float = 0.0
+    replica: str | None = None
+    prompt_tokens: int = 0
+    cached: int = 0
+    ok: bool = False
+    prompt_ids: list[int] = field(default_factory=list)
+    seen_ids: list[int] = field(default_factory=list)  # prompt + answer, as the next turn will render it
+    oracle: int = 0
+
+
+async def converse(http, url: str, conv_id: int, conv: Conversation, salt: str, args, render, out: list[Req]):
+    from cluster.app import REPLICA_HEADER
+
+    messages = [{"role": "system", "content": conv.system}]
+    await asyncio.sleep(conv.start_s)
+    for turn, user in enumerate(conv.users):
+        messages.append({"role": "user", "content": user})
+        text, ids = await asyncio.to_thread(render, list(messages))
+        body = {"model": MODEL, "messages": messages, "max_tokens": args.answer_tokens, "temperature": 0,
+                "stream": True, "stream_options": {"include_usage": True}, "cache_salt": salt}
+        req = Req(conv_id, turn, time.perf_counter(), prompt_ids=ids)
+        out.append(req)
+        answer: list[str] = []
+        try:
+            async with http.stream("POST", url, json=body) as response:
+                req.replica = response.headers.get(REPLICA_HEADER)
+                async for line in response.aiter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    if not req.first:
+                        req.first = time.perf_counter()
+                    if line == "data: [DONE]":
+                        break
+                    chunk = json.loads(line[6:])
+                    for choice in chunk.get("choices", []):
+                        answer.append(choice.get("delta", {}).get("content") or "")
+                    if chunk.get("usage"):
+                        req.prompt_tokens = chunk["usage"]["prompt_tokens"]
+                        req.cached = chunk["usage"]["prompt_tokens_details"]["cached_tokens"]
+                req.ok = response.status_code == 200 and req.prompt_tokens > 0
+        except Exception as e:  # counted as failed; the conversation ends
+            print(f"  request failed: {e!r}")
+        req.end = time.perf_counter()
+        if not req.ok:
+            return
+        messages.append({"role": "assistant", "content": "".join(answer)})
+        req.seen_ids = (await asyncio.to_thread(render, list(messages), False))[1]
+        await asyncio.sleep(conv.think_s[turn])
+
+
+async def run_trace(base_url: str, prefix: str, trace: list[Conversation], salt: str, args, render) -> tuple[list[Req], float]:
+    import httpx
+
+    out: list[Req] = []
+    limits = httpx.Limits(max_connections=len(trace) + 8, max_keepalive_connections=len(trace) + 8)
+    async with httpx.AsyncClient(base_url=base_url, timeout=300, limits=limits) as http:
+        start = time.perf_counter()
+        await asyncio.gather(*(converse(http, f"{prefix}/v1/chat/completions", i, c, salt, args, render, out)
+                               for i, c in enumerate(trace)))
+        return out, time.perf_counter() - start
+
+
+# ---- the oracle and the numbers ----------------------------------------------------------------
+
+class Oracle:
+    """Longest common prefix with every sequence inserted so far, found page by page through
+    prefix hashes, then token by token within the last page against one sequence."""
+
+    def __init__(self, page: int):
+        self.page, self.prefixes, self.seqs = page, {}, []
+
+    def _chain(self, ids):
+        h = 0
+        for k in range(len(ids) // self.page):
+            h = hash((h, tuple(ids[k * self.page:(k + 1) * self.page])))
+            yield k + 1, h
+
+    def lcp(self, ids: list[int]) -> int:
+        pages, seq = 0, None
+        for k, h in self._chain(ids):
+            if h not in self.prefixes:
+                break
+            pages, seq = k, self.prefixes[h]
+        if seq is None:
+            return 0
+        other, i = self.seqs[seq], pages * self.page
+        while i < len(ids) and i < len(other) and ids[i] == other[i]:
+            i += 1
+        return i
+
+    def insert(self, ids: list[int]) -> None:
+        self.seqs.append(ids)
+        for _, h in self._chain(ids):
+            self.prefixes.setdefault(h, len(self.seqs) - 1)
+
+
+def fill_oracle(reqs: list[Req], page: int) -> None:
+    events = [(r.start, 0, r) for r in reqs] + [(r.end, 1, r) for r in reqs if r.ok]
+    oracle = Oracle(page)
+    for _, kind, r in sorted(events, key=lambda e: (e[0], e[1])):
+        if kind == 0:
+            r.oracle = min(oracle.lcp(r.prompt_ids), max(len(r.prompt_ids) - 1, 0))
+            oracle.insert(r.prompt_ids)
+        else:
+            oracle.insert(r.seen_ids)
+
+
+def pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+@dataclass
+class Result:
+    trace: str
+    policy: str
+    requests: int
+    failed: int
+    hit: int
+    oracle: int
+    ttft_p50: float
+    ttft_p99: float
+    req_max_mean: float
+    inflight_max_mean: float
+    inflight_peak: int
+    stay: float
+    route_p50: float
+    route_p99: float
+    prompt_mismatch: int
+    seconds: float
+
+
+def summarize(trace: str, policy: str, reqs: list[Req], replicas: list[str], wall: float,
+              route: list[float], page: int) -> Result:
+    fill_oracle(reqs, page)
+    ok = [r for r in reqs if r.ok]
+    ttft = [r.first - r.start for r in ok]
+    counts = {rep: 0 for rep in replicas}
+    busy = {rep: 0.0 for rep in replicas}
+    for r in ok:
+        counts[r.replica] = counts.get(r.replica, 0) + 1
+        busy[r.replica] = busy.get(r.replica, 0.0) + (r.end - r.start)
+    edges = sorted([(r.start, 1, r.replica) for r in ok] + [(r.end, -1, r.replica) for r in ok])
+    now, peak = defaultdict(int), 0
+    for _, step, rep in edges:
+        now[rep] += step
+        peak = max(peak, now[rep])
+    by_conv = defaultdict(dict)
+    for r in ok:
+        by_conv[r.conv][r.turn] = r.replica
+    pairs = [(turns[t - 1], turns[t]) for turns in by_conv.values() for t in turns if t and t - 1 in turns]
+    mean_req = statistics.mean(counts.values()) if counts else 0
+    mean_busy = statistics.mean(busy.values()) if busy else 0
+    return Result(trace, policy, len(reqs), len(reqs) - len(ok), sum(r.cached for r in ok),
+                  sum(r.oracle for r in ok), pct(ttft, 0.5), pct(ttft, 0.99),
+                  max(counts.values()) / mean_req if mean_req else float("nan"),
+                  max(busy.values()) / mean_busy if mean_busy else float("nan"), peak,
+                  sum(a == b for a, b in pairs) / len(pairs) if pairs else float("nan"),
+                  pct(route, 0.5), pct(route, 0.99),
+                  sum(r.prompt_tokens != len(r.prompt_ids) for r in ok), wall)
+
+
+def report(results: list[Result], args) -> None:
+    for trace in TRACES:
+        rows = [r for r in results if r.trace == trace]
+        if not rows:
+            continue
+        print(f"\n== trace {trace}: {args.convs} conversations x {args.turns} turns, {args.replicas} replicas")
+        print(f"{'policy':15s} {'reqs':>5s} {'fail':>4s} {'hit tok':>8s} {'oracle':>8s} {'hit/orc':>7s} "
+              f"{'TTFT p50':>8s} {'p99 ms':>7s} {'req max/mean':>12s} {'infl max/mean':>13s} {'peak':>4s} "
+              f"{'stay':>5s} {'route p50':>9s} {'p99 ms':>7s}")
+        for r in rows:
+            print(f"{r.policy:15s} {r.requests:5d} {r.failed:4d} {r.hit:8d} {r.oracle:8d} {r.hit / max(r.oracle, 1):7.3f} "
+                  f"{1000 * r.ttft_p50:8.1f} {1000 * r.ttft_p99:7.1f} {r.req_max_mean:12.2f} {r.inflight_max_mean:13.2f} "
+                  f"{r.inflight_peak:4d} {r.stay:5.2f} {1000 * r.route_p50:9.3f} {1000 * r.route_p99:7.3f}")
+        mine = next((r for r in rows if r.policy == "cache_affinity"), None)
+        for base in rows:
+            if mine is None or base is mine:
+                continue
+            print(f"  cache_affinity vs {base.policy:11s}: hit tokens x{mine.hit / max(base.hit, 1):.2f}, "
+                  f"TTFT p50 x{mine.ttft_p50 / base.ttft_p50:.2f}, p99 x{mine.ttft_p99 / base.ttft_p99:.2f}, "
+                  f"stay {mine.stay:.2f} vs {base.stay:.2f}, routing p50 x{mine.route_p50 / base.route_p50:.1f}")
+        mismatched = sum(r.prompt_mismatch for r in rows)
+        if mismatched:
+            print(f"  note: {mismatched} prompts' client-side token count differed from the server's")
+
+
+def plot(results: list[Result]) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(matplotlib missing: no plot)")
+        return
+    OUT.mkdir(exist_ok=True)
+    fig, axes = plt.subplots(2, len(TRACES), figsize=(5 * len(TRACES), 7), squeeze=False)
+    for col, trace in enumerate(TRACES):
+        rows = [r for r in results if r.trace == trace]
+        names = [r.policy for r in rows]
+        ax = axes[0][col]
+        ax.bar(names, [r.hit / max(r.oracle, 1) for r in rows], color="tab:green")
+        ax.set_ylim(0, 1.05)
+        ax.set_title(f"{trace}: hit tokens / oracle")
+        ax.tick_params(axis="x", labelrotation=20)
+        ax = axes[1][col]
+        xs = range(len(rows))
+        ax.bar([x - 0.2 for x in xs], [1000 * r.ttft_p50 for r in rows], width=0.4, label="p50")
+        ax.bar([x + 0.2 for x in xs], [1000 * r.ttft_p99 for r in rows], width=0.4, label="p99")
+        ax.set_xticks(list(xs), names, rotation=20)
+        ax.set_title(f"{trace}: TTFT (ms)")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(OUT / "routing.png", dpi=110)
+    print(f"\nplot: {OUT / 'routing.png'}")
+
+
+# ---- the index alone ---------------------------------------------------------------------------
+
+def bench_index(total_pages: int, workers: int = 16, prompt_pages: int = 2048, runs: int = 200,
+                actor: bool = True) -> None:
+    from cache_service.actor import index_actor
+    from cache_service.events import EventStream, PagesStored, StateStored
+    from cache_service.index import CacheIndex
+
+    rng = random.Random(0)
+    prompt = [rng.randbytes(16) for _ in range(prompt_pages)]
+    per_worker, run_pages, batch_events = total_pages // workers, 16, 64
+    batches: list[bytes] = []
+    events = 0
+    for w in range(workers):
+        stream, pending = EventStream(f"worker-{w:02d}"), []
+        depth = prompt_pages * (w + 1) // workers  # worker w holds the prompt's first `depth` pages
+        chains = [prompt[:depth]]
+        left = per_worker - depth
+        while left > 0:
+            chains.append([rng.randbytes(16) for _ in range(min(256, left))])
+            left -= len(chains[-1])
+        for chain in chains:
+            for i in range(0, len(chain), run_pages):
+                pending.append(PagesStored(tuple(chain[i:i + run_pages]), chain[i - 1] if i else None))
+                if (i // run_pages) % 4 == 3:
+                    pending.append(StateStored(chain[i + len(chain[i:i + run_pages]) - 1]))
+                if len(pending) >= batch_events:
+                    batches.append(stream.batch(pending).encode())
+                    events, pending = events + len(pending), []
+        if pending:
+            batches.append(stream.batch(pending).encode())
+            events += len(pending)
+    index = CacheIndex(max_pages=total_pages + prompt_pages)
+    start = time.perf_counter()
+    for data in batches:
+        index.apply(data)
+    took = time.perf_counter() - start
+    stats = index.stats()
+    print(f"\n== the cache index alone: {stats['pages']:,} pages from {workers} workers, "
+          f"{len(batches):,} batches of {batch_events} events ({run_pages} pages each), ~{stats['approx_bytes'] / 2**20:.0f} MiB")
+    print(f"CacheIndex in-process: {events / took:,.0f} events/s, {stats['pages'] / took:,.0f} pages/s ingested "
+          f"(decode + apply, {took:.1f} s)")
+    times = []
+    for _ in range(runs):
+        t = time.perf_counter()
+        scores = index.score(prompt)
+        times.append(time.perf_counter() - t)
+    assert max(s.hit_pages for s in scores.values()) == prompt_pages
+    print(f"  score of a {prompt_pages * 16:,}-token prompt ({prompt_pages} pages) against {workers} workers: "
+          f"p50 {1000 * pct(times, 0.5):.2f} ms, p99 {1000 * pct(times, 0.99):.2f} ms")
+    del index
+    if not actor:
+        return
+    handle = index_actor("cairn-bench-index-alone", NAMESPACE, max_pages=total_pages + prompt_pages)
+    try:
+        ray.get(handle.stats.remote())
+        start, inflight = time.perf_counter(), []
+        for data in batches:  # up to 16 batches in flight, as 16 publishers would send
+            inflight.append(handle.apply.remote(data))
+            if len(inflight) >= workers:
+                ray.get(inflight.pop(0))
+        ray.get(inflight)
+        took = time.perf_counter() - start
+        print(f"index actor (Ray RPC per batch): {events / took:,.0f} events/s, {total_pages / took:,.0f} pages/s ingested")
+        times = []
+        for _ in range(runs):
+            t = time.perf_counter()
+            ray.get(handle.score.remote(prompt))
+            times.append(time.perf_counter() - t)
+        print(f"  score of the {prompt_pages * 16:,}-token prompt through the actor: p50 {1000 * pct(times, 0.5):.2f} ms, "
+              f"p99 {1000 * pct(times, 0.99):.2f} ms")
+    finally:
+        ray.kill(handle, no_restart=True)
+
+
+# ---- main --------------------------------------------------------------------------------------
+
+def wait_running(names: list[str], timeout_s: float = 600) -> None:
+    from ray import serve
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        apps = serve.status().applications
+        states = [apps[n].status if n in apps else "MISSING" for n in names]
+        if all(s == "RUNNING" for s in states):
+            return
+        if any(s in ("DEPLOY_FAILED", "UNHEALTHY") for s in states) or time.monotonic() > deadline:
+            raise RuntimeError(f"deployment failed: {dict(zip(names, states))}")
+        time.sleep(0.5)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="2 replicas, 6 conversations, 3 turns, tiny model")
+    parser.add_argument("--model", default=None, help="checkpoint directory (default: the bench demo model; "
+                                                      "--quick: the tiny one)")
+    parser.add_argument("--replicas", type=int, default=4)
+    parser.add_argument("--convs", type=int, default=32)
+    parser.add_argument("--turns", type=int, default=6)
+    parser.add_argument("--system-tokens", type=int, default=400, help="system prompt length (not the hot prefix)")
+    parser.add_argument("--user-words", type=int, default=30)
+    parser.add_argument("--answer-tokens", type=int, default=32)
+    parser.add_argument("--think", type=float, default=1.0, help="mean think time between turns, seconds")
+    parser.add_argument("--num-cpus", type=float, default=0.5, help="per engine replica")
+    parser.add_argument("--num-gpus", type=float, default=0, help="per engine replica")
+    parser.add_argument("--stats-period", type=float, default=0.5, help="routing stats period, seconds")
+    parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument("--traces", default=",".join(TRACES))
+    parser.add_argument("--index-pages", type=int, default=1_000_000)
+    parser.add_argument("--parallel", action=argparse.BooleanOptionalAction, default=None,
+                        help="deploy every policy's application at once (default: with --quick)")
+    args = parser.parse_args()
+    if args.quick:
+        args.replicas, args.convs, args.turns, args.answer_tokens, args.think = 2, 6, 3, 8, 0.3
+        args.system_tokens, args.user_words, args.num_cpus = 300, 20, 0.25
+    parallel = args.quick if args.parallel is None else args.parallel
+    policies, traces_wanted = args.policies.split(","), args.traces.split(",")
+
+    from ray import serve
+    from ray.serve.api import RunTarget
+
+    from cluster.chat_template import ChatTemplate
+    from cluster.tokenizer import TextTokenizer
+    from workers.demo import demo_model_dir
+
+    model_dir = Path(args.model) if args.model else demo_model_dir("tiny" if args.quick else "bench")
+    tokenizer, template = TextTokenizer.from_dir(model_dir), ChatTemplate.from_dir(model_dir)
+
+    def render(messages, add_generation_prompt=True):
+        text = template.render(messages, add_generation_prompt=add_generation_prompt)
+        return text, tokenizer.encode_with_ends(text)[0]
+
+    started = time.perf_counter()
+    ray.init(include_dashboard=False, log_to_driver=False, namespace=NAMESPACE)
+    stats = RouteStats.options(name=STATS_ACTOR, namespace=NAMESPACE).remote()
+    sock_port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": sock_port})
+    base_url = f"http://127.0.0.1:{sock_port}"
+    traces = {name: make_trace(name, args, tokenizer, seed=1) for name in TRACES if name in traces_wanted}
+    page = 16
+    results: list[Result] = []
+    try:
+        groups = [policies] if parallel else [[p] for p in policies]
+        for group in groups:
+            t = time.perf_counter()
+            serve.run_many([RunTarget(build_app(p, args, model_dir), name=f"bench-{p}", route_prefix=f"/{p}")
+                            for p in group])  # started together, waited for together
+            wait_running([f"bench-{p}" for p in group])
+            print(f"deployed {', '.join(group)} ({args.replicas} replicas each) in {time.perf_counter() - t:.0f} s",
+                  flush=True)
+            for policy in group:
+                handle = serve.get_deployment_handle("Engine", app_name=f"bench-{policy}")
+                replicas = sorted(m["worker_id"] for m in handle.broadcast("metrics").results(timeout_s=60))
+                for name, trace in traces.items():
+                    ray.get(stats.take.remote(policy))
+                    reqs, wall = asyncio.run(run_trace(base_url, f"/{policy}", trace, f"{name}-{policy}", args, render))
+                    time.sleep(0.6)  # the routers' last timings reach the stats actor
+                    route = ray.get(stats.take.remote(policy))
+                    results.append(summarize(name, policy, reqs, replicas, wall, route, page))
+                    r = results[-1]
+                    print(f"  {policy:15s} {name:14s} {wall:5.1f} s  hit/oracle {r.hit / max(r.oracle, 1):.3f}  "
+                          f"TTFT p50 {1000 * r.ttft_p50:.0f} ms  failed {r.failed}", flush=True)
+            if not parallel:
+                for p in group:
+                    serve.delete(f"bench-{p}")
+        report(results, args)
+        plot(results)
+    finally:
+        serve.shutdown()
+    bench_index(args.index_pages)
+    print(f"\nmodel {model_dir.name}; total {time.perf_counter() - started:.0f} s")
+    ray.shutdown()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,412 @@
+"""The cluster on a real local Ray: CPU engine replicas of the tiny demo model behind the HTTP
+ingress, cache-affinity routing over the index actor, driven through the official openai client.
+
+Which replica served a response is read from its `x-cairn-replica` header (cluster.app).
+
+1. `cairn serve --port P` as a subprocess: its own Ray, the default configs/local.yaml (2 CPU
+   replicas of the demo model), /health and chat answered, Ctrl-C (SIGINT to its process
+   group) stops it with status 0 and leaves no process behind. It runs first, before the shared
+   Ray session of this module starts, so two Ray instances never run at once here.
+2. One Serve app (3 replicas) for the rest of the module, in the shared `ray_session`:
+   conversations stay where their state is and spread over all replicas; a hot shared prompt
+   fills its replica up to the spill limit and then spills; an event gap makes the worker
+   resync; killing the index actor under load costs no request and the index is rebuilt from
+   the workers; killing a replica under load drops it from the index within 5 s, nothing is
+   routed to it afterwards, and its replacement is learned from its own events.
+"""
+
+import concurrent.futures
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+ray = pytest.importorskip("ray")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+from cache_service.events import EventBatch, PagesStored  # noqa: E402
+from cluster.app import REPLICA_HEADER, build_application  # noqa: E402
+from cluster.routing_config import RoutingConfig  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+MODEL = "tiny"
+PAGE_SIZE, TAIL_GUARD = 16, 8  # workers.EngineOptions defaults, which the app uses
+INDEX = f"cairn-test-index-{uuid.uuid4().hex[:6]}"
+WORDS = ("stone cairn ridge trail winter summit fog marker hiker moss granite slate wind path river valley "
+         "lichen shelter map compass").split()
+QUESTIONS = ["How do I build a cairn that lasts through the winter storms on the ridge?",
+             "And how tall should it be so hikers see it in fog?",
+             "Which stones hold best when they are wet?",
+             "How often should someone check on it?"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def persona(i: int, words: int = 160) -> str:
+    """A system prompt of its own per conversation (~600 tokens of the demo tokenizer)."""
+    rng = random.Random(i)
+    return f"Conversation {i}. " + " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+def chat(client, messages, max_tokens: int = 8):
+    raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=messages, max_tokens=max_tokens,
+                                                           temperature=0)
+    return raw.parse(), raw.headers.get(REPLICA_HEADER)
+
+
+def converse(client, i: int, turns: int, think_s: float = 0.3) -> list[tuple[int, int, str]]:
+    """One conversation, each turn echoing the answer back after a think time of about
+    `think_s`; (prompt, cached, replica) per turn."""
+    messages, rng = [{"role": "system", "content": persona(i)}], random.Random(i)
+    out = []
+    for t, question in enumerate(QUESTIONS[:turns]):
+        if t:
+            time.sleep(think_s * (0.5 + rng.random()))
+        messages.append({"role": "user", "content": question})
+        completion, replica = chat(client, messages)
+        usage = completion.usage
+        out.append((usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens, replica))
+        messages.append({"role": "assistant", "content": completion.choices[0].message.content or ""})
+    return out
+
+
+def descendants(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+    out, stack = [], [root]
+    while stack:
+        pid = stack.pop()
+        out.append(pid)
+        stack.extend(children.get(pid, []))
+    return out
+
+
+# ---- 0. what the router must do for the cluster below (plain Python, no Ray) -----------------------
+
+@dataclass
+class RoutedRequest:
+    request_id: str
+    page_hashes: list
+    num_prompt_tokens: int
+
+
+def test_the_ranker_spreads_a_burst_frees_finished_prefill_and_keeps_turns_when_the_index_fails():
+    import asyncio
+
+    from cluster.router import AffinityRanker, ReplicaLoad
+
+    chains = [[bytes([i, k]) * 8 for k in range(31)] for i in range(3)]  # page hashes name their prefix
+    ranker = AffinityRanker(RoutingConfig(predicted_holder_ttl_s=30), rng=random.Random(0))
+    replicas = {"a": {}, "b": {}, "c": {}}
+
+    async def slow_index(hashes):
+        await asyncio.sleep(0.01)  # every request of the burst is ranked while the others await
+        return {}
+
+    async def down(hashes):
+        raise ConnectionError("index actor restarting")
+
+    async def main():
+        burst = [RoutedRequest(f"r{i}", chains[i][:30], 490) for i in range(3)]
+        orders = await asyncio.gather(*(ranker.rank(r.request_id, r, replicas, slow_index) for r in burst))
+        assert sorted(order[0] for order in orders) == ["a", "b", "c"], "a burst ranked at once spreads"
+        for r, order in zip(burst, orders):
+            ranker.on_routed(r.request_id, order[0], r)
+        holder = orders[0][0]
+        assert ranker.loads[holder] == ReplicaLoad(requests=1, tokens=490)
+        ranker.on_prefill_done("r0")  # the ingress saw its first output
+        assert ranker.loads[holder] == ReplicaLoad(requests=1, tokens=0)
+        for r, order in zip(burst, orders):
+            ranker.on_completed(r.request_id, order[0])
+        assert ranker.loads[holder] == ReplicaLoad()
+        ranker.on_routed("busy", holder, RoutedRequest("x", [], 300))  # the holder is the busiest now
+        next_turn = RoutedRequest("r0-turn2", chains[0], 500)  # extends r0's prompt
+        order = await ranker.rank(next_turn.request_id, next_turn, replicas, down)
+        assert order[0] == holder, "the index is down: the router's own prediction keeps the turn"
+    asyncio.run(main())
+
+
+# ---- 1. `cairn serve` as a user runs it ---------------------------------------------------------
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads the process tree from /proc")
+def test_cairn_serve_starts_its_own_ray_serves_the_api_and_stops_cleanly_on_ctrl_c(tmp_path):
+    port, log_path = free_port(), tmp_path / "serve.log"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["RAY_AUTH_MODE"] = "disabled"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", "--port", str(port)],
+                                stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp_path, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 150
+        while f"serving on http://127.0.0.1:{port}/v1" not in log_path.read_text():
+            assert proc.poll() is None, f"cairn serve exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, f"cairn serve never came up:\n{log_path.read_text()[-3000:]}"
+            time.sleep(0.5)
+        base = f"http://127.0.0.1:{port}"
+        health = httpx.get(base + "/health", timeout=30)
+        assert health.status_code == 200 and health.json() == {"status": "ok"}
+        model = httpx.get(base + "/v1/models", timeout=30).json()["data"][0]["id"]
+        assert model == "demo-tiny", "no --model: the demo model (configs/local.yaml)"
+        client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=60)
+
+        def ask(i):
+            raw = client.chat.completions.with_raw_response.create(
+                model=model, messages=[{"role": "user", "content": persona(i, 40)}], max_tokens=8, temperature=0)
+            return raw.parse(), raw.headers.get(REPLICA_HEADER)
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            answers = list(pool.map(ask, range(6)))
+        for completion, replica in answers:
+            assert completion.choices[0].finish_reason == "length" and completion.usage.completion_tokens == 8
+            assert completion.usage.prompt_tokens_details.cached_tokens == 0
+            assert replica.startswith("SERVE_REPLICA::cairn#Engine#")
+        assert len({replica for _, replica in answers}) == 2, "configs/local.yaml: 2 engine replicas"
+
+        tree = descendants(proc.pid)
+        assert len(tree) > 3, "Ray's processes run under cairn serve (a local Ray it started)"
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in its terminal sends
+        assert proc.wait(timeout=90) == 0
+        assert "cairn: stopped" in log_path.read_text()
+        deadline = time.monotonic() + 20
+        while alive := [pid for pid in tree if Path(f"/proc/{pid}").exists()]:
+            assert time.monotonic() < deadline, f"left behind: {alive}"
+            time.sleep(0.2)
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(base + "/health", timeout=5)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+# ---- 2. a 3-replica app in the shared Ray session ----------------------------------------------
+
+ROUTING = RoutingConfig(index_actor_name=INDEX, index_timeout_ms=500,  # a busy 2-core CI box: be patient
+                        routing_stats_period_s=0.5)
+
+
+@dataclass
+class Cluster:
+    url: str
+    index: object
+    engine: object  # the Engine deployment's handle (broadcast)
+
+    def client(self):
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=60)
+
+    def replicas(self) -> dict[str, tuple[frozenset, frozenset]]:
+        """Live replica -> (pages, states) it holds now."""
+        results = self.engine.broadcast("cache_contents").results(timeout_s=30)
+        return {worker: (pages, states) for worker, pages, states in results}
+
+    def index_workers(self) -> set[str]:
+        return ray.get(self.index.workers.remote(), timeout=30)
+
+    def converged(self, timeout_s: float = 20.0) -> dict[str, tuple[frozenset, frozenset]]:
+        """Waits until the index holds exactly what every live replica holds (and no one else)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            held = self.replicas()
+            known = {w: ray.get(self.index.contents.remote(w), timeout=30) for w in held}
+            stale = ray.get(self.index.workers_needing_resync.remote(), timeout=30)
+            if not stale and self.index_workers() == set(held) and all(
+                    known[w] is not None and tuple(known[w]) == held[w] for w in held):
+                return held
+            assert time.monotonic() < deadline, (
+                f"index never converged: needing resync {stale}, "
+                f"{ {w: (len(p), len(s), None if known[w] is None else (len(known[w][0]), len(known[w][1]))) for w, (p, s) in held.items()} }")
+            time.sleep(0.25)
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_session, tiny_model_dir):
+    from ray import serve
+
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_application(tiny_model_dir, replicas=3, num_cpus=0.25, routing=ROUTING, served_model_name=MODEL,
+                                health_check_period_s=1.0),
+              name="cairn", route_prefix="/")
+    index = ray.get_actor(INDEX, namespace=ROUTING.index_actor_namespace)
+    yield Cluster(f"http://127.0.0.1:{port}", index, serve.get_deployment_handle("Engine", app_name="cairn"))
+    serve.shutdown()
+    ray.kill(ray.get_actor(INDEX, namespace=ROUTING.index_actor_namespace), no_restart=True)
+
+
+@dataclass
+class Record:
+    start: float
+    end: float
+    ok: bool
+    replica: str | None
+
+
+class Load:
+    """Threads holding multi-turn conversations back to back until stopped; every request is
+    recorded (a failed one ends its conversation)."""
+
+    def __init__(self, cluster: Cluster, threads: int = 4, turns: int = 4):
+        self.cluster, self.turns, self.records = cluster, turns, []
+        self._stop, self._lock = threading.Event(), threading.Lock()
+        self._threads = [threading.Thread(target=self._run, args=(k,), daemon=True) for k in range(threads)]
+
+    def __enter__(self):
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=90)
+
+    def _run(self, k: int) -> None:
+        client, conv = self.cluster.client(), 1000 * (k + 1)
+        while not self._stop.is_set():
+            conv += 1
+            messages = [{"role": "system", "content": persona(conv, 60)}]
+            for question in QUESTIONS[:self.turns]:
+                if self._stop.is_set():
+                    return
+                messages.append({"role": "user", "content": question})
+                start = time.monotonic()
+                try:
+                    completion, replica = chat(client, messages)
+                except Exception:
+                    with self._lock:
+                        self.records.append(Record(start, time.monotonic(), False, None))
+                    break
+                with self._lock:
+                    self.records.append(Record(start, time.monotonic(), True, replica))
+                messages.append({"role": "assistant", "content": completion.choices[0].message.content or ""})
+
+
+def test_turns_land_where_their_conversation_is_and_conversations_spread_over_all_replicas(cluster):
+    replicas = set(cluster.replicas())
+    assert len(replicas) == 3
+    with concurrent.futures.ThreadPoolExecutor(12) as pool:
+        conversations = list(pool.map(lambda i: converse(cluster.client(), i, turns=4), range(12)))
+    first = [turns[0][2] for turns in conversations]
+    assert set(first) == replicas, f"12 concurrent conversations use every replica: {first}"
+    for i, turns in enumerate(conversations):
+        for (prev_prompt, _, prev_replica), (prompt, cached, replica) in zip(turns, turns[1:]):
+            assert replica == prev_replica, (i, turns)
+            assert cached >= prev_prompt - PAGE_SIZE - TAIL_GUARD, (i, turns)
+            assert cached < prompt
+    cluster.converged()
+
+
+def test_a_hot_shared_prompt_fills_its_replica_up_to_the_spill_limit_then_spills(cluster):
+    hot = "You are the shared assistant of the cairn club. " * 105  # ~2,400 tokens, shared by every request
+    client, limit = cluster.client(), ROUTING.spill_limit
+    _, holder = chat(client, [{"role": "system", "content": hot}, {"role": "user", "content": "warm up"}])
+    streams, placed = [], []
+    http = httpx.Client(base_url=cluster.url, timeout=60)
+    try:
+        for i in range(limit + 4):  # one at a time, each kept in flight (ignore_eos, long)
+            body = {"model": MODEL, "stream": True, "max_tokens": 1500, "ignore_eos": True, "temperature": 0,
+                    "messages": [{"role": "system", "content": hot}, {"role": "user", "content": f"question {i}"}]}
+            response = http.send(http.build_request("POST", "/v1/chat/completions", json=body), stream=True)
+            streams.append(response)
+            assert response.status_code == 200
+            placed.append(response.headers[REPLICA_HEADER])
+    finally:
+        for response in streams:
+            response.close()
+        http.close()
+    assert placed[:limit] == [holder] * limit, f"affinity holds up to the spill limit: {placed}"
+    counts, replicas = {}, set(cluster.replicas())
+    for replica in placed:  # every request was routed while all earlier ones were still in flight
+        busy = [counts.get(r, 0) for r in replicas]
+        assert counts.get(replica, 0) - min(busy) < limit, f"routed past the spill limit: {placed}"
+        counts[replica] = counts.get(replica, 0) + 1
+    assert counts[holder] == limit and len(counts) >= 2, placed
+
+
+def test_an_event_gap_makes_the_worker_resync_and_the_index_converges(cluster):
+    workers = set(cluster.converged())
+    gaps_before = ray.get(cluster.index.stats.remote())["gaps_detected"]
+    for worker in workers:  # a batch far ahead of what the worker sent: events in between were lost
+        batch = EventBatch(worker, 10**9, time.time(), (PagesStored((os.urandom(16),), None),))
+        assert tuple(ray.get(cluster.index.apply.remote(batch.encode()))) == (False, True)
+    assert ray.get(cluster.index.workers_needing_resync.remote()) == workers
+    assert ray.get(cluster.index.score.remote([os.urandom(16)])) == {}
+    converse(cluster.client(), 99, turns=2)  # the replicas that serve it hear "resync" in the index's answer;
+    held = cluster.converged()              # the idle ones on their next poll
+    assert sum(len(pages) for pages, _ in held.values()) > 0
+    assert ray.get(cluster.index.stats.remote())["gaps_detected"] == gaps_before + len(workers)
+
+
+def test_killing_the_index_actor_under_load_loses_no_request_and_the_index_is_rebuilt(cluster):
+    with Load(cluster) as load:
+        time.sleep(1.5)
+        killed = time.monotonic()
+        ray.kill(cluster.index, no_restart=False)  # Ray restarts it (max_restarts=-1), empty: in-memory backend
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if ray.get(cluster.index.stats.remote(), timeout=5)["restarted"]:
+                    break
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                pass
+            assert time.monotonic() < deadline, "Ray did not restart the index actor"
+            time.sleep(0.1)
+        time.sleep(2)
+    assert all(r.ok for r in load.records), [r for r in load.records if not r.ok]
+    assert sum(r.start > killed for r in load.records) >= 4, "requests were served while the index was down"
+    held = cluster.converged()  # rebuilt from the workers' snapshots
+    stats = ray.get(cluster.index.stats.remote())
+    assert stats["restarted"] and stats["workers"] == 3 and stats["pages"] == sum(len(p) for p, _ in held.values())
+
+
+def test_a_killed_replica_leaves_the_index_within_5s_and_its_replacement_is_learned_from_events(cluster):
+    before = set(cluster.replicas())
+    with Load(cluster) as load:
+        time.sleep(1.5)
+        with load._lock:
+            served = [r.replica for r in load.records if r.ok]
+        victim = max(before, key=served.count)
+        ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
+        killed = time.monotonic()
+        while victim in cluster.index_workers():
+            assert time.monotonic() - killed < 5, "the dead replica is still in the index"
+            time.sleep(0.05)
+        dropped = time.monotonic()
+        time.sleep(2)
+    after = [r for r in load.records if r.start > dropped]
+    assert len(after) >= 4 and all(r.ok for r in after), after
+    assert victim not in {r.replica for r in after}
+    assert all(r.ok for r in load.records if r.start > killed + 1.0), "only requests in flight at the kill may fail"
+
+    deadline = time.monotonic() + 60  # Serve replaces it (health_check_period_s=1)
+    while len(now := set(cluster.replicas())) < 3 or victim in now:
+        assert time.monotonic() < deadline, "Serve never replaced the killed replica"
+        time.sleep(0.5)
+    (new,) = now - before
+    held = cluster.converged()  # it introduced itself with its (empty) snapshot
+    assert held[new] == (frozenset(), frozenset())
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:  # new conversations: the empty replica gets its share
+        turns = list(pool.map(lambda i: converse(cluster.client(), 200 + i, turns=2), range(6)))
+    assert new in {t[0][2] for t in turns}
+    held = cluster.converged()
+    assert held[new][0], "what it cached since reached the index through its events"

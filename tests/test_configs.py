@@ -1,0 +1,153 @@
+"""configs/: each file is valid by the schema of the tool that reads it (Ray Serve's
+ServeDeploySchema, Ray's autoscaler schema, RoutingConfig), and builds what it says it builds.
+`cairn serve` really reads configs/local.yaml, and flags given on the command line override it.
+No Ray cluster is started here: building a Serve application only binds deployments."""
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+pytest.importorskip("ray")
+
+from ray.serve.schema import ServeDeploySchema  # noqa: E402
+
+from cluster import deploy  # noqa: E402
+from cluster.app import app_builder  # noqa: E402
+from cluster.cli import build_parser  # noqa: E402
+from cluster.routing_config import RoutingConfig  # noqa: E402
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+
+def load(name: str) -> dict:
+    return yaml.safe_load((CONFIGS / name).read_text())
+
+
+def engine_of(app):
+    """The Engine deployment and its bound (model_dir, engine_options, routing) of a built app."""
+    ingress = app._bound_deployment
+    assert ingress.name == "Ingress"
+    engine = ingress.init_args[0]._bound_deployment
+    assert engine.name == "Engine"
+    return engine, engine.init_args
+
+
+def serve_args(argv: list[str]) -> argparse.Namespace:
+    return build_parser().parse_args(["serve", *argv])
+
+
+# ---- serve.yaml ------------------------------------------------------------------------------
+
+def test_serve_yaml_is_a_serve_deploy_config_whose_app_builds_gpu_engine_replicas():
+    config = ServeDeploySchema.model_validate(load("serve.yaml"))
+    (app,) = config.applications
+    assert app.import_path == "cluster.app:app_builder" and app.route_prefix == "/"
+    args = app.args
+    assert {"model_dir", "replicas", "engine_options", "routing", "num_cpus", "num_gpus"} <= args.keys()
+    engine, (model_dir, engine_options, routing) = engine_of(app_builder(args))
+    assert engine.ray_actor_options["num_gpus"] == args["num_gpus"] == 1
+    assert engine.ray_actor_options["num_cpus"] == args["num_cpus"]
+    assert engine.num_replicas == args["replicas"]
+    assert engine.max_ongoing_requests == engine_options["max_num_seqs"], "a replica admits what its engine runs"
+    assert engine._deployment_config.health_check_period_s == args["health_check_period_s"]
+    assert RoutingConfig.model_validate(routing) == RoutingConfig.model_validate(args["routing"])
+    assert engine_options["page_size"] == routing["page_size"]
+    assert Path(model_dir).is_dir(), "model_dir null serves the demo model"
+
+
+def test_app_builder_takes_routing_as_a_path_and_refuses_unknown_keys():
+    engine, (_, _, routing) = engine_of(app_builder({"routing": "configs/routing.yaml", "replicas": 3}))
+    assert RoutingConfig.model_validate(routing) == RoutingConfig.from_yaml(CONFIGS / "routing.yaml")
+    assert engine.num_replicas == 3
+    with pytest.raises(TypeError, match="replica"):
+        app_builder({"replica": 3})
+
+
+# ---- cluster.yaml ----------------------------------------------------------------------------
+
+def test_cluster_yaml_passes_rays_autoscaler_schema_and_sets_up_gpu_workers():
+    import jsonschema
+    import ray
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    config = load("cluster.yaml")
+    schema = json.loads((Path(ray.__file__).parent / "autoscaler" / "ray-schema.json").read_text())
+    jsonschema.validate(config, schema)
+    validate_config(prepare_config(config))  # Ray's own check, defaults filled in as `ray up` does
+
+    types = config["available_node_types"]
+    head = types[config["head_node_type"]]
+    gpu = [t for name, t in types.items() if name != config["head_node_type"]]
+    assert gpu and all(t["resources"].get("GPU", 0) >= 1 and t["max_workers"] >= 1 for t in gpu)
+    assert head["resources"].get("GPU", 0) == 0
+
+    setup = config["setup_commands"]
+    torch_at = next(i for i, c in enumerate(setup) if "torch==2.13.0" in c)
+    cairn_at = next(i for i, c in enumerate(setup) if "pip install" in c and "cairn" in c)
+    assert torch_at < cairn_at, "torch is installed first (pinned), then the repository"
+    assert any("ray start --head" in c for c in config["head_start_ray_commands"])
+    assert any("ray start --address" in c for c in config["worker_start_ray_commands"])
+
+
+# ---- routing.yaml ----------------------------------------------------------------------------
+
+def test_routing_yaml_loads_into_the_routing_config():
+    config = RoutingConfig.from_yaml(CONFIGS / "routing.yaml")
+    assert config.policy == "cache_affinity" and config.redis_url is None
+    assert config.request_router_config().request_router_class == "cluster.router:CacheAffinityRouter"
+
+
+# ---- local.yaml: the default of `cairn serve` ------------------------------------------------
+
+def test_local_yaml_builds_two_cpu_replicas_of_the_demo_model_with_the_in_memory_index():
+    config = ServeDeploySchema.model_validate(load("local.yaml"))
+    assert (config.http_options.host, config.http_options.port) == ("127.0.0.1", 8000)
+    (app,) = config.applications
+    engine, (model_dir, _, routing) = engine_of(app_builder(app.args))
+    assert engine.num_replicas == 2
+    assert engine.ray_actor_options.get("num_gpus", 0) == 0 and 0 < engine.ray_actor_options["num_cpus"] <= 1
+    assert routing["redis_url"] is None, "in-memory index"
+    assert Path(model_dir).is_dir() and json.loads((Path(model_dir) / "config.json").read_text())["model_type"] \
+        == "qwen3_next"
+
+
+def test_cairn_serve_deploys_local_yaml_when_no_config_is_given(tmp_path, monkeypatch):
+    assert deploy.load_config() == load("local.yaml")
+    edited = load("local.yaml")
+    edited["applications"][0]["args"]["replicas"] = 5
+    (tmp_path / "local.yaml").write_text(yaml.safe_dump(edited))
+    monkeypatch.setattr(deploy, "LOCAL_CONFIG", tmp_path / "local.yaml")
+    assert deploy.load_config()["applications"][0]["args"]["replicas"] == 5, "the file is what is read"
+    monkeypatch.setattr(deploy, "LOCAL_CONFIG", tmp_path / "absent.yaml")
+    fallback = deploy.load_config()
+    assert fallback == deploy.FALLBACK_CONFIG
+    # the built-in fallback (a wheel without configs/) deploys the same thing as local.yaml
+    local = load("local.yaml")
+    assert fallback["http_options"] == local["http_options"]
+    assert fallback["applications"][0]["args"] == local["applications"][0]["args"]
+
+
+def test_flags_override_the_config_and_absent_flags_leave_it_alone(tmp_path):
+    local = load("local.yaml")
+    assert deploy.apply_overrides(local, serve_args([])) == local
+    model = tmp_path / "model"
+    model.mkdir()
+    out = deploy.apply_overrides(local, serve_args(
+        ["--replicas", "3", "--port", "9001", "--model", str(model), "--num-cpus", "0.25",
+         "--routing", str(CONFIGS / "routing.yaml")]), {"max_num_seqs": 8})
+    args = out["applications"][0]["args"]
+    assert out["http_options"] == {"host": "127.0.0.1", "port": 9001}
+    assert args["replicas"] == 3 and args["num_cpus"] == 0.25 and args["model_dir"] == str(model)
+    assert args["engine_options"] == {"max_num_seqs": 8}
+    assert RoutingConfig.model_validate(args["routing"]) == RoutingConfig.from_yaml(CONFIGS / "routing.yaml")
+    assert args["num_gpus"] == 0, "not given: the config's value"
+    assert local["applications"][0]["args"]["replicas"] == 2, "the config itself is not modified"
+    ServeDeploySchema.model_validate(out)
+    serve_yaml = deploy.apply_overrides(load("serve.yaml"), serve_args(["--replicas", "8"]), {"max_num_seqs": 32})
+    engine_options = serve_yaml["applications"][0]["args"]["engine_options"]
+    assert engine_options["max_num_seqs"] == 32 and engine_options["page_size"] == 16, "merged, not replaced"
