@@ -242,7 +242,8 @@ async def converse(http, url: str, conv_id: int, conv: Conversation, salt: str, 
         await asyncio.sleep(conv.think_s[turn])
 
 
-async def run_trace(base_url: str, prefix: str, trace: list[Conversation], salt: str, args, render) -> tuple[list[Req], float]:
+async def run_trace(base_url: str, prefix: str, trace: list[Conversation], salt: str, args,
+                    render) -> tuple[list[Req], float]:
     import httpx
 
     out: list[Req] = []
@@ -252,6 +253,17 @@ async def run_trace(base_url: str, prefix: str, trace: list[Conversation], salt:
         await asyncio.gather(*(converse(http, f"{prefix}/v1/chat/completions", i, c, salt, args, render, out)
                                for i, c in enumerate(trace)))
         return out, time.perf_counter() - start
+
+
+async def warm_up(base_url: str, prefix: str, n: int) -> None:
+    """A few short requests (their own cache_salt) so no policy pays first-request costs inside
+    a trace: every replica's first inference, the router's first index lookup."""
+    import httpx
+
+    async with httpx.AsyncClient(base_url=base_url, timeout=300) as http:
+        await asyncio.gather(*(http.post(f"{prefix}/v1/chat/completions", json={
+            "model": MODEL, "max_tokens": 2, "cache_salt": "warm-up",
+            "messages": [{"role": "user", "content": f"warm up {i}"}]}) for i in range(n)))
 
 
 # ---- the oracle and the numbers ----------------------------------------------------------------
@@ -366,9 +378,10 @@ def report(results: list[Result], args) -> None:
               f"{'TTFT p50':>8s} {'p99 ms':>7s} {'req max/mean':>12s} {'infl max/mean':>13s} {'peak':>4s} "
               f"{'stay':>5s} {'route p50':>9s} {'p99 ms':>7s}")
         for r in rows:
-            print(f"{r.policy:15s} {r.requests:5d} {r.failed:4d} {r.hit:8d} {r.oracle:8d} {r.hit / max(r.oracle, 1):7.3f} "
-                  f"{1000 * r.ttft_p50:8.1f} {1000 * r.ttft_p99:7.1f} {r.req_max_mean:12.2f} {r.inflight_max_mean:13.2f} "
-                  f"{r.inflight_peak:4d} {r.stay:5.2f} {1000 * r.route_p50:9.3f} {1000 * r.route_p99:7.3f}")
+            print(f"{r.policy:15s} {r.requests:5d} {r.failed:4d} {r.hit:8d} {r.oracle:8d} "
+                  f"{r.hit / max(r.oracle, 1):7.3f} {1000 * r.ttft_p50:8.1f} {1000 * r.ttft_p99:7.1f} "
+                  f"{r.req_max_mean:12.2f} {r.inflight_max_mean:13.2f} {r.inflight_peak:4d} {r.stay:5.2f} "
+                  f"{1000 * r.route_p50:9.3f} {1000 * r.route_p99:7.3f}")
         mine = next((r for r in rows if r.policy == "cache_affinity"), None)
         for base in rows:
             if mine is None or base is mine:
@@ -451,7 +464,8 @@ def bench_index(total_pages: int, workers: int = 16, prompt_pages: int = 2048, r
     took = time.perf_counter() - start
     stats = index.stats()
     print(f"\n== the cache index alone: {stats['pages']:,} pages from {workers} workers, "
-          f"{len(batches):,} batches of {batch_events} events ({run_pages} pages each), ~{stats['approx_bytes'] / 2**20:.0f} MiB")
+          f"{len(batches):,} batches of {batch_events} events ({run_pages} pages each), "
+          f"~{stats['approx_bytes'] / 2**20:.0f} MiB")
     print(f"CacheIndex in-process: {events / took:,.0f} events/s, {stats['pages'] / took:,.0f} pages/s ingested "
           f"(decode + apply, {took:.1f} s)")
     times = []
@@ -475,13 +489,15 @@ def bench_index(total_pages: int, workers: int = 16, prompt_pages: int = 2048, r
                 ray.get(inflight.pop(0))
         ray.get(inflight)
         took = time.perf_counter() - start
-        print(f"index actor (Ray RPC per batch): {events / took:,.0f} events/s, {total_pages / took:,.0f} pages/s ingested")
+        print(f"index actor (Ray RPC per batch): {events / took:,.0f} events/s, "
+              f"{total_pages / took:,.0f} pages/s ingested")
         times = []
         for _ in range(runs):
             t = time.perf_counter()
             ray.get(handle.score.remote(prompt))
             times.append(time.perf_counter() - t)
-        print(f"  score of the {prompt_pages * 16:,}-token prompt through the actor: p50 {1000 * pct(times, 0.5):.2f} ms, "
+        print(f"  score of the {prompt_pages * 16:,}-token prompt through the actor: "
+              f"p50 {1000 * pct(times, 0.5):.2f} ms, "
               f"p99 {1000 * pct(times, 0.99):.2f} ms")
     finally:
         ray.kill(handle, no_restart=True)
@@ -545,12 +561,21 @@ def main() -> None:
         return text, tokenizer.encode_with_ends(text)[0]
 
     started = time.perf_counter()
-    ray.init(include_dashboard=False, log_to_driver=False, namespace=NAMESPACE)
+    group_size = len(policies) if parallel else 1
+    needed = group_size * (args.replicas * args.num_cpus + min(args.num_cpus, 0.25)) + 0.5
+    # logical CPUs: enough for every replica deployed at once (they take turns being busy)
+    ray.init(include_dashboard=False, log_to_driver=False, namespace=NAMESPACE,
+             num_cpus=max(os.cpu_count() or 1, int(needed + 0.999)))
     stats = RouteStats.options(name=STATS_ACTOR, namespace=NAMESPACE).remote()
     sock_port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": sock_port})
     base_url = f"http://127.0.0.1:{sock_port}"
     traces = {name: make_trace(name, args, tokenizer, seed=1) for name in TRACES if name in traces_wanted}
+    print(f"model {model_dir.name}, {args.replicas} replicas per policy "
+          f"({args.num_cpus} CPU, {args.num_gpus} GPU each), "
+          f"{args.convs} conversations x {args.turns} turns, answers of {args.answer_tokens} tokens, "
+          f"think {args.think} s; system prompts ~{args.system_tokens} tokens, hot prefix ~{HOT_PREFIX_TOKENS} "
+          f"tokens shared by {HOT_SHARE:.0%}", flush=True)
     page = 16
     results: list[Result] = []
     try:
@@ -565,6 +590,7 @@ def main() -> None:
             for policy in group:
                 handle = serve.get_deployment_handle("Engine", app_name=f"bench-{policy}")
                 replicas = sorted(m["worker_id"] for m in handle.broadcast("metrics").results(timeout_s=60))
+                asyncio.run(warm_up(base_url, f"/{policy}", 2 * args.replicas))
                 for name, trace in traces.items():
                     ray.get(stats.take.remote(policy))
                     reqs, wall = asyncio.run(run_trace(base_url, f"/{policy}", trace, f"{name}-{policy}", args, render))

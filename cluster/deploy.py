@@ -23,6 +23,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -85,11 +86,12 @@ def apply_overrides(config: dict[str, Any], args: argparse.Namespace,
     return config
 
 
-def _wait_running(names: list[str], stop: threading.Event) -> str | None:
+def _wait_running(names: list[str], stop: threading.Event, report_every_s: float = 30.0) -> str | None:
     """Waits until every application is RUNNING; an error message if one failed (None: running,
-    or stopped meanwhile)."""
+    or stopped meanwhile). Says what Serve reports while it takes long (e.g. no GPU to place on)."""
     from ray import serve
 
+    next_report = time.monotonic() + report_every_s
     while not stop.is_set():
         apps = serve.status().applications
         states = {n: apps.get(n) for n in names}
@@ -99,6 +101,11 @@ def _wait_running(names: list[str], stop: threading.Event) -> str | None:
             return "; ".join(failed)
         if all(a is not None and a.status == "RUNNING" for a in states.values()):
             return None
+        if time.monotonic() > next_report:
+            next_report += report_every_s
+            for n, a in states.items():
+                print(f"cairn serve: still deploying {n}: {a.status if a else 'not started'}"
+                      f"{': ' + a.message if a and a.message else ''}", file=sys.stderr, flush=True)
         stop.wait(0.5)
     return None
 
@@ -120,7 +127,10 @@ def serve_forever(args: argparse.Namespace, engine_options: dict[str, Any]) -> i
     address = args.address or os.environ.get("RAY_ADDRESS") or None
     stop = threading.Event()
     names = [app.name for app in config.applications]
-    ray.init(address=address or "local", include_dashboard=False, namespace="serve")
+    if address:
+        ray.init(address=address, namespace="serve")
+    else:
+        ray.init(address="local", include_dashboard=False, namespace="serve")
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     status = 0
@@ -135,9 +145,11 @@ def serve_forever(args: argparse.Namespace, engine_options: dict[str, Any]) -> i
             print(f"cairn serve: deployment failed: {failure}", file=sys.stderr, flush=True)
             status = 1
         elif not stop.is_set():
-            host, port = config.http_options.host, config.http_options.port
+            http = client.http_config  # a joined cluster's Serve may already listen elsewhere
             where = "a joined Ray cluster" if address else "a local Ray"
-            print(f"cairn: serving on http://{host}:{port}/v1 ({where}; Ctrl-C to stop)", flush=True)
+            for app in config.applications:
+                url = f"http://{http.host}:{http.port}{(app.route_prefix or '/').rstrip('/')}/v1"
+                print(f"cairn: serving on {url} (application {app.name}; {where}; Ctrl-C to stop)", flush=True)
             while not stop.wait(0.5):  # a timed wait: signal handlers run between the waits
                 pass
     finally:

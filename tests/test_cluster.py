@@ -10,9 +10,12 @@ Which replica served a response is read from its `x-cairn-replica` header (clust
 2. One Serve app (3 replicas) for the rest of the module, in the shared `ray_session`:
    conversations stay where their state is and spread over all replicas; a hot shared prompt
    fills its replica up to the spill limit and then spills; an event gap makes the worker
-   resync; killing the index actor under load costs no request and the index is rebuilt from
-   the workers; killing a replica under load drops it from the index within 5 s, nothing is
-   routed to it afterwards, and its replacement is learned from its own events.
+   resync; killing the index actor under load (restarted by Ray, or for good: a new one is
+   created) costs no request and the index is rebuilt from the workers; killing a replica under
+   load drops it from the index within 5 s, nothing is routed to it afterwards, and its
+   replacement is learned from its own events. `cairn serve --address` joins this cluster,
+   deploys its own application next to the module's and, on Ctrl-C, deletes only that one.
+0. Before both, the router decisions the cluster relies on, in plain Python (no Ray).
 """
 
 import concurrent.futures
@@ -39,7 +42,6 @@ from cache_service.events import EventBatch, PagesStored  # noqa: E402
 from cluster.app import REPLICA_HEADER, build_application  # noqa: E402
 from cluster.routing_config import RoutingConfig  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
 MODEL = "tiny"
 PAGE_SIZE, TAIL_GUARD = 16, 8  # workers.EngineOptions defaults, which the app uses
 INDEX = f"cairn-test-index-{uuid.uuid4().hex[:6]}"
@@ -69,11 +71,13 @@ def chat(client, messages, max_tokens: int = 8):
     return raw.parse(), raw.headers.get(REPLICA_HEADER)
 
 
-def converse(client, i: int, turns: int, think_s: float = 0.3) -> list[tuple[int, int, str]]:
+def converse(client, i: int, turns: int, think_s: float = 0.3, start=None) -> list[tuple[int, int, str]]:
     """One conversation, each turn echoing the answer back after a think time of about
-    `think_s`; (prompt, cached, replica) per turn."""
+    `think_s`; (prompt, cached, replica) per turn. `start`: a barrier to open together on."""
     messages, rng = [{"role": "system", "content": persona(i)}], random.Random(i)
     out = []
+    if start is not None:
+        start.wait(timeout=60)
     for t, question in enumerate(QUESTIONS[:turns]):
         if t:
             time.sleep(think_s * (0.5 + rng.random()))
@@ -208,8 +212,12 @@ ROUTING = RoutingConfig(index_actor_name=INDEX, index_timeout_ms=500,  # a busy 
 @dataclass
 class Cluster:
     url: str
-    index: object
     engine: object  # the Engine deployment's handle (broadcast)
+
+    @property
+    def index(self):
+        """The index actor now registered under the name (a new one once killed for good)."""
+        return ray.get_actor(INDEX, namespace=ROUTING.index_actor_namespace)
 
     def client(self):
         return openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=60)
@@ -232,9 +240,10 @@ class Cluster:
             if not stale and self.index_workers() == set(held) and all(
                     known[w] is not None and tuple(known[w]) == held[w] for w in held):
                 return held
-            assert time.monotonic() < deadline, (
-                f"index never converged: needing resync {stale}, "
-                f"{ {w: (len(p), len(s), None if known[w] is None else (len(known[w][0]), len(known[w][1]))) for w, (p, s) in held.items()} }")
+            sizes = {w: ((len(p), len(s)), known[w] and (len(known[w][0]), len(known[w][1])))
+                     for w, (p, s) in held.items()}
+            assert time.monotonic() < deadline, f"index never converged: needing resync {stale}, " \
+                                                f"(replica, index) sizes {sizes}"
             time.sleep(0.25)
 
 
@@ -247,8 +256,7 @@ def cluster(ray_session, tiny_model_dir):
     serve.run(build_application(tiny_model_dir, replicas=3, num_cpus=0.25, routing=ROUTING, served_model_name=MODEL,
                                 health_check_period_s=1.0),
               name="cairn", route_prefix="/")
-    index = ray.get_actor(INDEX, namespace=ROUTING.index_actor_namespace)
-    yield Cluster(f"http://127.0.0.1:{port}", index, serve.get_deployment_handle("Engine", app_name="cairn"))
+    yield Cluster(f"http://127.0.0.1:{port}", serve.get_deployment_handle("Engine", app_name="cairn"))
     serve.shutdown()
     ray.kill(ray.get_actor(INDEX, namespace=ROUTING.index_actor_namespace), no_restart=True)
 
@@ -304,8 +312,10 @@ class Load:
 def test_turns_land_where_their_conversation_is_and_conversations_spread_over_all_replicas(cluster):
     replicas = set(cluster.replicas())
     assert len(replicas) == 3
-    with concurrent.futures.ThreadPoolExecutor(12) as pool:
-        conversations = list(pool.map(lambda i: converse(cluster.client(), i, turns=4), range(12)))
+    clients, start = [cluster.client() for _ in range(12)], threading.Barrier(12)
+    with concurrent.futures.ThreadPoolExecutor(12) as pool:  # a dozen conversations opening at once
+        conversations = list(pool.map(lambda i: converse(clients[i], i, turns=4, think_s=1.0, start=start),
+                                      range(12)))
     first = [turns[0][2] for turns in conversations]
     assert set(first) == replicas, f"12 concurrent conversations use every replica: {first}"
     for i, turns in enumerate(conversations):
@@ -343,6 +353,47 @@ def test_a_hot_shared_prompt_fills_its_replica_up_to_the_spill_limit_then_spills
     assert counts[holder] == limit and len(counts) >= 2, placed
 
 
+def test_cairn_serve_address_joins_a_running_cluster_and_takes_down_only_its_own_app(cluster, tiny_model_dir,
+                                                                                    tmp_path):
+    import yaml
+    from ray import serve
+
+    config = {"applications": [{
+        "name": "joined", "route_prefix": "/joined", "import_path": "cluster.app:app_builder",
+        "args": {"replicas": 1, "num_cpus": 0.25, "routing": {"index_actor_name": INDEX + "-joined"}}}]}
+    (tmp_path / "joined.yaml").write_text(yaml.safe_dump(config))
+    log_path, env = tmp_path / "serve.log", {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    address = ray.get_runtime_context().gcs_address
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", "--address", address,
+                                 "--config", str(tmp_path / "joined.yaml"), "--model", str(tiny_model_dir),
+                                 "--served-model-name", MODEL], stdout=log, stderr=subprocess.STDOUT, env=env,
+                                cwd=tmp_path, start_new_session=True)
+    try:
+        url = cluster.url + "/joined/v1"  # the running Serve's port, whatever the config says
+        deadline = time.monotonic() + 120
+        while f"serving on {url}" not in log_path.read_text():
+            assert proc.poll() is None, f"cairn serve exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, f"cairn serve never came up:\n{log_path.read_text()[-3000:]}"
+            time.sleep(0.5)
+        client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=60)
+        completion, replica = chat(client, [{"role": "user", "content": "hello"}])
+        assert completion.usage.completion_tokens == 8 and replica.startswith("SERVE_REPLICA::joined#Engine#")
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        try:
+            ray.kill(ray.get_actor(INDEX + "-joined", namespace=ROUTING.index_actor_namespace), no_restart=True)
+        except ValueError:
+            pass
+    apps = serve.status().applications
+    assert "joined" not in apps and apps["cairn"].status == "RUNNING", "only its own application was deleted"
+    assert ray.is_initialized() and chat(cluster.client(), [{"role": "user", "content": "still there?"}])[1]
+
+
 def test_an_event_gap_makes_the_worker_resync_and_the_index_converges(cluster):
     workers = set(cluster.converged())
     gaps_before = ray.get(cluster.index.stats.remote())["gaps_detected"]
@@ -358,14 +409,15 @@ def test_an_event_gap_makes_the_worker_resync_and_the_index_converges(cluster):
 
 
 def test_killing_the_index_actor_under_load_loses_no_request_and_the_index_is_rebuilt(cluster):
+    index = cluster.index
     with Load(cluster) as load:
         time.sleep(1.5)
         killed = time.monotonic()
-        ray.kill(cluster.index, no_restart=False)  # Ray restarts it (max_restarts=-1), empty: in-memory backend
+        ray.kill(index, no_restart=False)  # Ray restarts it (max_restarts=-1), empty: in-memory backend
         deadline = time.monotonic() + 30
         while True:
             try:
-                if ray.get(cluster.index.stats.remote(), timeout=5)["restarted"]:
+                if ray.get(index.stats.remote(), timeout=5)["restarted"]:
                     break
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
                 pass
@@ -377,6 +429,28 @@ def test_killing_the_index_actor_under_load_loses_no_request_and_the_index_is_re
     held = cluster.converged()  # rebuilt from the workers' snapshots
     stats = ray.get(cluster.index.stats.remote())
     assert stats["restarted"] and stats["workers"] == 3 and stats["pages"] == sum(len(p) for p, _ in held.values())
+
+
+def test_an_index_actor_killed_for_good_is_replaced_and_refilled_by_the_replicas(cluster):
+    old = cluster.index
+    with Load(cluster) as load:
+        time.sleep(1.0)
+        killed = time.monotonic()
+        ray.kill(old, no_restart=True)  # gone for good: routers and replicas look the name up again
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                new = cluster.index
+                if new._actor_id != old._actor_id and ray.get(new.stats.remote(), timeout=5)["workers"] == 3:
+                    break
+            except (ValueError, ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                pass  # not created yet, or still starting
+            assert time.monotonic() < deadline, "no new index actor learned the replicas"
+            time.sleep(0.1)
+        time.sleep(1)
+    assert all(r.ok for r in load.records), [r for r in load.records if not r.ok]
+    assert sum(r.start > killed for r in load.records) >= 4
+    cluster.converged()  # the replicas' next batches were gaps to it: they resynced
 
 
 def test_a_killed_replica_leaves_the_index_within_5s_and_its_replacement_is_learned_from_events(cluster):
