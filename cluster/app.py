@@ -63,6 +63,18 @@ def register_router(ranker: Any, loop: asyncio.AbstractEventLoop) -> None:
         _ROUTERS[ranker] = loop
 
 
+def router_counts() -> dict[str, float]:
+    """The counters of this process's cache-affinity routers, summed, as `router_<name>_total`
+    metrics (requests ranked and routed, index fallbacks by reason) for the ingress's /metrics."""
+    with _ROUTERS_LOCK:
+        rankers = list(_ROUTERS)
+    totals: dict[str, float] = {}
+    for ranker in rankers:
+        for name, n in ranker.counts.items():
+            totals[f"router_{name}_total"] = totals.get(f"router_{name}_total", 0) + n
+    return totals
+
+
 def prefill_done(engine_request_id: str) -> None:
     """Thread-safe: the request produced its first output, so the routers of this process stop
     counting its prefill tokens as load on its replica (`AffinityRanker.on_prefill_done`)."""
@@ -209,7 +221,8 @@ class HandleEngineClient:
         return True
 
     async def metrics(self) -> dict[str, float]:
-        return await self.handle.metrics.remote()
+        """One replica's engine metrics, and this process's router counters."""
+        return {**await self.handle.metrics.remote(), **router_counts()}
 
     def num_waiting(self) -> int:
         return len(self._streams)

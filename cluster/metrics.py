@@ -3,8 +3,10 @@
 Counted by the API: requests by endpoint and status, errors by status, time to first token
 and end-to-end latency (histograms, seconds), prompt / cached / generated tokens, and the
 prefix hit ratio (cached over prompt tokens). The engine's own counters and gauges (pages held
-and cached, checkpoints stored, state bytes, ...) are appended as `cairn_engine_*`; a key
-`name:kind` becomes `name{kind="..."}`. Kept per app, so two apps in one process never mix.
+and cached, checkpoints stored, state bytes, ...) are appended as `cairn_engine_*`, and the
+request router's (keys `router_*`: requests ranked, routed, index fallbacks) as `cairn_router_*`;
+a key `name:kind` becomes `name{kind="..."}`, and text values (a replica's worker_id) become
+labels of `cairn_engine_info`. Kept per app, so two apps in one process never mix.
 """
 
 from __future__ import annotations
@@ -98,12 +100,20 @@ class APIMetrics:
         ratio = self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
         family("cairn_prefix_hit_ratio", "gauge", "Cached over prompt tokens since start.",
                [f"cairn_prefix_hit_ratio {ratio!r}"])
+        info = {k: str(v) for k, v in sorted(engine_metrics.items()) if not isinstance(v, (int, float))}
+        if info:  # text values (the replica's worker_id): labels of one info gauge
+            family("cairn_engine_info", "gauge", "Engine identity (text values of workers.Engine.metrics).",
+                   [f"cairn_engine_info{_labels(**info)} 1"])
         grouped: dict[str, list[str]] = defaultdict(list)
         for key, value in sorted(engine_metrics.items()):
+            if key in info:
+                continue
             base, _, kind = key.partition(":")
-            name = "cairn_engine_" + re.sub(r"[^a-zA-Z0-9_]", "_", base)
+            prefix = "cairn_" if base.startswith("router_") else "cairn_engine_"
+            name = prefix + re.sub(r"[^a-zA-Z0-9_]", "_", base)
             grouped[name].append(f"{name}{_labels(kind=kind) if kind else ''} {_num(value)}")
         for name, samples in grouped.items():
-            family(name, "counter" if name.endswith("_total") else "gauge", "Engine metric (workers.Engine.metrics).",
-                   samples)
+            source = "Router counter (cluster.router.AffinityRanker.counts)" if name.startswith("cairn_router_") \
+                else "Engine metric (workers.Engine.metrics)"
+            family(name, "counter" if name.endswith("_total") else "gauge", f"{source}.", samples)
         return "\n".join(lines) + "\n"

@@ -20,9 +20,11 @@ same "least loaded" replica.
 Right after routing, the chosen replica is the predicted holder of the prompt's pages (and a
 state at their end) for `predicted_holder_ttl_s`, so a burst sharing a new prefix sticks
 together before the replica's events reach the index. Index down, slow or not yet found: the
-request is ranked by load and this router's own predicted holders (what it sent where in the
-last `predicted_holder_ttl_s`, so a conversation's next turn still finds its replica), and
-`cairn_router_index_fallbacks_total` counts it; routing never fails because of the index.
+request is ranked by load and by what this router remembers sending where (the last
+`fallback_memory_s`, at most `fallback_memory_pages` hashes), so a conversation's next turn
+still finds its replica; `cairn_router_index_fallbacks_total` counts it, and routing never
+fails because of the index. The memory is a guess (it cannot see evictions), which is why it
+stands in only while the index is unavailable.
 
 The ranking (`rank_replicas`, `PredictedHolders`, `AffinityRanker`) is plain Python, tested
 without Ray; `CacheAffinityRouter` is the thin Ray Serve adapter. Replica identity everywhere
@@ -128,54 +130,58 @@ def rank_replicas(replicas: Sequence[str], scores: Mapping[str, Score], loads: M
 
 
 class PredictedHolders:
-    """Replicas recently sent a prompt, taken to hold its pages (and a state at their end) until
-    `ttl_s` passes. A hash names its whole prefix, so a replica's predicted depth for a prompt is
-    the deepest of its hashes recorded for that replica."""
+    """What this router sent where: each replica recently sent a prompt is taken to hold its pages
+    (and a state at their end). A hash names its whole prefix, so a replica's predicted depth for a
+    prompt is the deepest of its hashes recorded for that replica. Records are kept for
+    `keep_s` (at most `max_hashes` hashes in all, oldest dropped first); `pages` reads only those
+    younger than the age it is given: the fresh ones (the index has not heard of them yet) or,
+    when the index cannot answer, everything remembered."""
 
-    def __init__(self, ttl_s: float, clock: Callable[[], float] = time.monotonic, max_hashes: int = 1_000_000):
-        self.ttl_s, self._clock, self._max = ttl_s, clock, max_hashes
-        self._until: dict[bytes, dict[str, float]] = {}  # hash -> replica -> expiry
+    def __init__(self, keep_s: float, clock: Callable[[], float] = time.monotonic, max_hashes: int = 1_000_000):
+        self.keep_s, self._clock, self._max = keep_s, clock, max_hashes
+        self._at: dict[bytes, dict[str, float]] = {}  # hash -> replica -> when last recorded
         self._log: deque[tuple[float, str, list[bytes]]] = deque()
         self._size = 0
 
     def record(self, replica: str, page_hashes: Sequence[bytes]) -> None:
-        if self.ttl_s <= 0 or not page_hashes:
+        if self.keep_s <= 0 or not page_hashes or self._max <= 0:
             return
-        until = self._clock() + self.ttl_s
+        at = self._clock()
         for h in page_hashes:
-            self._until.setdefault(h, {})[replica] = until
-        self._log.append((until, replica, list(page_hashes)))
+            self._at.setdefault(h, {})[replica] = at
+        self._log.append((at, replica, list(page_hashes)))
         self._size += len(page_hashes)
         self._purge()
 
-    def pages(self, page_hashes: Sequence[bytes]) -> dict[str, int]:
-        """replica -> predicted hit pages for this prompt (absent: none)."""
+    def pages(self, page_hashes: Sequence[bytes], max_age_s: float) -> dict[str, int]:
+        """replica -> predicted hit pages for this prompt from records younger than `max_age_s`
+        (absent: none)."""
         self._purge()
-        now, out = self._clock(), {}
+        since, out = self._clock() - max_age_s, {}
         for depth, h in enumerate(page_hashes, 1):
-            holders = self._until.get(h)
+            holders = self._at.get(h)
             if not holders:
                 break
-            for replica, until in holders.items():
-                if until > now:
+            for replica, at in holders.items():
+                if at > since:
                     out[replica] = depth
         return out
 
     def forget(self, replica: str) -> None:
-        for holders in self._until.values():
+        for holders in self._at.values():
             holders.pop(replica, None)
 
     def _purge(self) -> None:
-        now = self._clock()
-        while self._log and (self._log[0][0] <= now or self._size > self._max):
-            until, replica, hashes = self._log.popleft()
+        since = self._clock() - self.keep_s
+        while self._log and (self._log[0][0] <= since or self._size > self._max):
+            at, replica, hashes = self._log.popleft()
             self._size -= len(hashes)
             for h in hashes:
-                holders = self._until.get(h)
-                if holders is not None and holders.get(replica) == until:
+                holders = self._at.get(h)
+                if holders is not None and holders.get(replica) == at:
                     del holders[replica]
                     if not holders:
-                        del self._until[h]
+                        del self._at[h]
 
 
 def prompt_tokens(request: Any, page_size: int) -> int:
@@ -204,7 +210,8 @@ class AffinityRanker:
     def __init__(self, config: RoutingConfig, clock: Callable[[], float] = time.monotonic,
                  rng: random.Random | None = None, on_fallback: Callable[[str], None] | None = None):
         self.config, self._clock, self._rng, self._on_fallback = config, clock, rng or random.Random(), on_fallback
-        self.predicted = PredictedHolders(config.predicted_holder_ttl_s, clock)
+        self.predicted = PredictedHolders(max(config.predicted_holder_ttl_s, config.fallback_memory_s), clock,
+                                          config.fallback_memory_pages)
         self.loads: dict[str, ReplicaLoad] = {}
         self._in_flight: dict[tuple[str, str], int] = {}  # (replica, request id) -> prefill tokens left
         self._engine_ids: dict[str, tuple[str, str]] = {}  # the request's own id -> (replica, request id)
@@ -248,18 +255,22 @@ class AffinityRanker:
         return ReplicaLoad(base.requests + len(pending), base.tokens + sum(pending))
 
     async def _scores(self, hashes: list[bytes], score: ScoreFn) -> dict[str, Score]:
-        """The index's scores merged with predicted holders; the predicted holders alone if the
-        index fails."""
+        """The index's scores merged with the fresh predicted holders (routed within
+        `predicted_holder_ttl_s`); if the index cannot answer, everything the router remembers
+        sending (`fallback_memory_s`) stands in for it."""
         scores = await self._index_scores(hashes, score)
-        hybrid = self.config.hybrid_model
-        for replica, pages in self.predicted.pages(hashes).items():
+        cfg, hybrid = self.config, self.config.hybrid_model
+        max_age = cfg.predicted_holder_ttl_s if scores is not None else cfg.fallback_memory_s
+        scores = scores or {}
+        for replica, pages in self.predicted.pages(hashes, max_age).items():
             scores[replica] = max(scores.get(replica, (0, 0)), (pages, pages), key=lambda s: s[1] if hybrid else s[0])
         return scores
 
-    async def _index_scores(self, hashes: list[bytes], score: ScoreFn) -> dict[str, Score]:
+    async def _index_scores(self, hashes: list[bytes], score: ScoreFn) -> dict[str, Score] | None:
+        """The index's scores; None when it cannot answer (skipped, timed out, failed)."""
         if self._clock() < self._skip_index_until:
             self._fallback("skipped")
-            return {}
+            return None
         try:
             scores = dict(await asyncio.wait_for(score(hashes), self.config.index_timeout_ms / 1000))
         except Exception as e:  # timeout, index unavailable, actor restarting, Redis down, ...
@@ -268,12 +279,12 @@ class AffinityRanker:
             if not timeout:
                 logger.debug("index score failed, routing by load: %r", e)
             if isinstance(e, IndexUnavailable):  # still being looked up: nothing slow to skip
-                return {}
+                return None
             self._failures += 1
             if self._failures >= self.BREAKER_FAILURES:
                 self._skip_index_until = self._clock() + self.BREAKER_COOLDOWN_S
                 self._failures = self.BREAKER_FAILURES - 1  # one more failure after the cooldown reopens it
-            return {}
+            return None
         self._failures = 0
         return scores
 

@@ -57,6 +57,13 @@ class RoutingConfig(BaseModel):
         2.0, ge=0, description="How long a replica just sent a prompt counts as holding its pages (and a "
         "state at their end), so a burst sharing a new prefix sticks together before its events arrive. "
         "0 disables.")
+    fallback_memory_s: float = Field(
+        600.0, ge=0, description="How long the router remembers which replica it sent each prompt to. Used only "
+        "when the index cannot answer (down, slow, restarting): the remembered replica counts as holding the "
+        "prompt's pages and a state at their end, so conversations keep their replica. 0 disables.")
+    fallback_memory_pages: int = Field(
+        500_000, ge=0, description="Bound on the page hashes that memory holds (oldest forgotten first; "
+        "roughly 150 bytes each).")
     page_size: int = Field(
         16, ge=1, description="Tokens per KV page; must equal the engines' page size (the page hashes' unit).")
     hybrid_model: bool = Field(

@@ -15,7 +15,8 @@ Which replica served a response is read from its `x-cairn-replica` header (clust
    load drops it from the index within 5 s, nothing is routed to it afterwards, and its
    replacement is learned from its own events. `cairn serve --address` joins this cluster,
    deploys its own application next to the module's and, on Ctrl-C, deletes only that one.
-0. Before both, the router decisions the cluster relies on, in plain Python (no Ray).
+   The ingress's /metrics, through Serve, parses as Prometheus text and counts the routing.
+The router decisions these rely on are tested in plain Python in tests/test_router.py.
 """
 
 import concurrent.futures
@@ -104,51 +105,6 @@ def descendants(root: int) -> list[int]:
         out.append(pid)
         stack.extend(children.get(pid, []))
     return out
-
-
-# ---- 0. what the router must do for the cluster below (plain Python, no Ray) -----------------------
-
-@dataclass
-class RoutedRequest:
-    request_id: str
-    page_hashes: list
-    num_prompt_tokens: int
-
-
-def test_the_ranker_spreads_a_burst_frees_finished_prefill_and_keeps_turns_when_the_index_fails():
-    import asyncio
-
-    from cluster.router import AffinityRanker, ReplicaLoad
-
-    chains = [[bytes([i, k]) * 8 for k in range(31)] for i in range(3)]  # page hashes name their prefix
-    ranker = AffinityRanker(RoutingConfig(predicted_holder_ttl_s=30), rng=random.Random(0))
-    replicas = {"a": {}, "b": {}, "c": {}}
-
-    async def slow_index(hashes):
-        await asyncio.sleep(0.01)  # every request of the burst is ranked while the others await
-        return {}
-
-    async def down(hashes):
-        raise ConnectionError("index actor restarting")
-
-    async def main():
-        burst = [RoutedRequest(f"r{i}", chains[i][:30], 490) for i in range(3)]
-        orders = await asyncio.gather(*(ranker.rank(r.request_id, r, replicas, slow_index) for r in burst))
-        assert sorted(order[0] for order in orders) == ["a", "b", "c"], "a burst ranked at once spreads"
-        for r, order in zip(burst, orders):
-            ranker.on_routed(r.request_id, order[0], r)
-        holder = orders[0][0]
-        assert ranker.loads[holder] == ReplicaLoad(requests=1, tokens=490)
-        ranker.on_prefill_done("r0")  # the ingress saw its first output
-        assert ranker.loads[holder] == ReplicaLoad(requests=1, tokens=0)
-        for r, order in zip(burst, orders):
-            ranker.on_completed(r.request_id, order[0])
-        assert ranker.loads[holder] == ReplicaLoad()
-        ranker.on_routed("busy", holder, RoutedRequest("x", [], 300))  # the holder is the busiest now
-        next_turn = RoutedRequest("r0-turn2", chains[0], 500)  # extends r0's prompt
-        order = await ranker.rank(next_turn.request_id, next_turn, replicas, down)
-        assert order[0] == holder, "the index is down: the router's own prediction keeps the turn"
-    asyncio.run(main())
 
 
 # ---- 1. `cairn serve` as a user runs it ---------------------------------------------------------
@@ -324,6 +280,21 @@ def test_turns_land_where_their_conversation_is_and_conversations_spread_over_al
             assert cached >= prev_prompt - PAGE_SIZE - TAIL_GUARD, (i, turns)
             assert cached < prompt
     cluster.converged()
+
+
+def test_the_ingress_metrics_parse_as_prometheus_text_and_count_the_routing(cluster):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    chat(cluster.client(), [{"role": "user", "content": "How many stones make a cairn?"}])
+    response = httpx.get(cluster.url + "/metrics", timeout=30)
+    assert response.status_code == 200, response.text
+    families = {f.name: f for f in text_string_to_metric_families(response.text)}
+    value = {name: sum(s.value for s in f.samples) for name, f in families.items()}
+    assert value["cairn_router_ranked"] >= 1 and value["cairn_router_routed"] >= 1
+    assert value["cairn_router_index_fallbacks"] <= value["cairn_router_ranked"]
+    info = families["cairn_engine_info"].samples[0].labels
+    assert info["worker_id"] in cluster.replicas(), "the engine metrics name the replica that answered"
+    assert value["cairn_engine_pages_cached"] >= 0 and value["cairn_cached_tokens"] >= 0
 
 
 def test_a_hot_shared_prompt_fills_its_replica_up_to_the_spill_limit_then_spills(cluster):

@@ -114,18 +114,32 @@ class Clock:
         return self.now
 
 
-def test_predicted_holders_name_the_deepest_recorded_page_until_they_expire():
+def test_predicted_holders_name_the_deepest_recorded_page_younger_than_the_age_asked():
     clock = Clock()
-    held = PredictedHolders(ttl_s=2.0, clock=clock)
+    held = PredictedHolders(keep_s=10.0, clock=clock)
     held.record("a", H[:10])
     clock.now += 1
     held.record("b", H[:4])
-    assert held.pages(H[:12]) == {"a": 10, "b": 4}
-    assert held.pages(H[20:30]) == {}
-    clock.now += 1.5  # a's record expired, b's has not
-    assert held.pages(H[:12]) == {"b": 4}
-    clock.now += 1
-    assert held.pages(H[:12]) == {} and held._until == {}, "expired records leave nothing behind"
+    assert held.pages(H[:12], max_age_s=2) == {"a": 10, "b": 4}
+    assert held.pages(H[20:30], max_age_s=2) == {}
+    clock.now += 1.5  # a's record is older than 2 s, b's is not
+    assert held.pages(H[:12], max_age_s=2) == {"b": 4}
+    assert held.pages(H[:12], max_age_s=10) == {"a": 10, "b": 4}, "an older record is still remembered"
+    clock.now += 9
+    assert held.pages(H[:12], max_age_s=10) == {} and held._at == {}, "past keep_s nothing is left behind"
+
+
+def test_the_memory_is_bounded_and_forgets_the_oldest_records_first():
+    clock = Clock()
+    held = PredictedHolders(keep_s=100.0, clock=clock, max_hashes=25)
+    for i, replica in enumerate("abc"):
+        clock.now += 1
+        held.record(replica, H[40 * i:40 * i + 10])
+    held.record("d", H[:10])  # 40 hashes held > 25: a's and b's records go, d's copy of a's chain stays
+    assert held.pages(H[:10], 100) == {"d": 10} and held.pages(H[40:50], 100) == {}
+    assert held.pages(H[80:90], 100) == {"c": 10} and held._size <= 25
+    held.forget("d")
+    assert held.pages(H[:10], 100) == {}
 
 
 async def no_index(hashes):
@@ -144,13 +158,79 @@ def test_a_burst_sharing_a_new_prefix_sticks_together_until_the_prediction_expir
             order = await ranker.rank(f"r{i}", request(60), replicas, no_index)
             ranker.on_routed(f"r{i}", order[0], request(60))
             followers.append(order[0])
-        clock.now += 2.5
+        clock.now += 2.5  # the index answers (it knows nothing): only fresh predictions count
         later = await ranker.rank("r9", request(60), replicas, no_index)
         return first[0], followers, later[0]
 
     first, followers, later = asyncio.run(main())
     assert followers == [first] * 3
     assert later != first, "once the prediction expires, the busy replica loses to idle ones"
+
+
+def test_when_the_index_cannot_answer_the_router_remembers_where_it_sent_each_conversation():
+    async def main():
+        clock = Clock()
+        ranker = AffinityRanker(CFG.model_copy(update=dict(fallback_memory_s=60)), clock=clock, rng=random.Random(0))
+        replicas = {r: {} for r in "abc"}
+        homes = {}
+        for conv in range(3):  # three conversations, spread by load
+            turn = Request(H[50 * conv:50 * conv + 20], 20 * PAGE + 5)
+            order = await ranker.rank(f"c{conv}", turn, replicas, no_index)
+            ranker.on_routed(f"c{conv}", order[0], turn)
+            homes[conv] = order[0]
+        clock.now += 30  # long after the fresh predictions: the next turns arrive with the index down
+
+        async def down(hashes):
+            raise ConnectionError("index actor restarting")
+        down_order = {}
+        for conv in range(3):
+            turn = Request(H[50 * conv:50 * conv + 30], 30 * PAGE + 5)
+            down_order[conv] = (await ranker.rank(f"c{conv}-2", turn, replicas, down))[0]
+        counts = dict(ranker.counts)
+        for conv in range(3):
+            ranker.on_completed(f"c{conv}", homes[conv])
+        clock.now += 10  # the breaker has closed, the ranked turns no longer count as tentative load
+        ranker.loads[homes[0]] = ReplicaLoad(tokens=2)  # a hair more load at the remembered home
+        up_order = await ranker.rank("c0-3", Request(H[:30], 30 * PAGE + 5), replicas, no_index)
+        return homes, down_order, up_order, counts
+
+    homes, down_order, up_order, counts = asyncio.run(main())
+    assert sorted(homes.values()) == ["a", "b", "c"]
+    assert down_order == homes, "each turn goes where the router sent its conversation"
+    assert counts["index_fallbacks"] == 3 and counts["index_errors"] == 3
+    assert up_order[0] != homes[0], "an answering index (that holds nothing) outranks an old memory"
+
+
+def test_the_ranker_spreads_a_burst_frees_finished_prefill_and_keeps_turns_when_the_index_fails():
+    chains = [[bytes([i, k]) * 8 for k in range(31)] for i in range(3)]  # page hashes name their prefix
+    ranker = AffinityRanker(RoutingConfig(predicted_holder_ttl_s=30), rng=random.Random(0))
+    replicas = {"a": {}, "b": {}, "c": {}}
+
+    async def slow_index(hashes):
+        await asyncio.sleep(0.01)  # every request of the burst is ranked while the others await
+        return {}
+
+    async def down(hashes):
+        raise ConnectionError("index actor restarting")
+
+    async def main():
+        burst = [Request(chains[i][:30], 490) for i in range(3)]
+        orders = await asyncio.gather(*(ranker.rank(f"r{i}", r, replicas, slow_index) for i, r in enumerate(burst)))
+        assert sorted(order[0] for order in orders) == ["a", "b", "c"], "a burst ranked at once spreads"
+        for i, (r, order) in enumerate(zip(burst, orders)):
+            r.request_id = f"r{i}"
+            ranker.on_routed(f"r{i}", order[0], r)
+        holder = orders[0][0]
+        assert ranker.loads[holder] == ReplicaLoad(requests=1, tokens=490)
+        ranker.on_prefill_done("r0")  # the ingress saw its first output
+        assert ranker.loads[holder] == ReplicaLoad(requests=1, tokens=0)
+        for i, order in enumerate(orders):
+            ranker.on_completed(f"r{i}", order[0])
+        assert ranker.loads[holder] == ReplicaLoad()
+        ranker.on_routed("busy", holder, Request([], 300))  # the holder is the busiest now
+        order = await ranker.rank("r0-turn2", Request(chains[0], 500), replicas, down)  # extends r0's prompt
+        assert order[0] == holder, "the index is down: the router's own prediction keeps the turn"
+    asyncio.run(main())
 
 
 def test_in_flight_accounting_follows_routing_and_completion():
