@@ -3,7 +3,9 @@
 `index_actor(...)` gets or creates the one named, detached `CacheIndexActor` of a cluster (Ray
 restarts it on failure, `max_restarts=-1`). Its async methods wrap `CacheIndex`: `apply(bytes)`,
 `score(page_hashes)`, `drop_worker`, `workers`, `contents`, `workers_needing_resync`,
-`needs_resync`, `stats`.
+`needs_resync`, `stats`, and `feed(epoch, cursor, wait_s)`: the change feed routers mirror the
+index from (cache_service.feed; a long poll: it answers at once if something changed since
+`cursor`, else when something does or `wait_s` passes).
 - Dead replicas are dropped by the index itself: a worker id that is a Serve replica id
   (`SERVE_REPLICA::app#deployment#id`, the name Serve gives the replica's actor in the `serve`
   namespace) is looked up every `liveness_interval_s`; once its actor is gone on two lookups in a
@@ -41,6 +43,7 @@ from typing import Any, NamedTuple
 import ray
 
 from cache_service.events import EventBatch, EventDecodeError, EventStream
+from cache_service.feed import ChangeFeed, FeedChunk
 from cache_service.index import CacheIndex
 
 logger = logging.getLogger(__name__)
@@ -72,6 +75,7 @@ class CacheIndexActor:
         self._resync_unknown = self._restarted and not redis_url  # what it knew died with it
         self._decode_errors = 0
         self._liveness_s, self._watcher, self._reaped = liveness_interval_s, None, 0
+        self._feed = ChangeFeed()
 
     def _watch(self) -> None:
         """Starts the dead-replica watcher on the actor's loop (first call of any method)."""
@@ -88,7 +92,7 @@ class CacheIndexActor:
                         if alive is False}
                 for worker in gone & missing:  # gone on two lookups in a row
                     logger.info("replica %s is gone: dropping it from the cache index", worker)
-                    self._index.drop_worker(worker)
+                    self._drop(worker)
                     self._reaped += 1
                 missing = gone - missing
             except Exception as e:  # GCS or Redis hiccup: look again next time
@@ -102,7 +106,7 @@ class CacheIndexActor:
             self._decode_errors += 1
             logger.warning("refused an undecodable event batch: %s", e)
             return ApplyResult(False, True)
-        if self._index.apply(batch):
+        if self._feed.apply(self._index, batch, data):
             return ApplyResult(True, False)
         return ApplyResult(False, self._index.needs_resync(batch.worker_id))
 
@@ -112,7 +116,19 @@ class CacheIndexActor:
         return {w: (s.hit_pages, s.state_pages) for w, s in self._index.score(page_hashes).items() if s.hit_pages}
 
     async def drop_worker(self, worker_id: str) -> None:
+        self._drop(worker_id)
+
+    def _drop(self, worker_id: str) -> None:
         self._index.drop_worker(worker_id)
+        self._feed.worker_dropped(worker_id)
+
+    async def feed(self, epoch: str | None, cursor: int, wait_s: float = 0.0) -> FeedChunk:
+        """What the index applied since `cursor` (a snapshot if the reader is new, from another
+        incarnation, or too far behind); with nothing new, waits up to `wait_s` (at most 10 s)."""
+        self._watch()
+        if epoch == self._feed.epoch and wait_s > 0:
+            await self._feed.wait(cursor, min(wait_s, 10.0))
+        return self._feed.read(self._index, epoch, cursor)
 
     async def workers(self) -> set[str]:
         """Every worker the index knows (trusted or awaiting a resync)."""

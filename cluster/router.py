@@ -1,7 +1,14 @@
 """Cache-affinity routing: send each request to the replica where it recomputes the least.
 
-Per request the router awaits the cache index's scores (never a blocking ray.get; at most
-`index_timeout_ms`) and ranks replicas by cost in tokens (design rule 4):
+Per request the router reads the cache index's scores and ranks replicas by cost in tokens
+(design rule 4). How it reads them is `index_mode`:
+- mirror (default): from its own copy of the index (cache_service.feed.IndexMirror), which a
+  background task keeps following the index actor's change feed (a long poll, never on the
+  request path). Scoring costs no round trip; a mirror not heard from for `index_staleness_s`
+  counts as unavailable.
+- remote: it awaits the actor's `score` per request (never a blocking ray.get; at most
+  `index_timeout_ms`).
+Cost:
     cost = prefill tokens left after the resume point + load_weight * load tokens
 - resume point: min(resume_pages * page_size, n - 1) for an n-token prompt, where resume_pages
   is the deepest state checkpoint under the page hit for a hybrid model (pages without a usable
@@ -36,6 +43,7 @@ which the router (RunningReplica.replica_id) and the replica (serve.get_replica_
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import random
 import time
@@ -46,12 +54,14 @@ from typing import Any, Protocol
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from cache_service.feed import IndexMirror
 from cluster.routing_config import RoutingConfig
 
 logger = logging.getLogger(__name__)
 
 Score = tuple[int, int]  # (hit_pages, state_pages), as the index actor answers
-ScoreFn = Callable[[list[bytes]], Awaitable[Mapping[str, Score]]]
+# the index's scores for a prompt's page hashes: awaited (remote, with the timeout) or local
+ScoreFn = Callable[[list[bytes]], Awaitable[Mapping[str, Score]] | Mapping[str, Score]]
 
 
 class RoutingRequest(Protocol):
@@ -195,7 +205,7 @@ def prompt_tokens(request: Any, page_size: int) -> int:
 
 
 class IndexUnavailable(RuntimeError):
-    """The router has no handle to the index actor (yet)."""
+    """The router has no handle to the index actor (yet), or its mirror of the index is stale."""
 
 
 class AffinityRanker:
@@ -219,7 +229,8 @@ class AffinityRanker:
         # ranked, not yet routed: request id -> (replica ranked first, its prefill tokens, expiry)
         self._tentative: OrderedDict[str, tuple[str, int, float]] = OrderedDict()
         self._failures, self._skip_index_until = 0, float("-inf")
-        self.counts = dict(ranked=0, routed=0, index_fallbacks=0, index_timeouts=0, index_errors=0, index_skipped=0)
+        self.counts = dict(ranked=0, routed=0, index_fallbacks=0, index_timeouts=0, index_errors=0, index_skipped=0,
+                           index_unavailable=0)
 
     async def rank(self, request_id: str, request: Any, replicas: Mapping[str, Mapping[str, Any] | None],
                    score: ScoreFn) -> list[str]:
@@ -272,14 +283,18 @@ class AffinityRanker:
             self._fallback("skipped")
             return None
         try:
-            scores = dict(await asyncio.wait_for(score(hashes), self.config.index_timeout_ms / 1000))
+            answer = score(hashes)
+            if inspect.isawaitable(answer):
+                answer = await asyncio.wait_for(answer, self.config.index_timeout_ms / 1000)
+            scores = dict(answer)
         except Exception as e:  # timeout, index unavailable, actor restarting, Redis down, ...
+            if isinstance(e, IndexUnavailable):  # not found yet, or a stale mirror: nothing slow to skip
+                self._fallback("unavailable")
+                return None
             timeout = isinstance(e, asyncio.TimeoutError)
             self._fallback("timeout" if timeout else "error")
             if not timeout:
                 logger.debug("index score failed, routing by load: %r", e)
-            if isinstance(e, IndexUnavailable):  # still being looked up: nothing slow to skip
-                return None
             self._failures += 1
             if self._failures >= self.BREAKER_FAILURES:
                 self._skip_index_until = self._clock() + self.BREAKER_COOLDOWN_S
@@ -290,7 +305,8 @@ class AffinityRanker:
 
     def _fallback(self, reason: str) -> None:
         self.counts["index_fallbacks"] += 1
-        self.counts[{"timeout": "index_timeouts", "error": "index_errors", "skipped": "index_skipped"}[reason]] += 1
+        self.counts[{"timeout": "index_timeouts", "error": "index_errors", "skipped": "index_skipped",
+                     "unavailable": "index_unavailable"}[reason]] += 1
         if self._on_fallback is not None:
             self._on_fallback(reason)
 
@@ -354,6 +370,8 @@ class CacheAffinityRouter(RequestRouter):
         self._index: Any = None
         self._index_lookup: asyncio.Task | None = None
         self._index_retry_at = 0.0
+        self.mirror = IndexMirror(self._config.index_max_pages) if self._config.index_mode == "mirror" else None
+        self._mirror_sync: asyncio.Task | None = None
         try:  # start looking for the index now if Serve calls this on the router's loop
             asyncio.get_running_loop()
             self._index_handle()
@@ -368,6 +386,8 @@ class CacheAffinityRouter(RequestRouter):
         if self._index is None and self._index_lookup is None and time.monotonic() >= self._index_retry_at \
                 and ray.is_initialized():
             self._index_lookup = asyncio.get_running_loop().create_task(self._find_index())
+        if self.mirror is not None and self._mirror_sync is None and ray.is_initialized():
+            self._mirror_sync = asyncio.get_running_loop().create_task(self._sync_mirror())
         return self._index
 
     async def _find_index(self) -> None:
@@ -384,20 +404,58 @@ class CacheAffinityRouter(RequestRouter):
         finally:
             self._index_lookup = None
 
-    async def _score(self, page_hashes: list[bytes]) -> Mapping[str, Score]:
-        from ray.exceptions import ActorDiedError
-
+    def _score(self, page_hashes: list[bytes]) -> Mapping[str, Score] | Awaitable[Mapping[str, Score]]:
         index = self._index_handle()
+        if self.mirror is not None:
+            if not self.mirror.fresh(self._config.index_staleness_s):
+                raise IndexUnavailable(f"mirror of {self._config.index_actor_name} is stale")
+            return {w: (s.hit_pages, s.state_pages) for w, s in self.mirror.score(page_hashes).items() if s.hit_pages}
         if index is None:
             raise IndexUnavailable(self._config.index_actor_name)
+        return self._remote_score(index, page_hashes)
+
+    async def _remote_score(self, index: Any, page_hashes: list[bytes]) -> Mapping[str, Score]:
+        from ray.exceptions import ActorDiedError
+
         try:
             return await index.score.remote(page_hashes)
         except ActorDiedError:
-            # killed for good (no restart): look it up again, which creates a new, empty one
-            # that the replicas' event streams refill (their next batch is a gap: a resync)
-            if self._index is index:
-                self._index = None
+            self._lost(index)
             raise
+
+    def _lost(self, index: Any) -> None:
+        """The actor was killed for good (no restart): look it up again, which creates a new,
+        empty one that the replicas' event streams refill (their next batch is a gap: a resync)."""
+        if self._index is index:
+            self._index = None
+
+    MIRROR_WAIT_S = 1.0       # the feed's long poll: it answers at once when something changed
+    MIRROR_INTERVAL_S = 0.02  # at least this between reads, so a busy index is read in chunks
+
+    async def _sync_mirror(self) -> None:
+        """Keeps `mirror` following the index actor's change feed, for the router's lifetime."""
+        from ray.exceptions import ActorDiedError
+
+        mirror, cfg = self.mirror, self._config
+        while True:
+            index = self._index
+            if index is None:
+                await asyncio.sleep(0.1)
+                self._index_handle()
+                continue
+            try:
+                chunk = await asyncio.wait_for(index.feed.remote(mirror.epoch, mirror.cursor, self.MIRROR_WAIT_S),
+                                               self.MIRROR_WAIT_S + cfg.index_staleness_s)
+                await mirror.apply(chunk)
+                await asyncio.sleep(self.MIRROR_INTERVAL_S)
+            except asyncio.CancelledError:
+                raise
+            except ActorDiedError:
+                self._lost(index)
+                await asyncio.sleep(0.1)
+            except Exception as e:  # restarting, slow, unreachable: the mirror ages, then counts as stale
+                logger.debug("index feed read failed: %r", e)
+                await asyncio.sleep(0.2)
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:

@@ -37,9 +37,18 @@ class RoutingConfig(BaseModel):
         "cairn-cache-index", min_length=1, description="Name of the detached cache-index actor (one per cluster).")
     index_actor_namespace: str = Field(
         "cairn", min_length=1, description="Ray namespace the index actor is registered in.")
+    index_mode: Literal["mirror", "remote"] = Field(
+        "mirror", description="How the router reads the index. mirror: it keeps a local copy, fed by the index "
+        "actor's change feed in the background, and scores each request locally (no round trip per request; "
+        "memory: a copy of the index per router). remote: it asks the actor per request, waiting at most "
+        "index_timeout_ms.")
+    index_staleness_s: float = Field(
+        2.0, gt=0, description="mirror mode: a mirror not heard from the index for this long counts as "
+        "unavailable (requests route by load and the router's memory, counted in "
+        "cairn_router_index_fallbacks_total).")
     index_timeout_ms: float = Field(
-        20.0, gt=0, description="How long the router waits for the index's scores before routing by load "
-        "alone (counted in cairn_router_index_fallbacks_total).")
+        20.0, gt=0, description="remote mode: how long the router waits for the index's scores before routing "
+        "by load alone (counted in cairn_router_index_fallbacks_total).")
     load_weight: float = Field(
         0.5, ge=0, description="Tokens of cost per token of load: cost = prefill tokens left after the "
         "resume point + load_weight * load tokens. Below 1 favours reuse over balance (a twin's in-flight "

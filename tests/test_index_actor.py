@@ -250,7 +250,8 @@ def test_a_publisher_feeds_the_real_actor_through_its_restart(actor_name):
 
 # ---- the router in a real Serve deployment -------------------------------------------------------
 
-def test_a_serve_deployment_routes_to_the_replica_the_index_names(actor_name):
+@pytest.mark.parametrize("index_mode", ["mirror", "remote"])
+def test_a_serve_deployment_routes_to_the_replica_the_index_names(actor_name, index_mode):
     from dataclasses import dataclass
 
     from ray import serve
@@ -265,8 +266,8 @@ def test_a_serve_deployment_routes_to_the_replica_the_index_names(actor_name):
         prompt: str = "hi"
         messages: list | None = None
 
-    config = RoutingConfig(index_actor_name=actor_name, index_timeout_ms=2000, predicted_holder_ttl_s=0,
-                           routing_stats_period_s=0.5)
+    config = RoutingConfig(index_actor_name=actor_name, index_mode=index_mode, index_timeout_ms=2000,
+                           predicted_holder_ttl_s=0, routing_stats_period_s=0.5)
     index = index_actor(actor_name, num_cpus=0.01)
 
     @serve.deployment(num_replicas=2, ray_actor_options={"num_cpus": 0},

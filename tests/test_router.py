@@ -14,7 +14,7 @@ from cluster.routing_config import RoutingConfig
 
 PAGE = 16
 CFG = RoutingConfig(page_size=PAGE, load_weight=0.5, request_load_tokens=256, occupancy_load_tokens=2048,
-                    spill_limit=4, predicted_holder_ttl_s=2.0, index_timeout_ms=50)
+                    spill_limit=4, predicted_holder_ttl_s=2.0, index_mode="remote", index_timeout_ms=50)
 H = [bytes([i]) * 16 for i in range(200)]
 
 
@@ -416,6 +416,48 @@ def test_the_serve_router_falls_back_to_load_when_the_index_is_slow_and_counts_i
 
     order, counts = asyncio.run(main())
     assert order[0].replica_id.unique_id == "r0" and counts["index_timeouts"] == 1
+
+
+def test_the_serve_router_in_mirror_mode_scores_from_its_copy_of_the_index_feed():
+    from cache_service.events import EventStream, PagesStored, StateStored
+    from cache_service.feed import ChangeFeed
+    from cache_service.index import CacheIndex
+
+    index, feed = CacheIndex(), ChangeFeed()
+
+    class FeedIndex:  # the actor's feed method, over a real index and feed
+        class feed:
+            @staticmethod
+            async def remote(epoch, cursor, wait_s):
+                if epoch == feed.epoch:
+                    await feed.wait(cursor, wait_s)
+                return feed.read(index, epoch, cursor)
+
+    async def main():
+        replicas = fake_replicas(3)
+        ids = [replica_worker_id(r.replica_id) for r in replicas]
+        router = make_router(config=CFG.model_copy(update=dict(index_mode="mirror")))
+        router._index = FeedIndex()
+        router._index_handle = lambda: router._index  # no Ray here: the sync task is started by hand
+        router._mirror_sync = asyncio.get_running_loop().create_task(router._sync_mirror())
+        router.update_replicas(replicas)
+        batch = EventStream(ids[1]).batch([PagesStored(tuple(H[:60]), None), StateStored(H[59])])
+        feed.apply(index, batch, batch.encode())
+        for _ in range(200):  # the long poll hands the batch over
+            if router.mirror.score(H[:60]).get(ids[1]):
+                break
+            await asyncio.sleep(0.01)
+        router.ranker.loads[ids[1]] = ReplicaLoad(requests=1)  # busier, but it holds the prompt's state
+        first = [rank[0] for rank in await router.choose_replicas(replicas, pending(request(60)))][0]
+        counts_fresh = dict(router.ranker.counts)
+        router._mirror_sync.cancel()
+        router.mirror.heard_at -= CFG.index_staleness_s + 1  # not heard from since: stale
+        await router.choose_replicas(replicas, pending(request(60), "req-2"))
+        return first, ids, counts_fresh, router.ranker.counts
+
+    first, ids, fresh, stale = asyncio.run(main())
+    assert replica_worker_id(first.replica_id) == ids[1] and fresh["index_fallbacks"] == 0
+    assert stale["index_fallbacks"] == stale["index_unavailable"] == 1
 
 
 def test_the_replica_worker_id_is_the_full_serve_replica_id():

@@ -1,0 +1,206 @@
+"""The index's change feed and a router's mirror of it: whenever the mirror has read the feed, it
+scores every prompt exactly as the index does, through gaps, resyncs, dropped workers, a feed
+that forgot its start, and a restarted index (plain Python, no Ray; the index in memory and in a
+real redis-server)."""
+
+import asyncio
+import random
+import uuid
+
+import pytest
+
+from cache_service.events import EventStream, PagesRemoved, PagesStored, StateRemoved, StateStored
+from cache_service.feed import ChangeFeed, IndexMirror
+from cache_service.index import ZERO, CacheIndex
+
+H = [bytes([i, j]) * 8 for i in range(4) for j in range(24)]  # 4 chains of 24 pages
+CHAINS = [H[24 * i:24 * (i + 1)] for i in range(4)]
+
+
+@pytest.fixture(params=["memory", "redis"])
+def make_index(request):
+    if request.param == "memory":
+        yield lambda: CacheIndex(max_pages=10_000)
+        return
+    from cache_service.redis_store import RedisStore
+
+    url, namespace = request.getfixturevalue("redis_url"), f"feed-{uuid.uuid4().hex[:8]}"
+    yield lambda: CacheIndex(store=RedisStore.from_url(url, namespace, 10_000))
+    RedisStore.from_url(url, namespace, writer=False).wipe()
+
+
+class Worker:
+    """A worker's cache as a set of pages per chain depth, with the batches that describe it."""
+
+    def __init__(self, name: str, rng: random.Random):
+        self.stream, self.rng = EventStream(name), rng
+        self.depth = {c: 0 for c in range(4)}
+        self.states: set[bytes] = set()
+
+    def change(self):
+        c, rng = self.rng.randrange(4), self.rng
+        chain, depth = CHAINS[c], self.depth[c]
+        if rng.random() < 0.6 and depth < 24:
+            new = rng.randint(depth + 1, 24)
+            events = [PagesStored(tuple(chain[depth:new]), chain[depth - 1] if depth else None)]
+            if rng.random() < 0.7:
+                self.states.add(chain[new - 1])
+                events.append(StateStored(chain[new - 1]))
+            self.depth[c] = new
+        elif depth:
+            cut = rng.randint(0, depth - 1)
+            events = [PagesRemoved(tuple(chain[cut:depth]))]
+            self.states -= set(chain[cut:depth])
+            self.depth[c] = cut
+        elif self.states:
+            gone = rng.choice(sorted(self.states))
+            self.states.discard(gone)
+            events = [StateRemoved(gone)]
+        else:
+            events = []
+        return self.stream.batch(events)
+
+    def snapshot(self):
+        pages = [(CHAINS[c][k], CHAINS[c][k - 1] if k else None) for c in range(4) for k in range(self.depth[c])]
+        return self.stream.snapshot(pages, sorted(self.states))
+
+
+def put(index: CacheIndex, feed: ChangeFeed, batch) -> bool:
+    return feed.apply(index, batch, batch.encode())
+
+
+PROMPTS = [CHAINS[c][:n] for c in range(4) for n in (1, 7, 24)] + [CHAINS[0][:5] + CHAINS[1][5:9]]
+
+
+def same_scores(mirror: IndexMirror, index: CacheIndex) -> None:
+    for prompt in PROMPTS:
+        want = {w: s for w, s in index.score(prompt).items() if s.hit_pages}
+        got = {w: s for w, s in mirror.score(prompt).items() if s.hit_pages}
+        assert got == want, prompt
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_mirror_scores_like_the_index_through_gaps_resyncs_drops_and_a_forgetful_feed(make_index, seed):
+    rng = random.Random(seed)
+    index, feed = make_index(), ChangeFeed(max_bytes=rng.choice([600, 4000, 1 << 20]))
+    workers = {f"w{k}": Worker(f"w{k}", rng) for k in range(3)}
+    mirrors = [IndexMirror(10_000)]
+    reads = snapshots_seen = 0
+
+    def deliver(batch) -> None:
+        put(index, feed, batch)
+
+    async def main():
+        nonlocal reads, snapshots_seen
+        for step in range(400):
+            name = rng.choice(sorted(workers))
+            worker, roll = workers[name], rng.random()
+            if roll < 0.05:
+                worker.change()  # lost on the way: the index sees a gap at the next batch
+            elif roll < 0.12 or index.needs_resync(name):
+                deliver(worker.snapshot())  # the worker answers the resync request
+            elif roll < 0.14:
+                index.drop_worker(name)
+                feed.worker_dropped(name)
+                workers[name] = Worker(f"{name}-{step}", rng)  # a new replica, a new id
+            else:
+                deliver(worker.change())
+            if rng.random() < 0.02:
+                mirrors.append(IndexMirror(10_000))  # a router joins late
+            for mirror in mirrors:
+                if rng.random() < 0.3:
+                    chunk = feed.read(index, mirror.epoch, mirror.cursor, max_items=rng.choice([1, 3, 4096]))
+                    snapshots_seen += chunk.snapshot
+                    await mirror.apply(chunk, yield_every=2)
+                    while chunk.items and not chunk.snapshot and mirror.cursor < feed.cursor:
+                        chunk = feed.read(index, mirror.epoch, mirror.cursor)
+                        await mirror.apply(chunk)
+                    if mirror.epoch is not None and mirror.cursor == feed.cursor:
+                        same_scores(mirror, index)
+                        reads += 1
+    asyncio.run(main())
+    assert reads > 100 and snapshots_seen >= len(mirrors)
+
+
+def test_a_reader_behind_the_feed_start_or_from_another_incarnation_gets_a_snapshot():
+    index, feed = CacheIndex(), ChangeFeed(max_bytes=200)
+    stream = EventStream("w")
+    for k in range(10):
+        assert put(index, feed, stream.batch([PagesStored((H[k],), H[k - 1] if k else None), StateStored(H[k])]))
+    assert not feed.read(index, feed.epoch, feed.cursor).snapshot, "an up-to-date reader gets the news"
+    behind = feed.read(index, feed.epoch, 0)
+    assert behind.snapshot and behind.cursor == feed.cursor, "the feed no longer holds cursor 0"
+    other = feed.read(index, "an-old-epoch", feed.cursor)
+    assert other.snapshot and other.epoch == feed.epoch
+    mirror = IndexMirror()
+    asyncio.run(mirror.apply(other))
+    same_scores(mirror, index)
+    assert mirror.index.score(H[:10])["w"].state_pages == 10
+    put(index, feed, stream.batch([PagesRemoved((H[9],))]))
+    asyncio.run(mirror.apply(feed.read(index, mirror.epoch, mirror.cursor)))
+    assert mirror.index.score(H[:10])["w"].hit_pages == 9 and mirror.snapshots == 1
+
+
+def test_a_worker_awaiting_a_resync_is_mirrored_as_holding_nothing_until_its_snapshot():
+    index, feed = CacheIndex(), ChangeFeed()
+    stream = EventStream("w")
+    put(index, feed, stream.batch([PagesStored(tuple(H[:5]), None), StateStored(H[4])]))
+    early = IndexMirror()  # mirrored while the worker was trusted
+    asyncio.run(early.apply(feed.read(index, None, 0)))
+    assert early.score(H[:5])["w"].state_pages == 5
+    stream.batch([PagesStored((H[5],), H[4])])  # lost
+    assert not put(index, feed, stream.batch([StateStored(H[5])])) and index.needs_resync("w")
+    asyncio.run(early.apply(feed.read(index, early.epoch, early.cursor)))
+    mirror = IndexMirror()  # mirrored while it was not
+    asyncio.run(mirror.apply(feed.read(index, None, 0)))
+    for m in (early, mirror):
+        assert m.score(H[:5]).get("w", ZERO) == ZERO == index.score(H[:5]).get("w", ZERO) and m.epoch is not None
+    put(index, feed, stream.snapshot([(H[k], H[k - 1] if k else None) for k in range(6)], [H[5]]))
+    for m in (early, mirror):
+        asyncio.run(m.apply(feed.read(index, m.epoch, m.cursor)))
+        assert m.score(H[:6])["w"].state_pages == 6 == index.score(H[:6])["w"].state_pages
+
+
+def test_a_gap_in_the_mirror_itself_makes_it_ask_for_a_snapshot():
+    index, feed = CacheIndex(), ChangeFeed()
+    stream = EventStream("w")
+    batches = [stream.batch([PagesStored((H[k],), H[k - 1] if k else None)]) for k in range(3)]
+    for batch in batches:
+        put(index, feed, batch)
+    mirror = IndexMirror()
+    chunk = feed.read(index, None, 0)
+    asyncio.run(mirror.apply(chunk))
+    chunk = chunk._replace(snapshot=False, cursor=feed.cursor)
+    assert mirror.epoch is not None
+    broken = IndexMirror()
+    broken.epoch = feed.epoch
+    asyncio.run(broken.apply(chunk._replace(items=[("batch", batches[2].encode())])))  # seq 2 first: a gap
+    assert broken.epoch is None, "next read asks for a snapshot"
+    assert feed.read(index, broken.epoch, broken.cursor).snapshot
+
+
+def test_the_feed_wait_returns_when_something_arrives_or_when_time_is_up():
+    async def main():
+        feed = ChangeFeed()
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        await feed.wait(feed.cursor, 0.05)
+        idle = loop.time() - start
+        loop.call_later(0.02, feed.worker_dropped, "w")
+        start = loop.time()
+        await feed.wait(feed.cursor, 5.0)
+        return idle, loop.time() - start
+
+    idle, woken = asyncio.run(main())
+    assert 0.04 <= idle < 1.0 and woken < 1.0
+
+
+def test_a_mirror_is_fresh_only_while_it_hears_from_the_feed():
+    now = [0.0]
+    mirror = IndexMirror(clock=lambda: now[0])
+    assert not mirror.fresh(2.0), "never synced"
+    feed = ChangeFeed()
+    asyncio.run(mirror.apply(feed.read(CacheIndex(), None, 0)))
+    assert mirror.fresh(2.0)
+    now[0] = 2.5
+    assert not mirror.fresh(2.0)
