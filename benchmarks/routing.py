@@ -18,8 +18,11 @@ Measured per (trace, policy), from the client and the `x-cairn-replica` response
 - requests per replica and time-averaged in-flight requests per replica, as max/mean over the
   replicas (1.0 = perfectly even), and the peak in-flight of any replica;
 - stay: the share of turns after the first served by the replica that served the previous turn;
-- routing overhead per request: time in the policy's `choose_replicas` (cairn's includes the
-  index call), p50/p99, measured inside the routers (each policy's class wrapped with a timer).
+- routing overhead per request: time in the policy's `choose_replicas` (cairn's includes scoring
+  against its mirror of the index), p50/p99 wall time, measured inside the routers (each
+  policy's class wrapped with a timer), and p99 CPU time of the router's thread over the same
+  call: on a machine whose cores the replicas share, the wall time's tail is mostly waiting for
+  a core or the interpreter lock, which the CPU time leaves out.
 Then the ratios of cache_affinity against each baseline, measured in the same run.
 
 Index part (no Serve): `CacheIndex` fed 1M pages from 16 workers as wire-format event batches
@@ -27,7 +30,7 @@ Index part (no Serve): `CacheIndex` fed 1M pages from 16 workers as wire-format 
 score of a 32k-token prompt (2,048 pages, held to 16 different depths by the 16 workers), p50/p99;
 and the same through the index actor (a Ray RPC per batch and per score).
 
-Writes benchmarks/out/routing.png. Not a test: nothing is asserted and no test runs it.
+Writes benchmarks/out/routing.png, and every request's numbers to routing.json. Not a test: nothing is asserted and no test runs it.
 
 Usage: python benchmarks/routing.py [--quick] [--replicas 4] [--convs 32] [--turns 6] [--model DIR]
   --quick: 2 replicas, 6 conversations, 3 turns, the tiny demo model, all four policies deployed
@@ -40,6 +43,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import os
 import random
 import statistics
@@ -56,6 +60,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import ray  # noqa: E402
 
+logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
+
 from cluster.router import CacheAffinityRouter  # noqa: E402
 
 OUT = Path(__file__).parent / "out"
@@ -71,10 +77,11 @@ WORDS = ("stone cairn ridge trail summit marker path weather snow rock pile guid
 
 # ---- routers with a stopwatch ------------------------------------------------------------------
 
-def _record(router, policy: str, seconds: float) -> None:
-    """Buffers a routing time; ships the buffer to the stats actor at most twice a second."""
+def _record(router, policy: str, seconds: float, cpu_seconds: float) -> None:
+    """Buffers a routing time (wall, and CPU of the router's thread); ships the buffer to the
+    stats actor at most twice a second."""
     samples = router.__dict__.setdefault("_bench_samples", [])
-    samples.append(seconds)
+    samples.append((seconds, cpu_seconds))
     now = time.monotonic()
     if now - router.__dict__.get("_bench_flushed", 0.0) < 0.5:
         return
@@ -91,11 +98,11 @@ def _record(router, policy: str, seconds: float) -> None:
 def _timed(base: type, policy: str) -> type:
     class Timed(base):
         async def choose_replicas(self, candidate_replicas, pending_request=None):
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.thread_time()
             try:
                 return await super().choose_replicas(candidate_replicas, pending_request)
             finally:
-                _record(self, policy, time.perf_counter() - start)
+                _record(self, policy, time.perf_counter() - start, time.thread_time() - cpu)
 
     Timed.__name__ = Timed.__qualname__ = f"Timed_{policy}"
     return Timed
@@ -121,10 +128,10 @@ class RouteStats:
     def __init__(self):
         self.samples = defaultdict(list)
 
-    def add(self, policy: str, samples: list[float]) -> None:
+    def add(self, policy: str, samples: list[tuple[float, float]]) -> None:
         self.samples[policy].extend(samples)
 
-    def take(self, policy: str) -> list[float]:
+    def take(self, policy: str) -> list[tuple[float, float]]:
         return self.samples.pop(policy, [])
 
 
@@ -135,8 +142,9 @@ def build_app(policy: str, args, model_dir: Path):
     from cluster.app import build_application
     from cluster.routing_config import RoutingConfig
 
-    routing = RoutingConfig(policy=policy, index_actor_name=f"cairn-bench-index-{policy}",
-                            routing_stats_period_s=args.stats_period)
+    base = RoutingConfig.from_yaml(args.routing) if args.routing else RoutingConfig()
+    routing = base.model_copy(update=dict(policy=policy, index_actor_name=f"cairn-bench-index-{policy}",
+                                          routing_stats_period_s=args.stats_period))
     app = build_application(model_dir, args.replicas, routing=routing, num_cpus=args.num_cpus,
                             num_gpus=args.num_gpus, served_model_name=MODEL)
     ingress = app._bound_deployment
@@ -334,13 +342,15 @@ class Result:
     stay: float
     route_p50: float
     route_p99: float
+    route_cpu_p99: float
     prompt_mismatch: int
     seconds: float
 
 
 def summarize(trace: str, policy: str, reqs: list[Req], replicas: list[str], wall: float,
-              route: list[float], page: int) -> Result:
+              route_samples: list[tuple[float, float]], page: int) -> Result:
     fill_oracle(reqs, page)
+    route, route_cpu = [w for w, _ in route_samples], [c for _, c in route_samples]
     ok = [r for r in reqs if r.ok]
     ttft = [r.first - r.start for r in ok]
     counts = {rep: 0 for rep in replicas}
@@ -364,7 +374,7 @@ def summarize(trace: str, policy: str, reqs: list[Req], replicas: list[str], wal
                   max(counts.values()) / mean_req if mean_req else float("nan"),
                   max(busy.values()) / mean_busy if mean_busy else float("nan"), peak,
                   sum(a == b for a, b in pairs) / len(pairs) if pairs else float("nan"),
-                  pct(route, 0.5), pct(route, 0.99),
+                  pct(route, 0.5), pct(route, 0.99), pct(route_cpu, 0.99),
                   sum(r.prompt_tokens != len(r.prompt_ids) for r in ok), wall)
 
 
@@ -376,12 +386,12 @@ def report(results: list[Result], args) -> None:
         print(f"\n== trace {trace}: {args.convs} conversations x {args.turns} turns, {args.replicas} replicas")
         print(f"{'policy':15s} {'reqs':>5s} {'fail':>4s} {'hit tok':>8s} {'oracle':>8s} {'hit/orc':>7s} "
               f"{'TTFT p50':>8s} {'p99 ms':>7s} {'req max/mean':>12s} {'infl max/mean':>13s} {'peak':>4s} "
-              f"{'stay':>5s} {'route p50':>9s} {'p99 ms':>7s}")
+              f"{'stay':>5s} {'route p50':>9s} {'p99 ms':>7s} {'cpu p99':>7s}")
         for r in rows:
             print(f"{r.policy:15s} {r.requests:5d} {r.failed:4d} {r.hit:8d} {r.oracle:8d} "
                   f"{r.hit / max(r.oracle, 1):7.3f} {1000 * r.ttft_p50:8.1f} {1000 * r.ttft_p99:7.1f} "
                   f"{r.req_max_mean:12.2f} {r.inflight_max_mean:13.2f} {r.inflight_peak:4d} {r.stay:5.2f} "
-                  f"{1000 * r.route_p50:9.3f} {1000 * r.route_p99:7.3f}")
+                  f"{1000 * r.route_p50:9.3f} {1000 * r.route_p99:7.3f} {1000 * r.route_cpu_p99:7.3f}")
         mine = next((r for r in rows if r.policy == "cache_affinity"), None)
         for base in rows:
             if mine is None or base is mine:
@@ -534,6 +544,8 @@ def main() -> None:
     parser.add_argument("--num-cpus", type=float, default=0.5, help="per engine replica")
     parser.add_argument("--num-gpus", type=float, default=0, help="per engine replica")
     parser.add_argument("--stats-period", type=float, default=0.5, help="routing stats period, seconds")
+    parser.add_argument("--routing", default=None, help="a routing YAML (configs/routing.yaml) whose settings "
+                                                        "every policy's deployment starts from")
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--traces", default=",".join(TRACES))
     parser.add_argument("--index-pages", type=int, default=1_000_000)
@@ -578,6 +590,7 @@ def main() -> None:
           f"tokens shared by {HOT_SHARE:.0%}", flush=True)
     page = 16
     results: list[Result] = []
+    records: dict[str, list[dict]] = {}
     try:
         groups = [policies] if parallel else [[p] for p in policies]
         for group in groups:
@@ -597,6 +610,9 @@ def main() -> None:
                     time.sleep(0.6)  # the routers' last timings reach the stats actor
                     route = ray.get(stats.take.remote(policy))
                     results.append(summarize(name, policy, reqs, replicas, wall, route, page))
+                    records[f"{name}/{policy}"] = [dict(conv=q.conv, turn=q.turn, start=q.start, ttft=q.first - q.start,
+                                                        end=q.end, replica=q.replica, prompt=q.prompt_tokens,
+                                                        cached=q.cached, oracle=q.oracle, ok=q.ok) for q in reqs]
                     r = results[-1]
                     print(f"  {policy:15s} {name:14s} {wall:5.1f} s  hit/oracle {r.hit / max(r.oracle, 1):.3f}  "
                           f"TTFT p50 {1000 * r.ttft_p50:.0f} ms  failed {r.failed}", flush=True)
@@ -604,6 +620,8 @@ def main() -> None:
                 for p in group:
                     serve.delete(f"bench-{p}")
         report(results, args)
+        OUT.mkdir(exist_ok=True)
+        (OUT / "routing.json").write_text(json.dumps(records))  # every request, for a closer look
         plot(results)
     finally:
         serve.shutdown()

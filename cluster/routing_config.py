@@ -54,8 +54,9 @@ class RoutingConfig(BaseModel):
         "resume point + load_weight * load tokens. Below 1 favours reuse over balance (a twin's in-flight "
         "prefill of a shared prefix is work the new request shares, not only waits for); 0 routes by cache alone.")
     request_load_tokens: int = Field(
-        256, ge=0, description="Load tokens each in-flight request adds besides its own prefill "
-        "(its decode and scheduling share).")
+        64, ge=0, description="Load tokens each in-flight request adds besides its own prefill (its decode "
+        "and scheduling share; small, since a continuously batched decode adds one token per step to the "
+        "steps a new prompt's prefill runs in).")
     occupancy_load_tokens: int = Field(
         2048, ge=0, description="Load tokens of a replica whose pages or state slots are all in use, "
         "from its reported routing stats (scales with the fraction in use).")
