@@ -76,8 +76,10 @@ def _api_key_check(api_key: str | None):
 
 def build_app(client: EngineClient, model_dir: str | Path, served_model_name: str | None = None,
               api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-              max_waiting: int = DEFAULT_MAX_WAITING) -> FastAPI:
-    """The API over `client`; the tokenizer and chat template come from `model_dir`."""
+              max_waiting: int = DEFAULT_MAX_WAITING, echo_request_id: bool = True) -> FastAPI:
+    """The API over `client`; the tokenizer and chat template come from `model_dir`.
+    `echo_request_id`: answer with an X-Request-Id header (off behind Ray Serve's proxy, which
+    sends its own)."""
     api_key = api_key if api_key is not None else (os.environ.get("CAIRN_API_KEY") or None)
     name = served_model_name or Path(model_dir).name
     try:
@@ -92,7 +94,7 @@ def build_app(client: EngineClient, model_dir: str | Path, served_model_name: st
                   docs_url=None, redoc_url=None)
     install_error_handlers(app)
     app.add_middleware(RequestGuard, max_body_bytes=max_body_bytes, count=metrics.count_request,
-                       endpoints=ENDPOINTS)
+                       endpoints=ENDPOINTS, echo_request_id=echo_request_id)
     app.state.serving = serving
 
     @app.get("/health")

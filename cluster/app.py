@@ -243,7 +243,8 @@ class Ingress:
     def __serve_build_asgi_app__(self):
         from cluster.api import build_app
 
-        app = build_app(self.client, self.model_dir, self.served_model_name, self.api_key)
+        # Serve's proxy sets X-Request-Id on the way in (the app adopts it) and echoes it itself
+        app = build_app(self.client, self.model_dir, self.served_model_name, self.api_key, echo_request_id=False)
         app.add_middleware(ReplicaHeader)
         return app
 

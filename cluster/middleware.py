@@ -1,6 +1,9 @@
 """The outermost layer of the app: request id, body limit, last-resort 500, request counts.
 
-Every HTTP request gets an id (`request.state.request_id`, echoed as `X-Request-Id`). A body
+Every HTTP request gets an id (`request.state.request_id`): the `X-Request-Id` it came with if
+that is a plain token of up to 128 characters (a client's, or the one Ray Serve's proxy sets),
+else a new one; it is echoed as `X-Request-Id` unless `echo_request_id` is off (behind Serve's
+proxy, which echoes the same id itself). A body
 is read here, whole, before the app sees it: more than `max_body_bytes` (by Content-Length or
 by counting a chunked body) is a 413, after draining what the client still sends (up to a
 bound) so it reads the answer instead of a reset connection. The app then reads the body from
@@ -13,6 +16,7 @@ process down.
 from __future__ import annotations
 
 import logging
+import re
 import uuid
 from collections.abc import Callable
 
@@ -23,12 +27,13 @@ from cluster.errors import APIError, internal_error
 log = logging.getLogger("cluster.api")
 
 DRAIN_LIMIT_BYTES = 64 << 20  # read and drop at most this much of an oversized body
+REQUEST_ID = re.compile(rb"[A-Za-z0-9._:-]{1,128}")
 
 
 class RequestGuard:
     def __init__(self, app: ASGIApp, max_body_bytes: int, count: Callable[[str, int], None],
-                 endpoints: frozenset[str]):
-        self.app = app
+                 endpoints: frozenset[str], echo_request_id: bool = True):
+        self.app, self.echo_request_id = app, echo_request_id
         self.max_body_bytes = max_body_bytes
         self.count = count
         self.endpoints = endpoints
@@ -37,15 +42,17 @@ class RequestGuard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        request_id = f"req-{uuid.uuid4().hex[:20]}"
+        given = dict(scope.get("headers", [])).get(b"x-request-id", b"")
+        request_id = given.decode() if REQUEST_ID.fullmatch(given) else f"req-{uuid.uuid4().hex[:20]}"
         scope.setdefault("state", {})["request_id"] = request_id
         status: list[int] = []
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
                 status.append(message["status"])
-                message = {**message, "headers": [*message.get("headers", []),
-                                                  (b"x-request-id", request_id.encode())]}
+                if self.echo_request_id:
+                    message = {**message, "headers": [*message.get("headers", []),
+                                                      (b"x-request-id", request_id.encode())]}
             await send(message)
 
         try:

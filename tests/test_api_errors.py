@@ -269,6 +269,12 @@ def test_an_internal_fault_is_a_500_naming_only_the_request_id(faulty, caplog):
     error = r.json()["error"]
     assert "secret" not in r.text and r.headers["x-request-id"] in error["message"]
     assert any(r.headers["x-request-id"] in rec.getMessage() for rec in caplog.records)
+    fake.fail_after = 0
+    given = c.post(C, json=GOOD_CHAT, headers={"X-Request-Id": "trace-7f3a.1"})  # a client's (or a proxy's) id
+    assert given.headers.get_list("x-request-id") == ["trace-7f3a.1"] and "trace-7f3a.1" in given.json()["error"]["message"]
+    for hostile in ("x" * 200, "a b", "<script>"):
+        r = c.post(C, json=GOOD_CHAT, headers={"X-Request-Id": hostile})
+        assert r.headers["x-request-id"].startswith("req-"), "an id that is not a plain token is replaced"
     fake.fail_after = 1  # after the stream started: an error event, then [DONE]
     with c.stream("POST", C, json=chat(stream=True)) as s:
         events = [line for line in s.iter_lines() if line]

@@ -288,6 +288,7 @@ def test_the_ingress_metrics_parse_as_prometheus_text_and_count_the_routing(clus
     chat(cluster.client(), [{"role": "user", "content": "How many stones make a cairn?"}])
     response = httpx.get(cluster.url + "/metrics", timeout=30)
     assert response.status_code == 200, response.text
+    assert len(response.headers.get_list("x-request-id")) == 1, "Serve's proxy echoes the id the app adopted"
     families = {f.name: f for f in text_string_to_metric_families(response.text)}
     value = {name: sum(s.value for s in f.samples) for name, f in families.items()}
     assert value["cairn_router_ranked"] >= 1 and value["cairn_router_routed"] >= 1
