@@ -10,7 +10,6 @@ asks for it, and `[DONE]`. A fault after the stream started is sent as an error 
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable
@@ -19,17 +18,15 @@ from fastapi.responses import JSONResponse
 from starlette.responses import Response
 
 from cluster.choice import MIN_LOGPROB, Choice, PlacedLogprob
-from cluster.errors import bad_request, internal_error
+from cluster.errors import bad_request
 from cluster.fanout import Fanout
 from cluster.protocol import ChatCompletionRequest
 from cluster.reasoning import ReasoningParser
-from cluster.responses import (DONE, ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk, ChatDelta,
+from cluster.responses import (ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk, ChatDelta,
                                ChatLogprobs, ChatMessageOut, TokenLogprob, TopLogprob, Usage)
 from cluster.serving import CLIENT_CLOSED_REQUEST, Prepared, Serving
 from cluster.sse import SSEResponse
 from cluster.tokenizer import TextTokenizer
-
-log = logging.getLogger("cluster.api")
 
 
 def chat_logprobs(tokenizer: TextTokenizer, placed: list[PlacedLogprob]) -> ChatLogprobs:
@@ -86,9 +83,8 @@ class ChatCompletions:
     def _count(self, prompt: Prepared, choices: list[Choice], arrived: float) -> tuple[int, int, int]:
         return self.serving.record([prompt], choices, arrived)
 
-    async def _stream(self, req: ChatCompletionRequest, completion_id: str, request_id: str, prompt: Prepared,
-                      fan: Fanout, first: tuple, choices: list[Choice], arrived: float
-                      ) -> AsyncGenerator[str, None]:
+    def _stream(self, req: ChatCompletionRequest, completion_id: str, request_id: str, prompt: Prepared,
+                fan: Fanout, first: tuple, choices: list[Choice], arrived: float) -> AsyncGenerator[str, None]:
         s = self.serving
         created = int(time.time())
 
@@ -96,8 +92,7 @@ class ChatCompletions:
             return ChatCompletionChunk(id=completion_id, created=created, model=s.model_name, choices=parts,
                                        usage=usage).sse()
 
-        counted = False
-        try:
+        async def events() -> AsyncGenerator[str, None]:
             for c in choices:
                 yield chunk([ChatChunkChoice(index=c.index, delta=ChatDelta(role="assistant", content=""))])
             async for c, d in s.drive(fan, first, choices, arrived):
@@ -105,16 +100,7 @@ class ChatCompletions:
                     index=c.index, finish_reason=d.finish_reason,
                     delta=ChatDelta(content=d.content or None, reasoning_content=d.reasoning or None),
                     logprobs=chat_logprobs(s.tokenizer, d.logprobs) if req.logprobs and d.logprobs else None)])
-            usage = Usage.of(*self._count(prompt, choices, arrived))
-            counted = True
-            if req.stream_options is not None and req.stream_options.include_usage:
-                yield chunk([], usage)
-            yield DONE
-        except Exception:
-            log.exception("request %s failed while streaming", request_id)
-            yield f"data: {internal_error(request_id).response().body.decode()}\n\n"
-            yield DONE
-        finally:
-            await fan.close()
-            if not counted:
-                self._count(prompt, choices, arrived)
+
+        include_usage = req.stream_options is not None and req.stream_options.include_usage
+        return s.stream(request_id, fan, events(), [prompt], choices, arrived,
+                        (lambda usage: chunk([], usage)) if include_usage else None)

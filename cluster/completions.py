@@ -9,7 +9,6 @@ token_logprobs, top_logprobs (one dict per token) and text_offset.
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable
@@ -18,15 +17,13 @@ from fastapi.responses import JSONResponse
 from starlette.responses import Response
 
 from cluster.choice import MIN_LOGPROB, Choice, PlacedLogprob
-from cluster.errors import bad_request, internal_error
+from cluster.errors import bad_request
 from cluster.fanout import Fanout
 from cluster.protocol import CompletionRequest
-from cluster.responses import DONE, Completion, CompletionChoice, CompletionLogprobs, Usage
+from cluster.responses import Completion, CompletionChoice, CompletionLogprobs, Usage
 from cluster.serving import CLIENT_CLOSED_REQUEST, Prepared, Serving
 from cluster.sse import SSEResponse
 from cluster.tokenizer import TextTokenizer
-
-log = logging.getLogger("cluster.api")
 
 
 def completion_logprobs(tokenizer: TextTokenizer, placed: list[PlacedLogprob], base: int) -> CompletionLogprobs:
@@ -80,9 +77,9 @@ class Completions:
             return ""
         return prompt.text if prompt.text is not None else self.serving.tokenizer.decode(prompt.ids)
 
-    async def _stream(self, req: CompletionRequest, completion_id: str, request_id: str, prompts: list[Prepared],
-                      echoes: list[str], fan: Fanout, first: tuple, choices: list[Choice], arrived: float
-                      ) -> AsyncGenerator[str, None]:
+    def _stream(self, req: CompletionRequest, completion_id: str, request_id: str, prompts: list[Prepared],
+                echoes: list[str], fan: Fanout, first: tuple, choices: list[Choice], arrived: float
+                ) -> AsyncGenerator[str, None]:
         s = self.serving
         created = int(time.time())
 
@@ -90,8 +87,7 @@ class Completions:
             return Completion(id=completion_id, created=created, model=s.model_name, choices=parts,
                               usage=usage).sse()
 
-        counted = False
-        try:
+        async def events() -> AsyncGenerator[str, None]:
             for c in choices:
                 if echoes[c.index]:
                     yield chunk([CompletionChoice(index=c.index, text=echoes[c.index])])
@@ -100,16 +96,7 @@ class Completions:
                     if req.logprobs is not None else None
                 yield chunk([CompletionChoice(index=c.index, text=d.content, logprobs=lp,
                                               finish_reason=d.finish_reason)])
-            usage = Usage.of(*s.record(prompts, choices, arrived))
-            counted = True
-            if req.stream_options is not None and req.stream_options.include_usage:
-                yield chunk([], usage)
-            yield DONE
-        except Exception:
-            log.exception("request %s failed while streaming", request_id)
-            yield f"data: {internal_error(request_id).response().body.decode()}\n\n"
-            yield DONE
-        finally:
-            await fan.close()
-            if not counted:
-                s.record(prompts, choices, arrived)
+
+        include_usage = req.stream_options is not None and req.stream_options.include_usage
+        return s.stream(request_id, fan, events(), prompts, choices, arrived,
+                        (lambda usage: chunk([], usage)) if include_usage else None)

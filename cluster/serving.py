@@ -13,8 +13,9 @@ tokens summed over choices; cached_tokens is a prompt's smallest over its choice
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,10 +23,11 @@ from cache_service.hashing import page_hashes
 from cluster.chat_template import ChatTemplate, TemplateError
 from cluster.choice import Choice, Delta
 from cluster.engine_client import EngineClient, GenerateRequest
-from cluster.errors import APIError, bad_request
+from cluster.errors import APIError, bad_request, internal_error
 from cluster.fanout import Fanout
 from cluster.metrics import APIMetrics
 from cluster.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from cluster.responses import DONE, Usage
 from cluster.reasoning import ReasoningParser
 from cluster.tokenizer import TextTokenizer
 from workers import SamplingParams
@@ -33,6 +35,8 @@ from workers.sampling_params import MAX_SEED
 
 CLIENT_CLOSED_REQUEST = 499  # the status logged for a request whose client left (nginx's convention)
 
+
+log = logging.getLogger("cluster.api")
 
 @dataclass
 class Prepared:
@@ -207,6 +211,32 @@ class Serving:
             return False
         work.result()  # raises what the engine raised
         return True
+
+    async def stream(self, request_id: str, fan: Fanout, events: AsyncGenerator[str, None], prompts: list[Prepared],
+                     choices: list[Choice], arrived: float, usage_chunk: Callable[[Usage], str] | None
+                     ) -> AsyncGenerator[str, None]:
+        """A streamed response: the endpoint's `events`, then `usage_chunk(usage)` if given, then
+        [DONE]. A fault after the stream started becomes an error event naming only the request
+        id, then [DONE]. Whatever happens (the client leaving included) the engine requests are
+        closed and the request is counted into the metrics once."""
+        counted = False
+        try:
+            async for event in events:
+                yield event
+            usage = Usage.of(*self.record(prompts, choices, arrived))
+            counted = True
+            if usage_chunk is not None:
+                yield usage_chunk(usage)
+            yield DONE
+        except Exception:
+            log.exception("request %s failed while streaming", request_id)
+            yield f"data: {internal_error(request_id).response().body.decode()}\n\n"
+            yield DONE
+        finally:
+            await events.aclose()
+            await fan.close()
+            if not counted:
+                self.record(prompts, choices, arrived)
 
     def record(self, prompts: list[Prepared], choices: list[Choice], arrived: float) -> tuple[int, int, int]:
         """(prompt, completion, cached) tokens of the request, counted into the metrics."""
