@@ -155,3 +155,12 @@ class IndexMirror:
 
     def score(self, page_hashes: Sequence[bytes]) -> dict[str, WorkerScore]:
         return self.index.score(page_hashes)
+
+    def gauges(self) -> dict[str, float]:
+        """What the mirror costs and how current it is: index_mirror_pages, _states, _bytes
+        (approximate), _snapshots (taken so far), _age_seconds (since the feed last answered)."""
+        stats = self.index.stats()
+        age = self._clock() - self.heard_at
+        return dict(index_mirror_pages=stats["pages"], index_mirror_states=stats["states"],
+                    index_mirror_bytes=stats["approx_bytes"], index_mirror_snapshots=self.snapshots,
+                    index_mirror_age_seconds=age if age != float("inf") else -1.0)

@@ -65,13 +65,18 @@ def register_router(ranker: Any, loop: asyncio.AbstractEventLoop) -> None:
 
 def router_counts() -> dict[str, float]:
     """The counters of this process's cache-affinity routers, summed, as `router_<name>_total`
-    metrics (requests ranked and routed, index fallbacks by reason) for the ingress's /metrics."""
+    metrics (requests ranked and routed, index fallbacks by reason), and their gauges (the index
+    mirror's size and age) as `router_<name>`, for the ingress's /metrics."""
     with _ROUTERS_LOCK:
         rankers = list(_ROUTERS)
     totals: dict[str, float] = {}
     for ranker in rankers:
         for name, n in ranker.counts.items():
             totals[f"router_{name}_total"] = totals.get(f"router_{name}_total", 0) + n
+        for name, value in ranker.gauges().items():
+            key = f"router_{name}"
+            totals[key] = max(totals.get(key, value), value) if name.endswith("_age_seconds") else \
+                totals.get(key, 0) + value
     return totals
 
 

@@ -231,6 +231,7 @@ class AffinityRanker:
         self._failures, self._skip_index_until = 0, float("-inf")
         self.counts = dict(ranked=0, routed=0, index_fallbacks=0, index_timeouts=0, index_errors=0, index_skipped=0,
                            index_unavailable=0)
+        self.gauges: Callable[[], dict[str, float]] = lambda: {}  # set by the adapter (its mirror's)
 
     async def rank(self, request_id: str, request: Any, replicas: Mapping[str, Mapping[str, Any] | None],
                    score: ScoreFn) -> list[str]:
@@ -372,6 +373,8 @@ class CacheAffinityRouter(RequestRouter):
         self._index_retry_at = 0.0
         self.mirror = IndexMirror(self._config.index_max_pages) if self._config.index_mode == "mirror" else None
         self._mirror_sync: asyncio.Task | None = None
+        if self.mirror is not None:
+            self.ranker.gauges = self.mirror.gauges
         try:  # start looking for the index now if Serve calls this on the router's loop
             asyncio.get_running_loop()
             self._index_handle()

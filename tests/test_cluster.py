@@ -293,6 +293,8 @@ def test_the_ingress_metrics_parse_as_prometheus_text_and_count_the_routing(clus
     value = {name: sum(s.value for s in f.samples) for name, f in families.items()}
     assert value["cairn_router_ranked"] >= 1 and value["cairn_router_routed"] >= 1
     assert value["cairn_router_index_fallbacks"] <= value["cairn_router_ranked"]
+    assert value["cairn_router_index_mirror_pages"] > 0, "the router mirrors what the replicas hold"
+    assert 0 <= value["cairn_router_index_mirror_age_seconds"] <= ROUTING.index_staleness_s
     info = families["cairn_engine_info"].samples[0].labels
     assert info["worker_id"] in cluster.replicas(), "the engine metrics name the replica that answered"
     assert value["cairn_engine_pages_cached"] >= 0 and value["cairn_cached_tokens"] >= 0

@@ -139,6 +139,9 @@ def test_a_reader_behind_the_feed_start_or_from_another_incarnation_gets_a_snaps
     put(index, feed, stream.batch([PagesRemoved((H[9],))]))
     asyncio.run(mirror.apply(feed.read(index, mirror.epoch, mirror.cursor)))
     assert mirror.index.score(H[:10])["w"].hit_pages == 9 and mirror.snapshots == 1
+    gauges = mirror.gauges()
+    assert (gauges["index_mirror_pages"], gauges["index_mirror_states"], gauges["index_mirror_snapshots"]) == (9, 9, 1)
+    assert gauges["index_mirror_bytes"] > 0 and 0 <= gauges["index_mirror_age_seconds"] < 5
 
 
 def test_a_worker_awaiting_a_resync_is_mirrored_as_holding_nothing_until_its_snapshot():
