@@ -36,10 +36,10 @@ import torch  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 
 from cluster.chat_template import ChatTemplate  # noqa: E402
+from plotting import pyplot, save  # noqa: E402  (benchmarks/plotting.py)
 from workers import Engine, SamplingParams  # noqa: E402
 from workers.demo import demo_model_dir  # noqa: E402
 
-OUT = Path(__file__).parent / "out"
 POLICIES = ["exact", "all", "interval", "end_branch", "cairn"]
 WORDS = ("stone cairn ridge trail summit marker path weather snow rock pile guide north map river valley "
          "build stack wide flat base tall lasting winter storm hikers route visible balance").split()
@@ -190,15 +190,9 @@ def report(workload: str, setting: str, results: list[Result], turns: int) -> No
 
 
 def plot(all_results: dict[tuple[str, str], list[Result]], turns: int) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("(matplotlib missing: no plot)")
+    plt = pyplot()
+    if plt is None:
         return
-    OUT.mkdir(exist_ok=True)
     fig, axes = plt.subplots(1, len(all_results), figsize=(5 * len(all_results), 4), squeeze=False)
     for ax, ((workload, setting), results) in zip(axes[0], all_results.items()):
         xs = list(range(1, turns + 1))
@@ -209,9 +203,7 @@ def plot(all_results: dict[tuple[str, str], list[Result]], turns: int) -> None:
         ax.set_xlabel("turn")
         ax.set_ylabel("hit tokens (all conversations)")
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(OUT / "multiturn.png", dpi=110)
-    print(f"\nplot: {OUT / 'multiturn.png'}")
+    save(fig, "multiturn.png")
 
 
 def main() -> None:

@@ -63,8 +63,8 @@ import ray  # noqa: E402
 logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
 
 from cluster.router import CacheAffinityRouter  # noqa: E402
+from plotting import OUT, pyplot, save  # noqa: E402  (benchmarks/plotting.py)
 
-OUT = Path(__file__).parent / "out"
 POLICIES = ["cache_affinity", "pow2", "round_robin", "ray_prefix"]
 TRACES = ["shared-system", "no-shared", "hot-prefix"]
 MODEL = "bench-model"
@@ -405,15 +405,9 @@ def report(results: list[Result], args) -> None:
 
 
 def plot(results: list[Result]) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("(matplotlib missing: no plot)")
+    plt = pyplot()
+    if plt is None:
         return
-    OUT.mkdir(exist_ok=True)
     fig, axes = plt.subplots(2, len(TRACES), figsize=(5 * len(TRACES), 7), squeeze=False)
     for col, trace in enumerate(TRACES):
         rows = [r for r in results if r.trace == trace]
@@ -430,9 +424,7 @@ def plot(results: list[Result]) -> None:
         ax.set_xticks(list(xs), names, rotation=20)
         ax.set_title(f"{trace}: TTFT (ms)")
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(OUT / "routing.png", dpi=110)
-    print(f"\nplot: {OUT / 'routing.png'}")
+    save(fig, "routing.png")
 
 
 # ---- the index alone ---------------------------------------------------------------------------

@@ -20,16 +20,15 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
 from workers import Engine, SamplingParams  # noqa: E402
+from plotting import pyplot, save  # noqa: E402  (benchmarks/plotting.py)
 from workers.demo import demo_model_dir  # noqa: E402
 
-OUT = Path(__file__).parent / "out"
 
 
 def make_prompts(n: int, length: int, vocab: int) -> list[list[int]]:
@@ -104,23 +103,15 @@ def main() -> None:
 
 
 def plot(rows: dict[str, float]) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("(matplotlib missing: no plot)")
+    plt = pyplot()
+    if plt is None:
         return
-    OUT.mkdir(exist_ok=True)
     fig, ax = plt.subplots(figsize=(8, 3.5))
     names = list(rows)
     ax.barh(names, [rows[k] for k in names], color=["#2a7" if k.startswith("cairn") else "#888" for k in names])
     ax.set_xlabel("output tokens / s (higher is better)")
     ax.invert_yaxis()
-    fig.tight_layout()
-    fig.savefig(OUT / "throughput.png", dpi=120)
-    print(f"plot: {OUT / 'throughput.png'}")
+    save(fig, "throughput.png", dpi=120)
 
 
 if __name__ == "__main__":
