@@ -35,7 +35,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 
-from cluster.chat_template import ChatTemplate  # noqa: E402
+from cluster.api.chat_template import ChatTemplate  # noqa: E402
 from plotting import pyplot, save  # noqa: E402  (benchmarks/plotting.py)
 from workers import Engine, SamplingParams  # noqa: E402
 from workers.demo import demo_model_dir  # noqa: E402

@@ -553,8 +553,8 @@ def main() -> None:
     from ray import serve
     from ray.serve.api import RunTarget
 
-    from cluster.chat_template import ChatTemplate
-    from cluster.tokenizer import TextTokenizer
+    from cluster.api.chat_template import ChatTemplate
+    from cluster.api.tokenizer import TextTokenizer
     from workers.demo import demo_model_dir
 
     model_dir = Path(args.model) if args.model else demo_model_dir("tiny" if args.quick else "bench")

@@ -40,7 +40,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from cache_service.hashing import model_fingerprint, root_hash
-from cluster.engine_client import GenerateRequest
+from cluster.api.engine_client import GenerateRequest
 from cluster.routing_config import RoutingConfig
 
 log = logging.getLogger(__name__)

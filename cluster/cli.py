@@ -69,7 +69,7 @@ def _generate(args: argparse.Namespace) -> int:
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     text = args.prompt
     if args.chat:
-        from cluster.chat_template import ChatTemplate
+        from cluster.api.chat_template import ChatTemplate
 
         text = ChatTemplate.from_dir(model_dir).render([{"role": "user", "content": args.prompt}])
     engine = Engine.from_pretrained(model_dir)
@@ -116,7 +116,7 @@ def _serve(args: argparse.Namespace) -> int:
                                                       ("cache_memory_bytes", args.cache_memory_bytes))
                       if value is not None}
     if args.replicas == 1 and not args.address and not args.config:
-        from cluster.server import serve_in_process
+        from cluster.api.server import serve_in_process
 
         host, port = args.host or "127.0.0.1", args.port or 8000
         print(f"cairn: one in-process engine on http://{host}:{port}/v1 (Ctrl-C to stop)", flush=True)

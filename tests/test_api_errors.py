@@ -11,8 +11,8 @@ import httpx
 import pytest
 
 from cluster.api import build_app
-from cluster.engine_client import LocalEngineClient
-from cluster.server import BackgroundServer
+from cluster.api.engine_client import LocalEngineClient
+from cluster.api.server import BackgroundServer
 from workers import AsyncEngine
 
 MODEL, KEY = "tiny", "k3y"

@@ -9,8 +9,8 @@ import openai
 import pytest
 
 from cluster.api import build_app
-from cluster.engine_client import LocalEngineClient
-from cluster.server import BackgroundServer
+from cluster.api.engine_client import LocalEngineClient
+from cluster.api.server import BackgroundServer
 from workers import AsyncEngine
 
 MODEL, TURNS = "tiny", 4

@@ -13,9 +13,9 @@ from tokenizers import Tokenizer
 
 from cache_service.hashing import root_hash
 from cluster.api import build_app
-from cluster.chat_template import ChatTemplate
-from cluster.engine_client import LocalEngineClient
-from cluster.server import BackgroundServer
+from cluster.api.chat_template import ChatTemplate
+from cluster.api.engine_client import LocalEngineClient
+from cluster.api.server import BackgroundServer
 from workers import AsyncEngine, RequestOutput
 
 MODEL = "tiny"
@@ -253,7 +253,7 @@ class ScriptedClient:
 
 def byte_tokens(tok, text: str) -> list[int]:
     """One token per UTF-8 byte (the byte-level alphabet), so characters and tags split."""
-    from cluster.tokenizer import byte_of_char
+    from cluster.api.tokenizer import byte_of_char
 
     char_of = {b: ch for ch, b in byte_of_char().items()}
     return [tok.token_to_id(char_of[b]) for b in text.encode()]

@@ -38,3 +38,13 @@ def test_only_the_index_actor_imports_ray_below_cluster():
             if path.relative_to(ROOT).as_posix() == "cache_service/actor.py":
                 continue
             assert "ray" not in imported_roots(path), path.relative_to(ROOT)
+
+
+def test_the_http_api_runs_without_ray_or_the_serve_layer():
+    for path in (ROOT / "cluster" / "api").rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        modules = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names} | \
+            {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        bad = {m for m in modules if m.split(".")[0] == "ray" or
+               (m.startswith("cluster.") and not m.startswith("cluster.api"))}
+        assert not bad, f"{path.relative_to(ROOT)} imports {bad}"

@@ -7,7 +7,7 @@ import sys
 import pytest
 from tokenizers import Tokenizer
 
-from cluster.chat_template import ChatTemplate, TemplateError
+from cluster.api.chat_template import ChatTemplate, TemplateError
 from workers import Engine, SamplingParams
 
 CONVERSATIONS = [

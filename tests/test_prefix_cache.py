@@ -13,7 +13,7 @@ from tokenizers import Tokenizer
 
 from cache_service.hashing import page_hashes, root_hash
 from cache_service.index import CacheIndex
-from cluster.chat_template import ChatTemplate
+from cluster.api.chat_template import ChatTemplate
 from workers import Engine, SamplingParams
 
 PS = 16

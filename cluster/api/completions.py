@@ -16,14 +16,14 @@ from collections.abc import AsyncGenerator, Awaitable, Callable
 from fastapi.responses import JSONResponse
 from starlette.responses import Response
 
-from cluster.choice import MIN_LOGPROB, Choice, PlacedLogprob
-from cluster.errors import bad_request
-from cluster.fanout import Fanout
-from cluster.protocol import CompletionRequest
-from cluster.responses import Completion, CompletionChoice, CompletionLogprobs, Usage
-from cluster.serving import CLIENT_CLOSED_REQUEST, Prepared, Serving
-from cluster.sse import SSEResponse
-from cluster.tokenizer import TextTokenizer
+from cluster.api.choice import MIN_LOGPROB, Choice, PlacedLogprob
+from cluster.api.errors import bad_request
+from cluster.api.fanout import Fanout
+from cluster.api.protocol import CompletionRequest
+from cluster.api.responses import Completion, CompletionChoice, CompletionLogprobs, Usage
+from cluster.api.serving import CLIENT_CLOSED_REQUEST, Prepared, Serving
+from cluster.api.sse import SSEResponse
+from cluster.api.tokenizer import TextTokenizer
 
 
 def completion_logprobs(tokenizer: TextTokenizer, placed: list[PlacedLogprob], base: int) -> CompletionLogprobs:

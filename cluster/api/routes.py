@@ -8,7 +8,7 @@ only through `EngineClient`.
 
 A body is parsed here, not by FastAPI: bytes that are not UTF-8, not JSON, or not an object
 are a 400 with what is wrong; then the pydantic model checks fields strictly (400 naming the
-field). See `cluster.errors` for the error shape and `cluster.middleware` for the body limit
+field). See `cluster.api.errors` for the error shape and `cluster.api.middleware` for the body limit
 (413) and the last-resort 500.
 """
 
@@ -25,17 +25,17 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ValidationError
 from starlette.responses import Response
 
-from cluster.chat_completions import ChatCompletions
-from cluster.chat_template import ChatTemplate, TemplateError
-from cluster.completions import Completions
-from cluster.engine_client import EngineClient
-from cluster.errors import APIError, bad_request, from_validation, install_error_handlers
-from cluster.metrics import CONTENT_TYPE, APIMetrics
-from cluster.middleware import RequestGuard
-from cluster.protocol import ChatCompletionRequest, CompletionRequest
-from cluster.responses import ModelCard, ModelList
-from cluster.serving import Serving
-from cluster.tokenizer import TextTokenizer
+from cluster.api.chat_completions import ChatCompletions
+from cluster.api.chat_template import ChatTemplate, TemplateError
+from cluster.api.completions import Completions
+from cluster.api.engine_client import EngineClient
+from cluster.api.errors import APIError, bad_request, from_validation, install_error_handlers
+from cluster.api.metrics import CONTENT_TYPE, APIMetrics
+from cluster.api.middleware import RequestGuard
+from cluster.api.protocol import ChatCompletionRequest, CompletionRequest
+from cluster.api.responses import ModelCard, ModelList
+from cluster.api.serving import Serving
+from cluster.api.tokenizer import TextTokenizer
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20
 DEFAULT_MAX_WAITING = 256

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
-from cluster.engine_client import EngineClient, GenerateRequest
+from cluster.api.engine_client import EngineClient, GenerateRequest
 from workers import RequestOutput
 
 _DONE = object()

@@ -17,16 +17,16 @@ from collections.abc import AsyncGenerator, Awaitable, Callable
 from fastapi.responses import JSONResponse
 from starlette.responses import Response
 
-from cluster.choice import MIN_LOGPROB, Choice, PlacedLogprob
-from cluster.errors import bad_request
-from cluster.fanout import Fanout
-from cluster.protocol import ChatCompletionRequest
-from cluster.reasoning import ReasoningParser
-from cluster.responses import (ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk, ChatDelta,
+from cluster.api.choice import MIN_LOGPROB, Choice, PlacedLogprob
+from cluster.api.errors import bad_request
+from cluster.api.fanout import Fanout
+from cluster.api.protocol import ChatCompletionRequest
+from cluster.api.reasoning import ReasoningParser
+from cluster.api.responses import (ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk, ChatDelta,
                                ChatLogprobs, ChatMessageOut, TokenLogprob, TopLogprob, Usage)
-from cluster.serving import CLIENT_CLOSED_REQUEST, Prepared, Serving
-from cluster.sse import SSEResponse
-from cluster.tokenizer import TextTokenizer
+from cluster.api.serving import CLIENT_CLOSED_REQUEST, Prepared, Serving
+from cluster.api.sse import SSEResponse
+from cluster.api.tokenizer import TextTokenizer
 
 
 def chat_logprobs(tokenizer: TextTokenizer, placed: list[PlacedLogprob]) -> ChatLogprobs:

@@ -14,9 +14,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from cluster.reasoning import ReasoningParser
-from cluster.stop_strings import StopMatcher
-from cluster.tokenizer import TextTokenizer
+from cluster.api.reasoning import ReasoningParser
+from cluster.api.stop_strings import StopMatcher
+from cluster.api.tokenizer import TextTokenizer
 from workers import RequestOutput
 from workers.sequence import TokenLogprob
 

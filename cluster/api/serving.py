@@ -20,16 +20,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cache_service.hashing import page_hashes
-from cluster.chat_template import ChatTemplate, TemplateError
-from cluster.choice import Choice, Delta
-from cluster.engine_client import EngineClient, GenerateRequest
-from cluster.errors import APIError, bad_request, internal_error
-from cluster.fanout import Fanout
-from cluster.metrics import APIMetrics
-from cluster.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
-from cluster.responses import DONE, Usage
-from cluster.reasoning import ReasoningParser
-from cluster.tokenizer import TextTokenizer
+from cluster.api.chat_template import ChatTemplate, TemplateError
+from cluster.api.choice import Choice, Delta
+from cluster.api.engine_client import EngineClient, GenerateRequest
+from cluster.api.errors import APIError, bad_request, internal_error
+from cluster.api.fanout import Fanout
+from cluster.api.metrics import APIMetrics
+from cluster.api.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from cluster.api.responses import DONE, Usage
+from cluster.api.reasoning import ReasoningParser
+from cluster.api.tokenizer import TextTokenizer
 from workers import SamplingParams
 from workers.sampling_params import MAX_SEED
 

@@ -6,7 +6,7 @@ a wrong type is a 400 naming the field. Ranges the engine owns (temperature, top
 are checked once, by `SamplingParams`; the ones only the API knows are checked here. Fields we
 accept but cannot honour (penalties, logit_bias, JSON modes, forced tool calls, suffix) are
 refused by the serving layer with a 400 naming them, never silently dropped.
-Responses live in `cluster.responses`.
+Responses live in `cluster.api.responses`.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from cluster.errors import APIError, internal_error
+from cluster.api.errors import APIError, internal_error
 
 log = logging.getLogger("cluster.api")
 

@@ -18,7 +18,7 @@ def serve_in_process(model_dir: str | Path | None = None, host: str = "127.0.0.1
     import uvicorn
 
     from cluster.api import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING, build_app
-    from cluster.engine_client import LocalEngineClient
+    from cluster.api.engine_client import LocalEngineClient
     from workers import AsyncEngine
     from workers.demo import demo_model_dir
 
