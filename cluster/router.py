@@ -151,12 +151,12 @@ class PredictedHolders:
         self.keep_s, self._clock, self._max = keep_s, clock, max_hashes
         self._at: dict[bytes, dict[str, float]] = {}  # hash -> replica -> when last recorded
         self._log: deque[tuple[float, str, list[bytes]]] = deque()
-        self._size = 0
+        self._size, self._last = 0, float("-inf")
 
     def record(self, replica: str, page_hashes: Sequence[bytes]) -> None:
         if self.keep_s <= 0 or not page_hashes or self._max <= 0:
             return
-        at = self._clock()
+        at = self._last = max(self._clock(), self._last + 1e-9)  # distinct times: a record's identity
         for h in page_hashes:
             self._at.setdefault(h, {})[replica] = at
         self._log.append((at, replica, list(page_hashes)))
@@ -165,21 +165,32 @@ class PredictedHolders:
 
     def pages(self, page_hashes: Sequence[bytes], max_age_s: float) -> dict[str, int]:
         """replica -> predicted hit pages for this prompt from records younger than `max_age_s`
-        (absent: none)."""
+        (absent: none). A record holds every page of its prompt and a newer one overwrites the
+        time, so a replica's fresh pages along a prompt are a prefix of it: its depth is found
+        by bisection, O(replicas x log pages)."""
         self._purge()
+        first = self._at.get(page_hashes[0]) if page_hashes else None
+        if not first:
+            return {}
         since, out = self._clock() - max_age_s, {}
-        for depth, h in enumerate(page_hashes, 1):
-            holders = self._at.get(h)
-            if not holders:
-                break
-            for replica, at in holders.items():
-                if at > since:
-                    out[replica] = depth
+        for replica, at in first.items():
+            if at <= since:
+                continue
+            lo, hi = 1, len(page_hashes)  # fresh at depth lo; not beyond hi
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                held = self._at.get(page_hashes[mid - 1])
+                at = held.get(replica) if held else None
+                if at is not None and at > since:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            out[replica] = lo
         return out
 
     def forget(self, replica: str) -> None:
-        for holders in self._at.values():
-            holders.pop(replica, None)
+        for h in [h for h, holders in self._at.items() if holders.pop(replica, None) is not None and not holders]:
+            del self._at[h]
 
     def _purge(self) -> None:
         since = self._clock() - self.keep_s

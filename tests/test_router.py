@@ -129,6 +129,37 @@ def test_predicted_holders_name_the_deepest_recorded_page_younger_than_the_age_a
     assert held.pages(H[:12], max_age_s=10) == {} and held._at == {}, "past keep_s nothing is left behind"
 
 
+@pytest.mark.parametrize("seed", range(5))
+def test_predicted_depths_equal_the_deepest_unexpired_record_of_each_replica(seed):
+    rng, clock = random.Random(seed), Clock()
+    held = PredictedHolders(keep_s=30.0, clock=clock, max_hashes=rng.choice([40, 400, 10_000]))
+    chains = [[bytes([c, k]) * 8 for k in range(30)] for c in range(3)]
+    log = []  # (time, replica, prompt) of every record
+    for _ in range(300):
+        clock.now += rng.uniform(0, 2)
+        chain = rng.choice(chains)
+        prompt = chain[:rng.randint(1, 30)]
+        replica = rng.choice("abcd")
+        held.record(replica, prompt)
+        log.append((clock.now, replica, prompt))
+        ask = rng.choice(chains)[:rng.randint(1, 30)]
+        age = rng.choice([1.0, 5.0, 30.0])
+        kept = held._size  # what the bound left: the newest records whose hashes fit in it
+        survivors, size = [], 0
+        for at, r, p in reversed(log):
+            if at <= clock.now - 30.0 or size + len(p) > kept:
+                break
+            survivors.append((at, r, p))
+            size += len(p)
+        want = {}
+        for at, r, p in survivors:
+            if at > clock.now - age:
+                depth = next((k for k in range(min(len(p), len(ask)), 0, -1) if p[:k] == ask[:k]), 0)
+                if depth:
+                    want[r] = max(want.get(r, 0), depth)
+        assert held.pages(ask, age) == want
+
+
 def test_the_memory_is_bounded_and_forgets_the_oldest_records_first():
     clock = Clock()
     held = PredictedHolders(keep_s=100.0, clock=clock, max_hashes=25)
@@ -139,7 +170,7 @@ def test_the_memory_is_bounded_and_forgets_the_oldest_records_first():
     assert held.pages(H[:10], 100) == {"d": 10} and held.pages(H[40:50], 100) == {}
     assert held.pages(H[80:90], 100) == {"c": 10} and held._size <= 25
     held.forget("d")
-    assert held.pages(H[:10], 100) == {}
+    assert held.pages(H[:10], 100) == {} and H[0] not in held._at, "a forgotten replica's hashes leave nothing"
 
 
 async def no_index(hashes):
