@@ -75,7 +75,7 @@ class CacheIndexActor:
         self._resync_unknown = self._restarted and not redis_url  # what it knew died with it
         self._decode_errors = 0
         self._liveness_s, self._watcher, self._reaped = liveness_interval_s, None, 0
-        self._feed = ChangeFeed()
+        self._feed = ChangeFeed(max_pages)
 
     def _watch(self) -> None:
         """Starts the dead-replica watcher on the actor's loop (first call of any method)."""

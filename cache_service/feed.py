@@ -18,7 +18,10 @@ step, so nothing falls between them.
 Reader side (`IndexMirror`): applies chunks in order (a snapshot replaces its whole index),
 remembers the epoch and cursor to ask from next, and when it was last heard from (`fresh`). If
 its own index ever detects a gap (it missed something), it asks for a snapshot on the next read.
-Reading gives the same scores as the actor's index, as of the last chunk.
+It bounds its pages as the index does (the bound travels in every chunk) and keeps an untrusted
+worker's contents as the index does, so both keep and drop the same pages. Reading gives the
+same scores as the actor's index, as of the last chunk. A batch the index may or may not have
+applied (its store failed mid-write) starts a new epoch: every reader takes a snapshot.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
+import itertools
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
@@ -44,12 +48,13 @@ class FeedChunk(NamedTuple):
     cursor: int                     # where the next read starts
     items: list[tuple[str, object]]
     snapshot: bool                  # items are a whole picture: the reader starts over from them
+    max_pages: int                  # the index's bound, which the mirror must apply the same way
 
 
 class ChangeFeed:
-    def __init__(self, max_bytes: int = 64 << 20):
+    def __init__(self, max_pages: int, max_bytes: int = 64 << 20):
         self.epoch = secrets.token_hex(8)
-        self.max_bytes = max_bytes
+        self.max_pages, self.max_bytes = max_pages, max_bytes
         self._items: deque[tuple[str, object, int]] = deque()  # (kind, payload, bytes)
         self._first = 0   # cursor of _items[0]
         self._bytes = 0
@@ -67,7 +72,14 @@ class ChangeFeed:
         """Applies the batch (`data`: its encoding) to `index` and records what that did: the batch
         if applied, a RESET if it made the index stop trusting its worker. True iff applied."""
         trusted = not index.needs_resync(batch.worker_id)
-        if index.apply(batch):
+        try:
+            applied = index.apply(batch)
+        except BaseException:
+            # it may have been applied (a store that committed, then failed to say so): its retry
+            # would be ignored as a redelivery and never reach the feed, so every reader starts over
+            self.epoch = secrets.token_hex(8)
+            raise
+        if applied:
             self._push(BATCH, data, len(data))
             return True
         if trusted and index.needs_resync(batch.worker_id):
@@ -78,10 +90,14 @@ class ChangeFeed:
         """What follows `cursor` (at most `max_items`), or a snapshot of `index` if the reader's
         epoch or cursor is not this feed's."""
         if epoch != self.epoch or not self._first <= cursor <= self.cursor:
-            return FeedChunk(self.epoch, self.cursor, snapshot_items(index), True)
+            return FeedChunk(self.epoch, self.cursor, snapshot_items(index), True, self.max_pages)
         start = cursor - self._first
-        items = [(kind, payload) for kind, payload, _ in list(self._items)[start:start + max_items]]
-        return FeedChunk(self.epoch, cursor + len(items), items, False)
+        if start == len(self._items):
+            items = []
+        else:  # from the right end: a reader that keeps up reads the newest few of a long ring
+            newest = itertools.islice(reversed(self._items), 0, len(self._items) - start)
+            items = [(kind, payload) for kind, payload, _ in reversed(list(newest))][:max_items]
+        return FeedChunk(self.epoch, cursor + len(items), items, False, self.max_pages)
 
     async def wait(self, cursor: int, timeout_s: float) -> None:
         """Returns once there is something past `cursor`, or after `timeout_s`."""
@@ -103,8 +119,9 @@ class ChangeFeed:
 
 
 def snapshot_items(index: CacheIndex) -> list[tuple[str, object]]:
-    """One snapshot batch per worker the index has applied a batch from: its contents if trusted,
-    empty if it awaits a resync; stamped with its last seq."""
+    """One snapshot batch per worker the index has applied a batch from, with its contents and
+    stamped with its last seq; a RESET after it if the index awaits its resync (untrusted, its
+    contents kept)."""
     items: list[tuple[str, object]] = []
     untrusted = index.workers_needing_resync()
     for worker in sorted(index.workers()):
@@ -112,17 +129,19 @@ def snapshot_items(index: CacheIndex) -> list[tuple[str, object]]:
         if last is None:
             continue  # nothing applied yet: its first batch (seq 0 or a snapshot) comes through the feed
         events: list = [AllCleared()]
-        if worker not in untrusted:
-            pages, states = index.contents(worker)
-            if pages:
-                events.append(PagesStored(tuple(pages), None))  # a hash names its prefix: order is free
-            events.extend(StateStored(h) for h in states)
+        pages, states = index.contents(worker)
+        if pages:
+            events.append(PagesStored(tuple(pages), None))  # a hash names its prefix: order is free
+        events.extend(StateStored(h) for h in states)
         items.append((BATCH, EventBatch(worker, last, time.time(), tuple(events)).encode()))
+        if worker in untrusted:
+            items.append((RESET, worker))
     return items
 
 
 class IndexMirror:
-    """A reader's copy of the index, fed by `ChangeFeed.read` chunks."""
+    """A reader's copy of the index, fed by `ChangeFeed.read` chunks. Its page bound is the
+    index's (from the chunks), so both keep and drop the same pages."""
 
     def __init__(self, max_pages: int = 4_000_000, clock: Callable[[], float] = time.monotonic):
         self.max_pages, self._clock = max_pages, clock
@@ -131,36 +150,59 @@ class IndexMirror:
         self.cursor = 0
         self.heard_at = float("-inf")
         self.snapshots = 0
+        self._distrusted: set[str] = set()  # untrusted in the index too (RESET), until their snapshot
+        self._gauges: dict[str, float] = {}
 
     def fresh(self, max_age_s: float) -> bool:
         return self.epoch is not None and self._clock() - self.heard_at <= max_age_s
 
     async def apply(self, chunk: FeedChunk, yield_every: int = 256) -> None:
-        """Applies a chunk (a snapshot into a new index, swapped in when complete), yielding the
-        event loop every `yield_every` items so scoring goes on meanwhile."""
-        index = CacheIndex(self.max_pages) if chunk.snapshot else self.index
-        for i, (kind, payload) in enumerate(chunk.items):
+        """Applies a chunk, yielding the event loop every `yield_every` items so scoring goes on
+        meanwhile. A snapshot builds a new index in a worker thread (nothing reads it until it is
+        complete and swapped in), so even a huge one leaves the loop free."""
+        if chunk.snapshot:
+            index, distrusted = CacheIndex(chunk.max_pages), set()
+            await asyncio.to_thread(self._apply_items, index, distrusted, chunk.items)
+        else:
+            index, distrusted = self.index, self._distrusted
+            step = yield_every or max(len(chunk.items), 1)
+            for start in range(0, len(chunk.items), step):
+                if start:
+                    await asyncio.sleep(0)
+                self._apply_items(index, distrusted, chunk.items[start:start + step])
+        self.index, self._distrusted, self.cursor, self.heard_at = index, distrusted, chunk.cursor, self._clock()
+        self.max_pages = chunk.max_pages
+        self.snapshots += chunk.snapshot
+        # an untrusted worker the index does trust means this mirror missed a batch: start over
+        self.epoch = None if index.workers_needing_resync() - distrusted else chunk.epoch
+        stats = index.stats()  # here, on the reader's loop: gauges() may be read from another thread
+        self._gauges = dict(index_mirror_pages=stats["pages"], index_mirror_states=stats["states"],
+                            index_mirror_bytes=stats["approx_bytes"], index_mirror_snapshots=self.snapshots,
+                            index_mirror_workers=stats["workers"])
+
+    @staticmethod
+    def _apply_items(index: CacheIndex, distrusted: set[str], items: Sequence[tuple[str, object]]) -> None:
+        for kind, payload in items:
             if kind == BATCH:
-                index.apply(payload)
+                batch = EventBatch.decode(payload)
+                if index.apply(batch) and batch.is_snapshot:
+                    distrusted.discard(batch.worker_id)
             elif kind == DROP:
                 index.drop_worker(payload)
-            elif kind == RESET and payload in index.workers():  # holds nothing until its snapshot
-                index.apply(EventBatch(payload, index.last_seq(payload) or 0, time.time(), (AllCleared(),)))
-            if yield_every and i % yield_every == yield_every - 1:
-                await asyncio.sleep(0)
-        self.index, self.cursor, self.heard_at = index, chunk.cursor, self._clock()
-        self.snapshots += chunk.snapshot
-        # a gap here means this mirror missed a batch the index applied: start over from a snapshot
-        self.epoch = None if index.workers_needing_resync() else chunk.epoch
+                distrusted.discard(payload)
+            elif kind == RESET:
+                index.distrust(payload)
+                distrusted.add(payload)
 
     def score(self, page_hashes: Sequence[bytes]) -> dict[str, WorkerScore]:
         return self.index.score(page_hashes)
 
+    def known_workers(self) -> int:
+        return len(self.index.workers())
+
     def gauges(self) -> dict[str, float]:
-        """What the mirror costs and how current it is: index_mirror_pages, _states, _bytes
-        (approximate), _snapshots (taken so far), _age_seconds (since the feed last answered)."""
-        stats = self.index.stats()
+        """What the mirror costs and how current it is, as of its last chunk: index_mirror_pages,
+        _states, _bytes (approximate), _workers, _snapshots (taken so far), and _age_seconds
+        (since the feed last answered; -1 before it ever did). Safe from any thread."""
         age = self._clock() - self.heard_at
-        return dict(index_mirror_pages=stats["pages"], index_mirror_states=stats["states"],
-                    index_mirror_bytes=stats["approx_bytes"], index_mirror_snapshots=self.snapshots,
-                    index_mirror_age_seconds=age if age != float("inf") else -1.0)
+        return {**self._gauges, "index_mirror_age_seconds": age if age != float("inf") else -1.0}

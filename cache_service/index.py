@@ -306,6 +306,11 @@ class CacheIndex:
     def drop_worker(self, worker_id: str) -> None:
         self._store.forget(worker_id)
 
+    def distrust(self, worker_id: str) -> None:
+        """Treats the worker as having lost events (what a gap does): it scores 0/0 until its
+        next snapshot; what it held stays, and counts towards max_pages, until then."""
+        self._store.refuse(worker_id)
+
     def workers(self) -> set[str]:
         return self._store.workers()
 

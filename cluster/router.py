@@ -45,6 +45,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import math
 import random
 import time
 from collections import OrderedDict, deque
@@ -156,7 +157,7 @@ class PredictedHolders:
     def record(self, replica: str, page_hashes: Sequence[bytes]) -> None:
         if self.keep_s <= 0 or not page_hashes or self._max <= 0:
             return
-        at = self._last = max(self._clock(), self._last + 1e-9)  # distinct times: a record's identity
+        at = self._last = max(self._clock(), math.nextafter(self._last, math.inf))  # distinct: a record's identity
         for h in page_hashes:
             self._at.setdefault(h, {})[replica] = at
         self._log.append((at, replica, list(page_hashes)))
@@ -226,13 +227,14 @@ class AffinityRanker:
     `BREAKER_COOLDOWN_S` (then tried again), so a dead index costs no routing latency."""
 
     BREAKER_FAILURES, BREAKER_COOLDOWN_S = 3, 1.0
+    MIN_PREDICTED_HASHES = 10_000  # the fresh predictions work even with fallback_memory_pages 0
     TENTATIVE_TTL_S = 5.0  # a ranked request Serve never reports as routed (cancelled) stops counting
 
     def __init__(self, config: RoutingConfig, clock: Callable[[], float] = time.monotonic,
                  rng: random.Random | None = None, on_fallback: Callable[[str], None] | None = None):
         self.config, self._clock, self._rng, self._on_fallback = config, clock, rng or random.Random(), on_fallback
         self.predicted = PredictedHolders(max(config.predicted_holder_ttl_s, config.fallback_memory_s), clock,
-                                          config.fallback_memory_pages)
+                                          max(config.fallback_memory_pages, self.MIN_PREDICTED_HASHES))
         self.loads: dict[str, ReplicaLoad] = {}
         self._in_flight: dict[tuple[str, str], int] = {}  # (replica, request id) -> prefill tokens left
         self._engine_ids: dict[str, tuple[str, str]] = {}  # the request's own id -> (replica, request id)
@@ -283,7 +285,8 @@ class AffinityRanker:
         sending (`fallback_memory_s`) stands in for it."""
         scores = await self._index_scores(hashes, score)
         cfg, hybrid = self.config, self.config.hybrid_model
-        max_age = cfg.predicted_holder_ttl_s if scores is not None else cfg.fallback_memory_s
+        max_age = cfg.predicted_holder_ttl_s if scores is not None else \
+            max(cfg.predicted_holder_ttl_s, cfg.fallback_memory_s)
         scores = scores or {}
         for replica, pages in self.predicted.pages(hashes, max_age).items():
             scores[replica] = max(scores.get(replica, (0, 0)), (pages, pages), key=lambda s: s[1] if hybrid else s[0])
@@ -384,6 +387,7 @@ class CacheAffinityRouter(RequestRouter):
         self._index_retry_at = 0.0
         self.mirror = IndexMirror(self._config.index_max_pages) if self._config.index_mode == "mirror" else None
         self._mirror_sync: asyncio.Task | None = None
+        self._feed_missing = False
         if self.mirror is not None:
             self.ranker.gauges = self.mirror.gauges
         try:  # start looking for the index now if Serve calls this on the router's loop
@@ -420,9 +424,11 @@ class CacheAffinityRouter(RequestRouter):
 
     def _score(self, page_hashes: list[bytes]) -> Mapping[str, Score] | Awaitable[Mapping[str, Score]]:
         index = self._index_handle()
-        if self.mirror is not None:
+        if self.mirror is not None and not self._feed_missing:
             if not self.mirror.fresh(self._config.index_staleness_s):
                 raise IndexUnavailable(f"mirror of {self._config.index_actor_name} is stale")
+            if not self.mirror.known_workers():  # a restarted index before any replica resynced
+                raise IndexUnavailable(f"mirror of {self._config.index_actor_name} knows no replica yet")
             return {w: (s.hit_pages, s.state_pages) for w, s in self.mirror.score(page_hashes).items() if s.hit_pages}
         if index is None:
             raise IndexUnavailable(self._config.index_actor_name)
@@ -443,14 +449,20 @@ class CacheAffinityRouter(RequestRouter):
         if self._index is index:
             self._index = None
 
-    MIRROR_WAIT_S = 1.0       # the feed's long poll: it answers at once when something changed
-    MIRROR_INTERVAL_S = 0.02  # at least this between reads, so a busy index is read in chunks
+    MIRROR_WAIT_S = 1.0         # the feed's long poll (at most): it answers at once when something changed
+    MIRROR_INTERVAL_S = 0.02    # at least this between reads, so a busy index is read in chunks
+    SNAPSHOT_TIMEOUT_S = 120.0  # a snapshot of a large index takes a while to build, send and load
+    WARN_EVERY_S = 30.0
 
     async def _sync_mirror(self) -> None:
-        """Keeps `mirror` following the index actor's change feed, for the router's lifetime."""
+        """Keeps `mirror` following the index actor's change feed, for the router's lifetime.
+        Failures are logged (a warning at most every WARN_EVERY_S); an index actor without a
+        change feed (started by an older cairn) turns this router to remote mode."""
         from ray.exceptions import ActorDiedError
 
         mirror, cfg = self.mirror, self._config
+        wait_s = min(self.MIRROR_WAIT_S, cfg.index_staleness_s / 2)  # answers arrive well within staleness
+        failures, warned_at = 0, float("-inf")
         while True:
             index = self._index
             if index is None:
@@ -458,17 +470,27 @@ class CacheAffinityRouter(RequestRouter):
                 self._index_handle()
                 continue
             try:
-                chunk = await asyncio.wait_for(index.feed.remote(mirror.epoch, mirror.cursor, self.MIRROR_WAIT_S),
-                                               self.MIRROR_WAIT_S + cfg.index_staleness_s)
+                timeout = wait_s + cfg.index_staleness_s if mirror.epoch is not None else self.SNAPSHOT_TIMEOUT_S
+                chunk = await asyncio.wait_for(index.feed.remote(mirror.epoch, mirror.cursor, wait_s), timeout)
                 await mirror.apply(chunk)
+                failures = 0
                 await asyncio.sleep(self.MIRROR_INTERVAL_S)
             except asyncio.CancelledError:
                 raise
             except ActorDiedError:
                 self._lost(index)
                 await asyncio.sleep(0.1)
+            except AttributeError:  # the actor has no `feed` method
+                logger.warning("cache index actor %s has no change feed (an older cairn started it): routing "
+                               "asks it per request (index_mode remote) from now on", cfg.index_actor_name)
+                self._feed_missing = True
+                return
             except Exception as e:  # restarting, slow, unreachable: the mirror ages, then counts as stale
-                logger.debug("index feed read failed: %r", e)
+                failures += 1
+                if time.monotonic() - warned_at >= self.WARN_EVERY_S:
+                    warned_at = time.monotonic()
+                    logger.warning("reading the cache index's change feed failed (%d in a row, last: %r); "
+                                   "requests route by load and memory while the mirror is stale", failures, e)
                 await asyncio.sleep(0.2)
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],

@@ -43,7 +43,7 @@ class RoutingConfig(BaseModel):
         "memory: a copy of the index per router). remote: it asks the actor per request, waiting at most "
         "index_timeout_ms.")
     index_staleness_s: float = Field(
-        2.0, gt=0, description="mirror mode: a mirror not heard from the index for this long counts as "
+        2.0, ge=0.1, description="mirror mode: a mirror not heard from the index for this long counts as "
         "unavailable (requests route by load and the router's memory, counted in "
         "cairn_router_index_fallbacks_total).")
     index_timeout_ms: float = Field(
@@ -73,7 +73,7 @@ class RoutingConfig(BaseModel):
         "prompt's pages and a state at their end, so conversations keep their replica. 0 disables.")
     fallback_memory_pages: int = Field(
         500_000, ge=0, description="Bound on the page hashes that memory holds (oldest forgotten first; "
-        "roughly 150 bytes each).")
+        "roughly 150 bytes each; at least 10,000 are kept for the fresh predictions).")
     page_size: int = Field(
         16, ge=1, description="Tokens per KV page; must equal the engines' page size (the page hashes' unit).")
     hybrid_model: bool = Field(

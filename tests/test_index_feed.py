@@ -19,14 +19,20 @@ CHAINS = [H[24 * i:24 * (i + 1)] for i in range(4)]
 
 @pytest.fixture(params=["memory", "redis"])
 def make_index(request):
+    """make_index(max_pages) -> an empty index in memory, or in a real redis-server."""
     if request.param == "memory":
-        yield lambda: CacheIndex(max_pages=10_000)
+        yield lambda max_pages: CacheIndex(max_pages=max_pages)
         return
     from cache_service.redis_store import RedisStore
 
-    url, namespace = request.getfixturevalue("redis_url"), f"feed-{uuid.uuid4().hex[:8]}"
-    yield lambda: CacheIndex(store=RedisStore.from_url(url, namespace, 10_000))
-    RedisStore.from_url(url, namespace, writer=False).wipe()
+    url, namespaces = request.getfixturevalue("redis_url"), []
+
+    def make(max_pages: int) -> CacheIndex:
+        namespaces.append(f"feed-{uuid.uuid4().hex[:8]}")
+        return CacheIndex(store=RedisStore.from_url(url, namespaces[-1], max_pages))
+    yield make
+    for namespace in namespaces:
+        RedisStore.from_url(url, namespace, writer=False).wipe()
 
 
 class Worker:
@@ -82,9 +88,10 @@ def same_scores(mirror: IndexMirror, index: CacheIndex) -> None:
 @pytest.mark.parametrize("seed", range(3))
 def test_a_mirror_scores_like_the_index_through_gaps_resyncs_drops_and_a_forgetful_feed(make_index, seed):
     rng = random.Random(seed)
-    index, feed = make_index(), ChangeFeed(max_bytes=rng.choice([600, 4000, 1 << 20]))
+    max_pages = rng.choice([40, 10_000])  # 40: the bound drops pages, and both must drop the same ones
+    index, feed = make_index(max_pages), ChangeFeed(max_pages, max_bytes=rng.choice([600, 4000, 1 << 20]))
     workers = {f"w{k}": Worker(f"w{k}", rng) for k in range(3)}
-    mirrors = [IndexMirror(10_000)]
+    mirrors = [IndexMirror()]
     reads = snapshots_seen = 0
 
     def deliver(batch) -> None:
@@ -106,7 +113,7 @@ def test_a_mirror_scores_like_the_index_through_gaps_resyncs_drops_and_a_forgetf
             else:
                 deliver(worker.change())
             if rng.random() < 0.02:
-                mirrors.append(IndexMirror(10_000))  # a router joins late
+                mirrors.append(IndexMirror())  # a router joins late (it learns the bound from the feed)
             for mirror in mirrors:
                 if rng.random() < 0.3:
                     chunk = feed.read(index, mirror.epoch, mirror.cursor, max_items=rng.choice([1, 3, 4096]))
@@ -123,7 +130,7 @@ def test_a_mirror_scores_like_the_index_through_gaps_resyncs_drops_and_a_forgetf
 
 
 def test_a_reader_behind_the_feed_start_or_from_another_incarnation_gets_a_snapshot():
-    index, feed = CacheIndex(), ChangeFeed(max_bytes=200)
+    index, feed = CacheIndex(), ChangeFeed(4_000_000, max_bytes=200)
     stream = EventStream("w")
     for k in range(10):
         assert put(index, feed, stream.batch([PagesStored((H[k],), H[k - 1] if k else None), StateStored(H[k])]))
@@ -145,7 +152,7 @@ def test_a_reader_behind_the_feed_start_or_from_another_incarnation_gets_a_snaps
 
 
 def test_a_worker_awaiting_a_resync_is_mirrored_as_holding_nothing_until_its_snapshot():
-    index, feed = CacheIndex(), ChangeFeed()
+    index, feed = CacheIndex(), ChangeFeed(4_000_000)
     stream = EventStream("w")
     put(index, feed, stream.batch([PagesStored(tuple(H[:5]), None), StateStored(H[4])]))
     early = IndexMirror()  # mirrored while the worker was trusted
@@ -165,7 +172,7 @@ def test_a_worker_awaiting_a_resync_is_mirrored_as_holding_nothing_until_its_sna
 
 
 def test_a_gap_in_the_mirror_itself_makes_it_ask_for_a_snapshot():
-    index, feed = CacheIndex(), ChangeFeed()
+    index, feed = CacheIndex(), ChangeFeed(4_000_000)
     stream = EventStream("w")
     batches = [stream.batch([PagesStored((H[k],), H[k - 1] if k else None)]) for k in range(3)]
     for batch in batches:
@@ -184,7 +191,7 @@ def test_a_gap_in_the_mirror_itself_makes_it_ask_for_a_snapshot():
 
 def test_the_feed_wait_returns_when_something_arrives_or_when_time_is_up():
     async def main():
-        feed = ChangeFeed()
+        feed = ChangeFeed(4_000_000)
         loop = asyncio.get_running_loop()
         start = loop.time()
         await feed.wait(feed.cursor, 0.05)
@@ -202,8 +209,32 @@ def test_a_mirror_is_fresh_only_while_it_hears_from_the_feed():
     now = [0.0]
     mirror = IndexMirror(clock=lambda: now[0])
     assert not mirror.fresh(2.0), "never synced"
-    feed = ChangeFeed()
+    feed = ChangeFeed(4_000_000)
     asyncio.run(mirror.apply(feed.read(CacheIndex(), None, 0)))
     assert mirror.fresh(2.0)
     now[0] = 2.5
     assert not mirror.fresh(2.0)
+
+
+def test_with_the_page_bound_full_an_untrusted_workers_pages_count_in_the_mirror_as_in_the_index(make_index):
+    index, feed = make_index(100), ChangeFeed(100)
+    a, b = EventStream("a"), EventStream("b")
+    mirror = IndexMirror()
+
+    async def catch_up():
+        await mirror.apply(feed.read(index, mirror.epoch, mirror.cursor))
+
+    put(index, feed, a.batch([PagesStored(tuple(H[:60]), None)]))
+    asyncio.run(catch_up())
+    a.batch([PagesRemoved((H[59],))])  # lost: a's next batch is a gap
+    put(index, feed, a.batch([StateStored(H[10])]))
+    late = IndexMirror()  # joins while a is untrusted: its snapshot carries a's pages, then a RESET
+    asyncio.run(late.apply(feed.read(index, None, 0)))
+    put(index, feed, b.batch([PagesStored(tuple(H[24:84]), None)]))  # only 40 fit beside a's 60
+    put(index, feed, a.snapshot([(h, None) for h in H[:30]], []))
+    for m in (mirror, late):
+        asyncio.run(m.apply(feed.read(index, m.epoch, m.cursor)))
+        assert m.epoch is not None
+        same_scores(m, index)
+        for prompt in (H[:30], H[24:84]):
+            assert m.score(prompt) == index.score(prompt)

@@ -232,6 +232,22 @@ def test_when_the_index_cannot_answer_the_router_remembers_where_it_sent_each_co
     assert up_order[0] != homes[0], "an answering index (that holds nothing) outranks an old memory"
 
 
+def test_with_the_memory_off_a_down_index_still_leaves_the_fresh_predictions():
+    async def main():
+        ranker = AffinityRanker(CFG.model_copy(update=dict(fallback_memory_s=0, fallback_memory_pages=0)),
+                                rng=random.Random(0))
+        replicas = {r: {} for r in "abc"}
+        first = (await ranker.rank("r0", request(40), replicas, no_index))[0]
+        ranker.on_routed("r0", first, request(40))
+
+        async def down(hashes):
+            raise ConnectionError("index actor restarting")
+        return first, (await ranker.rank("r1", request(40), replicas, down))[0]
+
+    first, second = asyncio.run(main())
+    assert second == first, "the prompt just sent there still counts as held there"
+
+
 def test_the_ranker_spreads_a_burst_frees_finished_prefill_and_keeps_turns_when_the_index_fails():
     chains = [[bytes([i, k]) * 8 for k in range(31)] for i in range(3)]  # page hashes name their prefix
     ranker = AffinityRanker(RoutingConfig(predicted_holder_ttl_s=30), rng=random.Random(0))
@@ -454,7 +470,7 @@ def test_the_serve_router_in_mirror_mode_scores_from_its_copy_of_the_index_feed(
     from cache_service.feed import ChangeFeed
     from cache_service.index import CacheIndex
 
-    index, feed = CacheIndex(), ChangeFeed()
+    index, feed = CacheIndex(), ChangeFeed(4_000_000)
 
     class FeedIndex:  # the actor's feed method, over a real index and feed
         class feed:
@@ -489,6 +505,23 @@ def test_the_serve_router_in_mirror_mode_scores_from_its_copy_of_the_index_feed(
     first, ids, fresh, stale = asyncio.run(main())
     assert replica_worker_id(first.replica_id) == ids[1] and fresh["index_fallbacks"] == 0
     assert stale["index_fallbacks"] == stale["index_unavailable"] == 1
+
+
+def test_an_index_actor_without_a_change_feed_turns_the_router_to_asking_it_per_request():
+    async def main():
+        replicas = fake_replicas(2)
+        ids = [replica_worker_id(r.replica_id) for r in replicas]
+        router = make_router(config=CFG.model_copy(update=dict(index_mode="mirror")), scores={ids[1]: (60, 60)})
+        router._index_handle = lambda: router._index  # an actor from an older cairn: score, no feed
+        router._mirror_sync = asyncio.get_running_loop().create_task(router._sync_mirror())
+        await asyncio.wait_for(router._mirror_sync, 5)
+        router.update_replicas(replicas)
+        router.ranker.loads[ids[1]] = ReplicaLoad(requests=1)
+        ranks = await router.choose_replicas(replicas, pending(request(60)))
+        return router._feed_missing, replica_worker_id(ranks[0][0].replica_id), ids, router.ranker.counts
+
+    missing, first, ids, counts = asyncio.run(main())
+    assert missing and first == ids[1] and counts["index_fallbacks"] == 0
 
 
 def test_the_replica_worker_id_is_the_full_serve_replica_id():
