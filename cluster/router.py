@@ -146,11 +146,12 @@ class PredictedHolders:
     prompt is the deepest of its hashes recorded for that replica. Records are kept for
     `keep_s` (at most `max_hashes` hashes in all, oldest dropped first); `pages` reads only those
     younger than the age it is given: the fresh ones (the index has not heard of them yet) or,
-    when the index cannot answer, everything remembered."""
+    when the index cannot answer, everything remembered. One flat dict per replica (hash -> time
+    last recorded), so a large memory is a handful of objects for the garbage collector."""
 
     def __init__(self, keep_s: float, clock: Callable[[], float] = time.monotonic, max_hashes: int = 1_000_000):
         self.keep_s, self._clock, self._max = keep_s, clock, max_hashes
-        self._at: dict[bytes, dict[str, float]] = {}  # hash -> replica -> when last recorded
+        self._at: dict[str, dict[bytes, float]] = {}  # replica -> hash -> when last recorded
         self._log: deque[tuple[float, str, list[bytes]]] = deque()
         self._size, self._last = 0, float("-inf")
 
@@ -158,8 +159,9 @@ class PredictedHolders:
         if self.keep_s <= 0 or not page_hashes or self._max <= 0:
             return
         at = self._last = max(self._clock(), math.nextafter(self._last, math.inf))  # distinct: a record's identity
+        held = self._at.setdefault(replica, {})
         for h in page_hashes:
-            self._at.setdefault(h, {})[replica] = at
+            held[h] = at
         self._log.append((at, replica, list(page_hashes)))
         self._size += len(page_hashes)
         self._purge()
@@ -170,18 +172,17 @@ class PredictedHolders:
         time, so a replica's fresh pages along a prompt are a prefix of it: its depth is found
         by bisection, O(replicas x log pages)."""
         self._purge()
-        first = self._at.get(page_hashes[0]) if page_hashes else None
-        if not first:
+        if not page_hashes:
             return {}
         since, out = self._clock() - max_age_s, {}
-        for replica, at in first.items():
-            if at <= since:
+        for replica, held in self._at.items():
+            at = held.get(page_hashes[0])
+            if at is None or at <= since:
                 continue
             lo, hi = 1, len(page_hashes)  # fresh at depth lo; not beyond hi
             while lo < hi:
                 mid = (lo + hi + 1) // 2
-                held = self._at.get(page_hashes[mid - 1])
-                at = held.get(replica) if held else None
+                at = held.get(page_hashes[mid - 1])
                 if at is not None and at > since:
                     lo = mid
                 else:
@@ -190,20 +191,21 @@ class PredictedHolders:
         return out
 
     def forget(self, replica: str) -> None:
-        for h in [h for h, holders in self._at.items() if holders.pop(replica, None) is not None and not holders]:
-            del self._at[h]
+        self._at.pop(replica, None)  # its log entries are skipped as they age out
 
     def _purge(self) -> None:
         since = self._clock() - self.keep_s
         while self._log and (self._log[0][0] <= since or self._size > self._max):
             at, replica, hashes = self._log.popleft()
             self._size -= len(hashes)
+            held = self._at.get(replica)
+            if held is None:
+                continue
             for h in hashes:
-                holders = self._at.get(h)
-                if holders is not None and holders.get(replica) == at:
-                    del holders[replica]
-                    if not holders:
-                        del self._at[h]
+                if held.get(h) == at:
+                    del held[h]
+            if not held:
+                del self._at[replica]
 
 
 def prompt_tokens(request: Any, page_size: int) -> int:
