@@ -61,12 +61,9 @@ def _expect(ok: bool, what: str, got: object) -> None:
 # ---------------------------------------------------------------- paged KV and attention
 
 
-def store_kv(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
-    """Write each token's K/V into its cache slot, cast to the cache dtype; negative slots are skipped.
-
-    key, value [T, H_kv, D]; k_cache, v_cache [num_pages, page_size, H_kv, D] (contiguous, written
-    in place); slot_mapping [T] int64, slot = page * page_size + offset_in_page.
-    """
+def _check_store_kv(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor,
+                    slot_mapping: Tensor) -> tuple[int, int]:
+    """store_kv's arguments as every implementation takes them; returns (H_kv, D)."""
     _expect_shape("k_cache", k_cache, "num_pages, page_size, H_kv, D", (None, None, None, None))
     _, _, h_kv, d = k_cache.shape
     _expect_shape("v_cache", v_cache, "num_pages, page_size, H_kv, D", tuple(k_cache.shape))
@@ -75,6 +72,16 @@ def store_kv(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_
     _expect_shape("value", value, "T, H_kv, D", tuple(key.shape))
     _expect_shape("slot_mapping", slot_mapping, "T", (key.shape[0],))
     _expect_dtype("slot_mapping", slot_mapping, torch.int64)
+    return h_kv, d
+
+
+def store_kv(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
+    """Write each token's K/V into its cache slot, cast to the cache dtype; negative slots are skipped.
+
+    key, value [T, H_kv, D]; k_cache, v_cache [num_pages, page_size, H_kv, D] (contiguous, written
+    in place); slot_mapping [T] int64, slot = page * page_size + offset_in_page.
+    """
+    h_kv, d = _check_store_kv(key, value, k_cache, v_cache, slot_mapping)
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     k_cache.view(-1, h_kv, d)[slots] = key[keep].to(k_cache.dtype)

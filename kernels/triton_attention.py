@@ -28,7 +28,7 @@ import triton.language as tl
 from torch import Tensor
 
 from kernels import triton_common as tc
-from kernels.reference import _check_paged, _expect, _expect_dtype, _expect_shape
+from kernels.reference import _check_paged, _check_store_kv, _expect, _expect_dtype, _expect_shape
 
 # Masked scores and empty running maxima are -1e30, a finite -inf: a row that sees nothing yet
 # (padding rows, empty splits) computes exp(0) * 0 instead of exp(nan).
@@ -163,14 +163,7 @@ def _sm_count(device: torch.device) -> int:
 
 def store_kv(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
     """See `reference.store_kv`."""
-    _expect_shape("k_cache", k_cache, "num_pages, page_size, H_kv, D", (None, None, None, None))
-    _, _, h_kv, d = k_cache.shape
-    _expect_shape("v_cache", v_cache, "num_pages, page_size, H_kv, D", tuple(k_cache.shape))
-    _expect(k_cache.is_contiguous() and v_cache.is_contiguous(), "contiguous caches", "strided ones")
-    _expect_shape("key", key, "T, H_kv, D", (None, h_kv, d))
-    _expect_shape("value", value, "T, H_kv, D", tuple(key.shape))
-    _expect_shape("slot_mapping", slot_mapping, "T", (key.shape[0],))
-    _expect_dtype("slot_mapping", slot_mapping, torch.int64)
+    h_kv, d = _check_store_kv(key, value, k_cache, v_cache, slot_mapping)
     if key.shape[0] == 0:
         return
     key, value = tc.unit_last(key), tc.unit_last(value)
