@@ -198,7 +198,8 @@ class IndexMirror:
         return self.index.score(page_hashes)
 
     def known_workers(self) -> int:
-        return len(self.index.workers())
+        """Workers the mirror knows, as of its last chunk (counted there, off the request path)."""
+        return int(self._gauges.get("index_mirror_workers", 0))
 
     def gauges(self) -> dict[str, float]:
         """What the mirror costs and how current it is, as of its last chunk: index_mirror_pages,
