@@ -91,12 +91,12 @@ class ChangeFeed:
         epoch or cursor is not this feed's."""
         if epoch != self.epoch or not self._first <= cursor <= self.cursor:
             return FeedChunk(self.epoch, self.cursor, snapshot_items(index), True, self.max_pages)
-        start = cursor - self._first
-        if start == len(self._items):
-            items = []
-        else:  # from the right end: a reader that keeps up reads the newest few of a long ring
-            newest = itertools.islice(reversed(self._items), 0, len(self._items) - start)
-            items = [(kind, payload) for kind, payload, _ in reversed(list(newest))][:max_items]
+        start, n = cursor - self._first, len(self._items)
+        if start >= n // 2:  # near the newest end (a reader keeping up): walk in from the right
+            picked = list(itertools.islice(reversed(self._items), 0, n - start))[::-1][:max_items]
+        else:
+            picked = list(itertools.islice(self._items, start, start + max_items))
+        items = [(kind, payload) for kind, payload, _ in picked]
         return FeedChunk(self.epoch, cursor + len(items), items, False, self.max_pages)
 
     async def wait(self, cursor: int, timeout_s: float) -> None:

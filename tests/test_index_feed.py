@@ -238,3 +238,15 @@ def test_with_the_page_bound_full_an_untrusted_workers_pages_count_in_the_mirror
         same_scores(m, index)
         for prompt in (H[:30], H[24:84]):
             assert m.score(prompt) == index.score(prompt)
+
+
+def test_a_read_returns_the_next_items_in_order_from_either_end_of_a_long_feed():
+    index, feed = CacheIndex(), ChangeFeed(4_000_000)
+    names = [f"w{k}" for k in range(10)]
+    for name in names:
+        feed.worker_dropped(name)
+    for cursor in range(11):
+        for max_items in (1, 3, 4096):
+            chunk = feed.read(index, feed.epoch, cursor, max_items)
+            assert not chunk.snapshot and [p for _, p in chunk.items] == names[cursor:cursor + max_items]
+            assert chunk.cursor == cursor + len(chunk.items)
