@@ -63,6 +63,7 @@ import ray  # noqa: E402
 logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
 
 from cluster.router import CacheAffinityRouter  # noqa: E402
+from workers import EngineSpec  # noqa: E402
 from plotting import OUT, pyplot, save  # noqa: E402  (benchmarks/plotting.py)
 
 POLICIES = ["cache_affinity", "pow2", "round_robin", "ray_prefix"]
@@ -145,6 +146,7 @@ def build_app(policy: str, args, model_dir: Path):
     base = RoutingConfig.from_yaml(args.routing) if args.routing else RoutingConfig()
     routing = base.model_copy(update=dict(policy=policy, index_actor_name=f"cairn-bench-index-{policy}",
                                           routing_stats_period_s=args.stats_period))
+    routing = routing.for_engines(EngineSpec.from_model_dir(model_dir))  # what the timed router is given
     app = build_application(model_dir, args.replicas, routing=routing, num_cpus=args.num_cpus,
                             num_gpus=args.num_gpus, served_model_name=MODEL)
     ingress = app._bound_deployment

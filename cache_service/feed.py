@@ -35,7 +35,8 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from cache_service.events import AllCleared, EventBatch, PagesStored, StateStored
-from cache_service.index import CacheIndex, WorkerScore
+from cache_service.index import CacheIndex
+from cache_service.scoring import WorkerScore
 
 # kinds of feed items: (BATCH, an encoded EventBatch the index applied), (DROP, worker id: the index
 # forgot it), (RESET, worker id: the index stopped trusting it after a gap; it scores 0/0 until its

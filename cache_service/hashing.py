@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import msgpack
 
@@ -52,11 +53,16 @@ def page_hashes(token_ids: Sequence[int], page_size: int, root: bytes, start: in
     return out
 
 
+def fingerprint(config: Mapping[str, Any], weight_files: Sequence[tuple[str, int]] = ()) -> str:
+    """Names a model's behaviour: its config (as config.json holds it) and the (name, size) of its
+    weight files. Every model fingerprint is made here, so pages of different models never meet."""
+    return _digest([json.dumps(config, sort_keys=True, default=list), sorted(weight_files)]).hex()
+
+
 def model_fingerprint(model_dir: str | Path) -> str:
-    """Names a checkpoint's behaviour: its config.json and the names and sizes of its weight
-    files. Two copies of the same checkpoint agree; a different model, or a retrained one with
-    a different config, does not share pages."""
+    """The fingerprint of a checkpoint directory: its config.json and the names and sizes of its
+    weight files. Two copies of the same checkpoint agree; a different model, or a retrained one
+    with a different config, does not share pages."""
     model_dir = Path(model_dir)
     config = json.loads((model_dir / "config.json").read_text())
-    files = sorted((p.name, p.stat().st_size) for p in model_dir.glob("*.safetensors"))
-    return _digest([json.dumps(config, sort_keys=True), files]).hex()
+    return fingerprint(config, [(p.name, p.stat().st_size) for p in model_dir.glob("*.safetensors")])

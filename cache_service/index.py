@@ -43,19 +43,9 @@ from typing import Protocol
 
 from cache_service.events import (AllCleared, Event, EventBatch, PagesRemoved, PagesStored,
                                   StateRemoved, StateStored)
+from cache_service.scoring import WorkerScore, walk_scores
 
 COUNTERS = ("batches_applied", "batches_ignored", "batches_refused", "gaps_detected", "pages_dropped")
-
-
-@dataclass(frozen=True)
-class WorkerScore:
-    """hit_pages: longest k with page_hashes[0:k] all resident on the worker.
-    state_pages: deepest j in 1..hit_pages with a state at page_hashes[j-1] there, 0 if none."""
-    hit_pages: int
-    state_pages: int
-
-
-ZERO = WorkerScore(0, 0)
 
 
 @dataclass(frozen=True)
@@ -79,36 +69,6 @@ class IndexStore(Protocol):
     def needing_resync(self) -> set[str]: ...
     def contents(self, worker: str) -> tuple[frozenset[bytes], frozenset[bytes]]: ...
     def stats(self) -> dict: ...
-
-
-def walk_scores(masks: Iterable[tuple[int, int]], trusted: int, bits: dict[str, int]) -> dict[str, WorkerScore]:
-    """Scores from the prompt's (page mask, state mask) pairs, in prompt order; `bits` maps every
-    known worker to its bit, `trusted` masks those that may score. Consumes `masks` only while
-    some trusted worker still matches (a lazy iterable stops fetching there)."""
-    alive, depth = trusted, 0
-    ends: list[tuple[int, int]] = []   # (hit_pages, workers whose run ends there)
-    marks: list[tuple[int, int]] = []  # (j, alive workers with a state at page j-1)
-    if alive:
-        for page_mask, state_mask in masks:
-            here = page_mask & alive
-            if here != alive:
-                ends.append((depth, alive & ~here))
-                alive = here
-                if not alive:
-                    break
-            depth += 1
-            s = state_mask & alive
-            if s:
-                marks.append((depth, s))
-    if alive:
-        ends.append((depth, alive))
-    out = {}
-    for worker, bit in bits.items():
-        m = 1 << bit
-        hit = next((d for d, ended in ends if ended & m), 0)
-        state = next((j for j, s in reversed(marks) if s & m), 0) if marks else 0
-        out[worker] = WorkerScore(hit, state) if hit else ZERO
-    return out
 
 
 class MemoryStore:

@@ -32,7 +32,8 @@ import msgpack
 import redis
 
 from cache_service.events import AllCleared, Event, PagesRemoved, PagesStored, StateRemoved, StateStored
-from cache_service.index import COUNTERS, MemoryStore, WorkerScore, WorkerStatus, walk_scores
+from cache_service.index import COUNTERS, MemoryStore, WorkerStatus
+from cache_service.scoring import WorkerScore, walk_scores
 
 
 class StoreSuperseded(RuntimeError):

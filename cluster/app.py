@@ -39,9 +39,9 @@ from typing import Any
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from cache_service.hashing import model_fingerprint, root_hash
 from cluster.api.engine_client import GenerateRequest
 from cluster.routing_config import RoutingConfig
+from workers.spec import EngineSpec
 
 log = logging.getLogger(__name__)
 DRAIN_INTERVAL_S = 0.05
@@ -127,7 +127,8 @@ class _IndexRef:
 class EngineReplica:
     """One engine per replica, its cache events published to the index."""
 
-    async def __init__(self, model_dir: str, engine_options: dict[str, Any], routing: dict[str, Any]):
+    async def __init__(self, model_dir: str, engine_options: dict[str, Any], routing: dict[str, Any],
+                       spec: EngineSpec):
         from cache_service.actor import EventPublisher, index_actor
         from cluster.router import replica_worker_id
         from workers import AsyncEngine
@@ -135,11 +136,14 @@ class EngineReplica:
         cfg = RoutingConfig.model_validate(routing)
         self.worker_id = replica_worker_id(serve.get_replica_context().replica_id)
         self.engine = AsyncEngine.from_pretrained(model_dir, worker_id=self.worker_id, **engine_options)
-        self.max_num_seqs = self.engine.engine.options.max_num_seqs
+        if self.engine.spec != spec:  # e.g. another copy of the model on this node
+            raise RuntimeError(f"this replica's engine is {self.engine.spec}, but the deployment was built for "
+                               f"{spec}: every replica must load the same checkpoint with the same options")
+        self.max_num_seqs = self.engine.max_num_seqs
         index = await asyncio.to_thread(index_actor, cfg.index_actor_name, cfg.index_actor_namespace,
                                         cfg.redis_url, cfg.namespace, cfg.index_max_pages)
         self.publisher = EventPublisher(self.worker_id, _IndexRef(cfg, index),
-                                        snapshot=lambda: self.engine.call(lambda e: e.snapshot_events()))
+                                        snapshot=self.engine.snapshot_events)
         self._metrics: dict[str, float] = {}
         self._drain = asyncio.get_running_loop().create_task(self._drain_loop())
 
@@ -147,7 +151,7 @@ class EngineReplica:
         """Moves cache events from the engine to the publisher, and refreshes load numbers."""
         while True:
             try:
-                batch = await self.engine.call(lambda e: e.drain_events())
+                batch = await self.engine.drain_events()
                 self.publisher.publish(batch)
                 self._metrics = await self.engine.metrics()
             except Exception:  # never let reporting take the replica down
@@ -155,12 +159,9 @@ class EngineReplica:
             await asyncio.sleep(DRAIN_INTERVAL_S)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Any]:
-        first = True
         async for out in self.engine.generate(
-                request.prompt_token_ids, request.params, request.request_id, cache_salt=request.cache_salt,
+                request.prompt_token_ids, request.params, request.request_id, hash_root=request.hash_root,
                 page_hashes=request.page_hashes, checkpoint_hints=request.checkpoint_hints):
-            if first:  # who served it travels with the first output (see REPLICA_HEADER)
-                out.worker_id, first = self.worker_id, False
             yield out
 
     async def abort(self, request_id: str) -> bool:
@@ -172,9 +173,8 @@ class EngineReplica:
     async def cache_contents(self) -> tuple[str, frozenset[bytes], frozenset[bytes]]:
         """(worker id, page hashes, state page hashes) resident now: what the index should hold
         for this replica once its events are in (`handle.broadcast("cache_contents")`)."""
-        pages, states = await self.engine.call(lambda e: e.cache.snapshot())
-        held = frozenset(h for h, _ in pages)
-        return self.worker_id, held, frozenset(states) & held
+        pages, states = await self.engine.cache_contents()
+        return self.worker_id, pages, states
 
     def record_routing_stats(self) -> dict[str, float]:
         from cluster.router import routing_stats
@@ -190,27 +190,22 @@ class EngineReplica:
 class HandleEngineClient:
     """The `EngineClient` the ingress uses: engine replicas behind a DeploymentHandle."""
 
-    def __init__(self, handle: DeploymentHandle, model_dir: Path, page_size: int, max_model_len: int):
-        self.handle = handle
-        self.page_size, self.max_model_len = page_size, max_model_len
-        self._fingerprint = model_fingerprint(model_dir)  # what every replica's engine hashes under
+    def __init__(self, handle: DeploymentHandle, spec: EngineSpec):
+        self.handle, self.spec = handle, spec  # every replica checked it loads this spec
         self._streams: dict[str, Any] = {}
-
-    def hash_root(self, cache_salt: str | None) -> bytes:
-        return root_hash(self._fingerprint, self.page_size, cache_salt)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Any]:
         stream = self.handle.options(stream=True).generate.remote(request)
         self._streams[request.request_id] = stream
-        finished = False
+        finished, first = False, True
         served = _served_by.get()
         try:
             async for out in stream:
-                worker = getattr(out, "worker_id", None)
-                if worker is not None:  # the first output: the prompt is computed
+                if first:  # the prompt is computed; its replica is who served it (REPLICA_HEADER)
+                    first = False
                     prefill_done(request.request_id)
                     if served is not None:
-                        served.append(worker)
+                        served.append(out.worker_id)
                 finished = out.finished
                 yield out
         finally:
@@ -236,14 +231,10 @@ class HandleEngineClient:
 class Ingress:
     """The HTTP front: `cluster.api.build_app` over the engine deployment's handle."""
 
-    def __init__(self, engine: DeploymentHandle, model_dir: str, page_size: int, max_model_len: int | None,
+    def __init__(self, engine: DeploymentHandle, model_dir: str, spec: EngineSpec,
                  served_model_name: str | None = None, api_key: str | None = None):
-        from workers.model import ModelConfig
-
-        cfg = ModelConfig.from_file(Path(model_dir) / "config.json")
-        limit = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.model_dir, self.served_model_name, self.api_key = Path(model_dir), served_model_name, api_key
-        self.client = HandleEngineClient(engine, self.model_dir, page_size, limit)
+        self.client = HandleEngineClient(engine, spec)
 
     def __serve_build_asgi_app__(self):
         from cluster.api import build_app
@@ -288,16 +279,12 @@ def build_application(model_dir: str | Path | None = None, replicas: int = 2, *,
     `max_ongoing_requests` per engine replica defaults to the engine's max_num_seqs;
     `health_check_period_s` (Serve's default: 10) is how often the controller checks a replica,
     hence how soon it replaces one that died."""
-    from workers.demo import demo_model_dir
-    from workers.options import EngineOptions
+    from workers import EngineOptions, EngineSpec, demo_model_dir
 
     model_dir = str(model_dir or demo_model_dir("tiny"))
-    routing = routing or RoutingConfig()
     options = dict(engine_options or {})
-    options.setdefault("page_size", routing.page_size)
-    if options["page_size"] != routing.page_size:
-        raise ValueError(f"engine page_size {options['page_size']} differs from routing page_size "
-                         f"{routing.page_size}: the router would score the wrong pages")
+    spec = EngineSpec.from_model_dir(model_dir, EngineOptions.from_kwargs(**options))
+    routing = (routing or RoutingConfig()).for_engines(spec)
     placement: dict[str, Any] = dict(num_cpus=num_cpus, num_gpus=num_gpus)
     extra: dict[str, Any] = {}
     if health_check_period_s is not None:
@@ -308,12 +295,11 @@ def build_application(model_dir: str | Path | None = None, replicas: int = 2, *,
         max_ongoing_requests=max_ongoing_requests or options.get("max_num_seqs", EngineOptions.max_num_seqs),
         **extra,
         **({"autoscaling_config": autoscaling} if autoscaling else {"num_replicas": replicas}),
-    ).bind(model_dir, options, routing.model_dump())
+    ).bind(model_dir, options, routing.model_dump(), spec)
     ingress = serve.deployment(serve.ingress()(Ingress), name="Ingress", num_replicas=ingress_replicas,
                                max_ongoing_requests=ingress_max_ongoing_requests,
                                ray_actor_options=dict(num_cpus=min(num_cpus, 0.25)))
-    return ingress.bind(engine, model_dir, options["page_size"], options.get("max_model_len"),
-                        served_model_name, api_key)
+    return ingress.bind(engine, model_dir, spec, served_model_name, api_key)
 
 
 def app_builder(args: dict[str, Any]):

@@ -10,9 +10,9 @@ Per request the router reads the cache index's scores and ranks replicas by cost
   `index_timeout_ms`).
 Cost:
     cost = prefill tokens left after the resume point + load_weight * load tokens
-- resume point: min(resume_pages * page_size, n - 1) for an n-token prompt, where resume_pages
-  is the deepest state checkpoint under the page hit for a hybrid model (pages without a usable
-  state count for nothing), and the page hit itself for an attention-only model;
+- resume point: `cache_service.scoring.resume_at_token` of the replica's score (for a hybrid
+  model its deepest state checkpoint under the page hit: pages without a usable state count for
+  nothing; for an attention-only model the page hit itself);
 - load tokens: the prefill tokens left of requests this router has in flight there (a request's
   prefill counts until the ingress sees its first output: `cluster.app.prefill_done`), plus
   `request_load_tokens` per in-flight request (the larger of this router's count and the
@@ -56,6 +56,7 @@ from typing import Any, Protocol
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from cache_service.feed import IndexMirror
+from cache_service.scoring import resume_at_token
 from cluster.routing_config import RoutingConfig
 
 logger = logging.getLogger(__name__)
@@ -114,12 +115,6 @@ def reported_load(own: ReplicaLoad | None, stats: Mapping[str, Any] | None) -> R
                        max(fraction("pages_in_use", "pages_total"), fraction("states_in_use", "states_total")))
 
 
-def resume_at_token(score: Score, num_prompt_tokens: int, page_size: int, hybrid_model: bool) -> int:
-    """Tokens a replica skips for this prompt (design rule 4); the last token is always computed."""
-    hit_pages, state_pages = score
-    return max(0, min((state_pages if hybrid_model else hit_pages) * page_size, num_prompt_tokens - 1))
-
-
 def load_tokens(load: ReplicaLoad, config: RoutingConfig) -> float:
     requests = max(load.requests, load.reported_requests)
     return load.tokens + config.request_load_tokens * requests + config.occupancy_load_tokens * load.occupancy
@@ -134,7 +129,7 @@ def rank_replicas(replicas: Sequence[str], scores: Mapping[str, Score], loads: M
     least = min(busy.values(), default=0)
 
     def key(r: str) -> tuple[bool, float, float]:
-        resume = resume_at_token(scores.get(r, (0, 0)), num_prompt_tokens, config.page_size, config.hybrid_model)
+        resume = resume_at_token(*scores.get(r, (0, 0)), num_prompt_tokens, config.page_size, config.hybrid_model)
         cost = num_prompt_tokens - resume + config.load_weight * load_tokens(loads.get(r, empty), config)
         return busy[r] - least >= config.spill_limit, cost, rng.random()
     return sorted(replicas, key=key)
@@ -234,6 +229,9 @@ class AffinityRanker:
 
     def __init__(self, config: RoutingConfig, clock: Callable[[], float] = time.monotonic,
                  rng: random.Random | None = None, on_fallback: Callable[[str], None] | None = None):
+        if config.page_size is None or config.hybrid_model is None:
+            raise ValueError("the routing config lacks the engines' page_size and hybrid_model: "
+                             "use RoutingConfig.for_engines(spec) (build_application does)")
         self.config, self._clock, self._rng, self._on_fallback = config, clock, rng or random.Random(), on_fallback
         self.predicted = PredictedHolders(max(config.predicted_holder_ttl_s, config.fallback_memory_s), clock,
                                           max(config.fallback_memory_pages, self.MIN_PREDICTED_HASHES))
@@ -259,7 +257,7 @@ class AffinityRanker:
         scores = await self._scores(hashes, score) if hashes else {}
         loads = {r: reported_load(self._own_load(r), stats) for r, stats in replicas.items()}
         order = rank_replicas(list(replicas), scores, loads, cfg, n, self._rng)
-        prefill = {r: n - resume_at_token(scores.get(r, (0, 0)), n, cfg.page_size, cfg.hybrid_model)
+        prefill = {r: n - resume_at_token(*scores.get(r, (0, 0)), n, cfg.page_size, cfg.hybrid_model)
                    for r in replicas}
         self._prefill[request_id] = prefill
         while len(self._prefill) > 4096:  # requests cancelled before routing leave entries behind

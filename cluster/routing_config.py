@@ -74,11 +74,13 @@ class RoutingConfig(BaseModel):
     fallback_memory_pages: int = Field(
         500_000, ge=0, description="Bound on the page hashes that memory holds (oldest forgotten first; "
         "roughly 150 bytes each; at least 10,000 are kept for the fresh predictions).")
-    page_size: int = Field(
-        16, ge=1, description="Tokens per KV page; must equal the engines' page size (the page hashes' unit).")
-    hybrid_model: bool = Field(
-        True, description="The model has recurrent layers: a replica resumes at its deepest state "
-        "checkpoint, pages beyond it are recomputed. False: it resumes at its page hit (attention only).")
+    page_size: int | None = Field(
+        None, ge=1, description="Tokens per KV page (the page hashes' unit). Leave it unset: the deployment "
+        "takes it from the engines (workers.EngineSpec); a value that differs from theirs fails the deploy.")
+    hybrid_model: bool | None = Field(
+        None, description="The model has recurrent layers: a replica resumes at its deepest state "
+        "checkpoint, pages beyond it are recomputed; false: at its page hit (attention only). Leave it unset: "
+        "the deployment takes it from the engines; a value that differs from theirs fails the deploy.")
     routing_stats_period_s: float = Field(
         2.0, gt=0, description="How often Serve collects each replica's record_routing_stats().")
     redis_url: str | None = Field(
@@ -108,6 +110,17 @@ class RoutingConfig(BaseModel):
             problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or '(top)'}: {err['msg']} "
                                  f"(got {err.get('input')!r})" for err in e.errors())
             raise ValueError(f"{path}: invalid routing config: {problems}") from None
+
+    def for_engines(self, spec: Any) -> RoutingConfig:
+        """This config with the engines' `page_size` and `hybrid_model` (from their
+        `workers.EngineSpec`); a value set here that differs is a ValueError naming both."""
+        engines = {"page_size": spec.page_size, "hybrid_model": spec.recurrent}
+        for name, value in engines.items():
+            mine = getattr(self, name)
+            if mine is not None and mine != value:
+                raise ValueError(f"routing {name} is {mine!r} but the engines' is {value!r}: the router would "
+                                 f"score the wrong pages; leave {name} out of the routing config")
+        return self.model_copy(update=engines)
 
     @property
     def router_class(self) -> str:

@@ -13,7 +13,7 @@ import pytest
 from cluster.api import build_app
 from cluster.api.engine_client import LocalEngineClient
 from cluster.api.server import BackgroundServer
-from workers import AsyncEngine
+from workers import AsyncEngine, EngineSpec
 
 MODEL, KEY = "tiny", "k3y"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -216,13 +216,10 @@ def test_a_client_that_gives_up_on_a_non_streamed_answer_frees_its_pages(server,
 
 # ---- queue full and internal faults, through a scripted client ---------------------------------
 class FaultyClient:
-    max_model_len, page_size = 4096, 16
+    spec = EngineSpec(fingerprint="scripted", page_size=16, max_model_len=4096, recurrent=True, vocab_size=512)
 
     def __init__(self):
         self.waiting, self.fail_after = 0, None
-
-    def hash_root(self, cache_salt):
-        return b"\0" * 16
 
     async def generate(self, request):
         from workers import EngineError, RequestOutput

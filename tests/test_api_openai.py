@@ -11,12 +11,11 @@ import openai
 import pytest
 from tokenizers import Tokenizer
 
-from cache_service.hashing import root_hash
 from cluster.api import build_app
 from cluster.api.chat_template import ChatTemplate
 from cluster.api.engine_client import LocalEngineClient
 from cluster.api.server import BackgroundServer
-from workers import AsyncEngine, RequestOutput
+from workers import AsyncEngine, EngineSpec, RequestOutput
 
 MODEL = "tiny"
 GREEDY = dict(temperature=0, max_tokens=12, extra_body={"ignore_eos": True})
@@ -222,14 +221,11 @@ def test_metrics_report_requests_latency_and_tokens(server, client):
 class ScriptedClient:
     """An EngineClient that answers every request with `script`, one token per output."""
 
-    max_model_len, page_size = 4096, 16
+    spec = EngineSpec(fingerprint="scripted", page_size=16, max_model_len=4096, recurrent=True, vocab_size=512)
 
     def __init__(self):
         self.script: list[int] = []
         self.requests = []
-
-    def hash_root(self, cache_salt):
-        return root_hash("scripted", self.page_size, cache_salt)
 
     async def generate(self, request):
         self.requests.append(request)
@@ -328,7 +324,9 @@ def test_the_ingress_hashes_pages_and_marks_message_starts(scripted, tok):
     scripted_chat(plain.url, extra_body={"cache_salt": "tenant-a"})
     req = fake.requests[-1]
     assert len(req.page_hashes) == len(req.prompt_token_ids) // 16
-    assert req.cache_salt == "tenant-a" and req.messages[1]["role"] == "user"
+    assert req.hash_root == fake.spec.hash_root("tenant-a") != fake.spec.hash_root(None)
+    assert req.page_hashes == fake.spec.page_hashes(req.prompt_token_ids, req.hash_root)
+    assert req.messages[1]["role"] == "user"
     starts = [len(tok.encode(req.prompt[:c]).ids) for c in (req.prompt.index("<|im_start|>user"),
                                                             req.prompt.rindex("<|im_start|>assistant"))]
     assert req.checkpoint_hints == starts

@@ -10,7 +10,8 @@ import pytest
 from cache_service.events import (AllCleared, EventBatch, EventDecodeError, EventStream, PagesRemoved,
                                   PagesStored, StateRemoved, StateStored)
 from cache_service.hashing import next_page_hash, root_hash
-from cache_service.index import CacheIndex, WorkerScore
+from cache_service.index import CacheIndex
+from cache_service.scoring import WorkerScore
 
 H = [bytes([i]) * 16 for i in range(20)]
 

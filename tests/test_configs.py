@@ -29,7 +29,7 @@ def load(name: str) -> dict:
 
 
 def engine_of(app):
-    """The Engine deployment and its bound (model_dir, engine_options, routing) of a built app."""
+    """The Engine deployment and its bound (model_dir, engine_options, routing, spec) of a built app."""
     ingress = app._bound_deployment
     assert ingress.name == "Ingress"
     engine = ingress.init_args[0]._bound_deployment
@@ -49,7 +49,7 @@ def test_serve_yaml_is_a_serve_deploy_config_whose_app_builds_gpu_engine_replica
     assert app.import_path == "cluster.app:app_builder" and app.route_prefix == "/"
     args = app.args
     assert {"model_dir", "replicas", "engine_options", "routing", "num_cpus", "num_gpus"} <= args.keys()
-    engine, (model_dir, engine_options, routing) = engine_of(app_builder(args))
+    engine, (model_dir, engine_options, routing, _) = engine_of(app_builder(args))
     assert engine.ray_actor_options["num_gpus"] == args["num_gpus"] == 1
     assert engine.ray_actor_options["num_cpus"] == args["num_cpus"]
     assert engine.num_replicas == args["replicas"]
@@ -61,8 +61,8 @@ def test_serve_yaml_is_a_serve_deploy_config_whose_app_builds_gpu_engine_replica
 
 
 def test_app_builder_takes_routing_as_a_path_and_refuses_unknown_keys():
-    engine, (_, _, routing) = engine_of(app_builder({"routing": "configs/routing.yaml", "replicas": 3}))
-    assert RoutingConfig.model_validate(routing) == RoutingConfig.from_yaml(CONFIGS / "routing.yaml")
+    engine, (_, _, routing, spec) = engine_of(app_builder({"routing": "configs/routing.yaml", "replicas": 3}))
+    assert RoutingConfig.model_validate(routing) == RoutingConfig.from_yaml(CONFIGS / "routing.yaml").for_engines(spec)
     assert engine.num_replicas == 3
     with pytest.raises(TypeError, match="replica"):
         app_builder({"replica": 3})
@@ -108,12 +108,26 @@ def test_local_yaml_builds_two_cpu_replicas_of_the_demo_model_with_the_in_memory
     config = ServeDeploySchema.model_validate(load("local.yaml"))
     assert (config.http_options.host, config.http_options.port) == ("127.0.0.1", 8000)
     (app,) = config.applications
-    engine, (model_dir, _, routing) = engine_of(app_builder(app.args))
+    engine, (model_dir, _, routing, spec) = engine_of(app_builder(app.args))
     assert engine.num_replicas == 2
     assert engine.ray_actor_options.get("num_gpus", 0) == 0 and 0 < engine.ray_actor_options["num_cpus"] <= 1
     assert routing["redis_url"] is None, "in-memory index"
     assert Path(model_dir).is_dir() and json.loads((Path(model_dir) / "config.json").read_text())["model_type"] \
         == "qwen3_next"
+
+
+def test_routing_takes_page_size_and_hybrid_model_from_the_engines_and_refuses_others():
+    from workers import EngineSpec
+
+    _, (model_dir, _, routing, spec) = engine_of(app_builder({"engine_options": {"page_size": 8}}))
+    assert spec == EngineSpec.from_model_dir(model_dir, __import__("workers").EngineOptions(page_size=8))
+    assert (routing["page_size"], routing["hybrid_model"]) == (8, True) == (spec.page_size, spec.recurrent)
+    ingress_spec = app_builder({"engine_options": {"page_size": 8}})._bound_deployment.init_args[2]
+    assert ingress_spec == spec, "the ingress hashes with the engines' spec"
+    with pytest.raises(ValueError, match="routing page_size is 16 but the engines' is 8"):
+        app_builder({"engine_options": {"page_size": 8}, "routing": {"page_size": 16}})
+    with pytest.raises(ValueError, match="routing hybrid_model is False but the engines' is True"):
+        app_builder({"routing": {"hybrid_model": False}})
 
 
 def test_cairn_serve_deploys_local_yaml_when_no_config_is_given(tmp_path, monkeypatch):

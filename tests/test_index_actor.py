@@ -267,7 +267,7 @@ def test_a_serve_deployment_routes_to_the_replica_the_index_names(actor_name, in
         messages: list | None = None
 
     config = RoutingConfig(index_actor_name=actor_name, index_mode=index_mode, index_timeout_ms=2000,
-                           predicted_holder_ttl_s=0, routing_stats_period_s=0.5)
+                           predicted_holder_ttl_s=0, routing_stats_period_s=0.5, page_size=16, hybrid_model=True)
     index = index_actor(actor_name, num_cpus=0.01)
 
     @serve.deployment(num_replicas=2, ray_actor_options={"num_cpus": 0},

@@ -11,7 +11,8 @@ import pytest
 
 from cache_service.events import EventStream, PagesRemoved, PagesStored, StateRemoved, StateStored
 from cache_service.feed import ChangeFeed, IndexMirror
-from cache_service.index import ZERO, CacheIndex
+from cache_service.index import CacheIndex
+from cache_service.scoring import ZERO
 
 H = [bytes([i, j]) * 8 for i in range(4) for j in range(24)]  # 4 chains of 24 pages
 CHAINS = [H[24 * i:24 * (i + 1)] for i in range(4)]

@@ -96,7 +96,7 @@ def test_divergence_inside_page_k_keeps_the_k_pages_before_it_hybrid(tiny_model_
     b[3 * PS + 7] = (b[3 * PS + 7] + 1) % 200
     assert engine.generate([b], GREEDY)[0].cached_tokens == 3 * PS
     # With the deepest checkpoint gone, the next one down is used (never zero while one exists).
-    root = engine.hash_root()
+    root = engine.spec.hash_root()
     hashes = page_hashes(a, PS, root)
     assert engine.cache.remove_checkpoint(hashes[2])
     c = list(a)
@@ -133,7 +133,7 @@ def test_a_resumed_request_computes_what_a_cold_one_computes(warm_and_cold, poli
     engine.generate([base], GREEDY)
     warm = engine.generate([second], GREEDY)[0]
     salt = f"cold-{engine.stats.steps}"  # a fresh salt shares nothing: a cold run, same engine
-    rid = engine.add_request(second, GREEDY, cache_salt=salt)
+    rid = engine.add_request(second, GREEDY, hash_root=engine.spec.hash_root(salt))
     cold = None
     while cold is None or not cold.finished:
         for out in engine.step():
@@ -168,7 +168,7 @@ def test_different_cache_salts_never_share_a_page(tiny_model_dir):
     p = prompt(5 * PS, 9)
 
     def run(salt):
-        rid = engine.add_request(p, GREEDY, cache_salt=salt)
+        rid = engine.add_request(p, GREEDY, hash_root=engine.spec.hash_root(salt))
         while True:
             for out in engine.step():
                 if out.request_id == rid and out.finished:
@@ -178,7 +178,7 @@ def test_different_cache_salts_never_share_a_page(tiny_model_dir):
     assert run("bob") == 0
     assert run(None) == 0
     assert run("alice") > 0
-    assert page_hashes(p, PS, engine.hash_root("alice"))[0] != page_hashes(p, PS, engine.hash_root("bob"))[0]
+    assert page_hashes(p, PS, engine.spec.hash_root("alice"))[0] != page_hashes(p, PS, engine.spec.hash_root("bob"))[0]
 
 
 def replay_matches(engine, index):

@@ -8,12 +8,13 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from cache_service.scoring import resume_at_token
 from cluster.router import (AffinityRanker, PredictedHolders, ReplicaLoad, rank_replicas, replica_worker_id,
-                            reported_load, resume_at_token, routing_stats)
+                            reported_load, routing_stats)
 from cluster.routing_config import RoutingConfig
 
 PAGE = 16
-CFG = RoutingConfig(page_size=PAGE, load_weight=0.5, request_load_tokens=256, occupancy_load_tokens=2048,
+CFG = RoutingConfig(page_size=PAGE, hybrid_model=True, load_weight=0.5, request_load_tokens=256, occupancy_load_tokens=2048,
                     spill_limit=4, predicted_holder_ttl_s=2.0, index_mode="remote", index_timeout_ms=50)
 H = [bytes([i]) * 16 for i in range(200)]
 
@@ -38,15 +39,15 @@ def rank(scores, loads=None, n=1000, config=CFG, replicas=("a", "b", "c"), seed=
 # ---- the resume point (design rule 4) --------------------------------------------------------
 
 def test_a_hybrid_model_resumes_at_its_deepest_state_and_an_attention_model_at_its_page_hit():
-    assert resume_at_token((10, 6), 1000, PAGE, hybrid_model=True) == 96
-    assert resume_at_token((10, 6), 1000, PAGE, hybrid_model=False) == 160
-    assert resume_at_token((10, 0), 1000, PAGE, hybrid_model=True) == 0
+    assert resume_at_token(10, 6, 1000, PAGE, recurrent=True) == 96
+    assert resume_at_token(10, 6, 1000, PAGE, recurrent=False) == 160
+    assert resume_at_token(10, 0, 1000, PAGE, recurrent=True) == 0
 
 
 def test_the_last_prompt_token_is_always_computed():
-    assert resume_at_token((4, 4), 64, PAGE, hybrid_model=True) == 63
-    assert resume_at_token((4, 4), 1, PAGE, hybrid_model=False) == 0
-    assert resume_at_token((0, 0), 0, PAGE, hybrid_model=True) == 0
+    assert resume_at_token(4, 4, 64, PAGE, recurrent=True) == 63
+    assert resume_at_token(4, 4, 1, PAGE, recurrent=False) == 0
+    assert resume_at_token(0, 0, 0, PAGE, recurrent=True) == 0
 
 
 # ---- ranking ---------------------------------------------------------------------------------
@@ -250,7 +251,7 @@ def test_with_the_memory_off_a_down_index_still_leaves_the_fresh_predictions():
 
 def test_the_ranker_spreads_a_burst_frees_finished_prefill_and_keeps_turns_when_the_index_fails():
     chains = [[bytes([i, k]) * 8 for k in range(31)] for i in range(3)]  # page hashes name their prefix
-    ranker = AffinityRanker(RoutingConfig(predicted_holder_ttl_s=30), rng=random.Random(0))
+    ranker = AffinityRanker(RoutingConfig(predicted_holder_ttl_s=30, page_size=16, hybrid_model=True), rng=random.Random(0))
     replicas = {"a": {}, "b": {}, "c": {}}
 
     async def slow_index(hashes):

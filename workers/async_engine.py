@@ -20,14 +20,13 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from cache_service.events import EventBatch
 from workers.engine import Engine, RequestOutput
+from workers.errors import EngineError
 from workers.sampling_params import SamplingParams
+from workers.spec import EngineSpec
 
 log = logging.getLogger(__name__)
-
-
-class EngineError(RuntimeError):
-    """An internal fault while a request was running (not the caller's doing)."""
 
 
 class AsyncEngine:
@@ -43,6 +42,18 @@ class AsyncEngine:
     def from_pretrained(cls, model_dir: str | Path, **options: object) -> "AsyncEngine":
         return cls(Engine.from_pretrained(model_dir, **options))
 
+    @property
+    def spec(self) -> EngineSpec:
+        return self.engine.spec
+
+    @property
+    def worker_id(self) -> str:
+        return self.engine.worker_id
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.engine.options.max_num_seqs
+
     async def _call(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
@@ -52,17 +63,17 @@ class AsyncEngine:
             self._loop_task = asyncio.get_running_loop().create_task(self._run())
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
-                       request_id: str | None = None, *, cache_salt: str | None = None,
+                       request_id: str | None = None, *, hash_root: bytes | None = None,
                        page_hashes: list[bytes] | None = None,
                        checkpoint_hints: list[int] | None = None) -> AsyncIterator[RequestOutput]:
-        """Streams outputs of one request; raises ValueError at once for a request the engine
-        refuses. Keyword arguments as for `Engine.add_request`."""
+        """Streams outputs of one request; raises `RequestRejected` at once for a request the
+        engine refuses. Keyword arguments as for `Engine.add_request`."""
         self._ensure_loop()
         request_id = request_id if request_id is not None else f"async-{next(self._ids)}"
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
         add = functools.partial(self.engine.add_request, prompt_token_ids, params, request_id,
-                                cache_salt=cache_salt, page_hashes=page_hashes, checkpoint_hints=checkpoint_hints)
+                                hash_root=hash_root, page_hashes=page_hashes, checkpoint_hints=checkpoint_hints)
         try:
             await self._call(add)
         except BaseException:
@@ -89,8 +100,20 @@ class AsyncEngine:
         """`Engine.metrics()`, read on the engine thread (never mid-step)."""
         return await self._call(self.engine.metrics)
 
+    async def drain_events(self) -> EventBatch | None:
+        """`Engine.drain_events()`, on the engine thread."""
+        return await self._call(self.engine.drain_events)
+
+    async def snapshot_events(self) -> EventBatch:
+        """`Engine.snapshot_events()`, on the engine thread."""
+        return await self._call(self.engine.snapshot_events)
+
+    async def cache_contents(self) -> tuple[frozenset[bytes], frozenset[bytes]]:
+        """`Engine.cache_contents()`, on the engine thread."""
+        return await self._call(self.engine.cache_contents)
+
     async def call(self, fn, *args):
-        """Runs `fn(engine, *args)` on the engine thread, between steps (snapshots, admin)."""
+        """Runs `fn(engine, *args)` on the engine thread, between steps (tests, admin)."""
         return await self._call(fn, self.engine, *args)
 
     async def abort(self, request_id: str) -> bool:

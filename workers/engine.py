@@ -4,7 +4,7 @@
 the pools from `EngineOptions`. `add_request` validates a prompt and queues it; `step` schedules,
 runs the model once and samples, returning a `RequestOutput` for every request that produced a
 token or finished; `generate` runs a batch to completion. A request that can never fit (prompt
-beyond `max_model_len`, more pages than the pool has) is refused with `ValueError` at
+beyond `max_model_len`, more pages than the pool has) is refused with `RequestRejected` at
 `add_request`, never halfway through.
 
 Stops: EOS ids from config.json and generation_config.json (unless `ignore_eos`), `stop_token_ids`, `max_tokens`, or the
@@ -13,7 +13,6 @@ model's length (`finish_reason` "stop" / "length"; "abort" for `abort`).
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import json
 from dataclasses import dataclass
@@ -22,9 +21,10 @@ from pathlib import Path
 import torch
 
 from cache_service.events import EventBatch, EventStream
-from cache_service.hashing import DIGEST_BYTES, model_fingerprint, root_hash
+from cache_service.hashing import DIGEST_BYTES, model_fingerprint
 from workers.checkpoint_policy import END, CheckpointPolicy
 from workers.checkpoint_store import CheckpointStore
+from workers.errors import RequestRejected
 from workers.memory_budget import MemoryBudget
 from workers.model import ModelConfig, Qwen3NextForCausalLM, load_model
 from workers.options import EngineOptions
@@ -35,6 +35,7 @@ from workers.sampler import Sampler
 from workers.sampling_params import SamplingParams
 from workers.scheduler import Scheduler, Segment, StepPlan
 from workers.sequence import Sequence, TokenLogprob
+from workers.spec import EngineSpec
 from workers.state_pool import StatePool
 
 
@@ -48,6 +49,7 @@ class RequestOutput:
     cached_tokens: int
     finish_reason: str | None = None
     num_preemptions: int = 0
+    worker_id: str = "local"  # the engine that produced it (its cache index worker id)
 
     @property
     def finished(self) -> bool:
@@ -88,9 +90,9 @@ class Engine:
         cfg: ModelConfig = model.config
         self.config = cfg
         dtype = next(model.parameters()).dtype
-        self.max_model_len = min(options.max_model_len or cfg.max_position_embeddings,
-                                 cfg.max_position_embeddings)
-        self.memory = mem = MemoryBudget.plan(cfg, options, dtype, self.max_model_len)
+        self.spec = EngineSpec.of(cfg, options, fingerprint)
+        self.worker_id = worker_id
+        self.memory = mem = MemoryBudget.plan(cfg, options, dtype, self.spec.max_model_len)
         # A checkpoint is judged once the conversations in flight had time to come back to it.
         self.policy = CheckpointPolicy(options.cache_policy, tail_guard=options.tail_guard,
                                        interval_pages=options.checkpoint_interval_pages, seed=options.seed,
@@ -104,8 +106,6 @@ class Engine:
         self.runner = ModelRunner(model, mem.num_pages, options.page_size, options.max_num_seqs + mem.max_checkpoints)
         self.sampler = Sampler(options.seed)
         self.eos_token_ids = frozenset(cfg.eos_token_ids)
-        # Page hashes are namespaced by the model: the same tokens under another model never match.
-        self.fingerprint = fingerprint or hashlib.blake2b(repr(cfg).encode(), digest_size=16).hexdigest()
         self.events = EventStream(worker_id)
         self.stats = EngineStats()
         self._requests: dict[str, Sequence] = {}
@@ -120,45 +120,46 @@ class Engine:
         engine.eos_token_ids |= generation_eos_ids(Path(model_dir))
         return engine
 
-    def hash_root(self, cache_salt: str | None = None) -> bytes:
-        """The root of this engine's page-hash chains (what the ingress hashes with)."""
-        return root_hash(self.fingerprint, self.options.page_size, cache_salt)
-
     # ---- requests --------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, *, cache_salt: str | None = None,
+                    request_id: str | None = None, *, hash_root: bytes | None = None,
                     page_hashes: list[bytes] | None = None, checkpoint_hints: list[int] | None = None) -> str:
-        """Queues a prompt. `page_hashes` (from the ingress, hashed with `hash_root(cache_salt)`)
-        saves hashing here; `checkpoint_hints` are token positions (message starts) where a
-        state checkpoint may pay off."""
+        """Queues a prompt; raises `RequestRejected` naming the field at fault. `hash_root`
+        (`spec.hash_root(cache_salt)`, default: no salt) roots its page hashes; `page_hashes`
+        (from the ingress, under that root) save hashing here; `checkpoint_hints` are token
+        positions (message starts) where a state checkpoint may pay off."""
         params = params or SamplingParams()
         prompt = list(prompt_token_ids)
-        vocab = self.config.vocab_size
+        spec = self.spec
         if not prompt:
-            raise ValueError("prompt must hold at least one token")
-        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in prompt):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-        if any(t >= vocab for t in params.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be in [0, {vocab})")
-        if len(prompt) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(prompt)} tokens; this model allows at most "
-                             f"{self.max_model_len - 1} (max_model_len {self.max_model_len} minus one to generate)")
-        total = min(len(prompt) + params.max_tokens, self.max_model_len)
+            raise RequestRejected("prompt must hold at least one token", "prompt")
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < spec.vocab_size for t in prompt):
+            raise RequestRejected(f"prompt token ids must be integers in [0, {spec.vocab_size})", "prompt")
+        if any(t >= spec.vocab_size for t in params.stop_token_ids):
+            raise RequestRejected(f"stop_token_ids must be in [0, {spec.vocab_size})", "stop_token_ids")
+        if len(prompt) >= spec.max_model_len:
+            raise RequestRejected(f"prompt has {len(prompt)} tokens; this model allows at most "
+                                  f"{spec.max_model_len - 1} (max_model_len {spec.max_model_len} minus one to "
+                                  f"generate)", "prompt")
+        total = min(len(prompt) + params.max_tokens, spec.max_model_len)
         pages = self.pages.pages_for_tokens(total)
         if pages > self.pages.num_pages:
-            raise ValueError(f"request needs {pages} KV pages for {total} tokens; the pool holds "
-                             f"{self.pages.num_pages}")
-        if cache_salt is not None and not isinstance(cache_salt, str):
-            raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
-        whole = len(prompt) // self.options.page_size
+            raise RequestRejected(f"request needs {pages} KV pages for {total} tokens; the pool holds "
+                                  f"{self.pages.num_pages}", "prompt")
+        if hash_root is None:
+            hash_root = spec.hash_root()
+        elif not isinstance(hash_root, bytes) or len(hash_root) != DIGEST_BYTES:
+            raise RequestRejected(f"hash_root must be {DIGEST_BYTES} bytes (EngineSpec.hash_root)", "hash_root")
+        whole = len(prompt) // spec.page_size
         if page_hashes is not None and (len(page_hashes) != whole or not all(
                 isinstance(h, bytes) and len(h) == DIGEST_BYTES for h in page_hashes)):
-            raise ValueError(f"page_hashes must be {whole} hashes of {DIGEST_BYTES} bytes, one per whole page")
+            raise RequestRejected(f"page_hashes must be {whole} hashes of {DIGEST_BYTES} bytes, one per whole page",
+                                  "page_hashes")
         hints = tuple(sorted({int(h) for h in checkpoint_hints or () if 0 < int(h) < len(prompt)}))
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        seq = Sequence(request_id, prompt, params, max_total_tokens=total, hash_root=self.hash_root(cache_salt),
+            raise RequestRejected(f"request_id {request_id!r} is already in use", "request_id")
+        seq = Sequence(request_id, prompt, params, max_total_tokens=total, hash_root=hash_root,
                        page_hashes=list(page_hashes or ()), hints=hints)
         self._requests[request_id] = seq
         self.scheduler.add(seq)
@@ -225,14 +226,13 @@ class Engine:
             return "length"
         return None
 
-    @staticmethod
-    def _output(seq: Sequence, new: list[int], new_logprobs: list[TokenLogprob]) -> RequestOutput:
+    def _output(self, seq: Sequence, new: list[int], new_logprobs: list[TokenLogprob]) -> RequestOutput:
         return RequestOutput(
             request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids,
             token_ids=seq.output_token_ids, new_token_ids=new,
             logprobs=seq.logprobs if seq.params.logprobs is not None else None,
             cached_tokens=seq.cached_tokens, finish_reason=seq.finish_reason,
-            num_preemptions=seq.num_preemptions)
+            num_preemptions=seq.num_preemptions, worker_id=self.worker_id)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
                  ) -> list[RequestOutput]:
@@ -283,6 +283,13 @@ class Engine:
         self.cache.drain_events()  # superseded by the snapshot
         pages, states = self.cache.snapshot()
         return self.events.snapshot(pages, states)
+
+    def cache_contents(self) -> tuple[frozenset[bytes], frozenset[bytes]]:
+        """(page hashes, checkpoint page hashes) resident now: what the cache index should hold
+        for this engine once its events are in."""
+        pages, states = self.cache.snapshot()
+        held = frozenset(h for h, _ in pages)
+        return held, frozenset(states) & held
 
     def clear_cache(self) -> None:
         """Drops every cached page and checkpoint no running request holds."""

@@ -1,7 +1,8 @@
 """How a request wants its tokens chosen and when it stops.
 
 Contract: a `SamplingParams` that exists is valid — construction checks every field and raises
-`ValueError` naming the field and its allowed range, so a bad value never reaches a step.
+`RequestRejected` (a `ValueError`) whose `param` is the field and whose message gives its allowed
+range, so a bad value never reaches a step.
 `temperature == 0` (or `top_k == 1`) means greedy. `top_k` of 0 or -1 disables top-k.
 `logprobs = k` returns, for each generated token, its log-probability under the model's raw
 distribution (before temperature/top-p/top-k) and the k most likely alternatives.
@@ -12,6 +13,8 @@ output token i depends only on (seed, i).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from workers.errors import RequestRejected
 
 MAX_LOGPROBS = 20
 MAX_SEED = 2**63 - 1
@@ -31,7 +34,7 @@ class SamplingParams:
     def __post_init__(self) -> None:
         def check(ok: bool, name: str, allowed: str) -> None:
             if not ok:
-                raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
+                raise RequestRejected(f"{name} must be {allowed}, got {getattr(self, name)!r}", name)
 
         def is_int(v: object) -> bool:
             return isinstance(v, int) and not isinstance(v, bool)

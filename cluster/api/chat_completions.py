@@ -65,7 +65,7 @@ class ChatCompletions:
         choices = [Choice(i, s.tokenizer, prompt.ids, req.stop_strings(),
                           ReasoningParser(prompt.opens_think) if s.reasoning_model else None)
                    for i in range(req.n)]
-        fan, first = await s.start(requests, "messages", {"stop_token_ids": "stop_token_ids"})
+        fan, first = await s.start(requests, "messages")
         completion_id = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
             return SSEResponse(self._stream(req, completion_id, request_id, prompt, fan, first, choices, arrived))

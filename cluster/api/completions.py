@@ -56,7 +56,7 @@ class Completions:
         choices = [Choice(k * req.n + i, s.tokenizer, p.ids, req.stop_strings())
                    for k, p in enumerate(prompts) for i in range(req.n)]
         echoes = [self._echo(req, p) for p in prompts for _ in range(req.n)]
-        fan, first = await s.start(requests, "prompt", {"stop_token_ids": "stop_token_ids"})
+        fan, first = await s.start(requests, "prompt")
         completion_id = f"cmpl-{uuid.uuid4().hex}"
         if req.stream:
             return SSEResponse(self._stream(req, completion_id, request_id, prompts, echoes, fan, first, choices,

@@ -2,7 +2,7 @@
 
 `Fanout(client, requests)` starts every request at once and yields `(index, RequestOutput)`
 in arrival order until each stream has finished. An error from any stream is raised to the
-reader (a `ValueError` first of all: the engine refused the request). `close(i)` ends one
+reader (a `workers.RequestRejected` first of all: the engine refused the request). `close(i)` ends one
 stream early (a stop string matched); `close()` ends them all (client gone, response done).
 Closing a stream that has not finished aborts its engine request, so its pages and state slot
 go back to the pools; closing is safe to repeat.

@@ -109,7 +109,7 @@ def build_app(client: EngineClient, model_dir: str | Path, served_model_name: st
 
     @v1.get("/models")
     async def models() -> JSONResponse:
-        card = ModelCard(id=name, max_model_len=client.max_model_len)
+        card = ModelCard(id=name, max_model_len=client.spec.max_model_len)
         return JSONResponse(ModelList(data=[card]).model_dump(mode="json"))
 
     @v1.get("/models/{model:path}")
@@ -117,7 +117,7 @@ def build_app(client: EngineClient, model_dir: str | Path, served_model_name: st
         if model != name:
             raise APIError(404, f"model {model!r} does not exist; this server serves {name!r}", "model",
                            "model_not_found")
-        return JSONResponse(ModelCard(id=name, max_model_len=client.max_model_len).model_dump(mode="json"))
+        return JSONResponse(ModelCard(id=name, max_model_len=client.spec.max_model_len).model_dump(mode="json"))
 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request) -> Response:

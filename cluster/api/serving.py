@@ -19,7 +19,6 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from cache_service.hashing import page_hashes
 from cluster.api.chat_template import ChatTemplate, TemplateError
 from cluster.api.choice import Choice, Delta
 from cluster.api.engine_client import EngineClient, GenerateRequest
@@ -30,8 +29,7 @@ from cluster.api.protocol import ChatCompletionRequest, CompletionRequest, Sampl
 from cluster.api.responses import DONE, Usage
 from cluster.api.reasoning import ReasoningParser
 from cluster.api.tokenizer import TextTokenizer
-from workers import SamplingParams
-from workers.sampling_params import MAX_SEED
+from workers import MAX_SEED, RequestRejected, SamplingParams
 
 CLIENT_CLOSED_REQUEST = 499  # the status logged for a request whose client left (nginx's convention)
 
@@ -69,7 +67,7 @@ class Serving:
             raise bad_request("logit_bias is not supported", "logit_bias", "unsupported")
 
     def max_tokens(self, req: SamplingFields, n_prompt: int, prompt_param: str) -> int:
-        limit = self.client.max_model_len
+        limit = self.client.spec.max_model_len
         if n_prompt >= limit:
             raise bad_request(f"prompt has {n_prompt} tokens; this model allows at most {limit - 1} "
                               f"(max_model_len {limit}, one left to generate)", prompt_param,
@@ -96,9 +94,10 @@ class Serving:
                     max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
                     top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0, seed=seed,
                     stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos, logprobs=logprobs))
-            except ValueError as e:  # the message starts with the field's name
-                param = names.get(str(e).split()[0], str(e).split()[0])
-                raise bad_request(param + str(e)[len(str(e).split()[0]):], param) from None
+            except RequestRejected as e:  # names the field: the API may call it otherwise
+                param = names.get(e.param, e.param)
+                message = param + e.message[len(e.param):] if e.message.startswith(e.param) else e.message
+                raise bad_request(message, param) from None
         return out
 
     def admit(self, count: int) -> None:
@@ -109,14 +108,15 @@ class Serving:
 
     def engine_requests(self, request_id: str, req: SamplingFields, prompts: list[Prepared],
                         params: list[SamplingParams]) -> list[GenerateRequest]:
-        root = self.client.hash_root(req.cache_salt)
+        spec = self.client.spec
+        root = spec.hash_root(req.cache_salt)
         out = []
         for p_index, p in enumerate(prompts):
-            hashes = page_hashes(p.ids, self.client.page_size, root)
+            hashes = spec.page_hashes(p.ids, root)
             for i, sp in enumerate(params):
                 out.append(GenerateRequest(
                     request_id=f"{request_id}-{p_index * len(params) + i}", prompt_token_ids=p.ids, params=sp,
-                    prompt=p.text, messages=p.messages, cache_salt=req.cache_salt, page_hashes=hashes,
+                    prompt=p.text, messages=p.messages, hash_root=root, page_hashes=hashes,
                     checkpoint_hints=p.hints))
         return out
 
@@ -163,15 +163,15 @@ class Serving:
         return out
 
     # ---- running -----------------------------------------------------------------------------
-    async def start(self, requests: list[GenerateRequest], prompt_param: str, names: dict[str, str]
-                    ) -> tuple[Fanout, tuple[int, Any]]:
-        """Starts the engine requests and waits for the first output (or the engine's refusal)."""
+    async def start(self, requests: list[GenerateRequest], prompt_param: str) -> tuple[Fanout, tuple[int, Any]]:
+        """Starts the engine requests and waits for the first output (or the engine's refusal:
+        a 400 naming `stop_token_ids`, or else the prompt under `prompt_param`)."""
         fan = Fanout(self.client, requests)
         try:
             return fan, await fan.__anext__()
-        except ValueError as e:  # the engine refused: the message names the field or the prompt
+        except RequestRejected as e:
             await fan.close()
-            raise bad_request(str(e), names.get(str(e).split()[0], prompt_param)) from None
+            raise bad_request(e.message, "stop_token_ids" if e.param == "stop_token_ids" else prompt_param) from None
         except BaseException:
             await fan.close()
             raise

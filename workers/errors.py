@@ -1,0 +1,28 @@
+"""The engine's errors, grouped by who must act (design rule 9).
+
+- `RequestRejected`: the request is at fault (a bad sampling value, a prompt too long, a token
+  out of the vocabulary). It carries `param`, the request field at fault, so the API names it
+  without reading the message; a `ValueError`, so plain callers need nothing new.
+- `EngineError`: an internal fault while a request ran; not the caller's doing.
+
+Running out of pages or state slots is neither: the scheduler waits or preempts.
+"""
+
+from __future__ import annotations
+
+
+class RequestRejected(ValueError):
+    """The engine refuses this request. `param`: the field at fault (a `SamplingParams` field,
+    `prompt`, `page_hashes`, `hash_root`, `checkpoint_hints` or `request_id`); `message`: what is
+    wrong, for the client."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.message, self.param = message, param
+
+    def __reduce__(self):  # keeps `param` across processes (Ray)
+        return type(self), (self.message, self.param)
+
+
+class EngineError(RuntimeError):
+    """An internal fault while a request was running (not the caller's doing)."""
