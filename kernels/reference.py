@@ -61,13 +61,20 @@ def _expect(ok: bool, what: str, got: object) -> None:
 # ---------------------------------------------------------------- paged KV and attention
 
 
+def _check_caches(k_cache: Tensor, v_cache: Tensor) -> None:
+    """Paged caches: [num_pages, page_size, H_kv, D], K and V alike, D contiguous. Pages may be
+    strided (views over the engine's arena, one page per arena block)."""
+    _expect_shape("k_cache", k_cache, "num_pages, page_size, H_kv, D", (None, None, None, None))
+    _expect_shape("v_cache", v_cache, "num_pages, page_size, H_kv, D", tuple(k_cache.shape))
+    _expect(k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1,
+            "K and V caches with equal strides and D contiguous", (k_cache.stride(), v_cache.stride()))
+
+
 def _check_store_kv(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor,
                     slot_mapping: Tensor) -> tuple[int, int]:
     """store_kv's arguments as every implementation takes them; returns (H_kv, D)."""
-    _expect_shape("k_cache", k_cache, "num_pages, page_size, H_kv, D", (None, None, None, None))
+    _check_caches(k_cache, v_cache)
     _, _, h_kv, d = k_cache.shape
-    _expect_shape("v_cache", v_cache, "num_pages, page_size, H_kv, D", tuple(k_cache.shape))
-    _expect(k_cache.is_contiguous() and v_cache.is_contiguous(), "contiguous caches", "strided ones")
     _expect_shape("key", key, "T, H_kv, D", (None, h_kv, d))
     _expect_shape("value", value, "T, H_kv, D", tuple(key.shape))
     _expect_shape("slot_mapping", slot_mapping, "T", (key.shape[0],))
@@ -78,21 +85,22 @@ def _check_store_kv(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor
 def store_kv(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
     """Write each token's K/V into its cache slot, cast to the cache dtype; negative slots are skipped.
 
-    key, value [T, H_kv, D]; k_cache, v_cache [num_pages, page_size, H_kv, D] (contiguous, written
-    in place); slot_mapping [T] int64, slot = page * page_size + offset_in_page.
+    key, value [T, H_kv, D]; k_cache, v_cache [num_pages, page_size, H_kv, D] (written in place;
+    pages may be strided); slot_mapping [T] int64, slot = page * page_size + offset_in_page.
     """
-    h_kv, d = _check_store_kv(key, value, k_cache, v_cache, slot_mapping)
+    _check_store_kv(key, value, k_cache, v_cache, slot_mapping)
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
-    k_cache.view(-1, h_kv, d)[slots] = key[keep].to(k_cache.dtype)
-    v_cache.view(-1, h_kv, d)[slots] = value[keep].to(v_cache.dtype)
+    page_size = k_cache.shape[1]
+    pages, offsets = slots // page_size, slots % page_size
+    k_cache[pages, offsets] = key[keep].to(k_cache.dtype)
+    v_cache[pages, offsets] = value[keep].to(v_cache.dtype)
 
 
 def _check_paged(query: Tensor, k_cache: Tensor, v_cache: Tensor, page_table: Tensor,
                  seq_lens: Tensor) -> tuple[int, int]:
     """Validate the inputs both attention ops share; return (batch size, query heads per KV head)."""
-    _expect_shape("k_cache", k_cache, "num_pages, page_size, H_kv, D", (None, None, None, None))
-    _expect_shape("v_cache", v_cache, "num_pages, page_size, H_kv, D", tuple(k_cache.shape))
+    _check_caches(k_cache, v_cache)
     h_kv, d = k_cache.shape[2], k_cache.shape[3]
     _expect_shape("query", query, "T, H_q, D", (None, None, d))
     _expect(query.shape[1] % h_kv == 0, f"H_q a multiple of H_kv = {h_kv}", query.shape[1])

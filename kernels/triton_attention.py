@@ -1,7 +1,8 @@
 """Triton paged attention: store K/V into pages, varlen causal prefill, and split-K batched decode.
 
 Same contracts as `reference.store_kv`, `paged_attention_prefill`, `paged_attention_decode`.
-Shapes: caches [num_pages, page_size, H_kv, D] (contiguous); query/out [T, H_q, D] (prefill, B
+Shapes: caches [num_pages, page_size, H_kv, D] (D contiguous; pages may be strided, as the
+engine's arena lays them); query/out [T, H_q, D] (prefill, B
 sequences concatenated, cu_seqlens_q [B+1] int32) or [B, H_q, D] (decode); page_table
 [B, max_pages] int32; seq_lens [B] int32 (K/V of the new tokens already stored); slot_mapping
 [T] int64. Query head h reads KV head h // (H_q / H_kv). The output gate is the model's job.
@@ -35,14 +36,16 @@ from kernels.reference import _check_paged, _check_store_kv, _expect, _expect_dt
 
 
 @triton.jit
-def _store_kv_kernel(key, value, k_cache, v_cache, slots, sk_t, sk_h, sv_t, sv_h, H, D,
-                     BH: tl.constexpr, BD: tl.constexpr):
+def _store_kv_kernel(key, value, k_cache, v_cache, slots, sk_t, sk_h, sv_t, sv_h, sc_page, sc_tok, sc_head,
+                     PAGE, H, D, BH: tl.constexpr, BD: tl.constexpr):
     t = tl.program_id(0)
     slot = tl.load(slots + t)
     h = tl.arange(0, BH)
     d = tl.arange(0, BD)
-    dst = slot * (H * D) + h[:, None] * D + d[None, :]  # [BH, BD] int64
-    mask = (h < H)[:, None] & (d < D)[None, :] & (dst >= 0)  # a negative slot gives dst < 0
+    page, offset = slot // PAGE, slot % PAGE
+    dst = page * sc_page + offset * sc_tok + h[:, None] * sc_head + d[None, :]  # [BH, BD] int64
+    live = (tl.zeros([BH, BD], dtype=tl.int64) + slot) >= 0  # a negative slot stores nothing
+    mask = (h < H)[:, None] & (d < D)[None, :] & live
     kv = tl.load(key + t * sk_t + h[:, None] * sk_h + d[None, :], mask=mask)
     vv = tl.load(value + t * sv_t + h[:, None] * sv_h + d[None, :], mask=mask)
     tl.store(k_cache + dst, kv.to(k_cache.dtype.element_ty), mask=mask)
@@ -168,8 +171,9 @@ def store_kv(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_
         return
     key, value = tc.unit_last(key), tc.unit_last(value)
     _store_kv_kernel[(key.shape[0],)](key, value, k_cache, v_cache, slot_mapping.contiguous(),
-                                      key.stride(0), key.stride(1), value.stride(0), value.stride(1), h_kv, d,
-                                      BH=tc.pow2(h_kv, least=1), BD=tc.pow2(d, least=1))
+                                      key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+                                      k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.shape[1],
+                                      h_kv, d, BH=tc.pow2(h_kv, least=1), BD=tc.pow2(d, least=1))
 
 
 def paged_attention_prefill(query: Tensor, k_cache: Tensor, v_cache: Tensor, page_table: Tensor,
@@ -178,7 +182,6 @@ def paged_attention_prefill(query: Tensor, k_cache: Tensor, v_cache: Tensor, pag
     batch, group = _check_paged(query, k_cache, v_cache, page_table, seq_lens)
     _expect_shape("cu_seqlens_q", cu_seqlens_q, "B+1", (batch + 1,))
     _expect_dtype("cu_seqlens_q", cu_seqlens_q, torch.int32)
-    _expect(k_cache.is_contiguous() and v_cache.is_contiguous(), "contiguous caches", "strided ones")
     cu = cu_seqlens_q.tolist()
     _expect(cu[0] == 0 and cu[-1] == query.shape[0], f"cu_seqlens_q from 0 to T = {query.shape[0]}", cu)
     query = tc.unit_last(query)
@@ -209,7 +212,6 @@ def paged_attention_decode(query: Tensor, k_cache: Tensor, v_cache: Tensor, page
     """See `reference.paged_attention_decode`."""
     batch, group = _check_paged(query, k_cache, v_cache, page_table, seq_lens)
     _expect_shape("query", query, "B, H_q, D", (batch, None, None))
-    _expect(k_cache.is_contiguous() and v_cache.is_contiguous(), "contiguous caches", "strided ones")
     query = tc.unit_last(query)
     out = tc.empty_like(query)
     if batch == 0:

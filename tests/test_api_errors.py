@@ -192,11 +192,11 @@ def test_a_client_that_disconnects_mid_stream_frees_its_pages(server, http, engi
         assert r.status_code == 200
         lines = r.iter_lines()
         assert next(lines).startswith("data: ")
-        assert engine.engine.pages.num_held > 0
+        assert engine.engine.cache.pages.num_held > 0
     deadline = time.monotonic() + 10
-    while engine.engine.pages.num_held and time.monotonic() < deadline:
+    while engine.engine.cache.pages.num_held and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert engine.engine.pages.num_held == 0 and not engine.engine.has_unfinished()
+    assert engine.engine.cache.pages.num_held == 0 and not engine.engine.has_unfinished()
     assert engine.engine.stats.generated_tokens - generated < 2000  # aborted, not run to its end
     assert send(http, C, GOOD_CHAT).status_code == 200
 
@@ -208,9 +208,9 @@ def test_a_client_that_gives_up_on_a_non_streamed_answer_frees_its_pages(server,
         with pytest.raises(httpx.ReadTimeout):
             impatient.post(C, json=body, headers=AUTH)
     deadline = time.monotonic() + 10
-    while (engine.engine.pages.num_held or engine.engine.has_unfinished()) and time.monotonic() < deadline:
+    while (engine.engine.cache.pages.num_held or engine.engine.has_unfinished()) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert engine.engine.pages.num_held == 0 and not engine.engine.has_unfinished()
+    assert engine.engine.cache.pages.num_held == 0 and not engine.engine.has_unfinished()
     assert engine.engine.stats.generated_tokens - generated < 2000  # aborted, not run to its end
 
 

@@ -4,8 +4,10 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PLAN_MAKING = ["workers/scheduler.py", "workers/page_pool.py", "workers/state_pool.py",
-               "workers/sequence.py", "workers/sampling_params.py", "workers/options.py"]
+PLAN_MAKING = ["workers/scheduler.py", "workers/prefix_cache.py", "workers/page_pool.py", "workers/arena.py",
+               "workers/cache_budget.py", "workers/checkpoint_store.py", "workers/checkpoint_policy.py",
+               "workers/sequence.py", "workers/sequence_cache.py", "workers/sampling_params.py",
+               "workers/options.py", "workers/spec.py"]
 
 
 def imported_roots(path: Path) -> set[str]:

@@ -46,9 +46,9 @@ def test_a_caller_that_stops_reading_aborts_its_request_and_frees_its_pages(path
         engine = AsyncEngine.from_pretrained(path, num_pages=64)
         agen = engine.generate(prompts(1, 40)[0], SamplingParams(max_tokens=200, ignore_eos=True))
         await agen.__anext__()
-        assert engine.engine.pages.num_held > 0
+        assert engine.engine.cache.pages.num_held > 0
         await agen.aclose()  # what a disconnecting HTTP client does
-        free = engine.engine.pages.num_held
+        free = engine.engine.cache.pages.num_held
         still = await collect(engine, prompts(1)[0])  # the engine keeps serving
         await engine.close()
         return free, still
@@ -68,7 +68,7 @@ def test_abort_ends_the_stream_with_finish_reason_abort(path):
             if len(outs) == 2:
                 assert await engine.abort("r1")
         await engine.close()
-        return outs, engine.engine.pages.num_held
+        return outs, engine.engine.cache.pages.num_held
 
     outs, free = asyncio.run(main())
     assert outs[-1].finish_reason == "abort" and free == 0
@@ -103,7 +103,7 @@ def test_an_engine_fault_fails_requests_in_flight_but_not_the_loop(path, monkeyp
             await collect(engine, prompts(1)[0])
         after = await collect(engine, prompts(1)[0])
         await engine.close()
-        return after, engine.engine.pages.num_held
+        return after, engine.engine.cache.pages.num_held
 
     after, free = asyncio.run(main())
     assert after[-1].finished and free == 0

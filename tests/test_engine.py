@@ -48,7 +48,7 @@ def test_batched_requests_of_different_lengths_give_the_same_tokens(path, refere
     assert_same(engine.generate(ps, GREEDY), refs)
     assert engine.stats.steps < sum(len(p) for p in ps)  # decodes and prefills shared steps
     engine.check()
-    assert engine.pages.num_held == 0
+    assert engine.cache.pages.num_held == 0
 
 
 def test_preemption_under_a_tiny_page_pool_gives_the_same_tokens(path):
@@ -63,7 +63,7 @@ def test_preemption_under_a_tiny_page_pool_gives_the_same_tokens(path):
     assert sum(o.num_preemptions for o in outs) == engine.scheduler.num_preemptions
     assert_same(outs, refs)
     engine.check()
-    assert engine.pages.num_held == 0
+    assert engine.cache.pages.num_held == 0
 
 
 def test_max_num_seqs_bounds_running_sequences(path):
@@ -127,10 +127,10 @@ def test_abort_frees_pages_and_slot(path):
     engine = Engine.from_pretrained(path, num_pages=64, max_num_seqs=2)
     rid = engine.add_request(prompts([40])[0], SamplingParams(max_tokens=50, ignore_eos=True))
     engine.step()
-    assert engine.pages.num_held > 0
+    assert engine.cache.pages.num_held > 0
     final = engine.abort(rid)
     assert final.finish_reason == "abort" and final.request_id == rid
-    assert engine.pages.num_held == 0 and engine.states.num_free == 2
+    assert engine.cache.pages.num_held == 0 and engine.cache.num_running_slots == 0
     assert not engine.has_unfinished()
     assert engine.abort(rid) is None
 

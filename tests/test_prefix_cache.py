@@ -273,3 +273,35 @@ def test_exact_matching_does_not_make_twins_wait(tiny_model_dir):
     engine.add_request(shared + [2], GREEDY)
     engine.step()
     assert len(engine.scheduler.running) == 2
+
+
+def test_the_engines_cache_tensors_are_views_of_one_arena_no_larger_than_its_budget(tiny_model_dir):
+    budget = 40 * 8192 + 100  # 40 page-sized blocks of the tiny model, and change
+    engine = Engine.from_pretrained(tiny_model_dir, cache_memory_bytes=budget, max_num_seqs=4)
+    arena = engine.runner.arena
+    assert arena.numel() <= budget and engine.cache.budget_bytes == arena.numel()
+    start, end = arena.data_ptr(), arena.data_ptr() + arena.numel()
+    caches = engine.runner.caches
+    for t in [t for kv in caches.kv for t in kv] + [caches.conv_states, caches.ssm_states]:
+        assert t.untyped_storage().data_ptr() == arena.untyped_storage().data_ptr(), "a view of the arena"
+        last = t.data_ptr() + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) * t.element_size()
+        assert start <= t.data_ptr() and last + t.element_size() <= end
+
+
+def test_in_a_tight_arena_pages_and_states_share_blocks_and_resumed_equals_cold(tiny_model_dir):
+    """12 blocks (four groups of three) for pages, running states and checkpoints at once: slots
+    are carved out of groups pages left, and nothing computed lands on another's blocks."""
+    tight = Engine.from_pretrained(tiny_model_dir, cache_policy="all", cache_memory_bytes=12 * 8192,
+                                   max_num_seqs=2, max_num_batched_tokens=24)
+    roomy = Engine.from_pretrained(tiny_model_dir, cache_policy="all", num_pages=256)
+    base = prompt(2 * PS + 3, seed=11)
+    turns = [base] + [base[:k] + prompt(5 + k % 7, seed=k) for k in (2 * PS + 3, 20, PS, 2 * PS, 7, 2 * PS + 1)]
+    hits = 0
+    for i in range(0, len(turns), 2):
+        batch = turns[i:i + 2]
+        got, want = tight.generate(batch, GREEDY), roomy.generate(batch, GREEDY)
+        assert [o.token_ids for o in got] == [o.token_ids for o in want]
+        hits += sum(o.cached_tokens for o in got)
+        tight.check()
+    assert hits > 0 and tight.cache.stats.pages_evicted > 0
+    assert tight.cache.pages.num_held == 0 and tight.cache.num_running_slots == 0

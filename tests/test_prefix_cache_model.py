@@ -1,40 +1,47 @@
 """The prefix cache against a brute-force model of what must hit, over thousands of random
-operations (admit, compute, checkpoint, hold, finish, evict under tiny budgets).
+operations (admit, compute, checkpoint, hold, finish, evict under tiny arenas).
 
-No model runs: a fake "device" records, for each page and checkpoint slot, the token prefix it
-would hold. Every hit must be sound (the page or state really holds the prompt's prefix). With
-memory to spare, hits must also be complete: exactly the longest prefix and deepest checkpoint a
-brute-force search over everything stored finds. Under tiny budgets: the budget holds, nothing
-a running sequence holds is touched, accounting adds up, and the event stream replayed into an
-index equals the cache's contents after every operation.
+No model runs: a fake device records, for each arena block, what it holds: a page (the token
+prefix its K/V belongs to) or a part of a state slot (the prefix the state was computed over),
+so a page and a state placed over the same blocks clobber each other as they would on a GPU.
+Every hit must be sound (the page or state really holds the prompt's prefix). With memory to
+spare, hits must also be complete: exactly the longest prefix and deepest checkpoint a
+brute-force search over everything stored finds. Under tiny arenas: nothing a running sequence
+holds is touched, a refused admission changes nothing, accounting adds up, and the event stream
+replayed into an index equals the cache's contents after every operation.
 """
 
 import random
 
 import pytest
 
+from cache_service.events import EventStream
 from cache_service.hashing import root_hash
 from cache_service.index import CacheIndex
-from cache_service.events import EventStream
+from workers.arena import ArenaLayout
 from workers.checkpoint_policy import CheckpointPolicy
-from workers.checkpoint_store import CheckpointStore
-from workers.page_pool import PagePool
 from workers.prefix_cache import PrefixCache
 from workers.sampling_params import SamplingParams
 from workers.sequence import Sequence
 
 PS = 4
-PAGE_BYTES, CKPT_BYTES = 10, 25
+BLOCK_BYTES, SLOT_BLOCKS = 10, 3  # a state slot spans three page-sized blocks
+
+
+def layout(num_pages: int | None, ckpt_slots: int, blocks: int, recurrent: bool = True) -> ArenaLayout:
+    return ArenaLayout(block_bytes=BLOCK_BYTES, slot_bytes=25 if recurrent else 0,
+                       slot_blocks=SLOT_BLOCKS if recurrent else 0, num_blocks=blocks, max_pages=num_pages,
+                       max_checkpoints=ckpt_slots if recurrent else 0, virtual_slots=0 if recurrent else 8)
 
 
 class Harness:
-    def __init__(self, rng: random.Random, num_pages: int, ckpt_slots: int, budget: int, recurrent: bool = True):
+    def __init__(self, rng: random.Random, num_pages: int | None, ckpt_slots: int, blocks: int,
+                 recurrent: bool = True):
         self.rng = rng
-        self.cache = PrefixCache(PagePool(num_pages, PS), CheckpointStore(0, ckpt_slots), CheckpointPolicy("all"),
-                                 PAGE_BYTES, CKPT_BYTES, budget, recurrent=recurrent)
+        self.cache = PrefixCache(layout(num_pages, ckpt_slots, blocks, recurrent), CheckpointPolicy("all"), PS,
+                                 recurrent=recurrent)
         self.root = root_hash("model", PS, None)
-        self.page_data: dict[int, tuple] = {}  # page -> the token prefix its K/V belongs to
-        self.slot_data: dict[int, tuple] = {}  # checkpoint slot -> the token prefix of its state
+        self.device: dict[int, tuple] = {}  # block -> ("page" | "state", token prefix)
         self.stored_pages: set[tuple] = set()  # brute force: every prefix ever registered
         self.stored_ckpts: set[tuple] = set()
         self.history: list[list[int]] = []
@@ -44,7 +51,23 @@ class Harness:
         self.stream = EventStream("w")
         self.index.apply(self.stream.snapshot([], []))
         self.hits = 0
+        self.refused = 0
 
+    # ---- the fake device -------------------------------------------------------------------------
+    def slot_blocks(self, slot: int) -> range:
+        return range(slot * SLOT_BLOCKS, (slot + 1) * SLOT_BLOCKS) if self.cache.recurrent else range(0)
+
+    def write_page(self, page: int, prefix: tuple) -> None:
+        self.device[page] = ("page", prefix)
+
+    def write_state(self, slot: int, prefix: tuple) -> None:
+        for b in self.slot_blocks(slot):
+            self.device[b] = ("state", prefix)
+
+    def holds_state(self, slot: int, prefix: tuple) -> bool:
+        return all(self.device.get(b) == ("state", prefix) for b in self.slot_blocks(slot))
+
+    # ---- operations ------------------------------------------------------------------------------
     def new_prompt(self) -> list[int]:
         rng = self.rng
         if self.history and rng.random() < 0.8:
@@ -53,17 +76,23 @@ class Harness:
             return base[:keep] + [rng.randint(0, 3) for _ in range(rng.randint(1, 12))]
         return [rng.randint(0, 3) for _ in range(rng.randint(1, 20))]
 
+    def lru_picture(self) -> tuple:
+        budget = self.cache.budget
+        return tuple(budget.cold_first()), self.cache.arena.num_free_blocks, self.cache.pages.num_held
+
     def admit(self, unlimited: bool) -> None:
+        cache = self.cache
         tokens = self.new_prompt()
         self.history.append(tokens)
         seq = Sequence(f"r{len(self.history)}", tokens, SamplingParams(max_tokens=1), hash_root=self.root)
-        m = self.cache.match(seq)
+        m = cache.match(seq)
         n = len(tokens)
         # Soundness: every hit page and the checkpoint hold exactly this prompt's prefix.
         for j in range(m.hit_pages):
-            assert self.page_data[self.cache.pages.page_of(seq.page_hashes[j])] == tuple(tokens[:(j + 1) * PS])
+            page = cache.pages.page_of(seq.cache.page_hashes[j])
+            assert self.device[page] == ("page", tuple(tokens[:(j + 1) * PS]))
         if m.checkpoint is not None:
-            assert self.slot_data[m.checkpoint.slot] == tuple(tokens[:m.state_pages * PS])
+            assert self.holds_state(m.checkpoint.slot, tuple(tokens[:m.state_pages * PS]))
             assert m.state_pages <= m.hit_pages and m.state_pages * PS <= n - 1
         assert m.resume_token == m.state_pages * PS
         if unlimited:  # completeness
@@ -73,42 +102,45 @@ class Harness:
             d = max((j for j in range(1, min(h, (n - 1) // PS) + 1) if tuple(tokens[:j * PS]) in self.stored_ckpts),
                     default=0)
             assert (m.hit_pages, m.state_pages) == (h, d)
-        self.cache.begin(seq, m)
-        need = self.cache.pages.pages_for_tokens(n) - len(seq.page_ids)
-        if not self.cache.can_allocate_pages(need):
-            self.cache.release(seq)
-            self.cache.unpin()
+        before = self.lru_picture()
+        if not cache.can_admit(seq, m, n - m.resume_token):
+            assert self.lru_picture() == before, "asking took something"
+            self.refused += 1
             return
-        self.cache.credit(m)
+        restore = cache.admit(seq, m, n - m.resume_token)
         self.hits += m.resume_token
-        n_held = len(seq.page_ids)
-        seq.page_ids += self.cache.allocate_pages(need)
-        for p in seq.page_ids[n_held:]:
-            assert all(p not in r.page_ids for r in self.running + self.computing), "a held page was handed out again"
+        held = {p for r in self.running + self.computing for p in r.cache.page_ids}
+        assert not set(seq.cache.page_ids[m.hit_pages:]) & held, "a held page was handed out again"
+        slots = {r.cache.state_slot for r in self.running + self.computing}
+        assert seq.cache.state_slot not in slots, "a running state slot was handed out again"
+        if restore is not None:
+            self.write_state(seq.cache.state_slot, tuple(tokens[:m.state_pages * PS]))
         seq.resume_pages = m.state_pages  # type: ignore[attr-defined]
-        self.cache.unpin()
+        cache.end_pass()
         self.computing.append(seq)
         if self.rng.random() < 0.5:  # else it computes later: concurrent twins happen
             self.compute(len(self.computing) - 1)
 
     def compute(self, i: int) -> None:
         """"Computes" a prompt: pages past the shared ones get its prefixes; checkpoints on the way."""
+        cache = self.cache
         seq = self.computing.pop(i)
         tokens, n = seq.token_ids, seq.num_tokens
-        for j in range(seq.shared_pages, len(seq.page_ids)):
-            self.page_data[seq.page_ids[j]] = tuple(tokens[:(j + 1) * PS])
+        for j in range(seq.cache.shared_pages, len(seq.cache.page_ids)):
+            self.write_page(seq.cache.page_ids[j], tuple(tokens[:(j + 1) * PS]))
+        self.write_state(seq.cache.state_slot, tuple(tokens))
         seq.num_computed = n
-        self.cache.register_pages(seq)
+        cache.register_pages(seq)
         for j in range(n // PS):  # every whole page computed must be findable (twins included)
             self.stored_pages.add(tuple(tokens[:(j + 1) * PS]))
         for j in range(seq.resume_pages + 1, n // PS + 1):
             if self.rng.random() < 0.5:
-                slot = self.cache.allocate_checkpoint()
+                slot = cache.take_checkpoint_slot()
                 if slot is not None:
-                    self.slot_data[slot] = tuple(tokens[:j * PS])
-                    if self.cache.commit_checkpoint(seq, slot, j, {"every"}):
+                    self.write_state(slot, tuple(tokens[:j * PS]))
+                    if cache.commit_checkpoint(seq, slot, j, {"every"}):
                         self.stored_ckpts.add(tuple(tokens[:j * PS]))
-        self.cache.unpin()
+        cache.end_pass()
         self.running.append(seq)
 
     def step(self, unlimited: bool) -> None:
@@ -122,8 +154,9 @@ class Harness:
 
     def finish_one(self) -> None:
         seq = self.running.pop(self.rng.randrange(len(self.running)))
-        for j, p in enumerate(seq.page_ids):  # nothing it held was touched
-            assert self.page_data[p] == tuple(seq.token_ids[:(j + 1) * PS])[:len(self.page_data[p])]
+        for j, p in enumerate(seq.cache.page_ids):  # nothing it held was touched
+            assert self.device[p] == ("page", tuple(seq.token_ids[:(j + 1) * PS]))
+        assert self.holds_state(seq.cache.state_slot, tuple(seq.token_ids))
         self.cache.release(seq)
 
     def check(self) -> None:
@@ -140,18 +173,18 @@ class Harness:
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_with_memory_to_spare_hits_are_exactly_the_brute_force_ones(seed):
     rng = random.Random(seed)
-    harness = Harness(rng, num_pages=5000, ckpt_slots=5000, budget=10**9)
+    harness = Harness(rng, num_pages=5000, ckpt_slots=5000, blocks=25000)
     for _ in range(2000):
         harness.step(unlimited=True)
         harness.check()
-    assert harness.hits > 0
+    assert harness.hits > 0 and harness.refused == 0
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
-@pytest.mark.parametrize("pages, slots, budget", [(12, 3, 150), (30, 10, 200), (8, 50, 10**6)])
-def test_under_tiny_budgets_every_hit_is_sound_and_the_budget_holds(seed, pages, slots, budget):
+@pytest.mark.parametrize("pages, slots, blocks", [(12, 3, 15), (30, 10, 20), (8, 50, 1000)])
+def test_under_tiny_arenas_every_hit_is_sound_and_nothing_held_is_touched(seed, pages, slots, blocks):
     rng = random.Random(seed)
-    harness = Harness(rng, num_pages=pages, ckpt_slots=slots, budget=budget)
+    harness = Harness(rng, num_pages=pages, ckpt_slots=slots, blocks=blocks)
     for _ in range(2000):
         harness.step(unlimited=False)
         harness.check()
@@ -165,44 +198,36 @@ def test_under_tiny_budgets_every_hit_is_sound_and_the_budget_holds(seed, pages,
     assert harness.cache.pages.num_held == 0 and harness.cache.used_bytes == 0
 
 
-def test_an_attention_only_cache_resumes_at_the_page_hit_and_always_computes_the_last_token():
-    rng = random.Random(7)
-    harness = Harness(rng, num_pages=500, ckpt_slots=0, budget=10**6, recurrent=False)
-    tokens = [1, 2, 3, 0] * 3  # 12 tokens: 3 whole pages
-    for prompt in (tokens, tokens, tokens + [2]):
-        seq = Sequence("x", prompt, SamplingParams(max_tokens=1), hash_root=harness.root)
-        m = harness.cache.match(seq)
-        harness.cache.begin(seq, m)
-        seq.page_ids += harness.cache.allocate_pages(harness.cache.pages.pages_for_tokens(len(prompt)) - len(seq.page_ids))
-        seq.num_computed = len(prompt)
-        harness.cache.register_pages(seq)
-        harness.cache.release(seq)
-        harness.check()
-    assert (m.hit_pages, m.resume_token) == (3, 12)
-    seq = Sequence("y", tokens, SamplingParams(max_tokens=1), hash_root=harness.root)
-    assert harness.cache.match(seq).resume_token == 11  # the last prompt token is always computed
-
-
 def run_prompt(harness: Harness, tokens: list[int], checkpoint_at: tuple[int, ...] = ()) -> Sequence:
     """Admits, computes and finishes one prompt; stores checkpoints at the given page depths."""
     cache = harness.cache
     seq = Sequence("s", tokens, SamplingParams(max_tokens=1), hash_root=harness.root)
     m = cache.match(seq)
-    cache.begin(seq, m)
-    cache.credit(m)
-    seq.page_ids += cache.allocate_pages(cache.pages.pages_for_tokens(len(tokens)) - len(seq.page_ids))
+    assert cache.can_admit(seq, m, len(tokens) - m.resume_token)
+    cache.admit(seq, m, len(tokens) - m.resume_token)
     seq.num_computed = len(tokens)
     cache.register_pages(seq)
     for j in checkpoint_at:
-        cache.commit_checkpoint(seq, cache.allocate_checkpoint(), j, {"every"})
-    cache.unpin()
+        cache.commit_checkpoint(seq, cache.take_checkpoint_slot(), j, {"every"})
+    cache.end_pass()
     cache.release(seq)
     harness.check()
     return seq
 
 
+def test_an_attention_only_cache_resumes_at_the_page_hit_and_always_computes_the_last_token():
+    harness = Harness(random.Random(7), num_pages=None, ckpt_slots=0, blocks=500, recurrent=False)
+    tokens = [1, 2, 3, 0] * 3  # 12 tokens: 3 whole pages
+    for prompt in (tokens, tokens + [2]):
+        run_prompt(harness, prompt)
+    m = harness.cache.match(Sequence("x", tokens + [2], SamplingParams(max_tokens=1), hash_root=harness.root))
+    assert (m.hit_pages, m.resume_token) == (3, 12)
+    seq = Sequence("y", tokens, SamplingParams(max_tokens=1), hash_root=harness.root)
+    assert harness.cache.match(seq).resume_token == 11  # the last prompt token is always computed
+
+
 def test_a_finished_chain_is_evicted_tail_first():
-    harness = Harness(random.Random(0), num_pages=4, ckpt_slots=0, budget=10**6, recurrent=False)
+    harness = Harness(random.Random(0), num_pages=4, ckpt_slots=0, blocks=100, recurrent=False)
     chain = [1] * (3 * PS)
     run_prompt(harness, chain)  # 3 cached pages, 1 free
     run_prompt(harness, [2] * (2 * PS))  # needs 2: the free one and the chain's tail
@@ -211,7 +236,7 @@ def test_a_finished_chain_is_evicted_tail_first():
 
 
 def test_a_resume_point_goes_cold_once_its_conversation_stores_a_deeper_checkpoint():
-    harness = Harness(random.Random(0), num_pages=100, ckpt_slots=3, budget=10**6)
+    harness = Harness(random.Random(0), num_pages=100, ckpt_slots=3, blocks=1000)
     turn1 = [1] * (2 * PS) + [2]
     other = [3] * (2 * PS) + [2]
     run_prompt(harness, turn1, checkpoint_at=(2,))
@@ -226,3 +251,38 @@ def test_a_resume_point_goes_cold_once_its_conversation_stores_a_deeper_checkpoi
     h2 = Sequence("b", other, SamplingParams(max_tokens=1), hash_root=harness.root)
     assert cache.match(h1).state_pages == 0
     assert cache.match(h2).state_pages == 2
+
+
+def test_a_state_slot_never_comes_from_a_group_holding_a_running_sequences_pages():
+    harness = Harness(random.Random(0), num_pages=None, ckpt_slots=4, blocks=9)  # groups 0, 1, 2
+    cache = harness.cache
+    run_prompt(harness, [2] * (2 * PS) + [7])  # leaves two cached pages on blocks 0 and 1 (group 0)
+    a = Sequence("a", [1] * PS + [5], SamplingParams(max_tokens=1), hash_root=harness.root)
+    m = cache.match(a)
+    assert cache.can_admit(a, m, PS + 1)
+    cache.admit(a, m, PS + 1)
+    cache.end_pass()
+    groups = {cache.arena.group_of_page(p) for p in a.cache.page_ids}
+    assert a.cache.state_slot == 2 and groups == {0, 1}, "pages from the lowest free blocks, the slot from the top"
+    b = Sequence("b", [3] * (PS - 1), SamplingParams(max_tokens=1), hash_root=harness.root)
+    mb = cache.match(b)
+    assert cache.arena.num_free_blocks + cache.budget.evictable_blocks >= 1 + SLOT_BLOCKS, "bytes would fit..."
+    assert not cache.can_admit(b, mb, PS - 1), "...but every group holds a's pages or a's state"
+    cache.release(a)
+    assert cache.can_admit(b, mb, PS - 1)
+    cache.admit(b, mb, PS - 1)
+    cache.end_pass()
+    harness.check()
+
+
+def test_an_admission_that_does_not_fit_holds_nothing_and_keeps_the_lru_order():
+    harness = Harness(random.Random(0), num_pages=None, ckpt_slots=2, blocks=12)
+    for tokens in ([1] * (2 * PS), [2] * (2 * PS)):
+        run_prompt(harness, tokens + [5])
+    cache = harness.cache
+    big = [1] * (2 * PS) + [9] * (8 * PS)  # its two cached hit pages become held: 10 blocks left for 8 + a slot
+    seq = Sequence("big", big, SamplingParams(max_tokens=1), hash_root=harness.root)
+    m = cache.match(seq)
+    before = harness.lru_picture()
+    assert m.hit_pages == 2 and not cache.can_admit(seq, m, len(big) - m.resume_token)
+    assert harness.lru_picture() == before and seq.cache.page_ids == [] and seq.cache.state_slot is None

@@ -116,6 +116,39 @@ def test_decode_equals_the_reference_and_the_last_prefill_row_across_splits():
     torch.testing.assert_close(out, prefill[last], **OUT_TOL)
 
 
+def arena_views(k_cache: torch.Tensor, v_cache: torch.Tensor, layers: int = 3, layer: int = 1):
+    """The caches as the engine lays them: one NaN arena block per page holding every layer's K
+    and V, each layer's cache a view whose pages are strided by a block."""
+    arena = torch.full((NUM_PAGES, layers, 2, PAGE, H_KV, D), math.nan)
+    k, v = arena[:, layer, 0], arena[:, layer, 1]
+    k.copy_(k_cache)
+    v.copy_(v_cache)
+    return arena, k, v
+
+
+def test_attention_over_strided_arena_pages_equals_contiguous_caches():
+    query, k_cache, v_cache, table, cu, lens = paged_batch(BATCH, seed=2)
+    arena, k, v = arena_views(k_cache, v_cache)
+    assert not k.is_contiguous()
+    torch.testing.assert_close(attention.paged_attention_prefill(query, k, v, table, cu, lens, SCALE),
+                               reference.paged_attention_prefill(query, k_cache, v_cache, table, cu, lens, SCALE),
+                               **OUT_TOL)
+    last = (cu[1:] - 1).long()
+    torch.testing.assert_close(attention.paged_attention_decode(query[last], k, v, table, lens, SCALE),
+                               reference.paged_attention_decode(query[last], k_cache, v_cache, table, lens, SCALE),
+                               **OUT_TOL)
+    key, value = torch.randn(5, H_KV, D), torch.randn(5, H_KV, D)
+    slots = torch.tensor([13, -1, 0, 7, 319])
+    reference.store_kv(key, value, k_cache, v_cache, slots)
+    before = arena.clone()
+    attention.store_kv(key, value, k, v, slots)
+    torch.testing.assert_close(k, k_cache, equal_nan=True, **EXACT)
+    torch.testing.assert_close(v, v_cache, equal_nan=True, **EXACT)
+    others = torch.ones(arena.shape[1], dtype=torch.bool)
+    others[1] = False
+    torch.testing.assert_close(arena[:, others], before[:, others], equal_nan=True, **EXACT)  # other layers untouched
+
+
 # ---------------------------------------------------------------- causal conv1d
 
 CHANNELS, WIDTH = 10, 4

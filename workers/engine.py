@@ -1,14 +1,16 @@
 """The engine: requests in, tokens out, one step at a time. No Ray, no asyncio.
 
-`Engine.from_pretrained(dir, **options)` loads a checkpoint (see workers.model.loader) and sizes
-the pools from `EngineOptions`. `add_request` validates a prompt and queues it; `step` schedules,
-runs the model once and samples, returning a `RequestOutput` for every request that produced a
-token or finished; `generate` runs a batch to completion. A request that can never fit (prompt
-beyond `max_model_len`, more pages than the pool has) is refused with `RequestRejected` at
-`add_request`, never halfway through.
+`Engine.from_pretrained(dir, **options)` loads a checkpoint (see workers.model.loader) and lays
+out the cache's arena from `EngineOptions` (workers.arena). `add_request` validates a prompt and
+queues it; `step` is the loop's body: the scheduler plans, the runner runs the model once, the
+sampler picks tokens, the scheduler applies the step (`postprocess`), and a `RequestOutput` comes
+back for every request that produced a token or finished; `generate` runs a batch to completion.
+A request that can never fit (prompt beyond `max_model_len`, more pages than the arena holds
+beside a state) is refused with `RequestRejected` at `add_request`, never halfway through.
 
-Stops: EOS ids from config.json and generation_config.json (unless `ignore_eos`), `stop_token_ids`, `max_tokens`, or the
-model's length (`finish_reason` "stop" / "length"; "abort" for `abort`).
+Stops: EOS ids from config.json and generation_config.json (unless `ignore_eos`),
+`stop_token_ids`, `max_tokens`, or the model's length (`finish_reason` "stop" / "length";
+"abort" for `abort`).
 """
 
 from __future__ import annotations
@@ -22,21 +24,18 @@ import torch
 
 from cache_service.events import EventBatch, EventStream
 from cache_service.hashing import DIGEST_BYTES, model_fingerprint
-from workers.checkpoint_policy import END, CheckpointPolicy
-from workers.checkpoint_store import CheckpointStore
+from workers.arena import ArenaLayout
+from workers.checkpoint_policy import CheckpointPolicy
 from workers.errors import RequestRejected
-from workers.memory_budget import MemoryBudget
 from workers.model import ModelConfig, Qwen3NextForCausalLM, load_model
 from workers.options import EngineOptions
-from workers.page_pool import PagePool
-from workers.prefix_cache import PrefixCache
+from workers.prefix_cache import Match, PrefixCache
 from workers.runner import ModelRunner
 from workers.sampler import Sampler
 from workers.sampling_params import SamplingParams
 from workers.scheduler import Scheduler, Segment, StepPlan
 from workers.sequence import Sequence, TokenLogprob
 from workers.spec import EngineSpec
-from workers.state_pool import StatePool
 
 
 @dataclass
@@ -84,7 +83,8 @@ def _pick_device(name: str) -> torch.device:
 
 class Engine:
     def __init__(self, model: Qwen3NextForCausalLM, options: EngineOptions | None = None,
-                 fingerprint: str | None = None, worker_id: str = "local"):
+                 fingerprint: str | None = None, worker_id: str = "local",
+                 eos_token_ids: frozenset[int] = frozenset()):
         self.options = options = options or EngineOptions()
         self.model = model
         cfg: ModelConfig = model.config
@@ -92,20 +92,15 @@ class Engine:
         dtype = next(model.parameters()).dtype
         self.spec = EngineSpec.of(cfg, options, fingerprint)
         self.worker_id = worker_id
-        self.memory = mem = MemoryBudget.plan(cfg, options, dtype, self.spec.max_model_len)
+        self.layout = layout = ArenaLayout.plan(cfg, options, dtype.itemsize)
         # A checkpoint is judged once the conversations in flight had time to come back to it.
         self.policy = CheckpointPolicy(options.cache_policy, tail_guard=options.tail_guard,
                                        interval_pages=options.checkpoint_interval_pages, seed=options.seed,
                                        settle_after=4 * options.max_num_seqs)
-        self.pages = PagePool(mem.num_pages, options.page_size)
-        self.states = StatePool(options.max_num_seqs)
-        self.cache = PrefixCache(
-            self.pages, CheckpointStore(options.max_num_seqs, mem.max_checkpoints), self.policy,
-            mem.page_bytes, mem.checkpoint_bytes, mem.budget_bytes, recurrent=cfg.has_recurrent_layers)
-        self.scheduler = Scheduler(options, self.cache, self.states, self.policy)
-        self.runner = ModelRunner(model, mem.num_pages, options.page_size, options.max_num_seqs + mem.max_checkpoints)
+        self.cache = PrefixCache(layout, self.policy, options.page_size, recurrent=cfg.has_recurrent_layers)
+        self.scheduler = Scheduler(options, self.cache, self.policy, frozenset(cfg.eos_token_ids) | eos_token_ids)
+        self.runner = ModelRunner(model, layout, options.page_size)
         self.sampler = Sampler(options.seed)
-        self.eos_token_ids = frozenset(cfg.eos_token_ids)
         self.events = EventStream(worker_id)
         self.stats = EngineStats()
         self._requests: dict[str, Sequence] = {}
@@ -116,9 +111,8 @@ class Engine:
         worker_id = str(options.pop("worker_id", "local"))
         opts = EngineOptions.from_kwargs(**options)
         model = load_model(model_dir, dtype=opts.dtype, device=_pick_device(opts.device))
-        engine = cls(model, opts, fingerprint=model_fingerprint(model_dir), worker_id=worker_id)
-        engine.eos_token_ids |= generation_eos_ids(Path(model_dir))
-        return engine
+        return cls(model, opts, fingerprint=model_fingerprint(model_dir), worker_id=worker_id,
+                   eos_token_ids=generation_eos_ids(Path(model_dir)))
 
     # ---- requests --------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
@@ -142,10 +136,11 @@ class Engine:
                                   f"{spec.max_model_len - 1} (max_model_len {spec.max_model_len} minus one to "
                                   f"generate)", "prompt")
         total = min(len(prompt) + params.max_tokens, spec.max_model_len)
-        pages = self.pages.pages_for_tokens(total)
-        if pages > self.pages.num_pages:
-            raise RequestRejected(f"request needs {pages} KV pages for {total} tokens; the pool holds "
-                                  f"{self.pages.num_pages}", "prompt")
+        pages, layout = self.cache.pages_for_tokens(total), self.layout
+        if pages > layout.page_capacity or pages + layout.slot_blocks > layout.num_blocks:
+            raise RequestRejected(f"request needs {pages} KV pages for {total} tokens; the cache holds "
+                                  f"{min(layout.page_capacity, layout.num_blocks - layout.slot_blocks)} beside "
+                                  f"its state", "prompt")
         if hash_root is None:
             hash_root = spec.hash_root()
         elif not isinstance(hash_root, bytes) or len(hash_root) != DIGEST_BYTES:
@@ -159,8 +154,8 @@ class Engine:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._requests:
             raise RequestRejected(f"request_id {request_id!r} is already in use", "request_id")
-        seq = Sequence(request_id, prompt, params, max_total_tokens=total, hash_root=hash_root,
-                       page_hashes=list(page_hashes or ()), hints=hints)
+        seq = Sequence(request_id, prompt, params, hash_root=hash_root, hints=hints, max_total_tokens=total)
+        seq.cache.page_hashes = list(page_hashes or ())
         self._requests[request_id] = seq
         self.scheduler.add(seq)
         self.stats.prompt_tokens += len(prompt)
@@ -168,63 +163,39 @@ class Engine:
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Ends a request and frees what it holds; returns its final output (None if unknown)."""
-        seq = self._requests.get(request_id)
+        seq = self._requests.pop(request_id, None)
         if seq is None:
             return None
-        self._finish(seq, "abort")
+        self.scheduler.finish(seq, "abort")
         return self._output(seq, [], [])
-
-    def _finish(self, seq: Sequence, reason: str) -> None:
-        """Stores the finish checkpoint (the last boundary crossed), then frees what seq holds."""
-        kind = self.policy.captures_finish
-        if reason != "abort" and seq.pending_slot is not None and seq.pending_page:
-            ps = self.options.page_size
-            tail = tuple(seq.token_ids[seq.pending_page * ps:]) if kind == END else None
-            self.cache.commit_checkpoint(seq, seq.pending_slot, seq.pending_page, {kind}, exact_tail=tail)
-            seq.pending_slot = seq.pending_page = None
-        self.scheduler.finish(seq, reason)
-        self._requests.pop(seq.request_id, None)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
     # ---- stepping --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Schedules, runs the model once, samples, applies the step; returns an output for every
+        request that produced a token (finished ones included)."""
         plan = self.scheduler.schedule()
         if not plan:
             return []
         try:
             logits = self.runner.execute(plan)
         finally:
-            self.cache.unpin()
-        self.stats.steps += 1
-        self.stats.computed_tokens += plan.num_tokens
-        self.stats.preemptions = self.scheduler.num_preemptions
-        self.stats.cached_tokens = self.scheduler.hit_tokens
-        sampling = [seg.seq for seg in plan.segments if seg.samples]
-        for seg in plan.segments:
-            seg.seq.num_computed = seg.end
-            self.cache.register_pages(seg.seq)
-        for c in plan.commits:
-            self.cache.commit_checkpoint(c.seq, c.slot, c.depth, c.kinds)
+            self.cache.end_pass()
+        sampled = self.sampler.sample(logits, [seg.seq for seg in plan.segments if seg.samples])
         outputs = []
-        for seq, (token, logprob) in zip(sampling, self.sampler.sample(logits, sampling)):
-            seq.token_ids.append(token)
-            if logprob is not None:
-                seq.logprobs.append(logprob)
-            self.stats.generated_tokens += 1
-            reason = self._stop_reason(seq, token)
-            if reason:
-                self._finish(seq, reason)
+        for seq, token, logprob in self.scheduler.postprocess(plan, sampled):
+            if seq.finished:
+                self._requests.pop(seq.request_id, None)
             outputs.append(self._output(seq, [token], [logprob] if logprob else []))
+        stats = self.stats
+        stats.steps += 1
+        stats.computed_tokens += plan.num_tokens
+        stats.generated_tokens += len(sampled)
+        stats.preemptions = self.scheduler.num_preemptions
+        stats.cached_tokens = self.scheduler.hit_tokens
         return outputs
-
-    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
-        if token in seq.params.stop_token_ids or (not seq.params.ignore_eos and token in self.eos_token_ids):
-            return "stop"
-        if seq.num_tokens >= seq.max_total_tokens:
-            return "length"
-        return None
 
     def _output(self, seq: Sequence, new: list[int], new_logprobs: list[TokenLogprob]) -> RequestOutput:
         return RequestOutput(
@@ -250,24 +221,24 @@ class Engine:
 
     def prompt_logits(self, prompt_token_ids: list[int]) -> torch.Tensor:
         """fp32 logits [n, vocab] at every prompt position, from one prefill that holds pages and
-        a slot only while it runs. For scoring and tests; refuses when the pools are short."""
+        a slot only while it runs (nothing cached). For scoring and tests; refuses when the cache
+        cannot make room now."""
         prompt = list(prompt_token_ids)
-        seq = Sequence("prompt-logits", prompt, SamplingParams(max_tokens=1))
-        need = self.pages.pages_for_tokens(len(prompt))
-        if not prompt or not self.cache.can_allocate_pages(need) or not self.states.can_allocate():
-            raise ValueError(f"cannot score {len(prompt)} tokens now: needs {need} free pages and a "
-                             f"free state slot ({self.pages.num_free} pages free)")
-        seq.page_ids = self.cache.allocate_pages(need)
-        seq.state_slot = self.states.allocate()
+        seq = Sequence("prompt-logits", prompt, SamplingParams(max_tokens=1), hash_root=self.spec.hash_root())
+        cold = Match(0, 0, 0, None)  # compute everything: the logits of every position are wanted
+        if not prompt or not self.cache.can_admit(seq, cold, len(prompt)):
+            raise ValueError(f"cannot score {len(prompt)} tokens now: the cache has no room for their pages "
+                             f"and a state slot")
+        self.cache.admit(seq, cold, len(prompt))
         try:
             segment = Segment(seq, 0, len(prompt))
             plan = StepPlan(decodes=[segment] if len(prompt) == 1 else [],
                             prefills=[] if len(prompt) == 1 else [segment],
-                            fresh_state_slots=[seq.state_slot])
+                            fresh_state_slots=[seq.cache.state_slot])
             return self.runner.execute(plan, all_logits=True)
         finally:
+            self.cache.end_pass()
             self.cache.release(seq)
-            self.states.release(seq.state_slot)
 
     # ---- cache events ------------------------------------------------------------------------
     def drain_events(self) -> EventBatch | None:
@@ -297,7 +268,7 @@ class Engine:
 
     def metrics(self) -> dict[str, float]:
         """Counters and gauges for /metrics and routing: tokens (prompt, cached, computed,
-        generated), pages and checkpoint state in use, budget, checkpoints by kind."""
+        generated), pages and checkpoint state in use, the cache's bytes, checkpoints by kind."""
         cache, stats = self.cache, self.cache.stats
         out: dict[str, float] = {
             "steps": self.stats.steps,
@@ -308,11 +279,11 @@ class Engine:
             "preemptions": self.stats.preemptions,
             "running_requests": len(self.scheduler.running),
             "waiting_requests": len(self.scheduler.waiting),
-            "pages_total": self.pages.num_pages,
-            "pages_held": self.pages.num_held,
-            "pages_cached": self.pages.num_cached,
+            "pages_total": self.layout.page_capacity,
+            "pages_held": cache.pages.num_held,
+            "pages_cached": cache.pages.num_cached,
             "checkpoints_stored": cache.checkpoints.num_stored,
-            "state_bytes": cache.state_bytes,
+            "state_bytes": cache.checkpoint_bytes,
             "cache_used_bytes": cache.used_bytes,
             "cache_budget_bytes": cache.budget_bytes,
             "pages_evicted_total": stats.pages_evicted,
@@ -326,6 +297,5 @@ class Engine:
         return out
 
     def check(self) -> None:
-        """Integrity check for idle moments and tests: pools and the budget add up."""
+        """Integrity check for idle moments and tests: the cache's pools, arena and LRU agree."""
         self.cache.check()
-        self.states.check()

@@ -12,13 +12,13 @@ from dataclasses import dataclass, fields
 @dataclass(frozen=True)
 class EngineOptions:
     page_size: int = 16                       # tokens per KV page
-    num_pages: int | None = None              # KV pages; None = from cache_memory_bytes
-    cache_memory_bytes: int | None = None     # one budget for pages + checkpoints (256 MiB default)
-    max_checkpoints: int | None = None        # checkpoint slots; None = as many as the budget pays
+    num_pages: int | None = None              # cap on KV pages; alone, it also sizes the arena (workers.arena)
+    cache_memory_bytes: int | None = None     # the arena: pages, running states, checkpoints (256 MiB default)
+    max_checkpoints: int | None = None        # cap on checkpoints; None = as many as the arena pays
     cache_policy: str = "cairn"               # cairn | exact | all | interval | end_branch
     tail_guard: int = 8                       # tokens before a prompt's end the tail checkpoint keeps clear
     checkpoint_interval_pages: int = 32       # pages between `interval` checkpoints
-    max_num_seqs: int = 64                    # sequences running at once (= state slots)
+    max_num_seqs: int = 64                    # sequences running at once (each holds a state slot)
     max_num_batched_tokens: int = 1024        # tokens computed in one step (decodes + prefill chunks)
     max_model_len: int | None = None          # prompt + output tokens; None = model's max positions
     dtype: str = "auto"                       # float32 | bfloat16 | float16 | auto (config's)

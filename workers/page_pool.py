@@ -1,9 +1,10 @@
-"""Attention KV pages: free, held (reference-counted) or cached (hashed, unreferenced).
+"""Attention KV pages: who holds them (reference counts) and what they are named (chain hashes).
 
-Plain Python, no tensors: the runner owns the KV tensors, this pool owns the ids. A page is
-held by reference count. A whole page can be registered under its chain hash
-(cache_service.hashing) with its parent's hash; when its last holder releases it, a registered
-page stays cached for reuse, an unregistered one is free again. The prefix cache decides
+Plain Python, no tensors: the runner owns the KV tensors, the arena (`workers.arena`) decides
+which block a new page takes; this pool keeps the rest. A page is held by reference count. A
+whole page can be registered under its chain hash (cache_service.hashing) with its parent's
+hash; when its last holder releases it, a registered page stays cached for reuse, an
+unregistered one is free again (its block goes back to the arena). The prefix cache decides
 eviction order; `evict` unregisters a cached page and, with it, every cached descendant on its
 chain (they are unreachable from the root without it).
 
@@ -13,50 +14,43 @@ its whole chain), so a cached page has only cached descendants. `check()` verifi
 
 from __future__ import annotations
 
-from collections import deque
-
 
 class PagePool:
-    def __init__(self, num_pages: int, page_size: int):
-        if num_pages < 1:
-            raise ValueError(f"num_pages must be >= 1, got {num_pages}")
-        if page_size < 1:
-            raise ValueError(f"page_size must be >= 1, got {page_size}")
-        self.num_pages = num_pages
-        self.page_size = page_size
-        self._free: deque[int] = deque(range(num_pages))
+    def __init__(self) -> None:
         self._refs: dict[int, int] = {}
         self._hash_of: dict[int, bytes] = {}
         self._page_of: dict[bytes, int] = {}
         self._parent: dict[bytes, bytes | None] = {}
         self._children: dict[bytes, set[bytes]] = {}
+        self._num_cached = 0
 
     # ---- counts ----------------------------------------------------------------------------
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
     @property
     def num_held(self) -> int:
         return len(self._refs)
 
     @property
     def num_cached(self) -> int:
-        return self.num_pages - len(self._free) - len(self._refs)
+        return self._num_cached
 
-    def pages_for_tokens(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.page_size)
+    @property
+    def num_resident(self) -> int:
+        """Held and cached pages: those taking an arena block."""
+        return len(self._refs) + self._num_cached
 
     # ---- holding ---------------------------------------------------------------------------
-    def take_free(self) -> int:
-        """A free page, now held once. The caller checked `num_free`."""
-        page = self._free.popleft()
+    def take(self, page: int) -> None:
+        """A page on a free block, now held once."""
         self._refs[page] = 1
-        return page
 
-    def acquire(self, page: int) -> None:
-        """One more holder of a held or cached page."""
-        self._refs[page] = self._refs.get(page, 0) + 1
+    def acquire(self, page: int) -> bool:
+        """One more holder of a held or cached page; True if it was cached (now held)."""
+        refs = self._refs.get(page, 0)
+        self._refs[page] = refs + 1
+        if refs == 0:
+            self._num_cached -= 1
+            return True
+        return False
 
     def release(self, page: int) -> str:
         """Drops one holder; says what the page is now: "held", "cached" or "free"."""
@@ -66,12 +60,18 @@ class PagePool:
             return "held"
         del self._refs[page]
         if page in self._hash_of:
+            self._num_cached += 1
             return "cached"
-        self._free.append(page)
         return "free"
 
     def is_held(self, page: int) -> bool:
         return page in self._refs
+
+    def held_pages(self) -> set[int]:
+        return set(self._refs)
+
+    def resident_pages(self) -> set[int]:
+        return set(self._refs) | set(self._hash_of)
 
     # ---- hashes ----------------------------------------------------------------------------
     def page_of(self, page_hash: bytes) -> int | None:
@@ -93,8 +93,8 @@ class PagePool:
         return True
 
     def evict(self, page: int) -> list[tuple[int, bytes]]:
-        """Frees a cached page and its cached descendants; returns (page, hash) of each page
-        freed, deepest first."""
+        """Unregisters a cached page and its cached descendants; returns (page, hash) of each,
+        deepest first. Their blocks are free: the caller gives them back to the arena."""
         if page in self._refs or page not in self._hash_of:
             raise RuntimeError(f"evict({page}): only cached pages can be evicted")
         freed: list[tuple[int, bytes]] = []
@@ -114,7 +114,7 @@ class PagePool:
             if not self._children[parent]:
                 del self._children[parent]
         self._children.pop(page_hash, None)
-        self._free.append(page)
+        self._num_cached -= 1
         freed.append((page, page_hash))
 
     def registered(self) -> list[tuple[bytes, bytes | None]]:
@@ -129,10 +129,7 @@ class PagePool:
         return out
 
     def check(self) -> None:
-        free, held = set(self._free), set(self._refs)
-        cached = set(self._hash_of) - held
-        if free & held or free & set(self._hash_of) or len(free) + len(held) + len(cached) != self.num_pages:
-            raise AssertionError(f"page pool corrupt: free={len(free)} held={len(held)} cached={len(cached)} "
-                                 f"total={self.num_pages}")
-        if len(self._page_of) != len(self._hash_of):
-            raise AssertionError("page pool corrupt: hash maps disagree")
+        cached = set(self._hash_of) - set(self._refs)
+        if len(cached) != self._num_cached or len(self._page_of) != len(self._hash_of):
+            raise AssertionError(f"page pool corrupt: cached {len(cached)} counted {self._num_cached}, "
+                                 f"hashes {len(self._page_of)} pages {len(self._hash_of)}")

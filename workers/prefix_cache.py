@@ -1,29 +1,40 @@
 """The hybrid prefix cache: attention pages at every whole page, recurrent-state checkpoints at
-chosen page boundaries, one memory budget, and the events that tell the index (rules 2-8).
+chosen page boundaries, one arena, and the events that tell the index (design rules 2-8).
 
-Lookup (rule 4), for a prompt of n tokens: h = the longest run of resident pages; d = the
-deepest checkpoint at or under h pages (and under n - 1 tokens) that the prompt may use; resume
-at d pages (a model without recurrent layers resumes at min(h pages, n - 1)). The request then
-holds all h hit pages: tokens from its resume point up to h pages are recomputed only to rebuild
-the state, and their K/V, already in the shared pages, is not written again.
+It owns everything a sequence holds (`Sequence.cache`, a `SequenceCache`): pages, state slot,
+hash chain, checkpoint targets and the finish capture. Its protocol, per sequence:
+- `match` (rule 4): h = the longest run of resident pages; d = the deepest checkpoint at or
+  under h pages (and under n - 1 tokens) the prompt may use; the resume point follows from
+  `cache_service.scoring.resume_at_token`. Tokens from there up to h pages are recomputed only
+  to rebuild the state; their K/V, already in the shared pages, is not written again.
+- `can_admit` then `admit`: ask before you take. `can_admit` has no side effect: it counts what
+  the admission would make unevictable (cached hit pages, the checkpoint it resumes from) and
+  answers whether the new pages and a state slot fit. `admit` then holds the hit pages, pins the
+  checkpoint until `end_pass`, takes the slot and pages (evicting as needed) and sets targets.
+- `can_grow` / `grow`: pages for a running sequence's next tokens.
+- `take_checkpoint_slot`, `finish_capture`, `commit_checkpoint`, `register_pages` during steps.
+- `finish` (stores the finish capture) or `release` (abort, preemption): give everything back,
+  pages tail first, so chains are evicted tail first.
 
-Budget (rule 7): held and cached pages, pending and stored checkpoints all count against one
-byte budget. Eviction takes the least recently used evictable item (a cached page or a stored
-checkpoint); a page goes with its cached descendants and every checkpoint on them. A request
-that resumed from a checkpoint demotes it to the cold end once it stores a deeper one. Nothing
-a running sequence holds is ever evicted; a refused allocation is a result, not an error.
-
-Events (rule 8): every change of what is resident is queued here and drained by the engine.
+Eviction (rule 7): the least recently used evictable item (`workers.cache_budget`) goes first; a
+page goes with its cached descendants and every checkpoint on them. A state slot needs a whole
+arena group (`workers.arena`): when none is empty, the coldest item in an unblocked group
+decides which group is emptied. A request that resumed from a checkpoint demotes it once it
+stores a deeper one. Nothing a running sequence holds is ever evicted; a refused allocation is a
+result, not an error. Events (rule 8): every change of what is resident is queued here and
+drained by the engine.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from cache_service.events import AllCleared, PagesRemoved, PagesStored, StateRemoved, StateStored
 from cache_service.hashing import next_page_hash
-from workers.checkpoint_policy import CheckpointPolicy
+from cache_service.scoring import resume_at_token
+from workers.arena import Arena, ArenaLayout
+from workers.cache_budget import CHECKPOINT, CacheBudget
+from workers.checkpoint_policy import END, CheckpointPolicy
 from workers.checkpoint_store import Checkpoint, CheckpointStore
 from workers.page_pool import PagePool
 from workers.sequence import Sequence
@@ -44,275 +55,353 @@ class CacheStats:
     checkpoints_used: int = 0
     checkpoints_evicted: int = 0
     checkpoints_dropped: int = 0  # refused at commit (duplicate or page gone)
-    state_bytes_peak: int = 0
     by_kind: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 class PrefixCache:
-    def __init__(self, pages: PagePool, checkpoints: CheckpointStore, policy: CheckpointPolicy,
-                 page_bytes: int, checkpoint_bytes: int, budget_bytes: int, recurrent: bool):
-        self.pages, self.checkpoints, self.policy = pages, checkpoints, policy
-        self.page_size = pages.page_size
-        self.page_bytes, self.checkpoint_bytes, self.budget_bytes = page_bytes, checkpoint_bytes, budget_bytes
-        self.recurrent = recurrent
-        self.used_bytes = 0
-        # Evictable items, cold end first, each with the tick of its last use: one LRU order
-        # across both kinds, kept as two queues so either kind's coldest is found at once.
-        self._cold_pages: OrderedDict[int, int] = OrderedDict()
-        self._cold_ckpts: OrderedDict[bytes, int] = OrderedDict()
-        self._tick = 0
-        self._evictable_bytes = 0
+    def __init__(self, layout: ArenaLayout, policy: CheckpointPolicy, page_size: int, recurrent: bool):
+        self.layout, self.policy, self.page_size, self.recurrent = layout, policy, page_size, recurrent
+        self.arena = Arena(layout)
+        self.pages = PagePool()
+        self.checkpoints = CheckpointStore()
+        self.budget = CacheBudget(layout.block_bytes, layout.slot_blocks)
+        self.slot_blocks = layout.slot_blocks
+        self._running_slots: set[int] = set()
         self._pinned: list[bytes] = []
         self._demoted: set[bytes] = set()
         self._events: list = []
         self.stats = CacheStats()
 
+    def pages_for_tokens(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
     # ---- hashes ---------------------------------------------------------------------------
-    def extend_hashes(self, seq: Sequence, upto_pages: int) -> None:
-        hashes, ps = seq.page_hashes, self.page_size
+    def extend_hashes(self, seq: Sequence, upto_pages: int) -> list[bytes]:
+        """`seq`'s chain, extended to at least `upto_pages` hashes."""
+        hashes, ps = seq.cache.page_hashes, self.page_size
         while len(hashes) < upto_pages:
             j = len(hashes)
             hashes.append(next_page_hash(hashes[-1] if hashes else seq.hash_root, seq.token_ids[j * ps:(j + 1) * ps]))
+        return hashes
 
     # ---- lookup -----------------------------------------------------------------------------
     def match(self, seq: Sequence) -> Match:
         n, ps = seq.num_tokens, self.page_size
-        self.extend_hashes(seq, n // ps)
+        hashes = self.extend_hashes(seq, n // ps)
+        page_of = self.pages.page_of
         h = 0
-        while h < n // ps and self.pages.page_of(seq.page_hashes[h]) is not None:
+        while h < n // ps and page_of(hashes[h]) is not None:
             h += 1
         if not self.recurrent:
-            return Match(h, h, min(h * ps, n - 1), None)
+            return Match(h, h, resume_at_token(h, h, n, ps, recurrent=False), None)
         for j in range(min(h, (n - 1) // ps), 0, -1):
-            ckpt = self.checkpoints.get(seq.page_hashes[j - 1])
+            ckpt = self.checkpoints.get(hashes[j - 1])
             if ckpt is not None and ckpt.usable_by(seq.token_ids, ps):
-                return Match(h, j, j * ps, ckpt)
+                return Match(h, j, resume_at_token(h, j, n, ps, recurrent=True), ckpt)
         return Match(h, 0, 0, None)
 
-    def begin(self, seq: Sequence, m: Match) -> None:
-        """Holds the hit pages for `seq`, positions it at the resume point and pins the
-        checkpoint it restores from until `unpin()`."""
-        held = []
-        for j in range(m.hit_pages):
-            page = self.pages.page_of(seq.page_hashes[j])
-            self._unlist_page(page)
-            self.pages.acquire(page)
-            held.append(page)
-        seq.page_ids = held
-        seq.shared_pages = seq.registered_pages = m.hit_pages
-        seq.register_stopped = False
-        seq.num_computed = m.resume_token
-        seq.resumed_from = None
-        if m.checkpoint is not None:
-            self._unlist_ckpt(m.checkpoint.page_hash)
-            self._pinned.append(m.checkpoint.page_hash)
-            seq.resumed_from = (m.checkpoint.page_hash, m.checkpoint.depth)
+    # ---- admission: ask, then take ----------------------------------------------------------
+    def _new_pages(self, m: Match, num_tokens: int) -> int:
+        return max(0, self.pages_for_tokens(m.resume_token + num_tokens) - m.hit_pages)
 
-    def credit(self, m: Match) -> None:
-        """A request was admitted at this match: the checkpoint's kinds earned a hit."""
+    def can_admit(self, seq: Sequence, m: Match, num_tokens: int) -> bool:
+        """Whether `admit(seq, m, num_tokens)` would succeed now. No side effects."""
+        hashes, page_of, is_held = seq.cache.page_hashes, self.pages.page_of, self.pages.is_held
+        cached_hits = [p for p in (page_of(hashes[j]) for j in range(m.hit_pages)) if not is_held(p)]
+        pin = m.checkpoint if m.checkpoint is not None and self.budget.has_checkpoint(m.checkpoint.page_hash) else None
+        new = self._new_pages(m, num_tokens)
+        room = self.arena.num_free_blocks + self.budget.evictable_blocks - len(cached_hits) - \
+            (self.slot_blocks if pin else 0)
+        if room < new + self.slot_blocks or not self._pages_under_cap(self.pages.num_held + len(cached_hits) + new):
+            return False
+        if not self.slot_blocks:
+            return self.arena.num_slots < self.layout.virtual_slots
+        if self.arena.has_empty_group():
+            return True
+        arena = self.arena  # no group is empty: one must be unblocked after this admission too
+        newly_blocked = {g for g in map(arena.group_of_page, cached_hits) if g is not None and not arena.is_blocked(g)}
+        if pin is not None:
+            newly_blocked.add(pin.slot)
+        return arena.num_unblocked > len(newly_blocked)
+
+    def admit(self, seq: Sequence, m: Match, num_tokens: int) -> int | None:
+        """Holds `seq`'s hit pages, takes its state slot and the pages for its first
+        `num_tokens` tokens from the resume point, pins the checkpoint it resumes from (until
+        `end_pass`) and credits its kinds. Returns that checkpoint's slot (None: a fresh
+        state). The caller checked `can_admit`."""
+        c, hashes = seq.cache, seq.cache.page_hashes
+        c.page_ids = [self._hold(self.pages.page_of(hashes[j])) for j in range(m.hit_pages)]
+        c.shared_pages = c.registered_pages = m.hit_pages
+        c.register_stopped = False
+        c.resumed_from = None
+        restore = None
         if m.checkpoint is not None:
-            self.policy.record_hit(m.checkpoint.kinds)
+            ckpt = m.checkpoint
+            self._pin(ckpt)
+            c.resumed_from, restore = (ckpt.page_hash, ckpt.depth), ckpt.slot
+            self.policy.record_hit(ckpt.kinds)
             self.stats.checkpoints_used += 1
-            for k in m.checkpoint.kinds:
+            for k in ckpt.kinds:
                 self.stats.by_kind.setdefault(k, {"stored": 0}).setdefault("used", 0)
                 self.stats.by_kind[k]["used"] += 1
+        c.state_slot = self._take_slot()
+        self._running_slots.add(c.state_slot)
+        c.page_ids += self._take_pages(self._new_pages(m, num_tokens))
+        c.checkpoint_targets = self.policy.prompt_targets(
+            seq.num_tokens, self.page_size, m.resume_token // self.page_size, m.hit_pages, seq.hints)
+        return restore
 
-    def unpin(self) -> None:
-        """Ends the scheduling pass: pinned checkpoints become evictable again (just used)."""
+    def want_checkpoint(self, seq: Sequence, page: int, kind: str) -> None:
+        """Asks `seq` to checkpoint after page `page` too (a twin waits to resume there)."""
+        seq.cache.checkpoint_targets.setdefault(page, set()).add(kind)
+
+    def end_pass(self) -> None:
+        """Ends a scheduling pass: checkpoints pinned by admissions become evictable again (just
+        used), those their conversation moved on from go to the cold end."""
         for page_hash in self._pinned:
-            if self.checkpoints.get(page_hash) is not None and page_hash not in self._cold_ckpts:
-                self._list_ckpt(page_hash)
+            ckpt = self.checkpoints.get(page_hash)
+            if ckpt is not None and not self.budget.has_checkpoint(page_hash):
+                self.budget.list_checkpoint(page_hash)
+                self.arena.slot_evictable(ckpt.slot, True)
                 if page_hash in self._demoted:
-                    self._demote(page_hash)
+                    self.budget.demote(page_hash)
         self._pinned.clear()
         self._demoted.clear()
 
-    # ---- allocation -------------------------------------------------------------------------
-    def can_allocate_pages(self, n: int) -> bool:
-        if n <= 0:
-            return True
-        return (self.pages.num_free + len(self._cold_pages) >= n
-                and self.budget_bytes - self.used_bytes + self._evictable_bytes >= n * self.page_bytes)
+    # ---- growth -------------------------------------------------------------------------------
+    def can_grow(self, seq: Sequence, upto_tokens: int) -> bool:
+        need = self.pages_for_tokens(upto_tokens) - len(seq.cache.page_ids)
+        return need <= 0 or (self.arena.num_free_blocks + self.budget.evictable_blocks >= need
+                             and self._pages_under_cap(self.pages.num_held + need))
 
-    def allocate_pages(self, n: int) -> list[int]:
-        if not self.can_allocate_pages(n):
-            raise RuntimeError(f"allocate_pages({n}) refused; call can_allocate_pages first")
-        while self.pages.num_free < n:  # short of page ids: only a page eviction helps
-            self._evict_page(next(iter(self._cold_pages)))
-        while self.used_bytes + n * self.page_bytes > self.budget_bytes:
-            self._evict_coldest()
-        self.used_bytes += n * self.page_bytes
-        return [self.pages.take_free() for _ in range(n)]
+    def grow(self, seq: Sequence, upto_tokens: int) -> None:
+        """Pages for `seq`'s tokens up to `upto_tokens`; the caller checked `can_grow`."""
+        seq.cache.page_ids += self._take_pages(self.pages_for_tokens(upto_tokens) - len(seq.cache.page_ids))
 
-    def allocate_checkpoint(self) -> int | None:
+    # ---- checkpoints during steps -------------------------------------------------------------
+    def take_checkpoint_slot(self) -> int | None:
         """A pending checkpoint slot, evicting to make room; None when none can be had."""
-        if self.checkpoints.num_slots == 0:
+        cap = self.layout.max_checkpoints
+        if not self.slot_blocks or cap == 0:
             return None
-        while self.checkpoints.num_free == 0:  # short of slots: only a checkpoint eviction helps
-            if not self._cold_ckpts:
+        while cap is not None and self.checkpoints.num_stored + self.checkpoints.num_pending >= cap:
+            coldest = self.budget.coldest_checkpoint()
+            if coldest is None:
                 return None
-            self._evict_ckpt(next(iter(self._cold_ckpts)))
-        while self.used_bytes + self.checkpoint_bytes > self.budget_bytes:
-            if not (self._cold_pages or self._cold_ckpts):
-                return None
-            self._evict_coldest()
-        self.used_bytes += self.checkpoint_bytes
-        self._note_state_bytes()
-        return self.checkpoints.take()
+            self._evict_checkpoint(coldest)
+        if not self.arena.has_empty_group() and not self.arena.num_unblocked:
+            return None
+        slot = self._take_slot()
+        self.checkpoints.add_pending(slot)
+        return slot
 
     def drop_pending(self, slot: int) -> None:
-        self.checkpoints.give_back(slot)
-        self.used_bytes -= self.checkpoint_bytes
+        self.checkpoints.drop_pending(slot)
+        self.arena.free_slot(slot, blocked=True)
 
-    # ---- registration -----------------------------------------------------------------------
-    def register_pages(self, seq: Sequence) -> None:
-        """Registers every whole page `seq` has computed (prompt and output), under its hash.
-
-        A page whose hash a concurrent twin registered first (two prompts with one prefix,
-        prefilled in the same steps) is swapped for the twin's page, which holds the same K/V;
-        ours goes back to the free pool. So a sequence always holds its whole chain."""
-        full = seq.num_computed // self.page_size
-        if seq.register_stopped or seq.registered_pages >= full:
-            return
-        self.extend_hashes(seq, full)
-        run_start, run = seq.registered_pages, []  # one PagesStored per consecutive run
-        for j in range(seq.registered_pages, full):
-            page_hash, parent = seq.page_hashes[j], seq.page_hashes[j - 1] if j else None
-            twin = self.pages.page_of(page_hash)
-            if twin is not None:
-                self._flush_run(seq, run_start, run)
-                run_start, run = j + 1, []
-                self._unlist_page(twin)
-                self.pages.acquire(twin)
-                if self.pages.release(seq.page_ids[j]) == "free":
-                    self.used_bytes -= self.page_bytes
-                seq.page_ids[j] = twin
-            elif self.pages.register(seq.page_ids[j], page_hash, parent):
-                run.append(page_hash)
-            else:
-                seq.register_stopped = True  # cannot happen while every chain is held whole
-                break
-            seq.registered_pages = j + 1
-        self._flush_run(seq, run_start, run)
-
-    def _flush_run(self, seq: Sequence, start: int, run: list[bytes]) -> None:
-        if run:
-            self._events.append(PagesStored(tuple(run), seq.page_hashes[start - 1] if start else None))
+    def finish_capture(self, seq: Sequence, page: int) -> int | None:
+        """The slot to take `seq`'s state after page `page` into, the last boundary it crossed
+        (None: not captured); it is stored as a finish checkpoint when `seq` finishes."""
+        c, kind = seq.cache, self.policy.captures_finish
+        if kind is None:
+            return None
+        if c.finish_admitted is None:
+            c.finish_admitted = bool(self.policy.admit({kind}))
+        if not c.finish_admitted:
+            return None
+        if c.finish_slot is None:
+            c.finish_slot = self.take_checkpoint_slot()
+        if c.finish_slot is not None:
+            c.finish_page = page
+        return c.finish_slot
 
     def commit_checkpoint(self, seq: Sequence, slot: int, depth: int, kinds: set[str],
                           exact_tail: tuple[int, ...] | None = None) -> bool:
         """Stores the state in pending `slot` as the checkpoint after page `depth` of `seq`."""
-        self.extend_hashes(seq, depth)
-        page_hash = seq.page_hashes[depth - 1]
+        page_hash = self.extend_hashes(seq, depth)[depth - 1]
         existing = self.checkpoints.get(page_hash)
         if self.pages.page_of(page_hash) is None or existing is not None:
             self.drop_pending(slot)
             self.stats.checkpoints_dropped += 1
             if existing is not None:
                 existing.kinds |= kinds
-                if page_hash in self._cold_ckpts:
-                    self._unlist_ckpt(page_hash)
-                    self._list_ckpt(page_hash)
+                self.budget.touch_checkpoint(page_hash)
             return False
         self.checkpoints.store(slot, page_hash, depth, kinds, exact_tail)
-        self._list_ckpt(page_hash)
+        self.budget.list_checkpoint(page_hash)
+        self.arena.slot_evictable(slot, True)
         self._events.append(StateStored(page_hash))
         self.stats.checkpoints_stored += 1
         for k in kinds:
             self.stats.by_kind.setdefault(k, {"stored": 0})["stored"] += 1
-        if seq.resumed_from is not None and depth > seq.resumed_from[1]:
-            old = seq.resumed_from[0]  # the conversation moved on: its old resume point goes cold
-            if old in self._cold_ckpts:
-                self._demote(old)
+        resumed = seq.cache.resumed_from
+        if resumed is not None and depth > resumed[1]:
+            old = resumed[0]  # the conversation moved on: its old resume point goes cold
+            if self.budget.has_checkpoint(old):
+                self.budget.demote(old)
             else:
-                self._demoted.add(old)  # still pinned by this scheduling pass: demote on unpin
-            seq.resumed_from = None
+                self._demoted.add(old)  # still pinned by this scheduling pass: demote at its end
+            seq.cache.resumed_from = None
         return True
+
+    def register_pages(self, seq: Sequence) -> None:
+        """Registers every whole page `seq` has computed (prompt and output), under its hash.
+
+        A page whose hash a concurrent twin registered first (two prompts with one prefix,
+        prefilled in the same steps) is swapped for the twin's page, which holds the same K/V;
+        ours goes back to the arena. So a sequence always holds its whole chain."""
+        c = seq.cache
+        full = seq.num_computed // self.page_size
+        if c.register_stopped or c.registered_pages >= full:
+            return
+        hashes = self.extend_hashes(seq, full)
+        run_start, run = c.registered_pages, []  # one PagesStored per consecutive run
+        for j in range(c.registered_pages, full):
+            page_hash, parent = hashes[j], hashes[j - 1] if j else None
+            twin = self.pages.page_of(page_hash)
+            if twin is not None:
+                self._flush_run(hashes, run_start, run)
+                run_start, run = j + 1, []
+                self._hold(twin)
+                self._unhold(c.page_ids[j])
+                c.page_ids[j] = twin
+            elif self.pages.register(c.page_ids[j], page_hash, parent):
+                run.append(page_hash)
+            else:
+                c.register_stopped = True  # cannot happen while every chain is held whole
+                break
+            c.registered_pages = j + 1
+        self._flush_run(hashes, run_start, run)
+
+    def _flush_run(self, hashes: list[bytes], start: int, run: list[bytes]) -> None:
+        if run:
+            self._events.append(PagesStored(tuple(run), hashes[start - 1] if start else None))
+
+    # ---- ending -------------------------------------------------------------------------------
+    def finish(self, seq: Sequence) -> None:
+        """`seq` ended normally: its finish capture becomes a checkpoint, then `release`."""
+        c = seq.cache
+        if c.finish_slot is not None and c.finish_page:
+            kind = self.policy.captures_finish
+            tail = tuple(seq.token_ids[c.finish_page * self.page_size:]) if kind == END else None
+            self.commit_checkpoint(seq, c.finish_slot, c.finish_page, {kind}, exact_tail=tail)
+            c.finish_slot = c.finish_page = None
+        self.release(seq)
 
     def release(self, seq: Sequence) -> None:
-        """Returns what `seq` holds: pages tail first (so chains are evicted tail first), its
-        pending finish slot."""
-        for page in reversed(seq.page_ids):
-            state = self.pages.release(page)
+        """Returns everything `seq` holds: pages tail first, its state slot, its finish capture."""
+        c = seq.cache
+        for page in reversed(c.page_ids):
+            self._unhold(page)
+        c.page_ids = []
+        if c.state_slot is not None:
+            self._running_slots.discard(c.state_slot)
+            self.arena.free_slot(c.state_slot, blocked=True)
+            c.state_slot = None
+        if c.finish_slot is not None:
+            self.drop_pending(c.finish_slot)
+            c.finish_slot = c.finish_page = None
+
+    # ---- holding and taking ---------------------------------------------------------------------
+    def _hold(self, page: int) -> int:
+        if self.pages.acquire(page):  # it was cached: no longer evictable
+            self.budget.unlist_page(page)
+            self.arena.page_held(page, True)
+        return page
+
+    def _unhold(self, page: int) -> None:
+        state = self.pages.release(page)
+        if state != "held":
+            self.arena.page_held(page, False)
             if state == "cached":
-                self._list_page(page)
-            elif state == "free":
-                self.used_bytes -= self.page_bytes
-        seq.page_ids = []
-        if seq.pending_slot is not None:
-            self.drop_pending(seq.pending_slot)
-            seq.pending_slot = seq.pending_page = None
+                self.budget.list_page(page)
+            else:
+                self.arena.free_page(page)
+
+    def _pin(self, ckpt: Checkpoint) -> None:
+        if self.budget.unlist_checkpoint(ckpt.page_hash):
+            self.arena.slot_evictable(ckpt.slot, False)
+            self._pinned.append(ckpt.page_hash)
+
+    def _pages_under_cap(self, pages: int) -> bool:
+        cap = self.layout.max_pages
+        return cap is None or pages <= cap
+
+    def _take_pages(self, n: int) -> list[int]:
+        cap = self.layout.max_pages
+        while cap is not None and self.pages.num_resident + n > cap:  # only a page eviction helps
+            self._evict_page(self.budget.coldest_page())
+        while self.arena.num_free_blocks < n:
+            self._evict_coldest()
+        out = []
+        for _ in range(n):
+            page = self.arena.take_page()
+            self.pages.take(page)
+            out.append(page)
+        return out
+
+    def _take_slot(self) -> int:
+        slot = self.arena.take_slot()
+        if slot is None and self.slot_blocks:
+            self._empty_a_group()
+            slot = self.arena.take_slot()
+        if slot is None:
+            raise RuntimeError("no state slot could be had; call can_admit or take_checkpoint_slot")
+        return slot
+
+    def _empty_a_group(self) -> None:
+        """Evicts everything in the unblocked group holding the coldest evictable item."""
+        arena = self.arena
+        for kind, item in self.budget.cold_first():
+            group = self.checkpoints.get(item).slot if kind == CHECKPOINT else arena.group_of_page(item)
+            if group is not None and not arena.is_blocked(group):
+                break
+        else:
+            return
+        if arena.is_slot(group):
+            self._evict_checkpoint(self.checkpoints.in_slot(group).page_hash)
+            return
+        for block in arena.pages_of_group(group):
+            if self.pages.hash_of(block) is not None and not arena.is_free(block):
+                self._evict_page(block)
 
     # ---- eviction ---------------------------------------------------------------------------
-    def _next_tick(self) -> int:
-        self._tick += 1
-        return self._tick
-
-    def _list_page(self, page: int) -> None:
-        self._cold_pages[page] = self._next_tick()
-        self._evictable_bytes += self.page_bytes
-
-    def _list_ckpt(self, page_hash: bytes) -> None:
-        self._cold_ckpts[page_hash] = self._next_tick()
-        self._evictable_bytes += self.checkpoint_bytes
-
-    def _demote(self, page_hash: bytes) -> None:
-        self._cold_ckpts[page_hash] = -1  # colder than anything used
-        self._cold_ckpts.move_to_end(page_hash, last=False)
-
-    def _unlist_page(self, page: int) -> bool:
-        if self._cold_pages.pop(page, None) is None:
-            return False
-        self._evictable_bytes -= self.page_bytes
-        return True
-
-    def _unlist_ckpt(self, page_hash: bytes) -> bool:
-        if self._cold_ckpts.pop(page_hash, None) is None:
-            return False
-        self._evictable_bytes -= self.checkpoint_bytes
-        return True
-
     def _evict_coldest(self) -> None:
-        page = next(iter(self._cold_pages.items()), None)
-        ckpt = next(iter(self._cold_ckpts.items()), None)
-        if ckpt is not None and (page is None or ckpt[1] < page[1]):
-            self._evict_ckpt(ckpt[0])
-        else:
-            self._evict_page(page[0])
+        kind, item = self.budget.coldest()
+        self._evict_checkpoint(item) if kind == CHECKPOINT else self._evict_page(item)
 
-    def _evict_ckpt(self, page_hash: bytes) -> None:
-        self._unlist_ckpt(page_hash)
-        self._remove_checkpoint(page_hash)
+    def _evict_checkpoint(self, page_hash: bytes) -> None:
+        self.budget.unlist_checkpoint(page_hash)
+        self._remove_checkpoint(page_hash, listed=True)
 
     def _evict_page(self, first: int) -> None:
         removed = []
         for page, page_hash in self.pages.evict(first):
-            self._unlist_page(page)
-            self.used_bytes -= self.page_bytes
+            self.budget.unlist_page(page)
+            self.arena.free_page(page)
             self.stats.pages_evicted += 1
             removed.append(page_hash)
-            if self.checkpoints.get(page_hash) is not None:
-                self._unlist_ckpt(page_hash)  # a pinned one is not listed; it goes all the same
-                self._remove_checkpoint(page_hash)
+            if self.checkpoints.get(page_hash) is not None:  # a pinned one goes all the same
+                self._remove_checkpoint(page_hash, listed=self.budget.unlist_checkpoint(page_hash))
         self._events.append(PagesRemoved(tuple(removed)))
 
-    def _remove_checkpoint(self, page_hash: bytes) -> None:
-        self.checkpoints.remove(page_hash)
-        self.used_bytes -= self.checkpoint_bytes
+    def _remove_checkpoint(self, page_hash: bytes, listed: bool) -> None:
+        ckpt = self.checkpoints.remove(page_hash)
+        self.arena.free_slot(ckpt.slot, blocked=not listed)
         self.stats.checkpoints_evicted += 1
         self._events.append(StateRemoved(page_hash))
 
     def remove_checkpoint(self, page_hash: bytes) -> bool:
         """Drops one stored checkpoint (operators and tests); False if absent or pinned."""
-        if not self._unlist_ckpt(page_hash):
+        if not self.budget.unlist_checkpoint(page_hash):
             return False
-        self._remove_checkpoint(page_hash)
+        self._remove_checkpoint(page_hash, listed=True)
         return True
 
     def clear(self) -> None:
         """Drops everything not held by a running sequence; announces the result as a fresh
         picture (AllCleared, then what remains)."""
-        while self._cold_pages or self._cold_ckpts:
+        while self.budget.coldest() is not None:
             self._evict_coldest()
         self._events.clear()
         self._events.append(AllCleared())
@@ -330,22 +419,36 @@ class PrefixCache:
         return self.pages.registered(), self.checkpoints.hashes()
 
     @property
-    def state_bytes(self) -> int:
-        return (self.checkpoints.num_stored + self.checkpoints.num_pending) * self.checkpoint_bytes
+    def num_running_slots(self) -> int:
+        """State slots held by admitted sequences."""
+        return len(self._running_slots)
 
-    def _note_state_bytes(self) -> None:
-        self.stats.state_bytes_peak = max(self.stats.state_bytes_peak, self.state_bytes)
+    @property
+    def used_bytes(self) -> int:
+        """Arena bytes in use: held and cached pages, running states, checkpoints."""
+        return self.arena.used_bytes
+
+    @property
+    def budget_bytes(self) -> int:
+        return self.layout.arena_bytes
+
+    @property
+    def checkpoint_bytes(self) -> int:
+        """Arena bytes of checkpoints, pending and stored."""
+        return (self.checkpoints.num_stored + self.checkpoints.num_pending) * self.slot_blocks * self.layout.block_bytes
 
     def check(self) -> None:
+        """Integrity: pools, arena and LRU agree (mini-sglang's idle check)."""
         self.pages.check()
         self.checkpoints.check()
-        pages_used = self.pages.num_held + self.pages.num_cached
-        expect = pages_used * self.page_bytes + self.state_bytes
-        if expect != self.used_bytes or self.used_bytes > self.budget_bytes:
-            raise AssertionError(f"prefix cache accounting off: used={self.used_bytes} expected={expect} "
-                                 f"budget={self.budget_bytes}")
-        if len(self._cold_pages) != self.pages.num_cached:
-            raise AssertionError(f"evictable pages {len(self._cold_pages)} != cached {self.pages.num_cached}")
-        listed = len(self._cold_pages) * self.page_bytes + len(self._cold_ckpts) * self.checkpoint_bytes
-        if listed != self._evictable_bytes:
-            raise AssertionError(f"evictable bytes {self._evictable_bytes} != listed {listed}")
+        stored = {h: self.checkpoints.get(h).slot for h in self.checkpoints.hashes()}
+        pending = self.checkpoints.slots() - set(stored.values())
+        pinned = {slot for h, slot in stored.items() if not self.budget.has_checkpoint(h)}
+        if self.slot_blocks:
+            self.arena.check(self.pages.held_pages(), self.pages.resident_pages(),
+                             self._running_slots | pending | pinned)
+        if self.budget.num_pages != self.pages.num_cached:
+            raise AssertionError(f"evictable pages {self.budget.num_pages} != cached {self.pages.num_cached}")
+        if self.budget.num_checkpoints + len(pinned) != self.checkpoints.num_stored:
+            raise AssertionError(f"evictable checkpoints {self.budget.num_checkpoints} + pinned {len(pinned)} "
+                                 f"!= stored {self.checkpoints.num_stored}")

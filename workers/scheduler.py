@@ -1,18 +1,23 @@
 """Continuous batching over the prefix cache: each step, which sequences compute how many tokens,
-from where, and which states are saved on the way.
+from where, and which states are saved on the way; after it, what the step's tokens mean.
 
-A step holds decodes (one token each) and prefill chunks together, at most
+`schedule` builds a `StepPlan`: decodes (one token each) and prefill chunks together, at most
 `max_num_batched_tokens` tokens and `max_num_seqs` running sequences. Running sequences are
-served oldest first; a waiting one is admitted by matching it against the prefix cache (it
-starts at its resume point, its state restored from the checkpoint it resumes from) while
-tokens, pages and a state slot are free; one whose next pages a running sequence is computing
-right now waits a step to share them (that sequence checkpoints where the two prompts part).
-When a running sequence needs a page and none can be had, the newest running sequence is preempted: it gives back what it holds and waits at the
-head of the queue to recompute later. Running out of pages is never an error.
+served oldest first; when one needs a page and none can be had, the newest running sequence is
+preempted: it gives back what it holds and waits at the head of the queue to recompute later.
+Running out of pages is never an error. A waiting sequence is matched against the prefix cache
+and admitted only if the cache says it fits (`can_admit`, no side effects), starting at its
+resume point with its state restored from the checkpoint it resumes from; one whose next pages a
+running sequence is computing right now waits a step to share them (that sequence checkpoints
+where the two prompts part).
 
 Checkpoints cost a copy, not compute: a state wanted at a boundary inside a segment is taken
-from the chunked delta rule (`ckpt_offsets`), one at a segment's end is a slot copy after the
-step (`snapshots`). Plans, not tensors: this module imports no torch.
+from the chunked delta rule (`ckpt_slots`), one at a segment's end is a slot copy after the step
+(`snapshots`).
+
+`postprocess` is the step's second half: computed tokens advance, whole pages are registered,
+checkpoints committed, sampled tokens appended, and sequences that stop (EOS, a stop id,
+`max_tokens`, the model's length) finish. Plans, not tensors: this module imports no torch.
 """
 
 from __future__ import annotations
@@ -23,8 +28,7 @@ from dataclasses import dataclass, field
 from workers.checkpoint_policy import BRANCH, EVERY, CheckpointPolicy
 from workers.options import EngineOptions
 from workers.prefix_cache import PrefixCache
-from workers.sequence import Sequence, Status
-from workers.state_pool import StatePool
+from workers.sequence import Sequence, Status, TokenLogprob
 
 
 @dataclass
@@ -74,11 +78,10 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, options: EngineOptions, cache: PrefixCache, states: StatePool, policy: CheckpointPolicy):
-        self.options = options
-        self.cache = cache
-        self.states = states
-        self.policy = policy
+    def __init__(self, options: EngineOptions, cache: PrefixCache, policy: CheckpointPolicy,
+                 eos_token_ids: frozenset[int] = frozenset()):
+        self.options, self.cache, self.policy = options, cache, policy
+        self.eos_token_ids = eos_token_ids
         self.page_size = cache.page_size
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -91,6 +94,7 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    # ---- planning ------------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
         plan = StepPlan()
         budget = self.options.max_num_batched_tokens
@@ -104,8 +108,7 @@ class Scheduler:
             budget -= n
             i += 1
         inflight = self._inflight_pages()
-        while (self.waiting and budget > 0 and not plan.preempted
-               and len(self.running) < self.options.max_num_seqs and self.states.can_allocate()):
+        while self.waiting and budget > 0 and not plan.preempted and len(self.running) < self.options.max_num_seqs:
             admitted = self._admit(self.waiting[0], budget, plan, inflight)
             if admitted is None:
                 break
@@ -123,15 +126,15 @@ class Scheduler:
 
     def _add_inflight(self, inflight: dict[bytes, Sequence], seq: Sequence) -> None:
         whole = seq.num_tokens // self.page_size
-        if seq.registered_pages < whole:
-            self.cache.extend_hashes(seq, whole)
-            for j in range(seq.registered_pages, whole):
-                inflight.setdefault(seq.page_hashes[j], seq)
+        if seq.cache.registered_pages < whole:
+            hashes = self.cache.extend_hashes(seq, whole)
+            for j in range(seq.cache.registered_pages, whole):
+                inflight.setdefault(hashes[j], seq)
 
     def _defer_for_twin(self, seq: Sequence, hit_pages: int, inflight: dict[bytes, Sequence]) -> bool:
         """True if a running sequence is computing `seq`'s next pages right now: `seq` waits a
         step and resumes from them, and the running one checkpoints where the two part."""
-        hashes, whole = seq.page_hashes, seq.num_tokens // self.page_size
+        hashes, whole = seq.cache.page_hashes, seq.num_tokens // self.page_size
         if hit_pages >= whole or hashes[hit_pages] not in inflight:
             return False
         if self.cache.recurrent and not ({BRANCH, EVERY} & self.policy.kinds):
@@ -140,7 +143,7 @@ class Scheduler:
         while k < whole and inflight.get(hashes[k]) is owner:
             k += 1
         if self.cache.recurrent:
-            owner.ckpt_targets.setdefault(k, set()).add(BRANCH)
+            self.cache.want_checkpoint(owner, k, BRANCH)
         return True
 
     def _admit(self, seq: Sequence, budget: int, plan: StepPlan, inflight: dict[bytes, Sequence]) -> int | None:
@@ -149,26 +152,21 @@ class Scheduler:
         m = cache.match(seq)
         if self._defer_for_twin(seq, m.hit_pages, inflight):
             return None
-        cache.begin(seq, m)
-        n = min(seq.num_uncomputed, budget)
-        need = cache.pages.pages_for_tokens(seq.num_computed + n) - len(seq.page_ids)
-        if not cache.can_allocate_pages(need):
-            cache.release(seq)
+        n = min(seq.num_tokens - m.resume_token, budget)
+        if not cache.can_admit(seq, m, n):
             return None
-        cache.credit(m)
         self.waiting.popleft()
-        seq.page_ids += cache.allocate_pages(max(0, need))
-        seq.state_slot = self.states.allocate()
-        if m.checkpoint is not None:
-            plan.restores.append((m.checkpoint.slot, seq.state_slot))
+        restore = cache.admit(seq, m, n)
+        seq.num_computed = m.resume_token
+        slot = seq.cache.state_slot
+        if restore is not None:
+            plan.restores.append((restore, slot))
         else:
-            plan.fresh_state_slots.append(seq.state_slot)
+            plan.fresh_state_slots.append(slot)
         if not seq.admitted_once:
             seq.admitted_once = True
             seq.cached_tokens = m.resume_token
             self.hit_tokens += m.resume_token
-        seq.ckpt_targets = self.policy.prompt_targets(
-            seq.num_tokens, self.page_size, m.resume_token // self.page_size, m.hit_pages, seq.hints)
         seq.status = Status.RUNNING
         self.running.append(seq)
         self._add_segment(plan, seq, n)
@@ -176,83 +174,102 @@ class Scheduler:
         return n
 
     def _reserve_pages(self, seq: Sequence, n: int, plan: StepPlan) -> bool:
-        need = self.cache.pages.pages_for_tokens(seq.num_computed + n) - len(seq.page_ids)
-        while not self.cache.can_allocate_pages(need):
+        upto = seq.num_computed + n
+        while not self.cache.can_grow(seq, upto):
             victim = self.running[-1]
             self._preempt(victim)
             plan.preempted.append(victim)
             if victim is seq:
                 return False
-        if need > 0:
-            seq.page_ids += self.cache.allocate_pages(need)
+        self.cache.grow(seq, upto)
         return True
 
     def _add_segment(self, plan: StepPlan, seq: Sequence, n: int) -> None:
         segment = Segment(seq, seq.num_computed, n)
         (plan.decodes if n == 1 else plan.prefills).append(segment)
 
-    # ---- checkpoints -----------------------------------------------------------------------
     def _plan_checkpoints(self, plan: StepPlan, seg: Segment) -> None:
-        seq, ps, policy = seg.seq, self.page_size, self.policy
-        if not self.cache.recurrent:
+        seq, ps, policy, cache = seg.seq, self.page_size, self.policy, self.cache
+        if not cache.recurrent:
             return
         first, last = seg.start // ps + 1, seg.end // ps  # boundaries inside (start, end]
+        targets = seq.cache.checkpoint_targets
         for j in range(first, last + 1):
-            kinds = set(seq.ckpt_targets.get(j, ()))
+            kinds = set(targets.get(j, ()))
             if EVERY in policy.kinds and j * ps > seq.num_prompt_tokens:
                 kinds.add(EVERY)  # decode crossings of the `all` baseline
             admitted = policy.admit(kinds) if kinds else set()
             if admitted:
-                slot = self.cache.allocate_checkpoint()
+                slot = cache.take_checkpoint_slot()
                 if slot is not None:
                     self._attach(plan, seg, j * ps - seg.start, slot)
                     plan.commits.append(Commit(seq, slot, j, admitted))
         # The finish capture: the last boundary crossed, from the prompt's last one on.
-        finish_kind = policy.captures_finish
-        if finish_kind is None or last < max(first, seq.num_prompt_tokens // ps, 1):
+        if policy.captures_finish is None or last < max(first, seq.num_prompt_tokens // ps, 1):
             return
-        crossing = last
-        if seq.finish_admitted is None:
-            seq.finish_admitted = bool(policy.admit({finish_kind}))
-        if not seq.finish_admitted:
-            return
-        if seq.pending_slot is None:
-            seq.pending_slot = self.cache.allocate_checkpoint()
-        if seq.pending_slot is not None:
-            self._attach(plan, seg, crossing * ps - seg.start, seq.pending_slot)
-            seq.pending_page = crossing
+        slot = cache.finish_capture(seq, last)
+        if slot is not None:
+            self._attach(plan, seg, last * ps - seg.start, slot)
 
     @staticmethod
     def _attach(plan: StepPlan, seg: Segment, offset: int, slot: int) -> None:
         if offset == seg.num_tokens:  # the segment's final state: copy the slot after the step
-            plan.snapshots.append((seg.seq.state_slot, slot))
+            plan.snapshots.append((seg.seq.cache.state_slot, slot))
         else:
             seg.ckpt_slots.setdefault(offset, []).append(slot)
 
-    # ---- ending ----------------------------------------------------------------------------
+    # ---- after the step --------------------------------------------------------------------------
+    def postprocess(self, plan: StepPlan, sampled: list[tuple[int, TokenLogprob | None]]
+                    ) -> list[tuple[Sequence, int, TokenLogprob | None]]:
+        """Applies a computed step: `sampled` holds one (token, logprob) per sampling segment in
+        plan order. Returns (sequence, token, logprob) for each; finished ones are finished."""
+        cache = self.cache
+        for seg in plan.segments:
+            seg.seq.num_computed = seg.end
+            cache.register_pages(seg.seq)
+        for c in plan.commits:
+            cache.commit_checkpoint(c.seq, c.slot, c.depth, c.kinds)
+        out = []
+        for seg, (token, logprob) in zip((s for s in plan.segments if s.samples), sampled):
+            seq = seg.seq
+            seq.token_ids.append(token)
+            if logprob is not None:
+                seq.logprobs.append(logprob)
+            reason = self._stop_reason(seq, token)
+            if reason:
+                self.finish(seq, reason)
+            out.append((seq, token, logprob))
+        return out
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        if token in seq.params.stop_token_ids or (not seq.params.ignore_eos and token in self.eos_token_ids):
+            return "stop"
+        if seq.num_tokens >= seq.max_total_tokens:
+            return "length"
+        return None
+
+    # ---- ending ----------------------------------------------------------------------------------
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self._release(seq)
+        self.cache.release(seq)
         seq.num_computed = 0
         seq.num_preemptions += 1
         seq.status = Status.WAITING
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def _release(self, seq: Sequence) -> None:
-        self.cache.release(seq)
-        if seq.state_slot is not None:
-            self.states.release(seq.state_slot)
-            seq.state_slot = None
-
     def finish(self, seq: Sequence, reason: str) -> None:
-        """Ends a sequence (stop, length or abort) and returns what it holds."""
+        """Ends a sequence (stop, length or abort) and returns what it holds; a sequence that
+        stopped leaves its finish checkpoint, an aborted one does not."""
         if seq.status is Status.RUNNING:
             self.running.remove(seq)
         elif seq.status is Status.WAITING:
             self.waiting.remove(seq)
         else:
             return
-        self._release(seq)
+        if reason == "abort":
+            self.cache.release(seq)
+        else:
+            self.cache.finish(seq)
         seq.status = Status.FINISHED
         seq.finish_reason = reason
