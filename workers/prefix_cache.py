@@ -55,6 +55,7 @@ class CacheStats:
     checkpoints_used: int = 0
     checkpoints_evicted: int = 0
     checkpoints_dropped: int = 0  # refused at commit (duplicate or page gone)
+    state_bytes_peak: int = 0  # the most arena bytes checkpoints (pending and stored) held at once
     by_kind: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
@@ -193,6 +194,7 @@ class PrefixCache:
             return None
         slot = self._take_slot()
         self.checkpoints.add_pending(slot)
+        self.stats.state_bytes_peak = max(self.stats.state_bytes_peak, self.checkpoint_bytes)
         return slot
 
     def drop_pending(self, slot: int) -> None:
