@@ -3,8 +3,8 @@ their caches live.
 
 A step runs a varlen batch: the new tokens of B sequences concatenated into T rows. The runner
 orders sequences so the first `num_decodes` have exactly one new token and a state that already
-exists (decodes), and the rest are prefill segments; the model takes the batched decode paths for
-the first group and a per-segment path for the second.
+exists (decodes), and the rest are prefill segments; each layer runs the first group through the
+slot-indexed decode ops and the second through the varlen prefill ops: one call per op for all.
 
 Units: `positions`, `seq_lens`, `cu_seqlens` are in tokens; `page_table` holds page ids;
 `slot_mapping` holds KV slots (`page * page_size + offset`); `state_slots` index the state pool.

@@ -150,39 +150,46 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         weight = self.conv1d.weight.squeeze(1)  # [conv_dim, K]
         nd, r = batch.num_decodes, self.rank
+        conv_pool, ssm_pool = conv_states[:, r], ssm_states[:, r]  # [num_slots, ...] views of this layer
         core = torch.empty(T, self.nv, self.dv, dtype=x.dtype, device=x.device)
 
-        if nd:
+        if nd:  # one new token per sequence, states updated in their slots
             slots = batch.state_slots[:nd]
-            conv = conv_states[slots, r]  # gathered copy [nd, conv_dim, K-1]
-            y = kernels.causal_conv1d_update(mixed[:nd], weight, conv)
-            conv_states[slots, r] = conv
-            q, k, v = self._heads(y)
-            state = ssm_states[slots, r]
-            core[:nd] = kernels.gated_delta_rule_step(q, k, v, g[:nd], beta[:nd], state)
-            ssm_states[slots, r] = state
+            q, k, v = self._heads(kernels.causal_conv1d_update_slots(mixed[:nd], weight, conv_pool, slots))
+            core[:nd] = kernels.gated_delta_rule_step_slots(q, k, v, g[:nd], beta[:nd], ssm_pool, slots)
 
-        cu = batch.cu_seqlens.tolist()
-        for i in range(nd, batch.num_seqs):
-            s, e, slot = cu[i], cu[i + 1], int(batch.state_slots[i])
-            offsets = batch.checkpoint_offsets.get(i, [])
-            prev_conv = conv_states[slot, r]
-            y, new_conv = kernels.causal_conv1d(mixed[s:e], weight, prev_conv)
-            q, k, v = self._heads(y)
-            out, final, states = kernels.chunk_gated_delta_rule(
-                q, k, v, g[s:e], beta[s:e], ssm_states[slot, r], state_positions=offsets)
-            core[s:e] = out
-            if offsets:
-                history = torch.cat((prev_conv, mixed[s:e].t().to(prev_conv.dtype)), dim=1)
-                for j, (off, slots) in enumerate(zip(offsets, batch.checkpoint_slots[i])):
-                    for ck in slots:
-                        conv_states[ck, r] = history[:, off: off + self.kernel - 1]
-                        ssm_states[ck, r] = states[j]
-            conv_states[slot, r] = new_conv
-            ssm_states[slot, r] = final
+        if nd < batch.num_seqs:  # every prefill segment in one call per op
+            slots = batch.state_slots[nd:]
+            cu = batch.cu_seqlens[nd:] - batch.cu_seqlens[nd]
+            rows = slice(nd, T)  # decode tokens come first, one each
+            offsets = [batch.checkpoint_offsets.get(i, []) for i in range(nd, batch.num_seqs)]
+            before = conv_pool[slots] if any(offsets) else None  # conv states the segments start from
+            q, k, v = self._heads(kernels.causal_conv1d_varlen(mixed[rows], weight, cu, conv_pool, slots))
+            core[rows], states = kernels.chunk_gated_delta_rule_varlen(
+                q, k, v, g[rows], beta[rows], cu, ssm_pool, slots, state_positions=offsets)
+            if before is not None:
+                self._save_checkpoints(batch, mixed[rows], cu.tolist(), offsets, before, states, conv_pool, ssm_pool)
 
         core = self.norm(core.reshape(-1, self.dv), z.reshape(-1, self.dv)).reshape(T, self.value_dim)
         return self.out_proj(core)
+
+    def _save_checkpoints(self, batch: ForwardBatch, mixed: torch.Tensor, cu: list[int], offsets: list[list[int]],
+                          before: torch.Tensor, states: torch.Tensor, conv_pool: torch.Tensor,
+                          ssm_pool: torch.Tensor) -> None:
+        """Copies the states after each checkpoint offset of each prefill segment into the
+        checkpoint slots asking for them: the delta-rule state the chunked rule returned
+        (`states`, segment by segment, offset by offset) and the conv window ending there."""
+        nd, j = batch.num_decodes, 0
+        for i, offs in enumerate(offsets):
+            if not offs:
+                continue
+            # the conv input history of segment i: its starting state, then its tokens [C, K-1+len]
+            history = torch.cat((before[i], mixed[cu[i]:cu[i + 1]].t().to(before.dtype)), dim=1)
+            for off, slots in zip(offs, batch.checkpoint_slots[nd + i]):
+                for ck in slots:
+                    conv_pool[ck] = history[:, off: off + self.kernel - 1]
+                    ssm_pool[ck] = states[j]
+                j += 1
 
     def _heads(self, y: torch.Tensor):
         n = y.shape[0]
