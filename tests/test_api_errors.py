@@ -227,7 +227,7 @@ class FaultyClient:
         for i in range(3):
             if self.fail_after == i:
                 raise (RuntimeError if i == 0 else EngineError)("secret internal detail /srv/model.py:42")
-            yield RequestOutput(request.request_id, request.prompt_token_ids, [5] * (i + 1), [5], None, 0,
+            yield RequestOutput(request.request_id, [5], None, i + 1, 0, token_ids=[5] * 3 if i == 2 else None,
                                 finish_reason="length" if i == 2 else None)
             await asyncio.sleep(0)
 

@@ -233,7 +233,7 @@ class ScriptedClient:
         for t in self.script[:request.params.max_tokens]:
             out.append(t)
             done = len(out) == len(self.script) or len(out) == request.params.max_tokens
-            yield RequestOutput(request.request_id, request.prompt_token_ids, list(out), [t], None, 0,
+            yield RequestOutput(request.request_id, [t], None, len(out), 0, token_ids=list(out) if done else None,
                                 finish_reason=("stop" if len(out) == len(self.script) else "length") if done else None)
             await asyncio.sleep(0)
 

@@ -38,17 +38,21 @@ from workers.sequence import Sequence, TokenLogprob
 from workers.spec import EngineSpec
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
+    """What one step produced for one request: its new tokens, and on the last output (finished)
+    every output token. Small on purpose: a step's outputs cross a process boundary (Ray) once per
+    token, so nothing in them grows with the sequence except on the finished one."""
     request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]  # every output token so far
     new_token_ids: list[int]  # output tokens produced by this step
-    logprobs: list[TokenLogprob] | None
+    new_logprobs: list[TokenLogprob] | None  # one per new token, when asked
+    num_output_tokens: int  # output tokens so far, these included
     cached_tokens: int
     finish_reason: str | None = None
     num_preemptions: int = 0
     worker_id: str = "local"  # the engine that produced it (its cache index worker id)
+    token_ids: list[int] | None = None  # every output token: on the finished output only
+    logprobs: list[TokenLogprob] | None = None  # every output token's, when asked: finished only
 
     @property
     def finished(self) -> bool:
@@ -198,12 +202,14 @@ class Engine:
         return outputs
 
     def _output(self, seq: Sequence, new: list[int], new_logprobs: list[TokenLogprob]) -> RequestOutput:
-        return RequestOutput(
-            request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids,
-            token_ids=seq.output_token_ids, new_token_ids=new,
-            logprobs=seq.logprobs if seq.params.logprobs is not None else None,
-            cached_tokens=seq.cached_tokens, finish_reason=seq.finish_reason,
-            num_preemptions=seq.num_preemptions, worker_id=self.worker_id)
+        asked = seq.params.logprobs is not None
+        out = RequestOutput(seq.request_id, new, new_logprobs if asked else None,
+                            seq.num_tokens - seq.num_prompt_tokens, seq.cached_tokens, seq.finish_reason,
+                            seq.num_preemptions, self.worker_id)
+        if seq.finish_reason is not None:
+            out.token_ids = seq.output_token_ids
+            out.logprobs = list(seq.logprobs) if asked else None
+        return out
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
                  ) -> list[RequestOutput]:

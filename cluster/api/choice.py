@@ -64,13 +64,13 @@ class Choice:
             return Delta()
         self.cached_tokens = out.cached_tokens
         delta, visible = Delta(), []
-        first = len(out.token_ids) - len(out.new_token_ids)
+        first = out.num_output_tokens - len(out.new_token_ids)
         for j, token in enumerate(out.new_token_ids):
             offset = len(self._detok.text)
             visible.append(self._stop.push(self._detok.push([token])))
             self.num_tokens = first + j + 1
-            if out.logprobs is not None and first + j < len(out.logprobs):
-                delta.logprobs.append(PlacedLogprob(out.logprobs[first + j], offset))
+            if out.new_logprobs is not None and j < len(out.new_logprobs):
+                delta.logprobs.append(PlacedLogprob(out.new_logprobs[j], offset))
             if self._stop.stopped:
                 delta.finish_reason = "stop"
                 break
