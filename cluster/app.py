@@ -129,7 +129,8 @@ class EngineReplica:
 
     async def __init__(self, model_dir: str, engine_options: dict[str, Any], routing: dict[str, Any],
                        spec: EngineSpec):
-        from cache_service.actor import EventPublisher, index_actor
+        from cache_service.actor import index_actor
+        from cache_service.publisher import EventPublisher
         from cluster.router import replica_worker_id
         from workers import AsyncEngine
 

@@ -14,7 +14,8 @@ from cache_service.events import AllCleared, EventBatch, EventStream, PagesRemov
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 ray = pytest.importorskip("ray")
 
-from cache_service.actor import ApplyResult, EventPublisher, index_actor  # noqa: E402
+from cache_service.actor import index_actor  # noqa: E402
+from cache_service.publisher import ApplyResult, EventPublisher  # noqa: E402
 
 H = [bytes([i]) * 16 for i in range(40)]
 
