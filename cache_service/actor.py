@@ -17,7 +17,8 @@ index from (cache_service.feed; a long poll: it answers at once if something cha
 - Without, a restarted actor starts empty and asks every worker it does not know to resync:
   `needs_resync(worker)` is true for them, and their next incremental batch is refused as a gap.
 Only this file under cache_service imports Ray. Replicas feed the actor through
-`cache_service.publisher.EventPublisher`.
+`cache_service.publisher.EventPublisher`; the cluster reaches it through
+`cluster.routing.index_handle.IndexHandle`.
 """
 
 from __future__ import annotations

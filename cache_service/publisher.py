@@ -13,8 +13,9 @@ sends. Its rules:
   callback must stamp its snapshot with the same stream as the published batches, as
   `Engine.snapshot_events` does).
 - Past `max_queued` batches it drops the queue and resyncs instead of growing without bound.
-It reaches the index through the index actor's handle (`cache_service.actor`), or anything
-shaped like it.
+It reaches the index through an `IndexClient`: in the cluster, an
+`cluster.routing.index_handle.IndexHandle` over the index actor (`cache_service.actor`), which
+finds the actor again if it dies.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import asyncio
 import inspect
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 from cache_service.events import EventBatch, EventStream
 
@@ -36,18 +37,20 @@ class ApplyResult(NamedTuple):
     resync: bool   # the sender must send a snapshot
 
 
-async def _call(method: Any, *args: object) -> Any:
-    return await method.remote(*args)
+class IndexClient(Protocol):
+    async def call(self, method: str, *args: Any) -> Any:
+        """Awaits the index actor's `method(*args)`: `apply(bytes) -> ApplyResult`,
+        `needs_resync(worker_id) -> bool`, `drop_worker(worker_id)`."""
+        ...
 
 
 class EventPublisher:
-    def __init__(self, worker_id: str, index: Any,
+    def __init__(self, worker_id: str, index: IndexClient,
                  snapshot: Callable[[], EventBatch | Awaitable[EventBatch]], *,
                  timeout_s: float = 2.0, max_queued: int = 1024, poll_interval_s: float = 5.0,
                  backoff_s: tuple[float, float] = (0.05, 2.0)):
-        """`index`: the actor handle (anything with `.apply.remote(bytes)`,
-        `.needs_resync.remote(worker_id)` and `.drop_worker.remote(worker_id)` returning
-        awaitables); `snapshot`: makes this worker's snapshot batch (sync or async)."""
+        """`index`: how the index is reached (`IndexClient`); `snapshot`: makes this worker's
+        snapshot batch (sync or async)."""
         self.worker_id, self._index, self._snapshot = worker_id, index, snapshot
         self._timeout_s, self._max_queued = timeout_s, max_queued
         self._poll_s, self._backoff = poll_interval_s, backoff_s
@@ -102,7 +105,7 @@ class EventPublisher:
             await asyncio.gather(self._task, return_exceptions=True)
         if drop_worker:
             try:
-                await asyncio.wait_for(_call(self._index.drop_worker, self.worker_id), timeout_s)
+                await asyncio.wait_for(self._index.call("drop_worker", self.worker_id), timeout_s)
             except Exception as e:  # the index may be gone too; nothing left to do
                 logger.warning("could not drop worker %s from the index: %s", self.worker_id, e)
 
@@ -144,7 +147,7 @@ class EventPublisher:
         except asyncio.TimeoutError:
             pass
         try:
-            if await asyncio.wait_for(_call(self._index.needs_resync, self.worker_id), self._timeout_s):
+            if await asyncio.wait_for(self._index.call("needs_resync", self.worker_id), self._timeout_s):
                 self._need_snapshot = True
         except Exception as e:  # index down: the next send finds out and retries
             logger.debug("resync poll failed: %s", e)
@@ -162,7 +165,7 @@ class EventPublisher:
         data, attempt = batch.encode(), 0
         while not self._closed:
             try:
-                result = await asyncio.wait_for(_call(self._index.apply, data), self._timeout_s)
+                result = await asyncio.wait_for(self._index.call("apply", data), self._timeout_s)
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # timeout, actor restarting or dead: same bytes, later

@@ -2,12 +2,14 @@
 
 - `Engine` deployment: one `AsyncEngine` per replica (`num_gpus: 1` on GPU nodes, fractional
   CPUs here). It reports what its cache holds to the index actor under its Serve replica id
-  (`cluster.router.replica_worker_id`), through a non-blocking `EventPublisher` fed by a drain
-  loop, and its load through `record_routing_stats`. Its request router comes from
-  `RoutingConfig` (cache affinity by default).
+  (`cluster.routing.router.replica_worker_id`), through a non-blocking `EventPublisher` fed by a
+  drain loop (the actor reached through an `IndexHandle`), and its load through
+  `record_routing_stats`. Its request router comes from `RoutingConfig` (cache affinity by
+  default, `cluster.routing`).
 - `Ingress` deployment: the FastAPI app of `cluster.api` over a `HandleEngineClient`, which
   renders, tokenizes and hashes once, then calls `Engine.generate` through a DeploymentHandle
-  with a `GenerateRequest` (the router reads its page hashes).
+  with a `GenerateRequest` (the router reads its page hashes). First outputs and /metrics go
+  through this process's router registry (`cluster.routing.registry`).
 
 Which replica served a request: every HTTP response of the ingress that reached an engine carries
 the header `x-cairn-replica` with the worker id (the Serve replica id, as in the cache index) of
@@ -29,8 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
-import weakref
 from collections.abc import AsyncIterator
 from contextvars import ContextVar
 from pathlib import Path
@@ -40,7 +40,8 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from cluster.api.engine_client import GenerateRequest
-from cluster.routing_config import RoutingConfig
+from cluster.routing.config import RoutingConfig
+from cluster.routing.registry import prefill_done, router_counts
 from workers.spec import EngineSpec
 
 log = logging.getLogger(__name__)
@@ -51,87 +52,14 @@ REPLICA_HEADER = "x-cairn-replica"
 _served_by: ContextVar[list[str] | None] = ContextVar("cairn_served_by", default=None)
 
 
-# The cache-affinity routers of this process (the ingress's handle to the engines), each with the
-# loop it runs on. Here, not in cluster.router: Serve pickles the router's module by value.
-_ROUTERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_ROUTERS_LOCK = threading.Lock()
-
-
-def register_router(ranker: Any, loop: asyncio.AbstractEventLoop) -> None:
-    """Called by `CacheAffinityRouter` on its loop: report first outputs to `ranker` there."""
-    with _ROUTERS_LOCK:
-        _ROUTERS[ranker] = loop
-
-
-def router_counts() -> dict[str, float]:
-    """The counters of this process's cache-affinity routers, summed, as `router_<name>_total`
-    metrics (requests ranked and routed, index fallbacks by reason), and their gauges (the index
-    mirror's size and age) as `router_<name>`, for the ingress's /metrics."""
-    with _ROUTERS_LOCK:
-        rankers = list(_ROUTERS)
-    totals: dict[str, float] = {}
-    for ranker in rankers:
-        for name, n in ranker.counts.items():
-            totals[f"router_{name}_total"] = totals.get(f"router_{name}_total", 0) + n
-        for name, value in ranker.gauges().items():
-            key = f"router_{name}"
-            totals[key] = max(totals.get(key, value), value) if name.endswith("_age_seconds") else \
-                totals.get(key, 0) + value
-    return totals
-
-
-def prefill_done(engine_request_id: str) -> None:
-    """Thread-safe: the request produced its first output, so the routers of this process stop
-    counting its prefill tokens as load on its replica (`AffinityRanker.on_prefill_done`)."""
-    with _ROUTERS_LOCK:
-        routers = list(_ROUTERS.items())
-    for ranker, loop in routers:
-        try:
-            loop.call_soon_threadsafe(ranker.on_prefill_done, engine_request_id)
-        except RuntimeError:  # its loop is closed: the router is gone
-            pass
-
-
-class _IndexRef:
-    """The index actor as the publisher sees it (`.apply/.needs_resync/.drop_worker.remote`), looked
-    up again after it was killed for good (ActorDiedError), so events flow to its successor."""
-
-    def __init__(self, cfg: RoutingConfig, handle: Any):
-        self._cfg, self._handle = cfg, handle
-
-    def __getattr__(self, method: str) -> Any:
-        ref = self
-
-        class Method:
-            @staticmethod
-            async def remote(*args: Any) -> Any:
-                from ray.exceptions import ActorDiedError
-
-                handle = ref._handle
-                try:
-                    return await getattr(handle, method).remote(*args)
-                except ActorDiedError:
-                    await ref._relookup(handle)
-                    raise
-        return Method
-
-    async def _relookup(self, dead: Any) -> None:
-        from cache_service.actor import index_actor
-
-        if self._handle is dead:
-            cfg = self._cfg
-            self._handle = await asyncio.to_thread(index_actor, cfg.index_actor_name, cfg.index_actor_namespace,
-                                                   cfg.redis_url, cfg.namespace, cfg.index_max_pages)
-
-
 class EngineReplica:
     """One engine per replica, its cache events published to the index."""
 
     async def __init__(self, model_dir: str, engine_options: dict[str, Any], routing: dict[str, Any],
                        spec: EngineSpec):
-        from cache_service.actor import index_actor
         from cache_service.publisher import EventPublisher
-        from cluster.router import replica_worker_id
+        from cluster.routing.index_handle import IndexHandle
+        from cluster.routing.router import replica_worker_id
         from workers import AsyncEngine
 
         cfg = RoutingConfig.model_validate(routing)
@@ -141,10 +69,9 @@ class EngineReplica:
             raise RuntimeError(f"this replica's engine is {self.engine.spec}, but the deployment was built for "
                                f"{spec}: every replica must load the same checkpoint with the same options")
         self.max_num_seqs = self.engine.max_num_seqs
-        index = await asyncio.to_thread(index_actor, cfg.index_actor_name, cfg.index_actor_namespace,
-                                        cfg.redis_url, cfg.namespace, cfg.index_max_pages)
-        self.publisher = EventPublisher(self.worker_id, _IndexRef(cfg, index),
-                                        snapshot=self.engine.snapshot_events)
+        self.index = IndexHandle(cfg)
+        await self.index.get()  # found, or created, before the first request
+        self.publisher = EventPublisher(self.worker_id, self.index, snapshot=self.engine.snapshot_events)
         self._metrics: dict[str, float] = {}
         self._drain = asyncio.get_running_loop().create_task(self._drain_loop())
 
@@ -178,7 +105,7 @@ class EngineReplica:
         return self.worker_id, pages, states
 
     def record_routing_stats(self) -> dict[str, float]:
-        from cluster.router import routing_stats
+        from cluster.routing.cost import routing_stats
 
         return routing_stats(self._metrics, self.max_num_seqs)
 

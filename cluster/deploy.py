@@ -52,7 +52,7 @@ def load_config(path: str | Path | None = None) -> dict[str, Any]:
 def apply_overrides(config: dict[str, Any], args: argparse.Namespace,
                     engine_options: dict[str, Any] | None = None) -> dict[str, Any]:
     """A copy of `config` with the flags that were given (not None) written over it."""
-    from cluster.routing_config import RoutingConfig
+    from cluster.routing.config import RoutingConfig
 
     config = copy.deepcopy(config)
     http = config.setdefault("http_options", {})

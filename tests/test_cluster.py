@@ -41,7 +41,7 @@ httpx = pytest.importorskip("httpx")
 
 from cache_service.events import EventBatch, PagesStored  # noqa: E402
 from cluster.app import REPLICA_HEADER, build_application  # noqa: E402
-from cluster.routing_config import RoutingConfig  # noqa: E402
+from cluster.routing.config import RoutingConfig  # noqa: E402
 
 MODEL = "tiny"
 PAGE_SIZE, TAIL_GUARD = 16, 8  # workers.EngineOptions defaults, which the app uses

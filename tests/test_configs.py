@@ -19,7 +19,7 @@ from ray.serve.schema import ServeDeploySchema  # noqa: E402
 from cluster import deploy  # noqa: E402
 from cluster.app import app_builder  # noqa: E402
 from cluster.cli import build_parser  # noqa: E402
-from cluster.routing_config import RoutingConfig  # noqa: E402
+from cluster.routing.config import RoutingConfig  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
@@ -99,7 +99,7 @@ def test_cluster_yaml_passes_rays_autoscaler_schema_and_sets_up_gpu_workers():
 def test_routing_yaml_loads_into_the_routing_config():
     config = RoutingConfig.from_yaml(CONFIGS / "routing.yaml")
     assert config.policy == "cache_affinity" and config.redis_url is None
-    assert config.request_router_config().request_router_class == "cluster.router:CacheAffinityRouter"
+    assert config.request_router_config().request_router_class == "cluster.routing.router:CacheAffinityRouter"
 
 
 # ---- local.yaml: the default of `cairn serve` ------------------------------------------------
