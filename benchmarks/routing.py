@@ -213,7 +213,7 @@ class Req:
 
 
 async def converse(http, url: str, conv_id: int, conv: Conversation, salt: str, args, render, out: list[Req]):
-    from cluster.app import REPLICA_HEADER
+    from cluster.ingress import REPLICA_HEADER
 
     messages = [{"role": "system", "content": conv.system}]
     await asyncio.sleep(conv.start_s)
