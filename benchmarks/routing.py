@@ -62,7 +62,7 @@ import ray  # noqa: E402
 
 logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
 
-from cluster.router import CacheAffinityRouter  # noqa: E402
+from cluster.routing.router import CacheAffinityRouter  # noqa: E402
 from workers import EngineSpec  # noqa: E402
 from plotting import OUT, pyplot, save  # noqa: E402  (benchmarks/plotting.py)
 
@@ -113,10 +113,10 @@ def _base_router(policy: str) -> type:
     from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
     from ray.serve.experimental.round_robin_router import RoundRobinRouter
 
-    import cluster.router
+    import cluster.routing.router
 
     return {"cache_affinity": CacheAffinityRouter, "pow2": PowerOfTwoChoicesRequestRouter,
-            "round_robin": RoundRobinRouter, "ray_prefix": cluster.router.RayPrefixRouter}[policy]
+            "round_robin": RoundRobinRouter, "ray_prefix": cluster.routing.router.RayPrefixRouter}[policy]
 
 
 TIMED = {}
@@ -141,7 +141,7 @@ def build_app(policy: str, args, model_dir: Path):
     from ray.serve.config import RequestRouterConfig
 
     from cluster.app import build_application
-    from cluster.routing_config import RoutingConfig
+    from cluster.routing.config import RoutingConfig
 
     base = RoutingConfig.from_yaml(args.routing) if args.routing else RoutingConfig()
     routing = base.model_copy(update=dict(policy=policy, index_actor_name=f"cairn-bench-index-{policy}",
@@ -213,7 +213,7 @@ class Req:
 
 
 async def converse(http, url: str, conv_id: int, conv: Conversation, salt: str, args, render, out: list[Req]):
-    from cluster.app import REPLICA_HEADER
+    from cluster.ingress import REPLICA_HEADER
 
     messages = [{"role": "system", "content": conv.system}]
     await asyncio.sleep(conv.start_s)

@@ -1,18 +1,12 @@
-"""The Ray Serve application: an HTTP ingress and a deployment of engine replicas.
+"""The Ray Serve application: an HTTP ingress in front of a deployment of engine replicas.
 
-- `Engine` deployment: one `AsyncEngine` per replica (`num_gpus: 1` on GPU nodes, fractional
-  CPUs here). It reports what its cache holds to the index actor under its Serve replica id
-  (`cluster.router.replica_worker_id`), through a non-blocking `EventPublisher` fed by a drain
-  loop, and its load through `record_routing_stats`. Its request router comes from
-  `RoutingConfig` (cache affinity by default).
-- `Ingress` deployment: the FastAPI app of `cluster.api` over a `HandleEngineClient`, which
-  renders, tokenizes and hashes once, then calls `Engine.generate` through a DeploymentHandle
-  with a `GenerateRequest` (the router reads its page hashes).
-
-Which replica served a request: every HTTP response of the ingress that reached an engine carries
-the header `x-cairn-replica` with the worker id (the Serve replica id, as in the cache index) of
-the replica that produced it (several, comma-separated, for `n > 1` choices that landed apart).
-Tests and benchmarks use it to check affinity; it is not part of the OpenAI API.
+`build_application(model_dir, replicas, ...)` returns the bound application; `app_builder(args)`
+is the same for `serve run` / `serve deploy` (`import_path: cluster.app:app_builder`, as in
+configs/serve.yaml and configs/local.yaml). The parts:
+- `Engine` deployment: `cluster.engine_replica.EngineReplica`, one engine per replica. Its
+  request router comes from `RoutingConfig` (cache affinity by default, `cluster.routing`),
+  which takes the engines' page size and recurrence from their `EngineSpec`.
+- `Ingress` deployment: `cluster.ingress.Ingress`, the OpenAI-compatible HTTP API.
 
 Each engine replica admits up to `max_ongoing_requests` requests (default: the engine's
 `max_num_seqs`, since the engine batches that many; Serve's own default of 5 would cap a replica
@@ -20,253 +14,18 @@ far below what its engine runs and make Serve, not the router, decide where load
 ingress replica admits `ingress_max_ongoing_requests` HTTP requests (default 1024): a streamed
 completion holds its slot for its whole life, and with Serve's default of 5 a sixth concurrent
 client would wait at the proxy for one of them to finish.
-
-`build_application(model_dir, replicas, ...)` returns the bound application; `app_builder(args)`
-is the same for `serve run` / `serve deploy` (configs/serve.yaml).
 """
 
 from __future__ import annotations
 
-import asyncio
-import logging
-import threading
-import weakref
-from collections.abc import AsyncIterator
-from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
 from ray import serve
-from ray.serve.handle import DeploymentHandle
 
-from cluster.api.engine_client import GenerateRequest
-from cluster.routing_config import RoutingConfig
-from workers.spec import EngineSpec
-
-log = logging.getLogger(__name__)
-DRAIN_INTERVAL_S = 0.05
-REPLICA_HEADER = "x-cairn-replica"
-# the worker ids that served the HTTP request being handled (set per request by ReplicaHeader;
-# a list, so the tasks the request spawns append to the same one)
-_served_by: ContextVar[list[str] | None] = ContextVar("cairn_served_by", default=None)
-
-
-# The cache-affinity routers of this process (the ingress's handle to the engines), each with the
-# loop it runs on. Here, not in cluster.router: Serve pickles the router's module by value.
-_ROUTERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_ROUTERS_LOCK = threading.Lock()
-
-
-def register_router(ranker: Any, loop: asyncio.AbstractEventLoop) -> None:
-    """Called by `CacheAffinityRouter` on its loop: report first outputs to `ranker` there."""
-    with _ROUTERS_LOCK:
-        _ROUTERS[ranker] = loop
-
-
-def router_counts() -> dict[str, float]:
-    """The counters of this process's cache-affinity routers, summed, as `router_<name>_total`
-    metrics (requests ranked and routed, index fallbacks by reason), and their gauges (the index
-    mirror's size and age) as `router_<name>`, for the ingress's /metrics."""
-    with _ROUTERS_LOCK:
-        rankers = list(_ROUTERS)
-    totals: dict[str, float] = {}
-    for ranker in rankers:
-        for name, n in ranker.counts.items():
-            totals[f"router_{name}_total"] = totals.get(f"router_{name}_total", 0) + n
-        for name, value in ranker.gauges().items():
-            key = f"router_{name}"
-            totals[key] = max(totals.get(key, value), value) if name.endswith("_age_seconds") else \
-                totals.get(key, 0) + value
-    return totals
-
-
-def prefill_done(engine_request_id: str) -> None:
-    """Thread-safe: the request produced its first output, so the routers of this process stop
-    counting its prefill tokens as load on its replica (`AffinityRanker.on_prefill_done`)."""
-    with _ROUTERS_LOCK:
-        routers = list(_ROUTERS.items())
-    for ranker, loop in routers:
-        try:
-            loop.call_soon_threadsafe(ranker.on_prefill_done, engine_request_id)
-        except RuntimeError:  # its loop is closed: the router is gone
-            pass
-
-
-class _IndexRef:
-    """The index actor as the publisher sees it (`.apply/.needs_resync/.drop_worker.remote`), looked
-    up again after it was killed for good (ActorDiedError), so events flow to its successor."""
-
-    def __init__(self, cfg: RoutingConfig, handle: Any):
-        self._cfg, self._handle = cfg, handle
-
-    def __getattr__(self, method: str) -> Any:
-        ref = self
-
-        class Method:
-            @staticmethod
-            async def remote(*args: Any) -> Any:
-                from ray.exceptions import ActorDiedError
-
-                handle = ref._handle
-                try:
-                    return await getattr(handle, method).remote(*args)
-                except ActorDiedError:
-                    await ref._relookup(handle)
-                    raise
-        return Method
-
-    async def _relookup(self, dead: Any) -> None:
-        from cache_service.actor import index_actor
-
-        if self._handle is dead:
-            cfg = self._cfg
-            self._handle = await asyncio.to_thread(index_actor, cfg.index_actor_name, cfg.index_actor_namespace,
-                                                   cfg.redis_url, cfg.namespace, cfg.index_max_pages)
-
-
-class EngineReplica:
-    """One engine per replica, its cache events published to the index."""
-
-    async def __init__(self, model_dir: str, engine_options: dict[str, Any], routing: dict[str, Any],
-                       spec: EngineSpec):
-        from cache_service.actor import EventPublisher, index_actor
-        from cluster.router import replica_worker_id
-        from workers import AsyncEngine
-
-        cfg = RoutingConfig.model_validate(routing)
-        self.worker_id = replica_worker_id(serve.get_replica_context().replica_id)
-        self.engine = AsyncEngine.from_pretrained(model_dir, worker_id=self.worker_id, **engine_options)
-        if self.engine.spec != spec:  # e.g. another copy of the model on this node
-            raise RuntimeError(f"this replica's engine is {self.engine.spec}, but the deployment was built for "
-                               f"{spec}: every replica must load the same checkpoint with the same options")
-        self.max_num_seqs = self.engine.max_num_seqs
-        index = await asyncio.to_thread(index_actor, cfg.index_actor_name, cfg.index_actor_namespace,
-                                        cfg.redis_url, cfg.namespace, cfg.index_max_pages)
-        self.publisher = EventPublisher(self.worker_id, _IndexRef(cfg, index),
-                                        snapshot=self.engine.snapshot_events)
-        self._metrics: dict[str, float] = {}
-        self._drain = asyncio.get_running_loop().create_task(self._drain_loop())
-
-    async def _drain_loop(self) -> None:
-        """Moves cache events from the engine to the publisher, and refreshes load numbers."""
-        while True:
-            try:
-                batch = await self.engine.drain_events()
-                self.publisher.publish(batch)
-                self._metrics = await self.engine.metrics()
-            except Exception:  # never let reporting take the replica down
-                log.exception("cache event drain failed on %s", self.worker_id)
-            await asyncio.sleep(DRAIN_INTERVAL_S)
-
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[Any]:
-        async for out in self.engine.generate(
-                request.prompt_token_ids, request.params, request.request_id, hash_root=request.hash_root,
-                page_hashes=request.page_hashes, checkpoint_hints=request.checkpoint_hints):
-            yield out
-
-    async def abort(self, request_id: str) -> bool:
-        return await self.engine.abort(request_id)
-
-    async def metrics(self) -> dict[str, float]:
-        return dict(await self.engine.metrics(), worker_id=self.worker_id)  # type: ignore[arg-type]
-
-    async def cache_contents(self) -> tuple[str, frozenset[bytes], frozenset[bytes]]:
-        """(worker id, page hashes, state page hashes) resident now: what the index should hold
-        for this replica once its events are in (`handle.broadcast("cache_contents")`)."""
-        pages, states = await self.engine.cache_contents()
-        return self.worker_id, pages, states
-
-    def record_routing_stats(self) -> dict[str, float]:
-        from cluster.router import routing_stats
-
-        return routing_stats(self._metrics, self.max_num_seqs)
-
-    async def __del__(self) -> None:
-        self._drain.cancel()
-        await self.publisher.close(drop_worker=True)
-        await self.engine.close()
-
-
-class HandleEngineClient:
-    """The `EngineClient` the ingress uses: engine replicas behind a DeploymentHandle."""
-
-    def __init__(self, handle: DeploymentHandle, spec: EngineSpec):
-        self.handle, self.spec = handle, spec  # every replica checked it loads this spec
-        self._streams: dict[str, Any] = {}
-
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[Any]:
-        stream = self.handle.options(stream=True).generate.remote(request)
-        self._streams[request.request_id] = stream
-        finished, first = False, True
-        served = _served_by.get()
-        try:
-            async for out in stream:
-                if first:  # the prompt is computed; its replica is who served it (REPLICA_HEADER)
-                    first = False
-                    prefill_done(request.request_id)
-                    if served is not None:
-                        served.append(out.worker_id)
-                finished = out.finished
-                yield out
-        finally:
-            self._streams.pop(request.request_id, None)
-            if not finished:
-                stream.cancel()  # the replica's generator is closed: the engine aborts the request
-
-    async def abort(self, request_id: str) -> bool:
-        stream = self._streams.pop(request_id, None)
-        if stream is None:
-            return False
-        stream.cancel()
-        return True
-
-    async def metrics(self) -> dict[str, float]:
-        """One replica's engine metrics, and this process's router counters."""
-        return {**await self.handle.metrics.remote(), **router_counts()}
-
-    def num_waiting(self) -> int:
-        return len(self._streams)
-
-
-class Ingress:
-    """The HTTP front: `cluster.api.build_app` over the engine deployment's handle."""
-
-    def __init__(self, engine: DeploymentHandle, model_dir: str, spec: EngineSpec,
-                 served_model_name: str | None = None, api_key: str | None = None):
-        self.model_dir, self.served_model_name, self.api_key = Path(model_dir), served_model_name, api_key
-        self.client = HandleEngineClient(engine, spec)
-
-    def __serve_build_asgi_app__(self):
-        from cluster.api import build_app
-
-        # Serve's proxy sets X-Request-Id on the way in (the app adopts it) and echoes it itself
-        app = build_app(self.client, self.model_dir, self.served_model_name, self.api_key, echo_request_id=False)
-        app.add_middleware(ReplicaHeader)
-        return app
-
-
-class ReplicaHeader:
-    """ASGI middleware: adds `x-cairn-replica: <worker id>[,<worker id>...]` to a response whose
-    request reached engine replicas (the ids come from `HandleEngineClient.generate`)."""
-
-    def __init__(self, app: Any):
-        self.app = app
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        served: list[str] = []
-        token = _served_by.set(served)
-
-        async def send_with_header(message: dict) -> None:
-            if message["type"] == "http.response.start" and served:
-                value = ",".join(dict.fromkeys(served)).encode("latin-1")
-                message = {**message, "headers": [*message.get("headers", []), (REPLICA_HEADER.encode(), value)]}
-            await send(message)
-        try:
-            await self.app(scope, receive, send_with_header)
-        finally:
-            _served_by.reset(token)
+from cluster.engine_replica import EngineReplica
+from cluster.ingress import Ingress
+from cluster.routing.config import RoutingConfig
 
 
 def build_application(model_dir: str | Path | None = None, replicas: int = 2, *,

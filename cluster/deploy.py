@@ -1,8 +1,10 @@
 """`cairn serve` on Ray: start or join a cluster, deploy, print the endpoint, wait for Ctrl-C.
 
 What is deployed is always a Serve config (Ray's `ServeDeploySchema`, the format of
-`serve deploy`): the file given with `--config` (configs/serve.yaml), else the embedded default
-configs/local.yaml (2 CPU replicas of the demo model, in-memory cache index, 127.0.0.1:8000).
+`serve deploy`): the file given with `--config` (configs/serve.yaml), else the default
+configs/local.yaml (2 CPU replicas of the demo model, in-memory cache index, 127.0.0.1:8000),
+read as package data of the `configs` package (importlib.resources), so an installed cairn
+deploys the same file a checkout does; it is written nowhere else.
 Flags given on the command line override it (`apply_overrides`): `--model`, `--replicas`,
 `--routing` (loaded here and sent inline), `--num-cpus`, `--num-gpus`, engine options, API key,
 model name go into every application's `args`; `--host`/`--port` into `http_options`. The
@@ -24,44 +26,33 @@ import signal
 import sys
 import threading
 import time
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-LOCAL_CONFIG = REPO / "configs" / "local.yaml"
-# Used only where configs/ is not shipped (a wheel install): the same as configs/local.yaml.
-FALLBACK_CONFIG: dict[str, Any] = {
-    "proxy_location": "HeadOnly",
-    "http_options": {"host": "127.0.0.1", "port": 8000},
-    "applications": [{"name": "cairn", "route_prefix": "/", "import_path": "cluster.app:app_builder",
-                      "args": {"model_dir": None, "replicas": 2, "num_cpus": 0.5, "num_gpus": 0,
-                               "engine_options": {}, "routing": {"policy": "cache_affinity", "redis_url": None}}}],
-}
+LOCAL_CONFIG = resources.files("configs") / "local.yaml"  # the default Serve config
 
 
 def load_config(path: str | Path | None = None) -> dict[str, Any]:
-    """The Serve config at `path` (default: configs/local.yaml) as a plain dict, validated by
-    Ray's ServeDeploySchema; errors name the file."""
+    """The Serve config at `path` (default: configs/local.yaml, `LOCAL_CONFIG`) as a plain dict,
+    validated by Ray's ServeDeploySchema; errors name the file (OSError if it cannot be read)."""
     import yaml
     from pydantic import ValidationError
     from ray.serve.schema import ServeDeploySchema
 
-    if path is None and not LOCAL_CONFIG.exists():
-        data = copy.deepcopy(FALLBACK_CONFIG)
-    else:
-        path = Path(path or LOCAL_CONFIG)
-        data = yaml.safe_load(path.read_text())
+    source = Path(path) if path is not None else LOCAL_CONFIG
+    data = yaml.safe_load(source.read_text())
     try:
         ServeDeploySchema.model_validate(data)
     except ValidationError as e:
-        raise ValueError(f"{path or 'the default config'}: not a Serve config: {e}") from None
+        raise ValueError(f"{source}: not a Serve config: {e}") from None
     return data
 
 
 def apply_overrides(config: dict[str, Any], args: argparse.Namespace,
                     engine_options: dict[str, Any] | None = None) -> dict[str, Any]:
     """A copy of `config` with the flags that were given (not None) written over it."""
-    from cluster.routing_config import RoutingConfig
+    from cluster.routing.config import RoutingConfig
 
     config = copy.deepcopy(config)
     http = config.setdefault("http_options", {})

@@ -1,6 +1,9 @@
 """The folders are the architecture: dependencies point one way, plan-making touches no tensor."""
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -49,4 +52,29 @@ def test_the_http_api_runs_without_ray_or_the_serve_layer():
             {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
         bad = {m for m in modules if m.split(".")[0] == "ray" or
                (m.startswith("cluster.") and not m.startswith("cluster.api"))}
+        assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
+
+
+ROUTING_DECISIONS = ["cluster/routing/cost.py", "cluster/routing/predicted.py", "cluster/routing/ranker.py",
+                     "cluster/routing/registry.py"]
+
+
+def test_the_routing_decisions_and_the_event_publisher_run_without_ray():
+    for rel in ROUTING_DECISIONS:
+        assert "ray" not in imported_roots(ROOT / rel), rel
+    modules = [rel.removesuffix(".py").replace("/", ".") for rel in ROUTING_DECISIONS] + ["cache_service.publisher"]
+    probe = (f"import sys\nfor m in {modules!r}: __import__(m)\n"
+             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'ray'))")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.stdout.strip() == "[]", f"importing {modules} loads {out.stdout.strip()}"
+
+
+def test_routing_imports_nothing_of_the_cluster_around_it():
+    """cluster.app, the deployments and the CLI use routing, never the other way round."""
+    for path in (ROOT / "cluster" / "routing").rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        modules = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names} | \
+            {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        bad = {m for m in modules if m.split(".")[0] == "cluster" and not m.startswith("cluster.routing")}
         assert not bad, f"{path.relative_to(ROOT)} imports {bad}"

@@ -1,7 +1,7 @@
 """The cluster on a real local Ray: CPU engine replicas of the tiny demo model behind the HTTP
 ingress, cache-affinity routing over the index actor, driven through the official openai client.
 
-Which replica served a response is read from its `x-cairn-replica` header (cluster.app).
+Which replica served a response is read from its `x-cairn-replica` header (cluster.ingress).
 
 1. `cairn serve --port P` as a subprocess: its own Ray, the default configs/local.yaml (2 CPU
    replicas of the demo model), /health and chat answered, Ctrl-C (SIGINT to its process
@@ -40,8 +40,9 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 from cache_service.events import EventBatch, PagesStored  # noqa: E402
-from cluster.app import REPLICA_HEADER, build_application  # noqa: E402
-from cluster.routing_config import RoutingConfig  # noqa: E402
+from cluster.app import build_application  # noqa: E402
+from cluster.ingress import REPLICA_HEADER  # noqa: E402
+from cluster.routing.config import RoutingConfig  # noqa: E402
 
 MODEL = "tiny"
 PAGE_SIZE, TAIL_GUARD = 16, 8  # workers.EngineOptions defaults, which the app uses

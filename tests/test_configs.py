@@ -19,7 +19,7 @@ from ray.serve.schema import ServeDeploySchema  # noqa: E402
 from cluster import deploy  # noqa: E402
 from cluster.app import app_builder  # noqa: E402
 from cluster.cli import build_parser  # noqa: E402
-from cluster.routing_config import RoutingConfig  # noqa: E402
+from cluster.routing.config import RoutingConfig  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
@@ -99,7 +99,7 @@ def test_cluster_yaml_passes_rays_autoscaler_schema_and_sets_up_gpu_workers():
 def test_routing_yaml_loads_into_the_routing_config():
     config = RoutingConfig.from_yaml(CONFIGS / "routing.yaml")
     assert config.policy == "cache_affinity" and config.redis_url is None
-    assert config.request_router_config().request_router_class == "cluster.router:CacheAffinityRouter"
+    assert config.request_router_config().request_router_class == "cluster.routing.router:CacheAffinityRouter"
 
 
 # ---- local.yaml: the default of `cairn serve` ------------------------------------------------
@@ -138,12 +138,23 @@ def test_cairn_serve_deploys_local_yaml_when_no_config_is_given(tmp_path, monkey
     monkeypatch.setattr(deploy, "LOCAL_CONFIG", tmp_path / "local.yaml")
     assert deploy.load_config()["applications"][0]["args"]["replicas"] == 5, "the file is what is read"
     monkeypatch.setattr(deploy, "LOCAL_CONFIG", tmp_path / "absent.yaml")
-    fallback = deploy.load_config()
-    assert fallback == deploy.FALLBACK_CONFIG
-    # the built-in fallback (a wheel without configs/) deploys the same thing as local.yaml
-    local = load("local.yaml")
-    assert fallback["http_options"] == local["http_options"]
-    assert fallback["applications"][0]["args"] == local["applications"][0]["args"]
+    with pytest.raises(OSError):  # no second copy of the default to fall back to
+        deploy.load_config()
+
+
+def test_the_default_config_is_configs_local_yaml_shipped_as_package_data():
+    import tomllib
+    from importlib import resources
+
+    import configs
+
+    assert Path(configs.__file__).parent == CONFIGS
+    assert Path(str(deploy.LOCAL_CONFIG)) == Path(str(resources.files("configs") / "local.yaml")) == \
+        CONFIGS / "local.yaml"
+    setuptools = tomllib.loads((CONFIGS.parent / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert "configs" in setuptools["packages"]["find"]["include"], "a wheel holds the configs package"
+    assert "*.yaml" in setuptools["package-data"]["*"], "and its YAML files"
+    assert not hasattr(deploy, "FALLBACK_CONFIG"), "the default is written once, in configs/local.yaml"
 
 
 def test_flags_override_the_config_and_absent_flags_leave_it_alone(tmp_path):

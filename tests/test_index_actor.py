@@ -14,7 +14,10 @@ from cache_service.events import AllCleared, EventBatch, EventStream, PagesRemov
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 ray = pytest.importorskip("ray")
 
-from cache_service.actor import ApplyResult, EventPublisher, index_actor  # noqa: E402
+from cache_service.actor import index_actor  # noqa: E402
+from cache_service.publisher import ApplyResult, EventPublisher  # noqa: E402
+from cluster.routing.config import RoutingConfig  # noqa: E402
+from cluster.routing.index_handle import IndexHandle  # noqa: E402
 
 H = [bytes([i]) * 16 for i in range(40)]
 
@@ -102,31 +105,29 @@ def test_killed_with_redis_it_restarts_with_the_same_scores_and_seq_numbers(acto
 # ---- the publisher -----------------------------------------------------------------------------
 
 class FakeIndex:
-    """An index actor stand-in: `.apply.remote(bytes)` awaits `gate`, then applies to a CacheIndex."""
+    """The index as the publisher reaches it (`call`): `apply(bytes)` awaits `gate`, then applies
+    to a CacheIndex."""
 
     def __init__(self):
         from cache_service.index import CacheIndex
 
         self.index, self.calls, self.gate, self.fail = CacheIndex(), [], asyncio.Event(), 0
         self.gate.set()
-        outer = self
 
-        class Method:
-            def __init__(self, fn):
-                self.remote = fn
+    async def call(self, method, *args):
+        return await getattr(self, method)(*args)
 
-        async def apply(data):
-            outer.calls.append(data)
-            await outer.gate.wait()
-            if outer.fail:
-                outer.fail -= 1
-                raise ConnectionError("actor restarting")
-            applied = outer.index.apply(data)
-            return ApplyResult(applied, not applied and outer.index.needs_resync(EventBatch.decode(data).worker_id))
+    async def apply(self, data):
+        self.calls.append(data)
+        await self.gate.wait()
+        if self.fail:
+            self.fail -= 1
+            raise ConnectionError("actor restarting")
+        applied = self.index.apply(data)
+        return ApplyResult(applied, not applied and self.index.needs_resync(EventBatch.decode(data).worker_id))
 
-        async def needs_resync(worker):
-            return outer.index.needs_resync(worker)
-        self.apply, self.needs_resync = Method(apply), Method(needs_resync)
+    async def needs_resync(self, worker):
+        return self.index.needs_resync(worker)
 
 
 class FakeEngine:
@@ -222,7 +223,8 @@ def test_a_publisher_feeds_the_real_actor_through_its_restart(actor_name):
 
     async def main():
         engine = FakeEngine()
-        publisher = EventPublisher("w", actor, engine.snapshot, timeout_s=2.0, poll_interval_s=0.2,
+        handle = IndexHandle(RoutingConfig(index_actor_name=actor_name), actor=actor)  # as a replica has it
+        publisher = EventPublisher("w", handle, engine.snapshot, timeout_s=2.0, poll_interval_s=0.2,
                                    backoff_s=(0.05, 0.2))
         publisher.publish(engine.stream.snapshot([], []))
         for _ in range(5):
@@ -248,6 +250,38 @@ def test_a_publisher_feeds_the_real_actor_through_its_restart(actor_name):
     assert ray.get(actor.stats.remote())["workers"] == 0, "close(drop_worker=True) made the index forget it"
 
 
+def test_a_publisher_feeds_the_successor_of_an_actor_killed_for_good(actor_name):
+    actor = index_actor(actor_name, num_cpus=0.01)
+
+    async def main():
+        engine = FakeEngine()
+        handle = IndexHandle(RoutingConfig(index_actor_name=actor_name), actor=actor)
+        publisher = EventPublisher("w", handle, engine.snapshot, timeout_s=2.0, poll_interval_s=0.2,
+                                   backoff_s=(0.05, 0.2))
+        publisher.publish(engine.stream.snapshot([], []))
+        publisher.publish(engine.store(4))
+        assert await publisher.flush(10.0)
+        ray.kill(actor, no_restart=True)  # gone: the handle looks the name up again, which creates a new one
+        publisher.publish(engine.store(2))
+        deadline = time.monotonic() + 30
+        while True:
+            successor = handle.current()
+            if successor is not None and successor._actor_id != actor._actor_id:
+                try:
+                    if (await successor.score.remote(H[:6])).get("w") == (6, 0):
+                        break
+                except ray.exceptions.RayActorError:  # still starting
+                    pass
+            assert time.monotonic() < deadline, "the publisher never reached a successor with all its pages"
+            await asyncio.sleep(0.1)
+        await publisher.close()
+        return successor, engine
+
+    successor, engine = asyncio.run(main())
+    assert ray.get_actor(actor_name, namespace="cairn")._actor_id == successor._actor_id, "the one registered now"
+    assert engine.snapshots >= 1, "the new actor did not know the worker: it resynced"
+
+
 # ---- the router in a real Serve deployment -------------------------------------------------------
 
 @pytest.mark.parametrize("index_mode", ["mirror", "remote"])
@@ -256,8 +290,7 @@ def test_a_serve_deployment_routes_to_the_replica_the_index_names(actor_name, in
 
     from ray import serve
 
-    from cluster.router import replica_worker_id
-    from cluster.routing_config import RoutingConfig
+    from cluster.routing.router import replica_worker_id
 
     @dataclass
     class Request:

@@ -9,9 +9,11 @@ from dataclasses import dataclass, field
 import pytest
 
 from cache_service.scoring import resume_at_token
-from cluster.router import (AffinityRanker, PredictedHolders, ReplicaLoad, rank_replicas, replica_worker_id,
-                            reported_load, routing_stats)
-from cluster.routing_config import RoutingConfig
+from cluster.routing.config import RoutingConfig
+from cluster.routing.cost import ReplicaLoad, rank_replicas, reported_load, routing_stats
+from cluster.routing.predicted import PredictedHolders
+from cluster.routing.ranker import AffinityRanker
+from cluster.routing.router import replica_worker_id
 
 PAGE = 16
 CFG = RoutingConfig(page_size=PAGE, hybrid_model=True, load_weight=0.5, request_load_tokens=256, occupancy_load_tokens=2048,
@@ -369,10 +371,13 @@ def test_every_config_field_is_described():
 
 # ---- the Ray Serve adapter, with Serve's fake replicas -----------------------------------------
 
-def make_router(config=CFG, scores=None, delay_s=0.0):
+def make_router(config=CFG, scores=None, delay_s=0.0, index=None):
+    """A CacheAffinityRouter whose index actor is `index` (default: a fake that answers `scores`
+    after `delay_s` and records dropped workers)."""
     from ray.serve._private.common import DeploymentHandleSource, DeploymentID
 
-    from cluster.router import CacheAffinityRouter
+    from cluster.routing.index_handle import IndexHandle
+    from cluster.routing.router import CacheAffinityRouter
 
     class FakeIndex:
         def __init__(self):
@@ -394,7 +399,7 @@ def make_router(config=CFG, scores=None, delay_s=0.0):
     router = CacheAffinityRouter(deployment_id=DeploymentID(name="engine", app_name="app"),
                                  handle_source=DeploymentHandleSource.UNKNOWN, use_replica_queue_len_cache=True)
     router.initialize_state(**config.router_kwargs())
-    router._index = FakeIndex()
+    router.index = IndexHandle(config, actor=index if index is not None else FakeIndex())
     return router
 
 
@@ -436,7 +441,7 @@ def test_the_serve_router_ranks_replicas_by_the_index_and_routes_to_the_best():
         router.on_request_completed(chosen.replica_id, "req-2")
         assert router.ranker.loads[ids[2]].requests == 0
         router.on_replica_actor_died(replicas[2].replica_id)
-        assert router._index.dropped == [ids[2]] and replicas[2].replica_id not in router.curr_replicas
+        assert router.index.current().dropped == [ids[2]] and replicas[2].replica_id not in router.curr_replicas
     asyncio.run(main())
 
 
@@ -484,10 +489,7 @@ def test_the_serve_router_in_mirror_mode_scores_from_its_copy_of_the_index_feed(
     async def main():
         replicas = fake_replicas(3)
         ids = [replica_worker_id(r.replica_id) for r in replicas]
-        router = make_router(config=CFG.model_copy(update=dict(index_mode="mirror")))
-        router._index = FeedIndex()
-        router._index_handle = lambda: router._index  # no Ray here: the sync task is started by hand
-        router._mirror_sync = asyncio.get_running_loop().create_task(router._sync_mirror())
+        router = make_router(config=CFG.model_copy(update=dict(index_mode="mirror")), index=FeedIndex())
         router.update_replicas(replicas)
         batch = EventStream(ids[1]).batch([PagesStored(tuple(H[:60]), None), StateStored(H[59])])
         feed.apply(index, batch, batch.encode())
@@ -512,9 +514,8 @@ def test_an_index_actor_without_a_change_feed_turns_the_router_to_asking_it_per_
     async def main():
         replicas = fake_replicas(2)
         ids = [replica_worker_id(r.replica_id) for r in replicas]
+        # an actor from an older cairn: score, no feed
         router = make_router(config=CFG.model_copy(update=dict(index_mode="mirror")), scores={ids[1]: (60, 60)})
-        router._index_handle = lambda: router._index  # an actor from an older cairn: score, no feed
-        router._mirror_sync = asyncio.get_running_loop().create_task(router._sync_mirror())
         await asyncio.wait_for(router._mirror_sync, 5)
         router.update_replicas(replicas)
         router.ranker.loads[ids[1]] = ReplicaLoad(requests=1)
@@ -536,7 +537,7 @@ def test_the_replica_worker_id_is_the_full_serve_replica_id():
 def test_the_ray_prefix_router_reads_the_prompt_when_messages_is_none():
     from ray.serve._private.common import DeploymentHandleSource, DeploymentID
 
-    from cluster.router import RayPrefixRouter
+    from cluster.routing.router import RayPrefixRouter
 
     async def texts():  # a PendingRequest makes a future: it needs a running loop
         router = RayPrefixRouter(deployment_id=DeploymentID(name="engine", app_name="app"),
@@ -569,3 +570,49 @@ def test_a_failing_index_is_skipped_for_a_while_then_tried_again():
 
     counts = asyncio.run(main())
     assert counts["index_fallbacks"] == 7 and counts["index_skipped"] == 3 and counts["index_errors"] == 4
+
+
+SHIPPED_ROUTER = """
+import asyncio, json, sys
+from ray import cloudpickle
+from ray.serve._private.common import DeploymentHandleSource, DeploymentID, RequestMetadata
+from ray.serve._private.test_utils import FakeRunningReplica
+from ray.serve.request_router import PendingRequest
+from cluster.routing.registry import router_counts
+
+cls = cloudpickle.loads(sys.stdin.buffer.read())
+
+class Replica(FakeRunningReplica):
+    routing_stats = {}
+
+async def main():
+    router = cls(deployment_id=DeploymentID(name="engine", app_name="app"),
+                 handle_source=DeploymentHandleSource.UNKNOWN, use_replica_queue_len_cache=True)
+    router.initialize_state(**json.loads(sys.argv[1]))
+    replica = Replica("r0", max_ongoing_requests=4)
+    replica.set_queue_len_response(0)
+    router.update_replicas([replica])
+    meta = RequestMetadata(request_id="q", internal_request_id="q")
+    await router.choose_replicas([replica], PendingRequest(args=[None], kwargs={}, metadata=meta))
+    print(router_counts().get("router_ranked_total", 0))
+
+asyncio.run(main())
+"""
+
+
+def test_the_router_class_as_serve_ships_it_reports_to_the_registry_the_ingress_reads():
+    """Serve pickles the router's module by value and unpickles the class in the calling process
+    (RequestRouterConfig): there the module's globals are copies. The ranker must still reach the
+    one registry the ingress reads (cluster.routing.registry)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    shipped = CFG.request_router_config().get_serialized_request_router_cls()
+    out = subprocess.run([sys.executable, "-c", SHIPPED_ROUTER, json.dumps(CFG.router_kwargs())], input=shipped,
+                         capture_output=True, cwd=root, env={**os.environ, "PYTHONPATH": str(root)}, timeout=120)
+    assert out.returncode == 0, out.stderr.decode()[-3000:]
+    assert out.stdout.decode().split()[-1] == "1", "the router ranked a request: the ingress's registry counts it"

@@ -113,7 +113,7 @@ class APIMetrics:
             name = prefix + re.sub(r"[^a-zA-Z0-9_]", "_", base)
             grouped[name].append(f"{name}{_labels(kind=kind) if kind else ''} {_num(value)}")
         for name, samples in grouped.items():
-            source = "Router counter (cluster.router.AffinityRanker.counts)" if name.startswith("cairn_router_") \
-                else "Engine metric (workers.Engine.metrics)"
+            source = "Router counter (cluster.routing.ranker.AffinityRanker.counts)" \
+                if name.startswith("cairn_router_") else "Engine metric (workers.Engine.metrics)"
             family(name, "counter" if name.endswith("_total") else "gauge", f"{source}.", samples)
         return "\n".join(lines) + "\n"

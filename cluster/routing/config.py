@@ -2,14 +2,19 @@
 configs/routing.yaml, that also yields the deployment's Ray Serve `RequestRouterConfig`.
 
 Policies (`policy`):
-- `cache_affinity` (default): `cluster.router.CacheAffinityRouter` — the cache index's resume
-  point per replica plus load (this repository).
+- `cache_affinity` (default): `cluster.routing.router.CacheAffinityRouter` — the cache index's
+  resume point per replica plus load (this repository).
 - `pow2`: Ray Serve's default, power of two choices on queue length.
 - `round_robin`: Ray Serve's experimental `RoundRobinRouter`.
 - `ray_prefix`: Ray Serve LLM's `PrefixCacheAffinityRouter` (a character prefix tree over the
   request's `.prompt` / `.messages`, imported from ray.llm without the ray[llm] extra);
   `ray_prefix_options` go to its `initialize_state`.
 Unknown keys are refused, so a misspelt field fails loudly instead of silently defaulting.
+`page_size` and `hybrid_model` are the engines' (`for_engines`), never guessed.
+
+A router class path names the module that defines the class (`cluster.routing.router`), never a
+package: Serve ships that module by value, and a package path would ship every module under it,
+the process-wide router registry included (see `cluster.routing.registry`).
 """
 
 from __future__ import annotations
@@ -20,11 +25,11 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 ROUTER_CLASSES = {
-    "cache_affinity": "cluster.router:CacheAffinityRouter",
+    "cache_affinity": "cluster.routing.router:CacheAffinityRouter",
     "pow2": "ray.serve._private.request_router.pow_2_router:PowerOfTwoChoicesRequestRouter",
     "round_robin": "ray.serve.experimental.round_robin_router:RoundRobinRouter",
     # Ray Serve LLM's PrefixCacheAffinityRouter, reading a None `.messages` as absent (see there)
-    "ray_prefix": "cluster.router:RayPrefixRouter",
+    "ray_prefix": "cluster.routing.router:RayPrefixRouter",
 }
 
 

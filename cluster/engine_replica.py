@@ -1,0 +1,94 @@
+"""The engine deployment's replica: one `AsyncEngine`, its cache reported to the index.
+
+`EngineReplica` owns one engine (`num_gpus: 1` on GPU nodes, fractional CPUs here) and serves
+`generate`, `abort`, `metrics` and `cache_contents` to the ingress through a DeploymentHandle.
+Rules it keeps:
+- Its worker id is its Serve replica id (`cluster.routing.router.replica_worker_id`), the name
+  the router ranks it by and the index holds its cache under.
+- It loads the `EngineSpec` the deployment was built for, or refuses to start: every replica
+  must hash, page and resume the same way, since the router scores them as one.
+- What its cache holds reaches the index through a non-blocking `EventPublisher`, fed by a
+  drain loop every `DRAIN_INTERVAL_S`; the index actor is reached through an `IndexHandle`, found
+  (or created) before the replica takes requests and found again if it dies. Reporting never
+  takes the replica down.
+- Its load reaches the router through `record_routing_stats` (`cluster.routing.cost.routing_stats`).
+It touches the engine only through `AsyncEngine`'s public methods.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ray import serve
+
+from cache_service.publisher import EventPublisher
+from cluster.api.engine_client import GenerateRequest
+from cluster.routing.config import RoutingConfig
+from cluster.routing.cost import routing_stats
+from cluster.routing.index_handle import IndexHandle
+from cluster.routing.router import replica_worker_id
+from workers.spec import EngineSpec
+
+log = logging.getLogger(__name__)
+DRAIN_INTERVAL_S = 0.05
+
+
+class EngineReplica:
+    """One engine per replica, its cache events published to the index."""
+
+    async def __init__(self, model_dir: str, engine_options: dict[str, Any], routing: dict[str, Any],
+                       spec: EngineSpec):
+        from workers import AsyncEngine
+
+        cfg = RoutingConfig.model_validate(routing)
+        self.worker_id = replica_worker_id(serve.get_replica_context().replica_id)
+        self.engine = AsyncEngine.from_pretrained(model_dir, worker_id=self.worker_id, **engine_options)
+        if self.engine.spec != spec:  # e.g. another copy of the model on this node
+            raise RuntimeError(f"this replica's engine is {self.engine.spec}, but the deployment was built for "
+                               f"{spec}: every replica must load the same checkpoint with the same options")
+        self.max_num_seqs = self.engine.max_num_seqs
+        self.index = IndexHandle(cfg)
+        await self.index.get()  # found, or created, before the first request
+        self.publisher = EventPublisher(self.worker_id, self.index, snapshot=self.engine.snapshot_events)
+        self._metrics: dict[str, float] = {}
+        self._drain = asyncio.get_running_loop().create_task(self._drain_loop())
+
+    async def _drain_loop(self) -> None:
+        """Moves cache events from the engine to the publisher, and refreshes load numbers."""
+        while True:
+            try:
+                batch = await self.engine.drain_events()
+                self.publisher.publish(batch)
+                self._metrics = await self.engine.metrics()
+            except Exception:  # never let reporting take the replica down
+                log.exception("cache event drain failed on %s", self.worker_id)
+            await asyncio.sleep(DRAIN_INTERVAL_S)
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[Any]:
+        async for out in self.engine.generate(
+                request.prompt_token_ids, request.params, request.request_id, hash_root=request.hash_root,
+                page_hashes=request.page_hashes, checkpoint_hints=request.checkpoint_hints):
+            yield out
+
+    async def abort(self, request_id: str) -> bool:
+        return await self.engine.abort(request_id)
+
+    async def metrics(self) -> dict[str, float]:
+        return dict(await self.engine.metrics(), worker_id=self.worker_id)  # type: ignore[arg-type]
+
+    async def cache_contents(self) -> tuple[str, frozenset[bytes], frozenset[bytes]]:
+        """(worker id, page hashes, state page hashes) resident now: what the index should hold
+        for this replica once its events are in (`handle.broadcast("cache_contents")`)."""
+        pages, states = await self.engine.cache_contents()
+        return self.worker_id, pages, states
+
+    def record_routing_stats(self) -> dict[str, float]:
+        return routing_stats(self._metrics, self.max_num_seqs)
+
+    async def __del__(self) -> None:
+        self._drain.cancel()
+        await self.publisher.close(drop_worker=True)
+        await self.engine.close()

@@ -1,0 +1,106 @@
+"""What a replica costs a request, in tokens, and the ranking that follows from it. Plain Python.
+
+    cost = prefill tokens left after the resume point + load_weight * load tokens
+
+- resume point: `cache_service.scoring.resume_at_token` of the replica's score (hit pages,
+  state pages) from the cache index (design rule 4): for a hybrid model its deepest state
+  checkpoint under the page hit, pages without a usable state counting for nothing; for an
+  attention-only model the page hit itself.
+- load tokens (`load_tokens`): the prefill tokens left of the requests this router has in flight
+  there, plus `request_load_tokens` per in-flight request (the larger of this router's count and
+  the replica's reported running + waiting), plus `occupancy_load_tokens` times the fraction of
+  its pages or state slots in use. The reported numbers are what the replica's
+  `record_routing_stats()` returns (`routing_stats`); missing or malformed numbers count as 0.
+`rank_replicas` sorts replicas by cost; a replica with `spill_limit` more in-flight requests than
+the least-loaded one ranks after all others, so a hot prefix spills over instead of piling onto
+one replica. Ties break at random. Every function here is pure: no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from cache_service.scoring import resume_at_token
+from cluster.routing.config import RoutingConfig
+
+Score = tuple[int, int]  # (hit_pages, state_pages), as the index answers for a replica
+
+
+class RoutingRequest(Protocol):
+    """What the router reads from the engine deployment call's first argument.
+    page_hashes: one per whole prompt page (cache_service.hashing), None or [] for none.
+    num_prompt_tokens: prompt length in tokens (else len(prompt_token_ids) is used).
+    prompt / messages: the text, read only by the ray_prefix policy."""
+    page_hashes: list[bytes] | None
+    num_prompt_tokens: int
+    prompt: str | None
+    messages: list | None
+
+
+def prompt_tokens(request: Any, page_size: int) -> int:
+    """The request's prompt length in tokens: `num_prompt_tokens`, else its token ids, else
+    whole pages of its page hashes."""
+    n = getattr(request, "num_prompt_tokens", None)
+    if isinstance(n, int):
+        return n
+    ids = getattr(request, "prompt_token_ids", None)
+    if ids is not None:
+        return len(ids)
+    return len(getattr(request, "page_hashes", None) or ()) * page_size
+
+
+def routing_stats(engine_metrics: Mapping[str, float], max_num_seqs: int) -> dict[str, float]:
+    """What an engine replica's record_routing_stats() returns, from `Engine.metrics()`: pages
+    held by running requests and state slots in use (one per running sequence), with totals."""
+    m = engine_metrics
+    return dict(running_requests=m.get("running_requests", 0), waiting_requests=m.get("waiting_requests", 0),
+                pages_in_use=m.get("pages_held", 0), pages_total=m.get("pages_total", 0),
+                states_in_use=m.get("running_requests", 0), states_total=max_num_seqs)
+
+
+@dataclass
+class ReplicaLoad:
+    requests: int = 0           # in flight from this router
+    tokens: int = 0             # prefill tokens those requests cost there
+    reported_requests: int = 0  # running + waiting, as the replica last reported
+    occupancy: float = 0.0      # fraction of its pages or state slots in use, as reported
+
+
+def reported_load(own: ReplicaLoad | None, stats: Mapping[str, Any] | None) -> ReplicaLoad:
+    """This router's own load on a replica, with what the replica reported (`routing_stats`)."""
+    own, stats = own or ReplicaLoad(), stats or {}
+
+    def fraction(used: str, total: str) -> float:
+        try:
+            return min(1.0, max(0.0, float(stats.get(used, 0)) / float(stats[total])))
+        except (KeyError, TypeError, ValueError, ZeroDivisionError):
+            return 0.0
+    try:
+        reported = int(stats.get("running_requests", 0)) + int(stats.get("waiting_requests", 0))
+    except (TypeError, ValueError):
+        reported = 0
+    return ReplicaLoad(own.requests, own.tokens, reported,
+                       max(fraction("pages_in_use", "pages_total"), fraction("states_in_use", "states_total")))
+
+
+def load_tokens(load: ReplicaLoad, config: RoutingConfig) -> float:
+    requests = max(load.requests, load.reported_requests)
+    return load.tokens + config.request_load_tokens * requests + config.occupancy_load_tokens * load.occupancy
+
+
+def rank_replicas(replicas: Sequence[str], scores: Mapping[str, Score], loads: Mapping[str, ReplicaLoad],
+                  config: RoutingConfig, num_prompt_tokens: int, rng: random.Random | None = None) -> list[str]:
+    """Replica ids, cheapest first; spilled replicas (see module doc) after all others."""
+    rng = rng or random
+    empty = ReplicaLoad()
+    busy = {r: max(loads.get(r, empty).requests, loads.get(r, empty).reported_requests) for r in replicas}
+    least = min(busy.values(), default=0)
+
+    def key(r: str) -> tuple[bool, float, float]:
+        resume = resume_at_token(*scores.get(r, (0, 0)), num_prompt_tokens, config.page_size, config.hybrid_model)
+        cost = num_prompt_tokens - resume + config.load_weight * load_tokens(loads.get(r, empty), config)
+        return busy[r] - least >= config.spill_limit, cost, rng.random()
+    return sorted(replicas, key=key)

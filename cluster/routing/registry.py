@@ -1,0 +1,63 @@
+"""The cache-affinity routers of this process: one registry, shared by the routers and the ingress.
+
+A router (`cluster.routing.router.CacheAffinityRouter`) runs inside the process that calls the
+engine deployment, the ingress, on a loop of Serve's choosing. It registers its ranker here on its
+first request; the ingress, in the same process, reports each request's first output
+(`prefill_done`) and reads the routers' counters for /metrics (`router_counts`).
+
+Why a module of its own: Serve ships the router class by value. `RequestRouterConfig` imports the
+class path's module, registers it with `cloudpickle.register_pickle_by_value`, pickles the class
+and, in the caller's process, unpickles it (ray/serve/config.py, `_serialize_request_router_cls`
+and `get_request_router_class`). The class and the functions of that module are rebuilt there
+with globals of their own, so state kept at module level in cluster/routing/router.py would be a
+copy the ingress never sees. This module is imported by reference (not registered, not under a
+registered package): the router reaches it through its functions, never through a module-level
+object (an instance would be pickled by value too). Plain Python, thread-safe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import weakref
+from typing import Any
+
+_ROUTERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # ranker -> the loop it runs on
+_LOCK = threading.Lock()
+
+
+def register_router(ranker: Any, loop: asyncio.AbstractEventLoop) -> None:
+    """Called by a router on its loop: first outputs are reported to `ranker` there. A ranker
+    leaves the registry when it is garbage collected."""
+    with _LOCK:
+        _ROUTERS[ranker] = loop
+
+
+def router_counts() -> dict[str, float]:
+    """The counters of this process's routers, summed, as `router_<name>_total` metrics (requests
+    ranked and routed, index fallbacks by reason), and their gauges (the index mirror's size and
+    age) as `router_<name>` (ages: the largest), for the ingress's /metrics."""
+    with _LOCK:
+        rankers = list(_ROUTERS)
+    totals: dict[str, float] = {}
+    for ranker in rankers:
+        for name, n in ranker.counts.items():
+            totals[f"router_{name}_total"] = totals.get(f"router_{name}_total", 0) + n
+        for name, value in ranker.gauges().items():
+            key = f"router_{name}"
+            totals[key] = max(totals.get(key, value), value) if name.endswith("_age_seconds") else \
+                totals.get(key, 0) + value
+    return totals
+
+
+def prefill_done(engine_request_id: str) -> None:
+    """Thread-safe: the request produced its first output, so the routers of this process stop
+    counting its prefill tokens as load on its replica (`AffinityRanker.on_prefill_done`, run on
+    each router's own loop)."""
+    with _LOCK:
+        routers = list(_ROUTERS.items())
+    for ranker, loop in routers:
+        try:
+            loop.call_soon_threadsafe(ranker.on_prefill_done, engine_request_id)
+        except RuntimeError:  # its loop is closed: the router is gone
+            pass
