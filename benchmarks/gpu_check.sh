@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks in one prepared call: `pytest -m gpu`, then benchmarks/kernels.py with
+# The GPU checks in one prepared call: `pytest -m gpu`, then benchmarks/kernel_speed.py with
 # flash-linear-attention beside it. For a device machine whose python3 already holds torch,
 # triton and pytest (the H200 image does) and that cannot reach PyPI.
 #
@@ -7,7 +7,7 @@
 #       downloads fla-core (flash-linear-attention's kernels, pure Python) into .whl/, which
 #       .git/info/exclude keeps out of git; it is never installed into this environment.
 #   there:                        bash benchmarks/gpu_check.sh          (carry [".whl"])
-#       installs .whl/ into /tmp/fla-site, used by kernels.py alone (on a CPU, transformers would
+#       installs .whl/ into /tmp/fla-site, used by kernel_speed.py alone (on a CPU, transformers would
 #       pick fla's GPU kernels and fail); logs go to $OUT (the device tool's) or benchmarks/out.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -33,7 +33,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/fla-site .whl/*.whl \
         && fla_path=/tmp/fla-site
 fi
-PYTHONPATH="${fla_path}${PYTHONPATH:+:$PYTHONPATH}" python3 benchmarks/kernels.py 2>&1 | tee "$LOGS/kernels.log"
+PYTHONPATH="${fla_path}${PYTHONPATH:+:$PYTHONPATH}" python3 benchmarks/kernel_speed.py 2>&1 | tee "$LOGS/kernel_speed.log"
 bench=${PIPESTATUS[0]}
-echo "pytest -m gpu: exit $tests; benchmarks/kernels.py: exit $bench"
+echo "pytest -m gpu: exit $tests; benchmarks/kernel_speed.py: exit $bench"
 exit $(( tests || bench ))
