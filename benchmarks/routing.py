@@ -65,6 +65,7 @@ logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per reques
 from cluster.router import CacheAffinityRouter  # noqa: E402
 from workers import EngineSpec  # noqa: E402
 from plotting import OUT, pyplot, save  # noqa: E402  (benchmarks/plotting.py)
+from traces import Oracle, sentence, text_of_tokens  # noqa: E402  (benchmarks/traces.py)
 
 POLICIES = ["cache_affinity", "pow2", "round_robin", "ray_prefix"]
 TRACES = ["shared-system", "no-shared", "hot-prefix"]
@@ -72,8 +73,6 @@ MODEL = "bench-model"
 NAMESPACE = "cairn-bench"
 STATS_ACTOR = "cairn-bench-route-stats"
 HOT_PREFIX_TOKENS, HOT_SHARE = 2000, 0.8
-WORDS = ("stone cairn ridge trail summit marker path weather snow rock pile guide north map river valley "
-         "build stack wide flat base tall lasting winter storm hikers route visible balance moss lichen").split()
 
 
 # ---- routers with a stopwatch ------------------------------------------------------------------
@@ -168,17 +167,6 @@ class Conversation:
     think_s: list[float]
 
 
-def words(rng: random.Random, n: int) -> str:
-    return " ".join(rng.choice(WORDS) for _ in range(n)).capitalize() + "."
-
-
-def text_of_tokens(tokenizer, rng: random.Random, tokens: int, head: str = "") -> str:
-    text = head
-    while len(tokenizer.encode(text)) < tokens:
-        text += " " + words(rng, 20)
-    return text
-
-
 def make_trace(name: str, args, tokenizer, seed: int) -> list[Conversation]:
     rng = random.Random(f"{name}-{seed}")
     shared = text_of_tokens(tokenizer, rng, args.system_tokens, "You are the cairn club's trail guide.")
@@ -188,7 +176,7 @@ def make_trace(name: str, args, tokenizer, seed: int) -> list[Conversation]:
     for c in range(args.convs):
         own = text_of_tokens(tokenizer, rng, args.system_tokens, f"Conversation {c} of {name}.")
         system = {"shared-system": shared, "no-shared": own, "hot-prefix": hot if c in hot_convs else own}[name]
-        convs.append(Conversation(system, [words(rng, args.user_words) for _ in range(args.turns)],
+        convs.append(Conversation(system, [sentence(rng, args.user_words) for _ in range(args.turns)],
                                   rng.uniform(0, args.think), [rng.uniform(0.5, 1.5) * args.think
                                                                for _ in range(args.turns)]))
     return convs
@@ -278,45 +266,14 @@ async def warm_up(base_url: str, prefix: str, n: int) -> None:
 
 # ---- the oracle and the numbers ----------------------------------------------------------------
 
-class Oracle:
-    """Longest common prefix with every sequence inserted so far, found page by page through
-    prefix hashes, then token by token within the last page against one sequence."""
-
-    def __init__(self, page: int):
-        self.page, self.prefixes, self.seqs = page, {}, []
-
-    def _chain(self, ids):
-        h = 0
-        for k in range(len(ids) // self.page):
-            h = hash((h, tuple(ids[k * self.page:(k + 1) * self.page])))
-            yield k + 1, h
-
-    def lcp(self, ids: list[int]) -> int:
-        pages, seq = 0, None
-        for k, h in self._chain(ids):
-            if h not in self.prefixes:
-                break
-            pages, seq = k, self.prefixes[h]
-        if seq is None:
-            return 0
-        other, i = self.seqs[seq], pages * self.page
-        while i < len(ids) and i < len(other) and ids[i] == other[i]:
-            i += 1
-        return i
-
-    def insert(self, ids: list[int]) -> None:
-        self.seqs.append(ids)
-        for _, h in self._chain(ids):
-            self.prefixes.setdefault(h, len(self.seqs) - 1)
-
-
 def fill_oracle(reqs: list[Req], page: int) -> None:
+    """Each request's oracle hit (traces.Oracle, to within a page), in the order things happened:
+    a request's prompt when it was sent, its prompt and answer when it finished."""
     events = [(r.start, 0, r) for r in reqs] + [(r.end, 1, r) for r in reqs if r.ok]
-    oracle = Oracle(page)
+    oracle = Oracle(page_tokens=page)
     for _, kind, r in sorted(events, key=lambda e: (e[0], e[1])):
         if kind == 0:
-            r.oracle = min(oracle.lcp(r.prompt_ids), max(len(r.prompt_ids) - 1, 0))
-            oracle.insert(r.prompt_ids)
+            r.oracle = oracle.hit_tokens(r.prompt_ids)
         else:
             oracle.insert(r.seen_ids)
 
