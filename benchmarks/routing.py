@@ -483,7 +483,7 @@ def main() -> None:
                 for p in group:
                     serve.delete(f"bench-{p}")
         report(results, args)
-        OUT.mkdir(exist_ok=True)
+        OUT.mkdir(parents=True, exist_ok=True)
         (OUT / "routing.json").write_text(json.dumps(records))  # every request, for a closer look
         plot(results)
     finally:
