@@ -1,8 +1,8 @@
 """Output tokens/s of cairn's engine against transformers' `generate`, measured in one run.
 
-Workload (defaults from the engine-core issue): the `bench` demo model, prompts of 512 random
-tokens, 128 new tokens each (greedy, EOS ignored so every request runs to length), measured
-for 1 request and for 32 concurrent requests.
+Workload: the `bench` demo model, prompts of 512 random tokens, 128 new tokens each (greedy,
+EOS ignored so every request runs to length), measured for 1 request and for 32 concurrent
+requests.
 
 Baselines, both measured here, on the same machine, same model, same threads:
 - transformers serving requests one at a time (`generate` per request: what a server without
