@@ -1,9 +1,9 @@
 """Routing policies side by side on a real local Ray Serve cluster.
 
-The Serve application of `cluster.app` (HTTP ingress + engine replicas), one per
-policy: `cache_affinity` (cairn's router over the cache index), `pow2` (Serve's default),
-`round_robin`, `ray_prefix` (Ray Serve LLM's PrefixCacheAffinityRouter). Every policy replays the
-same three traces of concurrent multi-turn chats through HTTP (streamed, the answer echoed back,
+The Serve application of `cluster.app` (HTTP ingress + engine replicas), one per policy:
+`cache_affinity` (cairn's router over the cache index), `pow2` (Serve's default), `round_robin`,
+`ray_prefix` (Ray Serve LLM's PrefixCacheAffinityRouter). Every policy replays the same three
+traces of concurrent multi-turn chats through HTTP (streamed, the answer echoed back,
 each turn sent a think time after the previous answer, greedy decoding):
 - shared-system: every conversation opens with the same system prompt;
 - no-shared: every conversation has a system prompt of its own;

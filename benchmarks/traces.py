@@ -11,14 +11,15 @@ Shared by multiturn.py (one engine, in process) and routing.py (a Serve cluster,
 - `text_of_tokens(tokenizer, rng, tokens, head)`: `head`, then 20-word sentences until the text
   is at least `tokens` tokens long, counted by `tokenizer.encode`: a system prompt of a size.
 - `Oracle(page_tokens)`: the cache of a server with unlimited memory and a recurrent state at
-  every token. `hit_tokens(prompt)` is what a request arriving now could reuse: the longest
-  common prefix, in tokens, of its prompt with every sequence inserted so far, capped at
-  len(prompt) - 1 (a request computes at least its last prompt token); the prompt then counts
-  as seen. `insert(ids)` adds a sequence, e.g. a finished request's prompt and answer as its
-  next turn renders them. Sequences are indexed in runs of `page_tokens` tokens. With 1
-  (multiturn.py) the answer is exact. With a page (routing.py: 16) it is exact to within a
-  page: a prefix shorter than one page counts 0, and past the deepest matching page only the
-  first sequence that reached it is compared; the index is that many times smaller.
+  every token. `hit_tokens(prompt)` is what a request arriving now could reuse: the longest common
+  prefix, in tokens, of its prompt with every sequence inserted so far, capped at len(prompt) - 1
+  (a request computes at least its last prompt token); the prompt then counts as seen
+  (`lcp_tokens(ids)`: the prefix alone, uncapped, nothing inserted). `insert(ids)` adds a
+  sequence, e.g. a finished request's prompt and answer as its next turn renders them. Sequences
+  are indexed in runs of `page_tokens` tokens. With 1 (multiturn.py) the answer is exact. With a
+  page (routing.py: 16) it is exact to within a page: a prefix shorter than one page counts 0, and
+  past the deepest matching page only the first sequence that reached it is compared; the index is
+  that many times smaller.
 """
 
 from __future__ import annotations
