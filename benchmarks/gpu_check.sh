@@ -1,39 +1,65 @@
 #!/usr/bin/env bash
-# The GPU checks in one prepared call: `pytest -m gpu`, then benchmarks/kernels.py with
-# flash-linear-attention beside it. For a device machine whose python3 already holds torch,
-# triton and pytest (the H200 image does) and that cannot reach PyPI.
+# The GPU checks as one command: `pytest -m gpu`, then benchmarks/kernel_speed.py with
+# flash-linear-attention beside it, each logged to LOG_DIR.
 #
-#   here, once (PyPI reachable):  bash benchmarks/gpu_check.sh fetch
-#       downloads fla-core (flash-linear-attention's kernels, pure Python) into .whl/, which
-#       .git/info/exclude keeps out of git; it is never installed into this environment.
-#   there:                        bash benchmarks/gpu_check.sh          (carry [".whl"])
-#       installs .whl/ into /tmp/fla-site, used by kernels.py alone (on a CPU, transformers would
-#       pick fla's GPU kernels and fail); logs go to $OUT (the device tool's) or benchmarks/out.
+#   bash benchmarks/gpu_check.sh [LOG_DIR]   (default: benchmarks/out/gpu-check, or
+#                                             $CAIRN_BENCH_OUT/gpu-check when that is set)
+#   bash benchmarks/gpu_check.sh fetch       downloads the flash-linear-attention wheels into
+#                                            .whl/ (ignored by git), for a GPU machine without PyPI
+#
+# What the machine needs:
+# - an NVIDIA GPU with its driver (nvidia-smi) and a CUDA build of torch 2.13.0, with triton;
+# - cairn with its test extra: `pip install -e ".[test]"` after that torch (.ci/setup would pin
+#   the CPU build);
+# - for kernel_speed.py's comparison, flash-linear-attention: fla-core and einops, pure-Python
+#   wheels that this script installs into a temporary folder on kernel_speed.py's path alone,
+#   from .whl/ when that holds them, else from PyPI. They stay out of the environment: with fla
+#   importable, transformers runs fla's GPU kernels in Qwen3-Next, which fail on the CPU tensors
+#   of the tests' oracle. Without them kernel_speed.py still runs; its fla column stays empty.
+#
+# Exit status: nonzero when there is no GPU, or when pytest or kernel_speed.py failed.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-FLA_CORE=fla-core==0.6.0
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+FLA=(fla-core==0.6.0 einops==0.8.2)
 
 if [ "${1:-}" = fetch ]; then
-    grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
-    exec python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-        --platform manylinux_2_17_x86_64 -d .whl "$FLA_CORE"
+    exec python3 -m pip download --no-deps --only-binary=:all: -d "$ROOT/.whl" "${FLA[@]}"
 fi
 
-LOGS=${OUT:-benchmarks/out}
-mkdir -p "$LOGS"
+if ! nvidia-smi -L >/dev/null 2>&1; then
+    echo "gpu_check.sh: no NVIDIA GPU here (nvidia-smi is missing or finds none); run it on a machine with one" >&2
+    exit 1
+fi
+LOGS=${1:-${CAIRN_BENCH_OUT:-$ROOT/benchmarks/out}/gpu-check}
+mkdir -p "$LOGS" && LOGS=$(cd "$LOGS" && pwd)
+cd "$ROOT"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
-nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv | tee "$LOGS/gpu.txt"
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$LOGS/gpu.txt"
 
-python3 -m pytest -m gpu -q -p no:cacheprovider -rs tests/test_triton_gpu.py 2>&1 | tee "$LOGS/pytest_gpu.log"
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv | tee "$LOGS/gpu.txt"
+if ! python3 -c "import sys, torch, triton
+print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'triton', triton.__version__)
+sys.exit(0 if torch.cuda.is_available() else 'gpu_check.sh: this torch has no CUDA; install a CUDA build')" \
+        2>&1 | tee -a "$LOGS/gpu.txt"; then
+    exit 1
+fi
+
+python3 -m pytest -m gpu -q -p no:cacheprovider -rs 2>&1 | tee "$LOGS/pytest_gpu.log"
 tests=${PIPESTATUS[0]}
 
-fla_path=
+fla_site=$(mktemp -d)
 if compgen -G ".whl/*.whl" >/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/fla-site .whl/*.whl \
-        && fla_path=/tmp/fla-site
+    from=(--no-index .whl/*.whl)
+else
+    from=("${FLA[@]}")
 fi
-PYTHONPATH="${fla_path}${PYTHONPATH:+:$PYTHONPATH}" python3 benchmarks/kernels.py 2>&1 | tee "$LOGS/kernels.log"
+if python3 -m pip install -q --no-deps --no-compile --no-cache-dir --target "$fla_site" "${from[@]}" \
+        >"$LOGS/fla_install.log" 2>&1; then
+    export PYTHONPATH="$fla_site${PYTHONPATH:+:$PYTHONPATH}"
+else
+    echo "flash-linear-attention not installed (see $LOGS/fla_install.log): the fla column stays empty"
+fi
+python3 benchmarks/kernel_speed.py 2>&1 | tee "$LOGS/kernel_speed.log"
 bench=${PIPESTATUS[0]}
-echo "pytest -m gpu: exit $tests; benchmarks/kernels.py: exit $bench"
+rm -rf "$fla_site"
+echo "pytest -m gpu: exit $tests; benchmarks/kernel_speed.py: exit $bench; logs in $LOGS"
 exit $(( tests || bench ))

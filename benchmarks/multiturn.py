@@ -12,13 +12,15 @@ policy: `exact` (today's exact-length behaviour), `all`, `interval`, `end_branch
 
 Each policy runs twice: with memory to spare, and under one shared budget (pages + states) sized
 so that pages and checkpoints compete: the last round's sequences fit, plus 10% more pages and
-two checkpoints per conversation. The oracle hit of a request is its longest common prefix with
-everything seen before it (earlier rounds' prompts and outputs, this round's earlier prompts),
-capped at n - 1: unlimited memory and a state at every token. Printed per policy: prefill tokens computed, hit tokens and
-their ratio to the oracle, checkpoints stored, state memory peak, median TTFT per turn.
+two checkpoints per conversation. The oracle hit of a request (traces.Oracle, to the token) is
+its longest common prefix with everything seen before it (earlier rounds' prompts and outputs,
+this round's earlier prompts), capped at n - 1: unlimited memory and a state at every token.
+Printed per policy: prefill tokens computed, hit tokens and their ratio to the oracle,
+checkpoints stored, state memory peak, median TTFT per turn.
 Writes benchmarks/out/multiturn.png (hit tokens per turn). Not a test: nothing is asserted.
 
-Usage: python benchmarks/multiturn.py [--convs 16] [--turns 6] [--quick]
+Usage: python3 benchmarks/multiturn.py [--convs 16] [--turns 6] [--quick]
+  --quick: the tiny demo model, 4 conversations, 3 turns, one thread: checks that the script runs.
 """
 
 from __future__ import annotations
@@ -26,23 +28,24 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's packages
 
 import torch  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 
 from cluster.api.chat_template import ChatTemplate  # noqa: E402
 from plotting import pyplot, save  # noqa: E402  (benchmarks/plotting.py)
+from traces import MULTITURN_WORDS, Oracle, sentence  # noqa: E402  (benchmarks/traces.py)
 from workers import Engine, SamplingParams  # noqa: E402
 from workers.demo import demo_model_dir  # noqa: E402
 
 POLICIES = ["exact", "all", "interval", "end_branch", "cairn"]
-WORDS = ("stone cairn ridge trail summit marker path weather snow rock pile guide north map river valley "
-         "build stack wide flat base tall lasting winter storm hikers route visible balance").split()
 
 
 @dataclass
@@ -67,11 +70,6 @@ class Result:
     seconds: float = 0.0
 
 
-def sentence(rng: torch.Generator, n_words: int) -> str:
-    idx = torch.randint(0, len(WORDS), (n_words,), generator=rng).tolist()
-    return " ".join(WORDS[i] for i in idx).capitalize() + "."
-
-
 class Client:
     """Renders conversations like an ingress: template, tokens, checkpoint hints."""
 
@@ -92,9 +90,16 @@ class Client:
 
 def record_trace(engine: Engine, client: Client, workload: str, convs: int, turns: int,
                  system_words: int, user_words: int, answer_tokens: int) -> list[list[Request]]:
-    """Runs the conversations once and records each round's requests (what every policy replays)."""
+    """Runs the conversations once and records each round's requests (what every policy replays),
+    each with its oracle hit: everything seen before it is earlier rounds' whole sequences and
+    this round's earlier prompts (all of a round's prompts are sent before any answer)."""
     rng = torch.Generator().manual_seed(1)
-    system = {"role": "system", "content": " ".join(sentence(rng, 12) for _ in range(system_words // 12))}
+    oracle = Oracle(page_tokens=1)  # exact, to the token
+
+    def text(n_words: int, per_sentence: int) -> str:
+        return " ".join(sentence(rng, per_sentence, MULTITURN_WORDS) for _ in range(n_words // per_sentence))
+
+    system = {"role": "system", "content": text(system_words, 12)}
     messages = [[system] for _ in range(convs)]
     echo_ids: list[list[int] | None] = [None] * convs
     rounds = []
@@ -102,7 +107,7 @@ def record_trace(engine: Engine, client: Client, workload: str, convs: int, turn
     for turn in range(1, turns + 1):
         reqs = []
         for c in range(convs):
-            user = {"role": "user", "content": " ".join(sentence(rng, 10) for _ in range(user_words // 10))}
+            user = {"role": "user", "content": text(user_words, 10)}
             messages[c].append(user)
             if workload == "echo" and echo_ids[c] is not None:
                 suffix, _ = client.encode([user])  # the new user turn + generation prompt, as tokens
@@ -110,7 +115,7 @@ def record_trace(engine: Engine, client: Client, workload: str, convs: int, turn
                 hints = [len(echo_ids[c])]
             else:
                 prompt, hints = client.encode(messages[c])
-            reqs.append(Request(c, turn, prompt, hints, answer_tokens))
+            reqs.append(Request(c, turn, prompt, hints, answer_tokens, oracle=oracle.hit_tokens(prompt)))
         outs = engine.generate([r.prompt for r in reqs], params)
         for r, out in zip(reqs, outs):
             half = len(out.token_ids) // 2
@@ -123,23 +128,8 @@ def record_trace(engine: Engine, client: Client, workload: str, convs: int, turn
         rounds.append(reqs)
         for r, out in zip(reqs, outs):
             r.output_len = len(out.token_ids)
-            r.full = r.prompt + out.token_ids  # type: ignore[attr-defined]
-    # Oracle: longest common prefix with everything seen before, capped at n - 1: whole
-    # sequences of earlier rounds, prompts of this round's earlier requests.
-    seen: list[list[int]] = []
-    for reqs in rounds:
-        for i, r in enumerate(reqs):
-            r.oracle = max((common_prefix(s, r.prompt) for s in seen + [q.prompt for q in reqs[:i]]), default=0)
-            r.oracle = min(r.oracle, len(r.prompt) - 1)
-        seen += [r.full for r in reqs]  # type: ignore[attr-defined]
+            oracle.insert(r.prompt + out.token_ids)
     return rounds
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    k, limit = 0, min(len(a), len(b))
-    while k < limit and a[k] == b[k]:
-        k += 1
-    return k
 
 
 def replay(engine: Engine, rounds: list[list[Request]], policy: str) -> Result:
@@ -166,7 +156,7 @@ def replay(engine: Engine, rounds: list[list[Request]], policy: str) -> Result:
             res.ttft.setdefault(r.turn, []).append(first[rid])
         engine.check()
     res.seconds = time.perf_counter() - start
-    res.checkpoints = engine.cache.stats.checkpoints_stored
+    res.checkpoints = int(engine.metrics()["checkpoints_stored_total"])
     res.state_peak = engine.cache.stats.state_bytes_peak
     return res
 
@@ -214,12 +204,13 @@ def main() -> None:
     parser.add_argument("--user-words", type=int, default=40)
     parser.add_argument("--answer-tokens", type=int, default=32)
     parser.add_argument("--workloads", default="thinking-drop,echo")
-    parser.add_argument("--quick", action="store_true", help="tiny model, 4 conversations, 3 turns")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--quick", action="store_true", help="tiny model, 4 conversations, 3 turns, one thread")
     args = parser.parse_args()
-    size = "bench"
-    if args.quick:
-        size, args.convs, args.turns, args.system_words = "tiny", 4, 3, 60
-    torch.set_num_threads(os.cpu_count() or 1)
+    size, spare = "bench", 2**31  # bytes: "memory to spare", where nothing is ever evicted
+    if args.quick:  # 64 MiB is still far more than the tiny model's short chats use, and quick to allocate
+        size, spare, args.convs, args.turns, args.system_words, args.threads = "tiny", 2**26, 4, 3, 60, 1
+    torch.set_num_threads(args.threads)
     model_dir = demo_model_dir(size)
     client = Client(model_dir)
     engine_opts = dict(max_num_seqs=max(args.convs, 4), max_num_batched_tokens=2048)
@@ -227,17 +218,17 @@ def main() -> None:
     page_b, ckpt_b = probe.memory.page_bytes, probe.memory.checkpoint_bytes
     all_results = {}
     for workload in args.workloads.split(","):
-        rounds = record_trace(Engine.from_pretrained(model_dir, cache_policy="all", cache_memory_bytes=2**31,
+        rounds = record_trace(Engine.from_pretrained(model_dir, cache_policy="all", cache_memory_bytes=spare,
                                                      **engine_opts),
                               client, workload, args.convs, args.turns, args.system_words, args.user_words,
                               args.answer_tokens)
         # The last round's sequences must fit while they run (else the budget measures
         # preemption, not caching). Slack beyond them: 10% more pages and two checkpoints per
         # conversation, which dead branches' pages and every policy's checkpoints compete for.
-        final_pages = sum(-(-(len(r.prompt) + r.output_len) // probe.options.page_size) for r in rounds[-1])
+        final_pages = sum(-(-(len(r.prompt) + r.output_len) // probe.spec.page_size) for r in rounds[-1])
         pages = int(1.1 * final_pages)
         budget = pages * page_b + 2 * args.convs * ckpt_b
-        settings = {"memory to spare": 2**31,
+        settings = {"memory to spare": spare,
                     f"budget {budget / 2**20:.1f} MiB = {pages} pages + {2 * args.convs} states": budget}
         for setting, nbytes in settings.items():
             results = []

@@ -4,15 +4,20 @@
     if plt is not None:
         fig, ax = plt.subplots()
         ...
-        save(fig, "name.png")  # benchmarks/out/name.png, and a line naming it
+        save(fig, "name.png")  # OUT/name.png, and a line naming it
+
+OUT, where benchmarks write what they produce, is benchmarks/out/ (ignored by git), or
+$CAIRN_BENCH_OUT when set (tests point it at a temporary folder, so that a check of a script
+never overwrites the results of a real run).
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
-OUT = Path(__file__).parent / "out"
+OUT = Path(os.environ.get("CAIRN_BENCH_OUT") or Path(__file__).parent / "out")
 
 
 def pyplot() -> Any:
@@ -28,7 +33,7 @@ def pyplot() -> Any:
 
 
 def save(fig: Any, name: str, dpi: int = 110) -> Path:
-    OUT.mkdir(exist_ok=True)
+    OUT.mkdir(parents=True, exist_ok=True)
     path = OUT / name
     fig.tight_layout()
     fig.savefig(path, dpi=dpi)

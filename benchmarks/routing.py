@@ -1,9 +1,9 @@
-"""Routing policies side by side on a real local Ray Serve cluster, and the cache index alone.
+"""Routing policies side by side on a real local Ray Serve cluster.
 
-Cluster part: the Serve application of `cluster.app` (HTTP ingress + engine replicas), one per
-policy: `cache_affinity` (cairn's router over the cache index), `pow2` (Serve's default),
-`round_robin`, `ray_prefix` (Ray Serve LLM's PrefixCacheAffinityRouter). Every policy replays the
-same three traces of concurrent multi-turn chats through HTTP (streamed, the answer echoed back,
+The Serve application of `cluster.app` (HTTP ingress + engine replicas), one per policy:
+`cache_affinity` (cairn's router over the cache index), `pow2` (Serve's default), `round_robin`,
+`ray_prefix` (Ray Serve LLM's PrefixCacheAffinityRouter). Every policy replays the same three
+traces of concurrent multi-turn chats through HTTP (streamed, the answer echoed back,
 each turn sent a think time after the previous answer, greedy decoding):
 - shared-system: every conversation opens with the same system prompt;
 - no-shared: every conversation has a system prompt of its own;
@@ -23,16 +23,13 @@ Measured per (trace, policy), from the client and the `x-cairn-replica` response
   policy's class wrapped with a timer), and p99 CPU time of the router's thread over the same
   call: on a machine whose cores the replicas share, the wall time's tail is mostly waiting for
   a core or the interpreter lock, which the CPU time leaves out.
-Then the ratios of cache_affinity against each baseline, measured in the same run.
+Then the ratios of cache_affinity against each baseline, measured in the same run. The cache
+index alone, without Serve, is index_scoring.py's.
 
-Index part (no Serve): `CacheIndex` fed 1M pages from 16 workers as wire-format event batches
-(decode + apply, what the index actor does per batch): events/s and pages/s ingested; then the
-score of a 32k-token prompt (2,048 pages, held to 16 different depths by the 16 workers), p50/p99;
-and the same through the index actor (a Ray RPC per batch and per score).
+Writes benchmarks/out/routing.png, and every request's numbers to routing.json. Not a test:
+nothing is asserted (tests/test_readme_commands.py runs --quick to see that it runs).
 
-Writes benchmarks/out/routing.png, and every request's numbers to routing.json. Not a test: nothing is asserted and no test runs it.
-
-Usage: python benchmarks/routing.py [--quick] [--replicas 4] [--convs 32] [--turns 6] [--model DIR]
+Usage: python3 benchmarks/routing.py [--quick] [--replicas 4] [--convs 32] [--turns 6] [--model DIR]
   --quick: 2 replicas, 6 conversations, 3 turns, the tiny demo model, all four policies deployed
   at once (less than 3 minutes on a 2-core machine). Without it the policies are deployed one
   after another (4 replicas each: on GPUs pass --num-gpus 1 and a --model).
@@ -64,7 +61,9 @@ logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per reques
 
 from cluster.routing.router import CacheAffinityRouter  # noqa: E402
 from workers import EngineSpec  # noqa: E402
+from percentiles import pct  # noqa: E402  (benchmarks/percentiles.py)
 from plotting import OUT, pyplot, save  # noqa: E402  (benchmarks/plotting.py)
+from traces import Oracle, sentence, text_of_tokens  # noqa: E402  (benchmarks/traces.py)
 
 POLICIES = ["cache_affinity", "pow2", "round_robin", "ray_prefix"]
 TRACES = ["shared-system", "no-shared", "hot-prefix"]
@@ -72,8 +71,6 @@ MODEL = "bench-model"
 NAMESPACE = "cairn-bench"
 STATS_ACTOR = "cairn-bench-route-stats"
 HOT_PREFIX_TOKENS, HOT_SHARE = 2000, 0.8
-WORDS = ("stone cairn ridge trail summit marker path weather snow rock pile guide north map river valley "
-         "build stack wide flat base tall lasting winter storm hikers route visible balance moss lichen").split()
 
 
 # ---- routers with a stopwatch ------------------------------------------------------------------
@@ -168,17 +165,6 @@ class Conversation:
     think_s: list[float]
 
 
-def words(rng: random.Random, n: int) -> str:
-    return " ".join(rng.choice(WORDS) for _ in range(n)).capitalize() + "."
-
-
-def text_of_tokens(tokenizer, rng: random.Random, tokens: int, head: str = "") -> str:
-    text = head
-    while len(tokenizer.encode(text)) < tokens:
-        text += " " + words(rng, 20)
-    return text
-
-
 def make_trace(name: str, args, tokenizer, seed: int) -> list[Conversation]:
     rng = random.Random(f"{name}-{seed}")
     shared = text_of_tokens(tokenizer, rng, args.system_tokens, "You are the cairn club's trail guide.")
@@ -188,7 +174,7 @@ def make_trace(name: str, args, tokenizer, seed: int) -> list[Conversation]:
     for c in range(args.convs):
         own = text_of_tokens(tokenizer, rng, args.system_tokens, f"Conversation {c} of {name}.")
         system = {"shared-system": shared, "no-shared": own, "hot-prefix": hot if c in hot_convs else own}[name]
-        convs.append(Conversation(system, [words(rng, args.user_words) for _ in range(args.turns)],
+        convs.append(Conversation(system, [sentence(rng, args.user_words) for _ in range(args.turns)],
                                   rng.uniform(0, args.think), [rng.uniform(0.5, 1.5) * args.think
                                                                for _ in range(args.turns)]))
     return convs
@@ -278,54 +264,16 @@ async def warm_up(base_url: str, prefix: str, n: int) -> None:
 
 # ---- the oracle and the numbers ----------------------------------------------------------------
 
-class Oracle:
-    """Longest common prefix with every sequence inserted so far, found page by page through
-    prefix hashes, then token by token within the last page against one sequence."""
-
-    def __init__(self, page: int):
-        self.page, self.prefixes, self.seqs = page, {}, []
-
-    def _chain(self, ids):
-        h = 0
-        for k in range(len(ids) // self.page):
-            h = hash((h, tuple(ids[k * self.page:(k + 1) * self.page])))
-            yield k + 1, h
-
-    def lcp(self, ids: list[int]) -> int:
-        pages, seq = 0, None
-        for k, h in self._chain(ids):
-            if h not in self.prefixes:
-                break
-            pages, seq = k, self.prefixes[h]
-        if seq is None:
-            return 0
-        other, i = self.seqs[seq], pages * self.page
-        while i < len(ids) and i < len(other) and ids[i] == other[i]:
-            i += 1
-        return i
-
-    def insert(self, ids: list[int]) -> None:
-        self.seqs.append(ids)
-        for _, h in self._chain(ids):
-            self.prefixes.setdefault(h, len(self.seqs) - 1)
-
-
 def fill_oracle(reqs: list[Req], page: int) -> None:
+    """Each request's oracle hit (traces.Oracle, to within a page), in the order things happened:
+    a request's prompt when it was sent, its prompt and answer when it finished."""
     events = [(r.start, 0, r) for r in reqs] + [(r.end, 1, r) for r in reqs if r.ok]
-    oracle = Oracle(page)
+    oracle = Oracle(page_tokens=page)
     for _, kind, r in sorted(events, key=lambda e: (e[0], e[1])):
         if kind == 0:
-            r.oracle = min(oracle.lcp(r.prompt_ids), max(len(r.prompt_ids) - 1, 0))
-            oracle.insert(r.prompt_ids)
+            r.oracle = oracle.hit_tokens(r.prompt_ids)
         else:
             oracle.insert(r.seen_ids)
-
-
-def pct(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
 @dataclass
@@ -429,84 +377,6 @@ def plot(results: list[Result]) -> None:
     save(fig, "routing.png")
 
 
-# ---- the index alone ---------------------------------------------------------------------------
-
-def bench_index(total_pages: int, workers: int = 16, prompt_pages: int = 2048, runs: int = 200,
-                actor: bool = True) -> None:
-    from cache_service.actor import index_actor
-    from cache_service.events import EventStream, PagesStored, StateStored
-    from cache_service.index import CacheIndex
-
-    rng = random.Random(0)
-    prompt = [rng.randbytes(16) for _ in range(prompt_pages)]
-    per_worker, run_pages, batch_events = total_pages // workers, 16, 64
-    batches: list[bytes] = []
-    events = 0
-    for w in range(workers):
-        stream, pending = EventStream(f"worker-{w:02d}"), []
-        depth = prompt_pages * (w + 1) // workers  # worker w holds the prompt's first `depth` pages
-        chains = [prompt[:depth]]
-        left = per_worker - depth
-        while left > 0:
-            chains.append([rng.randbytes(16) for _ in range(min(256, left))])
-            left -= len(chains[-1])
-        for chain in chains:
-            for i in range(0, len(chain), run_pages):
-                pending.append(PagesStored(tuple(chain[i:i + run_pages]), chain[i - 1] if i else None))
-                if (i // run_pages) % 4 == 3:
-                    pending.append(StateStored(chain[i + len(chain[i:i + run_pages]) - 1]))
-                if len(pending) >= batch_events:
-                    batches.append(stream.batch(pending).encode())
-                    events, pending = events + len(pending), []
-        if pending:
-            batches.append(stream.batch(pending).encode())
-            events += len(pending)
-    index = CacheIndex(max_pages=total_pages + prompt_pages)
-    start = time.perf_counter()
-    for data in batches:
-        index.apply(data)
-    took = time.perf_counter() - start
-    stats = index.stats()
-    print(f"\n== the cache index alone: {stats['pages']:,} pages from {workers} workers, "
-          f"{len(batches):,} batches of {batch_events} events ({run_pages} pages each), "
-          f"~{stats['approx_bytes'] / 2**20:.0f} MiB")
-    print(f"CacheIndex in-process: {events / took:,.0f} events/s, {stats['pages'] / took:,.0f} pages/s ingested "
-          f"(decode + apply, {took:.1f} s)")
-    times = []
-    for _ in range(runs):
-        t = time.perf_counter()
-        scores = index.score(prompt)
-        times.append(time.perf_counter() - t)
-    assert max(s.hit_pages for s in scores.values()) == prompt_pages
-    print(f"  score of a {prompt_pages * 16:,}-token prompt ({prompt_pages} pages) against {workers} workers: "
-          f"p50 {1000 * pct(times, 0.5):.2f} ms, p99 {1000 * pct(times, 0.99):.2f} ms")
-    del index
-    if not actor:
-        return
-    handle = index_actor("cairn-bench-index-alone", NAMESPACE, max_pages=total_pages + prompt_pages)
-    try:
-        ray.get(handle.stats.remote())
-        start, inflight = time.perf_counter(), []
-        for data in batches:  # up to 16 batches in flight, as 16 publishers would send
-            inflight.append(handle.apply.remote(data))
-            if len(inflight) >= workers:
-                ray.get(inflight.pop(0))
-        ray.get(inflight)
-        took = time.perf_counter() - start
-        print(f"index actor (Ray RPC per batch): {events / took:,.0f} events/s, "
-              f"{total_pages / took:,.0f} pages/s ingested")
-        times = []
-        for _ in range(runs):
-            t = time.perf_counter()
-            ray.get(handle.score.remote(prompt))
-            times.append(time.perf_counter() - t)
-        print(f"  score of the {prompt_pages * 16:,}-token prompt through the actor: "
-              f"p50 {1000 * pct(times, 0.5):.2f} ms, "
-              f"p99 {1000 * pct(times, 0.99):.2f} ms")
-    finally:
-        ray.kill(handle, no_restart=True)
-
-
 # ---- main --------------------------------------------------------------------------------------
 
 def wait_running(names: list[str], timeout_s: float = 600) -> None:
@@ -542,7 +412,6 @@ def main() -> None:
                                                         "every policy's deployment starts from")
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--traces", default=",".join(TRACES))
-    parser.add_argument("--index-pages", type=int, default=1_000_000)
     parser.add_argument("--parallel", action=argparse.BooleanOptionalAction, default=None,
                         help="deploy every policy's application at once (default: with --quick)")
     args = parser.parse_args()
@@ -614,12 +483,11 @@ def main() -> None:
                 for p in group:
                     serve.delete(f"bench-{p}")
         report(results, args)
-        OUT.mkdir(exist_ok=True)
+        OUT.mkdir(parents=True, exist_ok=True)
         (OUT / "routing.json").write_text(json.dumps(records))  # every request, for a closer look
         plot(results)
     finally:
         serve.shutdown()
-    bench_index(args.index_pages)
     print(f"\nmodel {model_dir.name}; total {time.perf_counter() - started:.0f} s")
     ray.shutdown()
 

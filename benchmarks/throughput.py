@@ -1,8 +1,8 @@
 """Output tokens/s of cairn's engine against transformers' `generate`, measured in one run.
 
-Workload (defaults from the engine-core issue): the `bench` demo model, prompts of 512 random
-tokens, 128 new tokens each (greedy, EOS ignored so every request runs to length), measured
-for 1 request and for 32 concurrent requests.
+Workload: the `bench` demo model, prompts of 512 random tokens, 128 new tokens each (greedy,
+EOS ignored so every request runs to length), measured for 1 request and for 32 concurrent
+requests.
 
 Baselines, both measured here, on the same machine, same model, same threads:
 - transformers serving requests one at a time (`generate` per request: what a server without
@@ -12,23 +12,29 @@ Baselines, both measured here, on the same machine, same model, same threads:
   same length.
 
 Prints a table and the ratios; writes benchmarks/out/throughput.png. Not a test: nothing here
-asserts timings. Usage: python benchmarks/throughput.py [--concurrency 32] [--quick]
+asserts timings.
+
+Usage: python3 benchmarks/throughput.py [--concurrency 32] [--quick]
+  --quick: the tiny demo model, 4 requests of 64 tokens, 16 new tokens each, one thread: checks
+  that the script runs (its ratios say little about the bench model).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's packages
 
 import torch  # noqa: E402
 
 from workers import Engine, SamplingParams  # noqa: E402
 from plotting import pyplot, save  # noqa: E402  (benchmarks/plotting.py)
 from workers.demo import demo_model_dir  # noqa: E402
-
 
 
 def make_prompts(n: int, length: int, vocab: int) -> list[list[int]]:
@@ -64,18 +70,19 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
-    parser.add_argument("--quick", action="store_true", help="smaller run to check the script works")
+    parser.add_argument("--quick", action="store_true", help="tiny model, 4 short requests, one thread")
     args = parser.parse_args()
+    size = "bench"
     if args.quick:
-        args.concurrency, args.prompt_len, args.new_tokens = 4, 64, 16
+        size, args.concurrency, args.prompt_len, args.new_tokens, args.threads = "tiny", 4, 64, 16, 1
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM
 
-    model_dir = demo_model_dir("bench")
+    model_dir = demo_model_dir(size)
     engine = Engine.from_pretrained(model_dir, max_num_seqs=max(args.concurrency, 1),
                                     max_num_batched_tokens=2048)
     hf = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    prompts = make_prompts(args.concurrency, args.prompt_len, engine.config.vocab_size)
+    prompts = make_prompts(args.concurrency, args.prompt_len, engine.spec.vocab_size)
     n, new = args.concurrency, args.new_tokens
 
     cairn_run(engine, prompts[:1], 4)  # warm-up (allocator, first-call costs) for both
@@ -89,7 +96,7 @@ def main() -> None:
     rows[f"transformers, {n} one at a time"] = n * new / seq_seconds
     rows[f"transformers, {n} static batch"] = n * new / timed(lambda: hf_generate(hf, torch.tensor(prompts), new))
 
-    print(f"bench demo model ({sum(p.numel() for p in engine.model.parameters()) / 1e6:.1f}M params), "
+    print(f"{size} demo model ({sum(p.numel() for p in hf.parameters()) / 1e6:.1f}M params), "
           f"prompts {args.prompt_len} tokens, {new} new tokens, {args.threads} threads")
     for name, tps in rows.items():
         print(f"  {name:40s} {tps:8.1f} output tokens/s")

@@ -13,12 +13,12 @@ TB/s, 989 TFLOP/s dense bf16); a device-to-device copy measured here is printed 
 Goals (H200): decode attention and the recurrent step >= 70% of peak bandwidth; chunked prefill
 <= 1.2x fla's time at the same shapes, states included.
 
-flash-linear-attention: install its wheel (pure Python) on the GPU machine only; without it the
-fla column says so. Not a test: nothing here asserts.
+flash-linear-attention (fla-core, with einops): gpu_check.sh puts it on this script's path alone;
+without it the fla column says so. Not a test: nothing here asserts.
 
-Usage: python benchmarks/kernels.py [--quick]      (needs a CUDA device)
-       python benchmarks/kernels.py --check        (CPU: tiny shapes through interpreted Triton,
-                                                    proving the script runs; its numbers mean nothing)
+Usage: python3 benchmarks/kernel_speed.py [--quick]     (needs a CUDA device)
+       python3 benchmarks/kernel_speed.py --check       (CPU: tiny shapes through interpreted Triton,
+                                                   proving the script runs; its numbers mean nothing)
 """
 
 from __future__ import annotations
@@ -203,7 +203,7 @@ def main() -> None:
         bw, flop = float("nan"), float("nan")  # no peaks: percentages print as "-"
     else:
         if not torch.cuda.is_available():
-            sys.exit("benchmarks/kernels.py times GPU kernels and needs a CUDA device; "
+            sys.exit("benchmarks/kernel_speed.py times GPU kernels and needs a CUDA device; "
                      "on a CPU, run it with --check to exercise the script at tiny shapes.")
         from kernels import gpu as ops
 

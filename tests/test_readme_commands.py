@@ -1,0 +1,204 @@
+"""Every command README.md shows works as written, or names the check that runs it.
+
+The commands are read from the README's bash blocks (a trailing backslash joins lines, comments
+are dropped). CHECKS says how each is checked; a command the README gains without an entry, or
+an entry the README no longer shows, fails the first test. Benchmarks run as written plus
+`--quick` (each has one), from the repository root, with this checkout first on the import path,
+a fresh CAIRN_HOME that holds the tiny demo model, and CAIRN_BENCH_OUT in a temporary folder, so
+a real run's plots are never overwritten. They take two to three and a half minutes together on
+2 shared cores, routing.py's local Ray cluster half of it and more.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
+
+
+@dataclass(frozen=True)
+class Quick:
+    """Run as written plus --quick: it must exit 0, print `prints` and write `plot` (if any)."""
+    prints: str
+    plot: str | None = None
+
+
+@dataclass(frozen=True)
+class Elsewhere:
+    """Checked by CI or by another test: `where` lists files that must show `shows`."""
+    where: tuple[tuple[str, str], ...]
+
+
+CURL = ("curl -s http://127.0.0.1:8000/v1/chat/completions -H 'content-type: application/json' "
+        "-d '{\"model\": \"demo-tiny\", \"messages\": [{\"role\": \"user\", \"content\": \"hi\"}], "
+        "\"max_tokens\": 16}'")
+SERVE_TEST = "def test_cairn_serve_deploys_local_yaml_when_no_config_is_given("
+
+CHECKS: dict[str, object] = {
+    # .ci/run, what CI runs, is this setup and this test command; `cairn serve` reading
+    # configs/local.yaml is tests/test_configs.py's, and what it deploys is tests/test_cluster.py's.
+    "bash .ci/setup && cairn serve": Elsewhere(((".ci/run", "bash .ci/setup"),
+                                                ("tests/test_configs.py", SERVE_TEST))),
+    "bash .ci/setup && python3 -m pytest -q": Elsewhere(((".ci/run", "bash .ci/setup\npython3 -m pytest -q"),)),
+    CURL: "test_the_curl_example_gets_an_answer_with_its_cached_tokens",
+    "python3 benchmarks/throughput.py": Quick("ratio cairn 4 concurrent / transformers static batch:",
+                                              "throughput.png"),
+    "python3 benchmarks/multiturn.py": Quick("cairn hit tokens / best baseline", "multiturn.png"),
+    "python3 benchmarks/routing.py --quick": Quick("cache_affinity vs pow2", "routing.png"),
+    "python3 benchmarks/index_scoring.py": Quick("prompt through the actor: p50"),
+    "python3 benchmarks/kernel_speed.py": "test_kernel_speed_without_cuda_exits_saying_it_needs_a_cuda_device",
+    "bash benchmarks/gpu_check.sh": "test_gpu_check_without_a_gpu_exits_saying_so",
+}
+
+
+def strip_comment(line: str) -> str:
+    quote = None
+    for i, ch in enumerate(line):
+        if quote:
+            quote = None if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch == "#" and (i == 0 or line[i - 1].isspace()):
+            return line[:i]
+    return line
+
+
+def readme_commands(text: str) -> list[str]:
+    commands, pending = [], ""
+    for block in re.findall(r"^```bash\n(.*?)^```", text, re.S | re.M):
+        for line in block.splitlines():
+            line = strip_comment(line).strip()
+            if line.endswith("\\"):
+                pending += line[:-1].strip() + " "
+                continue
+            if pending + line:
+                commands.append(pending + line)
+            pending = ""
+    return commands
+
+
+@pytest.fixture(scope="module")
+def env(tiny_model_dir, tmp_path_factory) -> dict[str, str]:
+    """A plain shell's environment, as after `bash .ci/setup` in a fresh clone."""
+    home = tmp_path_factory.mktemp("cairn-home")
+    shutil.copytree(tiny_model_dir, home / "demo-tiny")  # what demo_model_dir("tiny") writes
+    env = dict(os.environ, CAIRN_HOME=str(home), CAIRN_BENCH_OUT=str(tmp_path_factory.mktemp("bench-out")),
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+               HF_HUB_OFFLINE="1", RAY_AUTH_MODE="disabled")
+    env.pop("TRITON_INTERPRET", None)  # set by conftest for the tests in this process only
+    return env
+
+
+def run(command: str, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", "-c", command], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def tail(proc: subprocess.CompletedProcess) -> str:
+    return f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-3000:]}"
+
+
+def test_every_command_the_readme_shows_is_checked_here():
+    shown = readme_commands(README)
+    assert len(shown) == len(set(shown))
+    unchecked = [c for c in shown if c not in CHECKS]
+    assert not unchecked, f"README.md shows commands no test checks; add each to CHECKS: {unchecked}"
+    stale = [c for c in CHECKS if c not in shown]
+    assert not stale, f"CHECKS holds commands README.md no longer shows: {stale}"
+    for command, check in CHECKS.items():
+        if isinstance(check, str):
+            assert callable(globals().get(check)), f"{command!r} names {check}, which is not a test here"
+
+
+@pytest.mark.parametrize("command", [c for c, check in CHECKS.items() if isinstance(check, Elsewhere)])
+def test_commands_checked_elsewhere_are_there(command):
+    for path, shows in CHECKS[command].where:
+        assert shows in (ROOT / path).read_text(), f"{path} no longer shows {shows!r}"
+
+
+@pytest.mark.parametrize("command", [c for c, check in CHECKS.items() if isinstance(check, Quick)])
+def test_benchmark_runs_as_written_with_quick(command, env):
+    check = CHECKS[command]
+    script = ROOT / command.split()[1]
+    assert "--quick" in script.read_text(), f"{script.name} has no --quick"
+    quick = command if "--quick" in command else f"{command} --quick"
+    started = time.monotonic()
+    proc = run(quick, env, timeout=480)
+    assert proc.returncode == 0, tail(proc)
+    assert check.prints in proc.stdout, tail(proc)
+    if check.plot:
+        assert (Path(env["CAIRN_BENCH_OUT"]) / check.plot).stat().st_size > 0
+    print(f"{quick}: {time.monotonic() - started:.0f} s")
+
+
+def test_kernel_speed_without_cuda_exits_saying_it_needs_a_cuda_device(env):
+    if torch.cuda.is_available():
+        proc = run("python3 benchmarks/kernel_speed.py --quick", env, timeout=480)
+        assert proc.returncode == 0, tail(proc)
+        return
+    proc = run("python3 benchmarks/kernel_speed.py", env, timeout=120)
+    assert proc.returncode != 0
+    assert "benchmarks/kernel_speed.py times GPU kernels and needs a CUDA device" in proc.stderr, tail(proc)
+
+
+def test_gpu_check_without_a_gpu_exits_saying_so(env):
+    script = (ROOT / "benchmarks" / "gpu_check.sh").read_text()
+    for name in re.findall(r"benchmarks/\w+\.py", script):
+        assert (ROOT / name).is_file(), f"gpu_check.sh runs {name}, which is not there"
+    if subprocess.run(["bash", "-c", "nvidia-smi -L"], capture_output=True).returncode == 0:
+        pytest.skip("a GPU is here: gpu_check.sh runs pytest -m gpu and the full kernel benchmark; run it by hand")
+    proc = run("bash benchmarks/gpu_check.sh", env, timeout=60)
+    assert proc.returncode == 1
+    assert "gpu_check.sh: no NVIDIA GPU here" in proc.stderr, tail(proc)
+
+
+def test_the_curl_example_gets_an_answer_with_its_cached_tokens(env):
+    """The README's request, sent to `cairn serve --replicas 1` (one engine, no Ray) on a free port."""
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", "--replicas", "1", "--port", str(port)],
+                              cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert server.poll() is None, server.stderr.read()
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "cairn serve did not answer /health in 120 s"
+            time.sleep(0.3)
+        proc = run(CURL.replace("127.0.0.1:8000", f"127.0.0.1:{port}"), env, timeout=60)
+        assert proc.returncode == 0, tail(proc)
+        answer = json.loads(proc.stdout)
+        assert answer["model"] == "demo-tiny"
+        assert isinstance(answer["choices"][0]["message"]["content"], str)
+        assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, "a first request hits nothing"
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def test_the_python_example_runs_on_a_checkpoint(env, tiny_model_dir):
+    (code,) = re.findall(r"^```python\n(.*?)^```", README, re.S | re.M)
+    assert '"path/to/checkpoint"' in code
+    proc = subprocess.run([sys.executable, "-c", code.replace("path/to/checkpoint", str(tiny_model_dir))],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, tail(proc)
+    assert re.fullmatch(r"\[\d+(, \d+)*\] 0 (length|stop)\n", proc.stdout), tail(proc)  # ids, cached, reason
