@@ -215,21 +215,23 @@ def main() -> None:
     client = Client(model_dir)
     engine_opts = dict(max_num_seqs=max(args.convs, 4), max_num_batched_tokens=2048)
     probe = Engine.from_pretrained(model_dir, **engine_opts)
-    page_b, ckpt_b = probe.memory.page_bytes, probe.memory.checkpoint_bytes
+    page_b, ckpt_b = probe.layout.block_bytes, probe.layout.slot_blocks * probe.layout.block_bytes
     all_results = {}
     for workload in args.workloads.split(","):
         rounds = record_trace(Engine.from_pretrained(model_dir, cache_policy="all", cache_memory_bytes=spare,
                                                      **engine_opts),
                               client, workload, args.convs, args.turns, args.system_words, args.user_words,
                               args.answer_tokens)
-        # The last round's sequences must fit while they run (else the budget measures
-        # preemption, not caching). Slack beyond them: 10% more pages and two checkpoints per
-        # conversation, which dead branches' pages and every policy's checkpoints compete for.
+        # The last round's sequences must fit while they run, pages and running states (else the
+        # budget measures preemption, not caching). Slack beyond them: 10% more pages and two
+        # checkpoints per conversation, which dead branches' pages and every policy's
+        # checkpoints compete for.
         final_pages = sum(-(-(len(r.prompt) + r.output_len) // probe.spec.page_size) for r in rounds[-1])
         pages = int(1.1 * final_pages)
-        budget = pages * page_b + 2 * args.convs * ckpt_b
+        budget = pages * page_b + (len(rounds[-1]) + 2 * args.convs) * ckpt_b
         settings = {"memory to spare": spare,
-                    f"budget {budget / 2**20:.1f} MiB = {pages} pages + {2 * args.convs} states": budget}
+                    f"budget {budget / 2**20:.1f} MiB = {pages} pages + {len(rounds[-1])} running and "
+                    f"{2 * args.convs} checkpoint states": budget}
         for setting, nbytes in settings.items():
             results = []
             for policy in POLICIES:
@@ -238,8 +240,8 @@ def main() -> None:
             report(workload, setting, results, args.turns)
             all_results[(workload, setting.split(" =")[0])] = results
     print(f"\nmodel: {size} demo; {args.convs} conversations open at once, {args.turns} turns; "
-          f"page {page_b / 1024:.0f} KiB, state checkpoint {ckpt_b / 1024:.0f} KiB "
-          f"(= {ckpt_b / page_b:.1f} pages)")
+          f"page {page_b / 1024:.0f} KiB, state slot {ckpt_b / 1024:.0f} KiB "
+          f"(= {ckpt_b // page_b} pages of the arena)")
     plot(all_results, args.turns)
 
 
