@@ -49,13 +49,13 @@ def test_serve_yaml_is_a_serve_deploy_config_whose_app_builds_gpu_engine_replica
     assert app.import_path == "cluster.app:app_builder" and app.route_prefix == "/"
     args = app.args
     assert {"model_dir", "replicas", "engine_options", "routing", "num_cpus", "num_gpus"} <= args.keys()
-    engine, (model_dir, engine_options, routing, _) = engine_of(app_builder(args))
+    engine, (model_dir, engine_options, routing, spec) = engine_of(app_builder(args))
     assert engine.ray_actor_options["num_gpus"] == args["num_gpus"] == 1
     assert engine.ray_actor_options["num_cpus"] == args["num_cpus"]
     assert engine.num_replicas == args["replicas"]
     assert engine.max_ongoing_requests == engine_options["max_num_seqs"], "a replica admits what its engine runs"
     assert engine._deployment_config.health_check_period_s == args["health_check_period_s"]
-    assert RoutingConfig.model_validate(routing) == RoutingConfig.model_validate(args["routing"])
+    assert RoutingConfig.model_validate(routing) == RoutingConfig.model_validate(args["routing"]).for_engines(spec)
     assert engine_options["page_size"] == routing["page_size"]
     assert Path(model_dir).is_dir(), "model_dir null serves the demo model"
 
