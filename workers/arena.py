@@ -198,6 +198,14 @@ class Arena:
         if g is not None:
             self._block(g) if held else self._unblock(g)
 
+    def pages_held(self, pages: list[int]) -> None:
+        """`page_held(page, True)` for each of `pages`."""
+        if self.k:
+            for page in pages:
+                g = page // self.k
+                if g < self.num_groups:
+                    self._block(g)
+
     # ---- slots ---------------------------------------------------------------------------------
     def take_slot(self) -> int | None:
         """The highest empty group as a slot, blocked (a running state or a pending checkpoint),

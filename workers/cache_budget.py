@@ -65,6 +65,12 @@ class CacheBudget:
         """The page is held again or gone; False if it was not listed."""
         return self._pages.pop(page, None) is not None
 
+    def unlist_pages(self, pages: list[int]) -> None:
+        """Unlists listed pages (all of them must be listed)."""
+        pop = self._pages.pop
+        for page in pages:
+            pop(page)
+
     def unlist_checkpoint(self, page_hash: bytes) -> bool:
         return self._ckpts.pop(page_hash, None) is not None
 

@@ -101,9 +101,11 @@ class Engine:
         self.policy = CheckpointPolicy(options.cache_policy, tail_guard=options.tail_guard,
                                        interval_pages=options.checkpoint_interval_pages, seed=options.seed,
                                        settle_after=4 * options.max_num_seqs)
-        self.cache = PrefixCache(layout, self.policy, options.page_size, recurrent=cfg.has_recurrent_layers)
+        rows = options.max_num_seqs + 1  # running sequences, and one scored by prompt_logits
+        self.cache = PrefixCache(layout, self.policy, options.page_size, recurrent=cfg.has_recurrent_layers,
+                                 max_rows=rows)
         self.scheduler = Scheduler(options, self.cache, self.policy, frozenset(cfg.eos_token_ids) | eos_token_ids)
-        self.runner = ModelRunner(model, layout, options.page_size)
+        self.runner = ModelRunner(model, layout, options.page_size, rows)
         self.sampler = Sampler(options.seed)
         self.events = EventStream(worker_id)
         self.stats = EngineStats()
@@ -187,12 +189,17 @@ class Engine:
             logits = self.runner.execute(plan)
         finally:
             self.cache.end_pass()
-        sampled = self.sampler.sample(logits, [seg.seq for seg in plan.segments if seg.samples])
-        outputs = []
+        sampled = self.sampler.sample(logits, plan.sampling_sequences())
+        outputs, worker = [], self.worker_id
         for seq, token, logprob in self.scheduler.postprocess(plan, sampled):
-            if seq.finished:
+            if seq.finish_reason is not None:
                 self._requests.pop(seq.request_id, None)
-            outputs.append(self._output(seq, [token], [logprob] if logprob else []))
+                outputs.append(self._output(seq, [token], [logprob] if logprob else []))
+            else:  # the common case, inline: one small object per request and step
+                outputs.append(RequestOutput(
+                    seq.request_id, [token], None if seq.params.logprobs is None else [logprob],
+                    len(seq.token_ids) - len(seq.prompt_token_ids), seq.cached_tokens, None, seq.num_preemptions,
+                    worker))
         stats = self.stats
         stats.steps += 1
         stats.computed_tokens += plan.num_tokens
@@ -204,7 +211,7 @@ class Engine:
     def _output(self, seq: Sequence, new: list[int], new_logprobs: list[TokenLogprob]) -> RequestOutput:
         asked = seq.params.logprobs is not None
         out = RequestOutput(seq.request_id, new, new_logprobs if asked else None,
-                            seq.num_tokens - seq.num_prompt_tokens, seq.cached_tokens, seq.finish_reason,
+                            len(seq.token_ids) - len(seq.prompt_token_ids), seq.cached_tokens, seq.finish_reason,
                             seq.num_preemptions, self.worker_id)
         if seq.finish_reason is not None:
             out.token_ids = seq.output_token_ids
@@ -240,7 +247,8 @@ class Engine:
             segment = Segment(seq, 0, len(prompt))
             plan = StepPlan(decodes=[segment] if len(prompt) == 1 else [],
                             prefills=[] if len(prompt) == 1 else [segment],
-                            fresh_state_slots=[seq.cache.state_slot])
+                            fresh_state_slots=[seq.cache.state_slot],
+                            page_table_writes=self.cache.take_page_table_writes())
             return self.runner.execute(plan, all_logits=True)
         finally:
             self.cache.end_pass()

@@ -52,6 +52,25 @@ class PagePool:
             return True
         return False
 
+    def acquire_all(self, pages: list[int]) -> list[int]:
+        """`acquire` for each of `pages` (a sequence's hit run); returns those that were cached."""
+        refs, was_cached = self._refs, []
+        for page in pages:
+            n = refs.get(page, 0)
+            refs[page] = n + 1
+            if not n:
+                was_cached.append(page)
+        self._num_cached -= len(was_cached)
+        return was_cached
+
+    def cached_among(self, pages: list[int]) -> list[int]:
+        """Those of `pages` nobody holds (they are cached: registered, unreferenced)."""
+        return [p for p in pages if p not in self._refs]
+
+    def pages_of(self, page_hashes: list[bytes]) -> list[int]:
+        """The page of each hash; every one must be registered."""
+        return list(map(self._page_of.__getitem__, page_hashes))
+
     def release(self, page: int) -> str:
         """Drops one holder; says what the page is now: "held", "cached" or "free"."""
         refs = self._refs[page] - 1

@@ -12,6 +12,9 @@ hash chain, checkpoint targets and the finish capture. Its protocol, per sequenc
   answers whether the new pages and a state slot fit. `admit` then holds the hit pages, pins the
   checkpoint until `end_pass`, takes the slot and pages (evicting as needed) and sets targets.
 - `can_grow` / `grow`: pages for a running sequence's next tokens.
+- Each admitted sequence also holds a row of the runner's page table; every change of a row
+  (pages taken, a twin's page swapped in) is queued as a `PageTableWrite` for the next plan
+  (`take_page_table_writes`), so the runner keeps its table without rebuilding it each step.
 - `take_checkpoint_slot`, `finish_capture`, `commit_checkpoint`, `register_pages` during steps.
 - `finish` (stores the finish capture) or `release` (abort, preemption): give everything back,
   pages tail first, so chains are evicted tail first.
@@ -46,6 +49,14 @@ class Match:
     state_pages: int  # depth of the checkpoint resumed from (0: none)
     resume_token: int  # tokens skipped = cached_tokens
     checkpoint: Checkpoint | None
+    page_ids: list[int] | None = None  # the hit run's pages, once looked up (can_admit, admit)
+
+
+@dataclass(slots=True)
+class PageTableWrite:
+    row: int  # the sequence's row of the runner's page table
+    start: int  # index (pages) of the first page written
+    page_ids: list[int]
 
 
 @dataclass
@@ -60,8 +71,13 @@ class CacheStats:
 
 
 class PrefixCache:
-    def __init__(self, layout: ArenaLayout, policy: CheckpointPolicy, page_size: int, recurrent: bool):
+    def __init__(self, layout: ArenaLayout, policy: CheckpointPolicy, page_size: int, recurrent: bool,
+                 max_rows: int = 65):
+        """max_rows: sequences that may hold pages at once (page-table rows)."""
         self.layout, self.policy, self.page_size, self.recurrent = layout, policy, page_size, recurrent
+        self.max_rows = max_rows
+        self._free_rows = list(range(max_rows - 1, -1, -1))
+        self._table_writes: list[PageTableWrite] = []
         self.arena = Arena(layout)
         self.pages = PagePool()
         self.checkpoints = CheckpointStore()
@@ -90,9 +106,15 @@ class PrefixCache:
         n, ps = seq.num_tokens, self.page_size
         hashes = self.extend_hashes(seq, n // ps)
         page_of = self.pages.page_of
-        h = 0
-        while h < n // ps and page_of(hashes[h]) is not None:
-            h += 1
+        # The resident pages of a chain are a prefix of it (a page is registered after its parent
+        # and evicted with its descendants), so the run's end is found by bisection.
+        h, hi = 0, n // ps
+        while h < hi:
+            mid = (h + hi + 1) // 2
+            if page_of(hashes[mid - 1]) is not None:
+                h = mid
+            else:
+                hi = mid - 1
         if not self.recurrent:
             return Match(h, h, resume_at_token(h, h, n, ps, recurrent=False), None)
         for j in range(min(h, (n - 1) // ps), 0, -1):
@@ -105,12 +127,19 @@ class PrefixCache:
     def _new_pages(self, m: Match, num_tokens: int) -> int:
         return max(0, self.pages_for_tokens(m.resume_token + num_tokens) - m.hit_pages)
 
+    def _hit_page_ids(self, seq: Sequence, m: Match) -> list[int]:
+        if m.page_ids is None:
+            m.page_ids = self.pages.pages_of(seq.cache.page_hashes[:m.hit_pages])
+        return m.page_ids
+
     def can_admit(self, seq: Sequence, m: Match, num_tokens: int) -> bool:
-        """Whether `admit(seq, m, num_tokens)` would succeed now. No side effects."""
-        hashes, page_of, is_held = seq.cache.page_hashes, self.pages.page_of, self.pages.is_held
-        cached_hits = [p for p in (page_of(hashes[j]) for j in range(m.hit_pages)) if not is_held(p)]
+        """Whether `admit(seq, m, num_tokens)` would succeed now. No side effects (beyond
+        remembering the hit run's pages in `m`)."""
+        cached_hits = self.pages.cached_among(self._hit_page_ids(seq, m))
         pin = m.checkpoint if m.checkpoint is not None and self.budget.has_checkpoint(m.checkpoint.page_hash) else None
         new = self._new_pages(m, num_tokens)
+        if not self._free_rows:
+            return False
         room = self.arena.num_free_blocks + self.budget.evictable_blocks - len(cached_hits) - \
             (self.slot_blocks if pin else 0)
         if room < new + self.slot_blocks or not self._pages_under_cap(self.pages.num_held + len(cached_hits) + new):
@@ -130,8 +159,11 @@ class PrefixCache:
         `num_tokens` tokens from the resume point, pins the checkpoint it resumes from (until
         `end_pass`) and credits its kinds. Returns that checkpoint's slot (None: a fresh
         state). The caller checked `can_admit`."""
-        c, hashes = seq.cache, seq.cache.page_hashes
-        c.page_ids = [self._hold(self.pages.page_of(hashes[j])) for j in range(m.hit_pages)]
+        c = seq.cache
+        c.page_ids = list(self._hit_page_ids(seq, m))
+        was_cached = self.pages.acquire_all(c.page_ids)  # no longer evictable
+        self.budget.unlist_pages(was_cached)
+        self.arena.pages_held(was_cached)
         c.shared_pages = c.registered_pages = m.hit_pages
         c.register_stopped = False
         c.resumed_from = None
@@ -148,6 +180,8 @@ class PrefixCache:
         c.state_slot = self._take_slot()
         self._running_slots.add(c.state_slot)
         c.page_ids += self._take_pages(self._new_pages(m, num_tokens))
+        c.row = self._free_rows.pop()
+        self._table_writes.append(PageTableWrite(c.row, 0, list(c.page_ids)))
         c.checkpoint_targets = self.policy.prompt_targets(
             seq.num_tokens, self.page_size, m.resume_token // self.page_size, m.hit_pages, seq.hints)
         return restore
@@ -177,7 +211,16 @@ class PrefixCache:
 
     def grow(self, seq: Sequence, upto_tokens: int) -> None:
         """Pages for `seq`'s tokens up to `upto_tokens`; the caller checked `can_grow`."""
-        seq.cache.page_ids += self._take_pages(self.pages_for_tokens(upto_tokens) - len(seq.cache.page_ids))
+        c = seq.cache
+        new = self._take_pages(self.pages_for_tokens(upto_tokens) - len(c.page_ids))
+        if new:
+            self._table_writes.append(PageTableWrite(c.row, len(c.page_ids), new))
+            c.page_ids += new
+
+    def take_page_table_writes(self) -> list[PageTableWrite]:
+        """The page-table changes since the last call, in order (for the next step's plan)."""
+        writes, self._table_writes = self._table_writes, []
+        return writes
 
     # ---- checkpoints during steps -------------------------------------------------------------
     def take_checkpoint_slot(self) -> int | None:
@@ -267,6 +310,7 @@ class PrefixCache:
                 self._hold(twin)
                 self._unhold(c.page_ids[j])
                 c.page_ids[j] = twin
+                self._table_writes.append(PageTableWrite(c.row, j, [twin]))
             elif self.pages.register(c.page_ids[j], page_hash, parent):
                 run.append(page_hash)
             else:
@@ -296,6 +340,9 @@ class PrefixCache:
         for page in reversed(c.page_ids):
             self._unhold(page)
         c.page_ids = []
+        if c.row is not None:
+            self._free_rows.append(c.row)
+            c.row = None
         if c.state_slot is not None:
             self._running_slots.discard(c.state_slot)
             self.arena.free_slot(c.state_slot, blocked=True)

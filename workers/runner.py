@@ -9,12 +9,16 @@ than the budget it was given:
   [L_lin, conv_dim, K-1] in the model's dtype, then, from `ssm_offset`, `ssm_states`
   [L_lin, H_v, D_k, D_v] in fp32; the pools are [num_groups, ...] views strided by a slot.
 A page and a slot over the same blocks never live at once: the arena's placement sees to that.
-Page and slot ids come from the prefix cache; the runner never decides who holds what. Fresh
-state slots are zeroed before a step, so every segment starts from its slot.
+Page and slot ids come from the prefix cache; the runner never decides who holds what. It keeps
+the page table (one row of page ids per running sequence, rows assigned by the cache) across
+steps and applies the plan's `page_table_writes` to it, so a step's cost does not grow with its
+sequences' lengths. Fresh state slots are zeroed before a step, so every segment starts from its
+slot.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 import kernels
@@ -24,7 +28,8 @@ from workers.scheduler import StepPlan
 
 
 class ModelRunner:
-    def __init__(self, model: Qwen3NextForCausalLM, layout: ArenaLayout, page_size: int):
+    def __init__(self, model: Qwen3NextForCausalLM, layout: ArenaLayout, page_size: int, max_rows: int):
+        """max_rows: page-table rows, one per sequence holding pages (the prefix cache's rows)."""
         self.model = model
         self.cfg = model.config
         p = next(model.parameters())
@@ -32,6 +37,7 @@ class ModelRunner:
         self.page_size = page_size
         self.arena = torch.zeros(layout.arena_bytes, dtype=torch.uint8, device=self.device)
         self.caches = ModelCaches(*self._views(layout))
+        self._table = np.zeros((max_rows, 64), dtype=np.int32)  # row -> page ids, widened on demand
 
     def _views(self, layout: ArenaLayout):
         cfg, item = self.cfg, self.dtype.itemsize
@@ -79,49 +85,80 @@ class ModelRunner:
     def _copy_slots(self, tensors, pairs: list[tuple[int, int]]) -> None:
         kernels.copy_state_slots(tensors, self._index([s for s, _ in pairs]), self._index([d for _, d in pairs]))
 
+    def _write_page_table(self, writes: list) -> None:
+        """Applies the cache's page-table writes to the persistent table (rows: sequences)."""
+        for w in writes:
+            end = w.start + len(w.page_ids)
+            if end > self._table.shape[1]:  # a longer sequence than any before: widen
+                wider = np.zeros((self._table.shape[0], max(end, 2 * self._table.shape[1])), dtype=np.int32)
+                wider[:, :self._table.shape[1]] = self._table
+                self._table = wider
+            self._table[w.row, w.start:end] = w.page_ids
+
     def build_batch(self, plan: StepPlan, all_logits: bool = False) -> ForwardBatch:
-        segments = plan.segments
-        ps = self.page_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slot_mapping: list[int] = []
-        cu = [0]
-        logits_rows: list[int] = []
+        """The step's tensors. Per-segment numbers are gathered in one pass, the per-token ones
+        computed with numpy; page-table rows come from the persistent table."""
+        self._write_page_table(plan.page_table_writes)
+        ps, table = self.page_size, self._table
+        decodes, prefills = plan.decodes, plan.prefills
+        nd = len(decodes)
+        rows, starts, counts, lengths, shared, slots, ids = [], [], [], [], [], [], []
+        for seg in decodes:
+            seq = seg.seq
+            c = seq.cache
+            rows.append(c.row)
+            starts.append(seg.start)
+            lengths.append(len(seq.token_ids))
+            shared.append(c.shared_pages)
+            slots.append(c.state_slot)
+            ids.append(seq.token_ids[seg.start])
+        counts = [1] * nd
+        positions = [np.array(starts, dtype=np.int64)]
+        for seg in prefills:
+            seq = seg.seq
+            c = seq.cache
+            rows.append(c.row)
+            starts.append(seg.start)
+            counts.append(seg.num_tokens)
+            lengths.append(len(seq.token_ids))
+            shared.append(c.shared_pages)
+            slots.append(c.state_slot)
+            ids += seq.token_ids[seg.start:seg.start + seg.num_tokens]
+            positions.append(np.arange(seg.start, seg.start + seg.num_tokens))
+        rows, counts = np.array(rows), np.array(counts)
+        ends = np.array(starts) + counts
+        pos = np.concatenate(positions) if prefills else positions[0]
+        if prefills:
+            token_rows, token_shared = np.repeat(rows, counts), np.repeat(shared, counts)
+        else:
+            token_rows, token_shared = rows, np.array(shared)
+        slot_mapping = table[token_rows, pos // ps].astype(np.int64) * ps + pos % ps
+        slot_mapping[pos < token_shared * ps] = -1  # K/V already in shared cached pages: never rewritten
+        cu = np.zeros(len(counts) + 1, dtype=np.int32)
+        np.cumsum(counts, out=cu[1:])
+        if all_logits:
+            logits_rows = np.arange(cu[-1])
+        else:
+            logits_rows = (cu[1:] - 1)[ends == np.array(lengths)]  # segments reaching their end sample
+        max_pages = int((ends.max() + ps - 1) // ps)
         offsets: dict[int, list[int]] = {}
         offset_slots: dict[int, list[list[int]]] = {}
-        for b, seg in enumerate(segments):
-            seq = seg.seq
-            page_ids = seq.cache.page_ids
-            input_ids += seq.token_ids[seg.start:seg.end]
-            positions += range(seg.start, seg.end)
-            shared = seq.cache.shared_pages * ps  # K/V below this is in cached pages: never rewritten
-            slot_mapping += [-1 if pos < shared else page_ids[pos // ps] * ps + pos % ps
-                             for pos in range(seg.start, seg.end)]
+        for b, seg in enumerate(prefills, start=nd):
             if seg.ckpt_slots:
                 offsets[b] = sorted(seg.ckpt_slots)
                 offset_slots[b] = [seg.ckpt_slots[o] for o in offsets[b]]
-            cu.append(cu[-1] + seg.num_tokens)
-            if all_logits:
-                logits_rows += range(cu[-2], cu[-1])
-            elif seg.samples:
-                logits_rows.append(cu[-1] - 1)
-        max_pages = max(len(seg.seq.cache.page_ids) for seg in segments)
-        table = [seg.seq.cache.page_ids + [0] * (max_pages - len(seg.seq.cache.page_ids)) for seg in segments]
-
-        def t(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=self.device)
-
+        device = self.device
         return ForwardBatch(
-            input_ids=t(input_ids, torch.long),
-            positions=t(positions, torch.long),
-            cu_seqlens=t(cu, torch.int32),
-            query_lens=[seg.num_tokens for seg in segments],
-            seq_lens=t([seg.end for seg in segments], torch.int32),
-            page_table=t(table, torch.int32),
-            slot_mapping=t(slot_mapping, torch.long),
-            state_slots=t([seg.seq.cache.state_slot for seg in segments], torch.long),
-            num_decodes=len(plan.decodes),
-            logits_indices=t(logits_rows, torch.long),
+            input_ids=torch.tensor(ids, dtype=torch.long, device=device),
+            positions=torch.from_numpy(pos).to(device),
+            cu_seqlens=torch.from_numpy(cu).to(device),
+            num_seqs=len(counts),
+            seq_lens=torch.from_numpy(ends.astype(np.int32)).to(device),
+            page_table=torch.from_numpy(table[rows, :max_pages]).to(device),
+            slot_mapping=torch.from_numpy(slot_mapping).to(device),
+            state_slots=torch.tensor(slots, dtype=torch.long, device=device),
+            num_decodes=nd,
+            logits_indices=torch.from_numpy(logits_rows.astype(np.int64)).to(device),
             checkpoint_offsets=offsets,
             checkpoint_slots=offset_slots,
         )

@@ -25,6 +25,8 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, TokenLogprob | None]]:
         """logits: [N, vocab] fp32, one row per sequence in `seqs`."""
+        if all(s.params.temperature == 0 and s.params.logprobs is None for s in seqs):  # argmax on the device
+            return [(t, None) for t in torch.argmax(logits, dim=-1).tolist()]
         logits = logits.float().cpu()
         tokens = torch.argmax(logits, dim=-1)
         for row, seq in enumerate(seqs):

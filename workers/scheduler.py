@@ -27,11 +27,11 @@ from dataclasses import dataclass, field
 
 from workers.checkpoint_policy import BRANCH, EVERY, CheckpointPolicy
 from workers.options import EngineOptions
-from workers.prefix_cache import PrefixCache
+from workers.prefix_cache import PageTableWrite, PrefixCache
 from workers.sequence import Sequence, Status, TokenLogprob
 
 
-@dataclass
+@dataclass(slots=True)
 class Segment:
     seq: Sequence
     start: int  # tokens computed before this step
@@ -64,6 +64,7 @@ class StepPlan:
     snapshots: list[tuple[int, int]] = field(default_factory=list)  # (seq slot, checkpoint slot), after
     commits: list[Commit] = field(default_factory=list)  # checkpoints to store after the step
     preempted: list[Sequence] = field(default_factory=list)
+    page_table_writes: list[PageTableWrite] = field(default_factory=list)  # apply before the step
 
     @property
     def segments(self) -> list[Segment]:
@@ -72,6 +73,10 @@ class StepPlan:
     @property
     def num_tokens(self) -> int:
         return sum(s.num_tokens for s in self.segments)
+
+    def sampling_sequences(self) -> list[Sequence]:
+        """The sequences whose segment reaches their last token: they sample, in plan order."""
+        return [s.seq for s in self.decodes + self.prefills if s.start + s.num_tokens == len(s.seq.token_ids)]
 
     def __bool__(self) -> bool:
         return bool(self.decodes or self.prefills)
@@ -98,23 +103,36 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         plan = StepPlan()
         budget = self.options.max_num_batched_tokens
+        ps, running, decodes, prefills = self.page_size, self.running, plan.decodes, plan.prefills
         i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            n = min(seq.num_uncomputed, budget)
-            if not self._reserve_pages(seq, n, plan):
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            start = seq.num_computed
+            n = len(seq.token_ids) - start
+            if n > budget:
+                n = budget
+            if len(seq.cache.page_ids) * ps < start + n and not self._reserve_pages(seq, start + n, plan):
                 break  # seq itself was preempted; everything after it already was
-            self._add_segment(plan, seq, n)
+            if n == 1:
+                decodes.append(Segment(seq, start, 1))
+            else:
+                prefills.append(Segment(seq, start, n))
             budget -= n
             i += 1
-        inflight = self._inflight_pages()
-        while self.waiting and budget > 0 and not plan.preempted and len(self.running) < self.options.max_num_seqs:
-            admitted = self._admit(self.waiting[0], budget, plan, inflight)
-            if admitted is None:
-                break
-            budget -= admitted
-        for segment in plan.segments:  # after admission: it may add branch targets to running ones
-            self._plan_checkpoints(plan, segment)
+        if self.waiting and budget > 0 and not plan.preempted:
+            inflight = self._inflight_pages()
+            while self.waiting and budget > 0 and len(running) < self.options.max_num_seqs:
+                admitted = self._admit(self.waiting[0], budget, plan, inflight)
+                if admitted is None:
+                    break
+                budget -= admitted
+        if self.cache.recurrent:  # after admission: it may add branch targets to running ones
+            for segments in (decodes, prefills):
+                for seg in segments:
+                    if seg.start // ps != (seg.start + seg.num_tokens) // ps:  # only boundaries crossed are saved
+                        self._plan_checkpoints(plan, seg)
+        if plan:
+            plan.page_table_writes = self.cache.take_page_table_writes()
         return plan
 
     def _inflight_pages(self) -> dict[bytes, Sequence]:
@@ -173,8 +191,9 @@ class Scheduler:
         self._add_inflight(inflight, seq)
         return n
 
-    def _reserve_pages(self, seq: Sequence, n: int, plan: StepPlan) -> bool:
-        upto = seq.num_computed + n
+    def _reserve_pages(self, seq: Sequence, upto: int, plan: StepPlan) -> bool:
+        """Pages for `seq`'s tokens up to `upto`, preempting the newest running sequences until
+        they can be had; False if `seq` itself was preempted."""
         while not self.cache.can_grow(seq, upto):
             victim = self.running[-1]
             self._preempt(victim)
@@ -190,8 +209,6 @@ class Scheduler:
 
     def _plan_checkpoints(self, plan: StepPlan, seg: Segment) -> None:
         seq, ps, policy, cache = seg.seq, self.page_size, self.policy, self.cache
-        if not cache.recurrent:
-            return
         first, last = seg.start // ps + 1, seg.end // ps  # boundaries inside (start, end]
         targets = seq.cache.checkpoint_targets
         for j in range(first, last + 1):
@@ -223,30 +240,29 @@ class Scheduler:
                     ) -> list[tuple[Sequence, int, TokenLogprob | None]]:
         """Applies a computed step: `sampled` holds one (token, logprob) per sampling segment in
         plan order. Returns (sequence, token, logprob) for each; finished ones are finished."""
-        cache = self.cache
-        for seg in plan.segments:
-            seg.seq.num_computed = seg.end
-            cache.register_pages(seg.seq)
+        cache, ps, eos = self.cache, self.page_size, self.eos_token_ids
+        sampling = []
+        for seg in plan.decodes + plan.prefills:
+            seq = seg.seq
+            seq.num_computed = end = seg.start + seg.num_tokens
+            if end // ps > seq.cache.registered_pages:
+                cache.register_pages(seq)
+            if end == len(seq.token_ids):
+                sampling.append(seq)
         for c in plan.commits:
             cache.commit_checkpoint(c.seq, c.slot, c.depth, c.kinds)
         out = []
-        for seg, (token, logprob) in zip((s for s in plan.segments if s.samples), sampled):
-            seq = seg.seq
+        for seq, (token, logprob) in zip(sampling, sampled):
             seq.token_ids.append(token)
             if logprob is not None:
                 seq.logprobs.append(logprob)
-            reason = self._stop_reason(seq, token)
-            if reason:
-                self.finish(seq, reason)
+            params = seq.params
+            if token in params.stop_token_ids or (token in eos and not params.ignore_eos):
+                self.finish(seq, "stop")
+            elif len(seq.token_ids) >= seq.max_total_tokens:
+                self.finish(seq, "length")
             out.append((seq, token, logprob))
         return out
-
-    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
-        if token in seq.params.stop_token_ids or (not seq.params.ignore_eos and token in self.eos_token_ids):
-            return "stop"
-        if seq.num_tokens >= seq.max_total_tokens:
-            return "length"
-        return None
 
     # ---- ending ----------------------------------------------------------------------------------
     def _preempt(self, seq: Sequence) -> None:

@@ -4,7 +4,7 @@ chain, where it resumed, and the checkpoints it is to leave behind.
 Written only by `workers.prefix_cache.PrefixCache`; the scheduler and the runner read it. Units:
 pages (page j covers tokens [j * page_size, (j + 1) * page_size)).
 - `page_ids`: one per started page, in order; `state_slot`: the slot its recurrent state lives in
-  (None while it holds nothing).
+  and `row`: its row of the runner's page table (both None while it holds nothing).
 - `page_hashes`: the chain over its whole pages (prompt and output), extended as pages fill.
 - `shared_pages`: the first pages came from the cache and are never written again (their K/V
   is already there); `registered_pages` are named in the cache.
@@ -24,6 +24,7 @@ class SequenceCache:
     page_hashes: list[bytes] = field(default_factory=list)
     page_ids: list[int] = field(default_factory=list)
     state_slot: int | None = None
+    row: int | None = None
     shared_pages: int = 0
     registered_pages: int = 0
     register_stopped: bool = False

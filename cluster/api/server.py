@@ -7,6 +7,7 @@ For `cairn serve --replicas 1` debugging and local use: loads the checkpoint int
 from __future__ import annotations
 
 import asyncio
+import gc
 from pathlib import Path
 
 
@@ -24,6 +25,8 @@ def serve_in_process(model_dir: str | Path | None = None, host: str = "127.0.0.1
 
     model_dir = Path(model_dir) if model_dir is not None else demo_model_dir("tiny")
     engine = AsyncEngine.from_pretrained(model_dir, **engine_options)
+    gc.collect()
+    gc.freeze()  # this process serves one engine: its long-lived objects need no cyclic scans (as a replica)
     app = build_app(LocalEngineClient(engine), model_dir, served_model_name, api_key,
                     max_body_bytes=max_body_bytes or DEFAULT_MAX_BODY_BYTES,
                     max_waiting=max_waiting or DEFAULT_MAX_WAITING)

@@ -29,7 +29,7 @@ class ForwardBatch:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     cu_seqlens: torch.Tensor  # [B+1] int32
-    query_lens: list[int]  # B ints, sum = T
+    num_seqs: int  # B
     seq_lens: torch.Tensor  # [B] int32, each sequence's length after this step
     page_table: torch.Tensor  # [B, max_pages] int32
     slot_mapping: torch.Tensor  # [T] int64
@@ -42,10 +42,3 @@ class ForwardBatch:
     checkpoint_offsets: dict[int, list[int]] = field(default_factory=dict)
     checkpoint_slots: dict[int, list[list[int]]] = field(default_factory=dict)
 
-    @property
-    def num_seqs(self) -> int:
-        return len(self.query_lens)
-
-    @property
-    def num_decode_tokens(self) -> int:
-        return self.num_decodes
