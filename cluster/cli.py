@@ -62,8 +62,7 @@ def _generate(args: argparse.Namespace) -> int:
 
     from tokenizers import Tokenizer
 
-    from workers import Engine, SamplingParams
-    from workers.demo import demo_model_dir
+    from workers import Engine, SamplingParams, demo_model_dir
 
     model_dir = Path(args.model) if args.model else demo_model_dir("tiny")
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))

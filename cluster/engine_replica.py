@@ -31,7 +31,7 @@ from cluster.routing.config import RoutingConfig
 from cluster.routing.cost import routing_stats
 from cluster.routing.index_handle import IndexHandle
 from cluster.routing.router import replica_worker_id
-from workers.spec import EngineSpec
+from workers import EngineSpec
 
 log = logging.getLogger(__name__)
 DRAIN_INTERVAL_S = 0.05

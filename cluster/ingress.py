@@ -24,7 +24,7 @@ from ray.serve.handle import DeploymentHandle
 
 from cluster.api.engine_client import GenerateRequest
 from cluster.routing.registry import prefill_done, router_counts
-from workers.spec import EngineSpec
+from workers import EngineSpec
 
 REPLICA_HEADER = "x-cairn-replica"
 # the worker ids that served the HTTP request being handled (set per request by ReplicaHeader;

@@ -17,8 +17,7 @@ from dataclasses import dataclass, field
 from cluster.api.reasoning import ReasoningParser
 from cluster.api.stop_strings import StopMatcher
 from cluster.api.tokenizer import TextTokenizer
-from workers import RequestOutput
-from workers.sequence import TokenLogprob
+from workers import RequestOutput, TokenLogprob
 
 MIN_LOGPROB = -9999.0  # what a -inf log-probability is reported as (JSON has no infinity)
 

@@ -20,8 +20,7 @@ def serve_in_process(model_dir: str | Path | None = None, host: str = "127.0.0.1
 
     from cluster.api import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING, build_app
     from cluster.api.engine_client import LocalEngineClient
-    from workers import AsyncEngine
-    from workers.demo import demo_model_dir
+    from workers import AsyncEngine, demo_model_dir
 
     model_dir = Path(model_dir) if model_dir is not None else demo_model_dir("tiny")
     engine = AsyncEngine.from_pretrained(model_dir, **engine_options)
