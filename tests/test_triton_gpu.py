@@ -227,3 +227,20 @@ def test_the_engine_on_cuda_gives_the_cpu_paths_greedy_tokens(tiny_model_dir):
         results[device] = [(o.token_ids, o.cached_tokens) for o in turn1 + turn2]
     assert results["cuda"] == results["cpu"]
     assert any(cached for _, cached in results["cuda"][len(first):])
+
+
+@compiled_only
+def test_the_engine_on_cuda_holds_its_weights_and_one_arena_of_its_budget(tiny_model_dir):
+    from workers import Engine, SamplingParams
+
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    budget = 64 << 20
+    engine = Engine.from_pretrained(tiny_model_dir, device=CUDA, cache_memory_bytes=budget, max_num_seqs=8)
+    model = engine.model
+    weights = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    slack = 1 << 20  # allocator rounding and small tensors (index tensors, the step's inputs)
+    assert torch.cuda.memory_allocated() - before <= weights + budget + slack, "the cache reserved beyond its budget"
+    engine.generate([[5] * 40, [6] * 90], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() - before <= weights + budget + slack, "a step left memory behind"
