@@ -278,3 +278,27 @@ def test_an_internal_fault_is_a_500_naming_only_the_request_id(faulty, caplog):
     assert events[-1] == "data: [DONE]" and '"error"' in events[-2] and "secret" not in "".join(events)
     fake.fail_after = None
     assert c.post(C, json=GOOD_CHAT).status_code == 200
+
+
+def test_a_reused_request_id_is_only_a_label_and_touches_no_other_request(server):
+    """Two requests with one X-Request-Id at once: both answer in full, each echoing the label."""
+    body = chat(max_tokens=40, ignore_eos=True, stream=True, messages=[{"role": "user", "content": "Stones. " * 10}])
+    headers = dict(AUTH, **{"X-Request-Id": "retry-42"})
+
+    async def one(client):
+        events = []
+        async with client.stream("POST", C, json=body, headers=headers) as r:
+            assert r.status_code == 200 and r.headers["x-request-id"] == "retry-42"
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+        return events
+
+    async def main():
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+            return await asyncio.wait_for(asyncio.gather(one(client), one(client)), 60)
+
+    for events in asyncio.run(main()):
+        assert events[-1] == "[DONE]" and not any('"error"' in e for e in events)
+        finishes = [c["finish_reason"] for e in events[:-1] for c in json.loads(e)["choices"] if c["finish_reason"]]
+        assert finishes == ["length"]

@@ -6,8 +6,10 @@ steps while any request is unfinished and sleeps otherwise. Each request gets a 
 `RequestOutput`s; `generate` yields them until the one that finishes.
 
 A caller that stops iterating (client gone, task cancelled) aborts its request, so its pages
-and state slot go back to the pools. A fault inside a step fails the requests in flight with
-`EngineError` (logged once) and the loop goes on serving new requests.
+and state slot go back to the cache. A request the engine failed alone (finish_reason "error")
+gets `EngineError` with the reason; an unexpected fault of a whole step fails the requests in
+flight the same way (logged once), and the loop goes on serving new requests. A request id
+already in flight is refused before anything is touched.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from pathlib import Path
 
 from cache_service.events import EventBatch
 from workers.engine import Engine, RequestOutput
-from workers.errors import EngineError
+from workers.errors import EngineError, RequestRejected
 from workers.sampling_params import SamplingParams
 from workers.spec import EngineSpec
 
@@ -70,6 +72,8 @@ class AsyncEngine:
         engine refuses. Keyword arguments as for `Engine.add_request`."""
         self._ensure_loop()
         request_id = request_id if request_id is not None else f"async-{next(self._ids)}"
+        if request_id in self._queues:  # refused before anything is touched: the running one goes on
+            raise RequestRejected(f"request_id {request_id!r} is already in use", "request_id")
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
         add = functools.partial(self.engine.add_request, prompt_token_ids, params, request_id,
@@ -139,7 +143,8 @@ class AsyncEngine:
             for out in outputs:
                 queue = self._queues.get(out.request_id)
                 if queue is not None:
-                    queue.put_nowait(out)
+                    queue.put_nowait(out if out.finish_reason != "error" else
+                                     EngineError(f"internal error while running request {out.request_id}: {out.error}"))
             await asyncio.sleep(0)  # let consumers run between steps
 
     async def _fail_all(self, cause: Exception) -> None:

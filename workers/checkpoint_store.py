@@ -48,6 +48,9 @@ class CheckpointStore:
     def add_pending(self, slot: int) -> None:
         self._pending.add(slot)
 
+    def is_pending(self, slot: int) -> bool:
+        return slot in self._pending
+
     def drop_pending(self, slot: int) -> None:
         self._pending.remove(slot)
 

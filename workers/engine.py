@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,7 +27,7 @@ from cache_service.events import EventBatch, EventStream
 from cache_service.hashing import DIGEST_BYTES, model_fingerprint
 from workers.arena import ArenaLayout
 from workers.checkpoint_policy import CheckpointPolicy
-from workers.errors import RequestRejected
+from workers.errors import RequestRejected, SequenceFault
 from workers.model import ModelConfig, Qwen3NextForCausalLM, load_model
 from workers.options import EngineOptions
 from workers.prefix_cache import Match, PrefixCache
@@ -36,6 +37,8 @@ from workers.sampling_params import SamplingParams
 from workers.scheduler import Scheduler, Segment, StepPlan
 from workers.sequence import Sequence, TokenLogprob
 from workers.spec import EngineSpec
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -53,6 +56,7 @@ class RequestOutput:
     worker_id: str = "local"  # the engine that produced it (its cache index worker id)
     token_ids: list[int] | None = None  # every output token: on the finished output only
     logprobs: list[TokenLogprob] | None = None  # every output token's, when asked: finished only
+    error: str | None = None  # finish_reason "error": what failed, for the client
 
     @property
     def finished(self) -> bool:
@@ -181,14 +185,29 @@ class Engine:
     # ---- stepping --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedules, runs the model once, samples, applies the step; returns an output for every
-        request that produced a token (finished ones included)."""
+        request that produced a token, finished or failed. A fault of one sequence fails that
+        request alone (finish_reason "error", `error` says why); a failed forward pass fails the
+        requests of that step, never those waiting."""
         plan = self.scheduler.schedule()
-        if not plan:
-            return []
-        try:
-            logits = self.runner.execute(plan)
-        finally:
-            self.cache.end_pass()
+        outputs = []
+        if plan:
+            try:
+                logits = self.runner.execute(plan)
+            except Exception as e:  # the model ran for the whole step: its requests share the fault
+                log.exception("the forward pass failed; failing the %d request(s) of this step", len(plan.segments))
+                for seg in plan.segments:
+                    self.scheduler.fail(seg.seq, SequenceFault(f"the forward pass failed: {type(e).__name__}"))
+                logits = None
+            finally:
+                self.cache.end_pass()
+            if logits is not None:
+                outputs = self._apply(plan, logits)
+        for seq in self.scheduler.take_failed():
+            self._requests.pop(seq.request_id, None)
+            outputs.append(self._output(seq, [], []))
+        return outputs
+
+    def _apply(self, plan: StepPlan, logits: torch.Tensor) -> list[RequestOutput]:
         sampled = self.sampler.sample(logits, plan.sampling_sequences())
         outputs, worker = [], self.worker_id
         for seq, token, logprob in self.scheduler.postprocess(plan, sampled):
@@ -203,7 +222,7 @@ class Engine:
         stats = self.stats
         stats.steps += 1
         stats.computed_tokens += plan.num_tokens
-        stats.generated_tokens += len(sampled)
+        stats.generated_tokens += len(outputs)
         stats.preemptions = self.scheduler.num_preemptions
         stats.cached_tokens = self.scheduler.hit_tokens
         return outputs
@@ -216,6 +235,7 @@ class Engine:
         if seq.finish_reason is not None:
             out.token_ids = seq.output_token_ids
             out.logprobs = list(seq.logprobs) if asked else None
+            out.error = seq.error
         return out
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None

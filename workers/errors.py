@@ -4,6 +4,9 @@
   out of the vocabulary). It carries `param`, the request field at fault, so the API names it
   without reading the message; a `ValueError`, so plain callers need nothing new.
 - `EngineError`: an internal fault while a request ran; not the caller's doing.
+- `SequenceFault`: what went wrong for one sequence inside a step (its sampling, its logits, its
+  stop check, one of its cache operations). The engine ends that sequence alone, with
+  `finish_reason` "error" and the fault's message; every other sequence of the step goes on.
 
 Running out of pages or state slots is neither: the scheduler waits or preempts.
 """
@@ -26,3 +29,7 @@ class RequestRejected(ValueError):
 
 class EngineError(RuntimeError):
     """An internal fault while a request was running (not the caller's doing)."""
+
+
+class SequenceFault(Exception):
+    """One sequence's part of a step failed; the message says where, for its client."""

@@ -146,9 +146,10 @@ class PrefixCache:
             return False
         if not self.slot_blocks:
             return self.arena.num_slots < self.layout.virtual_slots
-        if self.arena.has_empty_group():
-            return True
-        arena = self.arena  # no group is empty: one must be unblocked after this admission too
+        arena = self.arena
+        if arena.has_empty_group() or arena.num_unblocked > len(cached_hits) + 1:
+            return True  # an empty group, or more unblocked ones than this admission could block
+        # no group is empty: one must be unblocked after this admission too
         newly_blocked = {g for g in map(arena.group_of_page, cached_hits) if g is not None and not arena.is_blocked(g)}
         if pin is not None:
             newly_blocked.add(pin.slot)
@@ -243,6 +244,11 @@ class PrefixCache:
     def drop_pending(self, slot: int) -> None:
         self.checkpoints.drop_pending(slot)
         self.arena.free_slot(slot, blocked=True)
+
+    def drop_pending_if_any(self, slot: int) -> None:
+        """Gives back `slot` if it is still a pending checkpoint (a commit that failed midway)."""
+        if self.checkpoints.is_pending(slot):
+            self.drop_pending(slot)
 
     def finish_capture(self, seq: Sequence, page: int) -> int | None:
         """The slot to take `seq`'s state after page `page` into, the last boundary it crossed

@@ -4,16 +4,21 @@ Greedy rows (temperature 0 or top_k 1) take the argmax, batched. Other rows appl
 then top-k, then top-p (the smallest set of most likely tokens whose probability reaches p; the
 most likely token always stays), and draw with a generator seeded from (seed, output index), so
 a seeded request gives the same tokens alone, batched, chunked or preempted. Requests without a
-seed draw from the engine's own generator.
+seed draw from the engine's own generator. A temperature so small that the scaled logits
+overflow is greedy (what such a temperature means).
 
 Logprobs, when asked, are log_softmax of the raw logits (before temperature and filters), for
 the chosen token and the `logprobs` most likely alternatives.
+
+Faults stay in their row: a row whose logits are not finite, or whose draw fails, yields a
+`SequenceFault` in its place; every other row is sampled as if it were alone.
 """
 
 from __future__ import annotations
 
 import torch
 
+from workers.errors import SequenceFault
 from workers.sequence import Sequence, TokenLogprob
 
 _SEED_STRIDE = 1_000_003  # mixes (seed, output index) into one generator seed
@@ -23,30 +28,37 @@ class Sampler:
     def __init__(self, seed: int = 0):
         self._generator = torch.Generator().manual_seed(seed)
 
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, TokenLogprob | None]]:
-        """logits: [N, vocab] fp32, one row per sequence in `seqs`."""
-        if all(s.params.temperature == 0 and s.params.logprobs is None for s in seqs):  # argmax on the device
-            return [(t, None) for t in torch.argmax(logits, dim=-1).tolist()]
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, TokenLogprob | None] | SequenceFault]:
+        """logits: [N, vocab] fp32, one row per sequence in `seqs`; one result per row."""
+        finite = torch.isfinite(logits).all(dim=-1)
+        if all(s.params.temperature == 0 and s.params.logprobs is None for s in seqs) and bool(finite.all()):
+            return [(t, None) for t in torch.argmax(logits, dim=-1).tolist()]  # argmax on the device
         logits = logits.float().cpu()
-        tokens = torch.argmax(logits, dim=-1)
+        tokens, finite = torch.argmax(logits, dim=-1).tolist(), finite.tolist()
+        out: list[tuple[int, TokenLogprob | None] | SequenceFault] = []
         for row, seq in enumerate(seqs):
-            if not seq.params.greedy:
-                tokens[row] = self._draw(logits[row], seq)
-        need_logprobs = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
-        logprobs: dict[int, TokenLogprob] = {}
-        if need_logprobs:
-            lp = torch.log_softmax(logits[need_logprobs], dim=-1)
-            for j, row in enumerate(need_logprobs):
-                k = seqs[row].params.logprobs
-                chosen = int(tokens[row])
-                top_vals, top_ids = torch.topk(lp[j], k) if k else (torch.empty(0), torch.empty(0, dtype=torch.long))
-                logprobs[row] = TokenLogprob(chosen, float(lp[j, chosen]),
-                                             list(zip(top_ids.tolist(), top_vals.tolist())))
-        return [(int(tokens[i]), logprobs.get(i)) for i in range(len(seqs))]
+            if not finite[row]:
+                out.append(SequenceFault("the model's logits for this request were not finite"))
+                continue
+            try:
+                token = tokens[row] if seq.params.greedy else self._draw(logits[row], seq)
+                k = seq.params.logprobs
+                out.append((token, None if k is None else self._logprob(logits[row], token, k)))
+            except Exception as e:  # this row's sampling only: the others go on
+                out.append(SequenceFault(f"sampling failed: {type(e).__name__}"))
+        return out
+
+    @staticmethod
+    def _logprob(row: torch.Tensor, token: int, k: int) -> TokenLogprob:
+        lp = torch.log_softmax(row, dim=-1)
+        top_vals, top_ids = torch.topk(lp, k) if k else (torch.empty(0), torch.empty(0, dtype=torch.long))
+        return TokenLogprob(token, float(lp[token]), list(zip(top_ids.tolist(), top_vals.tolist())))
 
     def _draw(self, row: torch.Tensor, seq: Sequence) -> int:
         p = seq.params
         scaled = row / p.temperature
+        if not bool(torch.isfinite(scaled).all()):  # so cold it overflows: that temperature means greedy
+            return int(torch.argmax(row))
         if p.top_k > 0 and p.top_k < scaled.numel():
             kth = torch.topk(scaled, p.top_k).values[-1]
             scaled = scaled.masked_fill(scaled < kth, float("-inf"))

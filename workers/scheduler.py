@@ -18,6 +18,15 @@ from the chunked delta rule (`ckpt_slots`), one at a segment's end is a slot cop
 `postprocess` is the step's second half: computed tokens advance, whole pages are registered,
 checkpoints committed, sampled tokens appended, and sequences that stop (EOS, a stop id,
 `max_tokens`, the model's length) finish. Plans, not tensors: this module imports no torch.
+
+Admission never livelocks: when nothing runs, the head of the queue is admitted cold (no hit
+pages held, no checkpoint pinned) if its deepest resume point does not fit, since a cold start
+always fits an idle cache (`add_request` refused what could never fit).
+
+Faults stay with their sequence: an exception in one sequence's admission, page reservation,
+sample, stop check or cache operation fails that sequence alone (`fail`: finish_reason "error",
+what it holds given back) and the step goes on for the others; `take_failed` hands them to the
+engine, which reports them.
 """
 
 from __future__ import annotations
@@ -25,10 +34,15 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+import logging
+
 from workers.checkpoint_policy import BRANCH, EVERY, CheckpointPolicy
+from workers.errors import SequenceFault
 from workers.options import EngineOptions
-from workers.prefix_cache import PageTableWrite, PrefixCache
+from workers.prefix_cache import Match, PageTableWrite, PrefixCache
 from workers.sequence import Sequence, Status, TokenLogprob
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -74,6 +88,17 @@ class StepPlan:
     def num_tokens(self) -> int:
         return sum(s.num_tokens for s in self.segments)
 
+    def drop(self, seq: Sequence, state_slot: int | None, checkpoint_slots: set[int]) -> None:
+        """Removes everything of `seq` from this plan (it failed while the plan was made):
+        its segment, and the copies into or out of its state slot or its checkpoint slots."""
+        self.decodes = [s for s in self.decodes if s.seq is not seq]
+        self.prefills = [s for s in self.prefills if s.seq is not seq]
+        self.commits = [c for c in self.commits if c.seq is not seq]
+        touched = checkpoint_slots | ({state_slot} if state_slot is not None else set())
+        self.restores = [(a, b) for a, b in self.restores if b not in touched]
+        self.snapshots = [(a, b) for a, b in self.snapshots if a not in touched and b not in touched]
+        self.fresh_state_slots = [slot for slot in self.fresh_state_slots if slot not in touched]
+
     def sampling_sequences(self) -> list[Sequence]:
         """The sequences whose segment reaches their last token: they sample, in plan order."""
         return [s.seq for s in self.decodes + self.prefills if s.start + s.num_tokens == len(s.seq.token_ids)]
@@ -92,6 +117,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.hit_tokens = 0
+        self._failed: list[Sequence] = []
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -111,8 +137,13 @@ class Scheduler:
             n = len(seq.token_ids) - start
             if n > budget:
                 n = budget
-            if len(seq.cache.page_ids) * ps < start + n and not self._reserve_pages(seq, start + n, plan):
-                break  # seq itself was preempted; everything after it already was
+            if len(seq.cache.page_ids) * ps < start + n:
+                try:
+                    if not self._reserve_pages(seq, start + n, plan):
+                        break  # seq itself was preempted; everything after it already was
+                except Exception as e:  # its page reservation failed: it alone ends
+                    self.fail(seq, SequenceFault(f"reserving pages failed: {type(e).__name__}"), e)
+                    continue
             if n == 1:
                 decodes.append(Segment(seq, start, 1))
             else:
@@ -122,15 +153,23 @@ class Scheduler:
         if self.waiting and budget > 0 and not plan.preempted:
             inflight = self._inflight_pages()
             while self.waiting and budget > 0 and len(running) < self.options.max_num_seqs:
-                admitted = self._admit(self.waiting[0], budget, plan, inflight)
+                seq = self.waiting[0]
+                try:
+                    admitted = self._admit(seq, budget, plan, inflight)
+                except Exception as e:  # its admission failed: it alone ends
+                    self._fail_in_plan(plan, seq, SequenceFault(f"admission failed: {type(e).__name__}"), e)
+                    continue
                 if admitted is None:
                     break
                 budget -= admitted
         if self.cache.recurrent:  # after admission: it may add branch targets to running ones
-            for segments in (decodes, prefills):
-                for seg in segments:
-                    if seg.start // ps != (seg.start + seg.num_tokens) // ps:  # only boundaries crossed are saved
+            for seg in plan.decodes + plan.prefills:
+                if seg.start // ps != (seg.start + seg.num_tokens) // ps:  # only boundaries crossed are saved
+                    try:
                         self._plan_checkpoints(plan, seg)
+                    except Exception as e:
+                        self._fail_in_plan(plan, seg.seq, SequenceFault(f"planning its checkpoints failed: "
+                                                                        f"{type(e).__name__}"), e)
         if plan:
             plan.page_table_writes = self.cache.take_page_table_writes()
         return plan
@@ -172,7 +211,12 @@ class Scheduler:
             return None
         n = min(seq.num_tokens - m.resume_token, budget)
         if not cache.can_admit(seq, m, n):
-            return None
+            if self.running:
+                return None  # running sequences will finish and give back what it needs
+            m = Match(0, 0, 0, None)  # nothing will: start cold, holding nothing of the cache
+            n = min(seq.num_tokens, budget)
+            if not cache.can_admit(seq, m, n):
+                return None
         self.waiting.popleft()
         restore = cache.admit(seq, m, n)
         seq.num_computed = m.resume_token
@@ -236,31 +280,52 @@ class Scheduler:
             seg.ckpt_slots.setdefault(offset, []).append(slot)
 
     # ---- after the step --------------------------------------------------------------------------
-    def postprocess(self, plan: StepPlan, sampled: list[tuple[int, TokenLogprob | None]]
+    def postprocess(self, plan: StepPlan, sampled: list[tuple[int, TokenLogprob | None] | SequenceFault]
                     ) -> list[tuple[Sequence, int, TokenLogprob | None]]:
-        """Applies a computed step: `sampled` holds one (token, logprob) per sampling segment in
-        plan order. Returns (sequence, token, logprob) for each; finished ones are finished."""
+        """Applies a computed step: `sampled` holds one result per sampling segment in plan order
+        (a (token, logprob), or the `SequenceFault` of that row). Returns (sequence, token,
+        logprob) for each sequence that got a token; finished ones are finished, failed ones are
+        left to `take_failed`."""
         cache, ps, eos = self.cache, self.page_size, self.eos_token_ids
         sampling = []
         for seg in plan.decodes + plan.prefills:
             seq = seg.seq
+            if seq.finished:  # failed earlier in this step
+                continue
             seq.num_computed = end = seg.start + seg.num_tokens
-            if end // ps > seq.cache.registered_pages:
-                cache.register_pages(seq)
             if end == len(seq.token_ids):
                 sampling.append(seq)
+            if end // ps > seq.cache.registered_pages:
+                try:
+                    cache.register_pages(seq)
+                except Exception as e:
+                    self.fail(seq, SequenceFault(f"registering its pages failed: {type(e).__name__}"), e)
         for c in plan.commits:
-            cache.commit_checkpoint(c.seq, c.slot, c.depth, c.kinds)
+            try:
+                cache.commit_checkpoint(c.seq, c.slot, c.depth, c.kinds)
+            except Exception as e:
+                self.fail(c.seq, SequenceFault(f"storing a checkpoint failed: {type(e).__name__}"), e)
+                cache.drop_pending_if_any(c.slot)
         out = []
-        for seq, (token, logprob) in zip(sampling, sampled):
-            seq.token_ids.append(token)
-            if logprob is not None:
-                seq.logprobs.append(logprob)
-            params = seq.params
-            if token in params.stop_token_ids or (token in eos and not params.ignore_eos):
-                self.finish(seq, "stop")
-            elif len(seq.token_ids) >= seq.max_total_tokens:
-                self.finish(seq, "length")
+        for seq, result in zip(sampling, sampled):
+            if isinstance(result, SequenceFault):
+                self.fail(seq, result)
+                continue
+            if seq.finished:
+                continue
+            token, logprob = result
+            try:
+                seq.token_ids.append(token)
+                if logprob is not None:
+                    seq.logprobs.append(logprob)
+                params = seq.params
+                if token in params.stop_token_ids or (token in eos and not params.ignore_eos):
+                    self.finish(seq, "stop")
+                elif len(seq.token_ids) >= seq.max_total_tokens:
+                    self.finish(seq, "length")
+            except Exception as e:
+                self.fail(seq, SequenceFault(f"applying its token failed: {type(e).__name__}"), e)
+                continue
             out.append((seq, token, logprob))
         return out
 
@@ -274,18 +339,50 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def finish(self, seq: Sequence, reason: str) -> None:
-        """Ends a sequence (stop, length or abort) and returns what it holds; a sequence that
-        stopped leaves its finish checkpoint, an aborted one does not."""
-        if seq.status is Status.RUNNING:
-            self.running.remove(seq)
-        elif seq.status is Status.WAITING:
-            self.waiting.remove(seq)
-        else:
+    def fail(self, seq: Sequence, fault: SequenceFault, cause: BaseException | None = None) -> None:
+        """Ends `seq` alone because of `fault` (finish_reason "error"); it is reported once by
+        `take_failed`. What it holds goes back; if even that fails, its holdings are dropped from
+        the sequence (the cache's integrity check would then say what is off)."""
+        if seq.finished:
             return
-        if reason == "abort":
+        if cause is not None:
+            log.error("request %s: %s", seq.request_id, fault, exc_info=cause)
+        seq.error = str(fault)
+        try:
+            self.finish(seq, "error")
+        except Exception:
+            log.exception("request %s: giving back what it held failed", seq.request_id)
+        self._failed.append(seq)
+
+    def _fail_in_plan(self, plan: StepPlan, seq: Sequence, fault: SequenceFault, cause: BaseException) -> None:
+        """`fail` for a sequence the plan being made already counts: it leaves the plan too, and
+        the checkpoint slots taken for it go back."""
+        state_slot, finish_slot = seq.cache.state_slot, seq.cache.finish_slot
+        mine = {c.slot for c in plan.commits if c.seq is seq}
+        self.fail(seq, fault, cause)
+        plan.drop(seq, state_slot, mine | ({finish_slot} if finish_slot is not None else set()))
+        for slot in mine:
+            self.cache.drop_pending_if_any(slot)
+
+    def take_failed(self) -> list[Sequence]:
+        """Sequences failed since the last call."""
+        failed, self._failed = self._failed, []
+        return failed
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Ends a sequence (stop, length, abort or error) and returns what it holds; a sequence
+        that stopped leaves its finish checkpoint, an aborted or failed one does not."""
+        if seq.status is Status.FINISHED:
+            return
+        for queue in (self.running, self.waiting):
+            try:
+                queue.remove(seq)
+                break
+            except ValueError:
+                pass
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+        if reason in ("abort", "error"):
             self.cache.release(seq)
         else:
             self.cache.finish(seq)
-        seq.status = Status.FINISHED
-        seq.finish_reason = reason

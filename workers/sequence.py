@@ -48,6 +48,7 @@ class Sequence:
     num_computed: int = 0
     status: Status = Status.WAITING
     finish_reason: str | None = None
+    error: str | None = None  # why it failed (finish_reason "error"), for its client
     cached_tokens: int = 0  # tokens skipped at its first admission
     admitted_once: bool = False
     num_preemptions: int = 0

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -108,6 +109,11 @@ class Serving:
 
     def engine_requests(self, request_id: str, req: SamplingFields, prompts: list[Prepared],
                         params: list[SamplingParams]) -> list[GenerateRequest]:
+        """One engine request per (prompt, choice). Their ids are new, unique by construction:
+        `request_id` (the client's X-Request-Id, or ours) is a label for logs and the client,
+        never an engine key, so a reused label touches no other request."""
+        internal = uuid.uuid4().hex
+        log.debug("request %s runs as engine requests %s-*", request_id, internal)
         spec = self.client.spec
         root = spec.hash_root(req.cache_salt)
         out = []
@@ -115,7 +121,7 @@ class Serving:
             hashes = spec.page_hashes(p.ids, root)
             for i, sp in enumerate(params):
                 out.append(GenerateRequest(
-                    request_id=f"{request_id}-{p_index * len(params) + i}", prompt_token_ids=p.ids, params=sp,
+                    request_id=f"{internal}-{p_index * len(params) + i}", prompt_token_ids=p.ids, params=sp,
                     prompt=p.text, messages=p.messages, hash_root=root, page_hashes=hashes,
                     checkpoint_hints=p.hints))
         return out
