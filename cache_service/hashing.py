@@ -1,13 +1,14 @@
 """The one page hash every process uses (design rule 1).
 
-A chain over whole pages: a root from (model fingerprint, page size, cache_salt), then
+A chain over whole pages: a root from (model fingerprint, page size, cache_salt, tenant), then
 h_i = H(h_{i-1}, tokens of page i), with H = blake2b (16-byte digest) over a msgpack encoding.
 A hash names a page *and everything before it*, so equal hashes mean equal prefixes (up to a
 2^-128 collision). Nothing here depends on the process, the machine or Python's `hash()`:
 the ingress, every worker and the index compute identical values.
 
 Partial pages have no hash: a prompt of n tokens has n // page_size page hashes. Requests with
-different `cache_salt` values get different roots, so they never share a page.
+different `cache_salt` values, or from different tenants, get different roots, so they never
+share a page.
 """
 
 from __future__ import annotations
@@ -28,9 +29,15 @@ def _digest(payload: object) -> bytes:
     return hashlib.blake2b(msgpack.packb(payload, use_bin_type=True), digest_size=DIGEST_BYTES).digest()
 
 
-def root_hash(model_fingerprint: str, page_size: int, cache_salt: str | None = None) -> bytes:
-    """The chain's root: what a hash of page 0 builds on."""
-    return _digest(["cairn-pages", HASH_VERSION, model_fingerprint, page_size, cache_salt])
+def root_hash(model_fingerprint: str, page_size: int, cache_salt: str | None = None,
+              tenant: str | None = None) -> bytes:
+    """The chain's root: what a hash of page 0 builds on. `tenant` (who is asking, from the API
+    key) and `cache_salt` (a subdivision the request chooses) each give chains of their own, so
+    different tenants never share a page, in the engine, the index or the router."""
+    parts = ["cairn-pages", HASH_VERSION, model_fingerprint, page_size, cache_salt]
+    if tenant is not None:  # no tenant: the roots of deployments without keys stay what they were
+        parts.append(["tenant", tenant])
+    return _digest(parts)
 
 
 def next_page_hash(parent: bytes, page_tokens: Sequence[int]) -> bytes:

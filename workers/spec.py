@@ -50,9 +50,10 @@ class EngineSpec:
         cfg = ModelConfig.from_file(model_dir / "config.json")
         return cls.of(cfg, options or EngineOptions(), model_fingerprint(model_dir))
 
-    def hash_root(self, cache_salt: str | None = None) -> bytes:
-        """The root of this engine's page-hash chains under `cache_salt`: what a request carries."""
-        return root_hash(self.fingerprint, self.page_size, cache_salt)
+    def hash_root(self, cache_salt: str | None = None, tenant: str | None = None) -> bytes:
+        """The root of this engine's page-hash chains for `tenant` under `cache_salt`: what a
+        request carries."""
+        return root_hash(self.fingerprint, self.page_size, cache_salt, tenant)
 
     def page_hashes(self, token_ids: Sequence[int], root: bytes) -> list[bytes]:
         """The hashes of a prompt's whole pages under `root` (one per page_size tokens)."""

@@ -46,7 +46,7 @@ class ChatCompletions:
         self.serving = serving
 
     async def __call__(self, req: ChatCompletionRequest, request_id: str, arrived: float,
-                       client_gone: Callable[[], Awaitable[None]]) -> Response:
+                       client_gone: Callable[[], Awaitable[None]], tenant: str | None = None) -> Response:
         s = self.serving
         s.check_common(req)
         if req.top_logprobs is not None and not req.logprobs:
@@ -61,7 +61,7 @@ class ChatCompletions:
         params = s.sampling(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
                            {"max_tokens": name, "logprobs": "top_logprobs"})
         s.admit(req.n)
-        requests = s.engine_requests(request_id, req, [prompt], params)
+        requests = s.engine_requests(request_id, req, [prompt], params, tenant)
         choices = [Choice(i, s.tokenizer, prompt.ids, req.stop_strings(),
                           ReasoningParser(prompt.opens_think) if s.reasoning_model else None)
                    for i in range(req.n)]

@@ -39,7 +39,7 @@ class Completions:
         self.serving = serving
 
     async def __call__(self, req: CompletionRequest, request_id: str, arrived: float,
-                       client_gone: Callable[[], Awaitable[None]]) -> Response:
+                       client_gone: Callable[[], Awaitable[None]], tenant: str | None = None) -> Response:
         s = self.serving
         s.check_common(req)
         if req.suffix:
@@ -52,7 +52,7 @@ class Completions:
         max_tokens = min(s.max_tokens(req, len(p.ids), "prompt") for p in prompts)
         params = s.sampling(req, max_tokens, req.logprobs, {})
         s.admit(req.n * len(prompts))
-        requests = s.engine_requests(request_id, req, prompts, params)
+        requests = s.engine_requests(request_id, req, prompts, params, tenant)
         choices = [Choice(k * req.n + i, s.tokenizer, p.ids, req.stop_strings())
                    for k, p in enumerate(prompts) for i in range(req.n)]
         echoes = [self._echo(req, p) for p in prompts for _ in range(req.n)]

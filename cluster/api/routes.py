@@ -123,13 +123,15 @@ def build_app(client: EngineClient, model_dir: str | Path, served_model_name: st
     async def chat_completions(request: Request) -> Response:
         arrived = time.monotonic()
         req = parse_body(ChatCompletionRequest, await request.body())
-        return await chat(req, request.state.request_id, arrived, lambda: _client_gone(request))
+        return await chat(req, request.state.request_id, arrived, lambda: _client_gone(request),
+                          getattr(request.state, "tenant", None))
 
     @v1.post("/completions")
     async def text_completions(request: Request) -> Response:
         arrived = time.monotonic()
         req = parse_body(CompletionRequest, await request.body())
-        return await completions(req, request.state.request_id, arrived, lambda: _client_gone(request))
+        return await completions(req, request.state.request_id, arrived, lambda: _client_gone(request),
+                                 getattr(request.state, "tenant", None))
 
     app.include_router(v1)
     return app

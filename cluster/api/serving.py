@@ -108,14 +108,15 @@ class Serving:
                            code="queue_full", headers={"Retry-After": "1"})
 
     def engine_requests(self, request_id: str, req: SamplingFields, prompts: list[Prepared],
-                        params: list[SamplingParams]) -> list[GenerateRequest]:
+                        params: list[SamplingParams], tenant: str | None = None) -> list[GenerateRequest]:
         """One engine request per (prompt, choice). Their ids are new, unique by construction:
         `request_id` (the client's X-Request-Id, or ours) is a label for logs and the client,
-        never an engine key, so a reused label touches no other request."""
+        never an engine key, so a reused label touches no other request. Page hashes are rooted
+        in the tenant (who asked) and the request's cache_salt: tenants never share a page."""
         internal = uuid.uuid4().hex
         log.debug("request %s runs as engine requests %s-*", request_id, internal)
         spec = self.client.spec
-        root = spec.hash_root(req.cache_salt)
+        root = spec.hash_root(req.cache_salt, tenant)
         out = []
         for p_index, p in enumerate(prompts):
             hashes = spec.page_hashes(p.ids, root)
