@@ -106,8 +106,10 @@ class Engine:
                                        interval_pages=options.checkpoint_interval_pages, seed=options.seed,
                                        settle_after=4 * options.max_num_seqs)
         rows = options.max_num_seqs + 1  # running sequences, and one scored by prompt_logits
+        # Events are queued once something drains them (the cluster's replica does; the first
+        # drain is a snapshot): an engine used alone, or served in-process, keeps none.
         self.cache = PrefixCache(layout, self.policy, options.page_size, recurrent=cfg.has_recurrent_layers,
-                                 max_rows=rows)
+                                 max_rows=rows, record_events=False)
         self.scheduler = Scheduler(options, self.cache, self.policy, frozenset(cfg.eos_token_ids) | eos_token_ids)
         self.runner = ModelRunner(model, layout, options.page_size, rows)
         self.sampler = Sampler(options.seed)
@@ -278,14 +280,14 @@ class Engine:
     def drain_events(self) -> EventBatch | None:
         """What changed in the cache since the last drain, as the next numbered batch. The first
         batch is a snapshot: a (re)started worker introduces itself with its full contents."""
-        if self.events.next_seq == 0:
+        if self.events.next_seq == 0 or self.cache.events_dropped:  # first, or what was queued is lost
             return self.snapshot_events()
         events = self.cache.drain_events()
         return self.events.batch(events) if events else None
 
     def snapshot_events(self) -> EventBatch:
         """Everything resident now, as a self-contained batch (the answer to a resync request)."""
-        self.cache.drain_events()  # superseded by the snapshot
+        self.cache.forget_events()  # superseded by the snapshot
         pages, states = self.cache.snapshot()
         return self.events.snapshot(pages, states)
 

@@ -72,8 +72,10 @@ class CacheStats:
 
 class PrefixCache:
     def __init__(self, layout: ArenaLayout, policy: CheckpointPolicy, page_size: int, recurrent: bool,
-                 max_rows: int = 65):
-        """max_rows: sequences that may hold pages at once (page-table rows)."""
+                 max_rows: int = 65, record_events: bool = True):
+        """max_rows: sequences that may hold pages at once (page-table rows). record_events:
+        queue events from the start (else from the first `forget_events`, when a snapshot
+        introduces the cache to whoever drains it)."""
         self.layout, self.policy, self.page_size, self.recurrent = layout, policy, page_size, recurrent
         self.max_rows = max_rows
         self._free_rows = list(range(max_rows - 1, -1, -1))
@@ -87,6 +89,8 @@ class PrefixCache:
         self._pinned: list[bytes] = []
         self._demoted: set[bytes] = set()
         self._events: list = []
+        self.events_dropped = False
+        self.record_events = record_events
         self.stats = CacheStats()
 
     def pages_for_tokens(self, num_tokens: int) -> int:
@@ -281,7 +285,7 @@ class PrefixCache:
         self.checkpoints.store(slot, page_hash, depth, kinds, exact_tail)
         self.budget.list_checkpoint(page_hash)
         self.arena.slot_evictable(slot, True)
-        self._events.append(StateStored(page_hash))
+        self._event(StateStored(page_hash))
         self.stats.checkpoints_stored += 1
         for k in kinds:
             self.stats.by_kind.setdefault(k, {"stored": 0})["stored"] += 1
@@ -327,7 +331,7 @@ class PrefixCache:
 
     def _flush_run(self, hashes: list[bytes], start: int, run: list[bytes]) -> None:
         if run:
-            self._events.append(PagesStored(tuple(run), hashes[start - 1] if start else None))
+            self._event(PagesStored(tuple(run), hashes[start - 1] if start else None))
 
     # ---- ending -------------------------------------------------------------------------------
     def finish(self, seq: Sequence) -> None:
@@ -438,13 +442,13 @@ class PrefixCache:
             removed.append(page_hash)
             if self.checkpoints.get(page_hash) is not None:  # a pinned one goes all the same
                 self._remove_checkpoint(page_hash, listed=self.budget.unlist_checkpoint(page_hash))
-        self._events.append(PagesRemoved(tuple(removed)))
+        self._event(PagesRemoved(tuple(removed)))
 
     def _remove_checkpoint(self, page_hash: bytes, listed: bool) -> None:
         ckpt = self.checkpoints.remove(page_hash)
         self.arena.free_slot(ckpt.slot, blocked=not listed)
         self.stats.checkpoints_evicted += 1
-        self._events.append(StateRemoved(page_hash))
+        self._event(StateRemoved(page_hash))
 
     def remove_checkpoint(self, page_hash: bytes) -> bool:
         """Drops one stored checkpoint (operators and tests); False if absent or pinned."""
@@ -459,19 +463,40 @@ class PrefixCache:
         while self.budget.coldest() is not None:
             self._evict_coldest()
         self._events.clear()
+        if not self.record_events:
+            return
         self._events.append(AllCleared())
         for page_hash, parent in self.pages.registered():
             self._events.append(PagesStored((page_hash,), parent))
         self._events.extend(StateStored(h) for h in self.checkpoints.hashes())
 
     # ---- reporting --------------------------------------------------------------------------
+    MAX_QUEUED_EVENTS = 65536  # undrained (no index, or a stuck one): dropped, and the next drain resyncs
+
+    def _event(self, event) -> None:
+        if not self.record_events:
+            return
+        if len(self._events) >= self.MAX_QUEUED_EVENTS:
+            self._events.clear()
+            self.events_dropped = True
+        self._events.append(event)
+
     def drain_events(self) -> list:
+        """The events queued since the last drain. If some were dropped meanwhile
+        (`events_dropped`), they no longer describe the cache: the caller sends a snapshot."""
         events, self._events = self._events, []
         return events
 
     def snapshot(self) -> tuple[list[tuple[bytes, bytes | None]], list[bytes]]:
         """What is resident now: (page hash, parent) pairs parents first, and checkpoint hashes."""
         return self.pages.registered(), self.checkpoints.hashes()
+
+    def forget_events(self) -> None:
+        """Drops the queued events: a snapshot sent now supersedes them. Events are queued from
+        now on, if they were not already."""
+        self._events.clear()
+        self.events_dropped = False
+        self.record_events = True
 
     @property
     def num_running_slots(self) -> int:
