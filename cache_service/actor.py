@@ -129,13 +129,17 @@ class CacheIndexActor:
         return self._index.workers_needing_resync()
 
     async def needs_resync(self, worker_id: str) -> bool:
+        """Whether `worker_id` must send a snapshot: it lost events, or the index lost what it
+        knew (restarted without Redis, or its Redis lost everything) and does not know it since."""
         if self._index.needs_resync(worker_id):
             return True
-        return self._resync_unknown and worker_id not in self._index.workers()
+        forgot = self._resync_unknown or self._index.store_lost()
+        return forgot and worker_id not in self._index.workers()
 
     async def stats(self) -> dict[str, Any]:
         self._watch()
         return dict(self._index.stats(), backend=self._backend, restarted=self._restarted,
+                    store_losses=self._index.store_losses,
                     resync_unknown_workers=self._resync_unknown, decode_errors=self._decode_errors,
                     workers_reaped=self._reaped)
 

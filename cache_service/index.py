@@ -255,6 +255,19 @@ class CacheIndex:
     def workers_needing_resync(self) -> set[str]:
         return self._store.needing_resync()
 
+    def store_lost(self) -> bool:
+        """True once the backend has lost its contents (a Redis restarted empty) and was claimed
+        again: workers the index does not know since must resync. Checks the backend now."""
+        reclaim = getattr(self._store, "reclaim_if_lost", None)
+        if reclaim is not None:
+            reclaim()
+        return self.store_losses > 0
+
+    @property
+    def store_losses(self) -> int:
+        """Times the backend lost its contents and was claimed again (0 for the in-memory one)."""
+        return getattr(self._store, "losses", 0)
+
     def needs_resync(self, worker_id: str) -> bool:
         """The worker lost events and scores 0/0 until its next snapshot."""
         return self._store.status(worker_id).needs_resync

@@ -15,6 +15,9 @@ Rules it keeps:
 - One writer per namespace. A writing store takes the next `epoch` when it is made; every write
   WATCHes `epoch` and fails with `StoreSuperseded` once a newer writer exists, so a zombie
   actor cannot corrupt what its replacement owns. Readers (writer=False) never write.
+- A namespace whose `epoch` is gone lost everything with it (a Redis restarted empty, a flush):
+  the writer claims it again with its own epoch (`reclaim_if_lost`, counted in `losses`) and
+  writes on; the index then asks the workers it no longer knows to resync.
 - A write is one MULTI/EXEC: a reader sees a batch entirely or not at all, and a writer that dies
   mid-batch leaves nothing half-applied (the sender retries; redelivery is harmless).
 - The event semantics are `MemoryStore`'s: a write loads a slice (the keys the batch touches)
@@ -63,6 +66,7 @@ class RedisStore:
         self._k_workers, self._k_pages = f"{namespace}:workers", f"{namespace}:pages"
         self._k_counts, self._k_epoch = f"{namespace}:counts", f"{namespace}:epoch"
         self._epoch = int(client.incr(self._k_epoch)) if writer else None
+        self.losses = 0  # times this namespace was found gone and claimed again
 
     @classmethod
     def from_url(cls, url: str, namespace: str, max_pages: int = 4_000_000, writer: bool = True,
@@ -70,6 +74,15 @@ class RedisStore:
         """A store on `url` (redis://host:port/db); a hung Redis fails calls after `timeout_s`."""
         client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         return cls(client, namespace, max_pages, writer)
+
+    def reclaim_if_lost(self) -> bool:
+        """If the namespace's `epoch` is gone (its data with it), claims it again with this
+        writer's epoch; True if it did. A newer writer always has a larger epoch, set after the
+        loss, so a claim never takes a namespace from one."""
+        if self._epoch is None or not self._r.set(self._k_epoch, self._epoch, nx=True):
+            return False
+        self.losses += 1
+        return True
 
     def _held_keys(self, worker: str) -> tuple[str, str]:
         return f"{self.namespace}:w:{worker}:pages", f"{self.namespace}:w:{worker}:states"
@@ -115,6 +128,8 @@ class RedisStore:
             if full:
                 reads.smembers(k_pages).smembers(k_states)
             epoch, workers, entries, *members = reads.execute()
+            if epoch is None and self.reclaim_if_lost():  # the store lost everything: write into the new one
+                return self._write(worker, touched, full, change)
             if int(epoch or 0) != self._epoch:
                 raise StoreSuperseded(f"namespace {self.namespace!r} has a newer writer "
                                       f"(epoch {int(epoch or 0)} > {self._epoch})")

@@ -405,3 +405,25 @@ def test_the_replaced_writer_can_no_longer_write_but_readers_can_still_read(redi
         old.apply(a.batch([chain(1, start=2)]))
     assert new.contents("a") == (frozenset(H[:2]), frozenset())
     assert old.score(H[:2]) == {"a": WorkerScore(2, 0)}, "reading needs no epoch"
+
+
+def test_a_redis_that_lost_everything_is_claimed_again_and_workers_it_forgot_resync(redis_backend):
+    """A Redis restarted empty (here: its keys wiped) must not fence the writer out for good: the
+    next write claims the namespace again, and workers the index no longer knows resync."""
+    import redis
+
+    backend = redis_backend
+    index, a = backend.make(), EventStream("a")
+    assert index.apply(a.batch([chain(3)]))
+    client = redis.Redis.from_url(backend.url)
+    client.delete(*client.scan_iter(match=f"{backend.namespace}:*"))  # as a Redis restarted empty: epoch too
+    assert not index.apply(a.batch([chain(1, start=3)])), "an unknown worker's incremental batch is a gap"
+    assert index.store_losses == 1 and index.store_lost()
+    assert index.needs_resync("a")
+    assert index.apply(a.snapshot([(h, p) for h, p in zip(H[:4], [None, *H[:3]])], [H[2]]))
+    assert index.score(H[:4])["a"] == WorkerScore(4, 3)
+    newer = backend.reopen()  # a newer writer still fences this one out
+    from cache_service.redis_store import StoreSuperseded
+    with pytest.raises(StoreSuperseded):
+        index.apply(a.batch([]))
+    assert newer.contents("a")[0] == frozenset(H[:4])
