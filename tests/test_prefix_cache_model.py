@@ -64,6 +64,12 @@ class Harness:
         for b in self.slot_blocks(slot):
             self.device[b] = ("state", prefix)
 
+    def apply_moves(self) -> None:
+        """The runner's part before a step: pages the cache moved are copied to their new blocks."""
+        for src, dst in self.cache.take_page_moves():
+            assert self.device[src][0] == "page", "only a page moves"
+            self.device[dst] = self.device[src]
+
     def holds_state(self, slot: int, prefix: tuple) -> bool:
         return all(self.device.get(b) == ("state", prefix) for b in self.slot_blocks(slot))
 
@@ -108,6 +114,7 @@ class Harness:
             self.refused += 1
             return
         restore = cache.admit(seq, m, n - m.resume_token)
+        self.apply_moves()
         self.hits += m.resume_token
         held = {p for r in self.running + self.computing for p in r.cache.page_ids}
         assert not set(seq.cache.page_ids[m.hit_pages:]) & held, "a held page was handed out again"
@@ -136,6 +143,7 @@ class Harness:
         for j in range(seq.resume_pages + 1, n // PS + 1):
             if self.rng.random() < 0.5:
                 slot = cache.take_checkpoint_slot()
+                self.apply_moves()
                 if slot is not None:
                     self.write_state(slot, tuple(tokens[:j * PS]))
                     if cache.commit_checkpoint(seq, slot, j, {"every"}):
@@ -205,10 +213,12 @@ def run_prompt(harness: Harness, tokens: list[int], checkpoint_at: tuple[int, ..
     m = cache.match(seq)
     assert cache.can_admit(seq, m, len(tokens) - m.resume_token)
     cache.admit(seq, m, len(tokens) - m.resume_token)
+    harness.apply_moves()
     seq.num_computed = len(tokens)
     cache.register_pages(seq)
     for j in checkpoint_at:
         cache.commit_checkpoint(seq, cache.take_checkpoint_slot(), j, {"every"})
+        harness.apply_moves()
     cache.end_pass()
     cache.release(seq)
     harness.check()

@@ -167,19 +167,40 @@ class Arena:
         return not self._slot[g] and self._pages_in[g] == 0
 
     # ---- pages ---------------------------------------------------------------------------------
-    def take_page(self) -> int | None:
-        """The lowest free block, now a page (held: the caller holds it), or None."""
+    def take_page(self, outside: int | None = None) -> int | None:
+        """The lowest free block (not in group `outside`, if given), now a page held by the
+        caller; None if there is none."""
+        passed = []
+        taken = None
         while self._free_heap:
-            _, b = heapq.heappop(self._free_heap)
-            if self._free[b]:
-                self._free[b] = 0
-                self._num_free -= 1
-                g = self.group_of_page(b)
-                if g is not None:
-                    self._pages_in[g] += 1
-                    self._block(g)
-                return b
-        return None
+            entry = heapq.heappop(self._free_heap)
+            b = entry[1]
+            if not self._free[b]:
+                continue  # stale
+            if outside is not None and self.group_of_page(b) == outside:
+                passed.append(entry)
+                continue
+            taken = b
+            break
+        for entry in passed:
+            heapq.heappush(self._free_heap, entry)
+        if taken is not None:
+            self._free[taken] = 0
+            self._num_free -= 1
+            g = self.group_of_page(taken)
+            if g is not None:
+                self._pages_in[g] += 1
+                self._block(g)
+        return taken
+
+    def free_blocks_outside(self, group: int) -> int:
+        """Free blocks not in `group`."""
+        inside = sum(self._free[b] for b in self.pages_of_group(group))
+        return self._num_free - inside
+
+    def pages_in(self, group: int) -> int:
+        """Blocks of `group` holding pages."""
+        return self._pages_in[group]
 
     def free_page(self, page: int) -> None:
         """A page's block is free again; the page is not held (`page_held(page, False)` first)."""

@@ -2,7 +2,8 @@
 pages and stored checkpoints, and the bytes they would free.
 
 An item is listed while it is evictable: a page nobody holds, a checkpoint no admission has
-pinned. Both kinds share one clock, so "least recently used" compares a page with a checkpoint;
+pinned; both are named by their chain hash (a page keeps its name when the cache moves it to
+another block). Both kinds share one clock, so "least recently used" compares a page with a checkpoint;
 they are kept as two queues (each in clock order) so either kind's coldest is found at once.
 A demoted checkpoint (its conversation moved on: rule 7) goes colder than anything used.
 
@@ -22,7 +23,7 @@ PAGE, CHECKPOINT = "page", "checkpoint"
 class CacheBudget:
     def __init__(self, block_bytes: int, slot_blocks: int):
         self.block_bytes, self.slot_blocks = block_bytes, slot_blocks
-        self._pages: OrderedDict[int, int] = OrderedDict()    # page id -> tick of last use
+        self._pages: OrderedDict[bytes, int] = OrderedDict()  # page hash -> tick of last use
         self._ckpts: OrderedDict[bytes, int] = OrderedDict()  # checkpoint hash -> tick of last use
         self._tick = 0
 
@@ -43,8 +44,8 @@ class CacheBudget:
     def evictable_bytes(self) -> int:
         return self.evictable_blocks * self.block_bytes
 
-    def has_page(self, page: int) -> bool:
-        return page in self._pages
+    def has_page(self, page_hash: bytes) -> bool:
+        return page_hash in self._pages
 
     def has_checkpoint(self, page_hash: bytes) -> bool:
         return page_hash in self._ckpts
@@ -54,22 +55,22 @@ class CacheBudget:
         self._tick += 1
         return self._tick
 
-    def list_page(self, page: int) -> None:
+    def list_page(self, page_hash: bytes) -> None:
         """The page became evictable: it goes to the hot end."""
-        self._pages[page] = self._next_tick()
+        self._pages[page_hash] = self._next_tick()
 
     def list_checkpoint(self, page_hash: bytes) -> None:
         self._ckpts[page_hash] = self._next_tick()
 
-    def unlist_page(self, page: int) -> bool:
+    def unlist_page(self, page_hash: bytes) -> bool:
         """The page is held again or gone; False if it was not listed."""
-        return self._pages.pop(page, None) is not None
+        return self._pages.pop(page_hash, None) is not None
 
-    def unlist_pages(self, pages: list[int]) -> None:
+    def unlist_pages(self, page_hashes: list[bytes]) -> None:
         """Unlists listed pages (all of them must be listed)."""
         pop = self._pages.pop
-        for page in pages:
-            pop(page)
+        for page_hash in page_hashes:
+            pop(page_hash)
 
     def unlist_checkpoint(self, page_hash: bytes) -> bool:
         return self._ckpts.pop(page_hash, None) is not None
@@ -85,22 +86,22 @@ class CacheBudget:
         self._ckpts.move_to_end(page_hash, last=False)
 
     # ---- order -----------------------------------------------------------------------------------
-    def coldest_page(self) -> int | None:
+    def coldest_page(self) -> bytes | None:
         return next(iter(self._pages), None)
 
     def coldest_checkpoint(self) -> bytes | None:
         return next(iter(self._ckpts), None)
 
-    def coldest(self) -> tuple[str, int | bytes] | None:
-        """The least recently used item, (PAGE, page id) or (CHECKPOINT, hash); None if nothing
-        is evictable."""
+    def coldest(self) -> tuple[str, bytes] | None:
+        """The least recently used item, (PAGE, hash) or (CHECKPOINT, hash); None if nothing is
+        evictable."""
         page = next(iter(self._pages.items()), None)
         ckpt = next(iter(self._ckpts.items()), None)
         if ckpt is not None and (page is None or ckpt[1] < page[1]):
             return CHECKPOINT, ckpt[0]
         return (PAGE, page[0]) if page is not None else None
 
-    def cold_first(self) -> Iterator[tuple[str, int | bytes]]:
+    def cold_first(self) -> Iterator[tuple[str, bytes]]:
         """Every listed item, coldest first, read lazily: stop iterating before evicting."""
         pages, ckpts = iter(self._pages.items()), iter(self._ckpts.items())
         page, ckpt = next(pages, None), next(ckpts, None)

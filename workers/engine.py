@@ -270,7 +270,8 @@ class Engine:
             plan = StepPlan(decodes=[segment] if len(prompt) == 1 else [],
                             prefills=[] if len(prompt) == 1 else [segment],
                             fresh_state_slots=[seq.cache.state_slot],
-                            page_table_writes=self.cache.take_page_table_writes())
+                            page_table_writes=self.cache.take_page_table_writes(),
+                            page_moves=self.cache.take_page_moves())
             return self.runner.execute(plan, all_logits=True)
         finally:
             self.cache.end_pass()

@@ -111,6 +111,14 @@ class PagePool:
             self._children.setdefault(parent, set()).add(page_hash)
         return True
 
+    def move(self, src: int, dst: int) -> None:
+        """A cached page now lives on block `dst` (its K/V copied there): same hash, new id."""
+        if src in self._refs or src not in self._hash_of or dst in self._hash_of or dst in self._refs:
+            raise RuntimeError(f"move({src}, {dst}): only a cached page moves, to a free block")
+        page_hash = self._hash_of.pop(src)
+        self._hash_of[dst] = page_hash
+        self._page_of[page_hash] = dst
+
     def evict(self, page: int) -> list[tuple[int, bytes]]:
         """Unregisters a cached page and its cached descendants; returns (page, hash) of each,
         deepest first. Their blocks are free: the caller gives them back to the arena."""

@@ -80,6 +80,7 @@ class PrefixCache:
         self.max_rows = max_rows
         self._free_rows = list(range(max_rows - 1, -1, -1))
         self._table_writes: list[PageTableWrite] = []
+        self._page_moves: list[tuple[int, int]] = []
         self.arena = Arena(layout)
         self.pages = PagePool()
         self.checkpoints = CheckpointStore()
@@ -167,7 +168,7 @@ class PrefixCache:
         c = seq.cache
         c.page_ids = list(self._hit_page_ids(seq, m))
         was_cached = self.pages.acquire_all(c.page_ids)  # no longer evictable
-        self.budget.unlist_pages(was_cached)
+        self.budget.unlist_pages(list(map(self.pages.hash_of, was_cached)))
         self.arena.pages_held(was_cached)
         c.shared_pages = c.registered_pages = m.hit_pages
         c.register_stopped = False
@@ -364,7 +365,7 @@ class PrefixCache:
     # ---- holding and taking ---------------------------------------------------------------------
     def _hold(self, page: int) -> int:
         if self.pages.acquire(page):  # it was cached: no longer evictable
-            self.budget.unlist_page(page)
+            self.budget.unlist_page(self.pages.hash_of(page))
             self.arena.page_held(page, True)
         return page
 
@@ -373,7 +374,7 @@ class PrefixCache:
         if state != "held":
             self.arena.page_held(page, False)
             if state == "cached":
-                self.budget.list_page(page)
+                self.budget.list_page(self.pages.hash_of(page))
             else:
                 self.arena.free_page(page)
 
@@ -389,7 +390,7 @@ class PrefixCache:
     def _take_pages(self, n: int) -> list[int]:
         cap = self.layout.max_pages
         while cap is not None and self.pages.num_resident + n > cap:  # only a page eviction helps
-            self._evict_page(self.budget.coldest_page())
+            self._evict_page(self.pages.page_of(self.budget.coldest_page()))
         while self.arena.num_free_blocks < n:
             self._evict_coldest()
         out = []
@@ -408,26 +409,51 @@ class PrefixCache:
             raise RuntimeError("no state slot could be had; call can_admit or take_checkpoint_slot")
         return slot
 
+    GROUP_CANDIDATES = 8  # unblocked groups weighed when one must be emptied for a state slot
+
     def _empty_a_group(self) -> None:
-        """Evicts everything in the unblocked group holding the coldest evictable item."""
-        arena = self.arena
+        """Empties an unblocked group for a state slot. Candidates are the groups of the coldest
+        evictable items; of those, the one holding the fewest pages is taken. Its pages move to
+        free blocks elsewhere (their K/V is copied before the step: `take_page_moves`), so the
+        slot costs a copy, not the pages; only what finds no free block is evicted. A group that
+        is a stored checkpoint's slot loses that checkpoint."""
+        arena, candidates = self.arena, []
         for kind, item in self.budget.cold_first():
-            group = self.checkpoints.get(item).slot if kind == CHECKPOINT else arena.group_of_page(item)
-            if group is not None and not arena.is_blocked(group):
-                break
-        else:
+            group = self.checkpoints.get(item).slot if kind == CHECKPOINT else \
+                arena.group_of_page(self.pages.page_of(item))
+            if group is not None and not arena.is_blocked(group) and group not in candidates:
+                candidates.append(group)
+                if len(candidates) == self.GROUP_CANDIDATES:
+                    break
+        if not candidates:
             return
+        group = min(candidates, key=lambda g: (not arena.is_slot(g), arena.pages_in(g)))
         if arena.is_slot(group):
             self._evict_checkpoint(self.checkpoints.in_slot(group).page_hash)
             return
-        for block in arena.pages_of_group(group):
-            if self.pages.hash_of(block) is not None and not arena.is_free(block):
-                self._evict_page(block)
+        pages = [b for b in arena.pages_of_group(group) if not arena.is_free(b)]  # all cached: unblocked
+        for page in pages:
+            if self.pages.hash_of(page) is None:
+                continue  # evicted meanwhile, with an ancestor
+            dst = arena.take_page(outside=group)
+            if dst is None:
+                self._evict_page(page)
+                continue
+            arena.page_held(dst, False)  # a cached page: it blocks nothing
+            self.pages.move(page, dst)
+            arena.free_page(page)
+            self._page_moves.append((page, dst))
+
+    def take_page_moves(self) -> list[tuple[int, int]]:
+        """(from block, to block) of the pages moved since the last call, in order: the runner
+        copies their K/V before the step that comes with them, before anything else."""
+        moves, self._page_moves = self._page_moves, []
+        return moves
 
     # ---- eviction ---------------------------------------------------------------------------
     def _evict_coldest(self) -> None:
         kind, item = self.budget.coldest()
-        self._evict_checkpoint(item) if kind == CHECKPOINT else self._evict_page(item)
+        self._evict_checkpoint(item) if kind == CHECKPOINT else self._evict_page(self.pages.page_of(item))
 
     def _evict_checkpoint(self, page_hash: bytes) -> None:
         self.budget.unlist_checkpoint(page_hash)
@@ -436,7 +462,7 @@ class PrefixCache:
     def _evict_page(self, first: int) -> None:
         removed = []
         for page, page_hash in self.pages.evict(first):
-            self.budget.unlist_page(page)
+            self.budget.unlist_page(page_hash)
             self.arena.free_page(page)
             self.stats.pages_evicted += 1
             removed.append(page_hash)

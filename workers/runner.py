@@ -36,6 +36,7 @@ class ModelRunner:
         self.device, self.dtype = p.device, p.dtype
         self.page_size = page_size
         self.arena = torch.zeros(layout.arena_bytes, dtype=torch.uint8, device=self.device)
+        self._blocks = self.arena.view(layout.num_blocks, layout.block_bytes)  # one row per block
         self.caches = ModelCaches(*self._views(layout))
         self._table = np.zeros((max_rows, 64), dtype=np.int32)  # row -> page ids, widened on demand
 
@@ -64,10 +65,12 @@ class ModelRunner:
 
     def execute(self, plan: StepPlan, all_logits: bool = False) -> torch.Tensor:
         """Runs one step; returns fp32 logits [num sampling segments, vocab] in plan order
-        (or, with `all_logits`, one row per computed token). Before the model: restore
-        checkpoints into resuming sequences' slots, zero fresh slots. After: snapshot slots
-        into checkpoint slots."""
+        (or, with `all_logits`, one row per computed token). Before the model: copy moved pages,
+        restore checkpoints into resuming sequences' slots, zero fresh slots. After: snapshot
+        slots into checkpoint slots."""
         states = (self.caches.conv_states, self.caches.ssm_states)
+        if plan.page_moves:  # pages the cache moved to make room for a state slot: before anything writes there
+            self._move_blocks(plan.page_moves)
         if plan.restores:
             self._copy_slots(states, plan.restores)
         if plan.fresh_state_slots:
@@ -78,6 +81,16 @@ class ModelRunner:
         if plan.snapshots:
             self._copy_slots(states, plan.snapshots)
         return logits
+
+    def _move_blocks(self, moves: list[tuple[int, int]]) -> None:
+        """Copies block `src` to block `dst` for each move, in order (one copy when no move reads
+        a block an earlier one wrote)."""
+        sources, targets = [s for s, _ in moves], [d for _, d in moves]
+        if set(sources).isdisjoint(targets):
+            self._blocks[self._index(targets)] = self._blocks[self._index(sources)]
+            return
+        for src, dst in moves:
+            self._blocks[dst] = self._blocks[src]
 
     def _index(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

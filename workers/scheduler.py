@@ -79,6 +79,7 @@ class StepPlan:
     commits: list[Commit] = field(default_factory=list)  # checkpoints to store after the step
     preempted: list[Sequence] = field(default_factory=list)
     page_table_writes: list[PageTableWrite] = field(default_factory=list)  # apply before the step
+    page_moves: list[tuple[int, int]] = field(default_factory=list)  # (from, to) block copies, first of all
 
     @property
     def segments(self) -> list[Segment]:
@@ -172,6 +173,7 @@ class Scheduler:
                                                                         f"{type(e).__name__}"), e)
         if plan:
             plan.page_table_writes = self.cache.take_page_table_writes()
+            plan.page_moves = self.cache.take_page_moves()
         return plan
 
     def _inflight_pages(self) -> dict[bytes, Sequence]:
