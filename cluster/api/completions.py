@@ -51,7 +51,7 @@ class Completions:
         prompts = await asyncio.to_thread(s.completion_prompts, req)
         max_tokens = min(s.max_tokens(req, len(p.ids), "prompt") for p in prompts)
         params = s.sampling(req, max_tokens, req.logprobs, {})
-        s.admit(req.n * len(prompts))
+        s.admit(req.n * len(prompts), "n" if len(prompts) == 1 else "prompt")
         requests = s.engine_requests(request_id, req, prompts, params, tenant)
         choices = [Choice(k * req.n + i, s.tokenizer, p.ids, req.stop_strings())
                    for k, p in enumerate(prompts) for i in range(req.n)]

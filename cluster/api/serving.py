@@ -3,9 +3,10 @@
 The ingress does its share of the prefix cache's work here, once per prompt: render the chat
 template, tokenize, turn message starts into checkpoint hints, and hash whole pages with the
 engine's root under the request's cache_salt. Then it checks what only it can check (model
-name, context length with both numbers, fields we cannot honour, queue room: 429 when full),
-starts one engine request per choice (`seed + i` for choice i) and waits for the first output,
-so a request the engine refuses is still a 400 even when streaming. A non-streaming request
+name, context length with both numbers, fields we cannot honour, queue room: 429 when full,
+413 for a request that could never fit the queue), starts one engine request per choice
+(`seed + i` for choice i) and waits for the first output, so a request the engine refuses is
+still a 400 even when streaming. A non-streaming request
 whose client disconnects is aborted too. Prompt tokens are counted once per prompt, completion
 tokens summed over choices; cached_tokens is a prompt's smallest over its choices.
 """
@@ -101,7 +102,10 @@ class Serving:
                 raise bad_request(message, param) from None
         return out
 
-    def admit(self, count: int) -> None:
+    def admit(self, count: int, param: str = "n") -> None:
+        if count > self.max_waiting:
+            raise APIError(413, f"this request makes {count} engine requests (choices times prompts); the server "
+                                f"queues at most {self.max_waiting}", param, "limit_exceeded")
         waiting = self.client.num_waiting()
         if waiting + count > self.max_waiting:
             raise APIError(429, f"the server's queue is full ({waiting} requests waiting); retry later",
