@@ -139,14 +139,14 @@ class Serving:
         add_generation_prompt = req.add_generation_prompt and not req.continue_final_message
         if req.continue_final_message and messages[-1]["role"] != "assistant":
             raise bad_request("continue_final_message needs an assistant message last", "continue_final_message")
-        kwargs = dict(req.chat_template_kwargs or {})
-        clash = sorted(kwargs.keys() & {"messages", "add_generation_prompt", "tools"})
+        variables = dict(req.chat_template_kwargs or {})
+        clash = self.template.reserved_names(variables)
         if clash:
-            raise bad_request(f"chat_template_kwargs may not set {clash}; use the request fields",
-                              "chat_template_kwargs")
+            raise bad_request(f"chat_template_kwargs may not set {clash}: the renderer or Jinja own these "
+                              f"names (use the request's own fields for messages, tools and "
+                              f"add_generation_prompt)", "chat_template_kwargs")
         try:
-            text, starts = self.template.message_starts(messages, add_generation_prompt=add_generation_prompt,
-                                                        tools=req.tools, **kwargs)
+            text, starts = self.template.message_starts(messages, add_generation_prompt, req.tools, variables)
         except TemplateError as e:
             raise bad_request(str(e), "messages", "template_error") from None
         if req.continue_final_message:
