@@ -1,15 +1,25 @@
 """The ingress's work before the engine is bounded: message starts cost a fixed number of renders
-however long the conversation."""
+however long the conversation; a client that leaves stops its work and frees its thread, so
+abandoned requests do not delay anyone; a request that cannot get a thread in time is a 503 with
+Retry-After."""
 
+import asyncio
+import json
 import os
 import random
 import shutil
+import socket
+import threading
+import time
+from pathlib import Path
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from cluster.api import build_app
+from cluster.api import APILimits, build_app
 from cluster.api.chat_template import HINTED_MESSAGES, ChatTemplate, common_prefix_len
+from cluster.api.server import BackgroundServer
 from workers import EngineSpec, RequestOutput
 
 MODEL = "tiny"
@@ -118,3 +128,114 @@ def test_2000_messages_over_http_take_a_fixed_number_of_renders(tiny_model_dir, 
         r = c.post(C, json=chat([{"role": "user", "content": ""}] * 2000))
     assert r.status_code == 200 and len(counted_renders) == 1 + HINTED_MESSAGES
     assert len(fake.requests[-1].checkpoint_hints) == HINTED_MESSAGES
+
+
+# ---- the pool: abandoned work stops, waiting is bounded ----------------------------------------
+class SlowTemplate(ChatTemplate):
+    """Sleeps in every render of a conversation that says SLOW; counts those renders."""
+
+    def __init__(self, source: str, render_s: float):
+        super().__init__(source)
+        self.render_s, self.slow_renders = render_s, 0
+
+    def _render(self, messages, *args):
+        if any(m.get("content") == "SLOW" for m in messages):
+            self.slow_renders += 1
+            time.sleep(self.render_s)
+        return super()._render(messages, *args)
+
+
+def slow_app(model_dir: Path, render_s: float, **limits):
+    app = build_app(ScriptedClient(), model_dir, MODEL, limits=APILimits(**limits))
+    template = SlowTemplate((model_dir / "chat_template.jinja").read_text(), render_s)
+    app.state.serving.prompts.template = template
+    return app, template
+
+
+def post_and_hang_up(url: str, body: bytes) -> None:
+    """Sends a whole request over a raw socket, then closes it without reading the answer."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as s:
+        s.sendall(b"POST " + C.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        time.sleep(0.05)
+
+
+def test_abandoned_requests_stop_and_do_not_delay_a_small_chat(tiny_model_dir):
+    app, template = slow_app(tiny_model_dir, 0.1, prepare_threads=2)
+    slow = json.dumps(chat([{"role": "user", "content": "SLOW"}] * 20)).encode()
+    with BackgroundServer(app) as server, httpx.Client(base_url=server.url, timeout=30) as http:
+        assert http.post(C, json=chat([{"role": "user", "content": "warm up"}])).status_code == 200
+        hangers = [threading.Thread(target=post_and_hang_up, args=(server.url, slow)) for _ in range(6)]
+        for t in hangers:
+            t.start()
+        for t in hangers:
+            t.join()
+        started = time.monotonic()
+        r = http.post(C, json=chat([{"role": "user", "content": "Hi"}]))
+        waited = time.monotonic() - started
+    assert r.status_code == 200
+    # each abandoned request is 9 renders of 0.1 s; run to their end on 2 threads they would
+    # hold the small chat back 2.7 s. Stopped, it waits at most for two renders in progress.
+    assert waited < 1.0, waited
+    assert template.slow_renders < 6 * (1 + HINTED_MESSAGES) / 2, template.slow_renders
+
+
+def test_a_request_that_waits_too_long_for_a_thread_is_503_with_retry_after(tiny_model_dir):
+    app, _ = slow_app(tiny_model_dir, 0.5, prepare_threads=1, prepare_wait_s=0.3)
+
+    async def main(url):
+        async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+            slow = asyncio.ensure_future(http.post(C, json=chat([{"role": "user", "content": "SLOW"}])))
+            await asyncio.sleep(0.1)
+            busy = await http.post(C, json=chat([{"role": "user", "content": "Hi"}]))
+            return await slow, busy
+
+    with BackgroundServer(app) as server:
+        slow, busy = asyncio.run(main(server.url))
+        after = httpx.post(server.url + C, json=chat([{"role": "user", "content": "Hi"}]), timeout=30)
+    assert slow.status_code == 200 and after.status_code == 200
+    assert busy.status_code == 503 and busy.headers["retry-after"] == "1"
+    assert busy.json()["error"]["code"] == "server_busy" and busy.json()["error"]["type"] == "service_unavailable"
+
+
+def test_the_pool_hands_back_every_thread_whatever_becomes_of_its_requests():
+    """One thread: a waiter whose client leaves, a waiter cancelled from outside, a waiter that
+    times out and a running job whose client leaves all give the thread back; the next job runs."""
+    from cluster.api.errors import APIError
+    from cluster.api.prep_pool import PrepPool, check
+
+    async def main():
+        pool = PrepPool(threads=1, wait_s=0.3)
+        release, started = threading.Event(), threading.Event()
+        leave_a, leave_b = asyncio.Event(), asyncio.Event()
+
+        def hold(stop):
+            started.set()
+            while not release.wait(0.01):
+                check(stop)
+            return "held"
+
+        async def never():
+            await asyncio.Event().wait()
+
+        running = asyncio.ensure_future(pool.run(hold, leave_a.wait))
+        while not started.is_set():
+            await asyncio.sleep(0.01)
+        gone = asyncio.ensure_future(pool.run(lambda stop: "never", leave_b.wait))
+        cancelled = asyncio.ensure_future(pool.run(lambda stop: "never", never))
+        await asyncio.sleep(0.05)
+        leave_b.set()
+        cancelled.cancel()
+        timed_out = await asyncio.gather(pool.run(lambda stop: "late", never), return_exceptions=True)
+        leave_a.set()  # the running job's client leaves: it stops at its next check
+        results = await asyncio.gather(running, gone, cancelled, return_exceptions=True)
+        after = await asyncio.wait_for(pool.run(lambda stop: "next", never), 2)
+        return timed_out[0], results, after
+
+    timed_out, (running, gone, cancelled), after = asyncio.run(main())
+    assert isinstance(timed_out, APIError) and timed_out.status == 503
+    assert isinstance(running, APIError) and running.status == 499
+    assert isinstance(gone, APIError) and gone.status == 499
+    assert isinstance(cancelled, asyncio.CancelledError)
+    assert after == "next"

@@ -18,12 +18,15 @@ and a next turn diverges near the end.
 from __future__ import annotations
 
 import json
+import threading
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from cluster.api.prep_pool import check
 
 HINTED_MESSAGES = 8  # messages at the end of a conversation whose starts become checkpoint hints
 RENDER_ARGUMENTS = frozenset({"messages", "add_generation_prompt", "tools"})  # what `render` passes itself
@@ -78,19 +81,20 @@ class ChatTemplate:
         return cls(source)
 
     def message_starts(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                       tools: list[dict] | None = None, variables: dict[str, Any] | None = None
-                       ) -> tuple[str, list[int]]:
+                       tools: list[dict] | None = None, variables: dict[str, Any] | None = None,
+                       stop: threading.Event | None = None) -> tuple[str, list[int]]:
         """The rendered text and the character offsets where each of the last `HINTED_MESSAGES`
         messages (and the generation prompt) starts: checkpoint hints for the prefix cache. A
         template may render earlier messages differently once later ones exist (dropped
         reasoning); an offset is then the longest common prefix with the full text, so a hint is
         never past the real start. A prefix the template refuses (some refuse a conversation
-        without a user turn) gives no hint."""
+        without a user turn) gives no hint. `stop` set ends the work between two renders."""
         variables = variables or {}
         text = self._render(messages, add_generation_prompt, tools, variables)
         end = len(messages) + (1 if add_generation_prompt else 0)
         starts = set()
         for i in range(max(1, end - HINTED_MESSAGES), end):
+            check(stop)
             try:
                 prefix = self._render(messages[:i], False, tools, variables)
             except TemplateError:

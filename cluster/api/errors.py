@@ -3,9 +3,10 @@
 Every error body is `{"error": {"message", "type", "param", "code"}}`. The client's fault is
 4xx with a message that says what to change and `param` naming the field (a dotted path such
 as `messages[2].role`); a request over a size limit is 413 (or 400 for a parameter list) with
-code `limit_exceeded`, its message giving the value and the limit; a full queue is 429 (come
-back later); our own fault is 500 with a generic message and the request id, the traceback
-going to the log under that id, never to the client.
+code `limit_exceeded`, its message giving the value and the limit. Come back later: a full
+queue is 429, no free thread to prepare the request is 503, both with Retry-After. Our own
+fault is 500 with a generic message and the request id, the traceback going to the log under
+that id, never to the client. A client that left is logged as 499.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from cluster.api.responses import ErrorInfo, ErrorResponse
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
          405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
          500: "server_error", 503: "service_unavailable"}
+CLIENT_CLOSED_REQUEST = 499  # the status logged for a request whose client left (nginx's convention)
 
 
 class APIError(Exception):
@@ -45,6 +47,11 @@ class APIError(Exception):
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param, code)
+
+
+def client_closed() -> APIError:
+    """The client left before its answer: the status is for the logs and metrics; no one reads it."""
+    return APIError(CLIENT_CLOSED_REQUEST, "the client closed the request", code="client_closed")
 
 
 def internal_error(request_id: str) -> APIError:

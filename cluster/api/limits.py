@@ -17,6 +17,7 @@ Total text counts the characters of every string a request carries into the temp
 tokenizer: message contents and their parts, reasoning, names, tool call ids and tool calls
 (keys too), tool definitions, chat_template_kwargs values, text prompts and stop strings.
 Token-id prompts are bounded by the model's context length, checked before they are hashed.
+`prepare_threads` and `prepare_wait_s` size the pool that renders and tokenizes (`prep_pool`).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ LIMIT_EXCEEDED = "limit_exceeded"  # the pydantic error type, and the code clien
 
 
 class APILimits(BaseModel):
-    """Per-request bounds on the ingress's work."""
+    """Per-request bounds on the ingress's work, and the pool that does it."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -56,6 +57,10 @@ class APILimits(BaseModel):
         "special token of common tokenizers"))
     max_logit_bias: int = Field(1024, ge=0, description=(
         "logit_bias entries (400, checked before logit_bias is refused as unsupported)"))
+    prepare_threads: int = Field(4, ge=1, description=(
+        "threads that render and tokenize, shared by all requests; a request uses one at a time"))
+    prepare_wait_s: float = Field(5.0, gt=0, description=(
+        "longest a request waits for a thread before a 503 with Retry-After (the server is busy)"))
 
     def check_count(self, limit: str, count: int, what: str) -> None:
         """Raises the limit error if `count` exceeds the limit named `limit`."""

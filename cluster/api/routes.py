@@ -90,7 +90,7 @@ def build_app(client: EngineClient, model_dir: str | Path, served_model_name: st
     except TemplateError:
         template = None  # completions still work; chat answers 400
     metrics = APIMetrics()
-    serving = Serving(client, TextTokenizer.from_dir(model_dir), template, name, max_waiting, metrics)
+    serving = Serving(client, TextTokenizer.from_dir(model_dir), template, name, max_waiting, metrics, limits)
     chat, completions = ChatCompletions(serving), Completions(serving)
 
     app = FastAPI(title="cairn", summary="OpenAI-compatible API for hybrid LLMs with prefix caching",

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders
+from tokenizers import Encoding, Tokenizer, decoders
 
 REPLACEMENT = "\ufffd"
 
@@ -54,11 +54,16 @@ class TextTokenizer:
         return all(self.tokenizer.token_to_id(c) is not None for c in contents)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        return self._encode(text, add_special_tokens).ids
+
+    def _encode(self, text: str, add_special_tokens: bool) -> Encoding:
+        # encode_batch lets go of the GIL while it works (encode does not), so a long prompt
+        # tokenized on a pool thread does not stall the event loop
+        return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0]
 
     def encode_with_ends(self, text: str) -> tuple[list[int], list[int]]:
         """Token ids of `text` and, per token, the character offset where it ends."""
-        enc = self.tokenizer.encode(text, add_special_tokens=False)
+        enc = self._encode(text, False)
         ends, last = [], 0
         for _, end in enc.offsets:
             last = max(last, end)
