@@ -78,10 +78,12 @@ def _api_key_check(api_key: str | None):
 def build_app(client: EngineClient, model_dir: str | Path, served_model_name: str | None = None,
               api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
               max_waiting: int = DEFAULT_MAX_WAITING, echo_request_id: bool = True,
-              limits: APILimits | None = None) -> FastAPI:
+              limits: APILimits | None = None, special_tokens_in_content: bool = False) -> FastAPI:
     """The API over `client`; the tokenizer and chat template come from `model_dir`.
     `echo_request_id`: answer with an X-Request-Id header (off behind Ray Serve's proxy, which
-    sends its own). `limits`: what one request may ask before the engine (`cluster.api.limits`)."""
+    sends its own). `limits`: what one request may ask before the engine (`cluster.api.limits`).
+    `special_tokens_in_content`: let special-token strings in messages become control tokens
+    (off by default: `cluster.api.special_tokens`)."""
     limits = limits or DEFAULT_LIMITS
     api_key = api_key if api_key is not None else (os.environ.get("CAIRN_API_KEY") or None)
     name = served_model_name or Path(model_dir).name
@@ -90,7 +92,8 @@ def build_app(client: EngineClient, model_dir: str | Path, served_model_name: st
     except TemplateError:
         template = None  # completions still work; chat answers 400
     metrics = APIMetrics()
-    serving = Serving(client, TextTokenizer.from_dir(model_dir), template, name, max_waiting, metrics, limits)
+    serving = Serving(client, TextTokenizer.from_dir(model_dir), template, name, max_waiting, metrics, limits,
+                      special_tokens_in_content)
     chat, completions = ChatCompletions(serving), Completions(serving)
 
     app = FastAPI(title="cairn", summary="OpenAI-compatible API for hybrid LLMs with prefix caching",

@@ -41,11 +41,12 @@ log = logging.getLogger("cluster.api")
 
 class Serving:
     def __init__(self, client: EngineClient, tokenizer: TextTokenizer, template: ChatTemplate | None,
-                 model_name: str, max_waiting: int, metrics: APIMetrics, limits: APILimits = DEFAULT_LIMITS):
+                 model_name: str, max_waiting: int, metrics: APIMetrics, limits: APILimits = DEFAULT_LIMITS,
+                 special_tokens_in_content: bool = False):
         self.client, self.tokenizer = client, tokenizer
         self.model_name, self.max_waiting, self.metrics = model_name, max_waiting, metrics
         self.limits = limits
-        self.prompts = Prompts(tokenizer, template, client.spec.vocab_size)
+        self.prompts = Prompts(tokenizer, template, client.spec.vocab_size, special_tokens_in_content)
         self.reasoning_model = self.prompts.reasoning_model
         self.pool = PrepPool(limits.prepare_threads, limits.prepare_wait_s)
 
