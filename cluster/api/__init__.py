@@ -5,11 +5,14 @@
 Reading order: `routes` (build_app: the endpoints), `protocol` (request models) and `responses`
 (response models), `serving` (what both generation endpoints share: prompts, sampling,
 admission, running, streaming, counting), `chat_completions` and `completions`, then the
-pieces they use: `chat_template`, `tokenizer`, `choice` (one choice's text, stop strings via
-`stop_strings`, reasoning via `reasoning`, logprobs), `fanout` (n choices over several engine
-requests), `sse`, `errors`, `middleware`, `metrics`, `server`.
+pieces they use: `limits` (what one request may ask, checked while its body is parsed),
+`prep_pool` (the threads that do the work before the engine), `prompts` (that work: `chat_template`,
+`tokenizer`, `special_tokens`), `choice` (one choice's text, stop strings via `stop_strings`,
+reasoning via `reasoning`, logprobs), `fanout` (n choices over several engine requests), `sse`,
+`errors`, `middleware`, `metrics`, `server`.
 """
 
+from cluster.api.limits import APILimits
 from cluster.api.routes import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING, build_app
 
-__all__ = ["DEFAULT_MAX_BODY_BYTES", "DEFAULT_MAX_WAITING", "build_app"]
+__all__ = ["DEFAULT_MAX_BODY_BYTES", "DEFAULT_MAX_WAITING", "APILimits", "build_app"]

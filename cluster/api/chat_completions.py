@@ -9,7 +9,6 @@ asks for it, and `[DONE]`. A fault after the stream started is sent as an error 
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable
@@ -55,7 +54,7 @@ class ChatCompletions:
             raise bad_request("only tool_choice none or auto is supported", "tool_choice", "unsupported")
         if req.response_format is not None and req.response_format.get("type", "text") != "text":
             raise bad_request("only response_format {type: text} is supported", "response_format", "unsupported")
-        prompt = await asyncio.to_thread(s.render_chat, req)
+        prompt = await s.pool.run(lambda stop: s.prompts.chat(req, stop), client_gone)
         name, _ = req.requested_max_tokens()
         max_tokens = s.max_tokens(req, len(prompt.ids), "messages")
         params = s.sampling(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None,

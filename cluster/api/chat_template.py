@@ -5,20 +5,32 @@ The template comes from `chat_template.jinja` or, failing that, `tokenizer_confi
 `apply_chat_template(..., tokenize=False)`: a sandboxed environment with `trim_blocks` and
 `lstrip_blocks`, the loop-controls extension, a `tojson` filter that keeps non-ASCII text,
 `raise_exception(msg)` and `strftime_now(fmt)`; extra keyword arguments (such as
-`enable_thinking`) become template variables. A template error raises `TemplateError`, which
-the API turns into a 400: it is the request's messages that the template refused.
+`enable_thinking`) become template variables, except the names the renderer or Jinja own
+(`reserved_names`): the API refuses those. A template error raises `TemplateError`, which the
+API turns into a 400: it is the request's messages that the template refused.
+
+`message_starts` marks where the last `HINTED_MESSAGES` messages and the generation prompt start
+(checkpoint hints): one full render plus one render per hinted message, so its cost is linear
+in the conversation. Earlier messages need no hint: their checkpoints came from earlier turns,
+and a next turn diverges near the end.
 """
 
 from __future__ import annotations
 
 import json
-import os
+import threading
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from cluster.api.prep_pool import check
+
+HINTED_MESSAGES = 8  # messages at the end of a conversation whose starts become checkpoint hints
+RENDER_ARGUMENTS = frozenset({"messages", "add_generation_prompt", "tools"})  # what `render` passes itself
+JINJA_NAMES = frozenset({"self", "loop", "caller", "varargs", "kwargs", "super", "context"})
 
 
 class TemplateError(ValueError):
@@ -44,6 +56,14 @@ class ChatTemplate:
             self._template = env.from_string(source)
         except jinja2.TemplateSyntaxError as e:
             raise TemplateError(f"chat template does not parse: {e}") from None
+        self.source = source
+        self._reserved = RENDER_ARGUMENTS | JINJA_NAMES | set(env.globals)
+
+    def reserved_names(self, names: Any) -> list[str]:
+        """Those of `names` that a caller may not set as template variables: the renderer's own
+        arguments, Jinja's names and globals (`self`, `loop`, `namespace`, `raise_exception`,
+        ...), and anything starting with an underscore."""
+        return sorted(n for n in names if n in self._reserved or n.startswith("_"))
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "ChatTemplate":
@@ -61,25 +81,54 @@ class ChatTemplate:
         return cls(source)
 
     def message_starts(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                       **kwargs: Any) -> tuple[str, list[int]]:
-        """The rendered text and the character offsets where each message (and the generation
-        prompt) starts: checkpoint hints for the prefix cache. A template may render earlier
-        messages differently once later ones exist (dropped reasoning); an offset is then the
-        longest common prefix with the full text, so a hint is never past the real start."""
-        text = self.render(messages, add_generation_prompt=add_generation_prompt, **kwargs)
-        starts = []
-        for i in range(1, len(messages) + (1 if add_generation_prompt else 0)):
-            prefix = self.render(messages[:i], add_generation_prompt=False, **kwargs)
-            n = len(os.path.commonprefix([prefix, text]))
-            starts.append(n)
-        return text, sorted(set(starts))
+                       tools: list[dict] | None = None, variables: dict[str, Any] | None = None,
+                       stop: threading.Event | None = None) -> tuple[str, list[int]]:
+        """The rendered text and the character offsets where each of the last `HINTED_MESSAGES`
+        messages (and the generation prompt) starts: checkpoint hints for the prefix cache. A
+        template may render earlier messages differently once later ones exist (dropped
+        reasoning); an offset is then the longest common prefix with the full text, so a hint is
+        never past the real start. A prefix the template refuses (some refuse a conversation
+        without a user turn) gives no hint. `stop` set ends the work between two renders."""
+        variables = variables or {}
+        text = self._render(messages, add_generation_prompt, tools, variables)
+        end = len(messages) + (1 if add_generation_prompt else 0)
+        starts = set()
+        for i in range(max(1, end - HINTED_MESSAGES), end):
+            check(stop)
+            try:
+                prefix = self._render(messages[:i], False, tools, variables)
+            except TemplateError:
+                continue
+            starts.add(common_prefix_len(prefix, text))
+        return text, sorted(starts)
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-               tools: list[dict] | None = None, **kwargs: Any) -> str:
+               tools: list[dict] | None = None, **variables: Any) -> str:
+        return self._render(messages, add_generation_prompt, tools, variables)
+
+    def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool, tools: list[dict] | None,
+                variables: dict[str, Any]) -> str:
+        clash = self.reserved_names(variables)
+        if clash:
+            raise TemplateError(f"template variables {clash} are reserved")
         try:
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         tools=tools, **kwargs)
+                                         tools=tools, **variables)
         except TemplateError:
             raise
-        except (jinja2.TemplateError, TypeError, ValueError, KeyError, AttributeError) as e:
-            raise TemplateError(f"chat template failed on these messages: {e}") from None
+        except Exception as e:  # a sandbox refusal, a type error, a recursion limit: these messages did it
+            raise TemplateError(f"chat template failed on these messages: {type(e).__name__}: {str(e)[:500]}") from None
+
+
+def common_prefix_len(a: str, b: str, block: int = 4096) -> int:
+    """Length of the longest common prefix, comparing blocks in C: linear, unlike a loop over
+    characters (`os.path.commonprefix`), which costs a second per few million characters."""
+    if b.startswith(a):
+        return len(a)
+    n = min(len(a), len(b))
+    i = 0
+    while i + block <= n and a[i:i + block] == b[i:i + block]:
+        i += block
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

@@ -8,7 +8,6 @@ token_logprobs, top_logprobs (one dict per token) and text_offset.
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable
@@ -48,10 +47,10 @@ class Completions:
             raise bad_request("best_of is not supported (it may only equal n)", "best_of", "unsupported")
         if req.echo and req.logprobs is not None:
             raise bad_request("echo with logprobs is not supported", "echo", "unsupported")
-        prompts = await asyncio.to_thread(s.completion_prompts, req)
+        prompts = await s.pool.run(lambda stop: s.prompts.completion(req, stop), client_gone)
         max_tokens = min(s.max_tokens(req, len(p.ids), "prompt") for p in prompts)
         params = s.sampling(req, max_tokens, req.logprobs, {})
-        s.admit(req.n * len(prompts))
+        s.admit(req.n * len(prompts), "n" if len(prompts) == 1 else "prompt")
         requests = s.engine_requests(request_id, req, prompts, params, tenant)
         choices = [Choice(k * req.n + i, s.tokenizer, p.ids, req.stop_strings())
                    for k, p in enumerate(prompts) for i in range(req.n)]

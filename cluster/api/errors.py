@@ -2,9 +2,11 @@
 
 Every error body is `{"error": {"message", "type", "param", "code"}}`. The client's fault is
 4xx with a message that says what to change and `param` naming the field (a dotted path such
-as `messages[2].role`); a full queue is 429 (come back later); our own fault is 500 with a
-generic message and the request id, the traceback going to the log under that id, never to
-the client.
+as `messages[2].role`); a request over a size limit is 413 (or 400 for a parameter list) with
+code `limit_exceeded`, its message giving the value and the limit. Come back later: a full
+queue is 429, no free thread to prepare the request is 503, both with Retry-After. Our own
+fault is 500 with a generic message and the request id, the traceback going to the log under
+that id, never to the client. A client that left is logged as 499.
 """
 
 from __future__ import annotations
@@ -18,11 +20,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
+from cluster.api.limits import LIMIT_EXCEEDED
 from cluster.api.responses import ErrorInfo, ErrorResponse
 
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
          405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
          500: "server_error", 503: "service_unavailable"}
+CLIENT_CLOSED_REQUEST = 499  # the status logged for a request whose client left (nginx's convention)
 
 
 class APIError(Exception):
@@ -43,6 +47,11 @@ class APIError(Exception):
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param, code)
+
+
+def client_closed() -> APIError:
+    """The client left before its answer: the status is for the logs and metrics; no one reads it."""
+    return APIError(CLIENT_CLOSED_REQUEST, "the client closed the request", code="client_closed")
 
 
 def internal_error(request_id: str) -> APIError:
@@ -75,10 +84,16 @@ def param_path(loc: Sequence[str | int]) -> str | None:
 
 
 def from_validation(errors: Sequence[dict[str, Any]]) -> APIError:
-    """A 400 naming the field; of a union's member errors, the deepest says the most."""
+    """A 400 naming the field; of a union's member errors, the deepest says the most. A request
+    over one of `limits.APILimits` gets that limit's status (413 or 400) instead."""
     if any(e.get("type") == "json_invalid" for e in errors):
         msg = next(e for e in errors if e.get("type") == "json_invalid").get("msg", "")
         return bad_request(f"request body is not valid JSON: {msg}", code="invalid_json")
+    over = next((e for e in errors if e.get("type") == LIMIT_EXCEEDED), None)
+    if over is not None:
+        ctx = over.get("ctx", {})
+        return APIError(ctx["status"], over["msg"], ctx.get("param") or param_path(over.get("loc", ())),
+                        LIMIT_EXCEEDED)
     worst = max(errors, key=lambda e: len(e.get("loc", ())))
     loc = worst.get("loc", ())
     param = param_path(loc)

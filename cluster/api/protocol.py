@@ -3,7 +3,9 @@
 Rules: unknown fields are ignored, as OpenAI does (`extra="ignore"`); known fields are checked
 strictly against their JSON types (no "5" for 5, no 1.0 for an int, no NaN or infinity), so
 a wrong type is a 400 naming the field. Ranges the engine owns (temperature, top_p, seed, ...)
-are checked once, by `SamplingParams`; the ones only the API knows are checked here. Fields we
+are checked once, by `SamplingParams`; the ones only the API knows are checked here, and so are
+the size limits (`limits.APILimits`, from the validation context `{"limits": ...}`, else the
+defaults): a list over its limit is refused before its items are validated. Fields we
 accept but cannot honour (penalties, logit_bias, JSON modes, forced tool calls, suffix) are
 refused by the serving layer with a 400 naming them, never silently dropped.
 Responses live in `cluster.api.responses`.
@@ -13,11 +15,16 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+from cluster.api.limits import DEFAULT_LIMITS, APILimits, text_chars
 
 MAX_N = 16            # choices per request
-MAX_STOP_STRINGS = 16
 MAX_LOGPROBS = 20
+
+
+def limits_of(info: ValidationInfo) -> APILimits:
+    return (info.context or {}).get("limits") or DEFAULT_LIMITS
 
 
 class _Request(BaseModel):
@@ -49,6 +56,11 @@ class ChatMessage(_Request):
         if self.content is None and self.role != "assistant":
             raise ValueError(f"a {self.role} message needs content")
         return self
+
+    def text_chars(self) -> int:
+        content = self.content if isinstance(self.content, str) or self.content is None else \
+            [part.text for part in self.content]
+        return text_chars([content, self.name, self.reasoning_content, self.tool_call_id, self.tool_calls])
 
     def for_template(self) -> dict[str, Any]:
         message = self.model_dump(exclude_none=True)
@@ -82,12 +94,33 @@ class SamplingFields(_Request):
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return [s for s in stops if s]
 
-    @field_validator("stop")
+    def stop_chars(self) -> int:
+        return text_chars([self.stop])
+
+    @field_validator("stop", mode="before")
     @classmethod
-    def _at_most_max_stop_strings(cls, stop: str | list[str] | None) -> str | list[str] | None:
-        if isinstance(stop, list) and len(stop) > MAX_STOP_STRINGS:
-            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
+    def _stop_within_limits(cls, stop: Any, info: ValidationInfo) -> Any:
+        limits = limits_of(info)
+        if isinstance(stop, list):
+            limits.check_count("max_stop_strings", len(stop), "stop strings")
+        for s in [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else []:
+            if isinstance(s, str):
+                limits.check_count("max_stop_string_chars", len(s), "characters in a stop string")
         return stop
+
+    @field_validator("stop_token_ids", mode="before")
+    @classmethod
+    def _stop_token_ids_within_limits(cls, ids: Any, info: ValidationInfo) -> Any:
+        if isinstance(ids, list):
+            limits_of(info).check_count("max_stop_token_ids", len(ids), "stop token ids")
+        return ids
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _logit_bias_within_limits(cls, bias: Any, info: ValidationInfo) -> Any:
+        if isinstance(bias, dict):
+            limits_of(info).check_count("max_logit_bias", len(bias), "logit_bias entries")
+        return bias
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -107,6 +140,28 @@ class ChatCompletionRequest(SamplingFields):
     continue_final_message: bool = Field(
         False, description="continue the last (assistant) message instead of starting a new turn")
 
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _messages_within_limits(cls, messages: Any, info: ValidationInfo) -> Any:
+        if isinstance(messages, list):
+            limits_of(info).check_count("max_messages", len(messages), "messages")
+        return messages
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _tools_within_limits(cls, tools: Any, info: ValidationInfo) -> Any:
+        if isinstance(tools, list):
+            limits_of(info).check_count("max_tools", len(tools), "tools")
+        return tools
+
+    @model_validator(mode="after")
+    def _text_within_limits(self, info: ValidationInfo) -> "ChatCompletionRequest":
+        limits_of(info).check_text({"messages": sum(m.text_chars() for m in self.messages),
+                                    "tools": text_chars([self.tools]),
+                                    "chat_template_kwargs": text_chars([self.chat_template_kwargs]),
+                                    "stop": self.stop_chars()})
+        return self
+
     def requested_max_tokens(self) -> tuple[str, int | None]:
         """(field name, value) of the output budget the client asked for."""
         if self.max_completion_tokens is not None:
@@ -123,6 +178,20 @@ class CompletionRequest(SamplingFields):
     echo: bool = Field(False, description="return the prompt before the completion")
     suffix: str | None = Field(None, description="not supported: must be empty")
     best_of: int | None = Field(None, description="not supported beyond n")
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompts_within_limits(cls, prompt: Any, info: ValidationInfo) -> Any:
+        if isinstance(prompt, list) and not all(isinstance(x, int) for x in prompt):
+            limits_of(info).check_count("max_prompts", len(prompt), "prompts in the batch")
+        return prompt
+
+    @model_validator(mode="after")
+    def _text_within_limits(self, info: ValidationInfo) -> "CompletionRequest":
+        prompts = [self.prompt] if isinstance(self.prompt, str) else self.prompt
+        limits_of(info).check_text({"prompt": sum(len(p) for p in prompts if isinstance(p, str)),
+                                    "stop": self.stop_chars()})
+        return self
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt

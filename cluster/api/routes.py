@@ -30,6 +30,7 @@ from cluster.api.chat_template import ChatTemplate, TemplateError
 from cluster.api.completions import Completions
 from cluster.api.engine_client import EngineClient
 from cluster.api.errors import APIError, bad_request, from_validation, install_error_handlers
+from cluster.api.limits import DEFAULT_LIMITS, APILimits
 from cluster.api.metrics import CONTENT_TYPE, APIMetrics
 from cluster.api.middleware import RequestGuard
 from cluster.api.protocol import ChatCompletionRequest, CompletionRequest
@@ -44,7 +45,7 @@ ENDPOINTS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", 
 M = TypeVar("M", bound=BaseModel)
 
 
-def parse_body(model: type[M], body: bytes) -> M:
+def parse_body(model: type[M], body: bytes, limits: APILimits = DEFAULT_LIMITS) -> M:
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -52,7 +53,7 @@ def parse_body(model: type[M], body: bytes) -> M:
     if not text.strip():
         raise bad_request("request body is empty; expected a JSON object", code="invalid_body")
     try:
-        return model.model_validate_json(text)
+        return model.model_validate_json(text, context={"limits": limits})
     except ValidationError as e:
         raise from_validation(e.errors(include_url=False)) from None
 
@@ -76,10 +77,14 @@ def _api_key_check(api_key: str | None):
 
 def build_app(client: EngineClient, model_dir: str | Path, served_model_name: str | None = None,
               api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-              max_waiting: int = DEFAULT_MAX_WAITING, echo_request_id: bool = True) -> FastAPI:
+              max_waiting: int = DEFAULT_MAX_WAITING, echo_request_id: bool = True,
+              limits: APILimits | None = None, special_tokens_in_content: bool = False) -> FastAPI:
     """The API over `client`; the tokenizer and chat template come from `model_dir`.
     `echo_request_id`: answer with an X-Request-Id header (off behind Ray Serve's proxy, which
-    sends its own)."""
+    sends its own). `limits`: what one request may ask before the engine (`cluster.api.limits`).
+    `special_tokens_in_content`: let special-token strings in messages become control tokens
+    (off by default: `cluster.api.special_tokens`)."""
+    limits = limits or DEFAULT_LIMITS
     api_key = api_key if api_key is not None else (os.environ.get("CAIRN_API_KEY") or None)
     name = served_model_name or Path(model_dir).name
     try:
@@ -87,7 +92,8 @@ def build_app(client: EngineClient, model_dir: str | Path, served_model_name: st
     except TemplateError:
         template = None  # completions still work; chat answers 400
     metrics = APIMetrics()
-    serving = Serving(client, TextTokenizer.from_dir(model_dir), template, name, max_waiting, metrics)
+    serving = Serving(client, TextTokenizer.from_dir(model_dir), template, name, max_waiting, metrics, limits,
+                      special_tokens_in_content)
     chat, completions = ChatCompletions(serving), Completions(serving)
 
     app = FastAPI(title="cairn", summary="OpenAI-compatible API for hybrid LLMs with prefix caching",
@@ -122,14 +128,14 @@ def build_app(client: EngineClient, model_dir: str | Path, served_model_name: st
     @v1.post("/chat/completions")
     async def chat_completions(request: Request) -> Response:
         arrived = time.monotonic()
-        req = parse_body(ChatCompletionRequest, await request.body())
+        req = parse_body(ChatCompletionRequest, await request.body(), limits)
         return await chat(req, request.state.request_id, arrived, lambda: _client_gone(request),
                           getattr(request.state, "tenant", None))
 
     @v1.post("/completions")
     async def text_completions(request: Request) -> Response:
         arrived = time.monotonic()
-        req = parse_body(CompletionRequest, await request.body())
+        req = parse_body(CompletionRequest, await request.body(), limits)
         return await completions(req, request.state.request_id, arrived, lambda: _client_gone(request),
                                  getattr(request.state, "tenant", None))
 

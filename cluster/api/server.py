@@ -9,13 +9,19 @@ from __future__ import annotations
 import asyncio
 import gc
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from cluster.api.limits import APILimits
 
 
 def serve_in_process(model_dir: str | Path | None = None, host: str = "127.0.0.1", port: int = 8000,
                      api_key: str | None = None, served_model_name: str | None = None,
                      max_body_bytes: int | None = None, max_waiting: int | None = None,
+                     limits: APILimits | None = None, special_tokens_in_content: bool = False,
                      **engine_options: object) -> None:
-    """Serves until interrupted. `model_dir` None serves the tiny demo model."""
+    """Serves until interrupted. `model_dir` None serves the tiny demo model. `limits` and
+    `special_tokens_in_content`: see `build_app`."""
     import uvicorn
 
     from cluster.api import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING, build_app
@@ -28,7 +34,8 @@ def serve_in_process(model_dir: str | Path | None = None, host: str = "127.0.0.1
     gc.freeze()  # this process serves one engine: its long-lived objects need no cyclic scans (as a replica)
     app = build_app(LocalEngineClient(engine), model_dir, served_model_name, api_key,
                     max_body_bytes=max_body_bytes or DEFAULT_MAX_BODY_BYTES,
-                    max_waiting=max_waiting or DEFAULT_MAX_WAITING)
+                    max_waiting=max_waiting or DEFAULT_MAX_WAITING, limits=limits,
+                    special_tokens_in_content=special_tokens_in_content)
 
     async def main() -> None:
         server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info"))

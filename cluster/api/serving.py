@@ -1,11 +1,12 @@
 """From a validated request to engine requests, and from engine outputs to an OpenAI response.
 
 The ingress does its share of the prefix cache's work here, once per prompt: render the chat
-template, tokenize, turn message starts into checkpoint hints, and hash whole pages with the
-engine's root under the request's cache_salt. Then it checks what only it can check (model
-name, context length with both numbers, fields we cannot honour, queue room: 429 when full),
-starts one engine request per choice (`seed + i` for choice i) and waits for the first output,
-so a request the engine refuses is still a 400 even when streaming. A non-streaming request
+template, tokenize and turn message starts into checkpoint hints (`prompts`, on the threads of
+`prep_pool`, once `limits` have passed), and hash whole pages with the engine's root under the
+request's cache_salt. Then it checks what only it can check (model name, context length with
+both numbers, fields we cannot honour, queue room: 429 when full, 413 for a request that could
+never fit the queue), starts one engine request per choice (`seed + i` for choice i) and waits
+for the first output, so a request the engine refuses is still a 400 even when streaming. A non-streaming request
 whose client disconnects is aborted too. Prompt tokens are counted once per prompt, completion
 tokens summed over choices; cached_tokens is a prompt's smallest over its choices.
 """
@@ -17,44 +18,37 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
-from cluster.api.chat_template import ChatTemplate, TemplateError
+from cluster.api.chat_template import ChatTemplate
 from cluster.api.choice import Choice, Delta
 from cluster.api.engine_client import EngineClient, GenerateRequest
-from cluster.api.errors import APIError, bad_request, internal_error
+from cluster.api.errors import CLIENT_CLOSED_REQUEST, APIError, bad_request, internal_error
 from cluster.api.fanout import Fanout
+from cluster.api.limits import DEFAULT_LIMITS, APILimits
 from cluster.api.metrics import APIMetrics
-from cluster.api.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from cluster.api.prep_pool import PrepPool
+from cluster.api.prompts import Prepared, Prompts
+from cluster.api.protocol import SamplingFields
 from cluster.api.responses import DONE, Usage
-from cluster.api.reasoning import ReasoningParser
 from cluster.api.tokenizer import TextTokenizer
 from workers import MAX_SEED, RequestRejected, SamplingParams
 
-CLIENT_CLOSED_REQUEST = 499  # the status logged for a request whose client left (nginx's convention)
-
+__all__ = ["CLIENT_CLOSED_REQUEST", "Prepared", "Serving"]
 
 log = logging.getLogger("cluster.api")
-
-@dataclass
-class Prepared:
-    """One prompt ready for the engine: token ids, the text and messages they came from,
-    checkpoint hints (token positions), and whether its generation prompt opened <think>."""
-
-    ids: list[int]
-    text: str | None
-    hints: list[int] = field(default_factory=list)
-    messages: list[dict[str, Any]] | None = None
-    opens_think: bool = False
 
 
 class Serving:
     def __init__(self, client: EngineClient, tokenizer: TextTokenizer, template: ChatTemplate | None,
-                 model_name: str, max_waiting: int, metrics: APIMetrics):
-        self.client, self.tokenizer, self.template = client, tokenizer, template
+                 model_name: str, max_waiting: int, metrics: APIMetrics, limits: APILimits = DEFAULT_LIMITS,
+                 special_tokens_in_content: bool = False):
+        self.client, self.tokenizer = client, tokenizer
         self.model_name, self.max_waiting, self.metrics = model_name, max_waiting, metrics
-        self.reasoning_model = tokenizer.has_tokens("<think>", "</think>")
+        self.limits = limits
+        self.prompts = Prompts(tokenizer, template, client.spec.vocab_size, special_tokens_in_content)
+        self.reasoning_model = self.prompts.reasoning_model
+        self.pool = PrepPool(limits.prepare_threads, limits.prepare_wait_s)
 
     # ---- checks shared by both endpoints -------------------------------------------------------
     def check_common(self, req: SamplingFields) -> None:
@@ -101,7 +95,10 @@ class Serving:
                 raise bad_request(message, param) from None
         return out
 
-    def admit(self, count: int) -> None:
+    def admit(self, count: int, param: str = "n") -> None:
+        if count > self.max_waiting:
+            raise APIError(413, f"this request makes {count} engine requests (choices times prompts); the server "
+                                f"queues at most {self.max_waiting}", param, "limit_exceeded")
         waiting = self.client.num_waiting()
         if waiting + count > self.max_waiting:
             raise APIError(429, f"the server's queue is full ({waiting} requests waiting); retry later",
@@ -125,48 +122,6 @@ class Serving:
                     request_id=f"{internal}-{p_index * len(params) + i}", prompt_token_ids=p.ids, params=sp,
                     prompt=p.text, messages=p.messages, hash_root=root, page_hashes=hashes,
                     checkpoint_hints=p.hints))
-        return out
-
-    # ---- chat prompt ---------------------------------------------------------------------------
-    def render_chat(self, req: ChatCompletionRequest) -> Prepared:
-        if self.template is None:
-            raise bad_request("this model has no chat template; use /v1/completions", "messages")
-        messages = [m.for_template() for m in req.messages]
-        add_generation_prompt = req.add_generation_prompt and not req.continue_final_message
-        if req.continue_final_message and messages[-1]["role"] != "assistant":
-            raise bad_request("continue_final_message needs an assistant message last", "continue_final_message")
-        kwargs = dict(req.chat_template_kwargs or {})
-        clash = sorted(kwargs.keys() & {"messages", "add_generation_prompt", "tools"})
-        if clash:
-            raise bad_request(f"chat_template_kwargs may not set {clash}; use the request fields",
-                              "chat_template_kwargs")
-        try:
-            text, starts = self.template.message_starts(messages, add_generation_prompt=add_generation_prompt,
-                                                        tools=req.tools, **kwargs)
-        except TemplateError as e:
-            raise bad_request(str(e), "messages", "template_error") from None
-        if req.continue_final_message:
-            final = messages[-1].get("content") or ""
-            final = final if isinstance(final, str) else "".join(p.get("text", "") for p in final)
-            cut = text.rfind(final) if final else -1
-            text = text[:cut + len(final)] if cut >= 0 else text
-        ids, ends = self.tokenizer.encode_with_ends(text)
-        gen_start = starts[-1] if starts else 0
-        opens = self.reasoning_model and ReasoningParser.prompt_opens_think(text[gen_start:])
-        return Prepared(ids, text, self.tokenizer.token_positions(ends, starts), messages, opens)
-
-    def completion_prompts(self, req: CompletionRequest) -> list[Prepared]:
-        prompts = req.prompts()
-        if not prompts:
-            raise bad_request("prompt must not be empty", "prompt")
-        out = []
-        for p in prompts:
-            if isinstance(p, str):
-                out.append(Prepared(self.tokenizer.encode(p, add_special_tokens=True), p))
-            else:
-                out.append(Prepared(list(p), None))
-            if not out[-1].ids:
-                raise bad_request("prompt must hold at least one token", "prompt")
         return out
 
     # ---- running -----------------------------------------------------------------------------

@@ -3,6 +3,9 @@
 `TextTokenizer.encode_with_ends` also returns where each token ends in the text (characters),
 which turns the chat template's message offsets into token positions (checkpoint hints): a
 hint counts the tokens that end at or before the offset, so it is never past the real start.
+`encode_pieces` tokenizes a text already split at its special tokens, reading special-token
+strings inside the pieces as plain text (`special_tokens`: how client text is kept from
+becoming control tokens).
 
 `Detokenizer` turns a stream of token ids into text increments. A byte-level tokenizer splits
 multi-byte UTF-8 characters across tokens; an increment never ends in a half character (no
@@ -16,10 +19,10 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections.abc import Sequence
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders
+from tokenizers import Encoding, Tokenizer, decoders
 
 REPLACEMENT = "\ufffd"
 
@@ -50,20 +53,58 @@ class TextTokenizer:
     def from_dir(cls, model_dir: str | Path) -> "TextTokenizer":
         return cls(Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json")))
 
+    @cached_property
+    def _as_text(self) -> Tokenizer:
+        """A copy that reads special-token strings as plain text (a flag of the tokenizer, so
+        not to be toggled on the one every thread shares)."""
+        copy = Tokenizer.from_str(self.tokenizer.to_str())
+        copy.encode_special_tokens = True
+        return copy
+
+    def special_tokens(self) -> dict[str, int]:
+        """Each special token's string and id (the control tokens, not every added token)."""
+        return {self._added[i]: i for i in self._special}
+
     def has_tokens(self, *contents: str) -> bool:
         return all(self.tokenizer.token_to_id(c) is not None for c in contents)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        return self._encode(text, add_special_tokens).ids
+
+    def _encode(self, text: str, add_special_tokens: bool) -> Encoding:
+        # encode_batch lets go of the GIL while it works (encode does not), so a long prompt
+        # tokenized on a pool thread does not stall the event loop
+        return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0]
 
     def encode_with_ends(self, text: str) -> tuple[list[int], list[int]]:
         """Token ids of `text` and, per token, the character offset where it ends."""
-        enc = self.tokenizer.encode(text, add_special_tokens=False)
+        enc = self._encode(text, False)
         ends, last = [], 0
         for _, end in enc.offsets:
             last = max(last, end)
             ends.append(last)
         return enc.ids, ends
+
+    def encode_pieces(self, text: str, pieces: Sequence[tuple[int, int, int | None]]) -> tuple[list[int], list[int]]:
+        """Like `encode_with_ends` for `text` cut into pieces (start, end, special token id or None):
+        a special piece is its one token, a text piece is tokenized on its own with any
+        special-token string in it read as plain text."""
+        spans = [(start, end) for start, end, special in pieces if special is None]
+        encoded = iter(self._as_text.encode_batch([text[a:b] for a, b in spans], add_special_tokens=False))
+        ids: list[int] = []
+        ends: list[int] = []
+        for start, end, special in pieces:
+            if special is not None:
+                ids.append(special)
+                ends.append(end)
+                continue
+            enc = next(encoded)
+            last = start
+            for _, e in enc.offsets:
+                last = max(last, start + e)
+                ends.append(last)
+            ids.extend(enc.ids)
+        return ids, ends
 
     @staticmethod
     def token_positions(ends: Sequence[int], char_offsets: Sequence[int]) -> list[int]:

@@ -1,0 +1,99 @@
+"""Requests into prompts: token ids, the text they came from, and checkpoint hints.
+
+A chat request goes through the model's chat template (`chat_template`), which reports where the
+last messages and the generation prompt start; `tokenizer` turns those character offsets into
+token positions, the checkpoint hints. Special-token strings in anything the client wrote stay
+text (`special_tokens`) unless the server was built with `special_tokens_in_content`. Completion
+prompts are tokenized as written, special tokens included: there the client writes the whole
+prompt; token-id prompts are checked against the vocabulary before anything hashes them. This is the ingress's pre-engine work: it runs on a `prep_pool` thread, after the size
+limits (`limits`) have been checked, and stops between its steps once its `stop` event is set.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from cluster.api.chat_template import ChatTemplate, TemplateError
+from cluster.api.errors import bad_request
+from cluster.api.prep_pool import check
+from cluster.api.protocol import ChatCompletionRequest, CompletionRequest
+from cluster.api.reasoning import ReasoningParser
+from cluster.api.special_tokens import SpecialTokens
+from cluster.api.tokenizer import TextTokenizer
+
+
+@dataclass
+class Prepared:
+    """One prompt ready for the engine: token ids, the text and messages they came from,
+    checkpoint hints (token positions), and whether its generation prompt opened <think>."""
+
+    ids: list[int]
+    text: str | None
+    hints: list[int] = field(default_factory=list)
+    messages: list[dict[str, Any]] | None = None
+    opens_think: bool = False
+
+
+class Prompts:
+    def __init__(self, tokenizer: TextTokenizer, template: ChatTemplate | None, vocab_size: int,
+                 special_tokens_in_content: bool = False):
+        self.tokenizer, self.template, self.vocab_size = tokenizer, template, vocab_size
+        self.reasoning_model = tokenizer.has_tokens("<think>", "</think>")
+        self.specials = None if special_tokens_in_content else \
+            SpecialTokens(tokenizer.special_tokens(), template.source if template is not None else "")
+
+    def chat(self, req: ChatCompletionRequest, stop: threading.Event | None = None) -> Prepared:
+        if self.template is None:
+            raise bad_request("this model has no chat template; use /v1/completions", "messages")
+        messages = [m.for_template() for m in req.messages]
+        add_generation_prompt = req.add_generation_prompt and not req.continue_final_message
+        if req.continue_final_message and messages[-1]["role"] != "assistant":
+            raise bad_request("continue_final_message needs an assistant message last", "continue_final_message")
+        variables = dict(req.chat_template_kwargs or {})
+        clash = self.template.reserved_names(variables)
+        if clash:
+            raise bad_request(f"chat_template_kwargs may not set {clash}: the renderer or Jinja own these "
+                              f"names (use the request's own fields for messages, tools and "
+                              f"add_generation_prompt)", "chat_template_kwargs")
+        masking = self.specials.masking() if self.specials is not None else None
+        shown, tools = messages, req.tools
+        if masking is not None:
+            shown, tools, variables = masking.mask(messages), masking.mask(tools), masking.mask(variables)
+        try:
+            text, starts = self.template.message_starts(shown, add_generation_prompt, tools, variables, stop)
+        except TemplateError as e:
+            raise bad_request(str(e), "messages", "template_error") from None
+        if req.continue_final_message:
+            final = shown[-1].get("content") or ""
+            final = final if isinstance(final, str) else "".join(p.get("text", "") for p in final)
+            cut = text.rfind(final) if final else -1
+            text = text[:cut + len(final)] if cut >= 0 else text
+        check(stop)
+        gen_start = starts[-1] if starts else 0
+        opens = self.reasoning_model and ReasoningParser.prompt_opens_think(text[gen_start:])
+        if masking is not None and masking.used:
+            unmasked = masking.unmask(text)
+            text, starts = unmasked.text, [unmasked.real_offset(c) for c in starts]
+            ids, ends = self.tokenizer.encode_pieces(text, unmasked.pieces)
+        else:
+            ids, ends = self.tokenizer.encode_with_ends(text)
+        return Prepared(ids, text, self.tokenizer.token_positions(ends, starts), messages, opens)
+
+    def completion(self, req: CompletionRequest, stop: threading.Event | None = None) -> list[Prepared]:
+        prompts = req.prompts()
+        if not prompts:
+            raise bad_request("prompt must not be empty", "prompt")
+        out = []
+        for p in prompts:
+            check(stop)
+            if isinstance(p, str):
+                out.append(Prepared(self.tokenizer.encode(p, add_special_tokens=True), p))
+            else:
+                if not all(0 <= t < self.vocab_size for t in p):  # before they are hashed
+                    raise bad_request(f"prompt token ids must be integers in [0, {self.vocab_size})", "prompt")
+                out.append(Prepared(list(p), None))
+            if not out[-1].ids:
+                raise bad_request("prompt must hold at least one token", "prompt")
+        return out
