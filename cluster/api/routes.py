@@ -136,7 +136,7 @@ def build_app(client: EngineClient, model_dir: str | Path, served_model_name: st
     app.add_middleware(RequestGuard, max_body_bytes=max_body_bytes, count=metrics.count_request,
                        endpoints=ENDPOINTS, echo_request_id=echo_request_id,
                        max_header_bytes=http_limits.max_header_bytes, body_timeout_s=http_limits.body_timeout_s)
-    app.state.serving = serving
+    app.state.serving, app.state.metrics = serving, metrics  # metrics: what a cluster exports
 
     @app.get("/health")
     async def health() -> dict[str, str]:
