@@ -15,7 +15,11 @@ Which replica served a response is read from its `x-cairn-replica` header (clust
    load drops it from the index within 5 s, nothing is routed to it afterwards, and its
    replacement is learned from its own events. `cairn serve --address` joins this cluster,
    deploys its own application next to the module's and, on Ctrl-C, deletes only that one.
-   The ingress's /metrics, through Serve, parses as Prometheus text and counts the routing.
+   The ingress's /metrics, through Serve, parses as Prometheus text and counts the routing; Ray's
+   metrics export holds every replica's series under its own replica tag, and every metric
+   configs/grafana-dashboard.json reads.
+3. Drain: as `serve deploy` does it, lowering the engine's num_replicas, then replacing its
+   replica; streams in flight on a stopping replica finish whole, and it leaves the index itself.
 The router decisions these rely on are tested in plain Python in tests/test_router.py.
 """
 
@@ -23,6 +27,7 @@ import concurrent.futures
 import json
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -332,10 +337,15 @@ def test_every_replicas_metrics_reach_rays_export_each_under_its_own_replica_tag
     engines = {w.rsplit("#", 1)[1] for w in cluster.replicas()}  # Serve's replica tag ends the worker id
     on_engines = dict(sample="ray_cairn_engine_pages_total", application="cairn", deployment="Engine")
 
+    dashboard = json.loads((Path(__file__).resolve().parent.parent / "configs" / "grafana-dashboard.json").read_text())
+    shown = {n for panel in dashboard["panels"] for t in panel["targets"]
+             for n in re.findall(r"\bray_cairn_[a-z0-9_]+\b", t["expr"])}
+
     def ready(families):
-        return {s.labels["replica"] for s in series(families, **on_engines)} == engines and \
+        names = {s.name for f in families.values() for s in f.samples}
+        return {s.labels["replica"] for s in series(families, **on_engines)} == engines and shown <= names and \
             series(families, "ray_cairn_requests_total", deployment="Ingress", endpoint="/v1/chat/completions")
-    families = ray_exported_families(90, ready)
+    families = ray_exported_families(90, ready)  # every name the Grafana dashboard reads, too
     assert len(engines) == 3 and all(s.value > 0 for s in series(families, **on_engines))
     held = {s.labels["replica"] for s in series(families, "ray_cairn_engine_cached_tokens", deployment="Engine")}
     assert held == engines, "every engine gauge, not only one"

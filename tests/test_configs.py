@@ -237,3 +237,46 @@ def test_key_tenant_and_limit_flags_go_to_the_app_and_the_proxy(tmp_path):
         deploy.apply_overrides(load("local.yaml"), serve_args(["--keep-alive-timeout", "2.5"]))
     untouched = deploy.apply_overrides(load("local.yaml"), serve_args([]))["applications"][0]["args"]
     assert not {"api_keys", "metrics_key", "shared_cache_tenants", "http_limits"} & untouched.keys()
+
+
+# ---- grafana-dashboard.json ------------------------------------------------------------------
+
+def dashboard_metrics() -> dict[str, set[str]]:
+    """Each panel's title -> the metric names its expressions read."""
+    import re
+
+    dashboard = json.loads((CONFIGS / "grafana-dashboard.json").read_text())
+    return {panel["title"]: {name for t in panel["targets"] for name in re.findall(r"\bray_cairn_[a-z0-9_]+\b", t["expr"])}
+            for panel in dashboard["panels"]}
+
+
+def test_the_grafana_dashboard_reads_only_metrics_cairn_exports(tiny_model_dir):
+    """Ray exports `ray_` + each name /metrics shows (cluster.metrics_export; tests/test_cluster.py
+    checks the dashboard against a real export), so /metrics of a real engine, and the routers'
+    counters, are what the panels may name."""
+    from fastapi.testclient import TestClient
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from cluster.api import build_app
+    from cluster.api.engine_client import LocalEngineClient
+    from cluster.routing.ranker import AffinityRanker
+    from workers import AsyncEngine
+
+    engine = AsyncEngine.from_pretrained(tiny_model_dir, num_pages=64, max_num_seqs=2)
+    with TestClient(build_app(LocalEngineClient(engine), tiny_model_dir, "tiny")) as c:
+        assert c.post("/v1/completions", json={"model": "tiny", "prompt": "cairn " * 40, "max_tokens": 2}).status_code == 200
+        text = c.get("/metrics").text
+    exported = {s.name for f in text_string_to_metric_families(text) for s in f.samples}
+    exported |= {f"cairn_router_{name}_total" for name in AffinityRanker(RoutingConfig(page_size=16, hybrid_model=True)).counts}
+    panels = dashboard_metrics()
+    for title, names in panels.items():
+        assert names, f"panel {title!r} reads no cairn metric"
+        missing = {n for n in names if n.removeprefix("ray_") not in exported}
+        assert not missing, f"panel {title!r} reads metrics cairn does not export: {missing}"
+    shown = set().union(*panels.values())
+    for wanted in ("ray_cairn_cached_tokens_total", "ray_cairn_prompt_tokens_total",
+                   "ray_cairn_time_to_first_token_seconds_bucket", "ray_cairn_inter_token_latency_seconds_bucket",
+                   "ray_cairn_engine_waiting_requests", "ray_cairn_engine_running_requests",
+                   "ray_cairn_engine_state_bytes", "ray_cairn_engine_cache_used_bytes",
+                   "ray_cairn_router_index_fallbacks_total"):
+        assert wanted in shown, f"the dashboard shows no {wanted}"
