@@ -515,6 +515,38 @@ def test_a_killed_replica_leaves_the_index_within_5s_and_its_replacement_is_lear
     assert held[new][0], "what it cached since reached the index through its events"
 
 
+def test_behind_serves_proxy_the_ingress_refuses_big_headers_and_closes_a_stalled_body(cluster, tiny_model_dir):
+    """Serve's proxy reads headers of any size and gives a body all the time it wants: the ingress's
+    RequestGuard answers instead (431, 408), in OpenAI's shape, and its Connection: close reaches
+    the client through the proxy."""
+    from ray import serve
+
+    limits = {"max_header_bytes": 4096, "body_timeout_s": 2.0}
+    serve.run(build_application(tiny_model_dir, replicas=1, num_cpus=0.25, served_model_name=MODEL, http_limits=limits,
+                                routing=RoutingConfig(index_actor_name=INDEX + "-limits")),
+              name="limits", route_prefix="/limits")
+    host, port = cluster.url.removeprefix("http://").split(":")
+    try:
+        big = httpx.get(cluster.url + "/limits/health", headers={"X-Big": "a" * 8000}, timeout=30)
+        assert big.status_code == 431 and big.json()["error"]["code"] == "headers_too_large"
+        with socket.create_connection((host, int(port)), timeout=30) as sock:
+            sock.sendall(b"POST /limits/v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 1000\r\n\r\n{\"model\": ")
+            start, data = time.monotonic(), b""
+            while chunk := sock.recv(65536):
+                data += chunk
+        waited = time.monotonic() - start
+        head, _, body = data.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408") and json.loads(body)["error"]["code"] == "request_timeout", data
+        assert 1.5 <= waited <= 15, "closed by the body deadline, not by the proxy's keep-alive"
+    finally:
+        serve.delete("limits", _blocking=True)
+        try:
+            ray.kill(ray.get_actor(INDEX + "-limits", namespace=ROUTING.index_actor_namespace), no_restart=True)
+        except ValueError:
+            pass
+
+
 # ---- 3. drain: a replica scaled down or replaced finishes what it has in flight ----------------
 
 def stream_chat(url: str, content: str, max_tokens: int, first: threading.Event, out: dict) -> None:
