@@ -280,3 +280,15 @@ def test_the_grafana_dashboard_reads_only_metrics_cairn_exports(tiny_model_dir):
                    "ray_cairn_engine_state_bytes", "ray_cairn_engine_cache_used_bytes",
                    "ray_cairn_router_index_fallbacks_total"):
         assert wanted in shown, f"the dashboard shows no {wanted}"
+
+
+def test_cairn_serve_in_process_refuses_serves_options_and_bad_keys_before_loading_anything(tmp_path, capsys):
+    from cluster.cli import main
+
+    assert main(["serve", "--replicas", "1", "--request-timeout", "5"]) == 2
+    assert "in-process, requests have no end-to-end limit" in capsys.readouterr().err
+    (tmp_path / "keys").write_text("alice:secret-1\nsecret-2\n")
+    assert main(["serve", "--replicas", "1", "--api-keys-file", str(tmp_path / "keys")]) == 2
+    err = capsys.readouterr().err
+    assert "keys:2: expected TENANT:KEY" in err and "secret" not in err.replace(str(tmp_path), "")
+    assert main(["serve", "--replicas", "1", "--body-timeout", "-1"]) == 2

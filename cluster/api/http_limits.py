@@ -10,8 +10,10 @@
 | `keep_alive_timeout_s` | uvicorn's `timeout_keep_alive` | Serve's `http_options.keep_alive_timeout_s` |
 
 The body cap is `build_app(max_body_bytes=...)` (`RequestGuard`, 413). Every refusal the app or
-our protocol writes is in OpenAI's error shape (`cluster.api.errors`); the proxy's own (its
-`request_timeout_s` 408) is plain text.
+our protocol writes is in OpenAI's error shape (`cluster.api.errors`); the proxy's own answers
+are plain text and cannot be shaped: a 408 past `http_options.request_timeout_s` (a whole
+request, stream included; a client may lift it with an `x-request-timeout-seconds` header, which
+the proxy obeys), a 503 when no replica can take the request.
 """
 
 from __future__ import annotations
