@@ -8,6 +8,13 @@ configs/serve.yaml and configs/local.yaml). The parts:
   which takes the engines' page size and recurrence from their `EngineSpec`.
 - `Ingress` deployment: `cluster.ingress.Ingress`, the OpenAI-compatible HTTP API.
 
+Replacing or removing a replica (a redeploy, scaling down) drains it: Serve stops routing to it
+and waits up to `graceful_shutdown_timeout_s` (default 120 s, against Serve's 20: a long stream
+must finish) for what it has in flight, checking every `graceful_shutdown_wait_loop_s`, on both
+deployments; an engine replica then leaves the cache index (`cluster.engine_replica`). With
+`autoscaling` (Serve's autoscaling_config) the engine replicas follow their queue: Serve's
+`target_ongoing_requests` counts each replica's running and waiting requests.
+
 Each engine replica admits up to `max_ongoing_requests` requests (default: the engine's
 `max_num_seqs`, since the engine batches that many; Serve's own default of 5 would cap a replica
 far below what its engine runs and make Serve, not the router, decide where load goes). Each
@@ -23,6 +30,7 @@ from typing import Any
 
 from ray import serve
 
+from cluster.api.http_limits import HTTPLimits
 from cluster.engine_replica import EngineReplica
 from cluster.ingress import Ingress
 from cluster.routing.config import RoutingConfig
@@ -32,20 +40,27 @@ def build_application(model_dir: str | Path | None = None, replicas: int = 2, *,
                       engine_options: dict[str, Any] | None = None, routing: RoutingConfig | None = None,
                       num_cpus: float = 0.5, num_gpus: float = 0, ingress_replicas: int = 1,
                       served_model_name: str | None = None, api_key: str | None = None,
+                      api_keys: list[str] | None = None, api_keys_file: str | None = None,
+                      metrics_key: str | None = None, shared_cache_tenants: bool = False,
+                      http_limits: dict[str, Any] | None = None, max_body_bytes: int | None = None,
                       autoscaling: dict[str, Any] | None = None, max_ongoing_requests: int | None = None,
-                      ingress_max_ongoing_requests: int = 1024, health_check_period_s: float | None = None):
+                      ingress_max_ongoing_requests: int = 1024, health_check_period_s: float | None = None,
+                      graceful_shutdown_timeout_s: float = 120.0, graceful_shutdown_wait_loop_s: float = 1.0):
     """The bound Serve application. `model_dir` None serves the tiny demo model.
     `max_ongoing_requests` per engine replica defaults to the engine's max_num_seqs;
     `health_check_period_s` (Serve's default: 10) is how often the controller checks a replica,
-    hence how soon it replaces one that died."""
+    hence how soon it replaces one that died. Keys, tenants and HTTP limits go to the ingress
+    (`cluster.ingress.Ingress`, `cluster.api.http_limits.HTTPLimits` as a dict)."""
     from workers import EngineOptions, EngineSpec, demo_model_dir
 
     model_dir = str(model_dir or demo_model_dir("tiny"))
+    check_ingress_limits(http_limits or {})
     options = dict(engine_options or {})
     spec = EngineSpec.from_model_dir(model_dir, EngineOptions.from_kwargs(**options))
     routing = (routing or RoutingConfig()).for_engines(spec)
     placement: dict[str, Any] = dict(num_cpus=num_cpus, num_gpus=num_gpus)
-    extra: dict[str, Any] = {}
+    extra: dict[str, Any] = dict(graceful_shutdown_timeout_s=graceful_shutdown_timeout_s,
+                                 graceful_shutdown_wait_loop_s=graceful_shutdown_wait_loop_s)
     if health_check_period_s is not None:
         extra["health_check_period_s"] = health_check_period_s
     engine = serve.deployment(
@@ -57,16 +72,32 @@ def build_application(model_dir: str | Path | None = None, replicas: int = 2, *,
     ).bind(model_dir, options, routing.model_dump(), spec)
     ingress = serve.deployment(serve.ingress()(Ingress), name="Ingress", num_replicas=ingress_replicas,
                                max_ongoing_requests=ingress_max_ongoing_requests,
-                               ray_actor_options=dict(num_cpus=min(num_cpus, 0.25)))
-    return ingress.bind(engine, model_dir, spec, served_model_name, api_key)
+                               ray_actor_options=dict(num_cpus=min(num_cpus, 0.25)), **extra)
+    return ingress.bind(engine, model_dir, spec, served_model_name, api_key, api_keys=api_keys,
+                        api_keys_file=api_keys_file, metrics_key=metrics_key,
+                        shared_cache_tenants=shared_cache_tenants, http_limits=http_limits,
+                        max_body_bytes=max_body_bytes)
+
+
+def check_ingress_limits(http_limits: dict[str, Any]) -> None:
+    """Refuses, at deploy rather than in every replica, limits the ingress cannot enforce: behind
+    Serve's proxy the connection is the proxy's (`cluster.api.http_limits`)."""
+    HTTPLimits.model_validate(http_limits)
+    if "keep_alive_timeout_s" in http_limits:
+        raise ValueError("http_limits.keep_alive_timeout_s: behind Serve's proxy, set http_options.keep_alive_timeout_s")
+    if "header_timeout_s" in http_limits:
+        raise ValueError("http_limits.header_timeout_s: Serve's proxy has no header timeout to set (its "
+                         "http_options.request_timeout_s bounds a whole request)")
 
 
 def app_builder(args: dict[str, Any]):
     """`import_path: cluster.app:app_builder` for `serve run` / `serve deploy`. Keys: model_dir
     (null: the demo model), replicas, engine_options, routing (a dict, or a path to a routing YAML:
     absolute, relative to the working directory, or to this repository), num_cpus, num_gpus,
-    ingress_replicas, served_model_name, api_key, autoscaling, max_ongoing_requests,
-    ingress_max_ongoing_requests, health_check_period_s. Unknown keys are an error."""
+    ingress_replicas, served_model_name, api_key, api_keys, api_keys_file, metrics_key,
+    shared_cache_tenants, http_limits, max_body_bytes, autoscaling, max_ongoing_requests,
+    ingress_max_ongoing_requests, health_check_period_s, graceful_shutdown_timeout_s,
+    graceful_shutdown_wait_loop_s. Unknown keys are an error."""
     args = dict(args or {})
     routing = args.pop("routing", None)
     if isinstance(routing, str):

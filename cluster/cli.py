@@ -98,8 +98,28 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--routing", default=None, help="routing YAML (configs/routing.yaml)")
     parser.add_argument("--host", default=None, help="HTTP host (local.yaml: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=None, help="HTTP port (local.yaml: 8000)")
-    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 "
-                                                        "(default: $CAIRN_API_KEY, else none)")
+    parser.add_argument("--api-key", action="append", default=None, metavar="[TENANT:]KEY",
+                        help="require 'Authorization: Bearer KEY' on /v1, /metrics and /openapi.json; "
+                             "repeat for more tenants; a bare KEY is the tenant 'default' "
+                             "(default: $CAIRN_API_KEY, else none)")
+    parser.add_argument("--api-keys-file", default=None, metavar="PATH",
+                        help="a file of TENANT:KEY lines (# comments); on a cluster it must exist on the "
+                             "ingress's node")
+    parser.add_argument("--metrics-key", default=None, help="the only key that opens /metrics (default: any "
+                                                            "tenant's key)")
+    parser.add_argument("--shared-cache-tenants", action="store_true", default=None,
+                        help="let all tenants share cached pages (default: each tenant its own)")
+    parser.add_argument("--max-header-bytes", type=int, default=None, help="request line and headers (32768)")
+    parser.add_argument("--header-timeout", type=float, default=None, metavar="S",
+                        help="seconds to send a request's headers (10; in-process only: Serve's proxy has none)")
+    parser.add_argument("--body-timeout", type=float, default=None, metavar="S",
+                        help="seconds to send a request's body (60)")
+    parser.add_argument("--keep-alive-timeout", type=float, default=None, metavar="S",
+                        help="seconds an idle connection stays open (in-process: 5; Serve: http_options)")
+    parser.add_argument("--request-timeout", type=float, default=None, metavar="S",
+                        help="Serve's end-to-end limit per request (http_options.request_timeout_s; "
+                             "not in-process)")
+    parser.add_argument("--max-body-bytes", type=int, default=None, help="request body (8 MiB)")
     parser.add_argument("--served-model-name", default=None, help="model id clients send (default: folder name)")
     parser.add_argument("--num-cpus", type=float, default=None, help="CPUs per engine replica (local.yaml: 0.5)")
     parser.add_argument("--num-gpus", type=float, default=None, help="GPUs per engine replica (1 on GPU nodes)")
@@ -115,12 +135,27 @@ def _serve(args: argparse.Namespace) -> int:
                                                       ("cache_memory_bytes", args.cache_memory_bytes))
                       if value is not None}
     if args.replicas == 1 and not args.address and not args.config:
+        from cluster.api.http_limits import HTTPLimits
         from cluster.api.server import serve_in_process
+        from cluster.api.tenants import Tenants
+        from cluster.deploy import http_limit_flags
 
+        if args.request_timeout is not None:
+            print("cairn serve: --request-timeout is Serve's; in-process, requests have no end-to-end limit",
+                  file=sys.stderr)
+            return 2
+        try:
+            tenants = Tenants.load(args.api_key, args.api_keys_file)
+            limits = HTTPLimits(**http_limit_flags(args, in_process=True))
+        except (OSError, ValueError) as e:
+            print(f"cairn serve: {e}", file=sys.stderr)
+            return 2
         host, port = args.host or "127.0.0.1", args.port or 8000
         print(f"cairn: one in-process engine on http://{host}:{port}/v1 (Ctrl-C to stop)", flush=True)
-        serve_in_process(args.model, host=host, port=port, api_key=args.api_key,
-                         served_model_name=args.served_model_name, **engine_options)
+        serve_in_process(args.model, host=host, port=port, tenants=tenants, metrics_key=args.metrics_key,
+                         shared_cache_tenants=bool(args.shared_cache_tenants), http_limits=limits,
+                         max_body_bytes=args.max_body_bytes, served_model_name=args.served_model_name,
+                         **engine_options)
         return 0
     from cluster.deploy import serve_forever
 

@@ -5,9 +5,13 @@ What is deployed is always a Serve config (Ray's `ServeDeploySchema`, the format
 configs/local.yaml (2 CPU replicas of the demo model, in-memory cache index, 127.0.0.1:8000),
 read as package data of the `configs` package (importlib.resources), so an installed cairn
 deploys the same file a checkout does; it is written nowhere else.
-Flags given on the command line override it (`apply_overrides`): `--model`, `--replicas`,
-`--routing` (loaded here and sent inline), `--num-cpus`, `--num-gpus`, engine options, API key,
-model name go into every application's `args`; `--host`/`--port` into `http_options`. The
+Flags given on the command line override it (`apply_overrides`): `--model`, `--replicas` (which
+replaces an `autoscaling` config), `--routing` (loaded here and sent inline), `--num-cpus`,
+`--num-gpus`, engine options, API keys (`--api-key` values, `--api-keys-file` as an absolute path,
+`--metrics-key`, `--shared-cache-tenants`), model name, `--max-body-bytes` and the ingress's
+`http_limits` (`--max-header-bytes`, `--body-timeout`) go into every application's `args`;
+`--host`, `--port`, `--keep-alive-timeout` and `--request-timeout` into `http_options`, the
+proxy's (`--header-timeout` is refused: Serve's proxy has none). The
 config is then deployed the way `serve deploy` does (the controller imports each application's
 `import_path` with its `args`; `deployments:` overrides and `runtime_env` apply), and this
 process waits until every application is RUNNING.
@@ -56,25 +60,50 @@ def apply_overrides(config: dict[str, Any], args: argparse.Namespace,
 
     config = copy.deepcopy(config)
     http = config.setdefault("http_options", {})
-    for flag in ("host", "port"):
+    for flag, key in (("host", "host"), ("port", "port"), ("request_timeout", "request_timeout_s")):
         if getattr(args, flag, None) is not None:
-            http[flag] = getattr(args, flag)
+            http[key] = getattr(args, flag)
+    if getattr(args, "keep_alive_timeout", None) is not None:
+        if args.keep_alive_timeout != int(args.keep_alive_timeout):
+            raise ValueError("--keep-alive-timeout: Serve's proxy takes whole seconds")
+        http["keep_alive_timeout_s"] = int(args.keep_alive_timeout)
+    if getattr(args, "header_timeout", None) is not None:
+        raise ValueError("--header-timeout: Serve's proxy has no header timeout (in-process only: --replicas 1)")
     app_args: dict[str, Any] = {}
     if getattr(args, "model", None):
         app_args["model_dir"] = str(Path(args.model).expanduser().resolve())
     if getattr(args, "routing", None):
         app_args["routing"] = RoutingConfig.from_yaml(args.routing).model_dump(mode="json")
+    if getattr(args, "api_keys_file", None):
+        app_args["api_keys_file"] = str(Path(args.api_keys_file).expanduser().resolve())
     for flag, key in (("replicas", "replicas"), ("num_cpus", "num_cpus"), ("num_gpus", "num_gpus"),
-                      ("served_model_name", "served_model_name"), ("api_key", "api_key")):
+                      ("served_model_name", "served_model_name"), ("api_key", "api_keys"),
+                      ("metrics_key", "metrics_key"), ("shared_cache_tenants", "shared_cache_tenants"),
+                      ("max_body_bytes", "max_body_bytes")):
         if getattr(args, flag, None) is not None:
             app_args[key] = getattr(args, flag)
+    limits = http_limit_flags(args, in_process=False)
     for app in config.get("applications", []):
         merged = dict(app.get("args") or {})
         merged.update(app_args)
+        if "replicas" in app_args:
+            merged.pop("autoscaling", None)  # a count given on the command line replaces autoscaling
         if engine_options:
             merged["engine_options"] = {**(merged.get("engine_options") or {}), **engine_options}
+        if limits:
+            merged["http_limits"] = {**(merged.get("http_limits") or {}), **limits}
         app["args"] = merged
     return config
+
+
+def http_limit_flags(args: argparse.Namespace, in_process: bool) -> dict[str, float]:
+    """The `HTTPLimits` fields the flags give: the app's (header size, body time) and, for the
+    in-process server, the connection's (header time, keep-alive)."""
+    flags = {"max_header_bytes": getattr(args, "max_header_bytes", None),
+             "body_timeout_s": getattr(args, "body_timeout", None)}
+    if in_process:
+        flags.update(header_timeout_s=args.header_timeout, keep_alive_timeout_s=args.keep_alive_timeout)
+    return {k: v for k, v in flags.items() if v is not None}
 
 
 def _wait_running(names: list[str], stop: threading.Event, report_every_s: float = 30.0) -> str | None:

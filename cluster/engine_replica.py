@@ -11,7 +11,13 @@ Rules it keeps:
   drain loop every `DRAIN_INTERVAL_S`; the index actor is reached through an `IndexHandle`, found
   (or created) before the replica takes requests and found again if it dies. Reporting never
   takes the replica down.
-- Its load reaches the router through `record_routing_stats` (`cluster.routing.cost.routing_stats`).
+- Its load reaches the router through `record_routing_stats` (`cluster.routing.cost.routing_stats`),
+  and its engine metrics reach Ray's metrics export, tagged with this replica, from the same
+  drain loop (`cluster.metrics_export`): the cluster-wide view.
+- Shutting down (Serve scaling it down or replacing it), it first finishes what is in flight:
+  Serve stops routing to it and waits for its ongoing requests, up to the deployment's
+  `graceful_shutdown_timeout_s`, before calling `__del__`; then the index forgets it
+  (`EventPublisher.close(drop_worker=True)`), so no router scores a replica that is gone.
 It touches the engine only through `AsyncEngine`'s public methods.
 """
 
@@ -27,6 +33,8 @@ from ray import serve
 
 from cache_service.publisher import EventPublisher
 from cluster.api.engine_client import GenerateRequest
+from cluster.api.metrics import engine_families
+from cluster.metrics_export import ENGINE_EXPORT_INTERVAL_S, RayMetricsMirror
 from cluster.routing.config import RoutingConfig
 from cluster.routing.cost import routing_stats
 from cluster.routing.index_handle import IndexHandle
@@ -60,15 +68,21 @@ class EngineReplica:
         await self.index.get()  # found, or created, before the first request
         self.publisher = EventPublisher(self.worker_id, self.index, snapshot=self.engine.snapshot_events)
         self._metrics: dict[str, float] = {}
+        self._mirror, self._exported_at = RayMetricsMirror(), 0.0
         self._drain = asyncio.get_running_loop().create_task(self._drain_loop())
 
     async def _drain_loop(self) -> None:
-        """Moves cache events from the engine to the publisher, and refreshes load numbers."""
+        """Moves cache events from the engine to the publisher, refreshes load numbers and
+        exports them to Ray's metrics."""
+        loop = asyncio.get_running_loop()
         while True:
             try:
                 batch = await self.engine.drain_events()
                 self.publisher.publish(batch)
                 self._metrics = await self.engine.metrics()
+                if loop.time() - self._exported_at >= ENGINE_EXPORT_INTERVAL_S:
+                    self._exported_at = loop.time()
+                    self._mirror.export(engine_families(self._metrics))
             except Exception:  # never let reporting take the replica down
                 log.exception("cache event drain failed on %s", self.worker_id)
             await asyncio.sleep(DRAIN_INTERVAL_S)

@@ -15,6 +15,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import AsyncIterator
 from contextvars import ContextVar
 from pathlib import Path
@@ -23,9 +25,14 @@ from typing import Any
 from ray.serve.handle import DeploymentHandle
 
 from cluster.api.engine_client import GenerateRequest
+from cluster.api.http_limits import HTTPLimits
+from cluster.api.metrics import engine_families
+from cluster.api.tenants import Tenants
+from cluster.metrics_export import INGRESS_EXPORT_INTERVAL_S, RayMetricsMirror
 from cluster.routing.registry import prefill_done, router_counts
 from workers import EngineSpec
 
+log = logging.getLogger(__name__)
 REPLICA_HEADER = "x-cairn-replica"
 # the worker ids that served the HTTP request being handled (set per request by ReplicaHeader;
 # a list, so the tasks the request spawns append to the same one)
@@ -74,20 +81,50 @@ class HandleEngineClient:
 
 
 class Ingress:
-    """The HTTP front: `cluster.api.build_app` over the engine deployment's handle."""
+    """The HTTP front: `cluster.api.build_app` over the engine deployment's handle. `api_key` is
+    one key of the tenant "default"; `api_keys` (TENANT:KEY values) and `api_keys_file` add
+    tenants; none of the three: CAIRN_API_KEY in the replica's environment, else no keys."""
 
-    def __init__(self, engine: DeploymentHandle, model_dir: str, spec: EngineSpec,
-                 served_model_name: str | None = None, api_key: str | None = None):
-        self.model_dir, self.served_model_name, self.api_key = Path(model_dir), served_model_name, api_key
+    async def __init__(self, engine: DeploymentHandle, model_dir: str, spec: EngineSpec,
+                       served_model_name: str | None = None, api_key: str | None = None, *,
+                       api_keys: list[str] | None = None, api_keys_file: str | None = None,
+                       metrics_key: str | None = None, shared_cache_tenants: bool = False,
+                       http_limits: dict[str, Any] | None = None, max_body_bytes: int | None = None):
+        self.model_dir, self.served_model_name = Path(model_dir), served_model_name
+        self.tenants = Tenants.load([*([f"default:{api_key}"] if api_key else []), *(api_keys or [])],
+                                    api_keys_file)
+        self.metrics_key, self.shared_cache_tenants = metrics_key, shared_cache_tenants
+        self.http_limits = HTTPLimits.model_validate(http_limits or {})
+        self.max_body_bytes = max_body_bytes
         self.client = HandleEngineClient(engine, spec)
+        self._api_metrics: Any = None
+        self._mirror = RayMetricsMirror()
+        self._export = asyncio.get_running_loop().create_task(self._export_loop())
 
     def __serve_build_asgi_app__(self):
-        from cluster.api import build_app
+        from cluster.api import DEFAULT_MAX_BODY_BYTES, build_app
 
         # Serve's proxy sets X-Request-Id on the way in (the app adopts it) and echoes it itself
-        app = build_app(self.client, self.model_dir, self.served_model_name, self.api_key, echo_request_id=False)
+        app = build_app(self.client, self.model_dir, self.served_model_name, echo_request_id=False,
+                        max_body_bytes=self.max_body_bytes or DEFAULT_MAX_BODY_BYTES, tenants=self.tenants,
+                        metrics_key=self.metrics_key, shared_cache_tenants=self.shared_cache_tenants,
+                        http_limits=self.http_limits)
+        self._api_metrics = app.state.metrics
         app.add_middleware(ReplicaHeader)
         return app
+
+    async def _export_loop(self) -> None:
+        """Copies this replica's API metrics and router counters to Ray's metrics export."""
+        while True:
+            await asyncio.sleep(INGRESS_EXPORT_INTERVAL_S)
+            try:
+                if self._api_metrics is not None:
+                    self._mirror.export([*self._api_metrics.registry.collect(), *engine_families(router_counts())])
+            except Exception:  # never let reporting take the replica down
+                log.exception("metrics export failed")
+
+    async def __del__(self) -> None:
+        self._export.cancel()
 
 
 class ReplicaHeader:

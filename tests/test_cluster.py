@@ -15,13 +15,19 @@ Which replica served a response is read from its `x-cairn-replica` header (clust
    load drops it from the index within 5 s, nothing is routed to it afterwards, and its
    replacement is learned from its own events. `cairn serve --address` joins this cluster,
    deploys its own application next to the module's and, on Ctrl-C, deletes only that one.
-   The ingress's /metrics, through Serve, parses as Prometheus text and counts the routing.
+   The ingress's /metrics, through Serve, parses as Prometheus text and counts the routing; Ray's
+   metrics export holds every replica's series under its own replica tag, and every metric
+   configs/grafana-dashboard.json reads.
+3. Drain: as `serve deploy` does it, lowering the engine's num_replicas, then replacing its
+   replica; streams in flight on a stopping replica finish whole, and it leaves the index itself.
 The router decisions these rely on are tested in plain Python in tests/test_router.py.
 """
 
 import concurrent.futures
+import json
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -301,6 +307,54 @@ def test_the_ingress_metrics_parse_as_prometheus_text_and_count_the_routing(clus
     assert value["cairn_engine_pages_cached"] >= 0 and value["cairn_cached_tokens"] >= 0
 
 
+def ray_exported_families(timeout_s: float, ready) -> dict:
+    """Ray's metrics export of this node (its metrics agent, on the node's MetricsExportPort), parsed,
+    once `ready(families)` holds (Ray exports every few seconds)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    node = next(n for n in ray.nodes() if n["Alive"])
+    url = f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
+    deadline, families = time.monotonic() + timeout_s, {}
+    while time.monotonic() < deadline:
+        try:
+            families = {f.name: f for f in text_string_to_metric_families(httpx.get(url, timeout=10).text)}
+        except httpx.HTTPError:
+            families = {}
+        if ready(families):
+            return families
+        time.sleep(1)
+    raise AssertionError(f"Ray's export at {url} never had what was waited for; it has "
+                         f"{sorted(n for n in families if 'cairn' in n)}")
+
+
+def series(families: dict, sample: str, **tags) -> list:
+    return [s for f in families.values() for s in f.samples
+            if s.name == sample and all(s.labels.get(k) == v for k, v in tags.items())]
+
+
+def test_every_replicas_metrics_reach_rays_export_each_under_its_own_replica_tag(cluster):
+    chat(cluster.client(), [{"role": "user", "content": "Where does the trail cross the river?"}])
+    engines = {w.rsplit("#", 1)[1] for w in cluster.replicas()}  # Serve's replica tag ends the worker id
+    on_engines = dict(sample="ray_cairn_engine_pages_total", application="cairn", deployment="Engine")
+
+    dashboard = json.loads((Path(__file__).resolve().parent.parent / "configs" / "grafana-dashboard.json").read_text())
+    shown = {n for panel in dashboard["panels"] for t in panel["targets"]
+             for n in re.findall(r"\bray_cairn_[a-z0-9_]+\b", t["expr"])}
+
+    def ready(families):
+        names = {s.name for f in families.values() for s in f.samples}
+        return {s.labels["replica"] for s in series(families, **on_engines)} == engines and shown <= names and \
+            series(families, "ray_cairn_requests_total", deployment="Ingress", endpoint="/v1/chat/completions")
+    families = ray_exported_families(90, ready)  # every name the Grafana dashboard reads, too
+    assert len(engines) == 3 and all(s.value > 0 for s in series(families, **on_engines))
+    held = {s.labels["replica"] for s in series(families, "ray_cairn_engine_cached_tokens", deployment="Engine")}
+    assert held == engines, "every engine gauge, not only one"
+    buckets = series(families, "ray_cairn_time_to_first_token_seconds_bucket", deployment="Ingress")
+    assert {s.labels["le"] for s in buckets} >= {"0.005", "+Inf"} and max(s.value for s in buckets) >= 1, \
+        "a histogram arrives bucket by bucket, readable by histogram_quantile"
+    assert series(families, "ray_cairn_router_ranked_total", deployment="Ingress")
+
+
 def test_a_hot_shared_prompt_fills_its_replica_up_to_the_spill_limit_then_spills(cluster):
     hot = "You are the shared assistant of the cairn club. " * 105  # ~2,400 tokens, shared by every request
     client, limit = cluster.client(), ROUTING.spill_limit
@@ -459,3 +513,171 @@ def test_a_killed_replica_leaves_the_index_within_5s_and_its_replacement_is_lear
     assert new in {t[0][2] for t in turns}
     held = cluster.converged()
     assert held[new][0], "what it cached since reached the index through its events"
+
+
+def test_behind_serves_proxy_the_ingress_refuses_big_headers_and_closes_a_stalled_body(cluster, tiny_model_dir):
+    """Serve's proxy reads headers of any size and gives a body all the time it wants: the ingress's
+    RequestGuard answers instead (431, 408), in OpenAI's shape, and its Connection: close reaches
+    the client through the proxy."""
+    from ray import serve
+
+    limits = {"max_header_bytes": 4096, "body_timeout_s": 2.0}
+    serve.run(build_application(tiny_model_dir, replicas=1, num_cpus=0.25, served_model_name=MODEL, http_limits=limits,
+                                routing=RoutingConfig(index_actor_name=INDEX + "-limits")),
+              name="limits", route_prefix="/limits")
+    host, port = cluster.url.removeprefix("http://").split(":")
+    try:
+        big = httpx.get(cluster.url + "/limits/health", headers={"X-Big": "a" * 8000}, timeout=30)
+        assert big.status_code == 431 and big.json()["error"]["code"] == "headers_too_large"
+        with socket.create_connection((host, int(port)), timeout=30) as sock:
+            sock.sendall(b"POST /limits/v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 1000\r\n\r\n{\"model\": ")
+            start, data = time.monotonic(), b""
+            while chunk := sock.recv(65536):
+                data += chunk
+        waited = time.monotonic() - start
+        head, _, body = data.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408") and json.loads(body)["error"]["code"] == "request_timeout", data
+        assert 1.5 <= waited <= 15, "closed by the body deadline, not by the proxy's keep-alive"
+    finally:
+        serve.delete("limits", _blocking=True)
+        try:
+            ray.kill(ray.get_actor(INDEX + "-limits", namespace=ROUTING.index_actor_namespace), no_restart=True)
+        except ValueError:
+            pass
+
+
+# ---- 3. drain: a replica scaled down or replaced finishes what it has in flight ----------------
+
+def stream_chat(url: str, content: str, max_tokens: int, first: threading.Event, out: dict) -> None:
+    """One streamed chat through `url`; `out`: its replica, finish reasons, usage, error."""
+    body = {"model": MODEL, "stream": True, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0,
+            "stream_options": {"include_usage": True}, "messages": [{"role": "user", "content": content}]}
+    try:
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=300) as r:
+            out["status"], out["replica"] = r.status_code, r.headers.get(REPLICA_HEADER)
+            for line in r.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                first.set()
+                if line == "data: [DONE]":
+                    out["done"] = True
+                    continue
+                chunk = json.loads(line[6:])
+                out.setdefault("finish", []).extend(c["finish_reason"] for c in chunk.get("choices", [])
+                                                    if c.get("finish_reason"))
+                out["usage"] = chunk.get("usage") or out.get("usage")
+    except Exception as e:  # noqa: BLE001 - what the test reports
+        out["error"] = repr(e)
+    finally:
+        out["ended"] = time.monotonic()
+        first.set()
+
+
+def test_a_replica_scaled_down_or_replaced_finishes_its_streams_then_leaves_the_index(cluster, tiny_model_dir):
+    """As `serve deploy` (and `cairn serve --config`) does it: a config whose `deployments:` lowers the
+    engine's num_replicas scales down in place (Serve picks the replica to stop); one whose args change
+    is a new code version and replaces every replica. Either way a stopping replica is sent nothing new,
+    keeps running until its requests end (graceful_shutdown_timeout_s), then says goodbye to the index
+    (drop_worker): the index never had to reap it."""
+    from ray import serve
+    from ray.serve.context import _get_global_client
+    from ray.serve.schema import ServeDeploySchema
+
+    index_name, client = INDEX + "-drain", _get_global_client()
+    args = {"model_dir": str(tiny_model_dir), "replicas": 2, "num_cpus": 0.25, "served_model_name": MODEL,
+            "routing": {"index_actor_name": index_name, "index_timeout_ms": 500}, "health_check_period_s": 1.0,
+            "graceful_shutdown_timeout_s": 120, "graceful_shutdown_wait_loop_s": 0.5}
+    app = {"name": "drain", "route_prefix": "/drain", "import_path": "cluster.app:app_builder", "args": args}
+    url = cluster.url + "/drain"
+
+    def deploy(app_config: dict) -> None:
+        client.deploy_apps(ServeDeploySchema.model_validate({"applications": [app_config]}), _blocking=False)
+
+    def serve_status(name: str):
+        a = serve.status().applications.get(name)
+        return a.status if a else None
+
+    def running_replicas(n: int) -> set[str]:
+        deadline = time.monotonic() + 120
+        while True:
+            status = serve_status("drain")
+            if status == "RUNNING":
+                try:
+                    live = {w for w, *_ in serve.get_deployment_handle("Engine", app_name="drain")
+                            .broadcast("cache_contents").results(timeout_s=30)}
+                    if len(live) == n:
+                        return live
+                except Exception:  # noqa: BLE001 - a replica going away mid-broadcast
+                    pass
+            assert time.monotonic() < deadline, f"drain app never ran {n} replicas: {status}"
+            time.sleep(0.5)
+
+    def index_lists(workers: set[str], timeout_s: float = 30) -> None:
+        actor, deadline = ray.get_actor(index_name, namespace=ROUTING.index_actor_namespace), time.monotonic() + timeout_s
+        while (listed := ray.get(actor.workers.remote(), timeout=30)) != workers:
+            assert time.monotonic() < deadline, f"the index lists {listed}, not {workers}"
+            time.sleep(0.2)
+
+    def reaped() -> int:
+        actor = ray.get_actor(index_name, namespace=ROUTING.index_actor_namespace)
+        return ray.get(actor.stats.remote(), timeout=30)["workers_reaped"]
+
+    def streams_in_flight(k: int, max_tokens: int) -> list[tuple[threading.Thread, dict]]:
+        out = []
+        for i in range(k):
+            first, result = threading.Event(), {}
+            t = threading.Thread(target=stream_chat, args=(url, persona(500 + i, 30), max_tokens, first, result),
+                                 daemon=True)
+            t.start()
+            assert first.wait(120), "no first token"
+            out.append((t, result))
+        return out
+
+    def finished_whole(streams, max_tokens: int) -> None:
+        for t, result in streams:
+            t.join(timeout=240)
+            assert not t.is_alive() and "error" not in result, result
+            assert result["status"] == 200 and result.get("done") and result["finish"] == ["length"], result
+            assert result["usage"]["completion_tokens"] == max_tokens, result
+
+    tokens = 600
+    try:
+        deploy(app)
+        before = running_replicas(2)
+        index_lists(before)  # each introduced itself with its first snapshot
+        reaped_before = reaped()
+
+        # scale down in place: streams on both replicas, then one replica fewer
+        streams = streams_in_flight(4, tokens)
+        assert {r["replica"] for _, r in streams} == before, "both replicas hold a stream"
+        asked = time.monotonic()
+        deploy(dict(app, deployments=[{"name": "Engine", "num_replicas": 1}]))
+        (kept,) = running_replicas(1)
+        assert kept in before
+        finished_whole(streams, tokens)
+        stopped = [r for _, r in streams if r["replica"] != kept]
+        assert stopped and all(r["ended"] > asked for r in stopped), "they were in flight when it was told to stop"
+        print(f"scale-down: the stopped replica's streams ended {[round(r['ended'] - asked, 1) for r in stopped]} s "
+              f"after it was asked")
+        index_lists({kept})
+
+        # replace: new args are a new code version; the old replica drains, its successor takes over
+        streams = streams_in_flight(2, tokens)
+        assert {r["replica"] for _, r in streams} == {kept}
+        asked = time.monotonic()
+        deploy(dict(app, args=dict(args, engine_options={"seed": 1}), deployments=[{"name": "Engine",
+                                                                                    "num_replicas": 1}]))
+        finished_whole(streams, tokens)
+        print(f"replace: the old replica's streams ended {[round(r['ended'] - asked, 1) for _, r in streams]} s "
+              f"after it was asked")
+        (new,) = running_replicas(1)
+        assert new != kept
+        index_lists({new})
+        assert reaped() == reaped_before, "each stopped replica left the index itself (drop_worker), not reaped"
+    finally:
+        serve.delete("drain", _blocking=True)
+        try:
+            ray.kill(ray.get_actor(index_name, namespace=ROUTING.index_actor_namespace), no_restart=True)
+        except ValueError:
+            pass

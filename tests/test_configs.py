@@ -48,16 +48,54 @@ def test_serve_yaml_is_a_serve_deploy_config_whose_app_builds_gpu_engine_replica
     (app,) = config.applications
     assert app.import_path == "cluster.app:app_builder" and app.route_prefix == "/"
     args = app.args
-    assert {"model_dir", "replicas", "engine_options", "routing", "num_cpus", "num_gpus"} <= args.keys()
-    engine, (model_dir, engine_options, routing, spec) = engine_of(app_builder(args))
+    assert {"model_dir", "autoscaling", "engine_options", "routing", "num_cpus", "num_gpus"} <= args.keys()
+    built = app_builder(args)
+    engine, (model_dir, engine_options, routing, spec) = engine_of(built)
     assert engine.ray_actor_options["num_gpus"] == args["num_gpus"] == 1
     assert engine.ray_actor_options["num_cpus"] == args["num_cpus"]
-    assert engine.num_replicas == args["replicas"]
     assert engine.max_ongoing_requests == engine_options["max_num_seqs"], "a replica admits what its engine runs"
     assert engine._deployment_config.health_check_period_s == args["health_check_period_s"]
     assert RoutingConfig.model_validate(routing) == RoutingConfig.model_validate(args["routing"]).for_engines(spec)
     assert engine_options["page_size"] == routing["page_size"]
     assert Path(model_dir).is_dir(), "model_dir null serves the demo model"
+    ingress = built._bound_deployment
+    for deployment in (engine, ingress):  # a replica scaled down or replaced finishes its streams
+        assert deployment._deployment_config.graceful_shutdown_timeout_s == args["graceful_shutdown_timeout_s"] \
+            >= config.http_options.request_timeout_s
+    assert ingress.init_kwargs["http_limits"] == args["http_limits"]
+    assert config.http_options.keep_alive_timeout_s == 90
+
+
+def test_serve_yaml_autoscales_engine_replicas_by_their_queue_within_rays_schema():
+    from ray.serve.config import AutoscalingConfig
+
+    args = load("serve.yaml")["applications"][0]["args"]
+    wanted = AutoscalingConfig.model_validate(args["autoscaling"])  # Ray's own schema
+    engine, (_, engine_options, _, _) = engine_of(app_builder(args))
+    built = engine._deployment_config.autoscaling_config
+    assert built == wanted and (built.min_replicas, built.max_replicas) == (1, 4)
+    assert 0 < built.target_ongoing_requests <= engine_options["max_num_seqs"], \
+        "the queue a replica aims at fits what it admits"
+    cluster = load("cluster.yaml")
+    assert built.max_replicas <= sum(t.get("max_workers", 0) for t in cluster["available_node_types"].values()
+                                     if t["resources"].get("GPU")), "one GPU per replica"
+    fixed = deploy.apply_overrides(load("serve.yaml"), serve_args(["--replicas", "3"]))["applications"][0]["args"]
+    assert "autoscaling" not in fixed and engine_of(app_builder(fixed))[0].num_replicas == 3, \
+        "--replicas replaces autoscaling"
+
+
+def test_the_ingress_refuses_limits_that_belong_to_servess_proxy():
+    with pytest.raises(ValueError, match="http_options.keep_alive_timeout_s"):
+        app_builder({"http_limits": {"keep_alive_timeout_s": 5}})
+    with pytest.raises(ValueError, match="no header timeout"):
+        app_builder({"http_limits": {"header_timeout_s": 5}})
+    with pytest.raises(ValueError, match="max_header_bytes"):
+        app_builder({"http_limits": {"max_header_bytes": -1}})
+    ingress = app_builder({"http_limits": {"body_timeout_s": 5}, "api_keys": ["a:k"], "metrics_key": "m",
+                           "shared_cache_tenants": True, "max_body_bytes": 1024})._bound_deployment
+    assert ingress.init_kwargs == dict(api_keys=["a:k"], api_keys_file=None, metrics_key="m",
+                                       shared_cache_tenants=True, http_limits={"body_timeout_s": 5},
+                                       max_body_bytes=1024)
 
 
 def test_app_builder_takes_routing_as_a_path_and_refuses_unknown_keys():
@@ -166,7 +204,7 @@ def test_flags_override_the_config_and_absent_flags_leave_it_alone(tmp_path):
         ["--replicas", "3", "--port", "9001", "--model", str(model), "--num-cpus", "0.25",
          "--routing", str(CONFIGS / "routing.yaml")]), {"max_num_seqs": 8})
     args = out["applications"][0]["args"]
-    assert out["http_options"] == {"host": "127.0.0.1", "port": 9001}
+    assert out["http_options"] == {"host": "127.0.0.1", "port": 9001, "keep_alive_timeout_s": 5}
     assert args["replicas"] == 3 and args["num_cpus"] == 0.25 and args["model_dir"] == str(model)
     assert args["engine_options"] == {"max_num_seqs": 8}
     assert RoutingConfig.model_validate(args["routing"]) == RoutingConfig.from_yaml(CONFIGS / "routing.yaml")
@@ -176,3 +214,81 @@ def test_flags_override_the_config_and_absent_flags_leave_it_alone(tmp_path):
     serve_yaml = deploy.apply_overrides(load("serve.yaml"), serve_args(["--replicas", "8"]), {"max_num_seqs": 32})
     engine_options = serve_yaml["applications"][0]["args"]["engine_options"]
     assert engine_options["max_num_seqs"] == 32 and engine_options["page_size"] == 16, "merged, not replaced"
+
+
+def test_key_tenant_and_limit_flags_go_to_the_app_and_the_proxy(tmp_path):
+    keys = tmp_path / "keys"
+    keys.write_text("alice:k-a\n")
+    out = deploy.apply_overrides(load("local.yaml"), serve_args(
+        ["--api-key", "alice:k-a", "--api-key", "bare", "--api-keys-file", str(keys), "--metrics-key", "ops",
+         "--shared-cache-tenants", "--max-header-bytes", "8192", "--body-timeout", "15", "--max-body-bytes", "4096",
+         "--keep-alive-timeout", "7", "--request-timeout", "120"]))
+    args = out["applications"][0]["args"]
+    assert args["api_keys"] == ["alice:k-a", "bare"] and args["api_keys_file"] == str(keys.resolve())
+    assert args["metrics_key"] == "ops" and args["shared_cache_tenants"] is True and args["max_body_bytes"] == 4096
+    assert args["http_limits"] == {"max_header_bytes": 8192, "body_timeout_s": 15}
+    assert out["http_options"]["keep_alive_timeout_s"] == 7 and out["http_options"]["request_timeout_s"] == 120
+    ServeDeploySchema.model_validate(out)
+    ingress = app_builder(args)._bound_deployment
+    assert ingress.init_kwargs["http_limits"] == args["http_limits"]
+    with pytest.raises(ValueError, match="no header timeout"):
+        deploy.apply_overrides(load("local.yaml"), serve_args(["--header-timeout", "5"]))
+    with pytest.raises(ValueError, match="whole seconds"):
+        deploy.apply_overrides(load("local.yaml"), serve_args(["--keep-alive-timeout", "2.5"]))
+    untouched = deploy.apply_overrides(load("local.yaml"), serve_args([]))["applications"][0]["args"]
+    assert not {"api_keys", "metrics_key", "shared_cache_tenants", "http_limits"} & untouched.keys()
+
+
+# ---- grafana-dashboard.json ------------------------------------------------------------------
+
+def dashboard_metrics() -> dict[str, set[str]]:
+    """Each panel's title -> the metric names its expressions read."""
+    import re
+
+    dashboard = json.loads((CONFIGS / "grafana-dashboard.json").read_text())
+    return {panel["title"]: {name for t in panel["targets"] for name in re.findall(r"\bray_cairn_[a-z0-9_]+\b", t["expr"])}
+            for panel in dashboard["panels"]}
+
+
+def test_the_grafana_dashboard_reads_only_metrics_cairn_exports(tiny_model_dir):
+    """Ray exports `ray_` + each name /metrics shows (cluster.metrics_export; tests/test_cluster.py
+    checks the dashboard against a real export), so /metrics of a real engine, and the routers'
+    counters, are what the panels may name."""
+    from fastapi.testclient import TestClient
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from cluster.api import build_app
+    from cluster.api.engine_client import LocalEngineClient
+    from cluster.routing.ranker import AffinityRanker
+    from workers import AsyncEngine
+
+    engine = AsyncEngine.from_pretrained(tiny_model_dir, num_pages=64, max_num_seqs=2)
+    with TestClient(build_app(LocalEngineClient(engine), tiny_model_dir, "tiny")) as c:
+        assert c.post("/v1/completions", json={"model": "tiny", "prompt": "cairn " * 40, "max_tokens": 2}).status_code == 200
+        text = c.get("/metrics").text
+    exported = {s.name for f in text_string_to_metric_families(text) for s in f.samples}
+    exported |= {f"cairn_router_{name}_total" for name in AffinityRanker(RoutingConfig(page_size=16, hybrid_model=True)).counts}
+    panels = dashboard_metrics()
+    for title, names in panels.items():
+        assert names, f"panel {title!r} reads no cairn metric"
+        missing = {n for n in names if n.removeprefix("ray_") not in exported}
+        assert not missing, f"panel {title!r} reads metrics cairn does not export: {missing}"
+    shown = set().union(*panels.values())
+    for wanted in ("ray_cairn_cached_tokens_total", "ray_cairn_prompt_tokens_total",
+                   "ray_cairn_time_to_first_token_seconds_bucket", "ray_cairn_inter_token_latency_seconds_bucket",
+                   "ray_cairn_engine_waiting_requests", "ray_cairn_engine_running_requests",
+                   "ray_cairn_engine_state_bytes", "ray_cairn_engine_cache_used_bytes",
+                   "ray_cairn_router_index_fallbacks_total"):
+        assert wanted in shown, f"the dashboard shows no {wanted}"
+
+
+def test_cairn_serve_in_process_refuses_serves_options_and_bad_keys_before_loading_anything(tmp_path, capsys):
+    from cluster.cli import main
+
+    assert main(["serve", "--replicas", "1", "--request-timeout", "5"]) == 2
+    assert "in-process, requests have no end-to-end limit" in capsys.readouterr().err
+    (tmp_path / "keys").write_text("alice:secret-1\nsecret-2\n")
+    assert main(["serve", "--replicas", "1", "--api-keys-file", str(tmp_path / "keys")]) == 2
+    err = capsys.readouterr().err
+    assert "keys:2: expected TENANT:KEY" in err and "secret" not in err.replace(str(tmp_path), "")
+    assert main(["serve", "--replicas", "1", "--body-timeout", "-1"]) == 2

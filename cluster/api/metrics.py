@@ -1,119 +1,140 @@
-"""What GET /metrics reports, in Prometheus' text exposition format (version 0.0.4).
+"""What GET /metrics reports: Prometheus text, written by prometheus_client from a registry of
+this app's own (never the process-wide one), so two apps in one process never mix.
 
-Counted by the API: requests by endpoint and status, errors by status, time to first token
-and end-to-end latency (histograms, seconds), prompt / cached / generated tokens, and the
-prefix hit ratio (cached over prompt tokens). The engine's own counters and gauges (pages held
-and cached, checkpoints stored, state bytes, ...) are appended as `cairn_engine_*`, and the
-request router's (keys `router_*`: requests ranked, routed, index fallbacks) as `cairn_router_*`;
-a key `name:kind` becomes `name{kind="..."}`, and text values (a replica's worker_id) become
-labels of `cairn_engine_info`. Kept per app, so two apps in one process never mix.
+Counted by the API (`APIMetrics`): requests by endpoint and status, errors by status, time to
+first token, inter-token latency and end-to-end latency (histograms, seconds), prompt / cached /
+generated tokens, and the prefix hit ratio (cached over prompt tokens). Inter-token latency is
+timed by `TimedClient`, which wraps the app's engine client: the gap between two outputs of one
+engine request, per token they carry.
+
+The engine's own counters and gauges (`workers.Engine.metrics`: pages held and cached,
+checkpoints stored, state bytes, queues...) are written as `cairn_engine_*`, and the request
+router's (keys `router_*`) as `cairn_router_*`, by `engine_families`: a key `name:kind` becomes
+`name{kind="..."}`, a key ending in `_total` a counter, any other a gauge, and text values (a
+replica's worker_id) labels of `cairn_engine_info`. The cluster exports the same families to
+Ray's metrics (`cluster.metrics_export`), one series per replica.
 """
 
 from __future__ import annotations
 
-import math
 import re
-from collections import defaultdict
+import time
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-
-
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
-def _labels(**labels: str) -> str:
-    return "{" + ",".join(f'{k}="{_escape(str(v))}"' for k, v in labels.items()) + "}" if labels else ""
-
-
-def _num(v: float) -> str:
-    if math.isinf(v):
-        return "+Inf" if v > 0 else "-Inf"
-    return repr(float(v)) if isinstance(v, float) and not float(v).is_integer() else str(int(v))
-
-
-class Histogram:
-    def __init__(self, buckets: tuple[float, ...] = LATENCY_BUCKETS):
-        self.buckets = buckets
-        self.counts = [0] * len(buckets)
-        self.sum = 0.0
-        self.count = 0
-
-    def observe(self, value: float) -> None:
-        self.sum += value
-        self.count += 1
-        for i, edge in enumerate(self.buckets):
-            if value <= edge:
-                self.counts[i] += 1
-
-    def lines(self, name: str) -> list[str]:
-        out = [f'{name}_bucket{{le="{edge}"}} {n}' for edge, n in zip(self.buckets, self.counts)]
-        out.append(f'{name}_bucket{{le="+Inf"}} {self.count}')
-        out += [f"{name}_sum {self.sum!r}", f"{name}_count {self.count}"]
-        return out
+INTER_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
 
 
 class APIMetrics:
     def __init__(self) -> None:
-        self.requests: dict[tuple[str, int], int] = defaultdict(int)
-        self.ttft = Histogram()
-        self.e2e = Histogram()
-        self.prompt_tokens = 0
-        self.cached_tokens = 0
-        self.generated_tokens = 0
+        self.registry = CollectorRegistry(auto_describe=False)
+        r = self.registry
+        self.requests = Counter("cairn_requests", "HTTP requests by endpoint and status code.",
+                                ("endpoint", "status"), registry=r)
+        self.errors = Counter("cairn_request_errors", "HTTP requests answered with an error, by status code.",
+                              ("status",), registry=r)
+        self.ttft = Histogram("cairn_time_to_first_token_seconds", "Seconds from request arrival to the first token.",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.inter_token = Histogram("cairn_inter_token_latency_seconds",
+                                     "Seconds between two output tokens of one engine request.",
+                                     buckets=INTER_TOKEN_BUCKETS, registry=r)
+        self.e2e = Histogram("cairn_e2e_request_latency_seconds", "Seconds from request arrival to its last token.",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("cairn_prompt_tokens", "Prompt tokens of finished requests.", registry=r)
+        self.cached_tokens = Counter("cairn_cached_tokens", "Prompt tokens served from the prefix cache.", registry=r)
+        self.generated_tokens = Counter("cairn_generated_tokens", "Tokens generated.", registry=r)
+        Gauge("cairn_prefix_hit_ratio", "Cached over prompt tokens since start.",
+              registry=r).set_function(self.hit_ratio)
+        self._engine: Mapping[str, Any] = {}
+        self._tokens = [0, 0]  # prompt, cached: the hit ratio's (a counter's value is not public)
+        r.register(_EngineCollector(lambda: self._engine))
 
     def count_request(self, endpoint: str, status: int) -> None:
-        self.requests[(endpoint, status)] += 1
+        self.requests.labels(endpoint, str(status)).inc()
+        if status >= 400:
+            self.errors.labels(str(status)).inc()
 
     def observe_finished(self, prompt_tokens: int, cached_tokens: int, generated_tokens: int,
                          e2e_seconds: float) -> None:
-        self.prompt_tokens += prompt_tokens
-        self.cached_tokens += cached_tokens
-        self.generated_tokens += generated_tokens
+        self.prompt_tokens.inc(prompt_tokens)
+        self.cached_tokens.inc(cached_tokens)
+        self._tokens[0] += prompt_tokens
+        self._tokens[1] += cached_tokens
+        self.generated_tokens.inc(generated_tokens)
         self.e2e.observe(e2e_seconds)
 
-    def render(self, engine_metrics: dict[str, float]) -> str:
-        lines: list[str] = []
+    def hit_ratio(self) -> float:
+        prompt, cached = self._tokens
+        return cached / prompt if prompt else 0.0
 
-        def family(name: str, kind: str, help_text: str, samples: list[str]) -> None:
-            lines.extend([f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", *samples])
+    def render(self, engine_metrics: Mapping[str, Any]) -> bytes:
+        """The whole exposition, with `engine_metrics` (an `EngineClient.metrics()`) as
+        `cairn_engine_*` and `cairn_router_*`."""
+        self._engine = engine_metrics
+        try:
+            return generate_latest(self.registry)
+        finally:
+            self._engine = {}
 
-        family("cairn_requests_total", "counter", "HTTP requests by endpoint and status code.",
-               [f"cairn_requests_total{_labels(endpoint=e, status=str(s))} {n}"
-                for (e, s), n in sorted(self.requests.items())])
-        errors: dict[int, int] = defaultdict(int)
-        for (_, status), n in self.requests.items():
-            if status >= 400:
-                errors[status] += n
-        family("cairn_request_errors_total", "counter", "HTTP requests answered with an error, by status code.",
-               [f"cairn_request_errors_total{_labels(status=str(s))} {n}" for s, n in sorted(errors.items())])
-        family("cairn_time_to_first_token_seconds", "histogram", "Seconds from request arrival to the first token.",
-               self.ttft.lines("cairn_time_to_first_token_seconds"))
-        family("cairn_e2e_request_latency_seconds", "histogram", "Seconds from request arrival to its last token.",
-               self.e2e.lines("cairn_e2e_request_latency_seconds"))
-        for name, value, text in (
-                ("cairn_prompt_tokens_total", self.prompt_tokens, "Prompt tokens of finished requests."),
-                ("cairn_cached_tokens_total", self.cached_tokens, "Prompt tokens served from the prefix cache."),
-                ("cairn_generated_tokens_total", self.generated_tokens, "Tokens generated.")):
-            family(name, "counter", text, [f"{name} {value}"])
-        ratio = self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
-        family("cairn_prefix_hit_ratio", "gauge", "Cached over prompt tokens since start.",
-               [f"cairn_prefix_hit_ratio {ratio!r}"])
-        info = {k: str(v) for k, v in sorted(engine_metrics.items()) if not isinstance(v, (int, float))}
-        if info:  # text values (the replica's worker_id): labels of one info gauge
-            family("cairn_engine_info", "gauge", "Engine identity (text values of workers.Engine.metrics).",
-                   [f"cairn_engine_info{_labels(**info)} 1"])
-        grouped: dict[str, list[str]] = defaultdict(list)
-        for key, value in sorted(engine_metrics.items()):
-            if key in info:
-                continue
-            base, _, kind = key.partition(":")
-            prefix = "cairn_" if base.startswith("router_") else "cairn_engine_"
-            name = prefix + re.sub(r"[^a-zA-Z0-9_]", "_", base)
-            grouped[name].append(f"{name}{_labels(kind=kind) if kind else ''} {_num(value)}")
-        for name, samples in grouped.items():
+
+def engine_families(engine_metrics: Mapping[str, Any]) -> list[Metric]:
+    """`workers.Engine.metrics()` (and router counts) as Prometheus families (module doc)."""
+    families: dict[str, Metric] = {}
+    info = {k: str(v) for k, v in sorted(engine_metrics.items()) if not isinstance(v, (int, float))}
+    if info:  # text values (the replica's worker_id): labels of one info gauge
+        families["info"] = GaugeMetricFamily("cairn_engine_info", "Engine identity (text values of "
+                                             "workers.Engine.metrics).", labels=sorted(info))
+        families["info"].add_metric([info[k] for k in sorted(info)], 1)
+    for key, value in sorted(engine_metrics.items()):
+        if key in info:
+            continue
+        base, _, kind = key.partition(":")
+        prefix = "cairn_" if base.startswith("router_") else "cairn_engine_"
+        name = prefix + re.sub(r"[^a-zA-Z0-9_]", "_", base)
+        family = families.get(name)
+        if family is None:
             source = "Router counter (cluster.routing.ranker.AffinityRanker.counts)" \
                 if name.startswith("cairn_router_") else "Engine metric (workers.Engine.metrics)"
-            family(name, "counter" if name.endswith("_total") else "gauge", f"{source}.", samples)
-        return "\n".join(lines) + "\n"
+            labels = ["kind"] if kind else []
+            family = families[name] = CounterMetricFamily(name, f"{source}.", labels=labels) \
+                if name.endswith("_total") else GaugeMetricFamily(name, f"{source}.", labels=labels)
+        family.add_metric([kind] if kind else [], float(value))
+    return list(families.values())
+
+
+class _EngineCollector:
+    def __init__(self, snapshot: Any):
+        self.snapshot = snapshot
+
+    def collect(self) -> list[Metric]:
+        return engine_families(self.snapshot())
+
+
+class TimedClient:
+    """An `EngineClient` that times inter-token latency into `metrics` and passes all else on."""
+
+    def __init__(self, client: Any, metrics: APIMetrics):
+        self._client, self._metrics = client, metrics
+        self.spec = client.spec
+
+    async def generate(self, request: Any) -> AsyncIterator[Any]:
+        stream, last = self._client.generate(request), None
+        try:
+            async for out in stream:
+                now, n = time.monotonic(), len(out.new_token_ids)
+                if last is not None and n:
+                    for _ in range(n):
+                        self._metrics.inter_token.observe((now - last) / n)
+                last = now
+                yield out
+        finally:
+            await stream.aclose()  # now, not when collected: closing is what aborts the request
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)

@@ -1,27 +1,28 @@
 """The OpenAI-compatible HTTP API: `build_app(client, model_dir, ...)` returns the FastAPI app.
 
-Endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models[/ID] (the /v1 ones need
-`Authorization: Bearer <key>` when an API key is set, by argument or CAIRN_API_KEY), GET
-/health, GET /metrics (Prometheus text). The same app runs in-process over one engine
-(`LocalEngineClient`) and as the Ray Serve ingress (the cluster's client): it knows engines
-only through `EngineClient`.
+Endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models[/ID], GET /health,
+GET /metrics (Prometheus text), GET /openapi.json. With API keys (`cluster.api.tenants`: by
+argument or CAIRN_API_KEY) the /v1 ones need `Authorization: Bearer <key>` of a tenant, which
+roots that request's page hashes (`request.state.tenant`); /metrics and /openapi.json need a key
+too (the metrics key, if one is set, for /metrics); /health never does. The same app runs
+in-process over one engine (`LocalEngineClient`) and as the Ray Serve ingress (the cluster's
+client): it knows engines only through `EngineClient`.
 
 A body is parsed here, not by FastAPI: bytes that are not UTF-8, not JSON, or not an object
 are a 400 with what is wrong; then the pydantic model checks fields strictly (400 naming the
-field). See `cluster.api.errors` for the error shape and `cluster.api.middleware` for the body limit
-(413) and the last-resort 500.
+field). See `cluster.api.errors` for the error shape, `cluster.api.middleware` for the body limit
+(413), the body deadline (408), the header limit behind a proxy (431) and the last-resort 500, and
+`cluster.api.http_limits` for where each HTTP limit is enforced.
 """
 
 from __future__ import annotations
 
-import hmac
-import os
 import time
 from pathlib import Path
 from typing import TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 from starlette.responses import Response
 
@@ -30,17 +31,20 @@ from cluster.api.chat_template import ChatTemplate, TemplateError
 from cluster.api.completions import Completions
 from cluster.api.engine_client import EngineClient
 from cluster.api.errors import APIError, bad_request, from_validation, install_error_handlers
+from cluster.api.http_limits import HTTPLimits
 from cluster.api.limits import DEFAULT_LIMITS, APILimits
-from cluster.api.metrics import CONTENT_TYPE, APIMetrics
+from cluster.api.metrics import CONTENT_TYPE, APIMetrics, TimedClient
 from cluster.api.middleware import RequestGuard
 from cluster.api.protocol import ChatCompletionRequest, CompletionRequest
 from cluster.api.responses import ModelCard, ModelList
 from cluster.api.serving import Serving
+from cluster.api.tenants import DEFAULT_TENANT, Tenants
 from cluster.api.tokenizer import TextTokenizer
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20
 DEFAULT_MAX_WAITING = 256
-ENDPOINTS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics"})
+ENDPOINTS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics",
+                       "/openapi.json"})
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -64,54 +68,94 @@ async def _client_gone(request: Request) -> None:
         pass
 
 
-def _api_key_check(api_key: str | None):
+def _unauthorized(what: str) -> APIError:
+    return APIError(401, f"missing or wrong {what}; send Authorization: Bearer <key>", code="invalid_api_key",
+                    headers={"WWW-Authenticate": "Bearer"})
+
+
+def _bearer(request: Request) -> str:
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else ""
+
+
+def _tenant_check(tenants: Tenants, shared_cache: bool):
+    """/v1: who is asking (`request.state.tenant_id`) and whose cache they use (`.tenant`)."""
     async def check(request: Request) -> None:
-        if api_key is None:
+        request.state.tenant_id = request.state.tenant = None
+        if not tenants:
             return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
-            raise APIError(401, "missing or wrong API key; send Authorization: Bearer <key>",
-                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        tenant = tenants.tenant_of(_bearer(request))
+        if tenant is None:
+            raise _unauthorized("API key")
+        request.state.tenant_id = tenant
+        request.state.tenant = None if shared_cache else tenant
+    return check
+
+
+def _key_check(*allowed: Tenants):
+    """Open when no key is configured in `allowed`; else a key of one of them."""
+    async def check(request: Request) -> None:
+        token = _bearer(request)
+        found = [keys.tenant_of(token) for keys in allowed if keys]  # every set asked: no early answer
+        if found and all(tenant is None for tenant in found):
+            raise _unauthorized("key")
     return check
 
 
 def build_app(client: EngineClient, model_dir: str | Path, served_model_name: str | None = None,
               api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-              max_waiting: int = DEFAULT_MAX_WAITING, echo_request_id: bool = True,
-              limits: APILimits | None = None, special_tokens_in_content: bool = False) -> FastAPI:
+              max_waiting: int = DEFAULT_MAX_WAITING, echo_request_id: bool = True, *,
+              limits: APILimits | None = None, special_tokens_in_content: bool = False,
+              http_limits: HTTPLimits | None = None, tenants: Tenants | None = None,
+              metrics_key: str | None = None, shared_cache_tenants: bool = False) -> FastAPI:
     """The API over `client`; the tokenizer and chat template come from `model_dir`.
     `echo_request_id`: answer with an X-Request-Id header (off behind Ray Serve's proxy, which
     sends its own). `limits`: what one request may ask before the engine (`cluster.api.limits`).
     `special_tokens_in_content`: let special-token strings in messages become control tokens
-    (off by default: `cluster.api.special_tokens`)."""
+    (off by default: `cluster.api.special_tokens`). Keys (`cluster.api.tenants`): `api_key` is
+    one key of the tenant "default", `tenants` any number (give one or the other; neither:
+    CAIRN_API_KEY, else no keys); `metrics_key` alone opens /metrics; `shared_cache_tenants`
+    roots every tenant's pages together. `http_limits`: the body deadline and the header limit
+    the app enforces (the server enforces the rest, `cluster.api.connection`)."""
     limits = limits or DEFAULT_LIMITS
-    api_key = api_key if api_key is not None else (os.environ.get("CAIRN_API_KEY") or None)
+    if api_key is not None and tenants is not None:
+        raise ValueError("give api_key or tenants, not both")
+    tenants = Tenants([(DEFAULT_TENANT, api_key)]) if api_key is not None else tenants or Tenants.load()
+    metrics_keys = Tenants([("metrics", metrics_key)] if metrics_key else [])
+    operators = metrics_keys or tenants  # who may read /metrics (everyone's traffic)
+    readers = (tenants, metrics_keys) if tenants else ()  # /openapi.json: whoever may call /v1, and operators
+    http_limits = http_limits or HTTPLimits()
     name = served_model_name or Path(model_dir).name
     try:
         template: ChatTemplate | None = ChatTemplate.from_dir(model_dir)
     except TemplateError:
         template = None  # completions still work; chat answers 400
     metrics = APIMetrics()
-    serving = Serving(client, TextTokenizer.from_dir(model_dir), template, name, max_waiting, metrics, limits,
-                      special_tokens_in_content)
+    serving = Serving(TimedClient(client, metrics), TextTokenizer.from_dir(model_dir), template, name, max_waiting,
+                      metrics, limits, special_tokens_in_content)
     chat, completions = ChatCompletions(serving), Completions(serving)
 
     app = FastAPI(title="cairn", summary="OpenAI-compatible API for hybrid LLMs with prefix caching",
-                  docs_url=None, redoc_url=None)
+                  docs_url=None, redoc_url=None, openapi_url=None)  # /openapi.json: below, behind a key
     install_error_handlers(app)
     app.add_middleware(RequestGuard, max_body_bytes=max_body_bytes, count=metrics.count_request,
-                       endpoints=ENDPOINTS, echo_request_id=echo_request_id)
-    app.state.serving = serving
+                       endpoints=ENDPOINTS, echo_request_id=echo_request_id,
+                       max_header_bytes=http_limits.max_header_bytes, body_timeout_s=http_limits.body_timeout_s)
+    app.state.serving, app.state.metrics = serving, metrics  # metrics: what a cluster exports
 
     @app.get("/health")
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.get("/metrics")
+    @app.get("/metrics", dependencies=[Depends(_key_check(operators))])
     async def prometheus() -> Response:
-        return PlainTextResponse(metrics.render(await client.metrics()), media_type=CONTENT_TYPE)
+        return Response(metrics.render(await client.metrics()), media_type=CONTENT_TYPE)
 
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(_api_key_check(api_key))])
+    @app.get("/openapi.json", include_in_schema=False, dependencies=[Depends(_key_check(*readers))])
+    async def openapi() -> JSONResponse:
+        return JSONResponse(app.openapi())
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(_tenant_check(tenants, shared_cache_tenants))])
 
     @v1.get("/models")
     async def models() -> JSONResponse:

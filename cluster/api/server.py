@@ -2,6 +2,8 @@
 
 For `cairn serve --replicas 1` debugging and local use: loads the checkpoint into an
 `AsyncEngine`, builds the app over a `LocalEngineClient` and runs uvicorn until stopped.
+Both it and `BackgroundServer` (tests, notebooks) serve every connection under `HTTPLimits`
+(`cluster.api.connection.uvicorn_config`): header size and time, body time, keep-alive.
 """
 
 from __future__ import annotations
@@ -14,14 +16,20 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from cluster.api.limits import APILimits
 
+from cluster.api.connection import uvicorn_config
+from cluster.api.http_limits import HTTPLimits
+from cluster.api.tenants import Tenants
+
 
 def serve_in_process(model_dir: str | Path | None = None, host: str = "127.0.0.1", port: int = 8000,
                      api_key: str | None = None, served_model_name: str | None = None,
                      max_body_bytes: int | None = None, max_waiting: int | None = None,
                      limits: APILimits | None = None, special_tokens_in_content: bool = False,
+                     http_limits: HTTPLimits | None = None, tenants: Tenants | None = None,
+                     metrics_key: str | None = None, shared_cache_tenants: bool = False,
                      **engine_options: object) -> None:
-    """Serves until interrupted. `model_dir` None serves the tiny demo model. `limits` and
-    `special_tokens_in_content`: see `build_app`."""
+    """Serves until interrupted. `model_dir` None serves the tiny demo model; the other
+    arguments are `build_app`'s."""
     import uvicorn
 
     from cluster.api import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING, build_app
@@ -35,10 +43,11 @@ def serve_in_process(model_dir: str | Path | None = None, host: str = "127.0.0.1
     app = build_app(LocalEngineClient(engine), model_dir, served_model_name, api_key,
                     max_body_bytes=max_body_bytes or DEFAULT_MAX_BODY_BYTES,
                     max_waiting=max_waiting or DEFAULT_MAX_WAITING, limits=limits,
-                    special_tokens_in_content=special_tokens_in_content)
+                    special_tokens_in_content=special_tokens_in_content, http_limits=http_limits, tenants=tenants,
+                    metrics_key=metrics_key, shared_cache_tenants=shared_cache_tenants)
 
     async def main() -> None:
-        server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info"))
+        server = uvicorn.Server(uvicorn_config(app, http_limits, host=host, port=port, log_level="info"))
         try:
             await server.serve()
         finally:
@@ -48,11 +57,13 @@ def serve_in_process(model_dir: str | Path | None = None, host: str = "127.0.0.1
 
 
 class BackgroundServer:
-    """An ASGI app served by uvicorn on a free loopback port, in a daemon thread: for tests,
-    notebooks and benchmarks that want real HTTP. Use as a context manager; `url` is its root."""
+    """An ASGI app served by uvicorn on a free loopback port, in a daemon thread, under `limits`
+    (default: HTTPLimits()): for tests, notebooks and benchmarks that want real HTTP. Use as a
+    context manager; `url` is its root."""
 
-    def __init__(self, app: object, host: str = "127.0.0.1", log_level: str = "warning"):
-        self.app, self.host, self.log_level = app, host, log_level
+    def __init__(self, app: object, host: str = "127.0.0.1", log_level: str = "warning",
+                 limits: HTTPLimits | None = None):
+        self.app, self.host, self.log_level, self.limits = app, host, log_level, limits
         self.port = 0
 
     @property
@@ -70,7 +81,7 @@ class BackgroundServer:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.host, 0))
         self.port = sock.getsockname()[1]
-        config = uvicorn.Config(self.app, log_level=self.log_level, timeout_graceful_shutdown=2)
+        config = uvicorn_config(self.app, self.limits, log_level=self.log_level, timeout_graceful_shutdown=2)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, daemon=True,
                                         name=f"uvicorn-{self.port}")

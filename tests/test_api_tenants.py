@@ -1,0 +1,176 @@
+"""Tenants at the API edge (`cluster.api.tenants`): each API key names a tenant, and a tenant's
+pages are rooted in its id, so two tenants never share a cached page unless the server is told
+to share; keys come from flags, a keys file or CAIRN_API_KEY and never show up in a message or a
+log; /metrics and /openapi.json need a key (the metrics key, when set, for /metrics), /health
+never does."""
+
+import logging
+
+import httpx
+import openai
+import pytest
+
+from cluster.api import build_app
+from cluster.api.engine_client import LocalEngineClient
+from cluster.api.server import BackgroundServer
+from cluster.api.tenants import Tenants, read_keys_file
+from workers import AsyncEngine, EngineSpec, RequestOutput
+
+MODEL = "tiny"
+KEYS = ["alice:key-a", "bob:key-b", "bob:key-b2"]
+MESSAGES = [{"role": "user", "content": "Which stones last longest in a cairn on a windy ridge? " * 4}]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    return AsyncEngine.from_pretrained(tiny_model_dir, num_pages=512, max_num_seqs=8)
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_model_dir, engine):
+    client = LocalEngineClient(engine)
+    apart = build_app(client, tiny_model_dir, MODEL, tenants=Tenants.load(KEYS))
+    shared = build_app(client, tiny_model_dir, MODEL, tenants=Tenants.load(KEYS), shared_cache_tenants=True)
+    operated = build_app(client, tiny_model_dir, MODEL, tenants=Tenants.load(KEYS), metrics_key="ops-key")
+    with BackgroundServer(apart) as a, BackgroundServer(shared) as s, BackgroundServer(operated) as o:
+        yield a, s, o
+
+
+def cached(server, key: str, salt: str) -> int:
+    c = openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=60)
+    out = c.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, temperature=0,
+                                    extra_body={"ignore_eos": True, "cache_salt": salt})
+    return out.usage.prompt_tokens_details.cached_tokens
+
+
+def test_each_key_is_its_tenant_and_tenants_never_share_a_cached_page(servers):
+    apart, _, _ = servers
+    assert cached(apart, "key-a", "apart") == 0
+    assert cached(apart, "key-b", "apart") == 0, "the same prompt from another tenant: nothing shared"
+    assert cached(apart, "key-a", "apart") > 0, "its own pages: a hit"
+    assert cached(apart, "key-b2", "apart") > 0, "bob's second key is bob"
+
+
+def test_shared_cache_tenants_roots_every_tenant_together(servers):
+    _, shared, _ = servers
+    assert cached(shared, "key-a", "shared") == 0
+    assert cached(shared, "key-b", "shared") > 0, "deliberate sharing: bob hits alice's pages"
+
+
+def test_a_wrong_or_missing_key_is_401_and_health_stays_open(servers):
+    apart, _, _ = servers
+    for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": "Basic key-a"}):
+        r = httpx.get(apart.url + "/v1/models", headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(apart.url + "/health").status_code == 200
+
+
+def test_metrics_and_openapi_need_a_tenants_key(servers):
+    apart, _, _ = servers
+    for path in ("/metrics", "/openapi.json"):
+        assert httpx.get(apart.url + path).status_code == 401, path
+        assert httpx.get(apart.url + path, headers={"Authorization": "Bearer nope"}).status_code == 401, path
+        assert httpx.get(apart.url + path, headers={"Authorization": "Bearer key-b"}).status_code == 200, path
+    schema = httpx.get(apart.url + "/openapi.json", headers={"Authorization": "Bearer key-a"}).json()
+    assert "/v1/chat/completions" in schema["paths"]
+
+
+def test_a_metrics_key_is_the_only_key_to_metrics_and_also_opens_openapi(servers):
+    _, _, operated = servers
+    ops, tenant = {"Authorization": "Bearer ops-key"}, {"Authorization": "Bearer key-a"}
+    assert httpx.get(operated.url + "/metrics", headers=tenant).status_code == 401, "tenants don't see each other"
+    r = httpx.get(operated.url + "/metrics", headers=ops)
+    assert r.status_code == 200 and "cairn_requests_total" in r.text
+    assert httpx.get(operated.url + "/openapi.json", headers=ops).status_code == 200
+    assert httpx.get(operated.url + "/openapi.json", headers=tenant).status_code == 200
+    assert httpx.get(operated.url + "/v1/models", headers=ops).status_code == 401, "the metrics key is no tenant"
+
+
+def test_without_keys_everything_is_open(tiny_model_dir, engine, monkeypatch):
+    monkeypatch.delenv("CAIRN_API_KEY", raising=False)
+    with BackgroundServer(build_app(LocalEngineClient(engine), tiny_model_dir, MODEL)) as s:
+        for path in ("/metrics", "/openapi.json", "/v1/models", "/health"):
+            assert httpx.get(s.url + path).status_code == 200, path
+
+
+def test_cairn_api_key_is_one_key_of_the_tenant_default_even_with_a_colon(tiny_model_dir, engine, monkeypatch):
+    from fastapi.testclient import TestClient
+
+    monkeypatch.setenv("CAIRN_API_KEY", "env:key")
+    assert Tenants.load().tenant_of("env:key") == "default"
+    with TestClient(build_app(LocalEngineClient(engine), tiny_model_dir, MODEL)) as c:
+        assert c.get("/v1/models").status_code == 401
+        assert c.get("/v1/models", headers={"Authorization": "Bearer env:key"}).status_code == 200
+    assert Tenants.load(["x:y"]).tenant_of("env:key") is None, "keys given otherwise replace the environment's"
+
+
+def test_keys_come_from_values_and_a_keys_file(tmp_path):
+    path = tmp_path / "keys"
+    path.write_text("# tenant:key\nalice:a-1\n\n  bob : b:with:colons  \ncarol:c-1\n")
+    assert read_keys_file(path) == [("alice", "a-1"), ("bob", "b:with:colons"), ("carol", "c-1")]
+    tenants = Tenants.load(["bare-key", "dave:d-1"], keys_file=path)
+    assert {tenants.tenant_of(k) for k in ("bare-key", "dave:d-1", "d-1", "a-1", "b:with:colons")} == \
+        {"default", None, "dave", "alice", "bob"}
+    assert tenants.ids == {"default", "dave", "alice", "bob", "carol"}
+
+
+def test_bad_keys_are_refused_naming_the_place_never_the_key(tmp_path):
+    path = tmp_path / "keys"
+    path.write_text("alice:secret-a\nno-colon-secret\n")
+    with pytest.raises(ValueError, match=r"keys:2: expected TENANT:KEY") as e:
+        read_keys_file(path)
+    assert "no-colon-secret" not in str(e.value)
+    for pairs, where in (([("alice", "secret-x"), ("bob", "secret-x")], "the same key is given to tenants"),
+                         ([("al ice", "secret-y")], "tenant id"), ([("alice", " secret-z")], "whitespace")):
+        with pytest.raises(ValueError, match=where) as e:
+            Tenants(pairs)
+        assert "secret" not in str(e.value)
+    assert "secret" not in repr(Tenants([("alice", "secret-a")]))
+
+
+def test_a_refused_key_is_never_logged(servers, caplog):
+    apart, _, _ = servers
+    with caplog.at_level(logging.DEBUG):
+        httpx.get(apart.url + "/v1/models", headers={"Authorization": "Bearer guess-4711"})
+        httpx.get(apart.url + "/v1/models", headers={"Authorization": "Bearer key-a"})
+    assert not any("guess-4711" in r.getMessage() or "key-a" in r.getMessage() for r in caplog.records)
+
+
+class RecordingClient:
+    """Answers one token and keeps every request it got."""
+
+    spec = EngineSpec(fingerprint="scripted", page_size=16, max_model_len=4096, recurrent=True, vocab_size=512)
+
+    def __init__(self):
+        self.requests = []
+
+    async def generate(self, request):
+        self.requests.append(request)
+        yield RequestOutput(request.request_id, [5], None, 1, 0, token_ids=[5], finish_reason="length")
+
+    async def abort(self, request_id):
+        return False
+
+    async def metrics(self):
+        return {}
+
+    def num_waiting(self):
+        return 0
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_the_tenant_roots_the_page_hashes_the_engine_receives(tiny_model_dir, shared):
+    from fastapi.testclient import TestClient
+
+    fake = RecordingClient()
+    app = build_app(fake, tiny_model_dir, MODEL, tenants=Tenants.load(KEYS), shared_cache_tenants=shared)
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 1, "cache_salt": "s"}
+    with TestClient(app) as c:
+        for key in ("key-a", "key-b"):
+            assert c.post("/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}).status_code == 200
+    alice, bob = fake.requests
+    if shared:
+        assert alice.hash_root == bob.hash_root == fake.spec.hash_root("s", None)
+    else:
+        assert (alice.hash_root, bob.hash_root) == (fake.spec.hash_root("s", "alice"), fake.spec.hash_root("s", "bob"))
+        assert alice.page_hashes and not set(alice.page_hashes) & set(bob.page_hashes)
