@@ -31,6 +31,7 @@ from typing import Any
 from ray import serve
 
 from cluster.api.http_limits import HTTPLimits
+from cluster.api.limits import APILimits
 from cluster.engine_replica import EngineReplica
 from cluster.ingress import Ingress
 from cluster.routing.config import RoutingConfig
@@ -43,18 +44,21 @@ def build_application(model_dir: str | Path | None = None, replicas: int = 2, *,
                       api_keys: list[str] | None = None, api_keys_file: str | None = None,
                       metrics_key: str | None = None, shared_cache_tenants: bool = False,
                       http_limits: dict[str, Any] | None = None, max_body_bytes: int | None = None,
+                      api_limits: dict[str, Any] | None = None, special_tokens_in_content: bool = False,
                       autoscaling: dict[str, Any] | None = None, max_ongoing_requests: int | None = None,
                       ingress_max_ongoing_requests: int = 1024, health_check_period_s: float | None = None,
                       graceful_shutdown_timeout_s: float = 120.0, graceful_shutdown_wait_loop_s: float = 1.0):
     """The bound Serve application. `model_dir` None serves the tiny demo model.
     `max_ongoing_requests` per engine replica defaults to the engine's max_num_seqs;
     `health_check_period_s` (Serve's default: 10) is how often the controller checks a replica,
-    hence how soon it replaces one that died. Keys, tenants and HTTP limits go to the ingress
-    (`cluster.ingress.Ingress`, `cluster.api.http_limits.HTTPLimits` as a dict)."""
+    hence how soon it replaces one that died. Keys, tenants, HTTP limits, per-request limits and
+    the special-token opt-out go to the ingress (`cluster.ingress.Ingress`;
+    `cluster.api.http_limits.HTTPLimits` and `cluster.api.limits.APILimits` as dicts)."""
     from workers import EngineOptions, EngineSpec, demo_model_dir
 
     model_dir = str(model_dir or demo_model_dir("tiny"))
     check_ingress_limits(http_limits or {})
+    APILimits.model_validate(api_limits or {})  # refused here, at deploy, not in every replica
     options = dict(engine_options or {})
     spec = EngineSpec.from_model_dir(model_dir, EngineOptions.from_kwargs(**options))
     routing = (routing or RoutingConfig()).for_engines(spec)
@@ -76,7 +80,8 @@ def build_application(model_dir: str | Path | None = None, replicas: int = 2, *,
     return ingress.bind(engine, model_dir, spec, served_model_name, api_key, api_keys=api_keys,
                         api_keys_file=api_keys_file, metrics_key=metrics_key,
                         shared_cache_tenants=shared_cache_tenants, http_limits=http_limits,
-                        max_body_bytes=max_body_bytes)
+                        max_body_bytes=max_body_bytes, api_limits=api_limits,
+                        special_tokens_in_content=special_tokens_in_content)
 
 
 def check_ingress_limits(http_limits: dict[str, Any]) -> None:
@@ -95,7 +100,8 @@ def app_builder(args: dict[str, Any]):
     (null: the demo model), replicas, engine_options, routing (a dict, or a path to a routing YAML:
     absolute, relative to the working directory, or to this repository), num_cpus, num_gpus,
     ingress_replicas, served_model_name, api_key, api_keys, api_keys_file, metrics_key,
-    shared_cache_tenants, http_limits, max_body_bytes, autoscaling, max_ongoing_requests,
+    shared_cache_tenants, http_limits, max_body_bytes, api_limits, special_tokens_in_content,
+    autoscaling, max_ongoing_requests,
     ingress_max_ongoing_requests, health_check_period_s, graceful_shutdown_timeout_s,
     graceful_shutdown_wait_loop_s. Unknown keys are an error."""
     args = dict(args or {})

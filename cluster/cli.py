@@ -120,6 +120,12 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
                         help="Serve's end-to-end limit per request (http_options.request_timeout_s; "
                              "not in-process)")
     parser.add_argument("--max-body-bytes", type=int, default=None, help="request body (8 MiB)")
+    parser.add_argument("--api-limit", action="append", default=None, metavar="NAME=VALUE",
+                        help="a per-request limit of cluster.api.limits.APILimits, e.g. max_messages=512; "
+                             "repeat for more")
+    parser.add_argument("--special-tokens-in-content", action="store_true", default=None,
+                        help="let special-token strings typed in messages become control tokens (off: "
+                             "they are text)")
     parser.add_argument("--served-model-name", default=None, help="model id clients send (default: folder name)")
     parser.add_argument("--num-cpus", type=float, default=None, help="CPUs per engine replica (local.yaml: 0.5)")
     parser.add_argument("--num-gpus", type=float, default=None, help="GPUs per engine replica (1 on GPU nodes)")
@@ -138,7 +144,8 @@ def _serve(args: argparse.Namespace) -> int:
         from cluster.api.http_limits import HTTPLimits
         from cluster.api.server import serve_in_process
         from cluster.api.tenants import Tenants
-        from cluster.deploy import http_limit_flags
+        from cluster.api.limits import APILimits
+        from cluster.deploy import api_limit_flags, http_limit_flags
 
         if args.request_timeout is not None:
             print("cairn serve: --request-timeout is Serve's; in-process, requests have no end-to-end limit",
@@ -147,6 +154,7 @@ def _serve(args: argparse.Namespace) -> int:
         try:
             tenants = Tenants.load(args.api_key, args.api_keys_file)
             limits = HTTPLimits(**http_limit_flags(args, in_process=True))
+            api_limits = APILimits(**api_limit_flags(args))
         except (OSError, ValueError) as e:
             print(f"cairn serve: {e}", file=sys.stderr)
             return 2
@@ -155,6 +163,7 @@ def _serve(args: argparse.Namespace) -> int:
         serve_in_process(args.model, host=host, port=port, tenants=tenants, metrics_key=args.metrics_key,
                          shared_cache_tenants=bool(args.shared_cache_tenants), http_limits=limits,
                          max_body_bytes=args.max_body_bytes, served_model_name=args.served_model_name,
+                         limits=api_limits, special_tokens_in_content=bool(args.special_tokens_in_content),
                          **engine_options)
         return 0
     from cluster.deploy import serve_forever

@@ -79,10 +79,11 @@ def apply_overrides(config: dict[str, Any], args: argparse.Namespace,
     for flag, key in (("replicas", "replicas"), ("num_cpus", "num_cpus"), ("num_gpus", "num_gpus"),
                       ("served_model_name", "served_model_name"), ("api_key", "api_keys"),
                       ("metrics_key", "metrics_key"), ("shared_cache_tenants", "shared_cache_tenants"),
-                      ("max_body_bytes", "max_body_bytes")):
+                      ("max_body_bytes", "max_body_bytes"), ("special_tokens_in_content", "special_tokens_in_content")):
         if getattr(args, flag, None) is not None:
             app_args[key] = getattr(args, flag)
     limits = http_limit_flags(args, in_process=False)
+    api_limits = api_limit_flags(args)
     for app in config.get("applications", []):
         merged = dict(app.get("args") or {})
         merged.update(app_args)
@@ -92,8 +93,28 @@ def apply_overrides(config: dict[str, Any], args: argparse.Namespace,
             merged["engine_options"] = {**(merged.get("engine_options") or {}), **engine_options}
         if limits:
             merged["http_limits"] = {**(merged.get("http_limits") or {}), **limits}
+        if api_limits:
+            merged["api_limits"] = {**(merged.get("api_limits") or {}), **api_limits}
         app["args"] = merged
     return config
+
+
+def api_limit_flags(args: argparse.Namespace) -> dict[str, float]:
+    """The `cluster.api.limits.APILimits` fields `--api-limit NAME=VALUE` flags give (checked)."""
+    from cluster.api.limits import APILimits
+
+    out: dict[str, float] = {}
+    for item in getattr(args, "api_limit", None) or ():
+        name, sep, value = item.partition("=")
+        if not sep or name not in APILimits.model_fields:
+            raise ValueError(f"--api-limit {item!r}: expected NAME=VALUE with NAME one of "
+                             f"{sorted(APILimits.model_fields)}")
+        try:
+            out[name] = float(value) if "." in value else int(value)
+        except ValueError:
+            raise ValueError(f"--api-limit {item!r}: {value!r} is not a number") from None
+    APILimits(**out)
+    return out
 
 
 def http_limit_flags(args: argparse.Namespace, in_process: bool) -> dict[str, float]:

@@ -26,6 +26,7 @@ from ray.serve.handle import DeploymentHandle
 
 from cluster.api.engine_client import GenerateRequest
 from cluster.api.http_limits import HTTPLimits
+from cluster.api.limits import APILimits
 from cluster.api.metrics import engine_families
 from cluster.api.tenants import Tenants
 from cluster.metrics_export import INGRESS_EXPORT_INTERVAL_S, RayMetricsMirror
@@ -89,13 +90,16 @@ class Ingress:
                        served_model_name: str | None = None, api_key: str | None = None, *,
                        api_keys: list[str] | None = None, api_keys_file: str | None = None,
                        metrics_key: str | None = None, shared_cache_tenants: bool = False,
-                       http_limits: dict[str, Any] | None = None, max_body_bytes: int | None = None):
+                       http_limits: dict[str, Any] | None = None, max_body_bytes: int | None = None,
+                       api_limits: dict[str, Any] | None = None, special_tokens_in_content: bool = False):
         self.model_dir, self.served_model_name = Path(model_dir), served_model_name
         self.tenants = Tenants.load([*([f"default:{api_key}"] if api_key else []), *(api_keys or [])],
                                     api_keys_file)
         self.metrics_key, self.shared_cache_tenants = metrics_key, shared_cache_tenants
         self.http_limits = HTTPLimits.model_validate(http_limits or {})
         self.max_body_bytes = max_body_bytes
+        self.api_limits = APILimits.model_validate(api_limits or {})
+        self.special_tokens_in_content = special_tokens_in_content
         self.client = HandleEngineClient(engine, spec)
         self._api_metrics: Any = None
         self._mirror = RayMetricsMirror()
@@ -108,7 +112,8 @@ class Ingress:
         app = build_app(self.client, self.model_dir, self.served_model_name, echo_request_id=False,
                         max_body_bytes=self.max_body_bytes or DEFAULT_MAX_BODY_BYTES, tenants=self.tenants,
                         metrics_key=self.metrics_key, shared_cache_tenants=self.shared_cache_tenants,
-                        http_limits=self.http_limits)
+                        http_limits=self.http_limits, limits=self.api_limits,
+                        special_tokens_in_content=self.special_tokens_in_content)
         self._api_metrics = app.state.metrics
         app.add_middleware(ReplicaHeader)
         return app

@@ -95,7 +95,7 @@ def test_the_ingress_refuses_limits_that_belong_to_servess_proxy():
                            "shared_cache_tenants": True, "max_body_bytes": 1024})._bound_deployment
     assert ingress.init_kwargs == dict(api_keys=["a:k"], api_keys_file=None, metrics_key="m",
                                        shared_cache_tenants=True, http_limits={"body_timeout_s": 5},
-                                       max_body_bytes=1024)
+                                       max_body_bytes=1024, api_limits=None, special_tokens_in_content=False)
 
 
 def test_app_builder_takes_routing_as_a_path_and_refuses_unknown_keys():
@@ -292,3 +292,18 @@ def test_cairn_serve_in_process_refuses_serves_options_and_bad_keys_before_loadi
     err = capsys.readouterr().err
     assert "keys:2: expected TENANT:KEY" in err and "secret" not in err.replace(str(tmp_path), "")
     assert main(["serve", "--replicas", "1", "--body-timeout", "-1"]) == 2
+
+
+def test_request_limit_and_special_token_flags_reach_the_ingress_and_bad_ones_fail_at_deploy():
+    out = deploy.apply_overrides(load("local.yaml"), serve_args(
+        ["--api-limit", "max_messages=512", "--api-limit", "prepare_wait_s=2.5", "--special-tokens-in-content"]))
+    args = out["applications"][0]["args"]
+    assert args["api_limits"] == {"max_messages": 512, "prepare_wait_s": 2.5}
+    assert args["special_tokens_in_content"] is True
+    ingress = app_builder(args)._bound_deployment
+    assert ingress.init_kwargs["api_limits"] == {"max_messages": 512, "prepare_wait_s": 2.5}
+    assert ingress.init_kwargs["special_tokens_in_content"] is True
+    with pytest.raises(ValueError, match="max_mesages"):
+        deploy.apply_overrides(load("local.yaml"), serve_args(["--api-limit", "max_mesages=5"]))
+    with pytest.raises(ValueError):
+        app_builder({"api_limits": {"max_messages": 0}})
