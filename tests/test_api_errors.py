@@ -302,3 +302,46 @@ def test_a_reused_request_id_is_only_a_label_and_touches_no_other_request(server
         assert events[-1] == "[DONE]" and not any('"error"' in e for e in events)
         finishes = [c["finish_reason"] for e in events[:-1] for c in json.loads(e)["choices"] if c["finish_reason"]]
         assert finishes == ["length"]
+
+
+def test_a_detokenization_fault_ends_that_stream_alone(server, engine, monkeypatch):
+    """A fault turning one request's tokens into text fails that request (an error event, then
+    [DONE]) while a stream beside it runs to its end; the engine gets the pages back."""
+    from cluster.api import tokenizer as tokenizer_module
+
+    victim_prompt = "Stones and zebras " * 4 + "quagga"
+    push = tokenizer_module.Detokenizer.push
+
+    def faulty(self, token_ids):
+        if getattr(self, "victim", None) is None:
+            self.victim = self._tok.decode(self._ids).endswith("agga")  # the last prompt tokens it keeps
+        if self.victim:
+            raise RuntimeError("injected detokenizer fault")
+        return push(self, token_ids)
+
+    monkeypatch.setattr(tokenizer_module.Detokenizer, "push", faulty)
+
+    async def stream(client, prompt):
+        events = []
+        body = comp(prompt=prompt, max_tokens=30, stream=True, ignore_eos=True)
+        async with client.stream("POST", "/v1/completions", json=body, headers=AUTH) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+        return events
+
+    async def main():
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+            return await asyncio.wait_for(asyncio.gather(stream(client, victim_prompt),
+                                                         stream(client, "Stones and ridges " * 4)), 60)
+
+    victim, bystander = asyncio.run(main())
+    assert victim[-1] == "[DONE]" and "error" in json.loads(victim[-2]), victim[-2:]
+    assert bystander[-1] == "[DONE]" and not any('"error"' in e for e in bystander)
+    finishes = [c["finish_reason"] for e in bystander[:-1] for c in json.loads(e)["choices"] if c["finish_reason"]]
+    assert finishes == ["length"]
+    deadline = time.monotonic() + 10
+    while (engine.engine.cache.pages.num_held or engine.engine.has_unfinished()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert engine.engine.cache.pages.num_held == 0 and not engine.engine.has_unfinished()
