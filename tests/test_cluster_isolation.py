@@ -1,7 +1,9 @@
-"""Chaos on a real local Ray: parts of the cluster die under load and no client is left hanging.
+"""No request, tenant or failure reaches another, on a real local Ray.
 
-One Serve app (2 CPU replicas of the tiny demo model) with its cache index kept in a redis-server
-of its own (so killing it touches no other test):
+One Serve app (2 CPU replicas of the tiny demo model, API keys for two tenants) with its cache
+index kept in a redis-server of its own (so killing it touches no other test):
+- tenants: what tenant A sent is invisible to tenant B, by `cached_tokens` and by timing, and the
+  index and the router hold nothing under B's page hashes for it (they are rooted in the tenant);
 - a replica killed while it streams: its client gets an error event and [DONE] within seconds,
   never a hang; the next requests succeed (on the other replica, then on its replacement);
 - Redis killed under load: every request still succeeds (routing falls back to load and memory);
@@ -30,6 +32,8 @@ from conftest import free_port  # noqa: E402
 
 MODEL = "tiny"
 INDEX = f"cairn-chaos-index-{uuid.uuid4().hex[:6]}"
+KEYS = {"alice": "key-alice", "bob": "key-bob"}
+ALICE, BOB = ({"Authorization": f"Bearer {KEYS[t]}"} for t in ("alice", "bob"))
 
 
 class Redis:
@@ -79,7 +83,8 @@ def app(ray_session, tiny_model_dir, redis_server):
                             redis_url=redis_server.url, namespace=f"chaos-{uuid.uuid4().hex[:6]}")
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_application(tiny_model_dir, replicas=2, num_cpus=0.25, routing=routing, served_model_name=MODEL,
-                                health_check_period_s=1.0), name="chaos", route_prefix="/")
+                                health_check_period_s=1.0, api_keys=[f"{t}:{k}" for t, k in KEYS.items()]),
+              name="chaos", route_prefix="/")
     yield f"http://127.0.0.1:{port}", serve.get_deployment_handle("Engine", app_name="chaos")
     serve.shutdown()
     ray.kill(ray.get_actor(INDEX, namespace=routing.index_actor_namespace), no_restart=True)
@@ -103,9 +108,81 @@ def index_holds_every_replica(handle) -> bool:
         set(ray.get(index.workers.remote(), timeout=30)) == set(held)
 
 
+def ttft(client: httpx.Client, headers: dict, prompt_body: dict) -> tuple[float, int]:
+    """(seconds to the first streamed token, cached_tokens) of one streamed chat."""
+    start, first, cached = time.monotonic(), None, None
+    with client.stream("POST", "/v1/chat/completions", headers=headers,
+                       json=dict(prompt_body, stream=True, stream_options={"include_usage": True})) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if first is None and event["choices"] and event["choices"][0]["delta"]:
+                first = time.monotonic() - start
+            if event.get("usage"):
+                cached = event["usage"]["prompt_tokens_details"]["cached_tokens"]
+    return first, cached
+
+
+def long_chat(tag: str) -> dict:
+    """A chat of about 600 tokens that no one has sent before (`tag` makes it new)."""
+    return {"model": MODEL, "max_tokens": 2, "ignore_eos": True,
+            "messages": [{"role": "system", "content": f"Ledger {tag}. " + "The cairn on the ridge stands. " * 70},
+                         {"role": "user", "content": f"What does ledger {tag} say?"}]}
+
+
+def test_tenant_b_cannot_learn_what_tenant_a_sent_by_cached_tokens_or_timing(app):
+    url, handle = app
+    own, probe_hit, probe_fresh = [], [], []
+    with httpx.Client(base_url=url, timeout=60) as client:
+        for trial in range(5):
+            secret, fresh = long_chat(f"secret-{trial}-{uuid.uuid4().hex[:6]}"), long_chat(f"fresh-{uuid.uuid4().hex}")
+            ttft(client, ALICE, secret)  # alice sends it: her replica caches it
+            own.append(ttft(client, ALICE, secret))  # and her next send hits
+            probe_hit.append(ttft(client, BOB, secret))  # bob probes with alice's prompt...
+            probe_fresh.append(ttft(client, BOB, fresh))  # ...and with one nobody sent
+    assert all(cached > 0 for _, cached in own), f"alice's own prompt must hit her cache: {own}"
+    assert all(cached == 0 for _, cached in probe_hit), f"bob learned alice's prompt from cached_tokens: {probe_hit}"
+    hit_s = sorted(t for t, _ in probe_hit)[2]
+    fresh_s = sorted(t for t, _ in probe_fresh)[2]
+    own_s = sorted(t for t, _ in own)[2]
+    # a hit would answer like alice's own resend; bob's probe answers like a cold prompt
+    assert hit_s > 0.5 * fresh_s, f"bob's probe of alice's prompt was fast: {hit_s:.3f}s vs cold {fresh_s:.3f}s"
+    print(f"tenancy probe: alice's resend {own_s * 1e3:.0f} ms; bob's probe {hit_s * 1e3:.0f} ms vs cold "
+          f"{fresh_s * 1e3:.0f} ms (medians of 5)")
+
+
+def test_the_index_holds_nothing_under_another_tenants_hashes(app, tiny_model_dir):
+    """The router scores a prompt by its page hashes, which the ingress roots in the tenant: the
+    index (what every router mirrors) has alice's pages only under alice's chain."""
+    from tokenizers import Tokenizer
+
+    from cluster.api.chat_template import ChatTemplate
+    from workers import EngineSpec
+
+    url, _ = app
+    chat = long_chat(f"indexed-{uuid.uuid4().hex[:6]}")
+    with httpx.Client(base_url=url, timeout=60) as client:
+        assert client.post("/v1/chat/completions", json=chat, headers=ALICE).status_code == 200
+    spec = EngineSpec.from_model_dir(tiny_model_dir)  # the app's engines: default options
+    text = ChatTemplate.from_dir(tiny_model_dir).render(chat["messages"])
+    ids = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json")).encode(text, add_special_tokens=False).ids
+    index = ray.get_actor(INDEX, namespace="cairn")
+
+    def scores(tenant: str) -> dict:
+        return ray.get(index.score.remote(spec.page_hashes(ids, spec.hash_root(None, tenant))), timeout=30)
+
+    deadline = time.monotonic() + 20
+    while not scores("alice"):
+        assert time.monotonic() < deadline, "alice's pages never reached the index"
+        time.sleep(0.2)
+    assert scores("bob") == {} and scores(None) == {}, "the index scores another chain of alice's prompt"
+
+
 def test_a_replica_killed_mid_stream_ends_its_stream_with_an_error_event_and_nothing_hangs(app):
     url, handle = app
-    with httpx.Client(base_url=url, timeout=httpx.Timeout(30)) as client:
+    with httpx.Client(base_url=url, timeout=httpx.Timeout(30), headers=ALICE) as client:
         started = time.monotonic()
         events = []
         with client.stream("POST", "/v1/chat/completions", json=body(1, max_tokens=1500, stream=True)) as r:
@@ -139,7 +216,7 @@ def test_redis_down_under_load_costs_no_request_and_the_index_is_rebuilt_when_it
     results, stop = [], threading.Event()
 
     def load(k: int) -> None:
-        with httpx.Client(base_url=url, timeout=60) as client:
+        with httpx.Client(base_url=url, timeout=60, headers=ALICE) as client:
             i = 0
             while not stop.is_set():
                 i += 1
