@@ -44,6 +44,13 @@ def next_page_hash(parent: bytes, page_tokens: Sequence[int]) -> bytes:
     return _digest([parent, list(page_tokens)])
 
 
+def branch_root(shared_parent: bytes, root: bytes) -> bytes:
+    """Where a chain leaves a prefix shared across roots: the parent of the first page after a
+    public prefix (hashed under the shared root) is this, so every page after it is again the
+    request's own (its tenant's, its salt's)."""
+    return _digest(["cairn-branch", shared_parent, root])
+
+
 def page_hashes(token_ids: Sequence[int], page_size: int, root: bytes, start: int = 0,
                 parent: bytes | None = None) -> list[bytes]:
     """Hashes of whole pages `start`, `start+1`, ... of `token_ids` (units: pages).

@@ -45,6 +45,7 @@ def build_application(model_dir: str | Path | None = None, replicas: int = 2, *,
                       metrics_key: str | None = None, shared_cache_tenants: bool = False,
                       http_limits: dict[str, Any] | None = None, max_body_bytes: int | None = None,
                       api_limits: dict[str, Any] | None = None, special_tokens_in_content: bool = False,
+                      public_system_prompts: list[str] | None = None,
                       autoscaling: dict[str, Any] | None = None, max_ongoing_requests: int | None = None,
                       ingress_max_ongoing_requests: int = 1024, health_check_period_s: float | None = None,
                       graceful_shutdown_timeout_s: float = 120.0, graceful_shutdown_wait_loop_s: float = 1.0):
@@ -81,7 +82,8 @@ def build_application(model_dir: str | Path | None = None, replicas: int = 2, *,
                         api_keys_file=api_keys_file, metrics_key=metrics_key,
                         shared_cache_tenants=shared_cache_tenants, http_limits=http_limits,
                         max_body_bytes=max_body_bytes, api_limits=api_limits,
-                        special_tokens_in_content=special_tokens_in_content)
+                        special_tokens_in_content=special_tokens_in_content,
+                        public_system_prompts=public_system_prompts)
 
 
 def check_ingress_limits(http_limits: dict[str, Any]) -> None:
@@ -100,7 +102,8 @@ def app_builder(args: dict[str, Any]):
     (null: the demo model), replicas, engine_options, routing (a dict, or a path to a routing YAML:
     absolute, relative to the working directory, or to this repository), num_cpus, num_gpus,
     ingress_replicas, served_model_name, api_key, api_keys, api_keys_file, metrics_key,
-    shared_cache_tenants, http_limits, max_body_bytes, api_limits, special_tokens_in_content,
+    shared_cache_tenants, public_system_prompts, http_limits, max_body_bytes, api_limits,
+    special_tokens_in_content,
     autoscaling, max_ongoing_requests,
     ingress_max_ongoing_requests, health_check_period_s, graceful_shutdown_timeout_s,
     graceful_shutdown_wait_loop_s. Unknown keys are an error."""

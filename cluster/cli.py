@@ -109,6 +109,9 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
                                                             "tenant's key)")
     parser.add_argument("--shared-cache-tenants", action="store_true", default=None,
                         help="let all tenants share cached pages (default: each tenant its own)")
+    parser.add_argument("--public-system-prompt", action="append", default=None, metavar="FILE",
+                        help="a file holding a system prompt whose pages every tenant shares when a chat "
+                             "opens with it (repeat for more)")
     parser.add_argument("--max-header-bytes", type=int, default=None, help="request line and headers (32768)")
     parser.add_argument("--header-timeout", type=float, default=None, metavar="S",
                         help="seconds to send a request's headers (10; in-process only: Serve's proxy has none)")
@@ -145,7 +148,7 @@ def _serve(args: argparse.Namespace) -> int:
         from cluster.api.server import serve_in_process
         from cluster.api.tenants import Tenants
         from cluster.api.limits import APILimits
-        from cluster.deploy import api_limit_flags, http_limit_flags
+        from cluster.deploy import api_limit_flags, http_limit_flags, public_prompt_flags
 
         if args.request_timeout is not None:
             print("cairn serve: --request-timeout is Serve's; in-process, requests have no end-to-end limit",
@@ -155,6 +158,7 @@ def _serve(args: argparse.Namespace) -> int:
             tenants = Tenants.load(args.api_key, args.api_keys_file)
             limits = HTTPLimits(**http_limit_flags(args, in_process=True))
             api_limits = APILimits(**api_limit_flags(args))
+            public_prompts = public_prompt_flags(args)
         except (OSError, ValueError) as e:
             print(f"cairn serve: {e}", file=sys.stderr)
             return 2
@@ -164,6 +168,7 @@ def _serve(args: argparse.Namespace) -> int:
                          shared_cache_tenants=bool(args.shared_cache_tenants), http_limits=limits,
                          max_body_bytes=args.max_body_bytes, served_model_name=args.served_model_name,
                          limits=api_limits, special_tokens_in_content=bool(args.special_tokens_in_content),
+                         public_system_prompts=public_prompts,
                          **engine_options)
         return 0
     from cluster.deploy import serve_forever

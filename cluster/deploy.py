@@ -84,6 +84,8 @@ def apply_overrides(config: dict[str, Any], args: argparse.Namespace,
             app_args[key] = getattr(args, flag)
     limits = http_limit_flags(args, in_process=False)
     api_limits = api_limit_flags(args)
+    if getattr(args, "public_system_prompt", None):
+        app_args["public_system_prompts"] = public_prompt_flags(args)
     for app in config.get("applications", []):
         merged = dict(app.get("args") or {})
         merged.update(app_args)
@@ -97,6 +99,11 @@ def apply_overrides(config: dict[str, Any], args: argparse.Namespace,
             merged["api_limits"] = {**(merged.get("api_limits") or {}), **api_limits}
         app["args"] = merged
     return config
+
+
+def public_prompt_flags(args: argparse.Namespace) -> list[str]:
+    """The system prompts the `--public-system-prompt FILE` flags name (each file's text, whole)."""
+    return [Path(f).expanduser().read_text(encoding="utf-8") for f in getattr(args, "public_system_prompt", None) or ()]
 
 
 def api_limit_flags(args: argparse.Namespace) -> dict[str, float]:

@@ -91,7 +91,8 @@ class Ingress:
                        api_keys: list[str] | None = None, api_keys_file: str | None = None,
                        metrics_key: str | None = None, shared_cache_tenants: bool = False,
                        http_limits: dict[str, Any] | None = None, max_body_bytes: int | None = None,
-                       api_limits: dict[str, Any] | None = None, special_tokens_in_content: bool = False):
+                       api_limits: dict[str, Any] | None = None, special_tokens_in_content: bool = False,
+                       public_system_prompts: list[str] | None = None):
         self.model_dir, self.served_model_name = Path(model_dir), served_model_name
         self.tenants = Tenants.load([*([f"default:{api_key}"] if api_key else []), *(api_keys or [])],
                                     api_keys_file)
@@ -100,6 +101,7 @@ class Ingress:
         self.max_body_bytes = max_body_bytes
         self.api_limits = APILimits.model_validate(api_limits or {})
         self.special_tokens_in_content = special_tokens_in_content
+        self.public_system_prompts = list(public_system_prompts or ())
         self.client = HandleEngineClient(engine, spec)
         self._api_metrics: Any = None
         self._mirror = RayMetricsMirror()
@@ -113,7 +115,8 @@ class Ingress:
                         max_body_bytes=self.max_body_bytes or DEFAULT_MAX_BODY_BYTES, tenants=self.tenants,
                         metrics_key=self.metrics_key, shared_cache_tenants=self.shared_cache_tenants,
                         http_limits=self.http_limits, limits=self.api_limits,
-                        special_tokens_in_content=self.special_tokens_in_content)
+                        special_tokens_in_content=self.special_tokens_in_content,
+                        public_system_prompts=self.public_system_prompts)
         self._api_metrics = app.state.metrics
         app.add_middleware(ReplicaHeader)
         return app

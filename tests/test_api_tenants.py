@@ -174,3 +174,39 @@ def test_the_tenant_roots_the_page_hashes_the_engine_receives(tiny_model_dir, sh
     else:
         assert (alice.hash_root, bob.hash_root) == (fake.spec.hash_root("s", "alice"), fake.spec.hash_root("s", "bob"))
         assert alice.page_hashes and not set(alice.page_hashes) & set(bob.page_hashes)
+
+
+PUBLIC = "You are the trail guide of the Ridge Cairn Society. Answer about stones, weather and paths. " * 6
+
+
+def test_a_public_system_prompt_is_shared_by_every_tenant_and_nothing_after_it_is(tiny_model_dir, engine):
+    """With `public_system_prompts`, the whole pages of that system message are hashed under the
+    shared root: bob's chat opening with it resumes from alice's pages of it, but not one token
+    further, even where his next words are alice's; another system prompt shares nothing."""
+    app = build_app(LocalEngineClient(engine), tiny_model_dir, MODEL, tenants=Tenants.load(KEYS),
+                    public_system_prompts=[PUBLIC])
+    spec = engine.spec
+
+    def chat(server, key, system, user, salt=None):
+        c = openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=60)
+        out = c.chat.completions.create(
+            model=MODEL, max_tokens=2, temperature=0,
+            messages=[{"role": "system", "content": system}, {"role": "user", "content": user}],
+            extra_body={"ignore_eos": True, **({"cache_salt": salt} if salt else {})})
+        return out.usage.prompt_tokens_details.cached_tokens, out.usage.prompt_tokens
+
+    with BackgroundServer(app) as server:
+        question = "Which stones last longest in a cairn on a windy ridge? " * 3
+        assert chat(server, "key-a", PUBLIC, question)[0] == 0
+        bob, n = chat(server, "key-b", PUBLIC, question)  # alice's very prompt, from bob
+        public_pages = len(app.state.serving.prompts.tokenizer.encode(
+            app.state.serving.prompts.template.render([{"role": "system", "content": PUBLIC}],
+                                                      add_generation_prompt=False))) // spec.page_size
+        assert public_pages >= 2 and 0 < bob <= public_pages * spec.page_size < n, \
+            f"bob resumed from the public pages and no further ({bob} of {n} tokens)"
+        assert chat(server, "key-a", PUBLIC, question)[0] > public_pages * spec.page_size, "alice: all of hers"
+        private = "You are Alice's own assistant. " * 12
+        assert chat(server, "key-a", private, question)[0] == 0
+        assert chat(server, "key-b", private, question)[0] == 0, "a system prompt not made public is not shared"
+        assert chat(server, "key-b", PUBLIC, "And in the rain? " * 3, salt="mine")[0] == 0, \
+            "a salted chat shares nothing, the public prompt included"

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from cache_service.hashing import fingerprint, model_fingerprint, page_hashes, root_hash
+from cache_service.hashing import branch_root, fingerprint, model_fingerprint, page_hashes, root_hash
 from workers.model.config import ModelConfig
 from workers.options import EngineOptions
 
@@ -55,6 +55,14 @@ class EngineSpec:
         request carries."""
         return root_hash(self.fingerprint, self.page_size, cache_salt, tenant)
 
-    def page_hashes(self, token_ids: Sequence[int], root: bytes) -> list[bytes]:
-        """The hashes of a prompt's whole pages under `root` (one per page_size tokens)."""
-        return page_hashes(token_ids, self.page_size, root)
+    def page_hashes(self, token_ids: Sequence[int], root: bytes, shared_pages: int = 0) -> list[bytes]:
+        """The hashes of a prompt's whole pages under `root` (one per page_size tokens). With
+        `shared_pages`, the first ones are a public prefix every root shares: they hash under the
+        unsalted, tenant-less root, and the chain branches back to `root` after them
+        (`cache_service.hashing.branch_root`). Only a prompt with a whole page of its own after
+        the prefix branches: otherwise its output pages would chain off the shared ones."""
+        ps = self.page_size
+        if shared_pages <= 0 or len(token_ids) // ps <= shared_pages:
+            return page_hashes(token_ids, ps, root)
+        shared = page_hashes(token_ids[:shared_pages * ps], ps, self.hash_root())
+        return shared + page_hashes(token_ids, ps, root, start=shared_pages, parent=branch_root(shared[-1], root))

@@ -5,13 +5,17 @@ last messages and the generation prompt start; `tokenizer` turns those character
 token positions, the checkpoint hints. Special-token strings in anything the client wrote stay
 text (`special_tokens`) unless the server was built with `special_tokens_in_content`. Completion
 prompts are tokenized as written, special tokens included: there the client writes the whole
-prompt; token-id prompts are checked against the vocabulary before anything hashes them. This is the ingress's pre-engine work: it runs on a `prep_pool` thread, after the size
-limits (`limits`) have been checked, and stops between its steps once its `stop` event is set.
+prompt; token-id prompts are checked against the vocabulary before anything hashes them. A chat
+opening with one of the server's `public_system_prompts` reports how many tokens that system
+message renders to (`public_tokens`): every tenant shares their whole pages. This is the
+ingress's pre-engine work: it runs on a `prep_pool` thread, after the size limits (`limits`)
+have been checked, and stops between its steps once its `stop` event is set.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,12 +38,14 @@ class Prepared:
     hints: list[int] = field(default_factory=list)
     messages: list[dict[str, Any]] | None = None
     opens_think: bool = False
+    public_tokens: int = 0  # a public system prompt's tokens at the start, which every tenant shares
 
 
 class Prompts:
     def __init__(self, tokenizer: TextTokenizer, template: ChatTemplate | None, vocab_size: int,
-                 special_tokens_in_content: bool = False):
+                 special_tokens_in_content: bool = False, public_system_prompts: Sequence[str] = ()):
         self.tokenizer, self.template, self.vocab_size = tokenizer, template, vocab_size
+        self.public_system_prompts = frozenset(public_system_prompts)
         self.reasoning_model = tokenizer.has_tokens("<think>", "</think>")
         self.specials = None if special_tokens_in_content else \
             SpecialTokens(tokenizer.special_tokens(), template.source if template is not None else "")
@@ -79,7 +85,21 @@ class Prompts:
             ids, ends = self.tokenizer.encode_pieces(text, unmasked.pieces)
         else:
             ids, ends = self.tokenizer.encode_with_ends(text)
-        return Prepared(ids, text, self.tokenizer.token_positions(ends, starts), messages, opens)
+        public = self._public_prefix(messages, text)
+        return Prepared(ids, text, self.tokenizer.token_positions(ends, starts), messages, opens,
+                        self.tokenizer.token_positions(ends, [public])[0] if public else 0)
+
+    def _public_prefix(self, messages: list[dict[str, Any]], text: str) -> int:
+        """Characters of `text` that render a public system prompt opening the conversation (0:
+        none). One more render, of that message alone; used only if it is a prefix of `text`."""
+        first = messages[0] if messages else {}
+        if first.get("role") != "system" or first.get("content") not in self.public_system_prompts:
+            return 0
+        try:
+            alone = self.template.render([first], add_generation_prompt=False)
+        except TemplateError:
+            return 0
+        return len(alone) if text.startswith(alone) else 0
 
     def completion(self, req: CompletionRequest, stop: threading.Event | None = None) -> list[Prepared]:
         prompts = req.prompts()

@@ -18,6 +18,7 @@ field). See `cluster.api.errors` for the error shape, `cluster.api.middleware` f
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TypeVar
 
@@ -107,7 +108,8 @@ def build_app(client: EngineClient, model_dir: str | Path, served_model_name: st
               max_waiting: int = DEFAULT_MAX_WAITING, echo_request_id: bool = True, *,
               limits: APILimits | None = None, special_tokens_in_content: bool = False,
               http_limits: HTTPLimits | None = None, tenants: Tenants | None = None,
-              metrics_key: str | None = None, shared_cache_tenants: bool = False) -> FastAPI:
+              metrics_key: str | None = None, shared_cache_tenants: bool = False,
+              public_system_prompts: Sequence[str] = ()) -> FastAPI:
     """The API over `client`; the tokenizer and chat template come from `model_dir`.
     `echo_request_id`: answer with an X-Request-Id header (off behind Ray Serve's proxy, which
     sends its own). `limits`: what one request may ask before the engine (`cluster.api.limits`).
@@ -115,7 +117,8 @@ def build_app(client: EngineClient, model_dir: str | Path, served_model_name: st
     (off by default: `cluster.api.special_tokens`). Keys (`cluster.api.tenants`): `api_key` is
     one key of the tenant "default", `tenants` any number (give one or the other; neither:
     CAIRN_API_KEY, else no keys); `metrics_key` alone opens /metrics; `shared_cache_tenants`
-    roots every tenant's pages together. `http_limits`: the body deadline and the header limit
+    roots every tenant's pages together; `public_system_prompts`: system prompts whose pages
+    every tenant shares when a chat opens with one (the rest stays the tenant's own). `http_limits`: the body deadline and the header limit
     the app enforces (the server enforces the rest, `cluster.api.connection`)."""
     limits = limits or DEFAULT_LIMITS
     if api_key is not None and tenants is not None:
@@ -132,7 +135,7 @@ def build_app(client: EngineClient, model_dir: str | Path, served_model_name: st
         template = None  # completions still work; chat answers 400
     metrics = APIMetrics()
     serving = Serving(TimedClient(client, metrics), TextTokenizer.from_dir(model_dir), template, name, max_waiting,
-                      metrics, limits, special_tokens_in_content)
+                      metrics, limits, special_tokens_in_content, public_system_prompts)
     chat, completions = ChatCompletions(serving), Completions(serving)
 
     app = FastAPI(title="cairn", summary="OpenAI-compatible API for hybrid LLMs with prefix caching",

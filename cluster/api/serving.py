@@ -17,7 +17,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 from cluster.api.chat_template import ChatTemplate
@@ -42,11 +42,12 @@ log = logging.getLogger("cluster.api")
 class Serving:
     def __init__(self, client: EngineClient, tokenizer: TextTokenizer, template: ChatTemplate | None,
                  model_name: str, max_waiting: int, metrics: APIMetrics, limits: APILimits = DEFAULT_LIMITS,
-                 special_tokens_in_content: bool = False):
+                 special_tokens_in_content: bool = False, public_system_prompts: Sequence[str] = ()):
         self.client, self.tokenizer = client, tokenizer
         self.model_name, self.max_waiting, self.metrics = model_name, max_waiting, metrics
         self.limits = limits
-        self.prompts = Prompts(tokenizer, template, client.spec.vocab_size, special_tokens_in_content)
+        self.prompts = Prompts(tokenizer, template, client.spec.vocab_size, special_tokens_in_content,
+                               public_system_prompts)
         self.reasoning_model = self.prompts.reasoning_model
         self.pool = PrepPool(limits.prepare_threads, limits.prepare_wait_s)
 
@@ -109,14 +110,17 @@ class Serving:
         """One engine request per (prompt, choice). Their ids are new, unique by construction:
         `request_id` (the client's X-Request-Id, or ours) is a label for logs and the client,
         never an engine key, so a reused label touches no other request. Page hashes are rooted
-        in the tenant (who asked) and the request's cache_salt: tenants never share a page."""
+        in the tenant (who asked) and the request's cache_salt: tenants never share a page, but
+        for the whole pages of a public system prompt opening an unsalted chat, which every
+        tenant shares (`public_system_prompts`)."""
         internal = uuid.uuid4().hex
         log.debug("request %s runs as engine requests %s-*", request_id, internal)
         spec = self.client.spec
         root = spec.hash_root(req.cache_salt, tenant)
         out = []
         for p_index, p in enumerate(prompts):
-            hashes = spec.page_hashes(p.ids, root)
+            public = p.public_tokens // spec.page_size if req.cache_salt is None and tenant is not None else 0
+            hashes = spec.page_hashes(p.ids, root, shared_pages=public)
             for i, sp in enumerate(params):
                 out.append(GenerateRequest(
                     request_id=f"{internal}-{p_index * len(params) + i}", prompt_token_ids=p.ids, params=sp,
