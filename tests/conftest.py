@@ -125,3 +125,30 @@ def ray_session():
     except Exception:  # serve was never started
         pass
     ray.shutdown()
+
+
+class OneTokenClient:
+    """An `EngineClient` with no engine behind it: it keeps every request it gets and answers each
+    with one token. For API tests that need the ingress's work, not a model's."""
+
+    def __init__(self, max_model_len: int = 1 << 16):
+        from workers import EngineSpec
+
+        self.spec = EngineSpec(fingerprint="scripted", page_size=16, max_model_len=max_model_len, recurrent=True,
+                               vocab_size=512)
+        self.requests: list = []
+
+    async def generate(self, request):
+        from workers import RequestOutput
+
+        self.requests.append(request)
+        yield RequestOutput(request.request_id, [5], None, 1, 0, token_ids=[5], finish_reason="length")
+
+    async def abort(self, request_id):
+        return False
+
+    async def metrics(self):
+        return {}
+
+    def num_waiting(self):
+        return 0

@@ -280,19 +280,26 @@ def test_an_internal_fault_is_a_500_naming_only_the_request_id(faulty, caplog):
     assert c.post(C, json=GOOD_CHAT).status_code == 200
 
 
+async def sse_events(client: httpx.AsyncClient, path: str, body: dict, headers: dict,
+                     echoed_id: str | None = None) -> list[str]:
+    """The data lines of one streamed response (after a 200, echoing `echoed_id` if given)."""
+    events = []
+    async with client.stream("POST", path, json=body, headers=headers) as r:
+        assert r.status_code == 200
+        assert echoed_id is None or r.headers["x-request-id"] == echoed_id
+        async for line in r.aiter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+    return events
+
+
 def test_a_reused_request_id_is_only_a_label_and_touches_no_other_request(server):
     """Two requests with one X-Request-Id at once: both answer in full, each echoing the label."""
     body = chat(max_tokens=40, ignore_eos=True, stream=True, messages=[{"role": "user", "content": "Stones. " * 10}])
     headers = dict(AUTH, **{"X-Request-Id": "retry-42"})
 
     async def one(client):
-        events = []
-        async with client.stream("POST", C, json=body, headers=headers) as r:
-            assert r.status_code == 200 and r.headers["x-request-id"] == "retry-42"
-            async for line in r.aiter_lines():
-                if line.startswith("data: "):
-                    events.append(line[6:])
-        return events
+        return await sse_events(client, C, body, headers, echoed_id="retry-42")
 
     async def main():
         async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
@@ -322,14 +329,8 @@ def test_a_detokenization_fault_ends_that_stream_alone(server, engine, monkeypat
     monkeypatch.setattr(tokenizer_module.Detokenizer, "push", faulty)
 
     async def stream(client, prompt):
-        events = []
-        body = comp(prompt=prompt, max_tokens=30, stream=True, ignore_eos=True)
-        async with client.stream("POST", "/v1/completions", json=body, headers=AUTH) as r:
-            assert r.status_code == 200
-            async for line in r.aiter_lines():
-                if line.startswith("data: "):
-                    events.append(line[6:])
-        return events
+        return await sse_events(client, "/v1/completions", comp(prompt=prompt, max_tokens=30, stream=True,
+                                                                ignore_eos=True), AUTH)
 
     async def main():
         async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:

@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 from cluster.api import APILimits, build_app
 from cluster.api.engine_client import LocalEngineClient
 from cluster.api.server import BackgroundServer
-from workers import AsyncEngine, EngineSpec, RequestOutput
+from workers import AsyncEngine
+from conftest import OneTokenClient
 
 MODEL, KEY = "tiny", "k3y"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -347,27 +348,9 @@ def test_a_limit_error_names_the_limit_and_the_value(http):
 
 
 # ---- the defaults, on a scripted engine --------------------------------------------------------
-class ScriptedClient:
-    """Answers every request with one token; its spec is the tiny model's shape."""
-
-    spec = EngineSpec(fingerprint="scripted", page_size=16, max_model_len=1 << 16, recurrent=True, vocab_size=512)
-
-    async def generate(self, request):
-        yield RequestOutput(request.request_id, [5], None, 1, 0, token_ids=[5], finish_reason="length")
-
-    async def abort(self, request_id):
-        return False
-
-    async def metrics(self):
-        return {}
-
-    def num_waiting(self):
-        return 0
-
-
 @pytest.fixture(scope="module")
 def scripted(tiny_model_dir):
-    with TestClient(build_app(ScriptedClient(), tiny_model_dir, MODEL)) as c:
+    with TestClient(build_app(OneTokenClient(), tiny_model_dir, MODEL)) as c:
         yield c
 
 

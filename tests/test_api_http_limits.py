@@ -15,31 +15,15 @@ import pytest
 from cluster.api import build_app
 from cluster.api.http_limits import HTTPLimits
 from cluster.api.server import BackgroundServer
-from workers import EngineSpec, RequestOutput
+from conftest import OneTokenClient
 
 LIMITS = HTTPLimits(max_header_bytes=4096, header_timeout_s=1.0, body_timeout_s=1.0, keep_alive_timeout_s=1.0)
 CHAT = b"/v1/chat/completions"
 
 
-class OneTokenClient:
-    spec = EngineSpec(fingerprint="scripted", page_size=16, max_model_len=4096, recurrent=True, vocab_size=512)
-
-    async def generate(self, request):
-        yield RequestOutput(request.request_id, [5], None, 1, 0, token_ids=[5], finish_reason="length")
-
-    async def abort(self, request_id):
-        return False
-
-    async def metrics(self):
-        return {}
-
-    def num_waiting(self):
-        return 0
-
-
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    with BackgroundServer(build_app(OneTokenClient(), tiny_model_dir, "tiny", http_limits=LIMITS), limits=LIMITS) as s:
+    with BackgroundServer(build_app(OneTokenClient(max_model_len=4096), tiny_model_dir, "tiny", http_limits=LIMITS), limits=LIMITS) as s:
         yield s
 
 
@@ -191,7 +175,7 @@ def test_a_request_that_is_not_http_is_a_400_in_openai_shape(server):
 def test_the_app_refuses_headers_over_its_limit_when_the_server_in_front_lets_them_through(tiny_model_dir):
     """Behind Serve's proxy, which reads headers of any size, the ingress app is what answers."""
     roomy = HTTPLimits(max_header_bytes=1 << 20)
-    app = build_app(OneTokenClient(), tiny_model_dir, "tiny", http_limits=HTTPLimits(max_header_bytes=4096))
+    app = build_app(OneTokenClient(max_model_len=4096), tiny_model_dir, "tiny", http_limits=HTTPLimits(max_header_bytes=4096))
     with BackgroundServer(app, limits=roomy) as s, connect(s) as sock:
         sock.sendall(get(extra=b"X-Big: " + b"a" * 8000 + b"\r\n"))
         status, headers, body = read_response(sock)

@@ -23,33 +23,11 @@ from cluster.api.chat_template import HINTED_MESSAGES, ChatTemplate, common_pref
 from cluster.api.server import BackgroundServer
 from cluster.api.special_tokens import SpecialTokens, trie_pattern
 from cluster.api.tokenizer import TextTokenizer
-from workers import EngineSpec, RequestOutput
+from conftest import OneTokenClient
 
 MODEL = "tiny"
 C = "/v1/chat/completions"
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
-
-
-class ScriptedClient:
-    """An EngineClient that records each request and answers one token."""
-
-    spec = EngineSpec(fingerprint="scripted", page_size=16, max_model_len=1 << 20, recurrent=True, vocab_size=512)
-
-    def __init__(self):
-        self.requests = []
-
-    async def generate(self, request):
-        self.requests.append(request)
-        yield RequestOutput(request.request_id, [5], None, 1, 0, token_ids=[5], finish_reason="length")
-
-    async def abort(self, request_id):
-        return False
-
-    async def metrics(self):
-        return {}
-
-    def num_waiting(self):
-        return 0
 
 
 def chat(messages, **fields):
@@ -131,7 +109,7 @@ def test_the_common_prefix_agrees_with_the_character_loop():
 
 
 def test_2000_messages_over_http_take_a_fixed_number_of_renders(tiny_model_dir, counted_renders):
-    fake = ScriptedClient()
+    fake = OneTokenClient(max_model_len=1 << 20)
     with TestClient(build_app(fake, tiny_model_dir, MODEL)) as c:
         r = c.post(C, json=chat([{"role": "user", "content": ""}] * 2000))
     assert r.status_code == 200 and len(counted_renders) == 1 + HINTED_MESSAGES
@@ -154,7 +132,7 @@ class SlowTemplate(ChatTemplate):
 
 
 def slow_app(model_dir: Path, render_s: float, **limits):
-    app = build_app(ScriptedClient(), model_dir, MODEL, limits=APILimits(**limits))
+    app = build_app(OneTokenClient(max_model_len=1 << 20), model_dir, MODEL, limits=APILimits(**limits))
     template = SlowTemplate((model_dir / "chat_template.jinja").read_text(), render_s)
     app.state.serving.prompts.template = template
     return app, template
@@ -259,7 +237,7 @@ def control_ids(tokenizer: TextTokenizer, ids: list[int]) -> list[int]:
 
 
 def prepared(model_dir, messages, **app_options):
-    fake = ScriptedClient()
+    fake = OneTokenClient(max_model_len=1 << 20)
     with TestClient(build_app(fake, model_dir, MODEL, **app_options)) as c:
         r = c.post(C, json=chat(messages))
     assert r.status_code == 200, r.text
@@ -307,7 +285,7 @@ def test_special_tokens_stay_text_wherever_the_client_writes_them(tiny_model_dir
         options["chat_template_kwargs"] = {"enable_thinking": False, "system_hint": evil}
     body = chat(messages, **options)
     clean = json.loads(json.dumps(body).replace(json.dumps(evil)[1:-1], "x"))
-    fake = ScriptedClient()
+    fake = OneTokenClient(max_model_len=1 << 20)
     with TestClient(build_app(fake, tiny_model_dir, MODEL)) as c:
         assert c.post(C, json=body).status_code == 200 and c.post(C, json=clean).status_code == 200
     hostile, plain = fake.requests
@@ -328,7 +306,7 @@ def test_hints_still_land_on_message_starts_when_content_holds_special_tokens(ti
 
 def test_continue_final_message_with_special_tokens_in_it(tiny_model_dir, tokenizer):
     messages = [{"role": "user", "content": "Say it"}, {"role": "assistant", "content": "Here: " + IM_END}]
-    fake = ScriptedClient()
+    fake = OneTokenClient(max_model_len=1 << 20)
     with TestClient(build_app(fake, tiny_model_dir, MODEL)) as c:
         r = c.post(C, json=chat(messages, continue_final_message=True, add_generation_prompt=False))
     assert r.status_code == 200

@@ -14,7 +14,8 @@ from cluster.api import build_app
 from cluster.api.engine_client import LocalEngineClient
 from cluster.api.server import BackgroundServer
 from cluster.api.tenants import Tenants, read_keys_file
-from workers import AsyncEngine, EngineSpec, RequestOutput
+from workers import AsyncEngine
+from conftest import OneTokenClient
 
 MODEL = "tiny"
 KEYS = ["alice:key-a", "bob:key-b", "bob:key-b2"]
@@ -136,33 +137,11 @@ def test_a_refused_key_is_never_logged(servers, caplog):
     assert not any("guess-4711" in r.getMessage() or "key-a" in r.getMessage() for r in caplog.records)
 
 
-class RecordingClient:
-    """Answers one token and keeps every request it got."""
-
-    spec = EngineSpec(fingerprint="scripted", page_size=16, max_model_len=4096, recurrent=True, vocab_size=512)
-
-    def __init__(self):
-        self.requests = []
-
-    async def generate(self, request):
-        self.requests.append(request)
-        yield RequestOutput(request.request_id, [5], None, 1, 0, token_ids=[5], finish_reason="length")
-
-    async def abort(self, request_id):
-        return False
-
-    async def metrics(self):
-        return {}
-
-    def num_waiting(self):
-        return 0
-
-
 @pytest.mark.parametrize("shared", [False, True])
 def test_the_tenant_roots_the_page_hashes_the_engine_receives(tiny_model_dir, shared):
     from fastapi.testclient import TestClient
 
-    fake = RecordingClient()
+    fake = OneTokenClient(max_model_len=4096)
     app = build_app(fake, tiny_model_dir, MODEL, tenants=Tenants.load(KEYS), shared_cache_tenants=shared)
     body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 1, "cache_salt": "s"}
     with TestClient(app) as c:
