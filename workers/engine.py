@@ -167,7 +167,8 @@ class Engine:
         if request_id in self._requests:
             raise RequestRejected(f"request_id {request_id!r} is already in use", "request_id")
         seq = Sequence(request_id, prompt, params, hash_root=hash_root, hints=hints, max_total_tokens=total)
-        seq.cache.page_hashes = list(page_hashes or ())
+        if page_hashes:
+            self.cache.adopt_hashes(seq, page_hashes)
         self._requests[request_id] = seq
         self.scheduler.add(seq)
         self.stats.prompt_tokens += len(prompt)

@@ -98,6 +98,11 @@ class PrefixCache:
         return -(-num_tokens // self.page_size)
 
     # ---- hashes ---------------------------------------------------------------------------
+    def adopt_hashes(self, seq: Sequence, page_hashes: list[bytes]) -> None:
+        """The hashes of `seq`'s whole prompt pages, computed by the ingress (checked by the
+        engine): the chain starts from them instead of being hashed here."""
+        seq.cache.page_hashes = list(page_hashes)
+
     def extend_hashes(self, seq: Sequence, upto_pages: int) -> list[bytes]:
         """`seq`'s chain, extended to at least `upto_pages` hashes."""
         hashes, ps = seq.cache.page_hashes, self.page_size
