@@ -125,19 +125,21 @@ def ttft(client: httpx.Client, headers: dict, prompt_body: dict) -> tuple[float,
     return first, cached
 
 
-def long_chat(tag: str) -> dict:
-    """A chat of about 600 tokens that no one has sent before (`tag` makes it new)."""
+def long_chat() -> dict:
+    """A chat of about 600 tokens no one has sent before: it opens with a random token string, so
+    not even its first page is anyone's (a probe must not hit the prober's own earlier probes)."""
+    tag = uuid.uuid4().hex
     return {"model": MODEL, "max_tokens": 2, "ignore_eos": True,
-            "messages": [{"role": "system", "content": f"Ledger {tag}. " + "The cairn on the ridge stands. " * 70},
-                         {"role": "user", "content": f"What does ledger {tag} say?"}]}
+            "messages": [{"role": "system", "content": f"{tag} ledger. " + "The cairn on the ridge stands. " * 70},
+                         {"role": "user", "content": f"What does ledger {tag[:6]} say?"}]}
 
 
 def test_tenant_b_cannot_learn_what_tenant_a_sent_by_cached_tokens_or_timing(app):
     url, handle = app
     own, probe_hit, probe_fresh = [], [], []
     with httpx.Client(base_url=url, timeout=60) as client:
-        for trial in range(5):
-            secret, fresh = long_chat(f"secret-{trial}-{uuid.uuid4().hex[:6]}"), long_chat(f"fresh-{uuid.uuid4().hex}")
+        for _ in range(5):
+            secret, fresh = long_chat(), long_chat()
             ttft(client, ALICE, secret)  # alice sends it: her replica caches it
             own.append(ttft(client, ALICE, secret))  # and her next send hits
             probe_hit.append(ttft(client, BOB, secret))  # bob probes with alice's prompt...
@@ -162,7 +164,7 @@ def test_the_index_holds_nothing_under_another_tenants_hashes(app, tiny_model_di
     from workers import EngineSpec
 
     url, _ = app
-    chat = long_chat(f"indexed-{uuid.uuid4().hex[:6]}")
+    chat = long_chat()
     with httpx.Client(base_url=url, timeout=60) as client:
         assert client.post("/v1/chat/completions", json=chat, headers=ALICE).status_code == 200
     spec = EngineSpec.from_model_dir(tiny_model_dir)  # the app's engines: default options
