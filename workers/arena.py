@@ -220,12 +220,16 @@ class Arena:
             self._block(g) if held else self._unblock(g)
 
     def pages_held(self, pages: list[int]) -> None:
-        """`page_held(page, True)` for each of `pages`."""
-        if self.k:
-            for page in pages:
-                g = page // self.k
-                if g < self.num_groups:
-                    self._block(g)
+        """`page_held(page, True)` for each of `pages` (a hit run: in one loop)."""
+        k, groups, blocked = self.k, self.num_groups, self._blocked
+        if not k:
+            return
+        for page in pages:
+            g = page // k
+            if g < groups:
+                if not blocked[g]:
+                    self._num_unblocked -= 1
+                blocked[g] += 1
 
     # ---- slots ---------------------------------------------------------------------------------
     def take_slot(self) -> int | None:

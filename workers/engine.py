@@ -211,9 +211,10 @@ class Engine:
         return outputs
 
     def _apply(self, plan: StepPlan, logits: torch.Tensor) -> list[RequestOutput]:
-        sampled = self.sampler.sample(logits, plan.sampling_sequences())
+        sampling = plan.sampling_sequences()
+        sampled = self.sampler.sample(logits, sampling)
         outputs, worker = [], self.worker_id
-        for seq, token, logprob in self.scheduler.postprocess(plan, sampled):
+        for seq, token, logprob in self.scheduler.postprocess(plan, sampling, sampled):
             if seq.finish_reason is not None:
                 self._requests.pop(seq.request_id, None)
                 outputs.append(self._output(seq, [token], [logprob] if logprob else []))

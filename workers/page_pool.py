@@ -53,7 +53,8 @@ class PagePool:
         return False
 
     def acquire_all(self, pages: list[int]) -> list[int]:
-        """`acquire` for each of `pages` (a sequence's hit run); returns those that were cached."""
+        """`acquire` for each of `pages` (a sequence's hit run), in one pass; returns those that
+        were cached."""
         refs, was_cached = self._refs, []
         for page in pages:
             n = refs.get(page, 0)
@@ -62,6 +63,10 @@ class PagePool:
                 was_cached.append(page)
         self._num_cached -= len(was_cached)
         return was_cached
+
+    def cached_hashes(self) -> list[bytes]:
+        """Hashes of the cached pages (registered, unreferenced)."""
+        return [h for p, h in self._hash_of.items() if p not in self._refs]
 
     def cached_among(self, pages: list[int]) -> list[int]:
         """Those of `pages` nobody holds (they are cached: registered, unreferenced)."""
@@ -98,6 +103,7 @@ class PagePool:
 
     def hash_of(self, page: int) -> bytes | None:
         return self._hash_of.get(page)
+
 
     def register(self, page: int, page_hash: bytes, parent: bytes | None) -> bool:
         """Names a held, full page by its chain hash. False if that hash already names another

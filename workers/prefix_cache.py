@@ -84,7 +84,8 @@ class PrefixCache:
         self.arena = Arena(layout)
         self.pages = PagePool()
         self.checkpoints = CheckpointStore()
-        self.budget = CacheBudget(layout.block_bytes, layout.slot_blocks)
+        self.budget = CacheBudget(layout.block_bytes, layout.slot_blocks, is_held=self._held_hash,
+                                  cached_pages=lambda: self.pages.num_cached)
         self.slot_blocks = layout.slot_blocks
         self._running_slots: set[int] = set()
         self._pinned: list[bytes] = []
@@ -172,8 +173,7 @@ class PrefixCache:
         state). The caller checked `can_admit`."""
         c = seq.cache
         c.page_ids = list(self._hit_page_ids(seq, m))
-        was_cached = self.pages.acquire_all(c.page_ids)  # no longer evictable
-        self.budget.unlist_pages(list(map(self.pages.hash_of, was_cached)))
+        was_cached = self.pages.acquire_all(c.page_ids)  # no longer evictable (the LRU skips held pages)
         self.arena.pages_held(was_cached)
         c.shared_pages = c.registered_pages = m.hit_pages
         c.register_stopped = False
@@ -369,10 +369,13 @@ class PrefixCache:
 
     # ---- holding and taking ---------------------------------------------------------------------
     def _hold(self, page: int) -> int:
-        if self.pages.acquire(page):  # it was cached: no longer evictable
-            self.budget.unlist_page(self.pages.hash_of(page))
+        if self.pages.acquire(page):  # it was cached: no longer evictable (the LRU skips held pages)
             self.arena.page_held(page, True)
         return page
+
+    def _held_hash(self, page_hash: bytes) -> bool:
+        page = self.pages.page_of(page_hash)
+        return page is not None and self.pages.is_held(page)
 
     def _unhold(self, page: int) -> None:
         state = self.pages.release(page)
@@ -558,8 +561,9 @@ class PrefixCache:
         if self.slot_blocks:
             self.arena.check(self.pages.held_pages(), self.pages.resident_pages(),
                              self._running_slots | pending | pinned)
-        if self.budget.num_pages != self.pages.num_cached:
-            raise AssertionError(f"evictable pages {self.budget.num_pages} != cached {self.pages.num_cached}")
+        unplaced = [h for h in self.pages.cached_hashes() if not self.budget.has_place(h)]
+        if unplaced:
+            raise AssertionError(f"{len(unplaced)} cached pages have no place in the LRU")
         if self.budget.num_checkpoints + len(pinned) != self.checkpoints.num_stored:
             raise AssertionError(f"evictable checkpoints {self.budget.num_checkpoints} + pinned {len(pinned)} "
                                  f"!= stored {self.checkpoints.num_stored}")

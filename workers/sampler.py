@@ -16,6 +16,8 @@ Faults stay in their row: a row whose logits are not finite, or whose draw fails
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from workers.errors import SequenceFault
@@ -30,11 +32,14 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, TokenLogprob | None] | SequenceFault]:
         """logits: [N, vocab] fp32, one row per sequence in `seqs`; one result per row."""
-        finite = torch.isfinite(logits).all(dim=-1)
-        if all(s.params.temperature == 0 and s.params.logprobs is None for s in seqs) and bool(finite.all()):
-            return [(t, None) for t in torch.argmax(logits, dim=-1).tolist()]  # argmax on the device
+        if all(s.params.temperature == 0 and s.params.logprobs is None for s in seqs):  # argmax on the device
+            best, argmax = torch.max(logits, dim=-1)
+            # a row with a NaN or +inf has its maximum there (all -inf: -inf): one sum tells, O(rows)
+            if math.isfinite(float(best.sum())):
+                return [(t, None) for t in argmax.tolist()]
+        finite = torch.isfinite(logits).all(dim=-1).tolist()
         logits = logits.float().cpu()
-        tokens, finite = torch.argmax(logits, dim=-1).tolist(), finite.tolist()
+        tokens = torch.argmax(logits, dim=-1).tolist()
         out: list[tuple[int, TokenLogprob | None] | SequenceFault] = []
         for row, seq in enumerate(seqs):
             if not finite[row]:

@@ -282,21 +282,17 @@ class Scheduler:
             seg.ckpt_slots.setdefault(offset, []).append(slot)
 
     # ---- after the step --------------------------------------------------------------------------
-    def postprocess(self, plan: StepPlan, sampled: list[tuple[int, TokenLogprob | None] | SequenceFault]
+    def postprocess(self, plan: StepPlan, sampling: list[Sequence],
+                    sampled: list[tuple[int, TokenLogprob | None] | SequenceFault]
                     ) -> list[tuple[Sequence, int, TokenLogprob | None]]:
-        """Applies a computed step: `sampled` holds one result per sampling segment in plan order
-        (a (token, logprob), or the `SequenceFault` of that row). Returns (sequence, token,
-        logprob) for each sequence that got a token; finished ones are finished, failed ones are
-        left to `take_failed`."""
+        """Applies a computed step: `sampled` holds one result for each of `sampling` (the plan's
+        `sampling_sequences()`): a (token, logprob), or the `SequenceFault` of that row. Returns
+        (sequence, token, logprob) for each sequence that got a token; finished ones are
+        finished, failed ones are left to `take_failed`."""
         cache, ps, eos = self.cache, self.page_size, self.eos_token_ids
-        sampling = []
         for seg in plan.decodes + plan.prefills:
             seq = seg.seq
-            if seq.finished:  # failed earlier in this step
-                continue
             seq.num_computed = end = seg.start + seg.num_tokens
-            if end == len(seq.token_ids):
-                sampling.append(seq)
             if end // ps > seq.cache.registered_pages:
                 try:
                     cache.register_pages(seq)
@@ -310,10 +306,10 @@ class Scheduler:
                 cache.drop_pending_if_any(c.slot)
         out = []
         for seq, result in zip(sampling, sampled):
-            if isinstance(result, SequenceFault):
+            if result.__class__ is SequenceFault:
                 self.fail(seq, result)
                 continue
-            if seq.finished:
+            if seq.finish_reason is not None:
                 continue
             token, logprob = result
             try:
