@@ -95,7 +95,8 @@ def test_the_ingress_refuses_limits_that_belong_to_servess_proxy():
                            "shared_cache_tenants": True, "max_body_bytes": 1024})._bound_deployment
     assert ingress.init_kwargs == dict(api_keys=["a:k"], api_keys_file=None, metrics_key="m",
                                        shared_cache_tenants=True, http_limits={"body_timeout_s": 5},
-                                       max_body_bytes=1024, api_limits=None, special_tokens_in_content=False)
+                                       max_body_bytes=1024, api_limits=None, special_tokens_in_content=False,
+                                       public_system_prompts=None)
 
 
 def test_app_builder_takes_routing_as_a_path_and_refuses_unknown_keys():

@@ -121,15 +121,19 @@ class Arena:
         whole = self.num_groups * k  # blocks [whole, n) can never be part of a slot
         self._free = bytearray(b"\1") * n
         self._num_free = n
-        # free blocks, lowest first, tail blocks before any group's (lazy: stale entries skipped)
+        # free blocks, lowest first, tail blocks before any group's. Lazy: an entry whose block was
+        # taken since is skipped when it comes up; a block has one entry at most (`_queued`), so
+        # the heap never outgrows the arena however blocks churn.
         self._free_heap = [(0, b) for b in range(whole, n)] + [(1, b) for b in range(whole)]
+        self._queued = bytearray(b"\1") * n
         self._pages_in = [0] * self.num_groups     # blocks of the group holding pages
         self._blocked = [0] * self.num_groups      # held pages + 1 if its slot may not be evicted
         self._slot = bytearray(self.num_groups)    # 1: the group is a slot
         self._num_slots = 0
         self._num_unblocked = self.num_groups
-        self._empty = [-g for g in range(self.num_groups)]  # max-heap of empty groups (lazy)
+        self._empty = [-g for g in range(self.num_groups)]  # max-heap of empty groups (lazy, one entry each)
         heapq.heapify(self._empty)
+        self._empty_queued = bytearray(b"\1") * self.num_groups
         self._virtual = list(range(layout.virtual_slots - 1, -1, -1))
 
     # ---- counts ------------------------------------------------------------------------------
@@ -160,8 +164,18 @@ class Arena:
 
     def has_empty_group(self) -> bool:
         while self._empty and not self._is_empty(-self._empty[0]):
-            heapq.heappop(self._empty)
+            self._empty_queued[-heapq.heappop(self._empty)] = 0
         return bool(self._empty)
+
+    def _queue_block(self, b: int) -> None:
+        if not self._queued[b]:
+            self._queued[b] = 1
+            heapq.heappush(self._free_heap, (1 if self.group_of_page(b) is not None else 0, b))
+
+    def _queue_group(self, g: int) -> None:
+        if not self._empty_queued[g]:
+            self._empty_queued[g] = 1
+            heapq.heappush(self._empty, -g)
 
     def _is_empty(self, g: int) -> bool:
         return not self._slot[g] and self._pages_in[g] == 0
@@ -176,6 +190,7 @@ class Arena:
             entry = heapq.heappop(self._free_heap)
             b = entry[1]
             if not self._free[b]:
+                self._queued[b] = 0
                 continue  # stale
             if outside is not None and self.group_of_page(b) == outside:
                 passed.append(entry)
@@ -185,6 +200,7 @@ class Arena:
         for entry in passed:
             heapq.heappush(self._free_heap, entry)
         if taken is not None:
+            self._queued[taken] = 0
             self._free[taken] = 0
             self._num_free -= 1
             g = self.group_of_page(taken)
@@ -206,12 +222,12 @@ class Arena:
         """A page's block is free again; the page is not held (`page_held(page, False)` first)."""
         self._free[page] = 1
         self._num_free += 1
-        heapq.heappush(self._free_heap, (1 if self.group_of_page(page) is not None else 0, page))
+        self._queue_block(page)
         g = self.group_of_page(page)
         if g is not None:
             self._pages_in[g] -= 1
             if self._pages_in[g] == 0:
-                heapq.heappush(self._empty, -g)
+                self._queue_group(g)
 
     def page_held(self, page: int, held: bool) -> None:
         """A page went from unheld (cached) to held, or back: its group is blocked while held."""
@@ -240,6 +256,7 @@ class Arena:
         if not self.has_empty_group():
             return None
         g = -heapq.heappop(self._empty)
+        self._empty_queued[g] = 0
         self._slot[g] = 1
         self._num_slots += 1
         base = g * self.k
@@ -261,9 +278,9 @@ class Arena:
         base = slot * self.k
         for b in range(base, base + self.k):
             self._free[b] = 1
-            heapq.heappush(self._free_heap, (1, b))
+            self._queue_block(b)
         self._num_free += self.k
-        heapq.heappush(self._empty, -slot)
+        self._queue_group(slot)
 
     def slot_evictable(self, slot: int, evictable: bool) -> None:
         """A stored checkpoint's slot may be evicted (listed) or not (pinned by a resume)."""
