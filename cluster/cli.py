@@ -6,8 +6,8 @@ what it needs inside its own function, so `cairn --help` and `cairn demo-model` 
 Ray or the engine. Output meant for scripts goes to stdout, one value per line.
 
 Subcommands:
-- `demo-model OUT_DIR [--size tiny|bench] [--seed N]` — write a random-weight Qwen3-Next
-  checkpoint (see `workers.demo`) and print the directory written.
+- `demo-model OUT_DIR [--arch qwen3_next|qwen3_5|qwen3_5_moe] [--size tiny|bench] [--seed N]` —
+  write a random-weight checkpoint (see `workers.demo`) and print the directory written.
 - `generate [--model DIR] --prompt TEXT [--chat] [--max-tokens N] [--temperature T]` — load
   the checkpoint (default: the tiny demo model) into an in-process engine, print a completion.
 - `serve [--model DIR] [--replicas N] [--address A] [--config YAML] [--routing YAML] ...` —
@@ -23,14 +23,16 @@ from collections.abc import Callable, Sequence
 
 def _add_demo_model(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "demo-model", help="write a random-weight Qwen3-Next checkpoint in Hugging Face layout",
-        description="Write a random-weight Qwen3-Next checkpoint (config, safetensors, "
-                    "tokenizer with chat template, generation config) into OUT_DIR.",
+        "demo-model", help="write a random-weight hybrid checkpoint in Hugging Face layout",
+        description="Write a random-weight checkpoint of a supported architecture (config, "
+                    "safetensors, tokenizer with chat template, generation config) into OUT_DIR.",
     )
     parser.add_argument("out_dir", metavar="OUT_DIR",
                         help="directory to write (created if missing)")
     parser.add_argument("--size", choices=("tiny", "bench"), default="tiny",
                         help="tiny: for tests (~0.25M params); bench: for CPU benchmarks (~31M)")
+    parser.add_argument("--arch", choices=("qwen3_next", "qwen3_5", "qwen3_5_moe"), default="qwen3_next",
+                        help="qwen3_next: Qwen3-Next; qwen3_5: Qwen3.5/3.6 dense; qwen3_5_moe: Qwen3.5/3.6 MoE")
     parser.add_argument("--seed", type=int, default=0, help="weight seed (same seed, same bytes)")
     parser.set_defaults(run=_demo_model)
 
@@ -38,7 +40,7 @@ def _add_demo_model(subparsers: argparse._SubParsersAction) -> None:
 def _demo_model(args: argparse.Namespace) -> int:
     from workers.demo import write_demo_model
 
-    print(write_demo_model(args.out_dir, size=args.size, seed=args.seed))
+    print(write_demo_model(args.out_dir, size=args.size, seed=args.seed, arch=args.arch))
     return 0
 
 
