@@ -116,6 +116,21 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return write_demo_model(tmp_path_factory.mktemp("demo-tiny"), size="tiny", seed=0)
 
 
+@pytest.fixture(scope="session")
+def demo_model(tmp_path_factory):
+    """`demo_model(arch)`: the tiny demo checkpoint of that architecture, written once a session."""
+    from workers.demo import write_demo_model
+
+    made: dict[str, Path] = {}
+
+    def get(arch: str) -> Path:
+        if arch not in made:
+            made[arch] = write_demo_model(tmp_path_factory.mktemp(f"demo-{arch}"), size="tiny", seed=0, arch=arch)
+        return made[arch]
+
+    return get
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
