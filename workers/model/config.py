@@ -183,10 +183,10 @@ class ConfigReader:
         value = self.raw.get(name)
         return default if value is None else value
 
-    def opt_int(self, name: str, default: int) -> int:
+    def opt_int(self, name: str, default: int, minimum: int = 0) -> int:
         value = self.opt(name, default)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise self.bad(name, f"must be a non-negative integer, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise self.bad(name, f"must be an integer >= {minimum}, got {value!r}")
         return value
 
     def expect(self, name: str, allowed: tuple[Any, ...], why: str) -> None:
@@ -256,21 +256,21 @@ def read_hybrid_fields(r: ConfigReader) -> dict[str, Any]:
         hidden_size=hidden,
         num_hidden_layers=num_layers,
         num_attention_heads=heads,
-        num_key_value_heads=r.opt("num_key_value_heads", heads),
-        head_dim=r.opt("head_dim", hidden // heads),
+        num_key_value_heads=r.opt_int("num_key_value_heads", heads, minimum=1),
+        head_dim=r.opt_int("head_dim", hidden // heads, minimum=1),
         layer_types=tuple(layer_types),
         rms_norm_eps=float(r.opt("rms_norm_eps", 1e-6)),
         rope_theta=float(rope_theta),
         partial_rotary_factor=float(partial),
         mrope_section=tuple(section),
         mrope_interleaved=bool(rope.get("mrope_interleaved", False)),
-        max_position_embeddings=r.opt("max_position_embeddings", 32768),
+        max_position_embeddings=r.opt_int("max_position_embeddings", 32768, minimum=1),
         attention_bias=bool(r.opt("attention_bias", False)),
-        linear_conv_kernel_dim=r.opt("linear_conv_kernel_dim", 4),
-        linear_key_head_dim=r.opt("linear_key_head_dim", 128),
-        linear_value_head_dim=r.opt("linear_value_head_dim", 128),
-        linear_num_key_heads=r.opt("linear_num_key_heads", 16),
-        linear_num_value_heads=r.opt("linear_num_value_heads", 32),
+        linear_conv_kernel_dim=r.opt_int("linear_conv_kernel_dim", 4, minimum=1),
+        linear_key_head_dim=r.opt_int("linear_key_head_dim", 128, minimum=1),
+        linear_value_head_dim=r.opt_int("linear_value_head_dim", 128, minimum=1),
+        linear_num_key_heads=r.opt_int("linear_num_key_heads", 16, minimum=1),
+        linear_num_value_heads=r.opt_int("linear_num_value_heads", 32, minimum=1),
         hidden_act=act,
         eos_token_ids=eos_ids,
     )
