@@ -1,17 +1,15 @@
 """`--model` and a Serve config's `model_dir` take a Hugging Face id as well as a directory.
 
-Each test builds a Hugging Face cache on disk as huggingface_hub lays it out
-(`models--org--name/{blobs,snapshots/<commit>,refs/<branch>}`, snapshot files linked to blobs)
+Each test builds a Hugging Face cache on disk as huggingface_hub lays it out (conftest's `hf_hub`:
+`models--org--name/{blobs,snapshots/<commit>,refs/<branch>}`, snapshot files linked to blobs)
 holding the tiny demo model, and points HF_HOME at it with HF_HUB_OFFLINE=1: nothing reaches a
-hub. The id resolves (by branch, by revision, by commit), serves offline by its id (`cairn
-generate`, `cairn serve --replicas 1`, the ingress and engine replica constructors a Serve
-deployment runs on each node) under its id as the model name, and an id that resolves to nothing
-fails before Ray starts, naming the id and the cache it looked in.
+hub. The id resolves (by branch, by revision, by commit), serves offline by its id (`cairn serve
+--replicas 1`, the ingress and engine replica constructors a Serve deployment runs on each node;
+`cairn generate` in tests/test_cli_generate.py) under its id as the model name, and an id that
+resolves to nothing fails before Ray starts, naming the id and the cache it looked in.
 """
 
 import asyncio
-import hashlib
-import json
 import os
 import shutil
 import signal
@@ -24,47 +22,10 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from conftest import OneTokenClient, free_port
+from conftest import HUB_MAIN as MAIN, HUB_REPO as REPO, HUB_V2 as V2, OneTokenClient, free_port
 from workers import EngineOptions, EngineSpec, ModelNotFound, ModelSource, SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
-REPO = "cairn-org/tiny"
-MAIN = hashlib.sha1(b"main").hexdigest()  # commits are 40 hex digits, as the hub's are
-V2 = hashlib.sha1(b"v2").hexdigest()
-
-
-def write_snapshot(repo: Path, commit: str, model_dir: Path, **config_changes) -> Path:
-    """One snapshot of `model_dir`'s files, each a link to its blob, as huggingface_hub writes it."""
-    snapshot = repo / "snapshots" / commit
-    snapshot.mkdir(parents=True)
-    (repo / "blobs").mkdir(exist_ok=True)
-    for f in model_dir.iterdir():
-        data = f.read_bytes()
-        if f.name == "config.json" and config_changes:
-            data = json.dumps({**json.loads(data), **config_changes}).encode()
-        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
-        blob.write_bytes(data)
-        (snapshot / f.name).symlink_to(os.path.relpath(blob, snapshot))
-    return snapshot
-
-
-@pytest.fixture
-def hub(tmp_path, tiny_model_dir, monkeypatch) -> Path:
-    """A Hugging Face cache under $HF_HOME/hub holding REPO: `main` at MAIN, branch `v2` at V2
-    (another config), offline. Returns the cache directory."""
-    cache = tmp_path / "hf" / "hub"
-    repo = cache / f"models--{REPO.replace('/', '--')}"
-    write_snapshot(repo, MAIN, tiny_model_dir)
-    write_snapshot(repo, V2, tiny_model_dir, rms_norm_eps=1e-5)
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text(MAIN)
-    (repo / "refs" / "v2").write_text(V2)
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
-    monkeypatch.delenv("HUGGINGFACE_HUB_CACHE", raising=False)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    return cache
-
 
 def snapshot_of(cache: Path, commit: str) -> Path:
     return cache / f"models--{REPO.replace('/', '--')}" / "snapshots" / commit
@@ -72,46 +33,45 @@ def snapshot_of(cache: Path, commit: str) -> Path:
 
 # ---- resolving -------------------------------------------------------------------------------
 
-def test_an_id_resolves_offline_to_the_snapshot_its_main_branch_names(hub):
+def test_an_id_resolves_offline_to_the_snapshot_its_main_branch_names(hf_hub):
     source = ModelSource.parse(REPO)
     assert (source.repo_id, source.revision, source.directory) == (REPO, None, None)
     local = source.local_dir()
-    assert local == snapshot_of(hub, MAIN) and (local / "config.json").is_file()
+    assert local == snapshot_of(hf_hub, MAIN) and (local / "config.json").is_file()
     assert source.served_name == REPO and str(source) == REPO
 
 
-def test_a_revision_resolves_by_branch_or_by_commit(hub, tiny_model_dir):
-    assert ModelSource.parse(f"{REPO}@v2").local_dir() == snapshot_of(hub, V2)
-    assert ModelSource.parse(f"{REPO}@{MAIN}").local_dir() == snapshot_of(hub, MAIN)
+def test_a_revision_resolves_by_branch_or_by_commit(hf_hub, tiny_model_dir):
+    assert ModelSource.parse(f"{REPO}@v2").local_dir() == snapshot_of(hf_hub, V2)
+    assert ModelSource.parse(f"{REPO}@{MAIN}").local_dir() == snapshot_of(hf_hub, MAIN)
     assert ModelSource.parse(f"{REPO}@v2").served_name == REPO, "the name clients use leaves the revision out"
-    v2 = EngineSpec.from_model_dir(ModelSource.parse(f"{REPO}@v2").local_dir())
-    assert v2 != EngineSpec.from_model_dir(ModelSource.parse(REPO).local_dir()), "another config, another model"
-    assert EngineSpec.from_model_dir(ModelSource.parse(REPO).local_dir()) == EngineSpec.from_model_dir(tiny_model_dir), \
-        "the same files through the cache's links: the same fingerprint"
+    main, v2 = (EngineSpec.from_model_dir(ModelSource.parse(m).local_dir()) for m in (REPO, f"{REPO}@v2"))
+    assert v2 != main, "another config, another model"
+    assert main == EngineSpec.from_model_dir(tiny_model_dir), "the same files through the cache's links"
 
 
-def test_pinning_names_the_commit_read_so_every_node_loads_that_snapshot(hub, tiny_model_dir):
+def test_pinning_names_the_commit_read_so_every_node_loads_that_snapshot(hf_hub, tiny_model_dir):
     source = ModelSource.parse(f"{REPO}@v2")
     pinned = source.pinned(source.local_dir())
     assert str(pinned) == f"{REPO}@{V2}" and pinned.served_name == REPO
-    (hub / f"models--{REPO.replace('/', '--')}" / "refs" / "v2").write_text(MAIN)  # the branch moves on
-    assert ModelSource.parse(str(pinned)).local_dir() == snapshot_of(hub, V2)
+    (hf_hub / f"models--{REPO.replace('/', '--')}" / "refs" / "v2").write_text(MAIN)  # the branch moves on
+    assert ModelSource.parse(str(pinned)).local_dir() == snapshot_of(hf_hub, V2)
     directory = ModelSource.parse(tiny_model_dir)
     assert directory.pinned(tiny_model_dir) == directory
 
 
-def test_hf_hub_cache_is_read_at_each_call_and_wins_over_hf_home(hub, tmp_path, monkeypatch):
+def test_hf_hub_cache_is_read_at_each_call_and_wins_over_hf_home(hf_hub, tmp_path, monkeypatch):
     moved = tmp_path / "elsewhere"
-    shutil.move(hub, moved)
-    with pytest.raises(ModelNotFound, match=str(hub)):
+    shutil.move(hf_hub, moved)
+    with pytest.raises(ModelNotFound, match=str(hf_hub)):
         ModelSource.parse(REPO).local_dir()
     monkeypatch.setenv("HF_HUB_CACHE", str(moved))
     assert ModelSource.parse(REPO).local_dir().parent.parent.parent == moved
-    with pytest.raises(ModelNotFound, match=str(hub)):  # an explicit environment is the one read
+    with pytest.raises(ModelNotFound, match=str(hf_hub)):  # an explicit environment is the one read
         ModelSource.parse(REPO).local_dir({"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"})
 
 
-def test_an_existing_directory_is_a_directory_even_where_it_reads_as_an_id(tmp_path, monkeypatch, hub):
+def test_an_existing_directory_is_a_directory_even_where_it_reads_as_an_id(tmp_path, monkeypatch, hf_hub):
     monkeypatch.chdir(tmp_path)
     (tmp_path / REPO).mkdir(parents=True)
     source = ModelSource.parse(REPO)
@@ -128,11 +88,11 @@ def test_what_is_neither_a_directory_nor_an_id_is_refused_by_name(text):
     assert repr(text) in str(e.value)
 
 
-def test_an_unknown_id_names_the_id_its_revision_the_cache_and_offline_mode(hub):
+def test_an_unknown_id_names_the_id_its_revision_the_cache_and_offline_mode(hf_hub):
     with pytest.raises(ModelNotFound) as e:
         ModelSource.parse("cairn-org/nothing").local_dir()
     message = str(e.value)
-    for wanted in ("'cairn-org/nothing'", "revision 'main'", str(hub), "models--cairn-org--nothing",
+    for wanted in ("'cairn-org/nothing'", "revision 'main'", str(hf_hub), "models--cairn-org--nothing",
                    "HF_HUB_OFFLINE=1", "hub from being asked"):
         assert wanted in message, message
     with pytest.raises(ModelNotFound, match=r"revision 'v9'.*no snapshot in the cache .*models--cairn-org--tiny"):
@@ -140,7 +100,7 @@ def test_an_unknown_id_names_the_id_its_revision_the_cache_and_offline_mode(hub)
     assert isinstance(e.value, FileNotFoundError), "a missing model is an OSError, as callers catch it"
 
 
-def test_an_unreachable_hub_is_named_as_asked_when_not_offline(hub, monkeypatch):
+def test_an_unreachable_hub_is_named_as_asked_when_not_offline(hf_hub, monkeypatch):
     import huggingface_hub
     from huggingface_hub.errors import LocalEntryNotFoundError
 
@@ -159,7 +119,7 @@ def test_an_unreachable_hub_is_named_as_asked_when_not_offline(hub, monkeypatch)
         ModelSource.parse("cairn-org/nothing").local_dir()
 
 
-def test_only_the_files_the_engine_reads_are_fetched_into_the_cache_the_environment_names(hub, monkeypatch):
+def test_only_the_files_the_engine_reads_are_fetched_into_the_cache_the_environment_names(hf_hub, monkeypatch):
     import huggingface_hub
     from huggingface_hub.utils import filter_repo_objects
 
@@ -167,12 +127,12 @@ def test_only_the_files_the_engine_reads_are_fetched_into_the_cache_the_environm
 
     def record(repo_id, **kwargs):
         asked.update(kwargs, repo_id=repo_id)
-        return str(snapshot_of(hub, MAIN))
+        return str(snapshot_of(hf_hub, MAIN))
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", record)
     monkeypatch.setenv("HF_TOKEN", "hf_test")
     ModelSource.parse(f"{REPO}@v2").local_dir()
-    assert (asked["repo_id"], asked["revision"], Path(asked["cache_dir"])) == (REPO, "v2", hub)
+    assert (asked["repo_id"], asked["revision"], Path(asked["cache_dir"])) == (REPO, "v2", hf_hub)
     assert asked["local_files_only"] is True and asked["token"] == "hf_test"
     repo_files = ["config.json", "generation_config.json", "model-00001-of-00002.safetensors",
                   "model-00002-of-00002.safetensors", "model.safetensors.index.json", "tokenizer.json",
@@ -190,27 +150,14 @@ def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
                           timeout=timeout)
 
 
-def test_cairn_generate_runs_the_model_an_id_names_offline(hub, tiny_model_dir):
-    from tokenizers import Tokenizer
-
-    from workers import Engine
-
-    proc = run_cli("generate", "--model", REPO, "--prompt", "A cairn is", "--max-tokens", "8")
-    assert proc.returncode == 0, proc.stderr
-    tok = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
-    ids = tok.encode("A cairn is", add_special_tokens=False).ids
-    out = Engine.from_pretrained(tiny_model_dir).generate([ids], SamplingParams(max_tokens=8, temperature=0))[0]
-    assert proc.stdout == tok.decode(out.token_ids, skip_special_tokens=False) + "\n"
-
-
-def test_cairn_generate_refuses_an_unknown_id_with_a_message_not_a_traceback(hub):
+def test_cairn_generate_refuses_an_unknown_id_with_a_message_not_a_traceback(hf_hub):
     proc = run_cli("generate", "--model", "cairn-org/nothing", "--prompt", "x")
     assert proc.returncode == 2
-    assert "cairn generate: Hugging Face model 'cairn-org/nothing'" in proc.stderr and str(hub) in proc.stderr
+    assert "cairn generate: Hugging Face model 'cairn-org/nothing'" in proc.stderr and str(hf_hub) in proc.stderr
     assert "Traceback" not in proc.stderr
 
 
-def test_cairn_serve_in_process_serves_an_id_under_its_name(hub):
+def test_cairn_serve_in_process_serves_an_id_under_its_name(hf_hub):
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", "--replicas", "1", "--model", REPO,
                              "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -239,7 +186,7 @@ def test_cairn_serve_in_process_serves_an_id_under_its_name(hub):
             proc.wait()
 
 
-def test_cairn_serve_refuses_an_unknown_id_before_ray_starts(hub, monkeypatch, capsys):
+def test_cairn_serve_refuses_an_unknown_id_before_ray_starts(hf_hub, monkeypatch, capsys):
     import ray
 
     from cluster.cli import main
@@ -253,17 +200,17 @@ def test_cairn_serve_refuses_an_unknown_id_before_ray_starts(hub, monkeypatch, c
                  ["serve", "--model", "cairn-org/nothing", "--replicas", "1"]):
         assert main(argv) == 2, argv
         err = capsys.readouterr().err
-        assert "cairn serve: Hugging Face model 'cairn-org/nothing'" in err and str(hub) in err, err
+        assert "cairn serve: Hugging Face model 'cairn-org/nothing'" in err and str(hf_hub) in err, err
     assert main(["serve", "--model", "not a model"]) == 2
     assert "neither a directory nor a Hugging Face id" in capsys.readouterr().err
 
 
-def test_cairn_serve_resolves_with_the_environment_the_config_gives_its_replicas(hub, tmp_path, monkeypatch):
+def test_cairn_serve_resolves_with_the_environment_the_config_gives_its_replicas(hf_hub, tmp_path, monkeypatch):
     from cluster import deploy
 
     monkeypatch.setenv("HF_HOME", str(tmp_path / "empty"))
     config = {"applications": [{"name": "a", "import_path": "cluster.app:app_builder", "args": {"model_dir": REPO},
-                                "runtime_env": {"env_vars": {"HF_HOME": str(hub.parent)}}}]}
+                                "runtime_env": {"env_vars": {"HF_HOME": str(hf_hub.parent)}}}]}
     deploy.resolve_models(config)  # found in the cache the replicas will read
     del config["applications"][0]["runtime_env"]
     with pytest.raises(ModelNotFound, match=str(tmp_path / "empty")):
@@ -272,7 +219,7 @@ def test_cairn_serve_resolves_with_the_environment_the_config_gives_its_replicas
 
 # ---- on each node: the constructors Serve runs -------------------------------------------------
 
-def test_the_deploy_step_pins_the_id_and_the_ingress_resolves_it_and_serves_it_under_its_name(hub):
+def test_the_deploy_step_pins_the_id_and_the_ingress_resolves_it_and_serves_it_under_its_name(hf_hub):
     from fastapi.testclient import TestClient
 
     from cluster.app import app_builder
@@ -282,7 +229,7 @@ def test_the_deploy_step_pins_the_id_and_the_ingress_resolves_it_and_serves_it_u
     engine_args, ingress_args = built.init_args[0]._bound_deployment.init_args, built.init_args
     assert engine_args[0] == ingress_args[1] == f"{REPO}@{MAIN}", "the config carries the id, pinned"
     spec = ingress_args[2]
-    assert spec == EngineSpec.from_model_dir(snapshot_of(hub, MAIN), EngineOptions())
+    assert spec == EngineSpec.from_model_dir(snapshot_of(hf_hub, MAIN), EngineOptions())
 
     class Handle:  # the engine deployment, answering as OneTokenClient does
         def __init__(self):
@@ -314,7 +261,7 @@ def test_the_deploy_step_pins_the_id_and_the_ingress_resolves_it_and_serves_it_u
     loop = asyncio.new_event_loop()
     try:
         ingress = loop.run_until_complete(construct())
-        assert ingress.model_dir == snapshot_of(hub, MAIN)
+        assert ingress.model_dir == snapshot_of(hf_hub, MAIN)
         with TestClient(ingress.__serve_build_asgi_app__()) as c:
             assert [m["id"] for m in c.get("/v1/models").json()["data"]] == [REPO]
             reply = c.post("/v1/completions", json={"model": REPO, "prompt": "a cairn", "max_tokens": 1})
@@ -324,7 +271,7 @@ def test_the_deploy_step_pins_the_id_and_the_ingress_resolves_it_and_serves_it_u
         loop.close()
 
 
-def test_an_engine_replica_resolves_the_id_on_its_own_node(hub, monkeypatch):
+def test_an_engine_replica_resolves_the_id_on_its_own_node(hf_hub, monkeypatch):
     import gc
 
     from cache_service.publisher import ApplyResult
@@ -343,7 +290,7 @@ def test_an_engine_replica_resolves_the_id_on_its_own_node(hub, monkeypatch):
     replica_id = SimpleNamespace(to_full_id_str=lambda: "SERVE_REPLICA::test#Engine#1")
     monkeypatch.setattr(engine_replica.serve, "get_replica_context", lambda: SimpleNamespace(replica_id=replica_id))
     monkeypatch.setattr(engine_replica, "IndexHandle", Index)
-    spec = EngineSpec.from_model_dir(snapshot_of(hub, V2), EngineOptions())
+    spec = EngineSpec.from_model_dir(snapshot_of(hf_hub, V2), EngineOptions())
 
     class Replica(engine_replica.EngineReplica):
         def __del__(self):  # Serve awaits the async one; here the test does
