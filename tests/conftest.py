@@ -12,6 +12,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
+import hashlib  # noqa: E402
+import json  # noqa: E402
 import shutil  # noqa: E402
 import socket  # noqa: E402
 import subprocess  # noqa: E402
@@ -129,6 +131,45 @@ def demo_model(tmp_path_factory):
         return made[arch]
 
     return get
+
+
+HUB_REPO = "cairn-org/tiny"  # the Hugging Face id `hf_hub` holds
+HUB_MAIN = hashlib.sha1(b"main").hexdigest()  # commits are 40 hex digits, as the hub's are
+HUB_V2 = hashlib.sha1(b"v2").hexdigest()
+
+
+def write_hub_snapshot(repo: Path, commit: str, model_dir: Path, **config_changes) -> Path:
+    """One snapshot of `model_dir`'s files under a cache's `models--org--name` folder, each file a
+    link to its blob, as huggingface_hub writes it; `config_changes` are written into config.json."""
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (repo / "blobs").mkdir(exist_ok=True)
+    for f in model_dir.iterdir():
+        data = f.read_bytes()
+        if f.name == "config.json" and config_changes:
+            data = json.dumps({**json.loads(data), **config_changes}).encode()
+        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.write_bytes(data)
+        (snapshot / f.name).symlink_to(os.path.relpath(blob, snapshot))
+    return snapshot
+
+
+@pytest.fixture
+def hf_hub(tmp_path, tiny_model_dir, monkeypatch) -> Path:
+    """A Hugging Face cache, $HF_HOME/hub, holding the tiny demo model as HUB_REPO: `main` at
+    HUB_MAIN, branch `v2` at HUB_V2 (another config); HF_HUB_OFFLINE=1. Returns the cache."""
+    cache = tmp_path / "hf" / "hub"
+    repo = cache / f"models--{HUB_REPO.replace('/', '--')}"
+    write_hub_snapshot(repo, HUB_MAIN, tiny_model_dir)
+    write_hub_snapshot(repo, HUB_V2, tiny_model_dir, rms_norm_eps=1e-5)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(HUB_MAIN)
+    (repo / "refs" / "v2").write_text(HUB_V2)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.delenv("HUGGINGFACE_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    return cache
 
 
 def free_port() -> int:
