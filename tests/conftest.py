@@ -206,11 +206,19 @@ def redis_url():
 
 
 @pytest.fixture(scope="session")
-def ray_session():
+def ray_hf_home(tmp_path_factory) -> Path:
+    """The Hugging Face home every Ray worker of the run sees (offline): a test that deploys by
+    hub id writes its snapshot under `<this>/hub` first (`write_hub_snapshot`)."""
+    return tmp_path_factory.mktemp("ray-hf-home")
+
+
+@pytest.fixture(scope="session")
+def ray_session(ray_hf_home):
     """One local Ray for the whole run (ray.init costs seconds and a gigabyte)."""
     ray = pytest.importorskip("ray")
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="cairn-tests",
-             object_store_memory=80 * 1024 * 1024)
+             object_store_memory=80 * 1024 * 1024,
+             runtime_env={"env_vars": {"HF_HOME": str(ray_hf_home), "HF_HUB_OFFLINE": "1"}})
     yield ray
     try:
         from ray import serve

@@ -547,24 +547,33 @@ def test_behind_serves_proxy_the_ingress_refuses_big_headers_and_closes_a_stalle
             pass
 
 
-def test_a_qwen3_5_moe_model_is_served_by_the_cluster_with_its_cache_and_routing(cluster, demo_model):
-    """Any supported family serves in the cluster as the demo does: here the Qwen3.5 MoE demo
-    model, two replicas behind its own app; each conversation stays on the replica holding it and
-    its cached_tokens cover the previous turn's prompt (its template opens thinking every turn)."""
+def test_a_qwen3_5_moe_model_is_served_by_its_hub_id_with_its_cache_and_routing(cluster, demo_model, ray_hf_home,
+                                                                                 monkeypatch):
+    """Any supported family serves in the cluster as the demo does, here the Qwen3.5 MoE demo
+    model, deployed by a Hugging Face id that every replica resolves from its own (offline) cache:
+    two replicas behind their own app; each conversation stays on the replica holding it, and its
+    cached_tokens cover the previous turn's prompt (its template opens thinking every turn)."""
+    from conftest import write_hub_snapshot
     from ray import serve
 
+    repo, commit = "cairn-org/qwen3_5-moe", "5" * 40
+    cache = ray_hf_home / "hub" / "models--cairn-org--qwen3_5-moe"
+    if not cache.exists():
+        write_hub_snapshot(cache, commit, demo_model("qwen3_5_moe"))
+        (cache / "refs").mkdir()
+        (cache / "refs" / "main").write_text(commit)
+    monkeypatch.setenv("HF_HOME", str(ray_hf_home))  # where this driver resolves it too
     index = INDEX + "-q35"
-    serve.run(build_application(demo_model("qwen3_5_moe"), replicas=2, num_cpus=0.25, served_model_name="q35",
-                                routing=RoutingConfig(index_actor_name=index)),
+    serve.run(build_application(repo, replicas=2, num_cpus=0.25, routing=RoutingConfig(index_actor_name=index)),
               name="q35", route_prefix="/q35")
     client = openai.OpenAI(base_url=cluster.url + "/q35/v1", api_key="none", max_retries=0, timeout=60)
     try:
-        assert [m.id for m in client.models.list().data] == ["q35"]
+        assert [m.id for m in client.models.list().data] == [repo]  # the served name defaults to the id
         for i in range(2):
             messages, prompts, cached, replicas = [{"role": "system", "content": persona(100 + i)}], [], [], set()
             for question in QUESTIONS[:3]:
                 messages.append({"role": "user", "content": question})
-                raw = client.chat.completions.with_raw_response.create(model="q35", messages=messages, max_tokens=8,
+                raw = client.chat.completions.with_raw_response.create(model=repo, messages=messages, max_tokens=8,
                                                                        temperature=0)
                 out, usage = raw.parse(), raw.parse().usage
                 prompts.append(usage.prompt_tokens)
