@@ -152,3 +152,46 @@ class OneTokenClient:
 
     def num_waiting(self):
         return 0
+
+
+class ScriptedClient:
+    """An `EngineClient` that answers every request with `script`, one token per output, and keeps
+    the requests: exact tokens in, exact text out."""
+
+    def __init__(self):
+        from workers import EngineSpec
+
+        self.spec = EngineSpec(fingerprint="scripted", page_size=16, max_model_len=4096, recurrent=True, vocab_size=512)
+        self.script: list[int] = []
+        self.requests = []
+
+    async def generate(self, request):
+        import asyncio
+
+        from workers import RequestOutput
+
+        self.requests.append(request)
+        out: list[int] = []
+        for t in self.script[:request.params.max_tokens]:
+            out.append(t)
+            done = len(out) == len(self.script) or len(out) == request.params.max_tokens
+            yield RequestOutput(request.request_id, [t], None, len(out), 0, token_ids=list(out) if done else None,
+                                finish_reason=("stop" if len(out) == len(self.script) else "length") if done else None)
+            await asyncio.sleep(0)
+
+    async def abort(self, request_id):
+        return False
+
+    async def metrics(self):
+        return {}
+
+    def num_waiting(self):
+        return 0
+
+
+def byte_tokens(tok, text: str) -> list[int]:
+    """One token per UTF-8 byte (the byte-level alphabet), so characters and tags split."""
+    from cluster.api.tokenizer import byte_of_char
+
+    char_of = {b: ch for ch, b in byte_of_char().items()}
+    return [tok.token_to_id(char_of[b]) for b in text.encode()]

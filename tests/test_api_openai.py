@@ -15,7 +15,8 @@ from cluster.api import build_app
 from cluster.api.chat_template import ChatTemplate
 from cluster.api.engine_client import LocalEngineClient
 from cluster.api.server import BackgroundServer
-from workers import AsyncEngine, EngineSpec, RequestOutput
+from conftest import ScriptedClient, byte_tokens
+from workers import AsyncEngine
 
 MODEL = "tiny"
 GREEDY = dict(temperature=0, max_tokens=12, extra_body={"ignore_eos": True})
@@ -218,43 +219,6 @@ def test_metrics_report_requests_latency_and_tokens(server, client):
 
 
 # ---- a scripted engine: exact tokens in, exact text out --------------------------------------
-class ScriptedClient:
-    """An EngineClient that answers every request with `script`, one token per output."""
-
-    spec = EngineSpec(fingerprint="scripted", page_size=16, max_model_len=4096, recurrent=True, vocab_size=512)
-
-    def __init__(self):
-        self.script: list[int] = []
-        self.requests = []
-
-    async def generate(self, request):
-        self.requests.append(request)
-        out: list[int] = []
-        for t in self.script[:request.params.max_tokens]:
-            out.append(t)
-            done = len(out) == len(self.script) or len(out) == request.params.max_tokens
-            yield RequestOutput(request.request_id, [t], None, len(out), 0, token_ids=list(out) if done else None,
-                                finish_reason=("stop" if len(out) == len(self.script) else "length") if done else None)
-            await asyncio.sleep(0)
-
-    async def abort(self, request_id):
-        return False
-
-    async def metrics(self):
-        return {}
-
-    def num_waiting(self):
-        return 0
-
-
-def byte_tokens(tok, text: str) -> list[int]:
-    """One token per UTF-8 byte (the byte-level alphabet), so characters and tags split."""
-    from cluster.api.tokenizer import byte_of_char
-
-    char_of = {b: ch for ch, b in byte_of_char().items()}
-    return [tok.token_to_id(char_of[b]) for b in text.encode()]
-
-
 @pytest.fixture(scope="module")
 def thinking_dir(tiny_model_dir, tmp_path_factory):
     """The demo tokenizer with a template whose generation prompt opens <think> itself."""
