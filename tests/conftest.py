@@ -154,16 +154,13 @@ class OneTokenClient:
         return 0
 
 
-class ScriptedClient:
+class ScriptedClient(OneTokenClient):
     """An `EngineClient` that answers every request with `script`, one token per output, and keeps
     the requests: exact tokens in, exact text out."""
 
     def __init__(self):
-        from workers import EngineSpec
-
-        self.spec = EngineSpec(fingerprint="scripted", page_size=16, max_model_len=4096, recurrent=True, vocab_size=512)
+        super().__init__(max_model_len=4096)
         self.script: list[int] = []
-        self.requests = []
 
     async def generate(self, request):
         import asyncio
@@ -179,15 +176,6 @@ class ScriptedClient:
                                 finish_reason=("stop" if len(out) == len(self.script) else "length") if done else None)
             await asyncio.sleep(0)
 
-    async def abort(self, request_id):
-        return False
-
-    async def metrics(self):
-        return {}
-
-    def num_waiting(self):
-        return 0
-
 
 def byte_tokens(tok, text: str) -> list[int]:
     """One token per UTF-8 byte (the byte-level alphabet), so characters and tags split."""
@@ -195,3 +183,11 @@ def byte_tokens(tok, text: str) -> list[int]:
 
     char_of = {b: ch for ch, b in byte_of_char().items()}
     return [tok.token_to_id(char_of[b]) for b in text.encode()]
+
+
+def with_template(model_dir: Path, out: Path, template: str) -> Path:
+    """`out`: `model_dir`'s tokenizer with the chat template `template` (a tokenizer-only model
+    directory, for the API over a scripted engine)."""
+    shutil.copy(model_dir / "tokenizer.json", out / "tokenizer.json")
+    (out / "chat_template.jinja").write_text(template)
+    return out

@@ -4,7 +4,6 @@ n > 1; and, through a scripted engine, reasoning split from content, multi-byte 
 split across tokens, and the API key."""
 
 import asyncio
-import shutil
 
 import httpx
 import openai
@@ -15,7 +14,7 @@ from cluster.api import build_app
 from cluster.api.chat_template import ChatTemplate
 from cluster.api.engine_client import LocalEngineClient
 from cluster.api.server import BackgroundServer
-from conftest import ScriptedClient, byte_tokens
+from conftest import ScriptedClient, byte_tokens, with_template
 from workers import AsyncEngine
 
 MODEL = "tiny"
@@ -222,14 +221,11 @@ def test_metrics_report_requests_latency_and_tokens(server, client):
 @pytest.fixture(scope="module")
 def thinking_dir(tiny_model_dir, tmp_path_factory):
     """The demo tokenizer with a template whose generation prompt opens <think> itself."""
-    out = tmp_path_factory.mktemp("thinking")
-    shutil.copy(tiny_model_dir / "tokenizer.json", out / "tokenizer.json")
     source = (tiny_model_dir / "chat_template.jinja").read_text()
     forced = source.replace(r"{{- '<think>\n\n</think>\n\n' -}}{%- endif -%}",
                             r"{{- '<think>\n\n</think>\n\n' -}}{%- else -%}{{- '<think>\n' -}}{%- endif -%}")
     assert forced != source
-    (out / "chat_template.jinja").write_text(forced)
-    return out
+    return with_template(tiny_model_dir, tmp_path_factory.mktemp("thinking"), forced)
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ Qwen3.5-style XML template); every refusal a 400 naming its field; and an agent 
 rounds on the real engine that keeps its cache."""
 
 import json
-import shutil
 
 import openai
 import pytest
@@ -22,7 +21,7 @@ from cluster.api.engine_client import LocalEngineClient
 from cluster.api.server import BackgroundServer
 from cluster.api.tool_call_formats import detect_format, resolve_format, typed_value
 from cluster.api.tool_calls import ToolCallParser
-from conftest import OneTokenClient, ScriptedClient, byte_tokens
+from conftest import OneTokenClient, ScriptedClient, byte_tokens, with_template
 from workers import AsyncEngine
 
 MODEL = "tiny"
@@ -160,7 +159,8 @@ def test_text_that_only_looks_like_a_call_stays_content_as_written(fmt, text):
 def test_a_closed_call_after_a_malformed_one_is_still_a_call():
     bad = "<tool_call>\n{oops}\n</tool_call>"
     assert parse("qwen3_json", bad + "\n" + CALL) == (bad, [("get_weather", {"city": "Oslo"})])
-    assert parse("qwen3_json", "<tool_call> draft " + CALL) == ("<tool_call> draft", [("get_weather", {"city": "Oslo"})])
+    draft = "<tool_call> draft " + CALL
+    assert parse("qwen3_json", draft) == ("<tool_call> draft", [("get_weather", {"city": "Oslo"})])
 
 
 def test_max_calls_keeps_the_first_call():
@@ -213,10 +213,7 @@ def tok(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def xml_model_dir(tiny_model_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("xml-tools")
-    shutil.copy(tiny_model_dir / "tokenizer.json", out / "tokenizer.json")
-    (out / "chat_template.jinja").write_text(XML_TEMPLATE)
-    return out
+    return with_template(tiny_model_dir, tmp_path_factory.mktemp("xml-tools"), XML_TEMPLATE)
 
 
 @pytest.fixture(scope="module")
@@ -316,12 +313,12 @@ def test_history_with_calls_renders_through_a_template_that_iterates_arguments_a
     for name, url in urls.items():
         choice, _ = both_ways(url, tools=TOOLS, messages=history)
         assert choice.message.content == "It is 3 degrees." and choice.finish_reason == "stop"
+        prompt = fake.requests[-1].prompt
         if name == "qwen3.5":
             assert ("<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n<parameter=days>\n2\n"
-                    "</parameter>\n<parameter=where>\n{\"lat\": 59.9}\n</parameter>\n</function>") in fake.requests[-1].prompt
+                    "</parameter>\n<parameter=where>\n{\"lat\": 59.9}\n</parameter>\n</function>") in prompt
         else:
-            assert ('{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2, "where": {"lat": 59.9}}}'
-                    in fake.requests[-1].prompt)
+            assert '{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2, "where": {"lat": 59.9}}}' in prompt
 
 
 def test_tool_choice_none_hides_the_tools_and_a_none_parser_returns_calls_as_text(servers, tok):
