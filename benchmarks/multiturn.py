@@ -1,7 +1,8 @@
 """Multi-turn chats against each checkpoint policy: hit tokens vs the oracle, prefill work, TTFT.
 
-Workloads, on the `bench` demo model (or `tiny` with --quick), the model's own outputs fed back
-as a client would:
+Workloads, on the `bench` demo model (or `tiny` with --quick) of the architecture `--arch`
+(qwen3_next, qwen3_5 or qwen3_5_moe: each with its own chat template), the model's own outputs
+fed back as a client would:
 - thinking-drop: thinking on; the client splits each answer into reasoning (first half) and
   content (second half); the demo template drops earlier turns' reasoning, so each new prompt
   rewrites history a few tokens before the previous prompt ended;
@@ -23,7 +24,7 @@ Printed per policy: prefill tokens computed, hit tokens and their ratio to the o
 checkpoints stored, state memory peak, median TTFT per turn.
 Writes benchmarks/out/multiturn.png (hit tokens per turn). Not a test: nothing is asserted.
 
-Usage: python3 benchmarks/multiturn.py [--convs 16] [--turns 6] [--quick]
+Usage: python3 benchmarks/multiturn.py [--arch qwen3_5] [--convs 16] [--turns 6] [--quick]
   --quick: the tiny demo model, 4 conversations, 3 turns, one thread: checks that the script runs.
 """
 
@@ -213,13 +214,15 @@ def main() -> None:
     parser.add_argument("--answer-tokens", type=int, default=32)
     parser.add_argument("--workloads", default="thinking-drop,echo,agent")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--arch", default="qwen3_next", choices=("qwen3_next", "qwen3_5", "qwen3_5_moe"),
+                        help="the demo model's architecture")
     parser.add_argument("--quick", action="store_true", help="tiny model, 4 conversations, 3 turns, one thread")
     args = parser.parse_args()
     size, spare = "bench", 2**31  # bytes: "memory to spare", where nothing is ever evicted
     if args.quick:  # 64 MiB is still far more than the tiny model's short chats use, and quick to allocate
         size, spare, args.convs, args.turns, args.system_words, args.threads = "tiny", 2**26, 4, 3, 60, 1
     torch.set_num_threads(args.threads)
-    model_dir = demo_model_dir(size)
+    model_dir = demo_model_dir(size, args.arch)
     client = Client(model_dir)
     engine_opts = dict(max_num_seqs=max(args.convs, 4), max_num_batched_tokens=2048)
     probe = Engine.from_pretrained(model_dir, **engine_opts)
@@ -247,7 +250,7 @@ def main() -> None:
                 results.append(replay(engine, rounds, policy))
             report(workload, setting, results, args.turns)
             all_results[(workload, setting.split(" =")[0])] = results
-    print(f"\nmodel: {size} demo; {args.convs} conversations open at once, {args.turns} turns; "
+    print(f"\nmodel: {size} {args.arch} demo; {args.convs} conversations open at once, {args.turns} turns; "
           f"page {page_b / 1024:.0f} KiB, state slot {ckpt_b / 1024:.0f} KiB "
           f"(= {ckpt_b // page_b} pages of the arena)")
     plot(all_results, args.turns)

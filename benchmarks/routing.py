@@ -398,6 +398,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="2 replicas, 6 conversations, 3 turns, tiny model")
     parser.add_argument("--model", default=None, help="checkpoint directory (default: the bench demo model; "
                                                       "--quick: the tiny one)")
+    parser.add_argument("--arch", default="qwen3_next", choices=("qwen3_next", "qwen3_5", "qwen3_5_moe"),
+                        help="the demo model's architecture, when no --model is given")
     parser.add_argument("--replicas", type=int, default=4)
     parser.add_argument("--convs", type=int, default=32)
     parser.add_argument("--turns", type=int, default=6)
@@ -428,7 +430,7 @@ def main() -> None:
     from cluster.api.tokenizer import TextTokenizer
     from workers.demo import demo_model_dir
 
-    model_dir = Path(args.model) if args.model else demo_model_dir("tiny" if args.quick else "bench")
+    model_dir = Path(args.model) if args.model else demo_model_dir("tiny" if args.quick else "bench", args.arch)
     tokenizer, template = TextTokenizer.from_dir(model_dir), ChatTemplate.from_dir(model_dir)
 
     def render(messages, add_generation_prompt=True):

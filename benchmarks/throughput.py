@@ -127,6 +127,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--short", type=int, default=64, help="concurrent 32-token prompts for the prefill part")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--arch", default="qwen3_next", choices=("qwen3_next", "qwen3_5", "qwen3_5_moe"),
+                        help="the demo model's architecture")
     parser.add_argument("--quick", action="store_true", help="tiny model, 4 short requests, one thread")
     args = parser.parse_args()
     size = "bench"
@@ -136,7 +138,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM
 
-    model_dir = demo_model_dir(size)
+    model_dir = demo_model_dir(size, args.arch)
     engine = Engine.from_pretrained(model_dir, max_num_seqs=max(args.concurrency, args.short, 1),
                                     max_num_batched_tokens=2048)
     hf = AutoModelForCausalLM.from_pretrained(model_dir).eval()

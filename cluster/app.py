@@ -8,6 +8,11 @@ configs/serve.yaml and configs/local.yaml). The parts:
   which takes the engines' page size and recurrence from their `EngineSpec`.
 - `Ingress` deployment: `cluster.ingress.Ingress`, the OpenAI-compatible HTTP API.
 
+The model is a checkpoint directory or a Hugging Face id (`workers.model_source.ModelSource`).
+The deploy step resolves an id once, to read the `EngineSpec`, and hands every replica and the
+ingress the id pinned to the commit it read (`org/name@<commit>`): each resolves it on its own
+node, from that node's cache or the hub, so the cluster needs no shared filesystem.
+
 Replacing or removing a replica (a redeploy, scaling down) drains it: Serve stops routing to it
 and waits up to `graceful_shutdown_timeout_s` (default 120 s, against Serve's 20: a long stream
 must finish) for what it has in flight, checking every `graceful_shutdown_wait_loop_s`, on both
@@ -50,20 +55,23 @@ def build_application(model_dir: str | Path | None = None, replicas: int = 2, *,
                       autoscaling: dict[str, Any] | None = None, max_ongoing_requests: int | None = None,
                       ingress_max_ongoing_requests: int = 1024, health_check_period_s: float | None = None,
                       graceful_shutdown_timeout_s: float = 120.0, graceful_shutdown_wait_loop_s: float = 1.0):
-    """The bound Serve application. `model_dir` None serves the tiny demo model.
+    """The bound Serve application. `model_dir` is a directory or a Hugging Face id
+    (`org/name[@revision]`); None serves the tiny demo model.
     `max_ongoing_requests` per engine replica defaults to the engine's max_num_seqs;
     `health_check_period_s` (Serve's default: 10) is how often the controller checks a replica,
     hence how soon it replaces one that died. Keys, tenants, HTTP limits, per-request limits and
     the special-token opt-out and the tool-call parser go to the ingress (`cluster.ingress.Ingress`;
     `cluster.api.http_limits.HTTPLimits` and `cluster.api.limits.APILimits` as dicts)."""
-    from workers import EngineOptions, EngineSpec, demo_model_dir
+    from workers import EngineOptions, EngineSpec, ModelSource, demo_model_dir
 
-    model_dir = str(model_dir or demo_model_dir("tiny"))
     check_ingress_limits(http_limits or {})
     APILimits.model_validate(api_limits or {})  # refused here, at deploy, not in every replica
     resolve_format(tool_call_parser, None)
+    source = ModelSource.parse(model_dir or demo_model_dir("tiny"))
+    local_dir = source.local_dir()
+    source = source.pinned(local_dir)  # every node loads the snapshot the spec was read from
     options = dict(engine_options or {})
-    spec = EngineSpec.from_model_dir(model_dir, EngineOptions.from_kwargs(**options))
+    spec = EngineSpec.from_model_dir(local_dir, EngineOptions.from_kwargs(**options))
     routing = (routing or RoutingConfig()).for_engines(spec)
     placement: dict[str, Any] = dict(num_cpus=num_cpus, num_gpus=num_gpus)
     extra: dict[str, Any] = dict(graceful_shutdown_timeout_s=graceful_shutdown_timeout_s,
@@ -76,11 +84,11 @@ def build_application(model_dir: str | Path | None = None, replicas: int = 2, *,
         max_ongoing_requests=max_ongoing_requests or options.get("max_num_seqs", EngineOptions.max_num_seqs),
         **extra,
         **({"autoscaling_config": autoscaling} if autoscaling else {"num_replicas": replicas}),
-    ).bind(model_dir, options, routing.model_dump(), spec)
+    ).bind(str(source), options, routing.model_dump(), spec)
     ingress = serve.deployment(serve.ingress()(Ingress), name="Ingress", num_replicas=ingress_replicas,
                                max_ongoing_requests=ingress_max_ongoing_requests,
                                ray_actor_options=dict(num_cpus=min(num_cpus, 0.25)), **extra)
-    return ingress.bind(engine, model_dir, spec, served_model_name, api_key, api_keys=api_keys,
+    return ingress.bind(engine, str(source), spec, served_model_name, api_key, api_keys=api_keys,
                         api_keys_file=api_keys_file, metrics_key=metrics_key,
                         shared_cache_tenants=shared_cache_tenants, http_limits=http_limits,
                         max_body_bytes=max_body_bytes, api_limits=api_limits,
@@ -101,8 +109,9 @@ def check_ingress_limits(http_limits: dict[str, Any]) -> None:
 
 def app_builder(args: dict[str, Any]):
     """`import_path: cluster.app:app_builder` for `serve run` / `serve deploy`. Keys: model_dir
-    (null: the demo model), replicas, engine_options, routing (a dict, or a path to a routing YAML:
-    absolute, relative to the working directory, or to this repository), num_cpus, num_gpus,
+    (a directory or a Hugging Face id; null: the demo model), replicas, engine_options, routing
+    (a dict, or a path to a routing YAML: absolute, relative to the working directory, or to this
+    repository), num_cpus, num_gpus,
     ingress_replicas, served_model_name, api_key, api_keys, api_keys_file, metrics_key,
     shared_cache_tenants, public_system_prompts, http_limits, max_body_bytes, api_limits,
     special_tokens_in_content, tool_call_parser,

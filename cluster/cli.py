@@ -6,14 +6,18 @@ what it needs inside its own function, so `cairn --help` and `cairn demo-model` 
 Ray or the engine. Output meant for scripts goes to stdout, one value per line.
 
 Subcommands:
-- `demo-model OUT_DIR [--size tiny|bench] [--seed N]` — write a random-weight Qwen3-Next
-  checkpoint (see `workers.demo`) and print the directory written.
-- `generate [--model DIR] --prompt TEXT [--chat] [--max-tokens N] [--temperature T]` — load
+- `demo-model OUT_DIR [--arch qwen3_next|qwen3_5|qwen3_5_moe] [--size tiny|bench] [--seed N]` —
+  write a random-weight checkpoint (see `workers.demo`) and print the directory written.
+- `generate [--model DIR|ID] --prompt TEXT [--chat] [--max-tokens N] [--temperature T]` — load
   the checkpoint (default: the tiny demo model) into an in-process engine, print a completion.
-- `serve [--model DIR] [--replicas N] [--address A] [--config YAML] [--routing YAML] ...` —
+- `serve [--model DIR|ID] [--replicas N] [--address A] [--config YAML] [--routing YAML] ...` —
   Ray Serve replicas behind the HTTP API (see `cluster.deploy`): deploys --config, default
   configs/local.yaml, with the flags given written over it; `--replicas 1` alone runs one
   in-process engine.
+
+`--model` takes a checkpoint directory or a Hugging Face id, `org/name[@revision]`
+(`workers.model_source`): one that resolves to nothing is refused before anything is loaded or
+Ray is started, with status 2 and a message naming the id and the cache looked in.
 """
 
 import argparse
@@ -25,14 +29,16 @@ TOOL_CALL_PARSERS = ("auto", "qwen3_json", "qwen3_xml", "none")  # cluster.api.t
 
 def _add_demo_model(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "demo-model", help="write a random-weight Qwen3-Next checkpoint in Hugging Face layout",
-        description="Write a random-weight Qwen3-Next checkpoint (config, safetensors, "
-                    "tokenizer with chat template, generation config) into OUT_DIR.",
+        "demo-model", help="write a random-weight hybrid checkpoint in Hugging Face layout",
+        description="Write a random-weight checkpoint of a supported architecture (config, "
+                    "safetensors, tokenizer with chat template, generation config) into OUT_DIR.",
     )
     parser.add_argument("out_dir", metavar="OUT_DIR",
                         help="directory to write (created if missing)")
     parser.add_argument("--size", choices=("tiny", "bench"), default="tiny",
                         help="tiny: for tests (~0.25M params); bench: for CPU benchmarks (~31M)")
+    parser.add_argument("--arch", choices=("qwen3_next", "qwen3_5", "qwen3_5_moe"), default="qwen3_next",
+                        help="qwen3_next: Qwen3-Next; qwen3_5: Qwen3.5/3.6 dense; qwen3_5_moe: Qwen3.5/3.6 MoE")
     parser.add_argument("--seed", type=int, default=0, help="weight seed (same seed, same bytes)")
     parser.set_defaults(run=_demo_model)
 
@@ -40,7 +46,7 @@ def _add_demo_model(subparsers: argparse._SubParsersAction) -> None:
 def _demo_model(args: argparse.Namespace) -> int:
     from workers.demo import write_demo_model
 
-    print(write_demo_model(args.out_dir, size=args.size, seed=args.seed))
+    print(write_demo_model(args.out_dir, size=args.size, seed=args.seed, arch=args.arch))
     return 0
 
 
@@ -48,8 +54,8 @@ def _add_generate(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "generate", help="print one completion from the engine (a debugging aid)",
         description="Load a checkpoint into the engine in this process and print one completion.")
-    parser.add_argument("--model", help="checkpoint directory (default: the tiny demo model, "
-                                        "written to $CAIRN_HOME on first use)")
+    parser.add_argument("--model", help="checkpoint directory or Hugging Face id, org/name[@revision] (default: "
+                                        "the tiny demo model, written to $CAIRN_HOME on first use)")
     parser.add_argument("--prompt", required=True, help="prompt text")
     parser.add_argument("--chat", action="store_true",
                         help="send the prompt as one user message through the model's chat template")
@@ -60,13 +66,15 @@ def _add_generate(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from tokenizers import Tokenizer
 
-    from workers import Engine, SamplingParams, demo_model_dir
+    from workers import Engine, ModelSource, SamplingParams, demo_model_dir
 
-    model_dir = Path(args.model) if args.model else demo_model_dir("tiny")
+    try:
+        model_dir = ModelSource.parse(args.model).local_dir() if args.model else demo_model_dir("tiny")
+    except (OSError, ValueError) as e:
+        print(f"cairn generate: {e}", file=sys.stderr)
+        return 2
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     text = args.prompt
     if args.chat:
@@ -92,7 +100,8 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
                     "config --config (default: configs/local.yaml, 2 CPU replicas of the demo model "
                     "on 127.0.0.1:8000); the flags given override it. --replicas 1 without "
                     "--address/--config runs one engine in this process instead (debugging).")
-    parser.add_argument("--model", help="checkpoint directory (default: the config's; local.yaml: the tiny demo model)")
+    parser.add_argument("--model", help="checkpoint directory or Hugging Face id, org/name[@revision], resolved on "
+                                        "every node (default: the config's; local.yaml: the tiny demo model)")
     parser.add_argument("--replicas", type=int, default=None, help="engine replicas (local.yaml: 2)")
     parser.add_argument("--address", default=None, help="join this Ray cluster (e.g. auto) instead of starting one")
     parser.add_argument("--config", default=None, help="a Serve config YAML (configs/serve.yaml); "
@@ -134,7 +143,8 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
                         help="how the model writes tool calls: auto (read from its chat template), qwen3_json "
                              "(Qwen3, Qwen3-Next), qwen3_xml (Qwen3.5, Qwen3-Coder), none (return them as text)")
-    parser.add_argument("--served-model-name", default=None, help="model id clients send (default: folder name)")
+    parser.add_argument("--served-model-name", default=None,
+                        help="model id clients send (default: the Hugging Face id, or the folder's name)")
     parser.add_argument("--num-cpus", type=float, default=None, help="CPUs per engine replica (local.yaml: 0.5)")
     parser.add_argument("--num-gpus", type=float, default=None, help="GPUs per engine replica (1 on GPU nodes)")
     parser.add_argument("--max-num-seqs", type=int, default=None, help="sequences an engine runs at once (64)")
@@ -154,6 +164,7 @@ def _serve(args: argparse.Namespace) -> int:
         from cluster.api.tenants import Tenants
         from cluster.api.limits import APILimits
         from cluster.deploy import api_limit_flags, http_limit_flags, public_prompt_flags
+        from workers import ModelSource
 
         if args.request_timeout is not None:
             print("cairn serve: --request-timeout is Serve's; in-process, requests have no end-to-end limit",
@@ -164,12 +175,16 @@ def _serve(args: argparse.Namespace) -> int:
             limits = HTTPLimits(**http_limit_flags(args, in_process=True))
             api_limits = APILimits(**api_limit_flags(args))
             public_prompts = public_prompt_flags(args)
+            model = None
+            if args.model:  # resolved now, so an id that resolves to nothing fails before the engine loads
+                source = ModelSource.parse(args.model)
+                model = str(source.pinned(source.local_dir()))
         except (OSError, ValueError) as e:
             print(f"cairn serve: {e}", file=sys.stderr)
             return 2
         host, port = args.host or "127.0.0.1", args.port or 8000
         print(f"cairn: one in-process engine on http://{host}:{port}/v1 (Ctrl-C to stop)", flush=True)
-        serve_in_process(args.model, host=host, port=port, tenants=tenants, metrics_key=args.metrics_key,
+        serve_in_process(model, host=host, port=port, tenants=tenants, metrics_key=args.metrics_key,
                          shared_cache_tenants=bool(args.shared_cache_tenants), http_limits=limits,
                          max_body_bytes=args.max_body_bytes, served_model_name=args.served_model_name,
                          limits=api_limits, special_tokens_in_content=bool(args.special_tokens_in_content),

@@ -5,14 +5,16 @@ What is deployed is always a Serve config (Ray's `ServeDeploySchema`, the format
 configs/local.yaml (2 CPU replicas of the demo model, in-memory cache index, 127.0.0.1:8000),
 read as package data of the `configs` package (importlib.resources), so an installed cairn
 deploys the same file a checkout does; it is written nowhere else.
-Flags given on the command line override it (`apply_overrides`): `--model`, `--replicas` (which
+Flags given on the command line override it (`apply_overrides`): `--model` (a directory, made
+absolute, or a Hugging Face id, which every node resolves for itself), `--replicas` (which
 replaces an `autoscaling` config), `--routing` (loaded here and sent inline), `--num-cpus`,
 `--num-gpus`, engine options, API keys (`--api-key` values, `--api-keys-file` as an absolute path,
 `--metrics-key`, `--shared-cache-tenants`), model name, `--max-body-bytes` and the ingress's
 `http_limits` (`--max-header-bytes`, `--body-timeout`) go into every application's `args`;
 `--host`, `--port`, `--keep-alive-timeout` and `--request-timeout` into `http_options`, the
-proxy's (`--header-timeout` is refused: Serve's proxy has none). The
-config is then deployed the way `serve deploy` does (the controller imports each application's
+proxy's (`--header-timeout` is refused: Serve's proxy has none). The config's models are then
+resolved here (`resolve_models`: an id that resolves to nothing fails before Ray starts), and it
+is deployed the way `serve deploy` does (the controller imports each application's
 `import_path` with its `args`; `deployments:` overrides and `runtime_env` apply), and this
 process waits until every application is RUNNING.
 
@@ -57,6 +59,7 @@ def apply_overrides(config: dict[str, Any], args: argparse.Namespace,
                     engine_options: dict[str, Any] | None = None) -> dict[str, Any]:
     """A copy of `config` with the flags that were given (not None) written over it."""
     from cluster.routing.config import RoutingConfig
+    from workers import ModelSource
 
     config = copy.deepcopy(config)
     http = config.setdefault("http_options", {})
@@ -70,8 +73,8 @@ def apply_overrides(config: dict[str, Any], args: argparse.Namespace,
     if getattr(args, "header_timeout", None) is not None:
         raise ValueError("--header-timeout: Serve's proxy has no header timeout (in-process only: --replicas 1)")
     app_args: dict[str, Any] = {}
-    if getattr(args, "model", None):
-        app_args["model_dir"] = str(Path(args.model).expanduser().resolve())
+    if getattr(args, "model", None):  # an absolute directory, or the Hugging Face id as given
+        app_args["model_dir"] = str(ModelSource.parse(args.model))
     if getattr(args, "routing", None):
         app_args["routing"] = RoutingConfig.from_yaml(args.routing).model_dump(mode="json")
     if getattr(args, "api_keys_file", None):
@@ -100,6 +103,21 @@ def apply_overrides(config: dict[str, Any], args: argparse.Namespace,
             merged["api_limits"] = {**(merged.get("api_limits") or {}), **api_limits}
         app["args"] = merged
     return config
+
+
+def resolve_models(config: dict[str, Any]) -> None:
+    """Resolves every application's `model_dir` here, before Ray starts, with the environment its
+    `runtime_env` gives (`HF_HOME`, `HF_HUB_OFFLINE`, `HF_TOKEN`...): a Hugging Face id that
+    resolves to nothing raises `workers.ModelNotFound` now, naming where it looked, rather than
+    failing every replica. With a local Ray (and on a cluster's head node) this is also where the
+    controller builds the application, which then finds the snapshot fetched now in the cache."""
+    from workers import ModelSource
+
+    for app in config.get("applications", []):
+        model = (app.get("args") or {}).get("model_dir")
+        if model:
+            env_vars = (app.get("runtime_env") or {}).get("env_vars") or {}
+            ModelSource.parse(model).local_dir({**os.environ, **env_vars})
 
 
 def public_prompt_flags(args: argparse.Namespace) -> list[str]:
@@ -168,8 +186,9 @@ def serve_forever(args: argparse.Namespace, engine_options: dict[str, Any]) -> i
     from ray.serve.schema import ServeDeploySchema
 
     try:
-        config = ServeDeploySchema.model_validate(
-            apply_overrides(load_config(args.config), args, engine_options))
+        data = apply_overrides(load_config(args.config), args, engine_options)
+        config = ServeDeploySchema.model_validate(data)
+        resolve_models(data)
     except (OSError, ValueError) as e:
         print(f"cairn serve: {e}", file=sys.stderr)
         return 2

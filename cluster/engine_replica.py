@@ -3,6 +3,8 @@
 `EngineReplica` owns one engine (`num_gpus: 1` on GPU nodes, fractional CPUs here) and serves
 `generate`, `abort`, `metrics` and `cache_contents` to the ingress through a DeploymentHandle.
 Rules it keeps:
+- It resolves its model (a directory or a Hugging Face id, `workers.ModelSource`) on its own
+  node: from that node's Hugging Face cache, or downloaded into it.
 - Its worker id is its Serve replica id (`cluster.routing.router.replica_worker_id`), the name
   the router ranks it by and the index holds its cache under.
 - It loads the `EngineSpec` the deployment was built for, or refuses to start: every replica
@@ -48,12 +50,13 @@ DRAIN_INTERVAL_S = 0.05
 class EngineReplica:
     """One engine per replica, its cache events published to the index."""
 
-    async def __init__(self, model_dir: str, engine_options: dict[str, Any], routing: dict[str, Any],
+    async def __init__(self, model: str, engine_options: dict[str, Any], routing: dict[str, Any],
                        spec: EngineSpec):
-        from workers import AsyncEngine
+        from workers import AsyncEngine, ModelSource
 
         cfg = RoutingConfig.model_validate(routing)
         self.worker_id = replica_worker_id(serve.get_replica_context().replica_id)
+        model_dir = ModelSource.parse(model).local_dir()
         self.engine = AsyncEngine.from_pretrained(model_dir, worker_id=self.worker_id, **engine_options)
         if self.engine.spec != spec:  # e.g. another copy of the model on this node
             raise RuntimeError(f"this replica's engine is {self.engine.spec}, but the deployment was built for "

@@ -19,7 +19,6 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextvars import ContextVar
-from pathlib import Path
 from typing import Any
 
 from ray.serve.handle import DeploymentHandle
@@ -31,7 +30,7 @@ from cluster.api.metrics import engine_families
 from cluster.api.tenants import Tenants
 from cluster.metrics_export import INGRESS_EXPORT_INTERVAL_S, RayMetricsMirror
 from cluster.routing.registry import prefill_done, router_counts
-from workers import EngineSpec
+from workers import EngineSpec, ModelSource
 
 log = logging.getLogger(__name__)
 REPLICA_HEADER = "x-cairn-replica"
@@ -82,18 +81,21 @@ class HandleEngineClient:
 
 
 class Ingress:
-    """The HTTP front: `cluster.api.build_app` over the engine deployment's handle. `api_key` is
+    """The HTTP front: `cluster.api.build_app` over the engine deployment's handle. `model` (a
+    directory or a Hugging Face id, resolved on this replica's node for its tokenizer and chat
+    template) names the model for clients unless `served_model_name` does. `api_key` is
     one key of the tenant "default"; `api_keys` (TENANT:KEY values) and `api_keys_file` add
     tenants; none of the three: CAIRN_API_KEY in the replica's environment, else no keys."""
 
-    async def __init__(self, engine: DeploymentHandle, model_dir: str, spec: EngineSpec,
+    async def __init__(self, engine: DeploymentHandle, model: str, spec: EngineSpec,
                        served_model_name: str | None = None, api_key: str | None = None, *,
                        api_keys: list[str] | None = None, api_keys_file: str | None = None,
                        metrics_key: str | None = None, shared_cache_tenants: bool = False,
                        http_limits: dict[str, Any] | None = None, max_body_bytes: int | None = None,
                        api_limits: dict[str, Any] | None = None, special_tokens_in_content: bool = False,
                        public_system_prompts: list[str] | None = None, tool_call_parser: str = "auto"):
-        self.model_dir, self.served_model_name = Path(model_dir), served_model_name
+        source = ModelSource.parse(model)
+        self.model_dir, self.served_model_name = source.local_dir(), served_model_name or source.served_name
         self.tenants = Tenants.load([*([f"default:{api_key}"] if api_key else []), *(api_keys or [])],
                                     api_keys_file)
         self.metrics_key, self.shared_cache_tenants = metrics_key, shared_cache_tenants

@@ -12,6 +12,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
+import hashlib  # noqa: E402
+import json  # noqa: E402
 import shutil  # noqa: E402
 import socket  # noqa: E402
 import subprocess  # noqa: E402
@@ -42,21 +44,59 @@ CHECKPOINTS = {
     "attention_only": dict(BASE, num_hidden_layers=2, layer_types=["full_attention"] * 2),
 }
 
+# Qwen3.5 / 3.6 text shapes: head_dim 32 so interleaved M-RoPE has three non-empty sections
+# (rotary dim 8 = 2 * (2 + 1 + 1)); three DeltaNet layers to one attention layer, as published.
+Q35_TEXT = dict({k: v for k, v in BASE.items() if k != "num_experts"}, head_dim=32, full_attention_interval=4,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                                 "mrope_section": [2, 1, 1], "mrope_interleaved": True})
+Q35_MOE_TEXT = dict({k: v for k, v in Q35_TEXT.items() if k != "intermediate_size"}, num_experts=6,
+                    num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=32)
+Q35_VISION = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=48, patch_size=4,
+                  num_position_embeddings=16)
+# kind -> (transformers model class, its config class, config kwargs); "vl" kinds are the
+# published vision-language layout (text under model.language_model.*, a vision tower beside it).
+QWEN3_5_CHECKPOINTS = {
+    "q35_dense": ("Qwen3_5ForCausalLM", "Qwen3_5TextConfig", Q35_TEXT),
+    "q35_dense_vl": ("Qwen3_5ForConditionalGeneration", "Qwen3_5Config",
+                     dict(text_config=Q35_TEXT, vision_config=Q35_VISION)),
+    "q35_tied": ("Qwen3_5ForCausalLM", "Qwen3_5TextConfig", dict(Q35_TEXT, tie_word_embeddings=True)),
+    "q35_tied_vl": ("Qwen3_5ForConditionalGeneration", "Qwen3_5Config",
+                    dict(text_config=Q35_TEXT, vision_config=Q35_VISION, tie_word_embeddings=True)),
+    "q35_moe": ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeTextConfig", Q35_MOE_TEXT),
+    "q35_moe_vl": ("Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeConfig",
+                   dict(text_config=Q35_MOE_TEXT, vision_config=Q35_VISION)),
+}
+
 
 def build_hf_checkpoint(path: Path, kind: str, dtype: torch.dtype = torch.float32, seed: int = 0, **save) -> Path:
-    """Writes a random Qwen3NextForCausalLM with transformers' own save_pretrained."""
-    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+    """Writes a random model of `kind` (CHECKPOINTS: Qwen3-Next; QWEN3_5_CHECKPOINTS: Qwen3.5)
+    with transformers' own save_pretrained."""
+    import transformers
 
+    if kind in QWEN3_5_CHECKPOINTS:
+        model_class, config_class, kwargs = QWEN3_5_CHECKPOINTS[kind]
+    else:
+        model_class, config_class, kwargs = "Qwen3NextForCausalLM", "Qwen3NextConfig", CHECKPOINTS[kind]
     torch.manual_seed(seed)
-    cfg = Qwen3NextConfig(**CHECKPOINTS[kind])
-    model = Qwen3NextForCausalLM(cfg).eval()
+    cfg = getattr(transformers, config_class)(**kwargs)
+    model = getattr(transformers, model_class)(cfg).eval()
     with torch.no_grad():  # zero-initialised norms would hide a wrong (1 + w) convention
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
-        model.model.embed_tokens.weight.mul_(20)  # sharper logits: greedy choices are not near-ties
+        model.get_input_embeddings().weight.mul_(20)  # sharper logits: greedy choices are not near-ties
     model.to(dtype).save_pretrained(path, **save)
     return path
+
+
+def hf_reference_model(path: Path):
+    """transformers' own model for a checkpoint directory, by the class config.json names."""
+    import json
+
+    import transformers
+
+    name = json.loads((Path(path) / "config.json").read_text())["architectures"][0]
+    return getattr(transformers, name).from_pretrained(path).eval()
 
 
 @pytest.fixture(scope="session")
@@ -76,6 +116,60 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     from workers.demo import write_demo_model
 
     return write_demo_model(tmp_path_factory.mktemp("demo-tiny"), size="tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def demo_model(tmp_path_factory):
+    """`demo_model(arch)`: the tiny demo checkpoint of that architecture, written once a session."""
+    from workers.demo import write_demo_model
+
+    made: dict[str, Path] = {}
+
+    def get(arch: str) -> Path:
+        if arch not in made:
+            made[arch] = write_demo_model(tmp_path_factory.mktemp(f"demo-{arch}"), size="tiny", seed=0, arch=arch)
+        return made[arch]
+
+    return get
+
+
+HUB_REPO = "cairn-org/tiny"  # the Hugging Face id `hf_hub` holds
+HUB_MAIN = hashlib.sha1(b"main").hexdigest()  # commits are 40 hex digits, as the hub's are
+HUB_V2 = hashlib.sha1(b"v2").hexdigest()
+
+
+def write_hub_snapshot(repo: Path, commit: str, model_dir: Path, **config_changes) -> Path:
+    """One snapshot of `model_dir`'s files under a cache's `models--org--name` folder, each file a
+    link to its blob, as huggingface_hub writes it; `config_changes` are written into config.json."""
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (repo / "blobs").mkdir(exist_ok=True)
+    for f in model_dir.iterdir():
+        data = f.read_bytes()
+        if f.name == "config.json" and config_changes:
+            data = json.dumps({**json.loads(data), **config_changes}).encode()
+        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.write_bytes(data)
+        (snapshot / f.name).symlink_to(os.path.relpath(blob, snapshot))
+    return snapshot
+
+
+@pytest.fixture
+def hf_hub(tmp_path, tiny_model_dir, monkeypatch) -> Path:
+    """A Hugging Face cache, $HF_HOME/hub, holding the tiny demo model as HUB_REPO: `main` at
+    HUB_MAIN, branch `v2` at HUB_V2 (another config); HF_HUB_OFFLINE=1. Returns the cache."""
+    cache = tmp_path / "hf" / "hub"
+    repo = cache / f"models--{HUB_REPO.replace('/', '--')}"
+    write_hub_snapshot(repo, HUB_MAIN, tiny_model_dir)
+    write_hub_snapshot(repo, HUB_V2, tiny_model_dir, rms_norm_eps=1e-5)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(HUB_MAIN)
+    (repo / "refs" / "v2").write_text(HUB_V2)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.delenv("HUGGINGFACE_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    return cache
 
 
 def free_port() -> int:

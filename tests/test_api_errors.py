@@ -179,6 +179,16 @@ def test_a_prompt_too_long_names_both_numbers(http):
     assert any(n > 4096 for n in numbers) and 4095 in numbers, error["message"]
 
 
+def test_an_image_part_is_refused_saying_the_server_reads_text_only(http):
+    parts = [{"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": "data:,"}}]
+    r = http.post("/v1/chat/completions", headers=AUTH, json={**GOOD_CHAT, "messages": [
+        {"role": "user", "content": parts}]})
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["param"] == "messages[0].content" and "'image_url' part" in error["message"]
+    assert "text only" in error["message"]
+
+
 def test_a_method_that_is_not_allowed_is_405_in_openai_shape(http):
     r = http.get(C, headers=AUTH)
     assert r.status_code == 405 and "error" in r.json()

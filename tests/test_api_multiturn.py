@@ -1,7 +1,9 @@
 """A conversation through the official client, the way chat apps hold one: each turn the client
 echoes the assistant's answer back (its content; in the second case its reasoning_content as
 well, which a thinking template drops once a new user turn arrives). cached_tokens grows every
-turn and covers at least the previous turn's prompt but its last page and the tail guard."""
+turn and covers at least the previous turn's prompt but its last page and the tail guard. The
+Qwen3.5 demo models (dense and MoE) do the same with their own template, which opens thinking
+in every generation prompt and drops it from earlier turns."""
 
 import shutil
 
@@ -73,4 +75,11 @@ def test_echoing_the_content_back_hits_the_cache_every_turn(tiny_model_dir):
 def test_echoing_content_and_reasoning_that_the_template_drops_still_hits(thinking_model_dir):
     prompts, cached, reasoning, page_size, tail_guard = converse(thinking_model_dir, echo_reasoning=True)
     assert all(reasoning), reasoning  # the generation prompt opened <think>: answers start as reasoning
+    assert_cache_grows(prompts, cached, page_size, tail_guard)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])
+def test_qwen3_5_models_keep_their_cache_across_thinking_turns(demo_model, arch):
+    prompts, cached, reasoning, page_size, tail_guard = converse(demo_model(arch), echo_reasoning=True)
+    assert all(reasoning), reasoning  # Qwen3.5's generation prompt opens <think>
     assert_cache_grows(prompts, cached, page_size, tail_guard)

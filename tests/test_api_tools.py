@@ -321,6 +321,25 @@ def test_history_with_calls_renders_through_a_template_that_iterates_arguments_a
             assert '{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2, "where": {"lat": 59.9}}}' in prompt
 
 
+def test_the_qwen35_demo_models_template_gets_xml_parsing_and_argument_mappings(demo_model):
+    model_dir = demo_model("qwen3_5")
+    assert detect_format(ChatTemplate.from_dir(model_dir).source) == "qwen3_xml"
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    fake = ScriptedClient()
+    # its generation prompt opens <think>: the call comes after the reasoning closes
+    fake.script = tok.encode("Bergen next.\n</think>\n\n" + xml_call("get_weather", {"city": "Bergen", "days": "4"})).ids
+    history = ASK + [{"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function",
+                      "function": {"name": "get_weather", "arguments": "{\"city\": \"Oslo\", \"days\": 2}"}}]},
+                     {"role": "tool", "tool_call_id": "call_1", "content": "3C, snow"}]
+    with BackgroundServer(build_app(fake, model_dir, MODEL)) as server:
+        choice, chunks = both_ways(server.url, tools=TOOLS, messages=history)
+    assert "<parameter=city>\nOslo\n</parameter>\n<parameter=days>\n2\n</parameter>" in fake.requests[-1].prompt
+    [call] = choice.message.tool_calls
+    assert json.loads(call.function.arguments) == {"city": "Bergen", "days": 4}
+    assert choice.message.reasoning_content == "Bergen next.\n" and choice.message.content is None
+    assert streamed_calls(chunks)[1][0]["arguments"] == call.function.arguments
+
+
 def test_tool_choice_none_hides_the_tools_and_a_none_parser_returns_calls_as_text(servers, tok):
     fake, urls = servers
     fake.script = tok.encode(CALL).ids

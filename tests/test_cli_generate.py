@@ -8,6 +8,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from cluster.api.chat_template import ChatTemplate, TemplateError
+from conftest import HUB_REPO
 from workers import Engine, SamplingParams
 
 CONVERSATIONS = [
@@ -47,9 +48,14 @@ def run_cli(*args, env_home):
                           env=env, timeout=120)
 
 
-def test_generate_prints_the_engines_greedy_completion(tiny_model_dir, tmp_path):
-    proc = run_cli("generate", "--model", str(tiny_model_dir), "--prompt", "A cairn is",
-                   "--max-tokens", "12", env_home=tmp_path)
+@pytest.mark.parametrize("by", ["directory", "hugging face id"])
+def test_generate_prints_the_engines_greedy_completion(tiny_model_dir, tmp_path, by, request):
+    """By its directory, or by its id from a Hugging Face cache, offline (conftest's `hf_hub`)."""
+    model = str(tiny_model_dir)
+    if by == "hugging face id":
+        request.getfixturevalue("hf_hub")  # HF_HOME: a cache holding the tiny demo model as HUB_REPO
+        model = HUB_REPO
+    proc = run_cli("generate", "--model", model, "--prompt", "A cairn is", "--max-tokens", "12", env_home=tmp_path)
     assert proc.returncode == 0, proc.stderr
     tok = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
     ids = tok.encode("A cairn is", add_special_tokens=False).ids

@@ -547,6 +547,43 @@ def test_behind_serves_proxy_the_ingress_refuses_big_headers_and_closes_a_stalle
             pass
 
 
+def test_a_qwen3_5_moe_model_is_served_by_the_cluster_with_its_cache_and_routing(cluster, demo_model):
+    """Any supported family serves in the cluster as the demo does: here the Qwen3.5 MoE demo
+    model, two replicas behind its own app; each conversation stays on the replica holding it and
+    its cached_tokens cover the previous turn's prompt (its template opens thinking every turn)."""
+    from ray import serve
+
+    index = INDEX + "-q35"
+    serve.run(build_application(demo_model("qwen3_5_moe"), replicas=2, num_cpus=0.25, served_model_name="q35",
+                                routing=RoutingConfig(index_actor_name=index)),
+              name="q35", route_prefix="/q35")
+    client = openai.OpenAI(base_url=cluster.url + "/q35/v1", api_key="none", max_retries=0, timeout=60)
+    try:
+        assert [m.id for m in client.models.list().data] == ["q35"]
+        for i in range(2):
+            messages, prompts, cached, replicas = [{"role": "system", "content": persona(100 + i)}], [], [], set()
+            for question in QUESTIONS[:3]:
+                messages.append({"role": "user", "content": question})
+                raw = client.chat.completions.with_raw_response.create(model="q35", messages=messages, max_tokens=8,
+                                                                       temperature=0)
+                out, usage = raw.parse(), raw.parse().usage
+                prompts.append(usage.prompt_tokens)
+                cached.append(usage.prompt_tokens_details.cached_tokens)
+                replicas.add(raw.headers.get(REPLICA_HEADER))
+                message = out.choices[0].message
+                messages.append({"role": "assistant", "content": message.content or "",
+                                 "reasoning_content": getattr(message, "reasoning_content", None) or ""})
+            assert len(replicas) == 1, replicas
+            for t in (1, 2):
+                assert cached[t] >= prompts[t - 1] - PAGE_SIZE - TAIL_GUARD, (prompts, cached)
+    finally:
+        serve.delete("q35", _blocking=True)
+        try:
+            ray.kill(ray.get_actor(index, namespace=ROUTING.index_actor_namespace), no_restart=True)
+        except ValueError:
+            pass
+
+
 # ---- 3. drain: a replica scaled down or replaced finishes what it has in flight ----------------
 
 def stream_chat(url: str, content: str, max_tokens: int, first: threading.Event, out: dict) -> None:

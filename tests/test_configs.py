@@ -6,6 +6,7 @@ No Ray cluster is started here: building a Serve application only binds deployme
 import argparse
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -64,6 +65,41 @@ def test_serve_yaml_is_a_serve_deploy_config_whose_app_builds_gpu_engine_replica
             >= config.http_options.request_timeout_s
     assert ingress.init_kwargs["http_limits"] == args["http_limits"]
     assert config.http_options.keep_alive_timeout_s == 90
+
+
+def serve_yaml_with_its_hub_example() -> dict:
+    """serve.yaml with its commented Hugging Face example (runtime_env, model_dir) in place of the
+    live lines it stands for."""
+    example = re.compile(r"^( {4,})# ((?:runtime_env|model_dir):.*| {2,}[A-Za-z_]+:.*)$")
+    out: list[str] = []
+    for line in (CONFIGS / "serve.yaml").read_text().splitlines():
+        match = example.match(line)
+        if match:
+            indent, text = match.groups()
+            key = indent + text.split(":")[0] + ":"
+            live = [i for i, kept in enumerate(out) if kept.startswith(key)]
+            if live:
+                del out[live[-1]]
+            line = indent + text
+        out.append(line)
+    return yaml.safe_load("\n".join(out))
+
+
+def test_serve_yamls_hugging_face_example_is_valid_and_each_node_resolves_in_the_cache_it_names(monkeypatch):
+    from ray.runtime_env import RuntimeEnv
+
+    from workers import ModelNotFound, ModelSource
+
+    config = ServeDeploySchema.model_validate(serve_yaml_with_its_hub_example())
+    (app,) = config.applications
+    env_vars = RuntimeEnv(**app.runtime_env)["env_vars"]  # Ray's own check of a runtime_env
+    assert {"HF_HOME", "HF_TOKEN", "HF_HUB_OFFLINE"} <= env_vars.keys()
+    assert all(isinstance(v, str) for v in env_vars.values()), "env_vars values are strings"
+    source = ModelSource.parse(app.args["model_dir"])
+    assert source.repo_id and source.repo_id.count("/") == 1 and source.directory is None
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    with pytest.raises(ModelNotFound, match=re.escape(str(Path(env_vars["HF_HOME"]) / "hub"))):
+        deploy.resolve_models(serve_yaml_with_its_hub_example())  # the cache its runtime_env names, offline
 
 
 def test_serve_yaml_autoscales_engine_replicas_by_their_queue_within_rays_schema():
@@ -244,8 +280,6 @@ def test_key_tenant_and_limit_flags_go_to_the_app_and_the_proxy(tmp_path):
 
 def dashboard_metrics() -> dict[str, set[str]]:
     """Each panel's title -> the metric names its expressions read."""
-    import re
-
     dashboard = json.loads((CONFIGS / "grafana-dashboard.json").read_text())
     return {panel["title"]: {name for t in panel["targets"] for name in re.findall(r"\bray_cairn_[a-z0-9_]+\b", t["expr"])}
             for panel in dashboard["panels"]}

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from workers import Engine
-from workers.model import CheckpointError, ModelConfig
+from workers.model import CheckpointError, config_from_dict
 
 
 @pytest.fixture
@@ -81,7 +81,7 @@ def test_published_config_spelling_loads():
            "num_hidden_layers": 8, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
            "full_attention_interval": 4, "rope_theta": 10000000, "partial_rotary_factor": 0.25,
            "eos_token_id": 7}
-    cfg = ModelConfig.from_dict(raw)
+    cfg = config_from_dict(raw)
     assert cfg.attention_layers == [3, 7] and cfg.rope_theta == 1e7 and cfg.rotary_dim == 4
     assert cfg.eos_token_ids == (7,)
 

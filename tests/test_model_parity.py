@@ -1,25 +1,25 @@
-"""cairn's engine computes what transformers' Qwen3NextForCausalLM computes, on checkpoints
-transformers itself wrote: prompt logits, greedy tokens and their logprobs."""
+"""cairn's engine computes what transformers computes, family by family, on checkpoints
+transformers itself wrote: prompt logits, greedy tokens and their logprobs.
+
+Families and layouts: Qwen3-Next (dense, MoE with a shared expert, tied embeddings) and Qwen3.5 /
+3.6 dense and MoE, both in the text-only `*ForCausalLM` layout and the published
+vision-language `*ForConditionalGeneration` one (tied and untied)."""
 
 import pytest
 import torch
+from conftest import hf_reference_model as hf_model
 
 from workers import Engine, SamplingParams
 
 LENGTHS = [1, 7, 53]  # one token, odd, several pages of 16
-
-
-def hf_model(path):
-    from transformers import Qwen3NextForCausalLM
-
-    return Qwen3NextForCausalLM.from_pretrained(path).eval()
+KINDS = ["dense", "moe", "tied", "q35_dense", "q35_dense_vl", "q35_tied", "q35_tied_vl", "q35_moe", "q35_moe_vl"]
 
 
 def prompt(n: int, vocab: int, seed: int) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-@pytest.mark.parametrize("kind", ["dense", "moe", "tied"])
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("n", LENGTHS)
 def test_prompt_logits_match_transformers(hf_checkpoint, kind, n):
     path = hf_checkpoint(kind)
@@ -32,7 +32,7 @@ def test_prompt_logits_match_transformers(hf_checkpoint, kind, n):
     torch.testing.assert_close(got, expected, atol=2e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("kind", ["dense", "moe", "tied"])
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("n", LENGTHS)
 def test_greedy_tokens_and_logprobs_match_transformers(hf_checkpoint, kind, n):
     path = hf_checkpoint(kind)

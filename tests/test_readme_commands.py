@@ -59,6 +59,9 @@ CHECKS: dict[str, object] = {
     "python3 benchmarks/throughput.py": Quick("ratio cairn 4 concurrent / transformers static batch:",
                                               "throughput.png"),
     "python3 benchmarks/multiturn.py": Quick("cairn hit tokens / best baseline", "multiturn.png"),
+    "python3 benchmarks/multiturn.py --arch qwen3_5": Quick("model: tiny qwen3_5 demo", "multiturn.png"),
+    "cairn demo-model /tmp/cairn-qwen3_5 --arch qwen3_5_moe": "test_the_qwen3_5_demo_model_is_written_then_served",
+    "cairn serve --model /tmp/cairn-qwen3_5": "test_the_qwen3_5_demo_model_is_written_then_served",
     "python3 benchmarks/routing.py --quick": Quick("cache_affinity vs pow2", "routing.png"),
     "python3 benchmarks/index_scoring.py": Quick("prompt through the actor: p50"),
     "python3 benchmarks/overhead.py": Quick("x goal"),
@@ -168,29 +171,62 @@ def test_gpu_check_without_a_gpu_exits_saying_so(env):
     assert "gpu_check.sh: no NVIDIA GPU here" in proc.stderr, tail(proc)
 
 
+def serve_one_engine(env: dict[str, str], *args: str) -> tuple[subprocess.Popen, int]:
+    """`cairn serve --replicas 1 ARGS` (one engine, no Ray) on a free port, once /health answers."""
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", *args, "--replicas", "1",
+                               "--port", str(port)],
+                              cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while True:
+        if server.poll() is not None:
+            raise AssertionError(server.stderr.read())
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
+                if response.status == 200:
+                    return server, port
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            server.terminate()
+            raise AssertionError("cairn serve did not answer /health in 120 s")
+        time.sleep(0.3)
+
+
 def test_the_curl_example_gets_an_answer_with_its_cached_tokens(env):
     """The README's request, sent to `cairn serve --replicas 1` (one engine, no Ray) on a free port."""
-    port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", "--replicas", "1", "--port", str(port)],
-                              cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    server, port = serve_one_engine(env)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert server.poll() is None, server.stderr.read()
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, "cairn serve did not answer /health in 120 s"
-            time.sleep(0.3)
         proc = run(CURL.replace("127.0.0.1:8000", f"127.0.0.1:{port}"), env, timeout=60)
         assert proc.returncode == 0, tail(proc)
         answer = json.loads(proc.stdout)
         assert answer["model"] == "demo-tiny"
         assert isinstance(answer["choices"][0]["message"]["content"], str)
         assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, "a first request hits nothing"
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def test_the_qwen3_5_demo_model_is_written_then_served(env, tmp_path):
+    """The README's two commands, into a temporary folder; served as `cairn serve --replicas 1`
+    (a cluster serving the same model is tests/test_cluster.py's)."""
+    out = tmp_path / "cairn-qwen3_5"
+    (write,) = [c for c in readme_commands(README) if c.startswith("cairn demo-model /tmp/cairn-qwen3_5")]
+    proc = run(write.replace("/tmp/cairn-qwen3_5", str(out)).replace("cairn ", f"{sys.executable} -m cluster.cli ", 1),
+               env, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == str(out), tail(proc)
+    server, port = serve_one_engine(env, "--model", str(out))
+    try:
+        body = json.dumps({"model": "cairn-qwen3_5", "messages": [{"role": "user", "content": "hi"}],
+                           "max_tokens": 8, "temperature": 0, "ignore_eos": True}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=body,
+                                         headers={"content-type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            answer = json.loads(response.read())
+        assert answer["model"] == "cairn-qwen3_5" and answer["usage"]["completion_tokens"] == 8
+        # Qwen3.5's generation prompt opens thinking: what the model writes first is reasoning.
+        assert answer["choices"][0]["message"]["reasoning_content"]
     finally:
         server.terminate()
         server.wait(timeout=30)

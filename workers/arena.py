@@ -24,6 +24,7 @@ A model without recurrent layers has no state bytes: its slots are ids that inde
 from __future__ import annotations
 
 import heapq
+import math
 from dataclasses import dataclass
 
 from workers.model.config import ModelConfig
@@ -42,12 +43,12 @@ def page_bytes(cfg: ModelConfig, page_size: int, dtype_bytes: int) -> int:
 
 def conv_state_bytes(cfg: ModelConfig, dtype_bytes: int) -> int:
     """Bytes of one sequence's conv states across all linear layers (model dtype)."""
-    return len(cfg.linear_layers) * cfg.conv_dim * (cfg.linear_conv_kernel_dim - 1) * dtype_bytes
+    return len(cfg.linear_layers) * math.prod(cfg.conv_state_shape) * dtype_bytes
 
 
 def ssm_state_bytes(cfg: ModelConfig) -> int:
     """Bytes of one sequence's delta-rule states across all linear layers (fp32)."""
-    return len(cfg.linear_layers) * cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
+    return len(cfg.linear_layers) * math.prod(cfg.ssm_state_shape) * 4
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from cache_service.hashing import DIGEST_BYTES, model_fingerprint
 from workers.arena import ArenaLayout
 from workers.checkpoint_policy import CheckpointPolicy
 from workers.errors import RequestRejected, SequenceFault
-from workers.model import ModelConfig, Qwen3NextForCausalLM, load_model
+from workers.model import HybridForCausalLM, ModelConfig, load_model
 from workers.options import EngineOptions
 from workers.prefix_cache import Match, PrefixCache
 from workers.runner import ModelRunner
@@ -90,7 +90,7 @@ def _pick_device(name: str) -> torch.device:
 
 
 class Engine:
-    def __init__(self, model: Qwen3NextForCausalLM, options: EngineOptions | None = None,
+    def __init__(self, model: HybridForCausalLM, options: EngineOptions | None = None,
                  fingerprint: str | None = None, worker_id: str = "local",
                  eos_token_ids: frozenset[int] = frozenset()):
         self.options = options = options or EngineOptions()

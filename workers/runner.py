@@ -23,12 +23,12 @@ import torch
 
 import kernels
 from workers.arena import ArenaLayout
-from workers.model import ForwardBatch, ModelCaches, Qwen3NextForCausalLM
+from workers.model import ForwardBatch, HybridForCausalLM, ModelCaches
 from workers.scheduler import StepPlan
 
 
 class ModelRunner:
-    def __init__(self, model: Qwen3NextForCausalLM, layout: ArenaLayout, page_size: int, max_rows: int):
+    def __init__(self, model: HybridForCausalLM, layout: ArenaLayout, page_size: int, max_rows: int):
         """max_rows: page-table rows, one per sequence holding pages (the prefix cache's rows)."""
         self.model = model
         self.cfg = model.config
@@ -46,10 +46,10 @@ class ModelRunner:
         kv_all = elems.view(layout.num_blocks, len(cfg.attention_layers), 2, self.page_size,
                             cfg.num_key_value_heads, cfg.head_dim)
         kv = [(kv_all[:, i, 0], kv_all[:, i, 1]) for i in range(len(cfg.attention_layers))]
-        n_lin, width = len(cfg.linear_layers), cfg.linear_conv_kernel_dim - 1
-        h_v, d_k, d_v = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        n_lin = len(cfg.linear_layers)
+        (channels, width), (h_v, d_k, d_v) = cfg.conv_state_shape, cfg.ssm_state_shape
         if not layout.slot_blocks:  # no recurrent layers: slot ids index nothing
-            conv = torch.zeros(layout.virtual_slots, 0, cfg.conv_dim, width, dtype=self.dtype, device=self.device)
+            conv = torch.zeros(layout.virtual_slots, 0, channels, width, dtype=self.dtype, device=self.device)
             ssm = torch.zeros(layout.virtual_slots, 0, h_v, d_k, d_v, dtype=torch.float32, device=self.device)
             return kv, conv, ssm
         stride = layout.slot_blocks * layout.block_bytes  # bytes from one slot to the next
@@ -57,8 +57,8 @@ class ModelRunner:
             raise ValueError(f"state slots of {stride} bytes (delta-rule state at {layout.ssm_offset}) are not "
                              f"fp32-aligned")
         groups = layout.num_blocks // layout.slot_blocks
-        conv = torch.as_strided(elems, (groups, n_lin, cfg.conv_dim, width),
-                                (stride // item, cfg.conv_dim * width, width, 1))
+        conv = torch.as_strided(elems, (groups, n_lin, channels, width),
+                                (stride // item, channels * width, width, 1))
         ssm = torch.as_strided(self.arena.view(torch.float32), (groups, n_lin, h_v, d_k, d_v),
                                (stride // 4, h_v * d_k * d_v, d_k * d_v, d_v, 1), layout.ssm_offset // 4)
         return kv, conv, ssm

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from cache_service.hashing import branch_root, fingerprint, model_fingerprint, page_hashes, root_hash
 from workers.model.config import ModelConfig
+from workers.model.registry import read_model_config
 from workers.options import EngineOptions
 
 
@@ -47,7 +48,7 @@ class EngineSpec:
     def from_model_dir(cls, model_dir: str | Path, options: EngineOptions | None = None) -> EngineSpec:
         """The spec an engine loading `model_dir` with `options` will have (reads no weights)."""
         model_dir = Path(model_dir)
-        cfg = ModelConfig.from_file(model_dir / "config.json")
+        cfg = read_model_config(model_dir / "config.json")
         return cls.of(cfg, options or EngineOptions(), model_fingerprint(model_dir))
 
     def hash_root(self, cache_salt: str | None = None, tenant: str | None = None) -> bytes:

@@ -130,6 +130,18 @@ class ChatMessage(_Request):
         None, description="an assistant turn's tool calls, for the template")
     tool_call_id: str | None = Field(None, description="the call a tool message answers")
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, content: Any) -> Any:
+        """Vision-language checkpoints load text-only (workers.model.qwen3_5): say so for media."""
+        if isinstance(content, list):
+            for i, part in enumerate(content):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if isinstance(kind, str) and kind != "text":
+                    raise ValueError(f"part {i} is a {kind!r} part; this server serves the model's text only "
+                                     f"(images, video and audio are not supported)")
+        return content
+
     @model_validator(mode="after")
     def _content_required(self) -> "ChatMessage":
         if self.content is None and self.role != "assistant":

@@ -29,15 +29,17 @@ def serve_in_process(model_dir: str | Path | None = None, host: str = "127.0.0.1
                      metrics_key: str | None = None, shared_cache_tenants: bool = False,
                      public_system_prompts: list[str] | None = None, tool_call_parser: str = "auto",
                      **engine_options: object) -> None:
-    """Serves until interrupted. `model_dir` None serves the tiny demo model; the other
-    arguments are `build_app`'s."""
+    """Serves until interrupted. `model_dir` is a directory or a Hugging Face id (`org/name[@revision]`,
+    `workers.ModelSource`; its name for clients unless `served_model_name` says otherwise); None
+    serves the tiny demo model. The other arguments are `build_app`'s."""
     import uvicorn
 
     from cluster.api import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING, build_app
     from cluster.api.engine_client import LocalEngineClient
-    from workers import AsyncEngine, demo_model_dir
+    from workers import AsyncEngine, ModelSource, demo_model_dir
 
-    model_dir = Path(model_dir) if model_dir is not None else demo_model_dir("tiny")
+    source = ModelSource.parse(model_dir if model_dir is not None else demo_model_dir("tiny"))
+    model_dir, served_model_name = source.local_dir(), served_model_name or source.served_name
     engine = AsyncEngine.from_pretrained(model_dir, **engine_options)
     gc.collect()
     gc.freeze()  # this process serves one engine: its long-lived objects need no cyclic scans (as a replica)

@@ -12,7 +12,9 @@ Contract:
   `decode(skip_special_tokens=True)`); the think / tool-call / tool-response tags are added but
   not special, so decoded model output keeps them for reasoning and tool-call parsers.
 - `write_tokenizer_files` writes `tokenizer.json`, `tokenizer_config.json` (with the chat
-  template inline) and `chat_template.jinja` (transformers 5 reads this one first).
+  template inline) and `chat_template.jinja` (transformers 5 reads this one first): Qwen3's
+  conventions for `qwen3_next`, Qwen3.5's (thinking opened by the generation prompt, XML tool
+  calls) for the Qwen3.5 architectures.
 """
 
 import json
@@ -34,7 +36,10 @@ SPLIT_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-CHAT_TEMPLATE_PATH = Path(__file__).with_name("chat_template.jinja")
+# The chat template each demo architecture ships: Qwen3's conventions, or Qwen3.5's.
+CHAT_TEMPLATES = {"qwen3_next": Path(__file__).with_name("chat_template.jinja"),
+                  "qwen3_5": Path(__file__).with_name("chat_template_qwen3_5.jinja"),
+                  "qwen3_5_moe": Path(__file__).with_name("chat_template_qwen3_5.jinja")}
 
 
 def train_tokenizer(vocab_size: int) -> Tokenizer:
@@ -63,9 +68,11 @@ def _control(content: str, special: bool) -> AddedToken:
                       special=special)
 
 
-def write_tokenizer_files(out_dir: Path, tokenizer: Tokenizer, model_max_length: int) -> None:
-    """Write tokenizer.json, tokenizer_config.json and chat_template.jinja into `out_dir`."""
-    template = CHAT_TEMPLATE_PATH.read_text(encoding="utf-8")
+def write_tokenizer_files(out_dir: Path, tokenizer: Tokenizer, model_max_length: int,
+                          arch: str = "qwen3_next") -> None:
+    """Write tokenizer.json, tokenizer_config.json and chat_template.jinja (the one `arch`
+    ships) into `out_dir`."""
+    template = CHAT_TEMPLATES[arch].read_text(encoding="utf-8")
     tokenizer.save(str(out_dir / "tokenizer.json"))
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",

@@ -1,9 +1,11 @@
 """Random weights for the demo model, named and shaped exactly as transformers saves them.
 
-Contract: `random_weights(size, seed)` returns fp32 tensors keyed by the names
-`Qwen3NextForCausalLM.save_pretrained` writes (dense MLP, untied `lm_head`), drawn from one
-`torch.Generator` seeded with `seed` in a fixed name order: same seed, same bytes. Nothing here
-imports transformers.
+Contract: `random_weights(size, seed, arch)` returns fp32 tensors keyed by the names the
+architecture's published checkpoints use (untied `lm_head`): Qwen3-Next's grouped DeltaNet
+projections, Qwen3.5's separate ones, and for `qwen3_5_moe` the router, the fused experts
+(`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I]) and the gated shared
+expert. They are drawn from one `torch.Generator` seeded with `seed` in a fixed name order:
+same arguments, same bytes. Nothing here imports transformers.
 
 The draws are chosen so a random model still behaves like a model — context changes the
 logits and greedy decoding has a clear winner — because the engine's cache tests compare a
@@ -28,7 +30,7 @@ from workers.demo.config import DemoSize
 DT_MIN, DT_MAX = 1e-3, 1e-1
 
 
-def weight_shapes(size: DemoSize) -> dict[str, tuple[int, ...]]:
+def weight_shapes(size: DemoSize, arch: str = "qwen3_next") -> dict[str, tuple[int, ...]]:
     """Every tensor's name and shape, in the order they are drawn."""
     h = size.hidden_size
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (size.vocab_size, h)}
@@ -48,26 +50,43 @@ def weight_shapes(size: DemoSize) -> dict[str, tuple[int, ...]]:
             value_dim = size.linear_num_value_heads * size.linear_value_head_dim
             heads = size.linear_num_value_heads
             conv_dim = 2 * key_dim + value_dim
-            shapes[p + "linear_attn.in_proj_qkvz.weight"] = (2 * key_dim + 2 * value_dim, h)
-            shapes[p + "linear_attn.in_proj_ba.weight"] = (2 * heads, h)
+            if arch == "qwen3_next":  # grouped per key head
+                shapes[p + "linear_attn.in_proj_qkvz.weight"] = (2 * key_dim + 2 * value_dim, h)
+                shapes[p + "linear_attn.in_proj_ba.weight"] = (2 * heads, h)
+            else:  # Qwen3.5: separate projections
+                shapes[p + "linear_attn.in_proj_qkv.weight"] = (conv_dim, h)
+                shapes[p + "linear_attn.in_proj_z.weight"] = (value_dim, h)
+                shapes[p + "linear_attn.in_proj_b.weight"] = (heads, h)
+                shapes[p + "linear_attn.in_proj_a.weight"] = (heads, h)
             shapes[p + "linear_attn.conv1d.weight"] = (conv_dim, 1, size.linear_conv_kernel_dim)
             shapes[p + "linear_attn.dt_bias"] = (heads,)
             shapes[p + "linear_attn.A_log"] = (heads,)
             shapes[p + "linear_attn.norm.weight"] = (size.linear_value_head_dim,)
             shapes[p + "linear_attn.out_proj.weight"] = (h, value_dim)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
-        shapes[p + "mlp.gate_proj.weight"] = (size.intermediate_size, h)
-        shapes[p + "mlp.up_proj.weight"] = (size.intermediate_size, h)
-        shapes[p + "mlp.down_proj.weight"] = (h, size.intermediate_size)
+        if arch == "qwen3_5_moe":
+            e, i = size.num_experts, size.moe_intermediate_size
+            shapes[p + "mlp.gate.weight"] = (e, h)
+            shapes[p + "mlp.experts.gate_up_proj"] = (e, 2 * i, h)
+            shapes[p + "mlp.experts.down_proj"] = (e, h, i)
+            shapes.update(_swiglu(p + "mlp.shared_expert.", h, i))
+            shapes[p + "mlp.shared_expert_gate.weight"] = (1, h)
+        else:
+            shapes.update(_swiglu(p + "mlp.", h, size.intermediate_size))
     shapes["model.norm.weight"] = (h,)
     shapes["lm_head.weight"] = (size.vocab_size, h)
     return shapes
 
 
-def random_weights(size: DemoSize, seed: int) -> dict[str, torch.Tensor]:
-    """Deterministic fp32 weights for `size` from `seed`."""
+def _swiglu(prefix: str, hidden: int, intermediate: int) -> dict[str, tuple[int, ...]]:
+    return {prefix + "gate_proj.weight": (intermediate, hidden), prefix + "up_proj.weight": (intermediate, hidden),
+            prefix + "down_proj.weight": (hidden, intermediate)}
+
+
+def random_weights(size: DemoSize, seed: int, arch: str = "qwen3_next") -> dict[str, torch.Tensor]:
+    """Deterministic fp32 weights for `size` and `arch` from `seed`."""
     gen = torch.Generator().manual_seed(seed)
-    return {name: _draw(name, shape, gen) for name, shape in weight_shapes(size).items()}
+    return {name: _draw(name, shape, gen) for name, shape in weight_shapes(size, arch).items()}
 
 
 def _draw(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
@@ -81,6 +100,7 @@ def _draw(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tens
         u = torch.empty(shape).uniform_(0.0, 1.0, generator=gen)
         dt = torch.exp(u * (math.log(DT_MAX) - math.log(DT_MIN)) + math.log(DT_MIN))
         return dt + torch.log(-torch.expm1(-dt))  # inverse softplus
-    fan_in = math.prod(shape[1:])  # (out, in) linears; (channels, 1, kernel) depthwise conv
+    # (out, in) linears; (channels, 1, kernel) depthwise conv; (experts, out, in) fused experts
+    fan_in = shape[-1] if name.endswith(("experts.gate_up_proj", "experts.down_proj")) else math.prod(shape[1:])
     std = 1.0 if name == "model.embed_tokens.weight" else fan_in**-0.5
     return torch.empty(shape).normal_(0.0, std, generator=gen)

@@ -1,10 +1,10 @@
-"""Loads a Hugging Face checkpoint directory into `Qwen3NextForCausalLM`.
+"""Loads a Hugging Face checkpoint directory into its family's model (workers.model.registry).
 
 Accepts what `save_pretrained` writes: `config.json` plus `model.safetensors`, or shards listed
 in `model.safetensors.index.json`; tensors in fp32, bf16 or fp16, converted to the requested
-dtype. MoE experts may be stored per expert (`mlp.experts.{e}.gate_proj.weight`, the on-disk
-format) or fused (`mlp.experts.gate_up_proj`); they are fused at load. `mtp.*` tensors
-(multi-token-prediction heads of published checkpoints) are ignored.
+dtype. Each tensor name goes through the family's `tensor_name` first: a tensor it skips (a
+vision tower, `mtp.*` heads) is never read from disk. MoE experts may be stored per expert
+(`mlp.experts.{e}.gate_proj.weight`) or fused (`mlp.experts.gate_up_proj`); they are fused at load.
 
 Every refusal is a `CheckpointError` naming the file and the tensor or field at fault.
 """
@@ -18,12 +18,14 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from workers.model.config import CheckpointError, ModelConfig
-from workers.model.qwen3_next import Qwen3NextForCausalLM, Rotary
+from workers.model.config import CheckpointError, ModelConfig, read_json
+from workers.model.family import Family
+from workers.model.hybrid import HybridForCausalLM
+from workers.model.layers import Rotary
+from workers.model.registry import family_for
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-_IGNORED = re.compile(r"^mtp\.")
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, cfg: ModelConfig) -> torch.dtype:
@@ -53,7 +55,7 @@ def weight_files(model_dir: Path) -> list[Path]:
     raise CheckpointError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
 
 
-def read_tensors(files: list[Path], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def read_tensors(files: list[Path], dtype: torch.dtype, family: Family) -> dict[str, torch.Tensor]:
     tensors: dict[str, torch.Tensor] = {}
     experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
     for f in files:
@@ -62,12 +64,13 @@ def read_tensors(files: list[Path], dtype: torch.dtype) -> dict[str, torch.Tenso
         except Exception as e:  # safetensors raises its own error types
             raise CheckpointError(f"{f}: not a readable safetensors file ({e})") from None
         with handle:
-            for name in handle.keys():
-                if _IGNORED.match(name):
+            for stored in handle.keys():
+                name = family.tensor_name(stored)
+                if name is None:
                     continue
-                t = handle.get_tensor(name)
+                t = handle.get_tensor(stored)
                 if t.dtype not in DTYPES.values():
-                    raise CheckpointError(f"{f}: tensor '{name}' has dtype {t.dtype}; expected fp32/bf16/fp16")
+                    raise CheckpointError(f"{f}: tensor '{stored}' has dtype {t.dtype}; expected fp32/bf16/fp16")
                 t = t.to(dtype)
                 m = _EXPERT.match(name)
                 if m:
@@ -95,17 +98,20 @@ def _our_name(name: str) -> str:
 
 
 def load_model(model_dir: str | Path, dtype: str | torch.dtype | None = None,
-               device: str | torch.device = "cpu") -> Qwen3NextForCausalLM:
+               device: str | torch.device = "cpu") -> HybridForCausalLM:
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise CheckpointError(f"{model_dir}: not a directory")
-    cfg = ModelConfig.from_file(model_dir / "config.json")
+    source = model_dir / "config.json"
+    raw = read_json(source)
+    family = family_for(raw, str(source))
+    cfg = family.read_config(raw, str(source))
     torch_dtype = resolve_dtype(dtype, cfg)
     files = weight_files(model_dir)
-    state = {_our_name(k): v for k, v in read_tensors(files, torch_dtype).items()}
+    state = {_our_name(k): v for k, v in read_tensors(files, torch_dtype, family).items()}
 
     with torch.device("meta"):
-        model = Qwen3NextForCausalLM(cfg)
+        model = family.model_class(cfg)
     expected = model.state_dict()
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)

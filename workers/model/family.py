@@ -1,0 +1,31 @@
+"""`Family`: what a model family gives cairn, so that adding one is one module plus one line in
+workers.model.registry, and the prefix cache, the pools and the router need no change.
+
+A family provides:
+- `model_types`: the `config.json` `model_type` values it reads (a vision-language wrapper and
+  its text-only config are both listed when both are published);
+- `read_config(raw, source)`: that `config.json` as a `ModelConfig` (workers.model.config), every
+  field accounted for, anything it cannot run refused with a `CheckpointError` naming the field;
+- `model_class`: a `HybridForCausalLM` subclass (workers.model.hybrid) whose recurrent layer keeps
+  its state in the slot-indexed pools (`ModelConfig.conv_state_shape`, `ssm_state_shape`);
+- `tensor_name(name)`: a checkpoint tensor's name in the model, or None for a tensor that is
+  skipped without being read (a vision tower, multi-token-prediction heads). Per-expert MoE
+  tensors are fused by the loader after renaming (workers.model.loader).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from workers.model.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    model_types: tuple[str, ...]
+    read_config: Callable[[dict[str, Any], str], ModelConfig]
+    model_class: type  # a workers.model.hybrid.HybridForCausalLM subclass
+    tensor_name: Callable[[str], str | None]

@@ -1,0 +1,101 @@
+"""Gated DeltaNet over a varlen batch with slot-indexed recurrent state, as transformers computes it.
+
+Per token: the input projections give q|k|v (one conv input), an output gate z, and b, a per
+value head; a depthwise causal conv1d + SiLU runs over q|k|v; q and k are L2-normed inside the
+delta rule; decay g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b); the output is a
+gated RMSNorm with z, then out_proj. Families differ only in how the projections are stored
+(`_split_projections`): Qwen3-Next groups them per key head, Qwen3.5 keeps them separate.
+
+Decode rows (one new token each) update their conv window and state in place in their slots;
+prefill segments run the chunked rule, and copy the states after each requested checkpoint
+offset into the checkpoint slots asking for them (see workers.model.batch).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kernels
+from workers.model.batch import ForwardBatch
+from workers.model.config import ModelConfig
+from workers.model.layers import GatedRMSNorm
+
+
+class GatedDeltaNet(nn.Module):
+    """The recurrent layer. A family subclass adds its input projections (the checkpoint's
+    tensor names) and `_split_projections`, which maps a row of hidden states to the conv input
+    q|k|v [T, conv_dim], the output gate z [T, H_v, D_v], and b, a [T, H_v]."""
+
+    def __init__(self, cfg: ModelConfig, rank: int):
+        super().__init__()
+        self.rank = rank  # index of this layer among the linear-attention layers (state pool axis)
+        self.nk, self.nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.key_dim, self.value_dim, self.conv_dim = cfg.key_dim, cfg.value_dim, cfg.conv_dim
+        self.kernel = cfg.linear_conv_kernel_dim
+        # Stored as [conv_dim, 1, K] like nn.Conv1d so checkpoints load unchanged.
+        self.conv1d = nn.Module()
+        self.conv1d.weight = nn.Parameter(torch.zeros(self.conv_dim, 1, self.kernel))
+        self.dt_bias = nn.Parameter(torch.ones(self.nv))
+        self.A_log = nn.Parameter(torch.zeros(self.nv))
+        self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, cfg.hidden_size, bias=False)
+
+    def _split_projections(self, x: torch.Tensor):
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, conv_states: torch.Tensor,
+                ssm_states: torch.Tensor) -> torch.Tensor:
+        T = x.shape[0]
+        mixed, z, b, a = self._split_projections(x)
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        weight = self.conv1d.weight.squeeze(1)  # [conv_dim, K]
+        nd, r = batch.num_decodes, self.rank
+        conv_pool, ssm_pool = conv_states[:, r], ssm_states[:, r]  # [num_slots, ...] views of this layer
+        core = torch.empty(T, self.nv, self.dv, dtype=x.dtype, device=x.device)
+
+        if nd:  # one new token per sequence, states updated in their slots
+            slots = batch.state_slots[:nd]
+            q, k, v = self._heads(kernels.causal_conv1d_update_slots(mixed[:nd], weight, conv_pool, slots))
+            core[:nd] = kernels.gated_delta_rule_step_slots(q, k, v, g[:nd], beta[:nd], ssm_pool, slots)
+
+        if nd < batch.num_seqs:  # every prefill segment in one call per op
+            slots = batch.state_slots[nd:]
+            cu = batch.cu_seqlens[nd:] - batch.cu_seqlens[nd]
+            rows = slice(nd, T)  # decode tokens come first, one each
+            offsets = [batch.checkpoint_offsets.get(i, []) for i in range(nd, batch.num_seqs)]
+            before = conv_pool[slots] if any(offsets) else None  # conv states the segments start from
+            q, k, v = self._heads(kernels.causal_conv1d_varlen(mixed[rows], weight, cu, conv_pool, slots))
+            core[rows], states = kernels.chunk_gated_delta_rule_varlen(
+                q, k, v, g[rows], beta[rows], cu, ssm_pool, slots, state_positions=offsets)
+            if before is not None:
+                self._save_checkpoints(batch, mixed[rows], cu.tolist(), offsets, before, states, conv_pool, ssm_pool)
+
+        core = self.norm(core.reshape(-1, self.dv), z.reshape(-1, self.dv)).reshape(T, self.value_dim)
+        return self.out_proj(core)
+
+    def _save_checkpoints(self, batch: ForwardBatch, mixed: torch.Tensor, cu: list[int], offsets: list[list[int]],
+                          before: torch.Tensor, states: torch.Tensor, conv_pool: torch.Tensor,
+                          ssm_pool: torch.Tensor) -> None:
+        """Copies the states after each checkpoint offset of each prefill segment into the
+        checkpoint slots asking for them: the delta-rule state the chunked rule returned
+        (`states`, segment by segment, offset by offset) and the conv window ending there."""
+        nd, j = batch.num_decodes, 0
+        for i, offs in enumerate(offsets):
+            if not offs:
+                continue
+            # the conv input history of segment i: its starting state, then its tokens [C, K-1+len]
+            history = torch.cat((before[i], mixed[cu[i]:cu[i + 1]].t().to(before.dtype)), dim=1)
+            for off, slots in zip(offs, batch.checkpoint_slots[nd + i]):
+                for ck in slots:
+                    conv_pool[ck] = history[:, off: off + self.kernel - 1]
+                    ssm_pool[ck] = states[j]
+                j += 1
+
+    def _heads(self, y: torch.Tensor):
+        n = y.shape[0]
+        q, k, v = torch.split(y, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        return q.reshape(n, self.nk, self.dk), k.reshape(n, self.nk, self.dk), v.reshape(n, self.nv, self.dv)

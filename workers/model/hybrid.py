@@ -1,0 +1,81 @@
+"""The hybrid decoder every family builds: embeddings, layers of gated attention or a recurrent
+mixer (by `config.layer_types`), each followed by a dense or sparse MLP, a final norm and the LM
+head, over a varlen paged batch.
+
+Contract: `HybridForCausalLM(cfg)` has transformers' parameter names under `model.*` and
+`lm_head`, so a family's weight map is a renaming of checkpoint names, not a reshaping. A family
+subclass sets `delta_net`, its recurrent layer class. The model is a pure function of (weights,
+ForwardBatch, caches): it writes K/V for the new tokens into pages, advances each sequence's
+recurrent state in its slot, and returns fp32 logits of the rows in `batch.logits_indices`.
+It never decides anything; the runner does.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from workers.model.batch import ForwardBatch
+from workers.model.config import FULL, ModelConfig
+from workers.model.gated_deltanet import GatedDeltaNet
+from workers.model.layers import MLP, Attention, RMSNorm, SparseMoE
+
+
+class ModelCaches:
+    """The tensors the model reads and writes besides weights (see workers.model.batch)."""
+
+    def __init__(self, kv: list[tuple[torch.Tensor, torch.Tensor]], conv_states: torch.Tensor,
+                 ssm_states: torch.Tensor):
+        self.kv, self.conv_states, self.ssm_states = kv, conv_states, ssm_states
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, linear_rank: int, attention_rank: int,
+                 delta_net: type[GatedDeltaNet]):
+        super().__init__()
+        self.is_attention = cfg.layer_types[layer] == FULL
+        self.cache_rank = attention_rank if self.is_attention else linear_rank
+        if self.is_attention:
+            self.self_attn = Attention(cfg)
+        else:
+            self.linear_attn = delta_net(cfg, linear_rank)
+        self.mlp = SparseMoE(cfg) if cfg.is_moe_layer(layer) else MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
+        h = self.input_layernorm(x)
+        if self.is_attention:
+            h = self.self_attn(h, batch, caches.kv[self.cache_rank])
+        else:
+            h = self.linear_attn(h, batch, caches.conv_states, caches.ssm_states)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class HybridForCausalLM(nn.Module):
+    delta_net: type[GatedDeltaNet] = GatedDeltaNet  # a family's recurrent layer
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        layers, lin, att = [], 0, 0
+        for i, kind in enumerate(cfg.layer_types):
+            layers.append(DecoderLayer(cfg, i, lin, att, self.delta_net))
+            att, lin = (att + 1, lin) if kind == FULL else (att, lin + 1)
+        self.model.layers = nn.ModuleList(layers)
+        self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
+        """Returns fp32 logits [len(batch.logits_indices), vocab]."""
+        x = self.model.embed_tokens(batch.input_ids)  # [T, hidden]
+        for layer in self.model.layers:
+            x = layer(x, batch, caches)
+        x = self.model.norm(x[batch.logits_indices])
+        return self.lm_head(x).float()

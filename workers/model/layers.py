@@ -1,0 +1,155 @@
+"""The layers every hybrid family shares, exactly as transformers computes them.
+
+- `RMSNorm`: zero-centred, y = x / rms(x) * (1 + w), in fp32;
+- `GatedRMSNorm`: plain-weight RMSNorm times silu(gate) (the DeltaNet output norm);
+- `Rotary`: partial RoPE, rotate-half layout. M-RoPE (Qwen3.5) splits the frequencies into
+  temporal/height/width sections, each rotated by its own position; a text token has all three
+  equal, so for text M-RoPE is exactly this rotation, interleaved or not;
+- `Attention`: gated full attention (q_proj yields query and an output gate per head, RMSNorm on
+  q and k per head, partial RoPE, GQA) over paged KV;
+- `MLP`: SwiGLU; `SparseMoE`: top-k softmax routing over fused experts plus a sigmoid-gated
+  shared expert.
+
+Each is a pure function of its weights and inputs; the KV cache it writes is passed in.
+All attention ops come from `kernels` (Triton on CUDA, the torch reference on CPU).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kernels
+from workers.model.batch import ForwardBatch
+from workers.model.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    """Zero-centred RMSNorm: y = x / rms(x) * (1 + w), computed in fp32."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm with a plain weight, then multiplied by silu(gate) (DeltaNet's output norm)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        y = self.weight * xf.to(dtype)
+        return (y * F.silu(gate.float())).to(dtype)
+
+
+class Rotary(nn.Module):
+    """Partial RoPE on the first `rotary_dim` channels of each head (rotate-half layout)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        dim = cfg.rotary_dim
+        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.dim = dim
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # x: [T, H, D]; positions: [T]
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, dim/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos().to(x.dtype)[:, None, :], emb.sin().to(x.dtype)[:, None, :]
+        rot, rest = x[..., : self.dim], x[..., self.dim :]
+        half = self.dim // 2
+        rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
+        return torch.cat((rot * cos + rotated * sin, rest), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim * 2, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.rotary = Rotary(cfg)
+        self.scale = self.head_dim ** -0.5
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        T = x.shape[0]
+        q, gate = self.q_proj(x).view(T, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        gate = gate.reshape(T, -1)  # [T, H*D]
+        q = self.rotary(self.q_norm(q), batch.positions)  # [T, H, D]
+        k = self.rotary(self.k_norm(self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)), batch.positions)
+        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        k_cache, v_cache = kv
+        kernels.store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+
+        nd = batch.num_decodes
+        parts = []
+        if nd:
+            parts.append(kernels.paged_attention_decode(
+                q[:nd], k_cache, v_cache, batch.page_table[:nd], batch.seq_lens[:nd], self.scale))
+        if nd < batch.num_seqs:
+            cu = batch.cu_seqlens[nd:] - batch.cu_seqlens[nd]
+            parts.append(kernels.paged_attention_prefill(
+                q[nd:], k_cache, v_cache, batch.page_table[nd:], cu, batch.seq_lens[nd:], self.scale))
+        out = torch.cat(parts) if len(parts) > 1 else parts[0]
+        out = out.reshape(T, -1) * torch.sigmoid(gate)
+        return self.o_proj(out)
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class SparseMoE(nn.Module):
+    """Top-k softmax routing over experts (weights fused at load: gate_up [E, 2I, H],
+    down [E, H, I]) plus a shared expert scaled by sigmoid(shared_expert_gate(x))."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.gate = nn.Linear(H, E, bias=False)
+        self.gate_up_proj = nn.Parameter(torch.zeros(E, 2 * I, H))
+        self.down_proj = nn.Parameter(torch.zeros(E, H, I))
+        self.shared_expert = MLP(H, cfg.shared_expert_intermediate_size)
+        self.shared_expert_gate = nn.Linear(H, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)  # [T, k]
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(x.dtype)
+        out = torch.zeros_like(x)
+        for e in torch.unique(experts).tolist():
+            rows, which = torch.where(experts == e)
+            gate, up = F.linear(x[rows], self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down_proj[e]) * weights[rows, which, None]
+            out.index_add_(0, rows, y)
+        return out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
