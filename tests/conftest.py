@@ -18,6 +18,7 @@ import shutil  # noqa: E402
 import socket  # noqa: E402
 import subprocess  # noqa: E402
 import time  # noqa: E402
+from contextlib import ExitStack, contextmanager  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
@@ -285,3 +286,12 @@ def with_template(model_dir: Path, out: Path, template: str) -> Path:
     shutil.copy(model_dir / "tokenizer.json", out / "tokenizer.json")
     (out / "chat_template.jinja").write_text(template)
     return out
+
+
+@contextmanager
+def background_apps(*apps):
+    """A `BackgroundServer` for each ASGI app, in order; all stopped on exit."""
+    from cluster.api.server import BackgroundServer
+
+    with ExitStack() as stack:
+        yield [stack.enter_context(BackgroundServer(app)) for app in apps]

@@ -14,7 +14,7 @@ from cluster.api import build_app
 from cluster.api.chat_template import ChatTemplate
 from cluster.api.engine_client import LocalEngineClient
 from cluster.api.server import BackgroundServer
-from conftest import ScriptedClient, byte_tokens, with_template
+from conftest import ScriptedClient, background_apps, byte_tokens, with_template
 from workers import AsyncEngine
 
 MODEL = "tiny"
@@ -231,9 +231,8 @@ def thinking_dir(tiny_model_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def scripted(tiny_model_dir, thinking_dir):
     fake = ScriptedClient()
-    with BackgroundServer(build_app(fake, tiny_model_dir, MODEL)) as plain, \
-            BackgroundServer(build_app(fake, thinking_dir, MODEL)) as thinking, \
-            BackgroundServer(build_app(fake, tiny_model_dir, MODEL, api_key="sekrit")) as locked:
+    with background_apps(build_app(fake, tiny_model_dir, MODEL), build_app(fake, thinking_dir, MODEL),
+                         build_app(fake, tiny_model_dir, MODEL, api_key="sekrit")) as (plain, thinking, locked):
         yield fake, plain, thinking, locked
 
 

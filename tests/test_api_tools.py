@@ -21,7 +21,7 @@ from cluster.api.engine_client import LocalEngineClient
 from cluster.api.server import BackgroundServer
 from cluster.api.tool_call_formats import detect_format, resolve_format, typed_value
 from cluster.api.tool_calls import ToolCallParser
-from conftest import OneTokenClient, ScriptedClient, byte_tokens, with_template
+from conftest import OneTokenClient, ScriptedClient, background_apps, byte_tokens, with_template
 from workers import AsyncEngine
 
 MODEL = "tiny"
@@ -219,9 +219,8 @@ def xml_model_dir(tiny_model_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def servers(tiny_model_dir, xml_model_dir):
     fake = ScriptedClient()
-    with BackgroundServer(build_app(fake, tiny_model_dir, MODEL)) as qwen3, \
-            BackgroundServer(build_app(fake, xml_model_dir, MODEL)) as qwen35, \
-            BackgroundServer(build_app(fake, tiny_model_dir, MODEL, tool_call_parser="none")) as raw:
+    with background_apps(build_app(fake, tiny_model_dir, MODEL), build_app(fake, xml_model_dir, MODEL),
+                         build_app(fake, tiny_model_dir, MODEL, tool_call_parser="none")) as (qwen3, qwen35, raw):
         yield fake, {"qwen3": qwen3.url, "qwen3.5": qwen35.url, "none": raw.url}
 
 
