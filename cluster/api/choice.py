@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 from cluster.api.reasoning import ReasoningParser
 from cluster.api.stop_strings import StopMatcher
-from cluster.api.tool_calls import FoundCall, ToolCallParser
 from cluster.api.tokenizer import TextTokenizer
+from cluster.api.tool_calls import FoundCall, ToolCallParser
 from workers import RequestOutput, TokenLogprob
 
 MIN_LOGPROB = -9999.0  # what a -inf log-probability is reported as (JSON has no infinity)
