@@ -6,7 +6,11 @@ fed back as a client would:
 - thinking-drop: thinking on; the client splits each answer into reasoning (first half) and
   content (second half); the demo template drops earlier turns' reasoning, so each new prompt
   rewrites history a few tokens before the previous prompt ended;
-- echo: the client sends each turn back verbatim (token ids), as agent loops do.
+- echo: the client sends each turn back verbatim (token ids), as agent loops do;
+- agent: tools in the system prompt, one user request, then rounds of the assistant's text with a
+  tool call and the tool's result (traces.tool_round), each sent back as messages: the template
+  renders the call after the model's text, so each prompt extends the previous one from where
+  the model's answer turned into a call.
 Conversations share a system prompt; all are open at once and advance turn by turn. The trace
 (prompts, hints, output lengths) is recorded once per workload and replayed identically for every
 policy: `exact` (today's exact-length behaviour), `all`, `interval`, `end_branch`, and `cairn`.
@@ -42,7 +46,7 @@ from tokenizers import Tokenizer  # noqa: E402
 
 from cluster.api.chat_template import ChatTemplate  # noqa: E402
 from plotting import pyplot, save  # noqa: E402  (benchmarks/plotting.py)
-from traces import MULTITURN_WORDS, Oracle, sentence  # noqa: E402  (benchmarks/traces.py)
+from traces import AGENT_TOOLS, MULTITURN_WORDS, Oracle, sentence, tool_round  # noqa: E402  (benchmarks/traces.py)
 from workers import Engine, SamplingParams  # noqa: E402
 from workers.demo import demo_model_dir  # noqa: E402
 
@@ -78,8 +82,8 @@ class Client:
         self.tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         self.template = ChatTemplate.from_dir(model_dir)
 
-    def encode(self, messages: list[dict]) -> tuple[list[int], list[int]]:
-        text, starts = self.template.message_starts(messages)
+    def encode(self, messages: list[dict], tools: list[dict] | None = None) -> tuple[list[int], list[int]]:
+        text, starts = self.template.message_starts(messages, tools=tools)
         enc = self.tok.encode(text, add_special_tokens=False)
         ends = [e for _, e in enc.offsets]
         hints = [sum(1 for e in ends if e <= c) for c in starts]
@@ -101,6 +105,7 @@ def record_trace(engine: Engine, client: Client, workload: str, convs: int, turn
         return " ".join(sentence(rng, per_sentence, MULTITURN_WORDS) for _ in range(n_words // per_sentence))
 
     system = {"role": "system", "content": text(system_words, 12)}
+    tools = AGENT_TOOLS if workload == "agent" else None
     messages = [[system] for _ in range(convs)]
     echo_ids: list[list[int] | None] = [None] * convs
     rounds = []
@@ -109,13 +114,14 @@ def record_trace(engine: Engine, client: Client, workload: str, convs: int, turn
         reqs = []
         for c in range(convs):
             user = {"role": "user", "content": text(user_words, 10)}
-            messages[c].append(user)
+            if workload != "agent" or turn == 1:  # an agent's later rounds end with a tool result
+                messages[c].append(user)
             if workload == "echo" and echo_ids[c] is not None:
                 suffix, _ = client.encode([user])  # the new user turn + generation prompt, as tokens
                 prompt = echo_ids[c] + client.tok.encode("<|im_end|>\n", add_special_tokens=False).ids + suffix
                 hints = [len(echo_ids[c])]
             else:
-                prompt, hints = client.encode(messages[c])
+                prompt, hints = client.encode(messages[c], tools)
             reqs.append(Request(c, turn, prompt, hints, answer_tokens, oracle=oracle.hit_tokens(prompt)))
         outs = engine.generate([r.prompt for r in reqs], params)
         for r, out in zip(reqs, outs):
@@ -123,6 +129,8 @@ def record_trace(engine: Engine, client: Client, workload: str, convs: int, turn
             if workload == "thinking-drop":
                 messages[r.conv].append({"role": "assistant", "content": client.decode(out.token_ids[half:]),
                                          "reasoning_content": client.decode(out.token_ids[:half])})
+            elif workload == "agent":
+                messages[r.conv] += tool_round(rng, r.turn, client.decode(out.token_ids), MULTITURN_WORDS)
             else:
                 messages[r.conv].append({"role": "assistant", "content": client.decode(out.token_ids)})
                 echo_ids[r.conv] = r.prompt + out.token_ids
@@ -204,7 +212,7 @@ def main() -> None:
     parser.add_argument("--system-words", type=int, default=180)
     parser.add_argument("--user-words", type=int, default=40)
     parser.add_argument("--answer-tokens", type=int, default=32)
-    parser.add_argument("--workloads", default="thinking-drop,echo")
+    parser.add_argument("--workloads", default="thinking-drop,echo,agent")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--arch", default="qwen3_next", choices=("qwen3_next", "qwen3_5", "qwen3_5_moe"),
                         help="the demo model's architecture")

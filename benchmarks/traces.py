@@ -10,6 +10,9 @@ Shared by multiturn.py (one engine, in process) and routing.py (a Serve cluster,
   traces, and so its numbers, are the ones it always measured.
 - `text_of_tokens(tokenizer, rng, tokens, head)`: `head`, then 20-word sentences until the text
   is at least `tokens` tokens long, counted by `tokenizer.encode`: a system prompt of a size.
+- `AGENT_TOOLS`, `tool_round(rng, round_index, content, vocabulary)`: an agent loop's tools and
+  one round of it as the client sends it back: the assistant turn (the model's `content` and a
+  call of `look_up` whose arguments the client makes up) and the tool's result, a sentence.
 - `Oracle(page_tokens)`: the cache of a server with unlimited memory and a recurrent state at
   every token. `hit_tokens(prompt)` is what a request arriving now could reuse: the longest common
   prefix, in tokens, of its prompt with every sequence inserted so far, capped at len(prompt) - 1
@@ -51,6 +54,22 @@ def text_of_tokens(tokenizer: Any, rng: Any, tokens: int, head: str = "",
     while len(tokenizer.encode(text)) < tokens:
         text += " " + sentence(rng, 20, vocabulary)
     return text
+
+
+AGENT_TOOLS = [{"type": "function", "function": {
+    "name": "look_up", "description": "Reads the trail guide about a place and a topic.",
+    "parameters": {"type": "object", "properties": {"place": {"type": "string"}, "topic": {"type": "string"},
+                                                   "page": {"type": "integer"}},
+                   "required": ["place", "topic"]}}}]
+
+
+def tool_round(rng: Any, round_index: int, content: str, vocabulary: Sequence[str] = WORDS) -> list[dict]:
+    """[assistant turn with one `look_up` call, the tool message answering it]."""
+    call_id = f"call_{round_index}"
+    arguments = {"place": sentence(rng, 2, vocabulary), "topic": sentence(rng, 3, vocabulary), "page": round_index}
+    return [{"role": "assistant", "content": content, "tool_calls": [
+                {"id": call_id, "type": "function", "function": {"name": "look_up", "arguments": arguments}}]},
+            {"role": "tool", "tool_call_id": call_id, "content": sentence(rng, 16, vocabulary)}]
 
 
 class Oracle:

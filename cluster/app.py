@@ -37,6 +37,7 @@ from ray import serve
 
 from cluster.api.http_limits import HTTPLimits
 from cluster.api.limits import APILimits
+from cluster.api.tool_call_formats import resolve_format
 from cluster.engine_replica import EngineReplica
 from cluster.ingress import Ingress
 from cluster.routing.config import RoutingConfig
@@ -50,7 +51,7 @@ def build_application(model_dir: str | Path | None = None, replicas: int = 2, *,
                       metrics_key: str | None = None, shared_cache_tenants: bool = False,
                       http_limits: dict[str, Any] | None = None, max_body_bytes: int | None = None,
                       api_limits: dict[str, Any] | None = None, special_tokens_in_content: bool = False,
-                      public_system_prompts: list[str] | None = None,
+                      public_system_prompts: list[str] | None = None, tool_call_parser: str = "auto",
                       autoscaling: dict[str, Any] | None = None, max_ongoing_requests: int | None = None,
                       ingress_max_ongoing_requests: int = 1024, health_check_period_s: float | None = None,
                       graceful_shutdown_timeout_s: float = 120.0, graceful_shutdown_wait_loop_s: float = 1.0):
@@ -59,12 +60,13 @@ def build_application(model_dir: str | Path | None = None, replicas: int = 2, *,
     `max_ongoing_requests` per engine replica defaults to the engine's max_num_seqs;
     `health_check_period_s` (Serve's default: 10) is how often the controller checks a replica,
     hence how soon it replaces one that died. Keys, tenants, HTTP limits, per-request limits and
-    the special-token opt-out go to the ingress (`cluster.ingress.Ingress`;
+    the special-token opt-out and the tool-call parser go to the ingress (`cluster.ingress.Ingress`;
     `cluster.api.http_limits.HTTPLimits` and `cluster.api.limits.APILimits` as dicts)."""
     from workers import EngineOptions, EngineSpec, ModelSource, demo_model_dir
 
     check_ingress_limits(http_limits or {})
     APILimits.model_validate(api_limits or {})  # refused here, at deploy, not in every replica
+    resolve_format(tool_call_parser, None)
     source = ModelSource.parse(model_dir or demo_model_dir("tiny"))
     local_dir = source.local_dir()
     source = source.pinned(local_dir)  # every node loads the snapshot the spec was read from
@@ -91,7 +93,7 @@ def build_application(model_dir: str | Path | None = None, replicas: int = 2, *,
                         shared_cache_tenants=shared_cache_tenants, http_limits=http_limits,
                         max_body_bytes=max_body_bytes, api_limits=api_limits,
                         special_tokens_in_content=special_tokens_in_content,
-                        public_system_prompts=public_system_prompts)
+                        public_system_prompts=public_system_prompts, tool_call_parser=tool_call_parser)
 
 
 def check_ingress_limits(http_limits: dict[str, Any]) -> None:
@@ -112,7 +114,7 @@ def app_builder(args: dict[str, Any]):
     repository), num_cpus, num_gpus,
     ingress_replicas, served_model_name, api_key, api_keys, api_keys_file, metrics_key,
     shared_cache_tenants, public_system_prompts, http_limits, max_body_bytes, api_limits,
-    special_tokens_in_content,
+    special_tokens_in_content, tool_call_parser,
     autoscaling, max_ongoing_requests,
     ingress_max_ongoing_requests, health_check_period_s, graceful_shutdown_timeout_s,
     graceful_shutdown_wait_loop_s. Unknown keys are an error."""

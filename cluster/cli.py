@@ -24,6 +24,8 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
+TOOL_CALL_PARSERS = ("auto", "qwen3_json", "qwen3_xml", "none")  # cluster.api.tool_call_formats' (not imported here)
+
 
 def _add_demo_model(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
@@ -138,6 +140,9 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--special-tokens-in-content", action="store_true", default=None,
                         help="let special-token strings typed in messages become control tokens (off: "
                              "they are text)")
+    parser.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
+                        help="how the model writes tool calls: auto (read from its chat template), qwen3_json "
+                             "(Qwen3, Qwen3-Next), qwen3_xml (Qwen3.5, Qwen3-Coder), none (return them as text)")
     parser.add_argument("--served-model-name", default=None,
                         help="model id clients send (default: the Hugging Face id, or the folder's name)")
     parser.add_argument("--num-cpus", type=float, default=None, help="CPUs per engine replica (local.yaml: 0.5)")
@@ -183,7 +188,7 @@ def _serve(args: argparse.Namespace) -> int:
                          shared_cache_tenants=bool(args.shared_cache_tenants), http_limits=limits,
                          max_body_bytes=args.max_body_bytes, served_model_name=args.served_model_name,
                          limits=api_limits, special_tokens_in_content=bool(args.special_tokens_in_content),
-                         public_system_prompts=public_prompts,
+                         public_system_prompts=public_prompts, tool_call_parser=args.tool_call_parser or "auto",
                          **engine_options)
         return 0
     from cluster.deploy import serve_forever

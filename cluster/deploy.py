@@ -82,7 +82,8 @@ def apply_overrides(config: dict[str, Any], args: argparse.Namespace,
     for flag, key in (("replicas", "replicas"), ("num_cpus", "num_cpus"), ("num_gpus", "num_gpus"),
                       ("served_model_name", "served_model_name"), ("api_key", "api_keys"),
                       ("metrics_key", "metrics_key"), ("shared_cache_tenants", "shared_cache_tenants"),
-                      ("max_body_bytes", "max_body_bytes"), ("special_tokens_in_content", "special_tokens_in_content")):
+                      ("max_body_bytes", "max_body_bytes"), ("special_tokens_in_content", "special_tokens_in_content"),
+                      ("tool_call_parser", "tool_call_parser")):
         if getattr(args, flag, None) is not None:
             app_args[key] = getattr(args, flag)
     limits = http_limit_flags(args, in_process=False)

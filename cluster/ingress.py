@@ -93,7 +93,7 @@ class Ingress:
                        metrics_key: str | None = None, shared_cache_tenants: bool = False,
                        http_limits: dict[str, Any] | None = None, max_body_bytes: int | None = None,
                        api_limits: dict[str, Any] | None = None, special_tokens_in_content: bool = False,
-                       public_system_prompts: list[str] | None = None):
+                       public_system_prompts: list[str] | None = None, tool_call_parser: str = "auto"):
         source = ModelSource.parse(model)
         self.model_dir, self.served_model_name = source.local_dir(), served_model_name or source.served_name
         self.tenants = Tenants.load([*([f"default:{api_key}"] if api_key else []), *(api_keys or [])],
@@ -104,6 +104,7 @@ class Ingress:
         self.api_limits = APILimits.model_validate(api_limits or {})
         self.special_tokens_in_content = special_tokens_in_content
         self.public_system_prompts = list(public_system_prompts or ())
+        self.tool_call_parser = tool_call_parser
         self.client = HandleEngineClient(engine, spec)
         self._api_metrics: Any = None
         self._mirror = RayMetricsMirror()
@@ -118,7 +119,7 @@ class Ingress:
                         metrics_key=self.metrics_key, shared_cache_tenants=self.shared_cache_tenants,
                         http_limits=self.http_limits, limits=self.api_limits,
                         special_tokens_in_content=self.special_tokens_in_content,
-                        public_system_prompts=self.public_system_prompts)
+                        public_system_prompts=self.public_system_prompts, tool_call_parser=self.tool_call_parser)
         self._api_metrics = app.state.metrics
         app.add_middleware(ReplicaHeader)
         return app

@@ -18,6 +18,7 @@ import shutil  # noqa: E402
 import socket  # noqa: E402
 import subprocess  # noqa: E402
 import time  # noqa: E402
+from contextlib import ExitStack, contextmanager  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
@@ -254,3 +255,51 @@ class OneTokenClient:
 
     def num_waiting(self):
         return 0
+
+
+class ScriptedClient(OneTokenClient):
+    """An `EngineClient` that answers every request with `script`, one token per output, and keeps
+    the requests: exact tokens in, exact text out."""
+
+    def __init__(self):
+        super().__init__(max_model_len=4096)
+        self.script: list[int] = []
+
+    async def generate(self, request):
+        import asyncio
+
+        from workers import RequestOutput
+
+        self.requests.append(request)
+        out: list[int] = []
+        for t in self.script[:request.params.max_tokens]:
+            out.append(t)
+            done = len(out) == len(self.script) or len(out) == request.params.max_tokens
+            yield RequestOutput(request.request_id, [t], None, len(out), 0, token_ids=list(out) if done else None,
+                                finish_reason=("stop" if len(out) == len(self.script) else "length") if done else None)
+            await asyncio.sleep(0)
+
+
+def byte_tokens(tok, text: str) -> list[int]:
+    """One token per UTF-8 byte (the byte-level alphabet), so characters and tags split."""
+    from cluster.api.tokenizer import byte_of_char
+
+    char_of = {b: ch for ch, b in byte_of_char().items()}
+    return [tok.token_to_id(char_of[b]) for b in text.encode()]
+
+
+def with_template(model_dir: Path, out: Path, template: str) -> Path:
+    """`out`: `model_dir`'s tokenizer with the chat template `template` (a tokenizer-only model
+    directory, for the API over a scripted engine)."""
+    shutil.copy(model_dir / "tokenizer.json", out / "tokenizer.json")
+    (out / "chat_template.jinja").write_text(template)
+    return out
+
+
+@contextmanager
+def background_apps(*apps):
+    """A `BackgroundServer` for each ASGI app, in order; all stopped on exit."""
+    from cluster.api.server import BackgroundServer
+
+    with ExitStack() as stack:
+        yield [stack.enter_context(BackgroundServer(app)) for app in apps]

@@ -52,9 +52,14 @@ def case(name, body, status, param=None, path=C, method="POST", headers=None, co
     return pytest.param(method, path, body, headers, status, param, code, id=name)
 
 
-def tool(description: str) -> dict:
-    """A tool definition carrying 36 characters of keys and names beside its description."""
-    return {"type": "function", "function": {"name": "t", "description": description}}
+def tool(description: str, name: str = "t") -> dict:
+    """A tool definition carrying 36 characters of keys and names (one-letter name) beside its description."""
+    return {"type": "function", "function": {"name": name, "description": description}}
+
+
+def tools(count: int) -> list[dict]:
+    """`count` tools, each its own function (a name defined twice is a 400)."""
+    return [tool("d", f"t{i}") for i in range(count)]
 
 
 def wrong_types():
@@ -139,8 +144,9 @@ def limits():
     yield case("6001 characters with a tool", chat(tools=[tool(STONES[:6000 - 36 - 1])]), 413, "tools")
     yield case("template variables over the text limit", chat(chat_template_kwargs={"note": "x" * 6001}), 413,
                "chat_template_kwargs")
-    yield case("4 tools (at max_tools)", chat(tools=[tool("d")] * 4), 200)
-    yield case("5 tools", chat(tools=[tool("d")] * 5), 413, "tools", code="limit_exceeded")
+    yield case("4 tools (at max_tools)", chat(tools=tools(4)), 200)
+    yield case("5 tools", chat(tools=tools(5)), 413, "tools", code="limit_exceeded")
+    yield case("a function defined twice", chat(tools=[tool("d")] * 2), 400, "tools[1].function.name")
     yield case("4 stop strings (at max_stop_strings)", chat(stop=["a", "b", "c", "d"]), 200)
     yield case("5 stop strings", chat(stop=["a", "b", "c", "d", "e"]), 400, "stop", code="limit_exceeded")
     yield case("a stop string of 16 characters", chat(stop="s" * 16), 200)
@@ -197,9 +203,9 @@ def content():
         deep = {"a": deep}
     yield case("tool call arguments 100 levels deep", chat(messages=[{"role": "assistant", "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "f", "arguments": deep}}]}, HI[0]]), 200)
-    yield case("tool calls without a function: the template refuses", chat(messages=[
-        {"role": "assistant", "tool_calls": [{}]}, HI[0]]), 400, "messages", code="template_error")
-    yield case("a tool that is not a function", chat(tools=[{"type": "retrieval"}]), 200)
+    yield case("tool calls without a function", chat(messages=[
+        {"role": "assistant", "tool_calls": [{}]}, HI[0]]), 400, "messages[0].tool_calls[0].function")
+    yield case("a tool that is not a function", chat(tools=[{"type": "retrieval"}]), 400, "tools[0].type")
     yield case("unknown fields are ignored", chat(some_future_field={"x": [1, 2]}, functions=[1]), 200)
     yield case("completion with special tokens", comp(prompt="<|im_start|>user\nhi<|im_end|>"), 200, path=P)
     yield case("completion of token ids", comp(prompt=[1, 2, 3]), 200, path=P)
@@ -357,7 +363,7 @@ def scripted(tiny_model_dir):
 D = APILimits()
 DEFAULT_EDGES = [
     ("max_messages", lambda k: chat(messages=[{"role": "user", "content": ""}] * k), "messages", 413),
-    ("max_tools", lambda k: chat(tools=[tool("d")] * k), "tools", 413),
+    ("max_tools", lambda k: chat(tools=tools(k)), "tools", 413),
     ("max_stop_strings", lambda k: chat(stop=["x"] * k), "stop", 400),
     ("max_stop_string_chars", lambda k: chat(stop="x" * k), "stop", 400),
     ("max_stop_token_ids", lambda k: chat(stop_token_ids=[1] * k), "stop_token_ids", 400),

@@ -4,7 +4,6 @@ n > 1; and, through a scripted engine, reasoning split from content, multi-byte 
 split across tokens, and the API key."""
 
 import asyncio
-import shutil
 
 import httpx
 import openai
@@ -15,7 +14,8 @@ from cluster.api import build_app
 from cluster.api.chat_template import ChatTemplate
 from cluster.api.engine_client import LocalEngineClient
 from cluster.api.server import BackgroundServer
-from workers import AsyncEngine, EngineSpec, RequestOutput
+from conftest import ScriptedClient, background_apps, byte_tokens, with_template
+from workers import AsyncEngine
 
 MODEL = "tiny"
 GREEDY = dict(temperature=0, max_tokens=12, extra_body={"ignore_eos": True})
@@ -218,62 +218,21 @@ def test_metrics_report_requests_latency_and_tokens(server, client):
 
 
 # ---- a scripted engine: exact tokens in, exact text out --------------------------------------
-class ScriptedClient:
-    """An EngineClient that answers every request with `script`, one token per output."""
-
-    spec = EngineSpec(fingerprint="scripted", page_size=16, max_model_len=4096, recurrent=True, vocab_size=512)
-
-    def __init__(self):
-        self.script: list[int] = []
-        self.requests = []
-
-    async def generate(self, request):
-        self.requests.append(request)
-        out: list[int] = []
-        for t in self.script[:request.params.max_tokens]:
-            out.append(t)
-            done = len(out) == len(self.script) or len(out) == request.params.max_tokens
-            yield RequestOutput(request.request_id, [t], None, len(out), 0, token_ids=list(out) if done else None,
-                                finish_reason=("stop" if len(out) == len(self.script) else "length") if done else None)
-            await asyncio.sleep(0)
-
-    async def abort(self, request_id):
-        return False
-
-    async def metrics(self):
-        return {}
-
-    def num_waiting(self):
-        return 0
-
-
-def byte_tokens(tok, text: str) -> list[int]:
-    """One token per UTF-8 byte (the byte-level alphabet), so characters and tags split."""
-    from cluster.api.tokenizer import byte_of_char
-
-    char_of = {b: ch for ch, b in byte_of_char().items()}
-    return [tok.token_to_id(char_of[b]) for b in text.encode()]
-
-
 @pytest.fixture(scope="module")
 def thinking_dir(tiny_model_dir, tmp_path_factory):
     """The demo tokenizer with a template whose generation prompt opens <think> itself."""
-    out = tmp_path_factory.mktemp("thinking")
-    shutil.copy(tiny_model_dir / "tokenizer.json", out / "tokenizer.json")
     source = (tiny_model_dir / "chat_template.jinja").read_text()
     forced = source.replace(r"{{- '<think>\n\n</think>\n\n' -}}{%- endif -%}",
                             r"{{- '<think>\n\n</think>\n\n' -}}{%- else -%}{{- '<think>\n' -}}{%- endif -%}")
     assert forced != source
-    (out / "chat_template.jinja").write_text(forced)
-    return out
+    return with_template(tiny_model_dir, tmp_path_factory.mktemp("thinking"), forced)
 
 
 @pytest.fixture(scope="module")
 def scripted(tiny_model_dir, thinking_dir):
     fake = ScriptedClient()
-    with BackgroundServer(build_app(fake, tiny_model_dir, MODEL)) as plain, \
-            BackgroundServer(build_app(fake, thinking_dir, MODEL)) as thinking, \
-            BackgroundServer(build_app(fake, tiny_model_dir, MODEL, api_key="sekrit")) as locked:
+    with background_apps(build_app(fake, tiny_model_dir, MODEL), build_app(fake, thinking_dir, MODEL),
+                         build_app(fake, tiny_model_dir, MODEL, api_key="sekrit")) as (plain, thinking, locked):
         yield fake, plain, thinking, locked
 
 

@@ -132,7 +132,7 @@ def test_the_ingress_refuses_limits_that_belong_to_servess_proxy():
     assert ingress.init_kwargs == dict(api_keys=["a:k"], api_keys_file=None, metrics_key="m",
                                        shared_cache_tenants=True, http_limits={"body_timeout_s": 5},
                                        max_body_bytes=1024, api_limits=None, special_tokens_in_content=False,
-                                       public_system_prompts=None)
+                                       public_system_prompts=None, tool_call_parser="auto")
 
 
 def test_app_builder_takes_routing_as_a_path_and_refuses_unknown_keys():
@@ -342,3 +342,16 @@ def test_request_limit_and_special_token_flags_reach_the_ingress_and_bad_ones_fa
         deploy.apply_overrides(load("local.yaml"), serve_args(["--api-limit", "max_mesages=5"]))
     with pytest.raises(ValueError):
         app_builder({"api_limits": {"max_messages": 0}})
+
+
+def test_the_tool_call_parser_flag_reaches_the_ingress_and_a_wrong_name_fails_at_deploy():
+    from cluster.api.tool_call_formats import TOOL_CALL_PARSERS
+    from cluster.cli import TOOL_CALL_PARSERS as CLI_CHOICES
+
+    assert CLI_CHOICES == TOOL_CALL_PARSERS  # the CLI spells them out so that --help imports nothing
+    args = deploy.apply_overrides(load("local.yaml"), serve_args(["--tool-call-parser", "qwen3_xml"]))
+    assert args["applications"][0]["args"]["tool_call_parser"] == "qwen3_xml"
+    assert app_builder(args["applications"][0]["args"])._bound_deployment.init_kwargs["tool_call_parser"] == "qwen3_xml"
+    assert "tool_call_parser" not in deploy.apply_overrides(load("local.yaml"), serve_args([]))["applications"][0]["args"]
+    with pytest.raises(ValueError, match="tool_call_parser"):
+        app_builder({"tool_call_parser": "hermes"})

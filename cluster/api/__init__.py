@@ -8,8 +8,8 @@ admission, running, streaming, counting), `chat_completions` and `completions`, 
 pieces they use: `limits` (what one request may ask, checked while its body is parsed),
 `prep_pool` (the threads that do the work before the engine), `prompts` (that work: `chat_template`,
 `tokenizer`, `special_tokens`), `choice` (one choice's text, stop strings via `stop_strings`,
-reasoning via `reasoning`, logprobs), `fanout` (n choices over several engine requests), `sse`,
-`errors`, `middleware`, `metrics`, `server`.
+reasoning via `reasoning`, tool calls via `tool_calls` and `tool_call_formats`, logprobs),
+`fanout` (n choices over several engine requests), `sse`, `errors`, `middleware`, `metrics`, `server`.
 """
 
 from cluster.api.limits import APILimits

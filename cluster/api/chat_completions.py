@@ -1,10 +1,17 @@
-"""POST /v1/chat/completions: messages through the model's chat template, reasoning split out.
+"""POST /v1/chat/completions: messages through the model's chat template, reasoning and tool calls split out.
 
 Each choice's text is split into `reasoning_content` (what the model wrote inside
-`<think>…</think>`) and `content`, for reasoning models (a tokenizer with those tags).
-Streaming sends a role delta per choice first, then content / reasoning deltas with their
-tokens' logprobs, each choice's finish_reason, a usage chunk when `stream_options.include_usage`
-asks for it, and `[DONE]`. A fault after the stream started is sent as an error event.
+`<think>…</think>`) and `content`, for reasoning models (a tokenizer with those tags). With
+`tools` (and `tool_choice` not none), the calls the model writes in its content become
+`tool_calls` in its format (`tool_calls`, `tool_call_formats`), content is null when nothing else
+is left, and finish_reason is "tool_calls". `tool_choice` none hides the tools from the template
+and parses nothing; auto is the default; required and a named function are refused (400, after
+checking the name is among `tools`): nothing here can constrain the output to a call.
+`parallel_tool_calls: false` keeps only the first call.
+Streaming sends a role delta per choice first, then content / reasoning / tool-call deltas with
+their tokens' logprobs, each choice's finish_reason, a usage chunk when
+`stream_options.include_usage` asks for it, and `[DONE]`. A fault after the stream started is
+sent as an error event.
 """
 
 from __future__ import annotations
@@ -19,13 +26,14 @@ from starlette.responses import Response
 from cluster.api.choice import MIN_LOGPROB, Choice, PlacedLogprob
 from cluster.api.errors import bad_request
 from cluster.api.fanout import Fanout
-from cluster.api.protocol import ChatCompletionRequest
+from cluster.api.protocol import ChatCompletionRequest, NamedToolChoice
 from cluster.api.reasoning import ReasoningParser
 from cluster.api.responses import (ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk, ChatDelta,
                                ChatLogprobs, ChatMessageOut, TokenLogprob, TopLogprob, Usage)
 from cluster.api.serving import CLIENT_CLOSED_REQUEST, Prepared, Serving
 from cluster.api.sse import SSEResponse
 from cluster.api.tokenizer import TextTokenizer
+from cluster.api.tool_calls import ToolCallParser
 
 
 def chat_logprobs(tokenizer: TextTokenizer, placed: list[PlacedLogprob]) -> ChatLogprobs:
@@ -50,8 +58,7 @@ class ChatCompletions:
         s.check_common(req)
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
-        if not (req.tool_choice is None or req.tool_choice in ("none", "auto")):
-            raise bad_request("only tool_choice none or auto is supported", "tool_choice", "unsupported")
+        check_tools(req)
         if req.response_format is not None and req.response_format.get("type", "text") != "text":
             raise bad_request("only response_format {type: text} is supported", "response_format", "unsupported")
         prompt = await s.pool.run(lambda stop: s.prompts.chat(req, stop), client_gone)
@@ -62,7 +69,8 @@ class ChatCompletions:
         s.admit(req.n)
         requests = s.engine_requests(request_id, req, [prompt], params, tenant)
         choices = [Choice(i, s.tokenizer, prompt.ids, req.stop_strings(),
-                          ReasoningParser(prompt.opens_think) if s.reasoning_model else None)
+                          ReasoningParser(prompt.opens_think) if s.reasoning_model else None,
+                          self._tool_parser(req))
                    for i in range(req.n)]
         fan, first = await s.start(requests, "messages")
         completion_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -74,10 +82,19 @@ class ChatCompletions:
         usage = Usage.of(*self._count(prompt, choices, arrived))
         body = ChatCompletion(id=completion_id, model=s.model_name, usage=usage, choices=[
             ChatChoice(index=c.index, finish_reason=c.finish_reason,
-                       message=ChatMessageOut(content=c.content, reasoning_content=c.reasoning or None),
+                       message=ChatMessageOut(content=None if c.tool_calls and not c.content else c.content,
+                                              reasoning_content=c.reasoning or None,
+                                              tool_calls=[call.message() for call in c.tool_calls] or None),
                        logprobs=chat_logprobs(s.tokenizer, c.logprobs) if req.logprobs else None)
             for c in choices])
         return JSONResponse(body.model_dump(mode="json"))
+
+    def _tool_parser(self, req: ChatCompletionRequest) -> ToolCallParser | None:
+        fmt = self.serving.tool_format
+        if not req.tools or req.tool_choice == "none" or fmt == "none":
+            return None
+        return ToolCallParser(fmt, {t.function.name: t.function.parameters or {} for t in req.tools},
+                              max_calls=1 if req.parallel_tool_calls is False else None)
 
     def _count(self, prompt: Prepared, choices: list[Choice], arrived: float) -> tuple[int, int, int]:
         return self.serving.record([prompt], choices, arrived)
@@ -95,11 +112,34 @@ class ChatCompletions:
             for c in choices:
                 yield chunk([ChatChunkChoice(index=c.index, delta=ChatDelta(role="assistant", content=""))])
             async for c, d in s.drive(fan, first, choices, arrived):
-                yield chunk([ChatChunkChoice(
-                    index=c.index, finish_reason=d.finish_reason,
-                    delta=ChatDelta(content=d.content or None, reasoning_content=d.reasoning or None),
-                    logprobs=chat_logprobs(s.tokenizer, d.logprobs) if req.logprobs and d.logprobs else None)])
+                calls = [item for index, call in d.tool_calls for item in call.deltas(index)]
+                deltas = [ChatDelta(content=d.content or None, reasoning_content=d.reasoning or None,
+                                    tool_calls=calls[:1] or None)]
+                deltas += [ChatDelta(tool_calls=[item]) for item in calls[1:]]  # one tool-call item per chunk
+                for k, delta in enumerate(deltas):
+                    last = k == len(deltas) - 1
+                    yield chunk([ChatChunkChoice(
+                        index=c.index, finish_reason=d.finish_reason if last else None, delta=delta,
+                        logprobs=chat_logprobs(s.tokenizer, d.logprobs) if k == 0 and req.logprobs and d.logprobs
+                        else None)])
 
         include_usage = req.stream_options is not None and req.stream_options.include_usage
         return s.stream(request_id, fan, events(), [prompt], choices, arrived,
                         (lambda usage: chunk([], usage)) if include_usage else None)
+
+
+def check_tools(req: ChatCompletionRequest) -> None:
+    """400s for tools the request cannot have: a function defined twice, a forced call."""
+    names: set[str] = set()
+    for i, tool in enumerate(req.tools or ()):
+        if tool.function.name in names:
+            raise bad_request(f"function {tool.function.name!r} is defined twice", f"tools[{i}].function.name")
+        names.add(tool.function.name)
+    choice = req.tool_choice
+    if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+        raise bad_request(f"tool_choice names function {choice.function.name!r}, which is not among tools",
+                          "tool_choice")
+    if choice == "required" or isinstance(choice, NamedToolChoice):
+        raise bad_request("forcing a tool call (tool_choice required or a named function) is not supported: "
+                          "this server cannot constrain the output to a call; use tool_choice auto",
+                          "tool_choice", "unsupported")

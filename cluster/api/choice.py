@@ -2,11 +2,13 @@
 
 Each output from the engine goes, token by token, through the detokenizer (whole characters
 only), the stop matcher (cuts before a stop string, holds a possible partial one) and, for
-chat with a reasoning model, the reasoning parser. `update` returns what this output adds, so
+chat, the reasoning parser (a reasoning model) and then, on the content, the tool-call parser (a
+request with tools). `update` returns what this output adds, so
 streaming sends exactly the increments and a non-streaming response the sum of them: the two
 always agree. A choice that hit a stop string is finished at once (`finished`); the caller
 then stops its engine request. `num_tokens` counts the tokens the choice consumed, up to and
-including the one that completed a stop string.
+including the one that completed a stop string. A choice that made tool calls and stopped on
+its own ends with finish_reason "tool_calls" (OpenAI's); one cut at its length keeps "length".
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass, field
 from cluster.api.reasoning import ReasoningParser
 from cluster.api.stop_strings import StopMatcher
 from cluster.api.tokenizer import TextTokenizer
+from cluster.api.tool_calls import FoundCall, ToolCallParser
 from workers import RequestOutput, TokenLogprob
 
 MIN_LOGPROB = -9999.0  # what a -inf log-probability is reported as (JSON has no infinity)
@@ -34,25 +37,29 @@ class Delta:
     reasoning: str = ""
     content: str = ""
     logprobs: list[PlacedLogprob] = field(default_factory=list)
+    tool_calls: list[tuple[int, FoundCall]] = field(default_factory=list)  # (index in the choice, call)
     finish_reason: str | None = None
 
     def __bool__(self) -> bool:
-        return bool(self.reasoning or self.content or self.logprobs or self.finish_reason)
+        return bool(self.reasoning or self.content or self.logprobs or self.tool_calls or self.finish_reason)
 
 
 class Choice:
     def __init__(self, index: int, tokenizer: TextTokenizer, prompt_token_ids: Sequence[int],
-                 stops: Sequence[str] = (), reasoning: ReasoningParser | None = None):
+                 stops: Sequence[str] = (), reasoning: ReasoningParser | None = None,
+                 tools: ToolCallParser | None = None):
         self.index = index
         self._detok = tokenizer.detokenizer(prompt_token_ids)
         self._stop = StopMatcher(stops)
         self._reasoning = reasoning
+        self._tools = tools
         self.num_tokens = 0
         self.cached_tokens = 0
         self.finish_reason: str | None = None
         self.reasoning = ""
         self.content = ""
         self.logprobs: list[PlacedLogprob] = []
+        self.tool_calls: list[FoundCall] = []
 
     @property
     def finished(self) -> bool:
@@ -85,6 +92,14 @@ class Choice:
             if delta.finish_reason:
                 r, c = self._reasoning.flush()
                 delta.reasoning, delta.content = delta.reasoning + r, delta.content + c
+        if self._tools is not None:
+            delta.content, calls = self._tools.push(delta.content)
+            if delta.finish_reason:
+                delta.content += self._tools.flush()
+            delta.tool_calls = [(len(self.tool_calls) + k, call) for k, call in enumerate(calls)]
+            self.tool_calls += calls
+        if delta.finish_reason == "stop" and self.tool_calls:
+            delta.finish_reason = "tool_calls"
         self.finish_reason = delta.finish_reason
         self.reasoning += delta.reasoning
         self.content += delta.content

@@ -2,7 +2,9 @@
 
 A chat request goes through the model's chat template (`chat_template`), which reports where the
 last messages and the generation prompt start; `tokenizer` turns those character offsets into
-token positions, the checkpoint hints. Special-token strings in anything the client wrote stay
+token positions, the checkpoint hints. The template gets the request's tools (none with
+`tool_choice` none) and tool calls with their arguments as mappings (arguments that are not a
+JSON object are a 400 naming them). Special-token strings in anything the client wrote stay
 text (`special_tokens`) unless the server was built with `special_tokens_in_content`. Completion
 prompts are tokenized as written, special tokens included: there the client writes the whole
 prompt; token-id prompts are checked against the vocabulary before anything hashes them. A chat
@@ -22,7 +24,7 @@ from typing import Any
 from cluster.api.chat_template import ChatTemplate, TemplateError
 from cluster.api.errors import bad_request
 from cluster.api.prep_pool import check
-from cluster.api.protocol import ChatCompletionRequest, CompletionRequest
+from cluster.api.protocol import ChatCompletionRequest, CompletionRequest, FieldError
 from cluster.api.reasoning import ReasoningParser
 from cluster.api.special_tokens import SpecialTokens
 from cluster.api.tokenizer import TextTokenizer
@@ -53,7 +55,12 @@ class Prompts:
     def chat(self, req: ChatCompletionRequest, stop: threading.Event | None = None) -> Prepared:
         if self.template is None:
             raise bad_request("this model has no chat template; use /v1/completions", "messages")
-        messages = [m.for_template() for m in req.messages]
+        messages = []
+        for i, m in enumerate(req.messages):
+            try:
+                messages.append(m.for_template())
+            except FieldError as e:
+                raise bad_request(f"messages[{i}].{e.field}: {e}", f"messages[{i}].{e.field}") from None
         add_generation_prompt = req.add_generation_prompt and not req.continue_final_message
         if req.continue_final_message and messages[-1]["role"] != "assistant":
             raise bad_request("continue_final_message needs an assistant message last", "continue_final_message")
@@ -64,7 +71,8 @@ class Prompts:
                               f"names (use the request's own fields for messages, tools and "
                               f"add_generation_prompt)", "chat_template_kwargs")
         masking = self.specials.masking() if self.specials is not None else None
-        shown, tools = messages, req.tools
+        shown = messages
+        tools = [t.for_template() for t in req.tools] if req.tools and req.tool_choice != "none" else None
         if masking is not None:
             shown, tools, variables = masking.mask(messages), masking.mask(tools), masking.mask(variables)
         try:

@@ -8,11 +8,22 @@ the size limits (`limits.APILimits`, from the validation context `{"limits": ...
 defaults): a list over its limit is refused before its items are validated. Fields we
 accept but cannot honour (penalties, logit_bias, JSON modes, forced tool calls, suffix) are
 refused by the serving layer with a 400 naming them, never silently dropped.
+
+Tools: a definition is `{"type": "function", "function": {"name", "description"?, "parameters"?,
+"strict"?}}` with OpenAI's name rule (1 to 64 of `A-Z a-z 0-9 _ -`) and `parameters` a JSON
+object (a JSON Schema); anything else is a 400 naming the field (`tools[0].function.name`). An
+assistant turn's `tool_calls` items are `{"id"?, "type": "function", "function": {"name",
+"arguments"}}`, `arguments` a JSON-object string (the wire form) or an object: templates iterate
+it as a mapping, so `for_template` hands them a mapping (a string that is not a JSON object raises
+`FieldError`, which the ingress turns into a 400 naming it; parsed on the ingress's threads,
+after the size limits).
 Responses live in `cluster.api.responses`.
 """
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
@@ -21,6 +32,7 @@ from cluster.api.limits import DEFAULT_LIMITS, APILimits, text_chars
 
 MAX_N = 16            # choices per request
 MAX_LOGPROBS = 20
+FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's name
 
 
 def limits_of(info: ValidationInfo) -> APILimits:
@@ -40,6 +52,73 @@ class TextPart(_Request):
     text: str = Field(description="the text")
 
 
+class FieldError(ValueError):
+    """A value the request models accepted by type but that fails a later check; `field` is its
+    path inside the object that raised it (`tool_calls[0].function.arguments`)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+class FunctionCall(_Request):
+    name: str = Field(description="the function called")
+    arguments: str | dict[str, Any] = Field(description="its arguments: a JSON object, usually as a string")
+
+
+class ToolCall(_Request):
+    id: str | None = Field(None, description="the call's id, which a tool message's tool_call_id answers")
+    type: Literal["function"] = Field("function", description="only function calls")
+    function: FunctionCall
+
+    def for_template(self) -> dict[str, Any]:
+        """The call as chat templates read it: `arguments` a mapping (Qwen3.5's template iterates
+        it with `|items`; Qwen3's renders a mapping with `tojson`, as the model wrote it)."""
+        call = self.model_dump(exclude_none=True)
+        arguments = self.function.arguments
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments) if arguments.strip() else {}
+            except (ValueError, RecursionError):
+                raise FieldError("function.arguments", "is not valid JSON; send the arguments as a JSON "
+                                                       "object (as a string or an object)") from None
+            if not isinstance(arguments, dict):
+                raise FieldError("function.arguments", "must be a JSON object")
+        call["function"]["arguments"] = arguments
+        return call
+
+
+class FunctionDefinition(_Request):
+    name: str = Field(description="1 to 64 characters of A-Z, a-z, 0-9, _ and -")
+    description: str | None = Field(None, description="what the function does, for the model")
+    parameters: dict[str, Any] | None = Field(None, description="its arguments as a JSON Schema object")
+    strict: bool | None = Field(None, description="passed to the template (no constrained decoding here)")
+
+    @field_validator("name")
+    @classmethod
+    def _name_is_a_function_name(cls, name: str) -> str:
+        if not FUNCTION_NAME.fullmatch(name):
+            raise ValueError("a function name is 1 to 64 characters of A-Z, a-z, 0-9, _ and -")
+        return name
+
+
+class Tool(_Request):
+    type: Literal["function"] = Field(description="only function tools")
+    function: FunctionDefinition
+
+    def for_template(self) -> dict[str, Any]:
+        return self.model_dump(exclude_none=True)
+
+
+class NamedFunction(_Request):
+    name: str = Field(description="the function to call")
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"] = Field(description="only function tools")
+    function: NamedFunction
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"] = Field(
         description="who speaks; developer is rendered as system")
@@ -47,7 +126,7 @@ class ChatMessage(_Request):
     name: str | None = Field(None, description="speaker name, passed to the template")
     reasoning_content: str | None = Field(
         None, description="an assistant turn's reasoning, echoed back; the template decides whether to keep it")
-    tool_calls: list[dict[str, Any]] | None = Field(
+    tool_calls: list[ToolCall] | None = Field(
         None, description="an assistant turn's tool calls, for the template")
     tool_call_id: str | None = Field(None, description="the call a tool message answers")
 
@@ -72,12 +151,23 @@ class ChatMessage(_Request):
     def text_chars(self) -> int:
         content = self.content if isinstance(self.content, str) or self.content is None else \
             [part.text for part in self.content]
-        return text_chars([content, self.name, self.reasoning_content, self.tool_call_id, self.tool_calls])
+        calls = [c.model_dump(exclude_none=True) for c in self.tool_calls or ()]
+        return text_chars([content, self.name, self.reasoning_content, self.tool_call_id, calls])
 
     def for_template(self) -> dict[str, Any]:
+        """The message as chat templates read it (developer as system, tool calls' arguments as
+        mappings); raises `FieldError` for arguments that are not a JSON object."""
         message = self.model_dump(exclude_none=True)
         if message["role"] == "developer":
             message["role"] = "system"
+        if self.tool_calls is not None:
+            calls = []
+            for j, call in enumerate(self.tool_calls):
+                try:
+                    calls.append(call.for_template())
+                except FieldError as e:
+                    raise FieldError(f"tool_calls[{j}].{e.field}", str(e)) from None
+            message["tool_calls"] = calls
         return message
 
 
@@ -143,8 +233,12 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = Field(False, description="return each token's log-probability")
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
                                      description="alternatives per token (needs logprobs=true)")
-    tools: list[dict[str, Any]] | None = Field(None, description="tool schemas, passed to the chat template")
-    tool_choice: str | dict[str, Any] | None = Field(None, description="none or auto; forced calls are not supported")
+    tools: list[Tool] | None = Field(None, description="functions the model may call, passed to the chat template")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="none (the template sees no tools) or auto (the default with tools); forcing a "
+                          "call (required, or a named function) is refused: nothing constrains the output")
+    parallel_tool_calls: bool | None = Field(
+        None, description="false: only the model's first call is returned (default: all of them)")
     response_format: dict[str, Any] | None = Field(None, description="only {type: text} is supported")
     chat_template_kwargs: dict[str, Any] | None = Field(
         None, description="extra template variables, such as enable_thinking")
@@ -169,7 +263,7 @@ class ChatCompletionRequest(SamplingFields):
     @model_validator(mode="after")
     def _text_within_limits(self, info: ValidationInfo) -> "ChatCompletionRequest":
         limits_of(info).check_text({"messages": sum(m.text_chars() for m in self.messages),
-                                    "tools": text_chars([self.tools]),
+                                    "tools": text_chars([t.for_template() for t in self.tools or ()]),
                                     "chat_template_kwargs": text_chars([self.chat_template_kwargs]),
                                     "stop": self.stop_chars()})
         return self

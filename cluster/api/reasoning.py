@@ -14,7 +14,8 @@ from __future__ import annotations
 START, END = "<think>", "</think>"
 
 
-def _tail_prefix_len(buf: str, tag: str) -> int:
+def partial_tag_len(buf: str, tag: str) -> int:
+    """Length of the longest tail of `buf` that begins `tag` (0: none): text to hold back."""
     for k in range(min(len(tag) - 1, len(buf)), 0, -1):
         if buf.endswith(tag[:k]):
             return k
@@ -46,7 +47,7 @@ class ReasoningParser:
         if self.state == "reasoning":
             end = buf.find(END)
             if end < 0:
-                keep = _tail_prefix_len(buf, END)
+                keep = partial_tag_len(buf, END)
                 self._held = buf[len(buf) - keep:]
                 return buf[:len(buf) - keep], ""
             self.state = "content"

@@ -60,7 +60,8 @@ class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     reasoning_content: str | None = Field(None, description="text the model generated inside <think>…</think>")
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[dict[str, Any]] | None = Field(
+        None, description="the calls the model made: id, type function, function {name, arguments as JSON text}")
 
 
 class ChatChoice(BaseModel):
@@ -88,6 +89,8 @@ class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
     reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = Field(
+        None, description="a call's head (index, id, type, name, empty arguments), or its arguments (index)")
 
 
 class ChatChunkChoice(BaseModel):

@@ -109,7 +109,7 @@ def build_app(client: EngineClient, model_dir: str | Path, served_model_name: st
               limits: APILimits | None = None, special_tokens_in_content: bool = False,
               http_limits: HTTPLimits | None = None, tenants: Tenants | None = None,
               metrics_key: str | None = None, shared_cache_tenants: bool = False,
-              public_system_prompts: Sequence[str] = ()) -> FastAPI:
+              public_system_prompts: Sequence[str] = (), tool_call_parser: str = "auto") -> FastAPI:
     """The API over `client`; the tokenizer and chat template come from `model_dir`.
     `echo_request_id`: answer with an X-Request-Id header (off behind Ray Serve's proxy, which
     sends its own). `limits`: what one request may ask before the engine (`cluster.api.limits`).
@@ -119,7 +119,9 @@ def build_app(client: EngineClient, model_dir: str | Path, served_model_name: st
     CAIRN_API_KEY, else no keys); `metrics_key` alone opens /metrics; `shared_cache_tenants`
     roots every tenant's pages together; `public_system_prompts`: system prompts whose pages
     every tenant shares when a chat opens with one (the rest stays the tenant's own). `http_limits`: the body deadline and the header limit
-    the app enforces (the server enforces the rest, `cluster.api.connection`)."""
+    the app enforces (the server enforces the rest, `cluster.api.connection`). `tool_call_parser`:
+    how the model writes tool calls (`cluster.api.tool_call_formats`: auto, qwen3_json, qwen3_xml,
+    none); a name it does not know is a ValueError here."""
     limits = limits or DEFAULT_LIMITS
     if api_key is not None and tenants is not None:
         raise ValueError("give api_key or tenants, not both")
@@ -135,7 +137,7 @@ def build_app(client: EngineClient, model_dir: str | Path, served_model_name: st
         template = None  # completions still work; chat answers 400
     metrics = APIMetrics()
     serving = Serving(TimedClient(client, metrics), TextTokenizer.from_dir(model_dir), template, name, max_waiting,
-                      metrics, limits, special_tokens_in_content, public_system_prompts)
+                      metrics, limits, special_tokens_in_content, public_system_prompts, tool_call_parser)
     chat, completions = ChatCompletions(serving), Completions(serving)
 
     app = FastAPI(title="cairn", summary="OpenAI-compatible API for hybrid LLMs with prefix caching",

@@ -32,6 +32,7 @@ from cluster.api.prompts import Prepared, Prompts
 from cluster.api.protocol import SamplingFields
 from cluster.api.responses import DONE, Usage
 from cluster.api.tokenizer import TextTokenizer
+from cluster.api.tool_call_formats import resolve_format
 from workers import MAX_SEED, RequestRejected, SamplingParams
 
 __all__ = ["CLIENT_CLOSED_REQUEST", "Prepared", "Serving"]
@@ -42,13 +43,15 @@ log = logging.getLogger("cluster.api")
 class Serving:
     def __init__(self, client: EngineClient, tokenizer: TextTokenizer, template: ChatTemplate | None,
                  model_name: str, max_waiting: int, metrics: APIMetrics, limits: APILimits = DEFAULT_LIMITS,
-                 special_tokens_in_content: bool = False, public_system_prompts: Sequence[str] = ()):
+                 special_tokens_in_content: bool = False, public_system_prompts: Sequence[str] = (),
+                 tool_call_parser: str = "auto"):
         self.client, self.tokenizer = client, tokenizer
         self.model_name, self.max_waiting, self.metrics = model_name, max_waiting, metrics
         self.limits = limits
         self.prompts = Prompts(tokenizer, template, client.spec.vocab_size, special_tokens_in_content,
                                public_system_prompts)
         self.reasoning_model = self.prompts.reasoning_model
+        self.tool_format = resolve_format(tool_call_parser, template.source if template is not None else None)
         self.pool = PrepPool(limits.prepare_threads, limits.prepare_wait_s)
 
     # ---- checks shared by both endpoints -------------------------------------------------------
