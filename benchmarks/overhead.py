@@ -97,7 +97,7 @@ class Clock:
         self.wrap(engine, "step", "engine")
         self.wrap(engine.scheduler, "schedule", "schedule")
         self.wrap(engine.scheduler, "postprocess", "post-process")
-        self.wrap(engine.runner, "build_batch", "runner tensors")
+        self.wrap(engine.runner, "prepare", "runner tensors")
         self.wrap(engine.runner, "execute", "runner tensors")
         self.wrap(engine.sampler, "sample", "sampler")
         for name in ("match", "can_admit", "admit", "can_grow", "grow", "take_checkpoint_slot", "finish_capture",

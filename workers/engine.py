@@ -28,7 +28,8 @@ from cache_service.hashing import DIGEST_BYTES, model_fingerprint
 from workers.arena import ArenaLayout
 from workers.checkpoint_policy import CheckpointPolicy
 from workers.errors import RequestRejected, SequenceFault
-from workers.model import HybridForCausalLM, ModelConfig, load_model
+from workers.model import HybridForCausalLM, ModelConfig, load_model, read_model_config
+from workers.model.sharding import shard_config
 from workers.options import EngineOptions
 from workers.prefix_cache import Match, PrefixCache
 from workers.runner import ModelRunner
@@ -37,6 +38,7 @@ from workers.sampling_params import SamplingParams
 from workers.scheduler import Scheduler, Segment, StepPlan
 from workers.sequence import Sequence, TokenLogprob
 from workers.spec import EngineSpec
+from workers.tp_runner import RankWorkers, TensorParallelRunner, free_address, load_rank_model
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +94,9 @@ def _pick_device(name: str) -> torch.device:
 class Engine:
     def __init__(self, model: HybridForCausalLM, options: EngineOptions | None = None,
                  fingerprint: str | None = None, worker_id: str = "local",
-                 eos_token_ids: frozenset[int] = frozenset()):
+                 eos_token_ids: frozenset[int] = frozenset(), rank_workers=None):
+        """`model`: the whole model, or rank 0's shard of it with `rank_workers`
+        (workers.tp_runner.RankWorkers) running the other ranks' shards."""
         self.options = options = options or EngineOptions()
         self.model = model
         cfg: ModelConfig = model.config
@@ -112,6 +116,9 @@ class Engine:
                                  max_rows=rows, record_events=False)
         self.scheduler = Scheduler(options, self.cache, self.policy, frozenset(cfg.eos_token_ids) | eos_token_ids)
         self.runner = ModelRunner(model, layout, options.page_size, rows)
+        if rank_workers is not None:
+            rank_workers.wait_ready(layout.num_blocks, timeout_s=max(120.0, options.collective_timeout_s))
+            self.runner = TensorParallelRunner(self.runner, rank_workers)
         self.sampler = Sampler(options.seed)
         self.events = EventStream(worker_id)
         self.stats = EngineStats()
@@ -120,11 +127,27 @@ class Engine:
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, **options: object) -> "Engine":
+        """With `tensor_parallel_size` N > 1, this process is rank 0 and starts ranks 1..N-1
+        (workers.tp_runner); each loads only its shard."""
         worker_id = str(options.pop("worker_id", "local"))
         opts = EngineOptions.from_kwargs(**options)
-        model = load_model(model_dir, dtype=opts.dtype, device=_pick_device(opts.device))
-        return cls(model, opts, fingerprint=model_fingerprint(model_dir), worker_id=worker_id,
-                   eos_token_ids=generation_eos_ids(Path(model_dir)))
+        meta = dict(fingerprint=model_fingerprint(model_dir), worker_id=worker_id,
+                    eos_token_ids=generation_eos_ids(Path(model_dir)))
+        if opts.tensor_parallel_size == 1:
+            return cls(load_model(model_dir, dtype=opts.dtype, device=_pick_device(opts.device)), opts, **meta)
+        shard_config(read_model_config(Path(model_dir) / "config.json"), opts.tensor_parallel_size)  # fits?
+        address = free_address()
+        workers = RankWorkers.start(model_dir, opts, address)
+        try:
+            return cls(load_rank_model(model_dir, opts, 0, address), opts, rank_workers=workers, **meta)
+        except BaseException:
+            workers.close()
+            raise
+
+    def close(self) -> None:
+        """Stops a tensor-parallel engine's other ranks (nothing to do on one device)."""
+        if isinstance(self.runner, TensorParallelRunner):
+            self.runner.close()
 
     # ---- requests --------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,

@@ -24,6 +24,8 @@ class EngineOptions:
     dtype: str = "auto"                       # float32 | bfloat16 | float16 | auto (config's)
     device: str = "auto"                      # cpu | cuda | cuda:N | auto (cuda when present)
     seed: int = 0                             # randomness of requests that carry no seed
+    tensor_parallel_size: int = 1             # devices (ranks) one engine spans (workers.tp_runner)
+    collective_timeout_s: float = 60.0        # the longest a rank waits on the others in a step
 
     def __post_init__(self) -> None:
         def positive(name: str, allow_none: bool = False) -> None:
@@ -33,7 +35,8 @@ class EngineOptions:
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive integer{' or None' if allow_none else ''}, got {v!r}")
 
-        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "checkpoint_interval_pages"):
+        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "checkpoint_interval_pages",
+                     "tensor_parallel_size"):
             positive(name)
         for name in ("num_pages", "cache_memory_bytes"):
             positive(name, allow_none=True)
@@ -42,6 +45,9 @@ class EngineOptions:
         if isinstance(self.tail_guard, bool) or not isinstance(self.tail_guard, int) or self.tail_guard < 0:
             raise ValueError(f"tail_guard must be an integer >= 0, got {self.tail_guard!r}")
         positive("max_model_len", allow_none=True)
+        timeout = self.collective_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+            raise ValueError(f"collective_timeout_s must be a positive number of seconds, got {timeout!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):

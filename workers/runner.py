@@ -18,6 +18,8 @@ slot.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import numpy as np
 import torch
 
@@ -25,6 +27,43 @@ import kernels
 from workers.arena import ArenaLayout
 from workers.model import ForwardBatch, HybridForCausalLM, ModelCaches
 from workers.scheduler import StepPlan
+
+
+@dataclass
+class StepWork:
+    """One step as plain host data: what `ModelRunner.run` needs, and all a tensor-parallel
+    rank is sent (workers.tp_runner). Arrays are numpy; `batch` puts them on a device."""
+    input_ids: np.ndarray
+    positions: np.ndarray
+    cu_seqlens: np.ndarray
+    seq_lens: np.ndarray
+    page_table: np.ndarray
+    slot_mapping: np.ndarray
+    state_slots: np.ndarray
+    num_decodes: int
+    logits_indices: np.ndarray
+    checkpoint_offsets: dict[int, list[int]]
+    checkpoint_slots: dict[int, list[list[int]]]
+    page_moves: list[tuple[int, int]] = field(default_factory=list)
+    restores: list[tuple[int, int]] = field(default_factory=list)
+    fresh_state_slots: list[int] = field(default_factory=list)
+    snapshots: list[tuple[int, int]] = field(default_factory=list)
+
+    def batch(self, device: torch.device) -> ForwardBatch:
+        return ForwardBatch(
+            input_ids=torch.from_numpy(self.input_ids).to(device),
+            positions=torch.from_numpy(self.positions).to(device),
+            cu_seqlens=torch.from_numpy(self.cu_seqlens).to(device),
+            num_seqs=len(self.cu_seqlens) - 1,
+            seq_lens=torch.from_numpy(self.seq_lens).to(device),
+            page_table=torch.from_numpy(self.page_table).to(device),
+            slot_mapping=torch.from_numpy(self.slot_mapping).to(device),
+            state_slots=torch.from_numpy(self.state_slots).to(device),
+            num_decodes=self.num_decodes,
+            logits_indices=torch.from_numpy(self.logits_indices).to(device),
+            checkpoint_offsets=self.checkpoint_offsets,
+            checkpoint_slots=self.checkpoint_slots,
+        )
 
 
 class ModelRunner:
@@ -65,21 +104,25 @@ class ModelRunner:
 
     def execute(self, plan: StepPlan, all_logits: bool = False) -> torch.Tensor:
         """Runs one step; returns fp32 logits [num sampling segments, vocab] in plan order
-        (or, with `all_logits`, one row per computed token). Before the model: copy moved pages,
-        restore checkpoints into resuming sequences' slots, zero fresh slots. After: snapshot
-        slots into checkpoint slots."""
+        (or, with `all_logits`, one row per computed token)."""
+        return self.run(self.prepare(plan, all_logits))
+
+    def run(self, work: StepWork) -> torch.Tensor:
+        """The device's part of a step. Before the model: copy moved pages, restore checkpoints
+        into resuming sequences' slots, zero fresh slots. After: snapshot slots into checkpoint
+        slots. Every rank of a tensor-parallel engine runs the same `work` on its own shard."""
         states = (self.caches.conv_states, self.caches.ssm_states)
-        if plan.page_moves:  # pages the cache moved to make room for a state slot: before anything writes there
-            self._move_blocks(plan.page_moves)
-        if plan.restores:
-            self._copy_slots(states, plan.restores)
-        if plan.fresh_state_slots:
-            slots = self._index(plan.fresh_state_slots)
+        if work.page_moves:  # pages the cache moved to make room for a state slot: before anything writes there
+            self._move_blocks(work.page_moves)
+        if work.restores:
+            self._copy_slots(states, work.restores)
+        if work.fresh_state_slots:
+            slots = self._index(work.fresh_state_slots)
             for t in states:
                 t[slots] = 0
-        logits = self.model(self.build_batch(plan, all_logits), self.caches)
-        if plan.snapshots:
-            self._copy_slots(states, plan.snapshots)
+        logits = self.model(work.batch(self.device), self.caches)
+        if work.snapshots:
+            self._copy_slots(states, work.snapshots)
         return logits
 
     def _move_blocks(self, moves: list[tuple[int, int]]) -> None:
@@ -109,8 +152,13 @@ class ModelRunner:
             self._table[w.row, w.start:end] = w.page_ids
 
     def build_batch(self, plan: StepPlan, all_logits: bool = False) -> ForwardBatch:
-        """The step's tensors. Per-segment numbers are gathered in one pass, the per-token ones
-        computed with numpy; page-table rows come from the persistent table."""
+        """The step's tensors on this runner's device."""
+        return self.prepare(plan, all_logits).batch(self.device)
+
+    def prepare(self, plan: StepPlan, all_logits: bool = False) -> StepWork:
+        """The host's part of a step: the plan as plain arrays (`StepWork`). Per-segment numbers
+        are gathered in one pass, the per-token ones computed with numpy; page-table rows come
+        from the persistent table."""
         self._write_page_table(plan.page_table_writes)
         ps, table = self.page_size, self._table
         decodes, prefills = plan.decodes, plan.prefills
@@ -160,18 +208,9 @@ class ModelRunner:
             if seg.ckpt_slots:
                 offsets[b] = sorted(seg.ckpt_slots)
                 offset_slots[b] = [seg.ckpt_slots[o] for o in offsets[b]]
-        device = self.device
-        return ForwardBatch(
-            input_ids=torch.tensor(ids, dtype=torch.long, device=device),
-            positions=torch.from_numpy(pos).to(device),
-            cu_seqlens=torch.from_numpy(cu).to(device),
-            num_seqs=len(counts),
-            seq_lens=torch.from_numpy(ends.astype(np.int32)).to(device),
-            page_table=torch.from_numpy(table[rows, :max_pages]).to(device),
-            slot_mapping=torch.from_numpy(slot_mapping).to(device),
-            state_slots=torch.tensor(slots, dtype=torch.long, device=device),
-            num_decodes=nd,
-            logits_indices=torch.from_numpy(logits_rows.astype(np.int64)).to(device),
-            checkpoint_offsets=offsets,
-            checkpoint_slots=offset_slots,
-        )
+        return StepWork(
+            input_ids=np.array(ids, dtype=np.int64), positions=pos.astype(np.int64, copy=False), cu_seqlens=cu,
+            seq_lens=ends.astype(np.int32), page_table=table[rows, :max_pages], slot_mapping=slot_mapping,
+            state_slots=np.array(slots, dtype=np.int64), num_decodes=nd, logits_indices=logits_rows.astype(np.int64),
+            checkpoint_offsets=offsets, checkpoint_slots=offset_slots, page_moves=plan.page_moves,
+            restores=plan.restores, fresh_state_slots=plan.fresh_state_slots, snapshots=plan.snapshots)

@@ -10,13 +10,16 @@ A family provides:
   its state in the slot-indexed pools (`ModelConfig.conv_state_shape`, `ssm_state_shape`);
 - `tensor_name(name)`: a checkpoint tensor's name in the model, or None for a tensor that is
   skipped without being read (a vision tower, multi-token-prediction heads). Per-expert MoE
-  tensors are fused by the loader after renaming (workers.model.loader).
+  tensors are fused by the loader after renaming (workers.model.loader);
+- `shard_rules`: for tensor parallelism, the split of the tensors only this family has (its
+  recurrent layer's input projections), by name suffix; the shared layers' split is
+  workers.model.sharding's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from workers.model.config import ModelConfig
@@ -29,3 +32,4 @@ class Family:
     read_config: Callable[[dict[str, Any], str], ModelConfig]
     model_class: type  # a workers.model.hybrid.HybridForCausalLM subclass
     tensor_name: Callable[[str], str | None]
+    shard_rules: Mapping[str, Callable] = field(default_factory=dict)  # suffix -> workers.model.sharding.Rule

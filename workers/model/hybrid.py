@@ -4,7 +4,14 @@ head, over a varlen paged batch.
 
 Contract: `HybridForCausalLM(cfg)` has transformers' parameter names under `model.*` and
 `lm_head`, so a family's weight map is a renaming of checkpoint names, not a reshaping. A family
-subclass sets `delta_net`, its recurrent layer class. The model is a pure function of (weights,
+subclass sets `delta_net`, its recurrent layer class.
+
+Tensor parallel: `HybridForCausalLM(shard_config(full, N), shard, group)` is one rank's part
+(workers.model.sharding): its layers are the ordinary ones at 1/N of the heads and widths. The
+rank's partial sums meet in one all-reduce after each attention or DeltaNet block and one after
+each MLP; the embedding is vocab-parallel (each rank looks up its rows, one all-reduce) and so
+is the LM head (one all-gather of the sampled rows' logits), so every rank returns the full
+vocabulary's logits. The model is a pure function of (weights,
 ForwardBatch, caches): it writes K/V for the new tokens into pages, advances each sequence's
 recurrent state in its slot, and returns fp32 logits of the rows in `batch.logits_indices`.
 It never decides anything; the runner does.
@@ -19,6 +26,7 @@ from workers.model.batch import ForwardBatch
 from workers.model.config import FULL, ModelConfig
 from workers.model.gated_deltanet import GatedDeltaNet
 from workers.model.layers import MLP, Attention, RMSNorm, SparseMoE
+from workers.model.sharding import Shard, vocab_rows
 
 
 class ModelCaches:
@@ -31,8 +39,9 @@ class ModelCaches:
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, linear_rank: int, attention_rank: int,
-                 delta_net: type[GatedDeltaNet]):
+                 delta_net: type[GatedDeltaNet], group=None):
         super().__init__()
+        self.group = group  # workers.tp_group.TPGroup, or None on one device
         self.is_attention = cfg.layer_types[layer] == FULL
         self.cache_rank = attention_rank if self.is_attention else linear_rank
         if self.is_attention:
@@ -49,33 +58,51 @@ class DecoderLayer(nn.Module):
             h = self.self_attn(h, batch, caches.kv[self.cache_rank])
         else:
             h = self.linear_attn(h, batch, caches.conv_states, caches.ssm_states)
+        if self.group is not None:
+            h = self.group.all_reduce(h)
         x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.mlp(self.post_attention_layernorm(x))
+        if self.group is not None:
+            h = self.group.all_reduce(h)
+        return x + h
 
 
 class HybridForCausalLM(nn.Module):
     delta_net: type[GatedDeltaNet] = GatedDeltaNet  # a family's recurrent layer
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, shard: Shard = Shard(), group=None):
+        """`cfg`: the rank's config (`shard_config`); `group`: the ranks' TPGroup (None: one device)."""
         super().__init__()
-        self.config = cfg
+        self.config, self.shard, self.group = cfg, shard, group
+        self.vocab_start, _, rows = vocab_rows(cfg.vocab_size, shard)
         self.model = nn.Module()
-        self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.model.embed_tokens = nn.Embedding(rows, cfg.hidden_size)
         layers, lin, att = [], 0, 0
         for i, kind in enumerate(cfg.layer_types):
-            layers.append(DecoderLayer(cfg, i, lin, att, self.delta_net))
+            layers.append(DecoderLayer(cfg, i, lin, att, self.delta_net, group))
             att, lin = (att + 1, lin) if kind == FULL else (att, lin + 1)
         self.model.layers = nn.ModuleList(layers)
         self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.hidden_size, rows, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.group is None:
+            return self.model.embed_tokens(ids)
+        local = ids - self.vocab_start
+        mine = (local >= 0) & (local < self.model.embed_tokens.num_embeddings)
+        x = self.model.embed_tokens(torch.where(mine, local, 0)) * mine[:, None]
+        return self.group.all_reduce(x)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
         """Returns fp32 logits [len(batch.logits_indices), vocab]."""
-        x = self.model.embed_tokens(batch.input_ids)  # [T, hidden]
+        x = self._embed(batch.input_ids)  # [T, hidden]
         for layer in self.model.layers:
             x = layer(x, batch, caches)
         x = self.model.norm(x[batch.logits_indices])
-        return self.lm_head(x).float()
+        logits = self.lm_head(x).float()
+        if self.group is not None:
+            logits = self.group.all_gather(logits, dim=-1)[:, :self.config.vocab_size]
+        return logits

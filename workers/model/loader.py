@@ -23,6 +23,7 @@ from workers.model.family import Family
 from workers.model.hybrid import HybridForCausalLM
 from workers.model.layers import Rotary
 from workers.model.registry import family_for
+from workers.model.sharding import Ranges, Shard, ranges, shard_config, vocab_rows, zero_on_other_ranks
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -55,7 +56,21 @@ def weight_files(model_dir: Path) -> list[Path]:
     raise CheckpointError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
 
 
-def read_tensors(files: list[Path], dtype: torch.dtype, family: Family) -> dict[str, torch.Tensor]:
+def _read(handle, stored: str, part: Ranges | None) -> torch.Tensor:
+    """The whole tensor, or only the ranges `part` names (read from disk as slices)."""
+    if part is None:
+        return handle.get_tensor(stored)
+    dim, spans = part
+    sliced = handle.get_slice(stored)
+    ndim = len(sliced.get_shape())
+    pieces = [sliced[tuple(slice(a, b) if d == dim else slice(None) for d in range(ndim))] for a, b in spans]
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
+
+
+def read_tensors(files: list[Path], dtype: torch.dtype, family: Family, cfg: ModelConfig | None = None,
+                 shard: Shard = Shard()) -> dict[str, torch.Tensor]:
+    """Every tensor the family keeps, renamed, in `dtype`; with a `shard` of more than one rank
+    (and the full `cfg`), only that rank's part of each (workers.model.sharding)."""
     tensors: dict[str, torch.Tensor] = {}
     experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
     for f in files:
@@ -68,7 +83,9 @@ def read_tensors(files: list[Path], dtype: torch.dtype, family: Family) -> dict[
                 name = family.tensor_name(stored)
                 if name is None:
                     continue
-                t = handle.get_tensor(stored)
+                t = _read(handle, stored, ranges(name, cfg, shard, family.shard_rules) if cfg else None)
+                if shard.rank and zero_on_other_ranks(name):
+                    t = torch.zeros_like(t)  # a row-parallel bias is added once, by rank 0
                 if t.dtype not in DTYPES.values():
                     raise CheckpointError(f"{f}: tensor '{stored}' has dtype {t.dtype}; expected fp32/bf16/fp16")
                 t = t.to(dtype)
@@ -98,20 +115,28 @@ def _our_name(name: str) -> str:
 
 
 def load_model(model_dir: str | Path, dtype: str | torch.dtype | None = None,
-               device: str | torch.device = "cpu") -> HybridForCausalLM:
+               device: str | torch.device = "cpu", shard: Shard = Shard(), group=None) -> HybridForCausalLM:
+    """The checkpoint's model; with a `shard` of more than one rank, that rank's part of it,
+    reading only that part from disk, its collectives over `group` (workers.tp_group.TPGroup)."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise CheckpointError(f"{model_dir}: not a directory")
     source = model_dir / "config.json"
     raw = read_json(source)
     family = family_for(raw, str(source))
-    cfg = family.read_config(raw, str(source))
+    full = family.read_config(raw, str(source))
+    cfg = shard_config(full, shard.world)
     torch_dtype = resolve_dtype(dtype, cfg)
     files = weight_files(model_dir)
-    state = {_our_name(k): v for k, v in read_tensors(files, torch_dtype, family).items()}
+    state = {_our_name(k): v for k, v in read_tensors(files, torch_dtype, family, full, shard).items()}
+    _, _, vocab_per_rank = vocab_rows(full.vocab_size, shard)
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):  # the last rank's tail is padding
+        t = state.get(name)
+        if t is not None and t.shape[0] < vocab_per_rank:
+            state[name] = torch.cat((t, t.new_zeros(vocab_per_rank - t.shape[0], *t.shape[1:])))
 
     with torch.device("meta"):
-        model = family.model_class(cfg)
+        model = family.model_class(cfg, shard, group)
     expected = model.state_dict()
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)

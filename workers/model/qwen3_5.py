@@ -30,6 +30,7 @@ from workers.model.config import BOOKKEEPING, ConfigReader, ModelConfig, read_hy
 from workers.model.family import Family
 from workers.model.gated_deltanet import GatedDeltaNet
 from workers.model.hybrid import HybridForCausalLM
+from workers.model.sharding import conv_channels, rows, scaled_rows
 
 MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size")
 # Fields of the published configs that do not change the text model's forward pass.
@@ -122,9 +123,17 @@ def tensor_name(name: str) -> str | None:
     return name
 
 
+# Separate input projections: q|k|v rows follow the conv channels; z, b, a are per value head.
+SHARD_RULES = {
+    "linear_attn.in_proj_qkv.weight": conv_channels,
+    "linear_attn.in_proj_z.weight": scaled_rows(lambda c: c.linear_num_value_heads, lambda c: c.linear_value_head_dim),
+    "linear_attn.in_proj_b.weight": rows(lambda c: c.linear_num_value_heads),
+    "linear_attn.in_proj_a.weight": rows(lambda c: c.linear_num_value_heads),
+}
+
 FAMILIES = (
     Family(name="qwen3_5", model_types=("qwen3_5", "qwen3_5_text"), read_config=read_dense_config,
-           model_class=Qwen3_5ForCausalLM, tensor_name=tensor_name),
+           model_class=Qwen3_5ForCausalLM, tensor_name=tensor_name, shard_rules=SHARD_RULES),
     Family(name="qwen3_5_moe", model_types=("qwen3_5_moe", "qwen3_5_moe_text"), read_config=read_moe_config,
-           model_class=Qwen3_5ForCausalLM, tensor_name=tensor_name),
+           model_class=Qwen3_5ForCausalLM, tensor_name=tensor_name, shard_rules=SHARD_RULES),
 )

@@ -19,6 +19,7 @@ from workers.model.config import BOOKKEEPING, ConfigReader, ModelConfig, read_hy
 from workers.model.family import Family
 from workers.model.gated_deltanet import GatedDeltaNet
 from workers.model.hybrid import HybridForCausalLM
+from workers.model.sharding import scaled_rows
 
 
 class Qwen3NextGatedDeltaNet(GatedDeltaNet):
@@ -68,5 +69,17 @@ def tensor_name(name: str) -> str | None:
     return None if name.startswith("mtp.") else name
 
 
+def _ratio(cfg: ModelConfig) -> int:
+    return cfg.linear_num_value_heads // cfg.linear_num_key_heads
+
+
+# Both input projections are grouped per key head: a rank's rows are its key heads' groups.
+SHARD_RULES = {
+    "linear_attn.in_proj_qkvz.weight": scaled_rows(
+        lambda c: c.linear_num_key_heads,
+        lambda c: 2 * c.linear_key_head_dim + 2 * _ratio(c) * c.linear_value_head_dim),
+    "linear_attn.in_proj_ba.weight": scaled_rows(lambda c: c.linear_num_key_heads, lambda c: 2 * _ratio(c)),
+}
+
 FAMILY = Family(name="qwen3_next", model_types=("qwen3_next",), read_config=read_config,
-                model_class=Qwen3NextForCausalLM, tensor_name=tensor_name)
+                model_class=Qwen3NextForCausalLM, tensor_name=tensor_name, shard_rules=SHARD_RULES)
