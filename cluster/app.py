@@ -6,6 +6,10 @@ configs/serve.yaml and configs/local.yaml). The parts:
 - `Engine` deployment: `cluster.engine_replica.EngineReplica`, one engine per replica. Its
   request router comes from `RoutingConfig` (cache affinity by default, `cluster.routing`),
   which takes the engines' page size and recurrence from their `EngineSpec`.
+  With `engine_options.tensor_parallel_size` N > 1 a replica is a placement group of N bundles
+  (each `num_cpus` and `num_gpus`, `STRICT_PACK`: one node), Serve's `placement_group_bundles`:
+  the replica runs in the first as rank 0 and starts its other ranks in the rest
+  (`cluster.tp_ranks`). To the index and the router it is one worker.
 - `Ingress` deployment: `cluster.ingress.Ingress`, the OpenAI-compatible HTTP API.
 
 The model is a checkpoint directory or a Hugging Face id (`workers.model_source.ModelSource`).
@@ -78,11 +82,17 @@ def build_application(model_dir: str | Path | None = None, replicas: int = 2, *,
                                  graceful_shutdown_wait_loop_s=graceful_shutdown_wait_loop_s)
     if health_check_period_s is not None:
         extra["health_check_period_s"] = health_check_period_s
+    engine_extra = dict(extra)
+    tp = options.get("tensor_parallel_size", 1)
+    if tp > 1:  # the replica is rank 0 in bundle 0; its other ranks take the others (cluster.tp_ranks)
+        engine_extra.update(placement_group_bundles=[{"CPU": num_cpus, "GPU": num_gpus} if num_gpus else
+                                                     {"CPU": num_cpus}] * tp,
+                            placement_group_strategy="STRICT_PACK")
     engine = serve.deployment(
         EngineReplica, name="Engine", ray_actor_options=placement,
         request_router_config=routing.request_router_config(),
         max_ongoing_requests=max_ongoing_requests or options.get("max_num_seqs", EngineOptions.max_num_seqs),
-        **extra,
+        **engine_extra,
         **({"autoscaling_config": autoscaling} if autoscaling else {"num_replicas": replicas}),
     ).bind(str(source), options, routing.model_dump(), spec)
     ingress = serve.deployment(serve.ingress()(Ingress), name="Ingress", num_replicas=ingress_replicas,

@@ -16,6 +16,11 @@ Rules it keeps:
 - Its load reaches the router through `record_routing_stats` (`cluster.routing.cost.routing_stats`),
   and its engine metrics reach Ray's metrics export, tagged with this replica, from the same
   drain loop (`cluster.metrics_export`): the cluster-wide view.
+- With `tensor_parallel_size` N > 1 in its engine options it is rank 0 of its engine, placed in
+  the first bundle of its placement group (N bundles, one device each, `STRICT_PACK`: see
+  `cluster.app`), and starts ranks 1..N-1 as Ray actors in the other bundles
+  (`cluster.tp_ranks`). An engine that lost a rank fails `check_health`, and Serve replaces
+  the replica.
 - Shutting down (Serve scaling it down or replacing it), it first finishes what is in flight:
   Serve stops routing to it and waits for its ongoing requests, up to the deployment's
   `graceful_shutdown_timeout_s`, before calling `__del__`; then the index forgets it
@@ -41,6 +46,7 @@ from cluster.routing.config import RoutingConfig
 from cluster.routing.cost import routing_stats
 from cluster.routing.index_handle import IndexHandle
 from cluster.routing.router import replica_worker_id
+from cluster.tp_ranks import RayRankWorkers
 from workers import EngineSpec
 
 log = logging.getLogger(__name__)
@@ -57,7 +63,8 @@ class EngineReplica:
         cfg = RoutingConfig.model_validate(routing)
         self.worker_id = replica_worker_id(serve.get_replica_context().replica_id)
         model_dir = ModelSource.parse(model).local_dir()
-        self.engine = AsyncEngine.from_pretrained(model_dir, worker_id=self.worker_id, **engine_options)
+        extra = {"start_ranks": RayRankWorkers.start} if engine_options.get("tensor_parallel_size", 1) > 1 else {}
+        self.engine = AsyncEngine.from_pretrained(model_dir, worker_id=self.worker_id, **engine_options, **extra)
         if self.engine.spec != spec:  # e.g. another copy of the model on this node
             raise RuntimeError(f"this replica's engine is {self.engine.spec}, but the deployment was built for "
                                f"{spec}: every replica must load the same checkpoint with the same options")
@@ -98,6 +105,11 @@ class EngineReplica:
 
     async def abort(self, request_id: str) -> bool:
         return await self.engine.abort(request_id)
+
+    def check_health(self) -> None:
+        """Serve's health check: an engine that lost a tensor-parallel rank fails it, so Serve
+        replaces this replica (its requests already ended with a retryable error)."""
+        self.engine.check_health()
 
     async def metrics(self) -> dict[str, float]:
         return dict(await self.engine.metrics(), worker_id=self.worker_id)  # type: ignore[arg-type]

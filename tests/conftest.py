@@ -69,6 +69,22 @@ QWEN3_5_CHECKPOINTS = {
 }
 
 
+# Shapes that split 2 and 4 ways (tensor parallelism): 8 query heads over 2 K/V heads (fewer K/V
+# heads than 4 ranks: replicated), 4 key heads with 2 value heads each, an odd vocabulary (the last
+# rank's vocabulary rows are padding).
+TP_TEXT = dict(vocab_size=211, hidden_size=64, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+               head_dim=16, linear_key_head_dim=8, linear_value_head_dim=12, linear_num_key_heads=4,
+               linear_num_value_heads=8, linear_conv_kernel_dim=4, max_position_embeddings=512, rms_norm_eps=1e-6,
+               full_attention_interval=2)
+TP_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+CHECKPOINTS["tp_next_moe"] = dict(TP_TEXT, intermediate_size=96, decoder_sparse_step=1, mlp_only_layers=[1], **TP_MOE)
+QWEN3_5_CHECKPOINTS["tp_q35"] = ("Qwen3_5ForCausalLM", "Qwen3_5TextConfig", dict(TP_TEXT, intermediate_size=96))
+QWEN3_5_CHECKPOINTS["tp_q35_moe_vl"] = ("Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeConfig",
+                                        dict(text_config=dict(TP_TEXT, **TP_MOE),
+                                             vision_config=dict(Q35_VISION, out_hidden_size=64),
+                                             tie_word_embeddings=True))
+
+
 def build_hf_checkpoint(path: Path, kind: str, dtype: torch.dtype = torch.float32, seed: int = 0, **save) -> Path:
     """Writes a random model of `kind` (CHECKPOINTS: Qwen3-Next; QWEN3_5_CHECKPOINTS: Qwen3.5)
     with transformers' own save_pretrained."""

@@ -8,8 +8,10 @@ steps while any request is unfinished and sleeps otherwise. Each request gets a 
 A caller that stops iterating (client gone, task cancelled) aborts its request, so its pages
 and state slot go back to the cache. A request the engine failed alone (finish_reason "error")
 gets `EngineError` with the reason; an unexpected fault of a whole step fails the requests in
-flight the same way (logged once), and the loop goes on serving new requests. A request id
-already in flight is refused before anything is touched.
+flight the same way (logged once), and the loop goes on serving new requests. An engine that
+broke (`EngineBroken`: a tensor-parallel rank lost) fails its requests with `EngineBroken`,
+refuses new ones, and `check_health` raises. A request id already in flight is refused before
+anything is touched.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from pathlib import Path
 
 from cache_service.events import EventBatch
 from workers.engine import Engine, RequestOutput
-from workers.errors import EngineError, RequestRejected
+from workers.errors import EngineBroken, EngineError, RequestRejected
 from workers.sampling_params import SamplingParams
 from workers.spec import EngineSpec
 
@@ -150,8 +152,16 @@ class AsyncEngine:
     async def _fail_all(self, cause: Exception) -> None:
         for request_id, queue in list(self._queues.items()):
             await self._call(self.engine.abort, request_id)
-            queue.put_nowait(EngineError(f"internal error while running request {request_id}: "
-                                         f"{type(cause).__name__}"))
+            if isinstance(cause, EngineBroken):  # says so, so that the API answers "retry"
+                queue.put_nowait(EngineBroken(f"request {request_id} was lost with its engine: {cause}"))
+            else:
+                queue.put_nowait(EngineError(f"internal error while running request {request_id}: "
+                                             f"{type(cause).__name__}"))
+
+    def check_health(self) -> None:
+        """Raises `EngineBroken` once the engine can run nothing more (Serve's health check)."""
+        if self.engine.broken is not None:
+            raise EngineBroken(self.engine.broken)
 
     async def close(self) -> None:
         if self._loop_task is not None:
@@ -161,3 +171,4 @@ class AsyncEngine:
             except asyncio.CancelledError:
                 pass
         self._executor.shutdown(wait=True)
+        self.engine.close()

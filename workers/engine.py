@@ -27,7 +27,7 @@ from cache_service.events import EventBatch, EventStream
 from cache_service.hashing import DIGEST_BYTES, model_fingerprint
 from workers.arena import ArenaLayout
 from workers.checkpoint_policy import CheckpointPolicy
-from workers.errors import RequestRejected, SequenceFault
+from workers.errors import EngineBroken, RequestRejected, SequenceFault
 from workers.model import HybridForCausalLM, ModelConfig, load_model, read_model_config
 from workers.model.sharding import shard_config
 from workers.options import EngineOptions
@@ -124,20 +124,22 @@ class Engine:
         self.stats = EngineStats()
         self._requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
+        self.broken: str | None = None  # why the engine can run nothing more (EngineBroken)
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, **options: object) -> "Engine":
         """With `tensor_parallel_size` N > 1, this process is rank 0 and starts ranks 1..N-1
         (workers.tp_runner); each loads only its shard."""
         worker_id = str(options.pop("worker_id", "local"))
-        opts = EngineOptions.from_kwargs(**options)
+        start_ranks = options.pop("start_ranks", RankWorkers.start)  # how ranks 1..N-1 start (a Ray
+        opts = EngineOptions.from_kwargs(**options)                   # replica: cluster.tp_ranks)
         meta = dict(fingerprint=model_fingerprint(model_dir), worker_id=worker_id,
                     eos_token_ids=generation_eos_ids(Path(model_dir)))
         if opts.tensor_parallel_size == 1:
             return cls(load_model(model_dir, dtype=opts.dtype, device=_pick_device(opts.device)), opts, **meta)
         shard_config(read_model_config(Path(model_dir) / "config.json"), opts.tensor_parallel_size)  # fits?
         address = free_address()
-        workers = RankWorkers.start(model_dir, opts, address)
+        workers = start_ranks(model_dir, opts, address)
         try:
             return cls(load_rank_model(model_dir, opts, 0, address), opts, rank_workers=workers, **meta)
         except BaseException:
@@ -157,6 +159,8 @@ class Engine:
         (`spec.hash_root(cache_salt)`, default: no salt) roots its page hashes; `page_hashes`
         (from the ingress, under that root) save hashing here; `checkpoint_hints` are token
         positions (message starts) where a state checkpoint may pay off."""
+        if self.broken is not None:
+            raise EngineBroken(self.broken)
         params = params or SamplingParams()
         prompt = list(prompt_token_ids)
         spec = self.spec
@@ -213,12 +217,16 @@ class Engine:
         """Schedules, runs the model once, samples, applies the step; returns an output for every
         request that produced a token, finished or failed. A fault of one sequence fails that
         request alone (finish_reason "error", `error` says why); a failed forward pass fails the
-        requests of that step, never those waiting."""
+        requests of that step, never those waiting. `EngineBroken` (a tensor-parallel rank lost)
+        is raised: the engine is done, and `broken` says why."""
         plan = self.scheduler.schedule()
         outputs = []
         if plan:
             try:
                 logits = self.runner.execute(plan)
+            except EngineBroken as e:  # nothing can run any more: the caller fails everything
+                self.broken = str(e)
+                raise
             except Exception as e:  # the model ran for the whole step: its requests share the fault
                 log.exception("the forward pass failed; failing the %d request(s) of this step", len(plan.segments))
                 for seg in plan.segments:

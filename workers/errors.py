@@ -4,6 +4,9 @@
   out of the vocabulary). It carries `param`, the request field at fault, so the API names it
   without reading the message; a `ValueError`, so plain callers need nothing new.
 - `EngineError`: an internal fault while a request ran; not the caller's doing.
+- `EngineBroken`: an `EngineError` after which the engine cannot run any request (a
+  tensor-parallel rank was lost): every request it holds fails, later ones are refused, and
+  its replica reports itself unhealthy so that Serve replaces it. A client should retry.
 - `SequenceFault`: what went wrong for one sequence inside a step (its sampling, its logits, its
   stop check, one of its cache operations). The engine ends that sequence alone, with
   `finish_reason` "error" and the fault's message; every other sequence of the step goes on.
@@ -29,6 +32,10 @@ class RequestRejected(ValueError):
 
 class EngineError(RuntimeError):
     """An internal fault while a request was running (not the caller's doing)."""
+
+
+class EngineBroken(EngineError):
+    """The engine can no longer run anything; retry the request elsewhere (or later)."""
 
 
 class SequenceFault(Exception):

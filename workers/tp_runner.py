@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from workers.errors import EngineBroken
 from workers.options import EngineOptions
 from workers.runner import ModelRunner, StepWork
 from workers.scheduler import StepPlan
@@ -36,7 +37,7 @@ from workers.scheduler import StepPlan
 log = logging.getLogger(__name__)
 
 
-class RankFailure(RuntimeError):
+class RankFailure(EngineBroken):
     """A tensor-parallel rank failed or stopped answering; the engine cannot go on."""
 
 
@@ -58,13 +59,15 @@ def rank_device(options: EngineOptions, rank: int) -> torch.device:
     return torch.device("cuda", rank) if want.startswith("cuda") else torch.device("cpu")
 
 
-def load_rank_model(model_dir: str | Path, options: EngineOptions, rank: int, address: str):
-    """Rank `rank`'s shard of the model, joined to the others' group at `address`."""
+def load_rank_model(model_dir: str | Path, options: EngineOptions, rank: int, address: str,
+                    device: torch.device | None = None):
+    """Rank `rank`'s shard of the model on `device` (default: `rank_device`), joined to the
+    others' group at `address`."""
     from workers.model import load_model
     from workers.model.sharding import Shard
     from workers.tp_group import TPGroup
 
-    world, device = options.tensor_parallel_size, rank_device(options, rank)
+    world, device = options.tensor_parallel_size, device or rank_device(options, rank)
     group = TPGroup.connect(rank, world, address, backend_for(device), options.collective_timeout_s)
     return load_model(model_dir, dtype=options.dtype, device=device, shard=Shard(rank, world), group=group)
 
@@ -134,6 +137,7 @@ class RankWorkers:
         """What the ranks said or how they ended, for an error message."""
         parts = []
         for rank, (p, conn) in enumerate(zip(self.processes, self.conns), start=1):
+            p.join(timeout=1.0)  # a rank that just died: let it be reaped, so it is named
             said = ""
             try:
                 while conn.poll(0):
@@ -179,7 +183,8 @@ class TensorParallelRunner:
             self.workers.send(work)
             return self.local.run(work)
         except Exception as e:
-            self.failure = f"tensor-parallel step failed ({type(e).__name__}: {e}); {self.workers.report()}"
+            cause = str(e).splitlines()[0][:200] if str(e) else ""
+            self.failure = f"tensor-parallel step failed ({type(e).__name__}: {cause}); {self.workers.report()}"
             raise RankFailure(self.failure) from e
 
     def __getattr__(self, name: str):  # everything else (arena views, page table) is rank 0's runner's

@@ -1,0 +1,170 @@
+"""Tensor parallelism on CPU (gloo): an engine spanning 2 or 4 ranks computes what the same
+engine on one device computes, for every family (Qwen3-Next MoE, Qwen3.5 dense, Qwen3.5 MoE in
+the vision-language layout, and the demo models), with more value heads than key heads and
+fewer K/V heads than ranks; the same cache hits on a multi-turn trace however its prefill is
+chunked, batched or preempted; a rank that dies fails the engine within the collective timeout
+instead of hanging it; each rank reads only its part of every tensor."""
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+import workers.model.loader as loader
+from workers import AsyncEngine, Engine, SamplingParams
+from workers.errors import EngineBroken
+from workers.model import read_model_config
+from workers.model.registry import family_for
+from workers.model.sharding import Shard, shard_config
+from workers.tp_runner import RankFailure
+
+KINDS = ["tp_next_moe", "tp_q35", "tp_q35_moe_vl"]
+GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=2)
+
+
+def prompts(vocab: int, lengths=(1, 23, 57)) -> list[list[int]]:
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def assert_same_outputs(ours, reference):
+    for a, b in zip(ours, reference):
+        assert a.token_ids == b.token_ids
+        chosen = torch.tensor([lp.logprob for lp in a.logprobs])
+        expected = torch.tensor([lp.logprob for lp in b.logprobs])
+        torch.testing.assert_close(chosen, expected, atol=1e-4, rtol=0)
+        assert [[t for t, _ in lp.top] for lp in a.logprobs] == [[t for t, _ in lp.top] for lp in b.logprobs]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """TP 1's outputs per checkpoint, computed once."""
+    return {}
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("kind", KINDS)
+def test_greedy_tokens_and_logprobs_match_one_device(hf_checkpoint, reference, kind, tp):
+    path = hf_checkpoint(kind)
+    options = dict(num_pages=64, max_num_seqs=4)
+    if kind not in reference:
+        one = Engine.from_pretrained(path, **options)
+        reference[kind] = one.generate(prompts(one.config.vocab_size), GREEDY), one.prompt_logits(prompts(211)[2])
+    engine = Engine.from_pretrained(path, tensor_parallel_size=tp, **options)
+    try:
+        assert engine.config.num_attention_heads == 8 // tp  # rank 0 holds its share of the heads
+        outs, logits = reference[kind]
+        assert_same_outputs(engine.generate(prompts(engine.spec.vocab_size), GREEDY), outs)
+        torch.testing.assert_close(engine.prompt_logits(prompts(211)[2]), logits, atol=1e-4, rtol=1e-4)
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5", "qwen3_5_moe"])
+def test_demo_models_at_tp_2_match_one_device(demo_model, arch):
+    path = demo_model(arch)
+    one = Engine.from_pretrained(path, num_pages=64, max_num_seqs=4)
+    engine = Engine.from_pretrained(path, num_pages=64, max_num_seqs=4, tensor_parallel_size=2)
+    try:
+        ps = prompts(one.spec.vocab_size, (5, 40))
+        assert_same_outputs(engine.generate(ps, GREEDY), one.generate(ps, GREEDY))
+    finally:
+        engine.close()
+
+
+def converse(engine: Engine, turns: int = 4) -> list[tuple[list[int], int]]:
+    """Three conversations, each turn its previous prompt and answer plus new tokens, run
+    together: (output tokens, cached_tokens) per request."""
+    g = torch.Generator().manual_seed(3)
+    histories = [torch.randint(0, 200, (30 + 17 * c,), generator=g).tolist() for c in range(3)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    seen = []
+    for _ in range(turns):
+        outs = engine.generate(histories, params)
+        seen += [(o.token_ids, o.cached_tokens) for o in outs]
+        histories = [h + o.token_ids + torch.randint(0, 200, (9,), generator=g).tolist()
+                     for h, o in zip(histories, outs)]
+    return seen
+
+
+def test_multi_turn_cache_hits_equal_one_devices_under_chunking_batching_and_preemption(hf_checkpoint):
+    path = hf_checkpoint("tp_q35_moe_vl")
+    # odd prefill chunks, and so few pages that the three conversations preempt each other
+    tight = dict(page_size=8, num_pages=32, max_num_seqs=3, max_num_batched_tokens=13)
+    one = Engine.from_pretrained(path, **tight)
+    expected = converse(one)
+    assert one.stats.preemptions > 0 and any(cached for _, cached in expected[3:])
+    engine = Engine.from_pretrained(path, tensor_parallel_size=2, **tight)
+    try:
+        assert converse(engine) == expected
+        assert engine.stats.preemptions == one.stats.preemptions
+    finally:
+        engine.close()
+
+
+def test_a_world_size_the_shapes_do_not_divide_is_refused_naming_the_field(hf_checkpoint):
+    with pytest.raises(ValueError, match=r"tensor_parallel_size 3 does not divide num_attention_heads \(8\)"):
+        Engine.from_pretrained(hf_checkpoint("tp_q35"), tensor_parallel_size=3)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size 8 does not divide linear_num_key_heads \(4\)"):
+        shard_config(read_model_config(hf_checkpoint("tp_q35") / "config.json"), 8)
+
+
+def test_a_rank_that_dies_fails_the_engine_within_the_timeout_and_nothing_hangs(hf_checkpoint):
+    engine = Engine.from_pretrained(hf_checkpoint("tp_q35"), num_pages=64, max_num_seqs=4, tensor_parallel_size=2,
+                                    collective_timeout_s=5)
+    try:
+        assert engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2))[0].finish_reason == "length"
+        os.kill(engine.runner.workers.processes[0].pid, signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(RankFailure, match="rank 1"):
+            engine.generate([[4, 5, 6]], SamplingParams(max_tokens=2))
+        assert time.monotonic() - start < 30
+        with pytest.raises(EngineBroken, match="rank 1: exited"):  # broken for good: replace the replica
+            engine.generate([[4, 5, 6]], SamplingParams(max_tokens=2))
+        with pytest.raises(EngineBroken):
+            AsyncEngine(engine).check_health()  # what the replica's Serve health check calls
+    finally:
+        engine.close()
+
+
+def test_each_rank_reads_only_its_part_of_a_sharded_tensor(hf_checkpoint, monkeypatch):
+    path = hf_checkpoint("tp_q35_moe_vl")
+    whole, sliced = [], []
+    real_open = loader.safe_open
+
+    class Recording:
+        def __init__(self, *args, **kwargs):
+            self.handle = real_open(*args, **kwargs)
+
+        def __enter__(self):
+            self.handle.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.handle.__exit__(*exc)
+
+        def keys(self):
+            return self.handle.keys()
+
+        def get_tensor(self, name):
+            whole.append(name)
+            return self.handle.get_tensor(name)
+
+        def get_slice(self, name):
+            sliced.append(name)
+            return self.handle.get_slice(name)
+
+    monkeypatch.setattr(loader, "safe_open", Recording)
+    cfg = read_model_config(path / "config.json")
+    family = family_for({"model_type": "qwen3_5_moe"})
+    files = loader.weight_files(path)
+    full = loader.read_tensors(files, torch.float32, family)
+    whole.clear()
+    part = loader.read_tensors(files, torch.float32, family, cfg, Shard(1, 2))
+    assert "model.language_model.layers.0.linear_attn.in_proj_qkv.weight" in sliced
+    assert not [n for n in whole if "proj" in n or "embed" in n], "projections and embeddings are read as slices"
+    name = "model.layers.0.linear_attn.in_proj_qkv.weight"
+    assert part[name].shape[0] * 2 == full[name].shape[0]
+    assert torch.equal(part["model.layers.0.input_layernorm.weight"], full["model.layers.0.input_layernorm.weight"])
