@@ -150,13 +150,17 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=None, help="sequences an engine runs at once (64)")
     parser.add_argument("--cache-memory-bytes", type=int, default=None)
     parser.add_argument("--cache-policy", default=None, help="cairn | exact | all | interval | end_branch")
+    parser.add_argument("--tensor-parallel-size", type=int, default=None, metavar="N",
+                        help="devices one engine replica spans (1); a replica is then N bundles of --num-cpus and "
+                             "--num-gpus on one node")
     parser.set_defaults(run=_serve)
 
 
 def _serve(args: argparse.Namespace) -> int:
     engine_options = {name: value for name, value in (("max_num_seqs", args.max_num_seqs),
                                                       ("cache_policy", args.cache_policy),
-                                                      ("cache_memory_bytes", args.cache_memory_bytes))
+                                                      ("cache_memory_bytes", args.cache_memory_bytes),
+                                                      ("tensor_parallel_size", args.tensor_parallel_size))
                       if value is not None}
     if args.replicas == 1 and not args.address and not args.config:
         from cluster.api.http_limits import HTTPLimits

@@ -229,14 +229,16 @@ class FaultyClient:
     spec = EngineSpec(fingerprint="scripted", page_size=16, max_model_len=4096, recurrent=True, vocab_size=512)
 
     def __init__(self):
-        self.waiting, self.fail_after = 0, None
+        self.waiting, self.fail_after, self.broken = 0, None, False
 
     async def generate(self, request):
         from workers import EngineError, RequestOutput
+        from workers.errors import EngineBroken
 
         for i in range(3):
             if self.fail_after == i:
-                raise (RuntimeError if i == 0 else EngineError)("secret internal detail /srv/model.py:42")
+                kind = EngineBroken if self.broken else RuntimeError if i == 0 else EngineError
+                raise kind("secret internal detail /srv/model.py:42")
             yield RequestOutput(request.request_id, [5], None, i + 1, 0, token_ids=[5] * 3 if i == 2 else None,
                                 finish_reason="length" if i == 2 else None)
             await asyncio.sleep(0)
@@ -287,6 +289,25 @@ def test_an_internal_fault_is_a_500_naming_only_the_request_id(faulty, caplog):
         events = [line for line in s.iter_lines() if line]
     assert events[-1] == "data: [DONE]" and '"error"' in events[-2] and "secret" not in "".join(events)
     fake.fail_after = None
+    assert c.post(C, json=GOOD_CHAT).status_code == 200
+
+
+def test_a_broken_engine_is_a_503_to_retry_before_the_stream_and_an_error_event_in_it(faulty):
+    """An engine that lost a tensor-parallel rank (EngineBroken): not the client's doing, and
+    its replica is being replaced, so the client is told to retry."""
+    fake, c = faulty
+    fake.broken, fake.fail_after = True, 0
+    try:
+        r = c.post(C, json=GOOD_CHAT)
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        error = r.json()["error"]
+        assert error["code"] == "engine_unavailable" and "retry" in error["message"] and "secret" not in r.text
+        fake.fail_after = 1
+        with c.stream("POST", C, json=chat(stream=True)) as s:
+            events = [line for line in s.iter_lines() if line]
+        assert events[-1] == "data: [DONE]" and '"engine_unavailable"' in events[-2]
+    finally:
+        fake.broken, fake.fail_after = False, None
     assert c.post(C, json=GOOD_CHAT).status_code == 200
 
 

@@ -6,7 +6,8 @@ as `messages[2].role`); a request over a size limit is 413 (or 400 for a paramet
 code `limit_exceeded`, its message giving the value and the limit. Come back later: a full
 queue is 429, no free thread to prepare the request is 503, both with Retry-After. Our own
 fault is 500 with a generic message and the request id, the traceback going to the log under
-that id, never to the client. A client that left is logged as 499.
+that id, never to the client; an engine that broke (a tensor-parallel rank lost) is 503
+`engine_unavailable` with Retry-After: its replica is being replaced. A client that left is logged as 499.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from starlette.exceptions import HTTPException
 
 from cluster.api.limits import LIMIT_EXCEEDED
 from cluster.api.responses import ErrorInfo, ErrorResponse
+from workers.errors import EngineBroken
 
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
          405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
@@ -56,6 +58,18 @@ def client_closed() -> APIError:
 
 def internal_error(request_id: str) -> APIError:
     return APIError(500, f"internal server error (request id {request_id})", code="internal_error")
+
+
+def engine_unavailable(request_id: str) -> APIError:
+    """The engine running the request broke (`workers.EngineBroken`, a tensor-parallel rank lost):
+    nothing the client did; the replica is being replaced, so a retry succeeds."""
+    return APIError(503, f"the engine serving this request failed and is being replaced; retry the request "
+                         f"(request id {request_id})", code="engine_unavailable", headers={"Retry-After": "1"})
+
+
+def fault(request_id: str, e: BaseException) -> APIError:
+    """The error a client gets for an engine fault: 503 (retry) if the engine broke, else 500."""
+    return engine_unavailable(request_id) if isinstance(e, EngineBroken) else internal_error(request_id)
 
 
 def _is_field(part: str | int) -> bool:

@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from cluster.api.errors import APIError, internal_error
+from cluster.api.errors import APIError, fault
 
 log = logging.getLogger("cluster.api")
 
@@ -68,10 +68,10 @@ class RequestGuard:
                 await self._send_error(body, send_with_id)
                 return
             await self.app(scope, _replay(body, receive), send_with_id)
-        except Exception:
+        except Exception as e:
             log.exception("request %s failed", request_id)
             if not status:
-                await self._send_error(internal_error(request_id), send_with_id)
+                await self._send_error(fault(request_id, e), send_with_id)
         finally:
             path = scope.get("path", "")
             self.count(path if path in self.endpoints else "other", status[0] if status else 500)

@@ -23,7 +23,7 @@ from typing import Any
 from cluster.api.chat_template import ChatTemplate
 from cluster.api.choice import Choice, Delta
 from cluster.api.engine_client import EngineClient, GenerateRequest
-from cluster.api.errors import CLIENT_CLOSED_REQUEST, APIError, bad_request, internal_error
+from cluster.api.errors import CLIENT_CLOSED_REQUEST, APIError, bad_request, fault
 from cluster.api.fanout import Fanout
 from cluster.api.limits import DEFAULT_LIMITS, APILimits
 from cluster.api.metrics import APIMetrics
@@ -197,9 +197,9 @@ class Serving:
             if usage_chunk is not None:
                 yield usage_chunk(usage)
             yield DONE
-        except Exception:
+        except Exception as e:
             log.exception("request %s failed while streaming", request_id)
-            yield f"data: {internal_error(request_id).response().body.decode()}\n\n"
+            yield f"data: {fault(request_id, e).response().body.decode()}\n\n"
             yield DONE
         finally:
             await events.aclose()
