@@ -54,7 +54,8 @@ class RankActor:
 
 class RayRankWorkers:
     def __init__(self, actors: list, ready: list):
-        self.actors, self._ready, self._last: list = actors, ready, []
+        self.actors, self._ready = actors, ready
+        self._last: list = []
 
     @classmethod
     def start(cls, model_dir: str | Path, options: EngineOptions, address: str) -> RayRankWorkers:

@@ -169,6 +169,47 @@ def test_cluster_yaml_passes_rays_autoscaler_schema_and_sets_up_gpu_workers():
     assert any("ray start --address" in c for c in config["worker_start_ray_commands"])
 
 
+def test_the_8gpu_cluster_and_its_serve_config_pass_rays_schemas_and_build_tensor_parallel_replicas(tiny_model_dir):
+    """configs/cluster-8gpu.yaml (Ray's autoscaler schema) and configs/serve-8gpu.yaml
+    (ServeDeploySchema): Qwen3-Next-80B at TP 4 and Qwen3.5-397B at TP 8, each replica a
+    STRICT_PACK placement group of one GPU bundle per rank that fits one 8-GPU node. Built here
+    with the demo model in place of the hub ids (no hub)."""
+    import jsonschema
+    import ray
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    cluster = load("cluster-8gpu.yaml")
+    jsonschema.validate(cluster, json.loads((Path(ray.__file__).parent / "autoscaler" / "ray-schema.json").read_text()))
+    validate_config(prepare_config(cluster))
+    node = cluster["available_node_types"]["gpu8_worker"]["resources"]
+    config = ServeDeploySchema.model_validate(load("serve-8gpu.yaml"))
+    sizes = {}
+    for app in config.applications:
+        args = dict(app.args, model_dir=str(tiny_model_dir))
+        tp = args["engine_options"]["tensor_parallel_size"]
+        engine, (_, engine_options, routing, _) = engine_of(app_builder(args))
+        bundles = engine._replica_config.placement_group_bundles
+        assert bundles == [{"CPU": args["num_cpus"], "GPU": 1}] * tp
+        assert engine._replica_config.placement_group_strategy == "STRICT_PACK"
+        assert engine.ray_actor_options["num_gpus"] == 1, "the replica itself is rank 0, in the first bundle"
+        assert args["replicas"] * tp <= node["GPU"] and args["replicas"] * tp * args["num_cpus"] <= node["CPU"]
+        assert engine_options["cache_memory_bytes"] <= 80 * 2**30, "per GPU, beside its share of the weights"
+        sizes[app.args["model_dir"]] = tp
+    assert sizes == {"Qwen/Qwen3-Next-80B-A3B-Instruct": 4, "Qwen/Qwen3.5-397B-A17B": 8}
+    assert len({app.args["routing"]["index_actor_name"] for app in config.applications}) == 2, "an index per model"
+
+
+def test_serve_yamls_tensor_parallel_example_builds_a_placement_group_per_replica():
+    text = (CONFIGS / "serve.yaml").read_text().replace("        tensor_parallel_size: 1  #", "        # was:")
+    text = text.replace("        # tensor_parallel_size: 4", "        tensor_parallel_size: 4")
+    (app,) = ServeDeploySchema.model_validate(yaml.safe_load(text)).applications
+    engine, (_, engine_options, _, _) = engine_of(app_builder(app.args))
+    assert engine_options["tensor_parallel_size"] == 4
+    assert engine._replica_config.placement_group_bundles == [{"CPU": app.args["num_cpus"], "GPU": 1}] * 4
+    plain, _ = engine_of(app_builder(load("serve.yaml")["applications"][0]["args"]))
+    assert plain._replica_config.placement_group_bundles is None, "TP 1: an ordinary replica"
+
+
 # ---- routing.yaml ----------------------------------------------------------------------------
 
 def test_routing_yaml_loads_into_the_routing_config():
