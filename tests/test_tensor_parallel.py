@@ -168,3 +168,19 @@ def test_each_rank_reads_only_its_part_of_a_sharded_tensor(hf_checkpoint, monkey
     name = "model.layers.0.linear_attn.in_proj_qkv.weight"
     assert part[name].shape[0] * 2 == full[name].shape[0]
     assert torch.equal(part["model.layers.0.input_layernorm.weight"], full["model.layers.0.input_layernorm.weight"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="the NCCL path needs at least 2 CUDA devices")
+@pytest.mark.parametrize("kind", ["tp_next_moe", "tp_q35_moe_vl"])
+def test_nccl_tp_2_on_two_gpus_matches_one_gpu(hf_checkpoint, kind):
+    path = hf_checkpoint(kind)
+    options = dict(num_pages=64, max_num_seqs=4, device="cuda", dtype="float32")
+    one = Engine.from_pretrained(path, **options)
+    expected = one.generate(prompts(one.spec.vocab_size), GREEDY)
+    engine = Engine.from_pretrained(path, tensor_parallel_size=2, **options)
+    try:
+        assert engine.model.group is not None and next(engine.model.parameters()).device.type == "cuda"
+        assert_same_outputs(engine.generate(prompts(engine.spec.vocab_size), GREEDY), expected)
+    finally:
+        engine.close()

@@ -68,6 +68,8 @@ def load_rank_model(model_dir: str | Path, options: EngineOptions, rank: int, ad
     from workers.tp_group import TPGroup
 
     world, device = options.tensor_parallel_size, device or rank_device(options, rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL works on the current device
     group = TPGroup.connect(rank, world, address, backend_for(device), options.collective_timeout_s)
     return load_model(model_dir, dtype=options.dtype, device=device, shard=Shard(rank, world), group=group)
 
