@@ -189,6 +189,51 @@ def hf_hub(tmp_path, tiny_model_dir, monkeypatch) -> Path:
     return cache
 
 
+@pytest.fixture
+def loader_reads(monkeypatch) -> dict[str, list[str]]:
+    """Records what workers.model.loader reads from safetensors files: {"whole": tensor names
+    read whole (`get_tensor`), "sliced": names read in slices (`get_slice`)}."""
+    import workers.model.loader as loader
+
+    reads: dict[str, list[str]] = {"whole": [], "sliced": []}
+    real_open = loader.safe_open
+
+    class Recording:
+        def __init__(self, *args, **kwargs):
+            self.handle = real_open(*args, **kwargs)
+
+        def __enter__(self):
+            self.handle.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.handle.__exit__(*exc)
+
+        def keys(self):
+            return self.handle.keys()
+
+        def get_tensor(self, name):
+            reads["whole"].append(name)
+            return self.handle.get_tensor(name)
+
+        def get_slice(self, name):
+            reads["sliced"].append(name)
+            return self.handle.get_slice(name)
+
+    monkeypatch.setattr(loader, "safe_open", Recording)
+    return reads
+
+
+def wait_for_log(proc: subprocess.Popen, log_path: Path, text: str, timeout_s: float) -> None:
+    """Waits until `text` appears in the log of `proc` (a `cairn serve`), failing with the log's
+    tail if the process exits first or the time runs out."""
+    deadline = time.monotonic() + timeout_s
+    while text not in log_path.read_text():
+        assert proc.poll() is None, f"cairn serve exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, f"cairn serve never came up:\n{log_path.read_text()[-3000:]}"
+        time.sleep(0.5)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

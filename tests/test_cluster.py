@@ -45,6 +45,8 @@ ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
+from conftest import wait_for_log  # noqa: E402
+
 from cache_service.events import EventBatch, PagesStored  # noqa: E402
 from cluster.app import build_application  # noqa: E402
 from cluster.ingress import REPLICA_HEADER  # noqa: E402
@@ -125,11 +127,7 @@ def test_cairn_serve_starts_its_own_ray_serves_the_api_and_stops_cleanly_on_ctrl
         proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", "--port", str(port)],
                                 stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp_path, start_new_session=True)
     try:
-        deadline = time.monotonic() + 150
-        while f"serving on http://127.0.0.1:{port}/v1" not in log_path.read_text():
-            assert proc.poll() is None, f"cairn serve exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}"
-            assert time.monotonic() < deadline, f"cairn serve never came up:\n{log_path.read_text()[-3000:]}"
-            time.sleep(0.5)
+        wait_for_log(proc, log_path, f"serving on http://127.0.0.1:{port}/v1", 150)
         base = f"http://127.0.0.1:{port}"
         health = httpx.get(base + "/health", timeout=30)
         assert health.status_code == 200 and health.json() == {"status": "ok"}
@@ -400,11 +398,7 @@ def test_cairn_serve_address_joins_a_running_cluster_and_takes_down_only_its_own
                                 cwd=tmp_path, start_new_session=True)
     try:
         url = cluster.url + "/joined/v1"  # the running Serve's port, whatever the config says
-        deadline = time.monotonic() + 120
-        while f"serving on {url}" not in log_path.read_text():
-            assert proc.poll() is None, f"cairn serve exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}"
-            assert time.monotonic() < deadline, f"cairn serve never came up:\n{log_path.read_text()[-3000:]}"
-            time.sleep(0.5)
+        wait_for_log(proc, log_path, f"serving on {url}", 120)
         client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=60)
         completion, replica = chat(client, [{"role": "user", "content": "hello"}])
         assert completion.usage.completion_tokens == 8 and replica.startswith("SERVE_REPLICA::joined#Engine#")

@@ -8,7 +8,6 @@ check and Serve replaces it, and the cluster serves every request again."""
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -21,6 +20,8 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
 
+from conftest import free_port, wait_for_log  # noqa: E402
+
 from cluster.ingress import REPLICA_HEADER  # noqa: E402
 
 INDEX = f"cairn-test-tp-index-{uuid.uuid4().hex[:6]}"
@@ -28,12 +29,6 @@ PAGE_SIZE, TAIL_GUARD = 16, 8
 QUESTIONS = ["How do I build a cairn that lasts through the winter storms on the ridge?",
              "And how tall should it be so hikers see it in fog?",
              "Which stones hold best when they are wet?"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rank_actors() -> list:
@@ -65,11 +60,7 @@ def tp_app(ray_session, demo_model, tmp_path_factory):
                                 stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp, start_new_session=True)
     url = f"http://127.0.0.1:{port}/tp/v1"
     try:
-        deadline = time.monotonic() + 180
-        while f"serving on {url}" not in log_path.read_text():
-            assert proc.poll() is None, f"cairn serve exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}"
-            assert time.monotonic() < deadline, f"cairn serve never came up:\n{log_path.read_text()[-3000:]}"
-            time.sleep(0.5)
+        wait_for_log(proc, log_path, f"serving on {url}", 180)
         yield url
     finally:
         if proc.poll() is None:

@@ -12,7 +12,6 @@ import torch
 from conftest import build_hf_checkpoint, hf_reference_model
 from safetensors.torch import load_file, save_file
 
-import workers.model.loader as loader
 from workers import Engine
 from workers.model import CheckpointError, config_from_dict, supported_model_types
 
@@ -50,32 +49,11 @@ def test_published_fused_experts_load_the_same_model(q35_moe_vl, tmp_path):
     torch.testing.assert_close(got, expected, atol=2e-4, rtol=1e-4)
 
 
-def test_vision_tower_is_skipped_without_being_read(q35_moe_vl, monkeypatch):
+def test_vision_tower_is_skipped_without_being_read(q35_moe_vl, loader_reads):
     stored = load_file(q35_moe_vl / "model.safetensors")
     assert any(k.startswith("model.visual.") for k in stored)
-    read: list[str] = []
-    real_open = loader.safe_open
-
-    class Recording:
-        def __init__(self, *args, **kwargs):
-            self.handle = real_open(*args, **kwargs)
-
-        def __enter__(self):
-            self.handle.__enter__()
-            return self
-
-        def __exit__(self, *exc):
-            return self.handle.__exit__(*exc)
-
-        def keys(self):
-            return self.handle.keys()
-
-        def get_tensor(self, name):
-            read.append(name)
-            return self.handle.get_tensor(name)
-
-    monkeypatch.setattr(loader, "safe_open", Recording)
     engine = Engine.from_pretrained(q35_moe_vl, num_pages=8, max_num_seqs=1)
+    read = loader_reads["whole"] + loader_reads["sliced"]
     assert read and not [n for n in read if n.startswith("model.visual.")]
     assert engine.prompt_logits(IDS[:3]).shape == (3, engine.config.vocab_size)
 

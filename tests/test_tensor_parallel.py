@@ -129,42 +129,16 @@ def test_a_rank_that_dies_fails_the_engine_within_the_timeout_and_nothing_hangs(
         engine.close()
 
 
-def test_each_rank_reads_only_its_part_of_a_sharded_tensor(hf_checkpoint, monkeypatch):
+def test_each_rank_reads_only_its_part_of_a_sharded_tensor(hf_checkpoint, loader_reads):
     path = hf_checkpoint("tp_q35_moe_vl")
-    whole, sliced = [], []
-    real_open = loader.safe_open
-
-    class Recording:
-        def __init__(self, *args, **kwargs):
-            self.handle = real_open(*args, **kwargs)
-
-        def __enter__(self):
-            self.handle.__enter__()
-            return self
-
-        def __exit__(self, *exc):
-            return self.handle.__exit__(*exc)
-
-        def keys(self):
-            return self.handle.keys()
-
-        def get_tensor(self, name):
-            whole.append(name)
-            return self.handle.get_tensor(name)
-
-        def get_slice(self, name):
-            sliced.append(name)
-            return self.handle.get_slice(name)
-
-    monkeypatch.setattr(loader, "safe_open", Recording)
     cfg = read_model_config(path / "config.json")
     family = family_for({"model_type": "qwen3_5_moe"})
     files = loader.weight_files(path)
     full = loader.read_tensors(files, torch.float32, family)
-    whole.clear()
+    loader_reads["whole"].clear()
     part = loader.read_tensors(files, torch.float32, family, cfg, Shard(1, 2))
-    assert "model.language_model.layers.0.linear_attn.in_proj_qkv.weight" in sliced
-    assert not [n for n in whole if "proj" in n or "embed" in n], "projections and embeddings are read as slices"
+    assert "model.language_model.layers.0.linear_attn.in_proj_qkv.weight" in loader_reads["sliced"]
+    assert not [n for n in loader_reads["whole"] if "proj" in n or "embed" in n], "projections and embeddings: slices"
     name = "model.layers.0.linear_attn.in_proj_qkv.weight"
     assert part[name].shape[0] * 2 == full[name].shape[0]
     assert torch.equal(part["model.layers.0.input_layernorm.weight"], full["model.layers.0.input_layernorm.weight"])
