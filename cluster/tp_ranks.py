@@ -6,7 +6,7 @@ the engine (`Engine.from_pretrained(start_ranks=...)`) in place of the local pro
 `workers.tp_runner.RankWorkers`, with the same methods (`wait_ready`, `send`, `report`, `close`).
 Rank r runs in bundle r of the placement group the replica itself runs in (Serve creates it from
 the deployment's `placement_group_bundles`, `STRICT_PACK`: one node, so the ranks meet rank 0 on
-loopback), with that bundle's CPUs and GPU. Each rank actor builds its shard exactly as a local
+loopback), with that bundle's CPUs and GPU; each is named `cairn-tp-rank-<engine>-<rank>`. Each rank actor builds its shard exactly as a local
 rank process does (`workers.tp_runner.load_rank_model`), then runs the `StepWork`s it is sent
 in order (one caller, one sequential actor: Ray keeps the order). A rank actor that dies makes
 rank 0's collectives time out, which breaks the engine (`workers.tp_runner.RankFailure`); the
@@ -16,6 +16,8 @@ replica then fails its health check. `close()` kills the rank actors.
 from __future__ import annotations
 
 import logging
+import os
+import uuid
 from pathlib import Path
 
 import ray
@@ -26,6 +28,7 @@ from workers.options import EngineOptions
 from workers.tp_runner import RankFailure
 
 log = logging.getLogger(__name__)
+RANK_ACTOR_PREFIX = "cairn-tp-rank-"  # + engine + "-" + rank: named, so operators (and tests) find them
 
 
 @ray.remote
@@ -48,6 +51,9 @@ class RankActor:
     def num_blocks(self) -> int:
         return self.layout.num_blocks
 
+    def pid(self) -> int:
+        return os.getpid()
+
     def run(self, work) -> None:
         self.runner.run(work)
 
@@ -63,14 +69,14 @@ class RayRankWorkers:
         if group is None:
             raise RuntimeError("a tensor-parallel replica runs in a placement group of tensor_parallel_size "
                                "bundles (cluster.app sets placement_group_bundles)")
-        bundle = group.bundle_specs
+        bundle, engine = group.bundle_specs, uuid.uuid4().hex[:12]
         actors = []
         for rank in range(1, options.tensor_parallel_size):
             strategy = PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=rank,
                                                         placement_group_capture_child_tasks=False)
             actors.append(RankActor.options(
                 scheduling_strategy=strategy, num_cpus=bundle[rank].get("CPU", 0), num_gpus=bundle[rank].get("GPU", 0),
-                name=None).remote(str(model_dir), options, rank, address))
+                name=f"{RANK_ACTOR_PREFIX}{engine}-{rank}").remote(str(model_dir), options, rank, address))
         return cls(actors, [a.num_blocks.remote() for a in actors])
 
     def wait_ready(self, num_blocks: int, timeout_s: float) -> None:

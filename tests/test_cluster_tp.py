@@ -31,10 +31,19 @@ QUESTIONS = ["How do I build a cairn that lasts through the winter storms on the
              "Which stones hold best when they are wet?"]
 
 
-def rank_actors() -> list:
-    from ray.util.state import list_actors
+def rank_actors() -> dict[str, int]:
+    """Name -> pid of every live rank actor (cluster.tp_ranks names them)."""
+    from cluster.tp_ranks import RANK_ACTOR_PREFIX
 
-    return list_actors(filters=[("class_name", "=", "RankActor"), ("state", "=", "ALIVE")])
+    alive = {}
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        if entry["name"].startswith(RANK_ACTOR_PREFIX):
+            try:
+                actor = ray.get_actor(entry["name"], namespace=entry["namespace"])
+                alive[entry["name"]] = ray.get(actor.pid.remote(), timeout=10)
+            except Exception:  # noqa: BLE001 - gone between the listing and the call
+                pass
+    return alive
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +107,6 @@ def test_two_tp_2_replicas_serve_multi_turn_chats_resuming_where_their_state_is(
             messages.append({"role": "assistant", "content": message.content or "",
                              "reasoning_content": getattr(message, "reasoning_content", None) or ""})
         assert len(replicas) == 1, replicas
-        assert cached[0] == 0 or i > 0
         for t in (1, 2):
             assert cached[t] >= prompts[t - 1] - PAGE_SIZE - TAIL_GUARD, (prompts, cached)
 
@@ -125,13 +133,13 @@ def test_a_killed_rank_ends_its_replicas_requests_with_a_retryable_error_and_ser
         t.start()
     try:
         time.sleep(3)
-        victim = rank_actors()[0]
-        os.kill(victim.pid, signal.SIGKILL)
+        victim, pid = sorted(rank_actors().items())[0]
+        os.kill(pid, signal.SIGKILL)
         killed_at = len(outcomes)
         deadline = time.monotonic() + 90
         while True:  # replaced: two live rank actors again, none of them the victim
             alive = rank_actors()
-            if len(alive) == 2 and victim.actor_id not in {a.actor_id for a in alive}:
+            if len(alive) == 2 and victim not in alive:
                 break
             assert time.monotonic() < deadline, f"the replica was never replaced: {alive}"
             time.sleep(1)
