@@ -2,12 +2,14 @@
 mid-stream. Every round must leave the engine as it found it: no page held, no request running
 or waiting, no state slot taken; and what cairn's own code allocates must not grow from round to
 round (a leak of a few objects per request would show over 64 x rounds requests). Memory is
-measured with tracemalloc, counting the allocations made with cairn's code on the stack, so
-whatever else lives in the test process (a Ray session, other tests' threads) does not count."""
+measured with tracemalloc, counting the allocations made with cairn's code on the stack. The soak
+runs in a process of its own (spawned), so nothing else of the test run (a Ray session, other
+tests' servers and routers still winding down) allocates beside it."""
 
 import asyncio
 import gc
 import json
+import multiprocessing
 import random
 import time
 import tracemalloc
@@ -80,27 +82,53 @@ def ours(snapshot: tracemalloc.Snapshot) -> int:
     return sum(stat.size for stat in snapshot.filter_traces(keep).statistics("filename"))
 
 
+def soak(model_dir: Path, results) -> None:
+    """The soak itself, in its own process: puts (allocated, objects, rss) per round on `results`,
+    or the failure's text."""
+    import torch
+
+    torch.set_num_threads(1)  # as conftest sets it for the test process
+    try:
+        # a small arena, full from the first round on: what the cache keeps is at its steady state
+        engine = AsyncEngine.from_pretrained(model_dir, max_num_seqs=32, cache_memory_bytes=4 << 20)
+        app = build_app(LocalEngineClient(engine), model_dir, MODEL, max_waiting=STREAMS)
+        allocated, objects, rss = [], [], []
+        tracemalloc.start(4)  # frames kept per allocation: enough to see cairn's code, cheap enough to soak
+        try:
+            with BackgroundServer(app) as server:
+                for _ in range(ROUNDS):  # the same chats each round: the cache's contents settle after the first
+                    outcomes = asyncio.run(asyncio.wait_for(soak_round(server.url, seed=0), 300))
+                    assert outcomes.count("hung up") >= STREAMS // 3 - 2 and outcomes.count("done") >= STREAMS // 2
+                    settled(engine)
+                    engine.engine.check()
+                    gc.collect()
+                    allocated.append(ours(tracemalloc.take_snapshot()))
+                    objects.append(our_objects())
+                    rss.append(rss_bytes())
+        finally:
+            tracemalloc.stop()
+        asyncio.run(engine.close())
+        results.put((allocated, objects, rss))
+    except BaseException as e:  # noqa: BLE001 - reported to the test
+        import traceback
+
+        results.put(f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+
+
 @pytest.mark.slow
 def test_rounds_of_64_streams_with_a_third_hanging_up_leave_nothing_behind(tiny_model_dir):
-    # a small arena, full from the first round on: what the cache keeps is at its steady state
-    engine = AsyncEngine.from_pretrained(tiny_model_dir, max_num_seqs=32, cache_memory_bytes=4 << 20)
-    app = build_app(LocalEngineClient(engine), tiny_model_dir, MODEL, max_waiting=STREAMS)
-    allocated, objects, rss = [], [], []
-    tracemalloc.start(4)  # frames kept per allocation: enough to see cairn's code, cheap enough to soak
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    child = ctx.Process(target=soak, args=(tiny_model_dir, results))
+    child.start()
     try:
-        with BackgroundServer(app) as server:
-            for _ in range(ROUNDS):  # the same chats each round: the cache's contents settle after the first
-                outcomes = asyncio.run(asyncio.wait_for(soak_round(server.url, seed=0), 300))
-                assert outcomes.count("hung up") >= STREAMS // 3 - 2 and outcomes.count("done") >= STREAMS // 2
-                settled(engine)
-                engine.engine.check()
-                gc.collect()
-                allocated.append(ours(tracemalloc.take_snapshot()))
-                objects.append(our_objects())
-                rss.append(rss_bytes())
+        got = results.get(timeout=1500)
     finally:
-        tracemalloc.stop()
-    asyncio.run(engine.close())
+        child.join(timeout=60)
+        if child.is_alive():
+            child.kill()
+    assert not isinstance(got, str), got
+    allocated, objects, rss = got
     # Round 1 warms caches (the tokenizer's; the prefix cache fills). From then on what cairn holds
     # moves within lazily compacted structures (heaps, the LRU's queue, closing connections) but
     # must not climb: a leak of 1 KiB per request would add 64 KiB a round, 192 KiB over the last 3.

@@ -129,6 +129,22 @@ def test_a_rank_that_dies_fails_the_engine_within_the_timeout_and_nothing_hangs(
         engine.close()
 
 
+def test_a_rank_that_hangs_fails_the_step_after_the_collective_timeout(hf_checkpoint):
+    engine = Engine.from_pretrained(hf_checkpoint("tp_q35"), num_pages=64, max_num_seqs=4, tensor_parallel_size=2,
+                                    collective_timeout_s=3)
+    pid = engine.runner.workers.processes[0].pid
+    try:
+        engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
+        os.kill(pid, signal.SIGSTOP)  # alive, but never answers
+        start = time.monotonic()
+        with pytest.raises(RankFailure):
+            engine.generate([[4, 5, 6]], SamplingParams(max_tokens=2))
+        assert 2.5 <= time.monotonic() - start < 30, "failed by the timeout, not before it and not never"
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        engine.close()
+
+
 def test_each_rank_reads_only_its_part_of_a_sharded_tensor(hf_checkpoint, loader_reads):
     path = hf_checkpoint("tp_q35_moe_vl")
     cfg = read_model_config(path / "config.json")

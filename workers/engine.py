@@ -133,11 +133,13 @@ class Engine:
         worker_id = str(options.pop("worker_id", "local"))
         start_ranks = options.pop("start_ranks", RankWorkers.start)  # how ranks 1..N-1 start (a Ray
         opts = EngineOptions.from_kwargs(**options)                   # replica: cluster.tp_ranks)
+        if opts.tensor_parallel_size == 1:
+            model = load_model(model_dir, dtype=opts.dtype, device=_pick_device(opts.device))
+            return cls(model, opts, fingerprint=model_fingerprint(model_dir), worker_id=worker_id,
+                       eos_token_ids=generation_eos_ids(Path(model_dir)))
+        shard_config(read_model_config(Path(model_dir) / "config.json"), opts.tensor_parallel_size)  # fits?
         meta = dict(fingerprint=model_fingerprint(model_dir), worker_id=worker_id,
                     eos_token_ids=generation_eos_ids(Path(model_dir)))
-        if opts.tensor_parallel_size == 1:
-            return cls(load_model(model_dir, dtype=opts.dtype, device=_pick_device(opts.device)), opts, **meta)
-        shard_config(read_model_config(Path(model_dir) / "config.json"), opts.tensor_parallel_size)  # fits?
         address = free_address()
         workers = start_ranks(model_dir, opts, address)
         try:
