@@ -150,6 +150,9 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=None, help="sequences an engine runs at once (64)")
     parser.add_argument("--cache-memory-bytes", type=int, default=None)
     parser.add_argument("--cache-policy", default=None, help="cairn | exact | all | interval | end_branch")
+    parser.add_argument("--memory-utilization", type=float, default=None, metavar="F",
+                        help="CUDA: size the cache from what each GPU has left after the weights, up to this "
+                             "fraction of its memory (instead of --cache-memory-bytes)")
     parser.add_argument("--tensor-parallel-size", type=int, default=None, metavar="N",
                         help="devices one engine replica spans (1); a replica is then N bundles of --num-cpus and "
                              "--num-gpus on one node")
@@ -160,6 +163,7 @@ def _serve(args: argparse.Namespace) -> int:
     engine_options = {name: value for name, value in (("max_num_seqs", args.max_num_seqs),
                                                       ("cache_policy", args.cache_policy),
                                                       ("cache_memory_bytes", args.cache_memory_bytes),
+                                                      ("memory_utilization", args.memory_utilization),
                                                       ("tensor_parallel_size", args.tensor_parallel_size))
                       if value is not None}
     if args.replicas == 1 and not args.address and not args.config:

@@ -39,12 +39,14 @@ class RankActor:
         import torch
 
         from workers.arena import ArenaLayout
+        from workers.device_budget import sized
         from workers.runner import ModelRunner
         from workers.tp_runner import load_rank_model
 
         torch.set_num_threads(1)
         device = torch.device("cuda") if ray.get_gpu_ids() else torch.device("cpu")  # its bundle's GPU
         model = load_rank_model(model_dir, options, rank, address, device=device)
+        options = sized(options, device, model.group)  # the arena every rank agrees on
         self.layout = ArenaLayout.plan(model.config, options, next(model.parameters()).dtype.itemsize)
         self.runner = ModelRunner(model, self.layout, options.page_size, options.max_num_seqs + 1)
 

@@ -174,3 +174,40 @@ def test_nccl_tp_2_on_two_gpus_matches_one_gpu(hf_checkpoint, kind):
         assert_same_outputs(engine.generate(prompts(engine.spec.vocab_size), GREEDY), expected)
     finally:
         engine.close()
+
+
+def test_memory_utilization_sizes_each_ranks_arena_from_the_least_free_device(monkeypatch):
+    """The arena a device can pay after its weights: utilization of its total, minus what is in
+    use; tensor-parallel ranks agree on the smallest (one all-reduce), so their layouts match.
+    CUDA's free-memory query is faked per rank; the ranks are threads over a real gloo group."""
+    import threading
+
+    from workers.device_budget import arena_bytes, sized
+    from workers.options import EngineOptions
+    from workers.tp_group import TPGroup
+    from workers.tp_runner import free_address
+
+    gib = 2**30
+    assert arena_bytes(free=100 * gib, total=141 * gib, utilization=0.9) == int(100 * gib - 0.1 * 141 * gib)
+    assert arena_bytes(free=5 * gib, total=141 * gib, utilization=0.9) == 0
+    free = {"rank-0": 60 * gib, "rank-1": 52 * gib}  # rank 1's device has less left
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free[threading.current_thread().name],
+                                                                           80 * gib))
+    options, address, got = EngineOptions(memory_utilization=0.9), free_address(), {}
+
+    def rank(r: int) -> None:
+        group = TPGroup.connect(r, 2, address, "gloo", timeout_s=30)
+        got[r] = sized(options, torch.device("cuda"), group).cache_memory_bytes
+
+    threads = [threading.Thread(target=rank, args=(r,), name=f"rank-{r}") for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert got == {0: arena_bytes(52 * gib, 80 * gib, 0.9), 1: arena_bytes(52 * gib, 80 * gib, 0.9)}
+    with pytest.raises(ValueError, match="memory_utilization sizes the arena from a CUDA device"):
+        sized(options, torch.device("cpu"))
+    with pytest.raises(ValueError, match="not both"):
+        EngineOptions(memory_utilization=0.9, cache_memory_bytes=1 << 30)
+    with pytest.raises(ValueError, match=r"memory_utilization must be a fraction in \(0, 1\]"):
+        EngineOptions(memory_utilization=1.5)

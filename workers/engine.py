@@ -26,6 +26,7 @@ import torch
 from cache_service.events import EventBatch, EventStream
 from cache_service.hashing import DIGEST_BYTES, model_fingerprint
 from workers.arena import ArenaLayout
+from workers.device_budget import sized
 from workers.checkpoint_policy import CheckpointPolicy
 from workers.errors import EngineBroken, RequestRejected, SequenceFault
 from workers.model import HybridForCausalLM, ModelConfig, load_model, read_model_config
@@ -135,6 +136,7 @@ class Engine:
         opts = EngineOptions.from_kwargs(**options)                   # replica: cluster.tp_ranks)
         if opts.tensor_parallel_size == 1:
             model = load_model(model_dir, dtype=opts.dtype, device=_pick_device(opts.device))
+            opts = sized(opts, next(model.parameters()).device)  # memory_utilization: what the weights left
             return cls(model, opts, fingerprint=model_fingerprint(model_dir), worker_id=worker_id,
                        eos_token_ids=generation_eos_ids(Path(model_dir)))
         shard_config(read_model_config(Path(model_dir) / "config.json"), opts.tensor_parallel_size)  # fits?
@@ -143,7 +145,9 @@ class Engine:
         address = free_address()
         workers = start_ranks(model_dir, opts, address)
         try:
-            return cls(load_rank_model(model_dir, opts, 0, address), opts, rank_workers=workers, **meta)
+            model = load_rank_model(model_dir, opts, 0, address)
+            opts = sized(opts, next(model.parameters()).device, model.group)  # the same on every rank
+            return cls(model, opts, rank_workers=workers, **meta)
         except BaseException:
             workers.close()
             raise

@@ -24,6 +24,7 @@ class EngineOptions:
     dtype: str = "auto"                       # float32 | bfloat16 | float16 | auto (config's)
     device: str = "auto"                      # cpu | cuda | cuda:N | auto (cuda when present)
     seed: int = 0                             # randomness of requests that carry no seed
+    memory_utilization: float | None = None   # CUDA: size the arena from what the device has left (workers.device_budget)
     tensor_parallel_size: int = 1             # devices (ranks) one engine spans (workers.tp_runner)
     collective_timeout_s: float = 60.0        # the longest a rank waits on the others in a step
 
@@ -45,6 +46,13 @@ class EngineOptions:
         if isinstance(self.tail_guard, bool) or not isinstance(self.tail_guard, int) or self.tail_guard < 0:
             raise ValueError(f"tail_guard must be an integer >= 0, got {self.tail_guard!r}")
         positive("max_model_len", allow_none=True)
+        share = self.memory_utilization
+        if share is not None:
+            if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
+                raise ValueError(f"memory_utilization must be a fraction in (0, 1], got {share!r}")
+            if self.cache_memory_bytes is not None or self.num_pages is not None:
+                raise ValueError("memory_utilization sizes the arena itself: give it, or cache_memory_bytes / "
+                                 "num_pages, not both")
         timeout = self.collective_timeout_s
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
             raise ValueError(f"collective_timeout_s must be a positive number of seconds, got {timeout!r}")

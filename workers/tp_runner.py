@@ -79,8 +79,10 @@ def _rank_main(model_dir: str, options: EngineOptions, rank: int, address: str, 
     torch.set_num_threads(1)
     try:
         from workers.arena import ArenaLayout
+        from workers.device_budget import sized
 
         model = load_rank_model(model_dir, options, rank, address)
+        options = sized(options, next(model.parameters()).device, model.group)  # as rank 0 does
         layout = ArenaLayout.plan(model.config, options, next(model.parameters()).dtype.itemsize)
         runner = ModelRunner(model, layout, options.page_size, options.max_num_seqs + 1)  # as rank 0's engine
         conn.send(("ready", layout.num_blocks))
