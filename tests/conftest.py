@@ -224,6 +224,27 @@ def loader_reads(monkeypatch) -> dict[str, list[str]]:
     return reads
 
 
+def chat_turns(client, model: str, system: str, questions: list[str]) -> tuple[list[int], list[int], set]:
+    """A conversation through the official client, greedy, each answer echoed back with its
+    reasoning as a chat app does: (prompt tokens, cached tokens) per turn, and the replicas
+    (`cluster.ingress.REPLICA_HEADER`) that served it."""
+    from cluster.ingress import REPLICA_HEADER
+
+    messages, prompts, cached, replicas = [{"role": "system", "content": system}], [], [], set()
+    for question in questions:
+        messages.append({"role": "user", "content": question})
+        raw = client.chat.completions.with_raw_response.create(model=model, messages=messages, max_tokens=8,
+                                                               temperature=0)
+        out = raw.parse()
+        prompts.append(out.usage.prompt_tokens)
+        cached.append(out.usage.prompt_tokens_details.cached_tokens)
+        replicas.add(raw.headers.get(REPLICA_HEADER))
+        message = out.choices[0].message
+        messages.append({"role": "assistant", "content": message.content or "",
+                         "reasoning_content": getattr(message, "reasoning_content", None) or ""})
+    return prompts, cached, replicas
+
+
 def wait_for_log(proc: subprocess.Popen, log_path: Path, text: str, timeout_s: float) -> None:
     """Waits until `text` appears in the log of `proc` (a `cairn serve`), failing with the log's
     tail if the process exits first or the time runs out."""

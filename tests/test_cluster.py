@@ -45,7 +45,7 @@ ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-from conftest import wait_for_log  # noqa: E402
+from conftest import chat_turns, wait_for_log  # noqa: E402
 
 from cache_service.events import EventBatch, PagesStored  # noqa: E402
 from cluster.app import build_application  # noqa: E402
@@ -564,18 +564,7 @@ def test_a_qwen3_5_moe_model_is_served_by_its_hub_id_with_its_cache_and_routing(
     try:
         assert [m.id for m in client.models.list().data] == [repo]  # the served name defaults to the id
         for i in range(2):
-            messages, prompts, cached, replicas = [{"role": "system", "content": persona(100 + i)}], [], [], set()
-            for question in QUESTIONS[:3]:
-                messages.append({"role": "user", "content": question})
-                raw = client.chat.completions.with_raw_response.create(model=repo, messages=messages, max_tokens=8,
-                                                                       temperature=0)
-                out, usage = raw.parse(), raw.parse().usage
-                prompts.append(usage.prompt_tokens)
-                cached.append(usage.prompt_tokens_details.cached_tokens)
-                replicas.add(raw.headers.get(REPLICA_HEADER))
-                message = out.choices[0].message
-                messages.append({"role": "assistant", "content": message.content or "",
-                                 "reasoning_content": getattr(message, "reasoning_content", None) or ""})
+            prompts, cached, replicas = chat_turns(client, repo, persona(100 + i), QUESTIONS[:3])
             assert len(replicas) == 1, replicas
             for t in (1, 2):
                 assert cached[t] >= prompts[t - 1] - PAGE_SIZE - TAIL_GUARD, (prompts, cached)

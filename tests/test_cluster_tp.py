@@ -20,9 +20,8 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
 
-from conftest import free_port, wait_for_log  # noqa: E402
+from conftest import chat_turns, free_port, wait_for_log  # noqa: E402
 
-from cluster.ingress import REPLICA_HEADER  # noqa: E402
 
 INDEX = f"cairn-test-tp-index-{uuid.uuid4().hex[:6]}"
 PAGE_SIZE, TAIL_GUARD = 16, 8
@@ -93,19 +92,8 @@ def test_two_tp_2_replicas_serve_multi_turn_chats_resuming_where_their_state_is(
     assert len(rank_actors()) == 2, "one more rank per replica, each in its replica's placement group"
     c = client(tp_app)
     for i in range(2):
-        messages = [{"role": "system", "content": f"Conversation {i}: " + "stone ridge marker fog " * 30}]
-        prompts, cached, replicas = [], [], set()
-        for question in QUESTIONS:
-            messages.append({"role": "user", "content": question})
-            raw = c.chat.completions.with_raw_response.create(model="tp", messages=messages, max_tokens=8,
-                                                              temperature=0)
-            out = raw.parse()
-            prompts.append(out.usage.prompt_tokens)
-            cached.append(out.usage.prompt_tokens_details.cached_tokens)
-            replicas.add(raw.headers.get(REPLICA_HEADER))
-            message = out.choices[0].message
-            messages.append({"role": "assistant", "content": message.content or "",
-                             "reasoning_content": getattr(message, "reasoning_content", None) or ""})
+        prompts, cached, replicas = chat_turns(c, "tp", f"Conversation {i}: " + "stone ridge marker fog " * 30,
+                                               QUESTIONS)
         assert len(replicas) == 1, replicas
         for t in (1, 2):
             assert cached[t] >= prompts[t - 1] - PAGE_SIZE - TAIL_GUARD, (prompts, cached)
