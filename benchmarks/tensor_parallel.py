@@ -13,8 +13,8 @@ Printed, for TP 1, 2 and 4 (from rank 0's collective counters, `workers.tp_group
 - decode tokens/s at TP 1 and TP 2, the baseline being TP 1 in the same run. On this CPU the
   ranks share 2 cores, so TP 2 cannot be faster here; the number checks the machinery's cost,
   not the speed-up a GPU pair gives.
-The same table at Qwen3-Next-80B shapes needs a machine with 4 GPUs (`--arch` picks the family;
-shapes are the demo's): not run on CPU.
+The same table at Qwen3-Next-80B shapes needs a machine with 4 GPUs; it is not written yet (the
+GPU machine this project borrows has one GPU).
 
 Usage: python3 benchmarks/tensor_parallel.py [--arch qwen3_next] [--seqs 8] [--quick]
   --quick: the tiny demo model (TP 1 and 2 only), 2 requests, 8 new tokens.
