@@ -151,10 +151,6 @@ class ModelRunner:
                 self._table = wider
             self._table[w.row, w.start:end] = w.page_ids
 
-    def build_batch(self, plan: StepPlan, all_logits: bool = False) -> ForwardBatch:
-        """The step's tensors on this runner's device."""
-        return self.prepare(plan, all_logits).batch(self.device)
-
     def prepare(self, plan: StepPlan, all_logits: bool = False) -> StepWork:
         """The host's part of a step: the plan as plain arrays (`StepWork`). Per-segment numbers
         are gathered in one pass, the per-token ones computed with numpy; page-table rows come

@@ -165,10 +165,6 @@ class ConfigReader:
     def bad(self, name: str, why: str) -> CheckpointError:
         return CheckpointError(f"{self.source}: field '{self.prefix}{name}' {why}")
 
-    def has(self, name: str) -> bool:
-        self.read.add(name)
-        return self.raw.get(name) is not None
-
     def need(self, name: str, kind: type = int) -> Any:
         self.read.add(name)
         if self.raw.get(name) is None:
@@ -182,6 +178,11 @@ class ConfigReader:
         self.read.add(name)
         value = self.raw.get(name)
         return default if value is None else value
+
+    def opt_eos(self) -> tuple[int, ...]:
+        """`eos_token_id`, one id or a list of them, as a tuple (empty when absent)."""
+        eos = self.opt("eos_token_id", None)
+        return tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
 
     def opt_int(self, name: str, default: int, minimum: int = 0) -> int:
         value = self.opt(name, default)
@@ -249,8 +250,6 @@ def read_hybrid_fields(r: ConfigReader) -> dict[str, Any]:
     act = r.opt("hidden_act", "silu")
     if act != "silu":
         raise r.bad("hidden_act", f"is {act!r}; only 'silu' is supported")
-    eos = r.opt("eos_token_id", None)
-    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
     return dict(
         vocab_size=r.need("vocab_size"),
         hidden_size=hidden,
@@ -272,5 +271,5 @@ def read_hybrid_fields(r: ConfigReader) -> dict[str, Any]:
         linear_num_key_heads=r.opt_int("linear_num_key_heads", 16, minimum=1),
         linear_num_value_heads=r.opt_int("linear_num_value_heads", 32, minimum=1),
         hidden_act=act,
-        eos_token_ids=eos_ids,
+        eos_token_ids=r.opt_eos(),
     )

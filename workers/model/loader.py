@@ -12,7 +12,6 @@ Every refusal is a `CheckpointError` naming the file and the tensor or field at 
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import torch
@@ -23,10 +22,9 @@ from workers.model.family import Family
 from workers.model.hybrid import HybridForCausalLM
 from workers.model.layers import Rotary
 from workers.model.registry import family_for
-from workers.model.sharding import Ranges, Shard, ranges, shard_config, vocab_rows, zero_on_other_ranks
+from workers.model.sharding import PER_EXPERT, Ranges, Shard, ranges, shard_config, vocab_rows, zero_on_other_ranks
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, cfg: ModelConfig) -> torch.dtype:
@@ -89,7 +87,7 @@ def read_tensors(files: list[Path], dtype: torch.dtype, family: Family, cfg: Mod
                 if t.dtype not in DTYPES.values():
                     raise CheckpointError(f"{f}: tensor '{stored}' has dtype {t.dtype}; expected fp32/bf16/fp16")
                 t = t.to(dtype)
-                m = _EXPERT.match(name)
+                m = PER_EXPERT.match(name)
                 if m:
                     experts.setdefault((m.group(1), m.group(3)), {})[int(m.group(2))] = t
                 else:

@@ -95,8 +95,7 @@ def _read(raw: dict[str, Any], source: str, moe: bool) -> ModelConfig:
         r.ignore("tie_word_embeddings")
     dtype = top.opt("dtype", top.opt("torch_dtype", None)) or r.opt("dtype", r.opt("torch_dtype", "float32"))
     if not fields["eos_token_ids"] and outer is not None:
-        eos = outer.opt("eos_token_id", None)
-        fields["eos_token_ids"] = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        fields["eos_token_ids"] = outer.opt_eos()
     cfg = ModelConfig(**fields, **mlp, model_type="qwen3_5_moe" if moe else "qwen3_5",
                       tie_word_embeddings=bool(top.opt("tie_word_embeddings", False)),
                       torch_dtype=str(dtype), source=source)

@@ -155,7 +155,8 @@ COMMON_RULES: dict[str, Rule] = {
     "model.embed_tokens.weight": _vocab,
     "lm_head.weight": _vocab,
 }
-_EXPERT = re.compile(r"\.mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)\.weight$")
+# One expert's tensor, as transformers' save_pretrained writes MoE layers: (its MLP, expert, projection).
+PER_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 ROW_PARALLEL_BIASES = ("self_attn.o_proj.bias",)
 
 
@@ -164,10 +165,10 @@ def ranges(name: str, cfg: ModelConfig, shard: Shard, family_rules: Mapping[str,
     that `shard` holds, or None when every rank holds all of it."""
     if shard.world == 1:
         return None
-    m = _EXPERT.search(name)
+    m = PER_EXPERT.match(name)
     if m:  # one expert of a checkpoint that stores them apart: [I, H] or [H, I]
         part = shard.part(cfg.moe_intermediate_size)
-        return (1, [part]) if m.group(1) == "down_proj" else (0, [part])
+        return (1, [part]) if m.group(3) == "down_proj" else (0, [part])
     for suffix, rule in (*family_rules.items(), *COMMON_RULES.items()):
         if name.endswith(suffix):
             return rule(cfg, shard)
