@@ -6,8 +6,9 @@ the engine (`Engine.from_pretrained(start_ranks=...)`) in place of the local pro
 `workers.tp_runner.RankWorkers`, with the same methods (`wait_ready`, `send`, `report`, `close`).
 Rank r runs in bundle r of the placement group the replica itself runs in (Serve creates it from
 the deployment's `placement_group_bundles`, `STRICT_PACK`: one node, so the ranks meet rank 0 on
-loopback), with that bundle's CPUs and GPU; each is named `cairn-tp-rank-<engine>-<rank>`. Each rank actor builds its shard exactly as a local
-rank process does (`workers.tp_runner.load_rank_model`), then runs the `StepWork`s it is sent
+loopback), with that bundle's CPUs and GPU; each is named `cairn-tp-rank-<engine>-<rank>`.
+Each rank actor builds its shard, arena and runner exactly as a local rank process does
+(`workers.tp_runner.build_rank_runner`), then runs the `StepWork`s it is sent
 in order (one caller, one sequential actor: Ray keeps the order). A rank actor that dies makes
 rank 0's collectives time out, which breaks the engine (`workers.tp_runner.RankFailure`); the
 replica then fails its health check. `close()` kills the rank actors.
@@ -38,20 +39,14 @@ class RankActor:
     def __init__(self, model_dir: str, options: EngineOptions, rank: int, address: str):
         import torch
 
-        from workers.arena import ArenaLayout
-        from workers.device_budget import sized
-        from workers.runner import ModelRunner
-        from workers.tp_runner import load_rank_model
+        from workers.tp_runner import build_rank_runner
 
         torch.set_num_threads(1)
         device = torch.device("cuda") if ray.get_gpu_ids() else torch.device("cpu")  # its bundle's GPU
-        model = load_rank_model(model_dir, options, rank, address, device=device)
-        options = sized(options, device, model.group)  # the arena every rank agrees on
-        self.layout = ArenaLayout.plan(model.config, options, next(model.parameters()).dtype.itemsize)
-        self.runner = ModelRunner(model, self.layout, options.page_size, options.max_num_seqs + 1)
+        self.runner, self._num_blocks = build_rank_runner(model_dir, options, rank, address, device)
 
     def num_blocks(self) -> int:
-        return self.layout.num_blocks
+        return self._num_blocks
 
     def pid(self) -> int:
         return os.getpid()

@@ -74,18 +74,27 @@ def load_rank_model(model_dir: str | Path, options: EngineOptions, rank: int, ad
     return load_model(model_dir, dtype=options.dtype, device=device, shard=Shard(rank, world), group=group)
 
 
+def build_rank_runner(model_dir: str | Path, options: EngineOptions, rank: int, address: str,
+                      device: torch.device | None = None) -> tuple[ModelRunner, int]:
+    """A rank above 0: its shard, its arena laid out as rank 0's engine lays out its own (the
+    same options, sized the same way, as many page-table rows), and the runner over it; with the
+    arena's block count, which must equal rank 0's."""
+    from workers.arena import ArenaLayout
+    from workers.device_budget import sized
+
+    model = load_rank_model(model_dir, options, rank, address, device)
+    device = next(model.parameters()).device
+    options = sized(options, device, model.group)  # the arena every rank agrees on
+    layout = ArenaLayout.plan(model.config, options, next(model.parameters()).dtype.itemsize)
+    return ModelRunner(model, layout, options.page_size, options.max_num_seqs + 1), layout.num_blocks
+
+
 def _rank_main(model_dir: str, options: EngineOptions, rank: int, address: str, conn) -> None:
     """A rank's process: build, report its layout, then run every StepWork it is sent."""
     torch.set_num_threads(1)
     try:
-        from workers.arena import ArenaLayout
-        from workers.device_budget import sized
-
-        model = load_rank_model(model_dir, options, rank, address)
-        options = sized(options, next(model.parameters()).device, model.group)  # as rank 0 does
-        layout = ArenaLayout.plan(model.config, options, next(model.parameters()).dtype.itemsize)
-        runner = ModelRunner(model, layout, options.page_size, options.max_num_seqs + 1)  # as rank 0's engine
-        conn.send(("ready", layout.num_blocks))
+        runner, num_blocks = build_rank_runner(model_dir, options, rank, address)
+        conn.send(("ready", num_blocks))
         while (work := conn.recv()) is not None:
             runner.run(work)
     except EOFError:  # rank 0 went away
