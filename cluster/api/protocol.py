@@ -39,6 +39,17 @@ def limits_of(info: ValidationInfo) -> APILimits:
     return (info.context or {}).get("limits") or DEFAULT_LIMITS
 
 
+def count_limited(field: str, limit: str, what: str, kind: type = list):
+    """A before-validator of `field` that refuses a list (or a `kind`) with more items than the
+    request limit `limit` allows, before its items are validated."""
+    def check(cls, value: Any, info: ValidationInfo) -> Any:
+        if isinstance(value, kind):
+            limits_of(info).check_count(limit, len(value), what)
+        return value
+
+    return field_validator(field, mode="before")(classmethod(check))
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
@@ -210,19 +221,8 @@ class SamplingFields(_Request):
                 limits.check_count("max_stop_string_chars", len(s), "characters in a stop string")
         return stop
 
-    @field_validator("stop_token_ids", mode="before")
-    @classmethod
-    def _stop_token_ids_within_limits(cls, ids: Any, info: ValidationInfo) -> Any:
-        if isinstance(ids, list):
-            limits_of(info).check_count("max_stop_token_ids", len(ids), "stop token ids")
-        return ids
-
-    @field_validator("logit_bias", mode="before")
-    @classmethod
-    def _logit_bias_within_limits(cls, bias: Any, info: ValidationInfo) -> Any:
-        if isinstance(bias, dict):
-            limits_of(info).check_count("max_logit_bias", len(bias), "logit_bias entries")
-        return bias
+    _stop_token_ids_within_limits = count_limited("stop_token_ids", "max_stop_token_ids", "stop token ids")
+    _logit_bias_within_limits = count_limited("logit_bias", "max_logit_bias", "logit_bias entries", dict)
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -246,19 +246,8 @@ class ChatCompletionRequest(SamplingFields):
     continue_final_message: bool = Field(
         False, description="continue the last (assistant) message instead of starting a new turn")
 
-    @field_validator("messages", mode="before")
-    @classmethod
-    def _messages_within_limits(cls, messages: Any, info: ValidationInfo) -> Any:
-        if isinstance(messages, list):
-            limits_of(info).check_count("max_messages", len(messages), "messages")
-        return messages
-
-    @field_validator("tools", mode="before")
-    @classmethod
-    def _tools_within_limits(cls, tools: Any, info: ValidationInfo) -> Any:
-        if isinstance(tools, list):
-            limits_of(info).check_count("max_tools", len(tools), "tools")
-        return tools
+    _messages_within_limits = count_limited("messages", "max_messages", "messages")
+    _tools_within_limits = count_limited("tools", "max_tools", "tools")
 
     @model_validator(mode="after")
     def _text_within_limits(self, info: ValidationInfo) -> "ChatCompletionRequest":
