@@ -245,6 +245,16 @@ def chat_turns(client, model: str, system: str, questions: list[str]) -> tuple[l
     return prompts, cached, replicas
 
 
+def kill_index_actor(name: str, namespace: str = "cairn") -> None:
+    """Kills a test's cache-index actor (detached: it outlives its app) if it is still there."""
+    import ray
+
+    try:
+        ray.kill(ray.get_actor(name, namespace=namespace), no_restart=True)
+    except ValueError:  # never created, or already gone
+        pass
+
+
 def wait_for_log(proc: subprocess.Popen, log_path: Path, text: str, timeout_s: float) -> None:
     """Waits until `text` appears in the log of `proc` (a `cairn serve`), failing with the log's
     tail if the process exits first or the time runs out."""

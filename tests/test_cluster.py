@@ -45,7 +45,7 @@ ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-from conftest import chat_turns, wait_for_log  # noqa: E402
+from conftest import chat_turns, kill_index_actor, wait_for_log  # noqa: E402
 
 from cache_service.events import EventBatch, PagesStored  # noqa: E402
 from cluster.app import build_application  # noqa: E402
@@ -408,10 +408,7 @@ def test_cairn_serve_address_joins_a_running_cluster_and_takes_down_only_its_own
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-        try:
-            ray.kill(ray.get_actor(INDEX + "-joined", namespace=ROUTING.index_actor_namespace), no_restart=True)
-        except ValueError:
-            pass
+        kill_index_actor(INDEX + "-joined")
     apps = serve.status().applications
     assert "joined" not in apps and apps["cairn"].status == "RUNNING", "only its own application was deleted"
     assert ray.is_initialized() and chat(cluster.client(), [{"role": "user", "content": "still there?"}])[1]
@@ -535,10 +532,7 @@ def test_behind_serves_proxy_the_ingress_refuses_big_headers_and_closes_a_stalle
         assert 1.5 <= waited <= 15, "closed by the body deadline, not by the proxy's keep-alive"
     finally:
         serve.delete("limits", _blocking=True)
-        try:
-            ray.kill(ray.get_actor(INDEX + "-limits", namespace=ROUTING.index_actor_namespace), no_restart=True)
-        except ValueError:
-            pass
+        kill_index_actor(INDEX + "-limits")
 
 
 def test_a_qwen3_5_moe_model_is_served_by_its_hub_id_with_its_cache_and_routing(cluster, demo_model, ray_hf_home,
@@ -570,10 +564,7 @@ def test_a_qwen3_5_moe_model_is_served_by_its_hub_id_with_its_cache_and_routing(
                 assert cached[t] >= prompts[t - 1] - PAGE_SIZE - TAIL_GUARD, (prompts, cached)
     finally:
         serve.delete("q35", _blocking=True)
-        try:
-            ray.kill(ray.get_actor(index, namespace=ROUTING.index_actor_namespace), no_restart=True)
-        except ValueError:
-            pass
+        kill_index_actor(index)
 
 
 # ---- 3. drain: a replica scaled down or replaced finishes what it has in flight ----------------
@@ -706,7 +697,4 @@ def test_a_replica_scaled_down_or_replaced_finishes_its_streams_then_leaves_the_
         assert reaped() == reaped_before, "each stopped replica left the index itself (drop_worker), not reaped"
     finally:
         serve.delete("drain", _blocking=True)
-        try:
-            ray.kill(ray.get_actor(index_name, namespace=ROUTING.index_actor_namespace), no_restart=True)
-        except ValueError:
-            pass
+        kill_index_actor(index_name)

@@ -20,7 +20,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
 
-from conftest import chat_turns, free_port, wait_for_log  # noqa: E402
+from conftest import chat_turns, free_port, kill_index_actor, wait_for_log  # noqa: E402
 
 
 INDEX = f"cairn-test-tp-index-{uuid.uuid4().hex[:6]}"
@@ -77,10 +77,7 @@ def tp_app(ray_session, demo_model, tmp_path_factory):
                 proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
-        try:
-            ray.kill(ray.get_actor(INDEX, namespace="cairn"), no_restart=True)
-        except ValueError:
-            pass
+        kill_index_actor(INDEX)
         serve.shutdown()
 
 
