@@ -12,13 +12,21 @@ The contract with the index (`cache_service.index.CacheIndex`):
 - A worker that (re)starts opens its stream with a snapshot (an empty one is just AllCleared), so
   an index that knew an earlier life of the same worker id forgets it.
 
-Wire form (EVENTS_VERSION = 1): a msgpack array
+Media (design rule 8, and the host tier of `workers.host_tier`): a worker keeps what it holds
+on its device or, demoted there, in its host memory. A page or state is resident on a worker in
+exactly one medium; `PagesStored` / `StateStored` name it (`DEVICE` or `HOST`), and storing one
+that is already resident in the other medium moves it there (a demotion or a promotion).
+Removing one removes it from whichever medium holds it.
+
+Wire form (EVENTS_VERSION = 2): a msgpack array
     [version, worker_id, seq, ts, [[tag, field, ...], ...]]
-with hashes as msgpack bin. Tags: 0 PagesStored [0, hashes, parent|nil], 1 PagesRemoved
-[1, hashes], 2 StateStored [2, hash], 3 StateRemoved [3, hash], 4 AllCleared [4].
+with hashes as msgpack bin and a medium as an int (0 device, 1 host). Tags: 0 PagesStored
+[0, hashes, parent|nil, medium], 1 PagesRemoved [1, hashes], 2 StateStored [2, hash, medium],
+3 StateRemoved [3, hash], 4 AllCleared [4]. Version 1 (a worker from before the host tier) is
+read too: its PagesStored and StateStored have no medium field and mean the device.
 `EventBatch.decode` refuses anything else (garbage, truncation, another version, a wrong-typed
-field, an unknown tag, a hash that is not 16 bytes) with `EventDecodeError`, and with no other
-exception type: bytes from the network cannot crash the index.
+field, an unknown tag or medium, a hash that is not 16 bytes) with `EventDecodeError`, and with
+no other exception type: bytes from the network cannot crash the index.
 """
 
 from __future__ import annotations
@@ -32,7 +40,11 @@ import msgpack
 
 from cache_service.hashing import DIGEST_BYTES
 
-EVENTS_VERSION = 1
+EVENTS_VERSION = 2
+READABLE_VERSIONS = (1, 2)
+
+DEVICE, HOST = "device", "host"  # where a worker holds a page or state (the medium)
+MEDIA = (DEVICE, HOST)  # wire form: the index in this tuple
 
 
 class EventDecodeError(ValueError):
@@ -42,9 +54,10 @@ class EventDecodeError(ValueError):
 @dataclass(frozen=True)
 class PagesStored:
     """Consecutive pages of one chain, in order; `parent` is the hash of the page before
-    hashes[0] (None: hashes[0] is the first page of its chain)."""
+    hashes[0] (None: hashes[0] is the first page of its chain). `medium`: where they now are."""
     hashes: tuple[bytes, ...]
     parent: bytes | None = None
+    medium: str = DEVICE
 
 
 @dataclass(frozen=True)
@@ -54,8 +67,9 @@ class PagesRemoved:
 
 @dataclass(frozen=True)
 class StateStored:
-    """A recurrent-state checkpoint at the end of page `page_hash`."""
+    """A recurrent-state checkpoint at the end of page `page_hash`, now in `medium`."""
     page_hash: bytes
+    medium: str = DEVICE
 
 
 @dataclass(frozen=True)
@@ -71,17 +85,18 @@ class AllCleared:
 Event = PagesStored | PagesRemoved | StateStored | StateRemoved | AllCleared
 
 _PAGES_STORED, _PAGES_REMOVED, _STATE_STORED, _STATE_REMOVED, _ALL_CLEARED = range(5)
-_ARITY = {_PAGES_STORED: 2, _PAGES_REMOVED: 1, _STATE_STORED: 1, _STATE_REMOVED: 1, _ALL_CLEARED: 0}
+_ARITY = {2: {_PAGES_STORED: 3, _PAGES_REMOVED: 1, _STATE_STORED: 2, _STATE_REMOVED: 1, _ALL_CLEARED: 0},
+          1: {_PAGES_STORED: 2, _PAGES_REMOVED: 1, _STATE_STORED: 1, _STATE_REMOVED: 1, _ALL_CLEARED: 0}}
 
 
 def _encode_event(event: Event) -> list:
     match event:
-        case PagesStored(hashes, parent):
-            return [_PAGES_STORED, list(hashes), parent]
+        case PagesStored(hashes, parent, medium):
+            return [_PAGES_STORED, list(hashes), parent, MEDIA.index(medium)]
         case PagesRemoved(hashes):
             return [_PAGES_REMOVED, list(hashes)]
-        case StateStored(page_hash):
-            return [_STATE_STORED, page_hash]
+        case StateStored(page_hash, medium):
+            return [_STATE_STORED, page_hash, MEDIA.index(medium)]
         case StateRemoved(page_hash):
             return [_STATE_REMOVED, page_hash]
         case AllCleared():
@@ -113,21 +128,31 @@ def _hash(value: object) -> bytes:
     return value
 
 
-def _decode_event(item: object) -> Event:
+def _medium(fields: list, at: int) -> str:
+    """The medium field at `at`, or the device where the version has none."""
+    if len(fields) <= at:
+        return DEVICE
+    value = fields[at]
+    if not _is_int(value) or not 0 <= value < len(MEDIA):
+        raise EventDecodeError(f"expected a medium 0..{len(MEDIA) - 1}, got {_show(value)}")
+    return MEDIA[value]
+
+
+def _decode_event(item: object, version: int) -> Event:
     if type(item) is not list or not item or not _is_int(item[0]):
         raise EventDecodeError(f"expected an event [tag, field, ...], got {_show(item)}")
-    tag, fields = item[0], item[1:]
-    if tag not in _ARITY:
+    tag, fields, arity = item[0], item[1:], _ARITY[version]
+    if tag not in arity:
         raise EventDecodeError(f"unknown event tag {tag}")
-    if len(fields) != _ARITY[tag]:
-        raise EventDecodeError(f"event tag {tag} expects {_ARITY[tag]} fields, got {len(fields)}")
+    if len(fields) != arity[tag]:
+        raise EventDecodeError(f"event tag {tag} expects {arity[tag]} fields, got {len(fields)}")
     if tag == _PAGES_STORED:
         parent = None if fields[1] is None else _hash(fields[1])
-        return PagesStored(_hashes(fields[0]), parent)
+        return PagesStored(_hashes(fields[0]), parent, _medium(fields, 2))
     if tag == _PAGES_REMOVED:
         return PagesRemoved(_hashes(fields[0]))
     if tag == _STATE_STORED:
-        return StateStored(_hash(fields[0]))
+        return StateStored(_hash(fields[0]), _medium(fields, 1))
     if tag == _STATE_REMOVED:
         return StateRemoved(_hash(fields[0]))
     return AllCleared()
@@ -158,8 +183,8 @@ class EventBatch:
         if type(body) is not list or len(body) != 5:
             raise EventDecodeError(f"expected [version, worker_id, seq, ts, events], got {_show(body)}")
         version, worker_id, seq, ts, events = body
-        if version != EVENTS_VERSION or not _is_int(version):
-            raise EventDecodeError(f"expected events version {EVENTS_VERSION}, got {_show(version)}")
+        if not _is_int(version) or version not in READABLE_VERSIONS:
+            raise EventDecodeError(f"expected events version {READABLE_VERSIONS}, got {_show(version)}")
         if type(worker_id) is not str or not worker_id:
             raise EventDecodeError(f"expected a non-empty worker_id string, got {_show(worker_id)}")
         if not _is_int(seq) or seq < 0:
@@ -168,7 +193,7 @@ class EventBatch:
             raise EventDecodeError(f"expected ts as a number, got {_show(ts)}")
         if type(events) is not list:
             raise EventDecodeError(f"expected a list of events, got {_show(events)}")
-        return cls(worker_id, seq, float(ts), tuple(_decode_event(e) for e in events))
+        return cls(worker_id, seq, float(ts), tuple(_decode_event(e, version) for e in events))
 
 
 class EventStream:
@@ -190,21 +215,26 @@ class EventStream:
         self._next_seq += 1
         return out
 
-    def snapshot(self, pages: Sequence[tuple[bytes, bytes | None]], states: Sequence[bytes]) -> EventBatch:
+    def snapshot(self, pages: Sequence[tuple[bytes, bytes | None]], states: Sequence[bytes],
+                 host_pages: Sequence[tuple[bytes, bytes | None]] = (), host_states: Sequence[bytes] = ()
+                 ) -> EventBatch:
         """Everything the worker holds, as one self-contained batch: AllCleared, the pages as
         (hash, parent) pairs (runs where each page's parent is the previous page become one
-        PagesStored; list parents before children to get long runs), then the states."""
+        PagesStored; list parents before children to get long runs), then the states; first
+        what is on the device, then what is on the host."""
         events: list[Event] = [AllCleared()]
-        run: list[bytes] = []
-        run_parent: bytes | None = None
-        for page_hash, parent in pages:
-            if run and parent == run[-1]:
-                run.append(page_hash)
-                continue
+        for medium, media_pages in ((DEVICE, pages), (HOST, host_pages)):
+            run: list[bytes] = []
+            run_parent: bytes | None = None
+            for page_hash, parent in media_pages:
+                if run and parent == run[-1]:
+                    run.append(page_hash)
+                    continue
+                if run:
+                    events.append(PagesStored(tuple(run), run_parent, medium))
+                run, run_parent = [page_hash], parent
             if run:
-                events.append(PagesStored(tuple(run), run_parent))
-            run, run_parent = [page_hash], parent
-        if run:
-            events.append(PagesStored(tuple(run), run_parent))
+                events.append(PagesStored(tuple(run), run_parent, medium))
         events.extend(StateStored(h) for h in states)
+        events.extend(StateStored(h, HOST) for h in host_states)
         return self.batch(events)

@@ -6,15 +6,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cache_service.events import (EVENTS_VERSION, AllCleared, EventBatch, EventDecodeError, EventStream,
-                                  PagesRemoved, PagesStored, StateRemoved, StateStored)
+from cache_service.events import (DEVICE, EVENTS_VERSION, HOST, MEDIA, AllCleared, EventBatch, EventDecodeError,
+                                  EventStream, PagesRemoved, PagesStored, StateRemoved, StateStored)
 
 hashes = st.binary(min_size=16, max_size=16)
 hash_tuples = st.lists(hashes, max_size=8).map(tuple)
 events = st.one_of(
-    st.builds(PagesStored, hash_tuples, st.none() | hashes),
+    st.builds(PagesStored, hash_tuples, st.none() | hashes, st.sampled_from(MEDIA)),
     st.builds(PagesRemoved, hash_tuples),
-    st.builds(StateStored, hashes),
+    st.builds(StateStored, hashes, st.sampled_from(MEDIA)),
     st.builds(StateRemoved, hashes),
     st.builds(AllCleared),
 )
@@ -29,7 +29,7 @@ H1, H2 = b"\x01" * 16, b"\x02" * 16
 
 
 def good_body() -> list:
-    return [EVENTS_VERSION, "w0", 3, 1.5, [[0, [H1, H2], None], [1, [H1]], [2, H2], [3, H2], [4]]]
+    return [EVENTS_VERSION, "w0", 3, 1.5, [[0, [H1, H2], None, 1], [1, [H1]], [2, H2, 0], [3, H2], [4]]]
 
 
 def pack(body: object) -> bytes:
@@ -43,8 +43,25 @@ def test_every_batch_round_trips_exactly(batch):
 
 def test_a_well_formed_body_decodes_to_every_event_type():
     batch = EventBatch.decode(pack(good_body()))
-    assert batch == EventBatch("w0", 3, 1.5, (PagesStored((H1, H2), None), PagesRemoved((H1,)),
-                                                StateStored(H2), StateRemoved(H2), AllCleared()))
+    assert batch == EventBatch("w0", 3, 1.5, (PagesStored((H1, H2), None, HOST), PagesRemoved((H1,)),
+                                                StateStored(H2, DEVICE), StateRemoved(H2), AllCleared()))
+
+
+def test_a_version_1_batch_from_a_worker_without_a_host_tier_means_the_device():
+    body = [1, "w0", 3, 1.5, [[0, [H1, H2], None], [2, H2], [4]]]
+    batch = EventBatch.decode(pack(body))
+    assert batch.events == (PagesStored((H1, H2), None, DEVICE), StateStored(H2, DEVICE), AllCleared())
+    body[4][0].append(1)  # version 1 has no medium field
+    with pytest.raises(EventDecodeError):
+        EventBatch.decode(pack(body))
+
+
+@pytest.mark.parametrize("medium", [2, -1, "host", None, True, 1.0])
+def test_an_unknown_medium_is_refused(medium):
+    with pytest.raises(EventDecodeError):
+        EventBatch.decode(pack(mutate((4, 0), [0, [H1], None, medium])))
+    with pytest.raises(EventDecodeError):
+        EventBatch.decode(pack(mutate((4, 2), [2, H2, medium])))
 
 
 def test_the_wire_form_is_compact():
@@ -70,7 +87,7 @@ def test_trailing_bytes_are_refused():
         EventBatch.decode(pack(good_body()) + b"\x00")
 
 
-@pytest.mark.parametrize("version", [0, 2, True, 1.0, "1", None])
+@pytest.mark.parametrize("version", [0, 3, True, 1.0, "1", None])
 def test_another_version_is_refused(version):
     body = good_body()
     body[0] = version
@@ -92,13 +109,14 @@ def mutate(path: tuple, value: object) -> list:
     ((2,), "3"), ((2,), -1), ((2,), 3.0), ((2,), True),  # seq
     ((3,), "1.5"), ((3,), None), ((3,), False),      # ts
     ((4,), {"a": 1}), ((4,), None),                  # events
-    ((4, 0), [0, H1, None]),                         # hashes not a list
-    ((4, 0), [0, [H1, "x" * 16], None]),             # a hash that is a str
-    ((4, 0), [0, [H1, b"short"], None]),             # a hash of the wrong length
-    ((4, 0), [0, [H1], b"short"]),                   # bad parent
-    ((4, 0), [0, [H1]]),                             # missing field
+    ((4, 0), [0, H1, None, 0]),                      # hashes not a list
+    ((4, 0), [0, [H1, "x" * 16], None, 0]),          # a hash that is a str
+    ((4, 0), [0, [H1, b"short"], None, 0]),          # a hash of the wrong length
+    ((4, 0), [0, [H1], b"short", 0]),                # bad parent
+    ((4, 0), [0, [H1], None]),                       # missing field (the medium)
     ((4, 1), [1, [H1], None]),                       # extra field
-    ((4, 2), [2, [H2]]),                             # state hash inside a list
+    ((4, 2), [2, [H2], 0]),                          # state hash inside a list
+    ((4, 2), [2, H2]),                               # no medium
     ((4, 3), [3, None]),
     ((4, 4), [4, 0]),
     ((4, 4), []), ((4, 4), "AllCleared"), ((4, 4), [True]),  # not [tag, ...]
@@ -154,6 +172,14 @@ def test_a_snapshot_opens_with_all_cleared_and_coalesces_chain_runs():
     assert snap.seq == 1 and snap.is_snapshot
     assert snap.events == (AllCleared(), PagesStored((a, b, c), None), PagesStored((x,), b),
                            PagesStored((y,), None), StateStored(c), StateStored(x))
+
+
+def test_a_snapshot_lists_the_device_then_the_host():
+    a, b, c, x = (bytes([i]) * 16 for i in range(4))
+    snap = EventStream("w0", clock=lambda: 0.0).snapshot([(a, None), (b, a)], [a], host_pages=[(c, b), (x, c)],
+                                                         host_states=[x])
+    assert snap.events == (AllCleared(), PagesStored((a, b), None), PagesStored((c, x), b, HOST),
+                           StateStored(a), StateStored(x, HOST))
 
 
 def test_an_empty_snapshot_is_just_all_cleared():
