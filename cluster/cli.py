@@ -153,6 +153,9 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--memory-utilization", type=float, default=None, metavar="F",
                         help="CUDA: size the cache from what each GPU has left after the weights, up to this "
                              "fraction of its memory (instead of --cache-memory-bytes)")
+    parser.add_argument("--host-cache-bytes", type=int, default=None, metavar="BYTES",
+                        help="host tier per replica: what the device cache evicts is kept in host memory (pinned "
+                             "on CUDA) up to this many bytes, and brought back when cheaper than recomputing (0: off)")
     parser.add_argument("--tensor-parallel-size", type=int, default=None, metavar="N",
                         help="devices one engine replica spans (1); a replica is then N bundles of --num-cpus and "
                              "--num-gpus on one node")
@@ -164,6 +167,7 @@ def _serve(args: argparse.Namespace) -> int:
                                                       ("cache_policy", args.cache_policy),
                                                       ("cache_memory_bytes", args.cache_memory_bytes),
                                                       ("memory_utilization", args.memory_utilization),
+                                                      ("host_cache_bytes", args.host_cache_bytes),
                                                       ("tensor_parallel_size", args.tensor_parallel_size))
                       if value is not None}
     if args.replicas == 1 and not args.address and not args.config:

@@ -20,7 +20,7 @@ from cache_service.hashing import root_hash
 from cache_service.index import CacheIndex
 from workers.arena import ArenaLayout
 from workers.checkpoint_policy import CheckpointPolicy
-from workers.prefix_cache import PrefixCache
+from workers.prefix_cache import DEMOTE, MOVE, PrefixCache
 from workers.sampling_params import SamplingParams
 from workers.sequence import Sequence
 
@@ -28,20 +28,23 @@ PS = 4
 BLOCK_BYTES, SLOT_BLOCKS = 10, 3  # a state slot spans three page-sized blocks
 
 
-def layout(num_pages: int | None, ckpt_slots: int, blocks: int, recurrent: bool = True) -> ArenaLayout:
+def layout(num_pages: int | None, ckpt_slots: int, blocks: int, recurrent: bool = True,
+           host_blocks: int = 0) -> ArenaLayout:
     return ArenaLayout(block_bytes=BLOCK_BYTES, slot_bytes=25 if recurrent else 0,
                        slot_blocks=SLOT_BLOCKS if recurrent else 0, num_blocks=blocks, max_pages=num_pages,
-                       max_checkpoints=ckpt_slots if recurrent else 0, virtual_slots=0 if recurrent else 8)
+                       max_checkpoints=ckpt_slots if recurrent else 0, virtual_slots=0 if recurrent else 8,
+                       host_blocks=host_blocks)
 
 
 class Harness:
     def __init__(self, rng: random.Random, num_pages: int | None, ckpt_slots: int, blocks: int,
-                 recurrent: bool = True):
+                 recurrent: bool = True, host_blocks: int = 0):
         self.rng = rng
-        self.cache = PrefixCache(layout(num_pages, ckpt_slots, blocks, recurrent), CheckpointPolicy("all"), PS,
-                                 recurrent=recurrent)
+        self.cache = PrefixCache(layout(num_pages, ckpt_slots, blocks, recurrent, host_blocks),
+                                 CheckpointPolicy("all"), PS, recurrent=recurrent)
         self.root = root_hash("model", PS, None)
         self.device: dict[int, tuple] = {}  # block -> ("page" | "state", token prefix)
+        self.host: dict[int, tuple] = {}  # host tier block -> the same
         self.stored_pages: set[tuple] = set()  # brute force: every prefix ever registered
         self.stored_ckpts: set[tuple] = set()
         self.history: list[list[int]] = []
@@ -65,10 +68,27 @@ class Harness:
             self.device[b] = ("state", prefix)
 
     def apply_moves(self) -> None:
-        """The runner's part before a step: pages the cache moved are copied to their new blocks."""
-        for src, dst in self.cache.take_page_moves():
-            assert self.device[src][0] == "page", "only a page moves"
-            self.device[dst] = self.device[src]
+        """The runner's part before a step: the cache's block copies, in order (pages moved to
+        other blocks; pages and states demoted to the host or brought back)."""
+        for kind, src, dst in self.cache.take_block_copies():
+            if kind == MOVE:
+                assert self.device[src][0] == "page", "only a page moves"
+                self.device[dst] = self.device[src]
+            elif kind == DEMOTE:
+                self.host[dst] = self.device[src]
+            else:
+                self.device[dst] = self.host[src]
+
+    def page_content(self, page_hash: bytes) -> tuple | None:
+        page = self.cache.pages.page_of(page_hash)
+        if page is not None:
+            return self.device.get(page)
+        return self.host.get(self.cache.host.pages[page_hash].block)
+
+    def checkpoint_holds(self, m, prefix: tuple) -> bool:
+        if m.from_host:
+            return all(self.host.get(b) == ("state", prefix) for b in self.cache.host.blocks_of(m.checkpoint.page_hash))
+        return self.holds_state(m.checkpoint.slot, prefix)
 
     def holds_state(self, slot: int, prefix: tuple) -> bool:
         return all(self.device.get(b) == ("state", prefix) for b in self.slot_blocks(slot))
@@ -95,10 +115,9 @@ class Harness:
         n = len(tokens)
         # Soundness: every hit page and the checkpoint hold exactly this prompt's prefix.
         for j in range(m.hit_pages):
-            page = cache.pages.page_of(seq.cache.page_hashes[j])
-            assert self.device[page] == ("page", tuple(tokens[:(j + 1) * PS]))
+            assert self.page_content(seq.cache.page_hashes[j]) == ("page", tuple(tokens[:(j + 1) * PS]))
         if m.checkpoint is not None:
-            assert self.holds_state(m.checkpoint.slot, tuple(tokens[:m.state_pages * PS]))
+            assert self.checkpoint_holds(m, tuple(tokens[:m.state_pages * PS]))
             assert m.state_pages <= m.hit_pages and m.state_pages * PS <= n - 1
         assert m.resume_token == m.state_pages * PS
         if unlimited:  # completeness
@@ -107,7 +126,14 @@ class Harness:
                 h += 1
             d = max((j for j in range(1, min(h, (n - 1) // PS) + 1) if tuple(tokens[:j * PS]) in self.stored_ckpts),
                     default=0)
-            assert (m.hit_pages, m.state_pages) == (h, d)
+            assert m.state_pages == d
+            hashes, cache_h = seq.cache.page_hashes, 0  # resident on either tier
+            while cache_h < n // PS and (cache.pages.page_of(hashes[cache_h]) is not None
+                                         or hashes[cache_h] in cache.host.pages):
+                cache_h += 1
+            assert cache_h == h
+            if not cache.host:
+                assert m.hit_pages == h
         before = self.lru_picture()
         if not cache.can_admit(seq, m, n - m.resume_token):
             assert self.lru_picture() == before, "asking took something"
@@ -122,6 +148,10 @@ class Harness:
         assert seq.cache.state_slot not in slots, "a running state slot was handed out again"
         if restore is not None:
             self.write_state(seq.cache.state_slot, tuple(tokens[:m.state_pages * PS]))
+        if m.from_host:  # copied from the host by the block copies
+            assert self.holds_state(seq.cache.state_slot, tuple(tokens[:m.state_pages * PS]))
+        for j in range(m.hit_pages):  # the promoted pages landed
+            assert self.device[seq.cache.page_ids[j]] == ("page", tuple(tokens[:(j + 1) * PS]))
         seq.resume_pages = m.state_pages  # type: ignore[attr-defined]
         cache.end_pass()
         self.computing.append(seq)
@@ -175,7 +205,11 @@ class Harness:
         if events:
             assert self.index.apply(self.stream.batch(events).encode())
         pages, states = cache.snapshot()
-        assert self.index.contents("w") == (frozenset(h for h, _ in pages), frozenset(states))
+        host_pages, host_states = cache.host_snapshot()
+        assert self.index.contents("w") == (frozenset(h for h, _ in pages + host_pages),
+                                            frozenset(states + host_states))
+        for page_hash, _ in host_pages:  # what the host holds is what was demoted
+            assert self.page_content(page_hash)[0] == "page"
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -204,6 +238,36 @@ def test_under_tiny_arenas_every_hit_is_sound_and_nothing_held_is_touched(seed, 
     harness.cache.clear()
     harness.check()
     assert harness.cache.pages.num_held == 0 and harness.cache.used_bytes == 0
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("pages, slots, blocks", [(12, 3, 15), (30, 10, 20), (8, 50, 1000)])
+def test_with_a_host_tier_to_spare_tiny_arenas_lose_nothing_and_every_hit_is_sound(seed, pages, slots, blocks):
+    """What the device evicts goes to the host, so hits are complete across the two tiers."""
+    harness = Harness(random.Random(seed), num_pages=pages, ckpt_slots=slots, blocks=blocks, host_blocks=100000)
+    for _ in range(1500):
+        harness.step(unlimited=True)
+        harness.check()
+    stats = harness.cache.stats
+    assert stats.pages_demoted > 0 and stats.pages_promoted > 0 and stats.checkpoints_demoted > 0
+    assert stats.checkpoints_from_host > 0 and stats.pages_demoted == stats.pages_evicted
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+@pytest.mark.parametrize("pages, slots, blocks, host", [(12, 3, 15, 10), (30, 10, 20, 40), (8, 50, 1000, 7)])
+def test_under_tiny_arenas_and_a_tiny_host_tier_every_hit_is_sound(seed, pages, slots, blocks, host):
+    harness = Harness(random.Random(seed), num_pages=pages, ckpt_slots=slots, blocks=blocks, host_blocks=host)
+    for _ in range(1500):
+        harness.step(unlimited=False)
+        harness.check()
+    assert harness.cache.host.pages_evicted > 0
+    while harness.computing:
+        harness.compute(0)
+    while harness.running:
+        harness.finish_one()
+    harness.cache.clear()
+    harness.check()
+    assert harness.cache.used_bytes == 0 and harness.cache.host.used_blocks == 0
 
 
 def run_prompt(harness: Harness, tokens: list[int], checkpoint_at: tuple[int, ...] = ()) -> Sequence:

@@ -61,6 +61,7 @@ class ArenaLayout:
     max_pages: int | None = None        # cap on resident pages (held + cached); None: the arena's
     max_checkpoints: int | None = None  # cap on checkpoints (pending + stored); None: the arena's
     virtual_slots: int = 0       # slot ids of a model without recurrent layers
+    host_blocks: int = 0         # blocks of the host tier (workers.host_tier), same size; 0: none
 
     def __post_init__(self) -> None:
         if self.block_bytes < 1 or self.num_blocks < 1:
@@ -107,7 +108,8 @@ class ArenaLayout:
         return cls(block_bytes=block, slot_bytes=slot, slot_blocks=slot_blocks, num_blocks=blocks,
                    ssm_offset=ssm_offset if slot else 0, max_pages=options.num_pages,
                    max_checkpoints=ckpts if slot_blocks else 0,
-                   virtual_slots=0 if slot_blocks else options.max_num_seqs)
+                   virtual_slots=0 if slot_blocks else options.max_num_seqs,
+                   host_blocks=options.host_cache_bytes // block)
 
 
 class Arena:

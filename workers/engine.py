@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -117,6 +118,8 @@ class Engine:
                                  max_rows=rows, record_events=False)
         self.scheduler = Scheduler(options, self.cache, self.policy, frozenset(cfg.eos_token_ids) | eos_token_ids)
         self.runner = ModelRunner(model, layout, options.page_size, rows)
+        if layout.host_blocks:  # the cost rule starts from a measured host bandwidth
+            self.cache.tier_cost.bandwidth = self.runner.measure_host_bandwidth()
         if rank_workers is not None:
             rank_workers.wait_ready(layout.num_blocks, timeout_s=max(120.0, options.collective_timeout_s))
             self.runner = TensorParallelRunner(self.runner, rank_workers)
@@ -228,6 +231,7 @@ class Engine:
         plan = self.scheduler.schedule()
         outputs = []
         if plan:
+            began = time.perf_counter()
             try:
                 logits = self.runner.execute(plan)
             except EngineBroken as e:  # nothing can run any more: the caller fails everything
@@ -242,10 +246,23 @@ class Engine:
                 self.cache.end_pass()
             if logits is not None:
                 outputs = self._apply(plan, logits)
+                self._observe_rates(plan, time.perf_counter() - began)
         for seq in self.scheduler.take_failed():
             self._requests.pop(seq.request_id, None)
             outputs.append(self._output(seq, [], []))
         return outputs
+
+    def _observe_rates(self, plan: StepPlan, seconds: float) -> None:
+        """Feeds the host tier's cost rule: the step's prefill rate (steps mostly prefill), and
+        the host copies' rate."""
+        if not self.layout.host_blocks:
+            return
+        cost = self.cache.tier_cost
+        copied, copy_seconds = self.runner.take_copy_timing()
+        cost.observe_copy(copied, copy_seconds)
+        tokens = plan.num_tokens
+        if 2 * sum(s.num_tokens for s in plan.prefills) >= tokens:
+            cost.observe_prefill(tokens, seconds - copy_seconds)
 
     def _apply(self, plan: StepPlan, logits: torch.Tensor) -> list[RequestOutput]:
         sampling = plan.sampling_sequences()
@@ -310,7 +327,7 @@ class Engine:
                             prefills=[] if len(prompt) == 1 else [segment],
                             fresh_state_slots=[seq.cache.state_slot],
                             page_table_writes=self.cache.take_page_table_writes(),
-                            page_moves=self.cache.take_page_moves())
+                            block_copies=self.cache.take_block_copies())
             return self.runner.execute(plan, all_logits=True)
         finally:
             self.cache.end_pass()
@@ -329,14 +346,21 @@ class Engine:
         """Everything resident now, as a self-contained batch (the answer to a resync request)."""
         self.cache.forget_events()  # superseded by the snapshot
         pages, states = self.cache.snapshot()
-        return self.events.snapshot(pages, states)
+        host_pages, host_states = self.cache.host_snapshot()
+        return self.events.snapshot(pages, states, host_pages, host_states)
 
     def cache_contents(self) -> tuple[frozenset[bytes], frozenset[bytes]]:
-        """(page hashes, checkpoint page hashes) resident now: what the cache index should hold
-        for this engine once its events are in."""
+        """(page hashes, checkpoint page hashes) resident now on either tier: what the cache
+        index should hold for this engine once its events are in."""
         pages, states = self.cache.snapshot()
-        held = frozenset(h for h, _ in pages)
-        return held, frozenset(states) & held
+        host_pages, host_states = self.cache.host_snapshot()
+        held = frozenset(h for h, _ in pages + host_pages)
+        return held, frozenset(states + host_states) & held
+
+    def host_contents(self) -> tuple[frozenset[bytes], frozenset[bytes]]:
+        """(page hashes, checkpoint page hashes) the host tier holds now."""
+        host_pages, host_states = self.cache.host_snapshot()
+        return frozenset(h for h, _ in host_pages), frozenset(host_states)
 
     def clear_cache(self) -> None:
         """Drops every cached page and checkpoint no running request holds."""
@@ -366,7 +390,21 @@ class Engine:
             "checkpoints_stored_total": stats.checkpoints_stored,
             "checkpoints_used_total": stats.checkpoints_used,
             "checkpoints_evicted_total": stats.checkpoints_evicted,
+            "host_cache_budget_bytes": self.layout.host_blocks * self.layout.block_bytes,
+            "host_cache_used_bytes": cache.host.used_blocks * self.layout.block_bytes,
+            "host_pages": len(cache.host.pages),
+            "host_checkpoints": len(cache.host.checkpoints),
+            "pages_demoted_total": stats.pages_demoted,
+            "checkpoints_demoted_total": stats.checkpoints_demoted,
+            "pages_promoted_total": stats.pages_promoted,
+            "checkpoints_from_host_total": stats.checkpoints_from_host,
+            "host_pages_evicted_total": cache.host.pages_evicted,
+            "host_checkpoints_evicted_total": cache.host.checkpoints_evicted,
+            "bytes_to_host_total": stats.bytes_to_host,
+            "bytes_to_device_total": stats.bytes_to_device,
         }
+        for tier in ("device", "host"):
+            out[f"tier_hit_tokens_total:{tier}"] = self.scheduler.hit_tokens_by_tier.get(tier, 0)
         for kind, rec in self.policy.summary().items():
             out[f"checkpoints_admitted_total:{kind}"] = rec["admitted"]
             out[f"checkpoint_hits_total:{kind}"] = rec["hits"]

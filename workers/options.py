@@ -27,6 +27,7 @@ class EngineOptions:
     memory_utilization: float | None = None   # CUDA: size the arena from what the device has left (workers.device_budget)
     tensor_parallel_size: int = 1             # devices (ranks) one engine spans (workers.tp_runner)
     collective_timeout_s: float = 60.0        # the longest a rank waits on the others in a step
+    host_cache_bytes: int = 0                 # host tier: what the device evicts is kept here (0: off; workers.host_tier)
 
     def __post_init__(self) -> None:
         def positive(name: str, allow_none: bool = False) -> None:
@@ -41,6 +42,9 @@ class EngineOptions:
             positive(name)
         for name in ("num_pages", "cache_memory_bytes"):
             positive(name, allow_none=True)
+        if isinstance(self.host_cache_bytes, bool) or not isinstance(self.host_cache_bytes, int) or \
+                self.host_cache_bytes < 0:
+            raise ValueError(f"host_cache_bytes must be an integer >= 0 (0: no host tier), got {self.host_cache_bytes!r}")
         if self.max_checkpoints is not None and (not isinstance(self.max_checkpoints, int) or self.max_checkpoints < 0):
             raise ValueError(f"max_checkpoints must be an integer >= 0 or None, got {self.max_checkpoints!r}")
         if isinstance(self.tail_guard, bool) or not isinstance(self.tail_guard, int) or self.tail_guard < 0:

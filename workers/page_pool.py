@@ -104,6 +104,8 @@ class PagePool:
     def hash_of(self, page: int) -> bytes | None:
         return self._hash_of.get(page)
 
+    def parent_of(self, page_hash: bytes) -> bytes | None:
+        return self._parent.get(page_hash)
 
     def register(self, page: int, page_hash: bytes, parent: bytes | None) -> bool:
         """Names a held, full page by its chain hash. False if that hash already names another
@@ -125,16 +127,17 @@ class PagePool:
         self._hash_of[dst] = page_hash
         self._page_of[page_hash] = dst
 
-    def evict(self, page: int) -> list[tuple[int, bytes]]:
-        """Unregisters a cached page and its cached descendants; returns (page, hash) of each,
-        deepest first. Their blocks are free: the caller gives them back to the arena."""
+    def evict(self, page: int) -> list[tuple[int, bytes, bytes | None]]:
+        """Unregisters a cached page and its cached descendants; returns (page, hash, parent
+        hash) of each, deepest first. Their blocks are free: the caller gives them back to the
+        arena."""
         if page in self._refs or page not in self._hash_of:
             raise RuntimeError(f"evict({page}): only cached pages can be evicted")
-        freed: list[tuple[int, bytes]] = []
+        freed: list[tuple[int, bytes, bytes | None]] = []
         self._evict_chain(self._hash_of[page], freed)
         return freed
 
-    def _evict_chain(self, page_hash: bytes, freed: list[tuple[int, bytes]]) -> None:
+    def _evict_chain(self, page_hash: bytes, freed: list[tuple[int, bytes, bytes | None]]) -> None:
         for child in list(self._children.get(page_hash, ())):
             self._evict_chain(child, freed)
         page = self._page_of.pop(page_hash)
@@ -148,7 +151,7 @@ class PagePool:
                 del self._children[parent]
         self._children.pop(page_hash, None)
         self._num_cached -= 1
-        freed.append((page, page_hash))
+        freed.append((page, page_hash, parent))
 
     def registered(self) -> list[tuple[bytes, bytes | None]]:
         """Every (hash, parent) registered, parents before children (for snapshots)."""

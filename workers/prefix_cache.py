@@ -32,24 +32,42 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from cache_service.events import AllCleared, PagesRemoved, PagesStored, StateRemoved, StateStored
+from cache_service.events import DEVICE, HOST, AllCleared, PagesRemoved, PagesStored, StateRemoved, StateStored
 from cache_service.hashing import next_page_hash
 from cache_service.scoring import resume_at_token
 from workers.arena import Arena, ArenaLayout
 from workers.cache_budget import CHECKPOINT, CacheBudget
 from workers.checkpoint_policy import END, CheckpointPolicy
 from workers.checkpoint_store import Checkpoint, CheckpointStore
+from workers.host_tier import HostTier
 from workers.page_pool import PagePool
 from workers.sequence import Sequence
+from workers.tier_cost import TierCost
+
+# Block copies the runner makes before a step, in the order the cache queued them:
+MOVE = "move"        # (MOVE, device block, device block): a cached page moved to empty a group
+DEMOTE = "demote"    # (DEMOTE, device block, host block): evicted from the device, kept on the host
+PROMOTE = "promote"  # (PROMOTE, host block, device block): brought back for a request
 
 
 @dataclass
 class Match:
-    hit_pages: int  # resident page run
+    hit_pages: int  # resident page run used: the device run, then the pages promoted after it
     state_pages: int  # depth of the checkpoint resumed from (0: none)
     resume_token: int  # tokens skipped = cached_tokens
     checkpoint: Checkpoint | None
-    page_ids: list[int] | None = None  # the hit run's pages, once looked up (can_admit, admit)
+    page_ids: list[int] | None = None  # the device run's pages, once looked up (can_admit, admit)
+    promote: tuple[bytes, ...] = ()  # host pages brought back, after the device run
+    from_host: bool = False  # the checkpoint is on the host: copied from there into the state
+
+    @property
+    def device_pages(self) -> int:
+        return self.hit_pages - len(self.promote)
+
+    @property
+    def tier(self) -> str:
+        """Where the resume point came from: the device alone, or the host too."""
+        return HOST if self.promote or self.from_host else DEVICE
 
 
 @dataclass(slots=True)
@@ -66,6 +84,12 @@ class CacheStats:
     checkpoints_used: int = 0
     checkpoints_evicted: int = 0
     checkpoints_dropped: int = 0  # refused at commit (duplicate or page gone)
+    pages_demoted: int = 0  # of the pages evicted from the device, those kept on the host
+    checkpoints_demoted: int = 0
+    pages_promoted: int = 0  # host pages brought back to the device for a request
+    checkpoints_from_host: int = 0  # resumes that copied their checkpoint from the host
+    bytes_to_host: int = 0
+    bytes_to_device: int = 0
     state_bytes_peak: int = 0  # the most arena bytes checkpoints (pending and stored) held at once
     by_kind: dict[str, dict[str, int]] = field(default_factory=dict)
 
@@ -80,13 +104,16 @@ class PrefixCache:
         self.max_rows = max_rows
         self._free_rows = list(range(max_rows - 1, -1, -1))
         self._table_writes: list[PageTableWrite] = []
-        self._page_moves: list[tuple[int, int]] = []
+        self._copies: list[tuple[str, int, int]] = []
         self.arena = Arena(layout)
         self.pages = PagePool()
         self.checkpoints = CheckpointStore()
         self.budget = CacheBudget(layout.block_bytes, layout.slot_blocks, is_held=self._held_hash,
                                   cached_pages=lambda: self.pages.num_cached)
         self.slot_blocks = layout.slot_blocks
+        self.host = HostTier(layout.host_blocks, layout.slot_blocks, on_removed=self._host_removed)
+        self.tier_cost = TierCost()
+        self._dropping = False  # clear(): what is evicted is dropped, not demoted
         self._running_slots: set[int] = set()
         self._pinned: list[bytes] = []
         self._demoted: set[bytes] = set()
@@ -126,21 +153,49 @@ class PrefixCache:
                 h = mid
             else:
                 hi = mid - 1
+        top, host = h, self.host  # the host pages of the chain follow its device run
+        if host:
+            while top < n // ps and hashes[top] in host.pages:
+                top += 1
         if not self.recurrent:
-            return Match(h, h, resume_at_token(h, h, n, ps, recurrent=False), None)
-        for j in range(min(h, (n - 1) // ps), 0, -1):
-            ckpt = self.checkpoints.get(hashes[j - 1])
-            if ckpt is not None and ckpt.usable_by(seq.token_ids, ps):
-                return Match(h, j, resume_at_token(h, j, n, ps, recurrent=True), ckpt)
-        return Match(h, 0, 0, None)
+            m = Match(h, h, resume_at_token(h, h, n, ps, recurrent=False), None)
+            if top > h:
+                deeper = Match(top, top, resume_at_token(top, top, n, ps, recurrent=False), None,
+                               promote=tuple(hashes[h:top]))
+                if self._resume_cost(deeper, n) < self._resume_cost(m, n):
+                    return deeper
+            return m
+        best = Match(h, 0, 0, None)  # cold
+        best_cost = self._resume_cost(best, n)
+        for j in range(min(top, (n - 1) // ps), 0, -1):
+            ckpt, from_host = self.checkpoints.get(hashes[j - 1]), False
+            if ckpt is None and host:
+                ckpt = host.checkpoints.get(hashes[j - 1])
+                from_host = ckpt is not None
+            if ckpt is None or not ckpt.usable_by(seq.token_ids, ps):
+                continue
+            m = Match(max(h, j), j, resume_at_token(max(h, j), j, n, ps, recurrent=True), ckpt,
+                      promote=tuple(hashes[h:j]), from_host=from_host)
+            cost = self._resume_cost(m, n)
+            if cost < best_cost:
+                best, best_cost = m, cost
+            if not m.promote and not from_host:
+                break  # a device resume point copies nothing: shallower ones only cost more
+        return best
+
+    def _resume_cost(self, m: Match, num_tokens: int) -> float:
+        """Seconds to resume at `m` (`workers.tier_cost`): its host copies and its prefill."""
+        copy = len(m.promote) * self.layout.block_bytes + (self.layout.slot_bytes if m.from_host else 0)
+        return self.tier_cost.seconds(copy, num_tokens - m.resume_token)
 
     # ---- admission: ask, then take ----------------------------------------------------------
     def _new_pages(self, m: Match, num_tokens: int) -> int:
-        return max(0, self.pages_for_tokens(m.resume_token + num_tokens) - m.hit_pages)
+        """Device blocks the admission takes for pages: its new ones and those it promotes."""
+        return max(0, self.pages_for_tokens(m.resume_token + num_tokens) - m.hit_pages) + len(m.promote)
 
     def _hit_page_ids(self, seq: Sequence, m: Match) -> list[int]:
         if m.page_ids is None:
-            m.page_ids = self.pages.pages_of(seq.cache.page_hashes[:m.hit_pages])
+            m.page_ids = self.pages.pages_of(seq.cache.page_hashes[:m.device_pages])
         return m.page_ids
 
     def can_admit(self, seq: Sequence, m: Match, num_tokens: int) -> bool:
@@ -167,35 +222,68 @@ class PrefixCache:
         return arena.num_unblocked > len(newly_blocked)
 
     def admit(self, seq: Sequence, m: Match, num_tokens: int) -> int | None:
-        """Holds `seq`'s hit pages, takes its state slot and the pages for its first
-        `num_tokens` tokens from the resume point, pins the checkpoint it resumes from (until
-        `end_pass`) and credits its kinds. Returns that checkpoint's slot (None: a fresh
-        state). The caller checked `can_admit`."""
+        """Holds `seq`'s hit pages, brings back the host pages it promotes, takes its state slot
+        and the pages for its first `num_tokens` tokens from the resume point, pins the
+        checkpoint it resumes from (until `end_pass`) and credits its kinds. Returns that
+        checkpoint's slot when it is on the device (None: a fresh state, or, with
+        `m.from_host`, the checkpoint's host blocks are queued to be copied into the state
+        slot). The caller checked `can_admit`."""
         c = seq.cache
         c.page_ids = list(self._hit_page_ids(seq, m))
         was_cached = self.pages.acquire_all(c.page_ids)  # no longer evictable (the LRU skips held pages)
         self.arena.pages_held(was_cached)
-        c.shared_pages = c.registered_pages = m.hit_pages
         c.register_stopped = False
         c.resumed_from = None
         restore = None
         if m.checkpoint is not None:
             ckpt = m.checkpoint
-            self._pin(ckpt)
-            c.resumed_from, restore = (ckpt.page_hash, ckpt.depth), ckpt.slot
+            if m.from_host:
+                self.host.pin(ckpt.page_hash)  # before anything below makes room on the host
+            else:
+                self._pin(ckpt)
+                restore = ckpt.slot
+            c.resumed_from = (ckpt.page_hash, ckpt.depth)
             self.policy.record_hit(ckpt.kinds)
             self.stats.checkpoints_used += 1
             for k in ckpt.kinds:
                 self.stats.by_kind.setdefault(k, {"stored": 0}).setdefault("used", 0)
                 self.stats.by_kind[k]["used"] += 1
+        taken = [self.host.pop_page(h) for h in m.promote]  # out of reach of what makes room below
         c.state_slot = self._take_slot()
         self._running_slots.add(c.state_slot)
-        c.page_ids += self._take_pages(self._new_pages(m, num_tokens))
+        if m.promote:
+            c.page_ids += self._promote(seq, m.promote, taken)
+        c.shared_pages = c.registered_pages = m.hit_pages
+        if m.from_host:
+            blocks = self.host.blocks_of(m.checkpoint.page_hash)
+            self._copies.extend((PROMOTE, b, d) for b, d in zip(blocks, self.arena.pages_of_group(c.state_slot)))
+            self.stats.checkpoints_from_host += 1
+            self.stats.bytes_to_device += self.slot_blocks * self.layout.block_bytes
+        c.page_ids += self._take_pages(self._new_pages(m, num_tokens) - len(m.promote))
         c.row = self._free_rows.pop()
         self._table_writes.append(PageTableWrite(c.row, 0, list(c.page_ids)))
         c.checkpoint_targets = self.policy.prompt_targets(
             seq.num_tokens, self.page_size, m.resume_token // self.page_size, m.hit_pages, seq.hints)
         return restore
+
+    def _promote(self, seq: Sequence, hashes: tuple[bytes, ...], blocks: list[int]) -> list[int]:
+        """Brings host pages `hashes` (the next ones of `seq`'s chain after its device run, taken
+        out of the host tier on `blocks`) back to device blocks, held by `seq`; queues their
+        copies. The host blocks are freed only once the copies out of them are queued, so
+        nothing placed meanwhile lands on them."""
+        first = len(seq.cache.page_ids)
+        parent = seq.cache.page_hashes[first - 1] if first else None
+        pages = self._take_pages(len(hashes))
+        up = parent
+        for page, page_hash, block in zip(pages, hashes, blocks):
+            self.pages.register(page, page_hash, up)
+            self._copies.append((PROMOTE, block, page))
+            up = page_hash
+        self.host.free_blocks(blocks)
+        self._event(PagesStored(hashes, parent, DEVICE))
+        self.stats.pages_promoted += len(hashes)
+        self.stats.bytes_to_device += len(hashes) * self.layout.block_bytes
+        return pages
 
     def want_checkpoint(self, seq: Sequence, page: int, kind: str) -> None:
         """Asks `seq` to checkpoint after page `page` too (a twin waits to resume there)."""
@@ -213,6 +301,7 @@ class PrefixCache:
                     self.budget.demote(page_hash)
         self._pinned.clear()
         self._demoted.clear()
+        self.host.unpin_all()
 
     # ---- growth -------------------------------------------------------------------------------
     def can_grow(self, seq: Sequence, upto_tokens: int) -> bool:
@@ -289,6 +378,7 @@ class PrefixCache:
                 self.budget.touch_checkpoint(page_hash)
             return False
         self.checkpoints.store(slot, page_hash, depth, kinds, exact_tail)
+        self.host.drop_checkpoint(page_hash)  # a host copy is superseded (StateStored moves it)
         self.budget.list_checkpoint(page_hash)
         self.arena.slot_evictable(slot, True)
         self._event(StateStored(page_hash))
@@ -329,6 +419,8 @@ class PrefixCache:
                 self._table_writes.append(PageTableWrite(c.row, j, [twin]))
             elif self.pages.register(c.page_ids[j], page_hash, parent):
                 run.append(page_hash)
+                if page_hash in self.host.pages:  # computed again: the device copy supersedes it
+                    self.host.free_blocks([self.host.pop_page(page_hash)])
             else:
                 c.register_stopped = True  # cannot happen while every chain is held whole
                 break
@@ -450,13 +542,14 @@ class PrefixCache:
             arena.page_held(dst, False)  # a cached page: it blocks nothing
             self.pages.move(page, dst)
             arena.free_page(page)
-            self._page_moves.append((page, dst))
+            self._copies.append((MOVE, page, dst))
 
-    def take_page_moves(self) -> list[tuple[int, int]]:
-        """(from block, to block) of the pages moved since the last call, in order: the runner
-        copies their K/V before the step that comes with them, before anything else."""
-        moves, self._page_moves = self._page_moves, []
-        return moves
+    def take_block_copies(self) -> list[tuple[str, int, int]]:
+        """(MOVE | DEMOTE | PROMOTE, from block, to block) queued since the last call, in order:
+        the runner makes them before the step that comes with them, before anything else, in
+        this order (a block freed by a demotion may be written by a later copy)."""
+        copies, self._copies = self._copies, []
+        return copies
 
     # ---- eviction ---------------------------------------------------------------------------
     def _evict_coldest(self) -> None:
@@ -465,18 +558,72 @@ class PrefixCache:
 
     def _evict_checkpoint(self, page_hash: bytes) -> None:
         self.budget.unlist_checkpoint(page_hash)
-        self._remove_checkpoint(page_hash, listed=True)
+        blocks = self._host_blocks(self.slot_blocks)
+        if blocks is None:
+            self._remove_checkpoint(page_hash, listed=True)
+            return
+        self._demote_checkpoint(page_hash, blocks, listed=True)
+        self._event(StateStored(page_hash, HOST))
 
     def _evict_page(self, first: int) -> None:
-        removed = []
-        for page, page_hash in self.pages.evict(first):
+        """Evicts a cached page with its cached descendants and their checkpoints: demoted to
+        the host tier when it has room for all of them, else dropped (and with them, what the
+        host tier holds under them)."""
+        evicted = self.pages.evict(first)  # deepest first
+        states = []
+        for page, page_hash, _ in evicted:
             self.budget.unlist_page(page_hash)
             self.arena.free_page(page)
             self.stats.pages_evicted += 1
-            removed.append(page_hash)
             if self.checkpoints.get(page_hash) is not None:  # a pinned one goes all the same
-                self._remove_checkpoint(page_hash, listed=self.budget.unlist_checkpoint(page_hash))
-        self._event(PagesRemoved(tuple(removed)))
+                states.append((page_hash, self.budget.unlist_checkpoint(page_hash)))
+        blocks = self._host_blocks(len(evicted) + len(states) * self.slot_blocks)
+        if blocks is None:
+            for page_hash, listed in states:
+                self._remove_checkpoint(page_hash, listed)
+            self._event(PagesRemoved(tuple(h for _, h, _ in evicted)))
+            if self.host:
+                for _, page_hash, _ in evicted:
+                    self.host.drop_below(page_hash)
+            return
+        for page, page_hash, parent in evicted:
+            block = blocks.pop()
+            self._copies.append((DEMOTE, page, block))
+            self.host.add_page(page_hash, parent, block)
+        self.stats.pages_demoted += len(evicted)
+        self.stats.bytes_to_host += len(evicted) * self.layout.block_bytes
+        for page_hash, listed in states:
+            self._demote_checkpoint(page_hash, [blocks.pop() for _ in range(self.slot_blocks)], listed)
+        run: list[bytes] = []  # parents first, one PagesStored per run of a chain
+        for _, page_hash, parent in reversed(evicted):
+            if run and parent != run[-1]:
+                self._event(PagesStored(tuple(run), self.host.pages[run[0]].parent, HOST))
+                run = []
+            run.append(page_hash)
+        self._event(PagesStored(tuple(run), self.host.pages[run[0]].parent, HOST))
+        for page_hash, _ in states:
+            self._event(StateStored(page_hash, HOST))
+
+    def _host_blocks(self, n: int) -> list[int] | None:
+        """`n` host blocks for a demotion; None: no host tier, no room, or the cache is clearing."""
+        return None if self._dropping or not self.host else self.host.take_blocks(n)
+
+    def _demote_checkpoint(self, page_hash: bytes, blocks: list[int], listed: bool) -> None:
+        ckpt = self.checkpoints.remove(page_hash)
+        self._copies.extend((DEMOTE, b, h) for b, h in zip(self.arena.pages_of_group(ckpt.slot), blocks))
+        self.arena.free_slot(ckpt.slot, blocked=not listed)
+        self.host.add_checkpoint(ckpt, blocks)
+        ckpt.slot = -1  # no device slot: its blocks are the host's
+        self.stats.checkpoints_evicted += 1
+        self.stats.checkpoints_demoted += 1
+        self.stats.bytes_to_host += self.slot_blocks * self.layout.block_bytes
+
+    def _host_removed(self, pages: list[bytes], states: list[bytes]) -> None:
+        """The host tier let these go (evicted, or dropped with a device page): tell the index."""
+        if pages:
+            self._event(PagesRemoved(tuple(pages)))
+        for page_hash in states:
+            self._event(StateRemoved(page_hash))
 
     def _remove_checkpoint(self, page_hash: bytes, listed: bool) -> None:
         ckpt = self.checkpoints.remove(page_hash)
@@ -492,10 +639,15 @@ class PrefixCache:
         return True
 
     def clear(self) -> None:
-        """Drops everything not held by a running sequence; announces the result as a fresh
-        picture (AllCleared, then what remains)."""
-        while self.budget.coldest() is not None:
-            self._evict_coldest()
+        """Drops everything not held by a running sequence, and the host tier; announces the
+        result as a fresh picture (AllCleared, then what remains)."""
+        self._dropping = True
+        try:
+            while self.budget.coldest() is not None:
+                self._evict_coldest()
+        finally:
+            self._dropping = False
+        self.host.clear()
         self._events.clear()
         if not self.record_events:
             return
@@ -522,8 +674,13 @@ class PrefixCache:
         return events
 
     def snapshot(self) -> tuple[list[tuple[bytes, bytes | None]], list[bytes]]:
-        """What is resident now: (page hash, parent) pairs parents first, and checkpoint hashes."""
+        """What is resident on the device now: (page hash, parent) pairs parents first, and
+        checkpoint hashes."""
         return self.pages.registered(), self.checkpoints.hashes()
+
+    def host_snapshot(self) -> tuple[list[tuple[bytes, bytes | None]], list[bytes]]:
+        """What the host tier holds now, in the same form."""
+        return self.host.registered(), list(self.host.checkpoints)
 
     def forget_events(self) -> None:
         """Drops the queued events: a snapshot sent now supersedes them. Events are queued from
@@ -567,3 +724,7 @@ class PrefixCache:
         if self.budget.num_checkpoints + len(pinned) != self.checkpoints.num_stored:
             raise AssertionError(f"evictable checkpoints {self.budget.num_checkpoints} + pinned {len(pinned)} "
                                  f"!= stored {self.checkpoints.num_stored}")
+        self.host.check(lambda h: self.pages.page_of(h) is not None)
+        both = set(self.host.checkpoints) & set(self.checkpoints.hashes())
+        if both:
+            raise AssertionError(f"{len(both)} checkpoints are on the device and the host at once")

@@ -9,6 +9,11 @@ than the budget it was given:
   [L_lin, conv_dim, K-1] in the model's dtype, then, from `ssm_offset`, `ssm_states`
   [L_lin, H_v, D_k, D_v] in fp32; the pools are [num_groups, ...] views strided by a slot.
 A page and a slot over the same blocks never live at once: the arena's placement sees to that.
+With a host tier (`ArenaLayout.host_blocks`), the runner also owns its memory: `host_blocks` blocks
+of the same size, in pinned memory on CUDA (so copies are asynchronous to the host and
+stream-ordered with the step), a separate buffer on CPU; the cache's block copies (demotions to it,
+promotions from it, page moves) are made in the order queued, before anything else in the step.
+Their measured rate feeds the cache's cost rule (`workers.tier_cost`).
 Page and slot ids come from the prefix cache; the runner never decides who holds what. It keeps
 the page table (one row of page ids per running sequence, rows assigned by the cache) across
 steps and applies the plan's `page_table_writes` to it, so a step's cost does not grow with its
@@ -18,6 +23,7 @@ slot.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -25,6 +31,7 @@ import torch
 
 import kernels
 from workers.arena import ArenaLayout
+from workers.prefix_cache import DEMOTE, MOVE, PROMOTE
 from workers.model import ForwardBatch, HybridForCausalLM, ModelCaches
 from workers.scheduler import StepPlan
 
@@ -44,7 +51,7 @@ class StepWork:
     logits_indices: np.ndarray
     checkpoint_offsets: dict[int, list[int]]
     checkpoint_slots: dict[int, list[list[int]]]
-    page_moves: list[tuple[int, int]] = field(default_factory=list)
+    block_copies: list[tuple[str, int, int]] = field(default_factory=list)
     restores: list[tuple[int, int]] = field(default_factory=list)
     fresh_state_slots: list[int] = field(default_factory=list)
     snapshots: list[tuple[int, int]] = field(default_factory=list)
@@ -76,6 +83,9 @@ class ModelRunner:
         self.page_size = page_size
         self.arena = torch.zeros(layout.arena_bytes, dtype=torch.uint8, device=self.device)
         self._blocks = self.arena.view(layout.num_blocks, layout.block_bytes)  # one row per block
+        self.host = torch.zeros(layout.host_blocks, layout.block_bytes, dtype=torch.uint8,
+                                pin_memory=self.device.type == "cuda")  # the host tier, one row per block
+        self._timed = [0, 0.0]  # host copies timed since `take_copy_timing`: bytes, seconds (CPU only)
         self.caches = ModelCaches(*self._views(layout))
         self._table = np.zeros((max_rows, 64), dtype=np.int32)  # row -> page ids, widened on demand
 
@@ -112,8 +122,8 @@ class ModelRunner:
         into resuming sequences' slots, zero fresh slots. After: snapshot slots into checkpoint
         slots. Every rank of a tensor-parallel engine runs the same `work` on its own shard."""
         states = (self.caches.conv_states, self.caches.ssm_states)
-        if work.page_moves:  # pages the cache moved to make room for a state slot: before anything writes there
-            self._move_blocks(work.page_moves)
+        if work.block_copies:  # moved, demoted and promoted blocks: before anything writes there
+            self._copy_blocks(work.block_copies)
         if work.restores:
             self._copy_slots(states, work.restores)
         if work.fresh_state_slots:
@@ -125,18 +135,57 @@ class ModelRunner:
             self._copy_slots(states, work.snapshots)
         return logits
 
-    def _move_blocks(self, moves: list[tuple[int, int]]) -> None:
-        """Copies block `src` to block `dst` for each move, in order (one copy when no move reads
-        a block an earlier one wrote)."""
-        sources, targets = [s for s, _ in moves], [d for _, d in moves]
-        if set(sources).isdisjoint(targets):
-            self._blocks[self._index(targets)] = self._blocks[self._index(sources)]
-            return
-        for src, dst in moves:
-            self._blocks[dst] = self._blocks[src]
+    def _copy_blocks(self, copies: list[tuple[str, int, int]]) -> None:
+        """Makes the cache's block copies in order: each run of one kind at once when no copy in
+        it reads a block an earlier one wrote, else one by one."""
+        start = 0
+        while start < len(copies):
+            kind, end = copies[start][0], start + 1
+            while end < len(copies) and copies[end][0] == kind:
+                end += 1
+            self._copy_run(kind, [c[1] for c in copies[start:end]], [c[2] for c in copies[start:end]])
+            start = end
 
-    def _index(self, values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long, device=self.device)
+    def _copy_run(self, kind: str, sources: list[int], targets: list[int]) -> None:
+        src, dst = {MOVE: (self._blocks, self._blocks), DEMOTE: (self._blocks, self.host),
+                    PROMOTE: (self.host, self._blocks)}[kind]
+        if kind != MOVE and self.device.type != "cpu":
+            # Across the bus, block by block, each queued on the step's stream from or to pinned
+            # memory: asynchronous to the host, ordered with every other copy and the step.
+            for s, d in zip(sources, targets):
+                dst[d].copy_(src[s], non_blocking=True)
+            return
+        if kind == MOVE and not set(sources).isdisjoint(targets):
+            for s, d in zip(sources, targets):
+                dst[d] = src[s]
+            return
+        began = time.perf_counter()
+        dst[self._index(targets, dst.device)] = src[self._index(sources, src.device)]
+        if kind != MOVE:
+            self._timed[0] += len(sources) * self._blocks.shape[1]
+            self._timed[1] += time.perf_counter() - began
+
+    def take_copy_timing(self) -> tuple[int, float]:
+        """(bytes, seconds) of the host copies timed since the last call: on CPU, every one; on
+        CUDA none (they are queued, not waited for; `measure_host_bandwidth` stands in)."""
+        timed, self._timed = self._timed, [0, 0.0]
+        return timed[0], timed[1]
+
+    def measure_host_bandwidth(self, blocks: int = 64) -> float | None:
+        """Bytes/s of a round trip of up to `blocks` blocks to the host tier and back (waited
+        for); None without a host tier. The engine seeds its cost rule with it."""
+        n = min(blocks, self.host.shape[0], self._blocks.shape[0])
+        if n == 0:
+            return None
+        began = time.perf_counter()
+        self._copy_run(DEMOTE, list(range(n)), list(range(n)))  # the arena is empty at start: nothing is lost
+        self._copy_run(PROMOTE, list(range(n)), list(range(n)))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return 2 * n * self._blocks.shape[1] / max(time.perf_counter() - began, 1e-9)
+
+    def _index(self, values: list[int], device: torch.device | None = None) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=device or self.device)
 
     def _copy_slots(self, tensors, pairs: list[tuple[int, int]]) -> None:
         kernels.copy_state_slots(tensors, self._index([s for s, _ in pairs]), self._index([d for _, d in pairs]))
@@ -208,5 +257,5 @@ class ModelRunner:
             input_ids=np.array(ids, dtype=np.int64), positions=pos.astype(np.int64, copy=False), cu_seqlens=cu,
             seq_lens=ends.astype(np.int32), page_table=table[rows, :max_pages], slot_mapping=slot_mapping,
             state_slots=np.array(slots, dtype=np.int64), num_decodes=nd, logits_indices=logits_rows.astype(np.int64),
-            checkpoint_offsets=offsets, checkpoint_slots=offset_slots, page_moves=plan.page_moves,
+            checkpoint_offsets=offsets, checkpoint_slots=offset_slots, block_copies=plan.block_copies,
             restores=plan.restores, fresh_state_slots=plan.fresh_state_slots, snapshots=plan.snapshots)

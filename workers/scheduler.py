@@ -79,7 +79,7 @@ class StepPlan:
     commits: list[Commit] = field(default_factory=list)  # checkpoints to store after the step
     preempted: list[Sequence] = field(default_factory=list)
     page_table_writes: list[PageTableWrite] = field(default_factory=list)  # apply before the step
-    page_moves: list[tuple[int, int]] = field(default_factory=list)  # (from, to) block copies, first of all
+    block_copies: list[tuple[str, int, int]] = field(default_factory=list)  # (kind, from, to), first of all
 
     @property
     def segments(self) -> list[Segment]:
@@ -118,6 +118,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.hit_tokens = 0
+        self.hit_tokens_by_tier: dict[str, int] = {}  # device: resumed from the device alone; host: with host copies
         self._failed: list[Sequence] = []
 
     def add(self, seq: Sequence) -> None:
@@ -173,7 +174,7 @@ class Scheduler:
                                                                         f"{type(e).__name__}"), e)
         if plan:
             plan.page_table_writes = self.cache.take_page_table_writes()
-            plan.page_moves = self.cache.take_page_moves()
+            plan.block_copies = self.cache.take_block_copies()
         return plan
 
     def _inflight_pages(self) -> dict[bytes, Sequence]:
@@ -225,12 +226,14 @@ class Scheduler:
         slot = seq.cache.state_slot
         if restore is not None:
             plan.restores.append((restore, slot))
-        else:
+        elif not m.from_host:  # (from the host: its blocks are copied into the slot before the step)
             plan.fresh_state_slots.append(slot)
         if not seq.admitted_once:
             seq.admitted_once = True
             seq.cached_tokens = m.resume_token
             self.hit_tokens += m.resume_token
+            if m.resume_token:
+                self.hit_tokens_by_tier[m.tier] = self.hit_tokens_by_tier.get(m.tier, 0) + m.resume_token
         seq.status = Status.RUNNING
         self.running.append(seq)
         self._add_segment(plan, seq, n)
