@@ -20,7 +20,8 @@ from cache_service.hashing import root_hash
 from cache_service.index import CacheIndex
 from workers.arena import ArenaLayout
 from workers.checkpoint_policy import CheckpointPolicy
-from workers.prefix_cache import DEMOTE, MOVE, PrefixCache
+from workers.cache_placement import DEMOTE, MOVE
+from workers.prefix_cache import PrefixCache
 from workers.sampling_params import SamplingParams
 from workers.sequence import Sequence
 
@@ -240,12 +241,12 @@ def test_under_tiny_arenas_every_hit_is_sound_and_nothing_held_is_touched(seed, 
     assert harness.cache.pages.num_held == 0 and harness.cache.used_bytes == 0
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("pages, slots, blocks", [(12, 3, 15), (30, 10, 20), (8, 50, 1000)])
 def test_with_a_host_tier_to_spare_tiny_arenas_lose_nothing_and_every_hit_is_sound(seed, pages, slots, blocks):
     """What the device evicts goes to the host, so hits are complete across the two tiers."""
     harness = Harness(random.Random(seed), num_pages=pages, ckpt_slots=slots, blocks=blocks, host_blocks=100000)
-    for _ in range(1500):
+    for _ in range(700):
         harness.step(unlimited=True)
         harness.check()
     stats = harness.cache.stats
@@ -253,11 +254,11 @@ def test_with_a_host_tier_to_spare_tiny_arenas_lose_nothing_and_every_hit_is_sou
     assert stats.checkpoints_from_host > 0 and stats.pages_demoted == stats.pages_evicted
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+@pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("pages, slots, blocks, host", [(12, 3, 15, 10), (30, 10, 20, 40), (8, 50, 1000, 7)])
 def test_under_tiny_arenas_and_a_tiny_host_tier_every_hit_is_sound(seed, pages, slots, blocks, host):
     harness = Harness(random.Random(seed), num_pages=pages, ckpt_slots=slots, blocks=blocks, host_blocks=host)
-    for _ in range(1500):
+    for _ in range(1200):
         harness.step(unlimited=False)
         harness.check()
     assert harness.cache.host.pages_evicted > 0

@@ -7,6 +7,11 @@ hash chain, checkpoint targets and the finish capture. Its protocol, per sequenc
   under h pages (and under n - 1 tokens) the prompt may use; the resume point follows from
   `cache_service.scoring.resume_at_token`. Tokens from there up to h pages are recomputed only
   to rebuild the state; their K/V, already in the shared pages, is not written again.
+  With a host tier (`workers.host_tier`), the run goes on over the chain's host pages after
+  its device ones, and a checkpoint may be on the host: each usable resume point is priced by
+  `workers.tier_cost` (host copies it needs + prefill it leaves) and the cheapest is taken,
+  the cold start included. Host pages under it are promoted at admission; a host checkpoint is
+  copied straight into the request's state slot (it stays on the host).
 - `can_admit` then `admit`: ask before you take. `can_admit` has no side effect: it counts what
   the admission would make unevictable (cached hit pages, the checkpoint it resumes from) and
   answers whether the new pages and a state slot fit. `admit` then holds the hit pages, pins the
@@ -19,11 +24,12 @@ hash chain, checkpoint targets and the finish capture. Its protocol, per sequenc
 - `finish` (stores the finish capture) or `release` (abort, preemption): give everything back,
   pages tail first, so chains are evicted tail first.
 
-Eviction (rule 7): the least recently used evictable item (`workers.cache_budget`) goes first; a
-page goes with its cached descendants and every checkpoint on them. A state slot needs a whole
-arena group (`workers.arena`): when none is empty, the coldest item in an unblocked group
-decides which group is emptied. A request that resumed from a checkpoint demotes it once it
-stores a deeper one. Nothing a running sequence holds is ever evicted; a refused allocation is a
+Eviction (rule 7, `workers.cache_placement`): the least recently used evictable item
+(`workers.cache_budget`) goes first; a page goes with its cached descendants and every
+checkpoint on them, to the host tier when there is one with room, else dropped. A state slot
+needs a whole arena group (`workers.arena`): when none is empty, the coldest item in an
+unblocked group decides which group is emptied. A request that resumed from a checkpoint demotes
+it once it stores a deeper one. Nothing a running sequence holds is ever evicted; a refused allocation is a
 result, not an error. Events (rule 8): every change of what is resident is queued here and
 drained by the engine.
 """
@@ -32,22 +38,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from cache_service.events import DEVICE, HOST, AllCleared, PagesRemoved, PagesStored, StateRemoved, StateStored
+from cache_service.events import DEVICE, HOST, AllCleared, PagesStored, StateStored
 from cache_service.hashing import next_page_hash
 from cache_service.scoring import resume_at_token
 from workers.arena import Arena, ArenaLayout
-from workers.cache_budget import CHECKPOINT, CacheBudget
+from workers.cache_budget import CacheBudget
+from workers.cache_placement import PROMOTE, CachePlacement
 from workers.checkpoint_policy import END, CheckpointPolicy
 from workers.checkpoint_store import Checkpoint, CheckpointStore
 from workers.host_tier import HostTier
 from workers.page_pool import PagePool
 from workers.sequence import Sequence
 from workers.tier_cost import TierCost
-
-# Block copies the runner makes before a step, in the order the cache queued them:
-MOVE = "move"        # (MOVE, device block, device block): a cached page moved to empty a group
-DEMOTE = "demote"    # (DEMOTE, device block, host block): evicted from the device, kept on the host
-PROMOTE = "promote"  # (PROMOTE, host block, device block): brought back for a request
 
 
 @dataclass
@@ -94,7 +96,7 @@ class CacheStats:
     by_kind: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
-class PrefixCache:
+class PrefixCache(CachePlacement):
     def __init__(self, layout: ArenaLayout, policy: CheckpointPolicy, page_size: int, recurrent: bool,
                  max_rows: int = 65, record_events: bool = True):
         """max_rows: sequences that may hold pages at once (page-table rows). record_events:
@@ -265,25 +267,6 @@ class PrefixCache:
         c.checkpoint_targets = self.policy.prompt_targets(
             seq.num_tokens, self.page_size, m.resume_token // self.page_size, m.hit_pages, seq.hints)
         return restore
-
-    def _promote(self, seq: Sequence, hashes: tuple[bytes, ...], blocks: list[int]) -> list[int]:
-        """Brings host pages `hashes` (the next ones of `seq`'s chain after its device run, taken
-        out of the host tier on `blocks`) back to device blocks, held by `seq`; queues their
-        copies. The host blocks are freed only once the copies out of them are queued, so
-        nothing placed meanwhile lands on them."""
-        first = len(seq.cache.page_ids)
-        parent = seq.cache.page_hashes[first - 1] if first else None
-        pages = self._take_pages(len(hashes))
-        up = parent
-        for page, page_hash, block in zip(pages, hashes, blocks):
-            self.pages.register(page, page_hash, up)
-            self._copies.append((PROMOTE, block, page))
-            up = page_hash
-        self.host.free_blocks(blocks)
-        self._event(PagesStored(hashes, parent, DEVICE))
-        self.stats.pages_promoted += len(hashes)
-        self.stats.bytes_to_device += len(hashes) * self.layout.block_bytes
-        return pages
 
     def want_checkpoint(self, seq: Sequence, page: int, kind: str) -> None:
         """Asks `seq` to checkpoint after page `page` too (a twin waits to resume there)."""
@@ -458,178 +441,6 @@ class PrefixCache:
         if c.finish_slot is not None:
             self.drop_pending(c.finish_slot)
             c.finish_slot = c.finish_page = None
-
-    # ---- holding and taking ---------------------------------------------------------------------
-    def _hold(self, page: int) -> int:
-        if self.pages.acquire(page):  # it was cached: no longer evictable (the LRU skips held pages)
-            self.arena.page_held(page, True)
-        return page
-
-    def _held_hash(self, page_hash: bytes) -> bool:
-        page = self.pages.page_of(page_hash)
-        return page is not None and self.pages.is_held(page)
-
-    def _unhold(self, page: int) -> None:
-        state = self.pages.release(page)
-        if state != "held":
-            self.arena.page_held(page, False)
-            if state == "cached":
-                self.budget.list_page(self.pages.hash_of(page))
-            else:
-                self.arena.free_page(page)
-
-    def _pin(self, ckpt: Checkpoint) -> None:
-        if self.budget.unlist_checkpoint(ckpt.page_hash):
-            self.arena.slot_evictable(ckpt.slot, False)
-            self._pinned.append(ckpt.page_hash)
-
-    def _pages_under_cap(self, pages: int) -> bool:
-        cap = self.layout.max_pages
-        return cap is None or pages <= cap
-
-    def _take_pages(self, n: int) -> list[int]:
-        cap = self.layout.max_pages
-        while cap is not None and self.pages.num_resident + n > cap:  # only a page eviction helps
-            self._evict_page(self.pages.page_of(self.budget.coldest_page()))
-        while self.arena.num_free_blocks < n:
-            self._evict_coldest()
-        out = []
-        for _ in range(n):
-            page = self.arena.take_page()
-            self.pages.take(page)
-            out.append(page)
-        return out
-
-    def _take_slot(self) -> int:
-        slot = self.arena.take_slot()
-        if slot is None and self.slot_blocks:
-            self._empty_a_group()
-            slot = self.arena.take_slot()
-        if slot is None:
-            raise RuntimeError("no state slot could be had; call can_admit or take_checkpoint_slot")
-        return slot
-
-    GROUP_CANDIDATES = 8  # unblocked groups weighed when one must be emptied for a state slot
-
-    def _empty_a_group(self) -> None:
-        """Empties an unblocked group for a state slot. Candidates are the groups of the coldest
-        evictable items; of those, the one holding the fewest pages is taken. Its pages move to
-        free blocks elsewhere (their K/V is copied before the step: `take_page_moves`), so the
-        slot costs a copy, not the pages; only what finds no free block is evicted. A group that
-        is a stored checkpoint's slot loses that checkpoint."""
-        arena, candidates = self.arena, []
-        for kind, item in self.budget.cold_first():
-            group = self.checkpoints.get(item).slot if kind == CHECKPOINT else \
-                arena.group_of_page(self.pages.page_of(item))
-            if group is not None and not arena.is_blocked(group) and group not in candidates:
-                candidates.append(group)
-                if len(candidates) == self.GROUP_CANDIDATES:
-                    break
-        if not candidates:
-            return
-        group = min(candidates, key=lambda g: (not arena.is_slot(g), arena.pages_in(g)))
-        if arena.is_slot(group):
-            self._evict_checkpoint(self.checkpoints.in_slot(group).page_hash)
-            return
-        pages = [b for b in arena.pages_of_group(group) if not arena.is_free(b)]  # all cached: unblocked
-        for page in pages:
-            if self.pages.hash_of(page) is None:
-                continue  # evicted meanwhile, with an ancestor
-            dst = arena.take_page(outside=group)
-            if dst is None:
-                self._evict_page(page)
-                continue
-            arena.page_held(dst, False)  # a cached page: it blocks nothing
-            self.pages.move(page, dst)
-            arena.free_page(page)
-            self._copies.append((MOVE, page, dst))
-
-    def take_block_copies(self) -> list[tuple[str, int, int]]:
-        """(MOVE | DEMOTE | PROMOTE, from block, to block) queued since the last call, in order:
-        the runner makes them before the step that comes with them, before anything else, in
-        this order (a block freed by a demotion may be written by a later copy)."""
-        copies, self._copies = self._copies, []
-        return copies
-
-    # ---- eviction ---------------------------------------------------------------------------
-    def _evict_coldest(self) -> None:
-        kind, item = self.budget.coldest()
-        self._evict_checkpoint(item) if kind == CHECKPOINT else self._evict_page(self.pages.page_of(item))
-
-    def _evict_checkpoint(self, page_hash: bytes) -> None:
-        self.budget.unlist_checkpoint(page_hash)
-        blocks = self._host_blocks(self.slot_blocks)
-        if blocks is None:
-            self._remove_checkpoint(page_hash, listed=True)
-            return
-        self._demote_checkpoint(page_hash, blocks, listed=True)
-        self._event(StateStored(page_hash, HOST))
-
-    def _evict_page(self, first: int) -> None:
-        """Evicts a cached page with its cached descendants and their checkpoints: demoted to
-        the host tier when it has room for all of them, else dropped (and with them, what the
-        host tier holds under them)."""
-        evicted = self.pages.evict(first)  # deepest first
-        states = []
-        for page, page_hash, _ in evicted:
-            self.budget.unlist_page(page_hash)
-            self.arena.free_page(page)
-            self.stats.pages_evicted += 1
-            if self.checkpoints.get(page_hash) is not None:  # a pinned one goes all the same
-                states.append((page_hash, self.budget.unlist_checkpoint(page_hash)))
-        blocks = self._host_blocks(len(evicted) + len(states) * self.slot_blocks)
-        if blocks is None:
-            for page_hash, listed in states:
-                self._remove_checkpoint(page_hash, listed)
-            self._event(PagesRemoved(tuple(h for _, h, _ in evicted)))
-            if self.host:
-                for _, page_hash, _ in evicted:
-                    self.host.drop_below(page_hash)
-            return
-        for page, page_hash, parent in evicted:
-            block = blocks.pop()
-            self._copies.append((DEMOTE, page, block))
-            self.host.add_page(page_hash, parent, block)
-        self.stats.pages_demoted += len(evicted)
-        self.stats.bytes_to_host += len(evicted) * self.layout.block_bytes
-        for page_hash, listed in states:
-            self._demote_checkpoint(page_hash, [blocks.pop() for _ in range(self.slot_blocks)], listed)
-        run: list[bytes] = []  # parents first, one PagesStored per run of a chain
-        for _, page_hash, parent in reversed(evicted):
-            if run and parent != run[-1]:
-                self._event(PagesStored(tuple(run), self.host.pages[run[0]].parent, HOST))
-                run = []
-            run.append(page_hash)
-        self._event(PagesStored(tuple(run), self.host.pages[run[0]].parent, HOST))
-        for page_hash, _ in states:
-            self._event(StateStored(page_hash, HOST))
-
-    def _host_blocks(self, n: int) -> list[int] | None:
-        """`n` host blocks for a demotion; None: no host tier, no room, or the cache is clearing."""
-        return None if self._dropping or not self.host else self.host.take_blocks(n)
-
-    def _demote_checkpoint(self, page_hash: bytes, blocks: list[int], listed: bool) -> None:
-        ckpt = self.checkpoints.remove(page_hash)
-        self._copies.extend((DEMOTE, b, h) for b, h in zip(self.arena.pages_of_group(ckpt.slot), blocks))
-        self.arena.free_slot(ckpt.slot, blocked=not listed)
-        self.host.add_checkpoint(ckpt, blocks)
-        ckpt.slot = -1  # no device slot: its blocks are the host's
-        self.stats.checkpoints_evicted += 1
-        self.stats.checkpoints_demoted += 1
-        self.stats.bytes_to_host += self.slot_blocks * self.layout.block_bytes
-
-    def _host_removed(self, pages: list[bytes], states: list[bytes]) -> None:
-        """The host tier let these go (evicted, or dropped with a device page): tell the index."""
-        if pages:
-            self._event(PagesRemoved(tuple(pages)))
-        for page_hash in states:
-            self._event(StateRemoved(page_hash))
-
-    def _remove_checkpoint(self, page_hash: bytes, listed: bool) -> None:
-        ckpt = self.checkpoints.remove(page_hash)
-        self.arena.free_slot(ckpt.slot, blocked=not listed)
-        self.stats.checkpoints_evicted += 1
-        self._event(StateRemoved(page_hash))
 
     def remove_checkpoint(self, page_hash: bytes) -> bool:
         """Drops one stored checkpoint (operators and tests); False if absent or pinned."""

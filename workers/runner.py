@@ -31,7 +31,7 @@ import torch
 
 import kernels
 from workers.arena import ArenaLayout
-from workers.prefix_cache import DEMOTE, MOVE, PROMOTE
+from workers.cache_placement import DEMOTE, MOVE, PROMOTE
 from workers.model import ForwardBatch, HybridForCausalLM, ModelCaches
 from workers.scheduler import StepPlan
 

@@ -1,0 +1,221 @@
+"""Where the prefix cache puts things and what leaves when room is needed (design rule 7): the
+placement and eviction half of `workers.prefix_cache.PrefixCache`, which inherits it.
+
+It works on the cache's own parts (`pages`, `arena`, `budget`, `checkpoints`, `host`, `layout`,
+`stats`, the queued block copies and events) and is not used alone. What it does:
+- holds and releases pages, pins checkpoints, takes pages and state slots, evicting the least
+  recently used evictable item as needed; a state slot needs a whole arena group, and emptying
+  one moves its cached pages to free blocks (a copy) rather than evicting them;
+- evicts: a page with its cached descendants and every checkpoint on them, a checkpoint alone.
+  With a host tier (`workers.host_tier`) what is evicted is demoted there, when the tier can
+  make room for all of it, and otherwise dropped, taking what the tier holds under it along;
+- promotes host pages back to device blocks for an admission.
+Every copy this implies is queued (`take_block_copies`) for the runner to make before the next
+step, in order; every change of residency is an event.
+"""
+
+from __future__ import annotations
+
+from cache_service.events import DEVICE, HOST, PagesRemoved, PagesStored, StateRemoved, StateStored
+from workers.cache_budget import CHECKPOINT
+from workers.checkpoint_store import Checkpoint
+from workers.sequence import Sequence
+
+# Block copies the runner makes before a step, in the order the cache queued them:
+MOVE = "move"        # (MOVE, device block, device block): a cached page moved to empty a group
+DEMOTE = "demote"    # (DEMOTE, device block, host block): evicted from the device, kept on the host
+PROMOTE = "promote"  # (PROMOTE, host block, device block): brought back for a request
+
+
+class CachePlacement:
+    def _promote(self, seq: Sequence, hashes: tuple[bytes, ...], blocks: list[int]) -> list[int]:
+        """Brings host pages `hashes` (the next ones of `seq`'s chain after its device run, taken
+        out of the host tier on `blocks`) back to device blocks, held by `seq`; queues their
+        copies. The host blocks are freed only once the copies out of them are queued, so
+        nothing placed meanwhile lands on them."""
+        first = len(seq.cache.page_ids)
+        parent = seq.cache.page_hashes[first - 1] if first else None
+        pages = self._take_pages(len(hashes))
+        up = parent
+        for page, page_hash, block in zip(pages, hashes, blocks):
+            self.pages.register(page, page_hash, up)
+            self._copies.append((PROMOTE, block, page))
+            up = page_hash
+        self.host.free_blocks(blocks)
+        self._event(PagesStored(hashes, parent, DEVICE))
+        self.stats.pages_promoted += len(hashes)
+        self.stats.bytes_to_device += len(hashes) * self.layout.block_bytes
+        return pages
+
+    # ---- holding and taking ---------------------------------------------------------------------
+    def _hold(self, page: int) -> int:
+        if self.pages.acquire(page):  # it was cached: no longer evictable (the LRU skips held pages)
+            self.arena.page_held(page, True)
+        return page
+
+    def _held_hash(self, page_hash: bytes) -> bool:
+        page = self.pages.page_of(page_hash)
+        return page is not None and self.pages.is_held(page)
+
+    def _unhold(self, page: int) -> None:
+        state = self.pages.release(page)
+        if state != "held":
+            self.arena.page_held(page, False)
+            if state == "cached":
+                self.budget.list_page(self.pages.hash_of(page))
+            else:
+                self.arena.free_page(page)
+
+    def _pin(self, ckpt: Checkpoint) -> None:
+        if self.budget.unlist_checkpoint(ckpt.page_hash):
+            self.arena.slot_evictable(ckpt.slot, False)
+            self._pinned.append(ckpt.page_hash)
+
+    def _pages_under_cap(self, pages: int) -> bool:
+        cap = self.layout.max_pages
+        return cap is None or pages <= cap
+
+    def _take_pages(self, n: int) -> list[int]:
+        cap = self.layout.max_pages
+        while cap is not None and self.pages.num_resident + n > cap:  # only a page eviction helps
+            self._evict_page(self.pages.page_of(self.budget.coldest_page()))
+        while self.arena.num_free_blocks < n:
+            self._evict_coldest()
+        out = []
+        for _ in range(n):
+            page = self.arena.take_page()
+            self.pages.take(page)
+            out.append(page)
+        return out
+
+    def _take_slot(self) -> int:
+        slot = self.arena.take_slot()
+        if slot is None and self.slot_blocks:
+            self._empty_a_group()
+            slot = self.arena.take_slot()
+        if slot is None:
+            raise RuntimeError("no state slot could be had; call can_admit or take_checkpoint_slot")
+        return slot
+
+    GROUP_CANDIDATES = 8  # unblocked groups weighed when one must be emptied for a state slot
+
+    def _empty_a_group(self) -> None:
+        """Empties an unblocked group for a state slot. Candidates are the groups of the coldest
+        evictable items; of those, the one holding the fewest pages is taken. Its pages move to
+        free blocks elsewhere (their K/V is copied before the step: `take_page_moves`), so the
+        slot costs a copy, not the pages; only what finds no free block is evicted. A group that
+        is a stored checkpoint's slot loses that checkpoint."""
+        arena, candidates = self.arena, []
+        for kind, item in self.budget.cold_first():
+            group = self.checkpoints.get(item).slot if kind == CHECKPOINT else \
+                arena.group_of_page(self.pages.page_of(item))
+            if group is not None and not arena.is_blocked(group) and group not in candidates:
+                candidates.append(group)
+                if len(candidates) == self.GROUP_CANDIDATES:
+                    break
+        if not candidates:
+            return
+        group = min(candidates, key=lambda g: (not arena.is_slot(g), arena.pages_in(g)))
+        if arena.is_slot(group):
+            self._evict_checkpoint(self.checkpoints.in_slot(group).page_hash)
+            return
+        pages = [b for b in arena.pages_of_group(group) if not arena.is_free(b)]  # all cached: unblocked
+        for page in pages:
+            if self.pages.hash_of(page) is None:
+                continue  # evicted meanwhile, with an ancestor
+            dst = arena.take_page(outside=group)
+            if dst is None:
+                self._evict_page(page)
+                continue
+            arena.page_held(dst, False)  # a cached page: it blocks nothing
+            self.pages.move(page, dst)
+            arena.free_page(page)
+            self._copies.append((MOVE, page, dst))
+
+    def take_block_copies(self) -> list[tuple[str, int, int]]:
+        """(MOVE | DEMOTE | PROMOTE, from block, to block) queued since the last call, in order:
+        the runner makes them before the step that comes with them, before anything else, in
+        this order (a block freed by a demotion may be written by a later copy)."""
+        copies, self._copies = self._copies, []
+        return copies
+
+    # ---- eviction ---------------------------------------------------------------------------
+    def _evict_coldest(self) -> None:
+        kind, item = self.budget.coldest()
+        self._evict_checkpoint(item) if kind == CHECKPOINT else self._evict_page(self.pages.page_of(item))
+
+    def _evict_checkpoint(self, page_hash: bytes) -> None:
+        self.budget.unlist_checkpoint(page_hash)
+        blocks = self._host_blocks(self.slot_blocks)
+        if blocks is None:
+            self._remove_checkpoint(page_hash, listed=True)
+            return
+        self._demote_checkpoint(page_hash, blocks, listed=True)
+        self._event(StateStored(page_hash, HOST))
+
+    def _evict_page(self, first: int) -> None:
+        """Evicts a cached page with its cached descendants and their checkpoints: demoted to
+        the host tier when it has room for all of them, else dropped (and with them, what the
+        host tier holds under them)."""
+        evicted = self.pages.evict(first)  # deepest first
+        states = []
+        for page, page_hash, _ in evicted:
+            self.budget.unlist_page(page_hash)
+            self.arena.free_page(page)
+            self.stats.pages_evicted += 1
+            if self.checkpoints.get(page_hash) is not None:  # a pinned one goes all the same
+                states.append((page_hash, self.budget.unlist_checkpoint(page_hash)))
+        blocks = self._host_blocks(len(evicted) + len(states) * self.slot_blocks)
+        if blocks is None:
+            for page_hash, listed in states:
+                self._remove_checkpoint(page_hash, listed)
+            self._event(PagesRemoved(tuple(h for _, h, _ in evicted)))
+            if self.host:
+                for _, page_hash, _ in evicted:
+                    self.host.drop_below(page_hash)
+            return
+        for page, page_hash, parent in evicted:
+            block = blocks.pop()
+            self._copies.append((DEMOTE, page, block))
+            self.host.add_page(page_hash, parent, block)
+        self.stats.pages_demoted += len(evicted)
+        self.stats.bytes_to_host += len(evicted) * self.layout.block_bytes
+        for page_hash, listed in states:
+            self._demote_checkpoint(page_hash, [blocks.pop() for _ in range(self.slot_blocks)], listed)
+        run: list[bytes] = []  # parents first, one PagesStored per run of a chain
+        for _, page_hash, parent in reversed(evicted):
+            if run and parent != run[-1]:
+                self._event(PagesStored(tuple(run), self.host.pages[run[0]].parent, HOST))
+                run = []
+            run.append(page_hash)
+        self._event(PagesStored(tuple(run), self.host.pages[run[0]].parent, HOST))
+        for page_hash, _ in states:
+            self._event(StateStored(page_hash, HOST))
+
+    def _host_blocks(self, n: int) -> list[int] | None:
+        """`n` host blocks for a demotion; None: no host tier, no room, or the cache is clearing."""
+        return None if self._dropping or not self.host else self.host.take_blocks(n)
+
+    def _demote_checkpoint(self, page_hash: bytes, blocks: list[int], listed: bool) -> None:
+        ckpt = self.checkpoints.remove(page_hash)
+        self._copies.extend((DEMOTE, b, h) for b, h in zip(self.arena.pages_of_group(ckpt.slot), blocks))
+        self.arena.free_slot(ckpt.slot, blocked=not listed)
+        self.host.add_checkpoint(ckpt, blocks)
+        ckpt.slot = -1  # no device slot: its blocks are the host's
+        self.stats.checkpoints_evicted += 1
+        self.stats.checkpoints_demoted += 1
+        self.stats.bytes_to_host += self.slot_blocks * self.layout.block_bytes
+
+    def _host_removed(self, pages: list[bytes], states: list[bytes]) -> None:
+        """The host tier let these go (evicted, or dropped with a device page): tell the index."""
+        if pages:
+            self._event(PagesRemoved(tuple(pages)))
+        for page_hash in states:
+            self._event(StateRemoved(page_hash))
+
+    def _remove_checkpoint(self, page_hash: bytes, listed: bool) -> None:
+        ckpt = self.checkpoints.remove(page_hash)
+        self.arena.free_slot(ckpt.slot, blocked=not listed)
+        self.stats.checkpoints_evicted += 1
+        self._event(StateRemoved(page_hash))
+
