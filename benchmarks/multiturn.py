@@ -24,7 +24,15 @@ Printed per policy: prefill tokens computed, hit tokens and their ratio to the o
 checkpoints stored, state memory peak, median TTFT per turn.
 Writes benchmarks/out/multiturn.png (hit tokens per turn). Not a test: nothing is asserted.
 
+The host tier (`--device-budget F --host-budget H`): the `cairn` policy with memory to spare
+measures what the cache needs (its arena bytes once every round ran, nothing ever evicted); then
+it runs with a device budget of F times that, without a host tier and with one of H times the
+device budget (workers.host_tier). Printed for each: hit tokens / oracle, tokens computed (prompt
+tokens recomputed, preemptions' recomputation included, and decodes), the last turn's median
+TTFT, and what moved between the tiers. Goal: >= 0.97 of the oracle with the tier.
+
 Usage: python3 benchmarks/multiturn.py [--arch qwen3_5] [--convs 16] [--turns 6] [--quick]
+                                      [--device-budget 0.25 --host-budget 4]
   --quick: the tiny demo model, 4 conversations, 3 turns, one thread: checks that the script runs.
 """
 
@@ -73,6 +81,8 @@ class Result:
     checkpoints: int = 0
     state_peak: int = 0
     seconds: float = 0.0
+    computed: int = 0  # tokens the engine computed (prefill, recomputation, decode)
+    metrics: dict = field(default_factory=dict)  # the engine's, at the end
 
 
 class Client:
@@ -167,7 +177,45 @@ def replay(engine: Engine, rounds: list[list[Request]], policy: str) -> Result:
     res.seconds = time.perf_counter() - start
     res.checkpoints = int(engine.metrics()["checkpoints_stored_total"])
     res.state_peak = engine.cache.stats.state_bytes_peak
+    res.computed = engine.stats.computed_tokens
+    res.metrics = engine.metrics()
     return res
+
+
+def tier_report(workload: str, model_dir: Path, rounds: list[list[Request]], engine_opts: dict, spare: int,
+                device_share: float, host_share: float, turns: int) -> None:
+    """The host tier against none, at a device budget of `device_share` of what the cache needs."""
+    roomy = Engine.from_pretrained(model_dir, cache_policy="cairn", cache_memory_bytes=spare, **engine_opts)
+    base = replay(roomy, rounds, "cairn")
+    need = roomy.cache.used_bytes  # nothing was evicted: everything it kept
+    device = int(device_share * need)
+    # As many sequences run at once as the device holds whole (the longest of the last round,
+    # pages and state): else the budget measures preemption, not caching. Both runs share it.
+    layout, ps = roomy.layout, roomy.spec.page_size
+    longest = max(-(-(len(r.prompt) + r.output_len) // ps) + layout.slot_blocks for r in rounds[-1])
+    running = max(1, min(engine_opts["max_num_seqs"], device // layout.block_bytes // longest))
+    opts = dict(engine_opts, max_num_seqs=running)
+    runs = [("memory to spare", base)]
+    for name, host in (("device only", 0), (f"+ host tier {host_share:g}x", int(host_share * device))):
+        engine = Engine.from_pretrained(model_dir, cache_policy="cairn", cache_memory_bytes=device,
+                                        host_cache_bytes=host, **opts)
+        runs.append((name, replay(engine, rounds, "cairn")))
+    print(f"\n== {workload}: host tier; the cache needs {need / 2**20:.1f} MiB, device budget "
+          f"{device / 2**20:.1f} MiB ({device_share:g}x), {running} sequences at once ==")
+    print(f"{'run':20s} {'hit':>8s} {'oracle':>8s} {'ratio':>6s} {'computed':>9s} {'turn-' + str(turns) + ' TTFT':>11s} "
+          f"{'promoted':>9s} {'from host':>9s} {'MiB to host':>11s} {'MiB back':>9s}")
+    for name, r in runs:
+        hit, oracle, m = sum(r.hit.values()), sum(r.oracle.values()), r.metrics
+        print(f"{name:20s} {hit:8d} {oracle:8d} {hit / max(oracle, 1):6.3f} {r.computed:9d} "
+              f"{statistics.median(r.ttft[turns]):10.3f}s {int(m['pages_promoted_total']):9d} "
+              f"{int(m['checkpoints_from_host_total']):9d} {m['bytes_to_host_total'] / 2**20:11.1f} "
+              f"{m['bytes_to_device_total'] / 2**20:9.1f}")
+    without, with_tier = runs[1][1], runs[2][1]
+    ratio = sum(with_tier.hit.values()) / max(sum(with_tier.oracle.values()), 1)
+    print(f"with the tier: {ratio:.3f} of the oracle (goal >= 0.97), "
+          f"{sum(with_tier.hit.values()) / max(sum(without.hit.values()), 1):.2f}x the device-only hit tokens; "
+          f"turn-{turns} median TTFT {statistics.median(without.ttft[turns]) / statistics.median(with_tier.ttft[turns]):.2f}x "
+          f"lower than device only")
 
 
 def report(workload: str, setting: str, results: list[Result], turns: int) -> None:
@@ -217,6 +265,10 @@ def main() -> None:
     parser.add_argument("--arch", default="qwen3_next", choices=("qwen3_next", "qwen3_5", "qwen3_5_moe"),
                         help="the demo model's architecture")
     parser.add_argument("--quick", action="store_true", help="tiny model, 4 conversations, 3 turns, one thread")
+    parser.add_argument("--device-budget", type=float, default=None, metavar="F",
+                        help="host tier mode: the device budget as a share of what the cache needs (module doc)")
+    parser.add_argument("--host-budget", type=float, default=4.0, metavar="H",
+                        help="host tier mode: the host tier as a multiple of the device budget")
     args = parser.parse_args()
     size, spare = "bench", 2**31  # bytes: "memory to spare", where nothing is ever evicted
     if args.quick:  # 64 MiB is still far more than the tiny model's short chats use, and quick to allocate
@@ -233,6 +285,10 @@ def main() -> None:
                                                      **engine_opts),
                               client, workload, args.convs, args.turns, args.system_words, args.user_words,
                               args.answer_tokens)
+        if args.device_budget is not None:
+            tier_report(workload, model_dir, rounds, engine_opts, spare, args.device_budget, args.host_budget,
+                        args.turns)
+            continue
         # The last round's sequences must fit while they run, pages and running states (else the
         # budget measures preemption, not caching). Slack beyond them: 10% more pages and two
         # checkpoints per conversation, which dead branches' pages and every policy's
@@ -250,6 +306,8 @@ def main() -> None:
                 results.append(replay(engine, rounds, policy))
             report(workload, setting, results, args.turns)
             all_results[(workload, setting.split(" =")[0])] = results
+    if args.device_budget is not None:
+        return
     print(f"\nmodel: {size} {args.arch} demo; {args.convs} conversations open at once, {args.turns} turns; "
           f"page {page_b / 1024:.0f} KiB, state slot {ckpt_b / 1024:.0f} KiB "
           f"(= {ckpt_b // page_b} pages of the arena)")
