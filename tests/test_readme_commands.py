@@ -60,6 +60,7 @@ CHECKS: dict[str, object] = {
                                               "throughput.png"),
     "python3 benchmarks/multiturn.py": Quick("cairn hit tokens / best baseline", "multiturn.png"),
     "python3 benchmarks/multiturn.py --arch qwen3_5": Quick("model: tiny qwen3_5 demo", "multiturn.png"),
+    "python3 benchmarks/multiturn.py --device-budget 0.25 --host-budget 4": Quick("with the tier:"),
     "cairn demo-model /tmp/cairn-qwen3_5 --arch qwen3_5_moe": "test_the_qwen3_5_demo_model_is_written_then_served",
     "cairn serve --model /tmp/cairn-qwen3_5": "test_the_qwen3_5_demo_model_is_written_then_served",
     "python3 benchmarks/routing.py --quick": Quick("cache_affinity vs pow2", "routing.png"),

@@ -25,9 +25,43 @@ from workers.sequence import Sequence
 MOVE = "move"        # (MOVE, device block, device block): a cached page moved to empty a group
 DEMOTE = "demote"    # (DEMOTE, device block, host block): evicted from the device, kept on the host
 PROMOTE = "promote"  # (PROMOTE, host block, device block): brought back for a request
+IMPORT = "import"    # (IMPORT, staging row, device block): fetched from a peer (workers.cache_transfer)
 
 
 class CachePlacement:
+    # ---- imports from a peer (workers.cache_transfer) -------------------------------------------
+    def hold_chain(self, hashes: list[bytes]) -> list[int]:
+        """Holds the device pages of `hashes` (a chain's head, all resident) while an import
+        takes blocks; `release_chain` gives them back."""
+        pages = self.pages.pages_of(hashes)
+        self.arena.pages_held(self.pages.acquire_all(pages))
+        return pages
+
+    def release_chain(self, pages: list[int]) -> None:
+        for page in reversed(pages):
+            self._unhold(page)
+
+    def room_for_pages(self, n: int) -> bool:
+        return self.arena.num_free_blocks + self.budget.evictable_blocks >= n and \
+            self._pages_under_cap(self.pages.num_held + n)
+
+    def take_free_pages(self, n: int) -> list[int]:
+        """`n` device blocks for pages, held by the caller (evicting as needed: `room_for_pages`
+        first); `release_page` each once it is registered."""
+        return self._take_pages(n)
+
+    def adopt_page(self, page: int, page_hash: bytes, parent: bytes | None) -> None:
+        """Names a taken page (its K/V imported) by its hash; a host copy is superseded."""
+        self.pages.register(page, page_hash, parent)
+        if page_hash in self.host.pages:
+            self.host.free_blocks([self.host.pop_page(page_hash)])
+
+    def release_page(self, page: int) -> None:
+        self._unhold(page)
+
+    def emit(self, event) -> None:
+        self._event(event)
+
     def _promote(self, seq: Sequence, hashes: tuple[bytes, ...], blocks: list[int]) -> list[int]:
         """Brings host pages `hashes` (the next ones of `seq`'s chain after its device run, taken
         out of the host tier on `blocks`) back to device blocks, held by `seq`; queues their

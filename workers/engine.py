@@ -26,6 +26,7 @@ import torch
 
 from cache_service.events import EventBatch, EventStream
 from cache_service.hashing import DIGEST_BYTES, model_fingerprint
+from workers import cache_transfer
 from workers.arena import ArenaLayout
 from workers.device_budget import sized
 from workers.checkpoint_policy import CheckpointPolicy
@@ -129,6 +130,8 @@ class Engine:
         self._requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self.broken: str | None = None  # why the engine can run nothing more (EngineBroken)
+        self.fetch_counts = dict(fetches=0, fetched_pages=0, fetched_bytes=0, exported_bytes=0)
+        self.fetch_fallbacks: dict[str, int] = {}
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, **options: object) -> "Engine":
@@ -362,6 +365,40 @@ class Engine:
         host_pages, host_states = self.cache.host_snapshot()
         return frozenset(h for h, _ in host_pages), frozenset(host_states)
 
+    # ---- fetching a resume point from a peer (workers.cache_transfer) -------------------------
+    def fetch_plan(self, page_hashes: list[bytes], num_tokens: int, depth: int):
+        """What to ask a peer resuming this prompt at `depth` pages for (None: nothing)."""
+        return cache_transfer.plan_fetch(self, page_hashes, num_tokens, depth)
+
+    def export_resume(self, page_hashes: list[bytes], first: int, depth: int):
+        """A copy of pages [first, depth) of the chain and the checkpoint at `depth`, for a peer;
+        None if they are no longer all here."""
+        out = cache_transfer.export_resume(self, page_hashes, first, depth)
+        if out is not None:
+            self.fetch_counts["exported_bytes"] += out.nbytes
+        return out
+
+    def import_resume(self, export, page_hashes: list[bytes], first: int) -> int:
+        """Adopts a peer's export (pages imported; 0: refused)."""
+        pages = cache_transfer.import_resume(self, export, page_hashes, first)
+        if pages or export.checkpoint is not None:
+            self.fetch_counts["fetches"] += 1
+            self.fetch_counts["fetched_pages"] += pages
+            self.fetch_counts["fetched_bytes"] += export.nbytes
+        return pages
+
+    def count_fetch_fallback(self, reason: str) -> None:
+        """A fetch that did not happen (the holder evicted it, died, timed out, refused): the
+        request recomputes; `reason` labels the counter."""
+        self.fetch_fallbacks[reason] = self.fetch_fallbacks.get(reason, 0) + 1
+
+    def flush_block_copies(self, extra: list[tuple[str, int, int]] = (), staging=None) -> None:
+        """Makes the block copies the cache queued (then `extra`, reading `staging`) now,
+        between steps, instead of before the next step."""
+        copies = self.cache.take_block_copies() + list(extra)
+        if copies:
+            self.runner.apply_copies(copies, staging)
+
     def clear_cache(self) -> None:
         """Drops every cached page and checkpoint no running request holds."""
         self.cache.clear()
@@ -403,6 +440,10 @@ class Engine:
             "bytes_to_host_total": stats.bytes_to_host,
             "bytes_to_device_total": stats.bytes_to_device,
         }
+        for key, value in self.fetch_counts.items():
+            out[f"{key}_total"] = value
+        for reason, value in self.fetch_fallbacks.items():
+            out[f"fetch_fallbacks_total:{reason}"] = value
         for tier in ("device", "host"):
             out[f"tier_hit_tokens_total:{tier}"] = self.scheduler.hit_tokens_by_tier.get(tier, 0)
         for kind, rec in self.policy.summary().items():

@@ -360,14 +360,7 @@ class PrefixCache(CachePlacement):
                 existing.kinds |= kinds
                 self.budget.touch_checkpoint(page_hash)
             return False
-        self.checkpoints.store(slot, page_hash, depth, kinds, exact_tail)
-        self.host.drop_checkpoint(page_hash)  # a host copy is superseded (StateStored moves it)
-        self.budget.list_checkpoint(page_hash)
-        self.arena.slot_evictable(slot, True)
-        self._event(StateStored(page_hash))
-        self.stats.checkpoints_stored += 1
-        for k in kinds:
-            self.stats.by_kind.setdefault(k, {"stored": 0})["stored"] += 1
+        self.store_checkpoint(slot, page_hash, depth, kinds, exact_tail)
         resumed = seq.cache.resumed_from
         if resumed is not None and depth > resumed[1]:
             old = resumed[0]  # the conversation moved on: its old resume point goes cold
@@ -377,6 +370,19 @@ class PrefixCache(CachePlacement):
                 self._demoted.add(old)  # still pinned by this scheduling pass: demote at its end
             seq.cache.resumed_from = None
         return True
+
+    def store_checkpoint(self, slot: int, page_hash: bytes, depth: int, kinds: set[str],
+                         exact_tail: tuple[int, ...] | None = None) -> None:
+        """Pending `slot` (written) becomes the checkpoint after page `page_hash`, which is on
+        the device and has none yet; a host copy is superseded."""
+        self.checkpoints.store(slot, page_hash, depth, kinds, exact_tail)
+        self.host.drop_checkpoint(page_hash)  # (StateStored moves it in the index)
+        self.budget.list_checkpoint(page_hash)
+        self.arena.slot_evictable(slot, True)
+        self._event(StateStored(page_hash))
+        self.stats.checkpoints_stored += 1
+        for k in kinds:
+            self.stats.by_kind.setdefault(k, {"stored": 0})["stored"] += 1
 
     def register_pages(self, seq: Sequence) -> None:
         """Registers every whole page `seq` has computed (prompt and output), under its hash.

@@ -31,7 +31,7 @@ import torch
 
 import kernels
 from workers.arena import ArenaLayout
-from workers.cache_placement import DEMOTE, MOVE, PROMOTE
+from workers.cache_placement import DEMOTE, IMPORT, MOVE, PROMOTE
 from workers.model import ForwardBatch, HybridForCausalLM, ModelCaches
 from workers.scheduler import StepPlan
 
@@ -135,20 +135,34 @@ class ModelRunner:
             self._copy_slots(states, work.snapshots)
         return logits
 
-    def _copy_blocks(self, copies: list[tuple[str, int, int]]) -> None:
+    def _copy_blocks(self, copies: list[tuple[str, int, int]], staging: torch.Tensor | None = None) -> None:
         """Makes the cache's block copies in order: each run of one kind at once when no copy in
-        it reads a block an earlier one wrote, else one by one."""
+        it reads a block an earlier one wrote, else one by one. IMPORT copies read rows of
+        `staging` (blocks fetched from a peer)."""
         start = 0
         while start < len(copies):
             kind, end = copies[start][0], start + 1
             while end < len(copies) and copies[end][0] == kind:
                 end += 1
-            self._copy_run(kind, [c[1] for c in copies[start:end]], [c[2] for c in copies[start:end]])
+            self._copy_run(kind, [c[1] for c in copies[start:end]], [c[2] for c in copies[start:end]], staging)
             start = end
 
-    def _copy_run(self, kind: str, sources: list[int], targets: list[int]) -> None:
+    def apply_copies(self, copies: list[tuple[str, int, int]], staging=None) -> None:
+        """Block copies outside a step (an import, or an export's flush), `staging` a numpy
+        array of rows for IMPORT copies."""
+        self._copy_blocks(copies, None if staging is None else torch.from_numpy(staging))
+
+    def read_blocks(self, blocks: list[int], host: bool = False):
+        """A copy of device (or host tier) blocks as a numpy array [len(blocks), block_bytes]."""
+        source = self.host if host else self._blocks
+        return source[self._index(blocks, source.device)].cpu().numpy()
+
+    def _copy_run(self, kind: str, sources: list[int], targets: list[int], staging: torch.Tensor | None = None) -> None:
         src, dst = {MOVE: (self._blocks, self._blocks), DEMOTE: (self._blocks, self.host),
-                    PROMOTE: (self.host, self._blocks)}[kind]
+                    PROMOTE: (self.host, self._blocks), IMPORT: (staging, self._blocks)}[kind]
+        if kind == IMPORT:
+            dst[self._index(targets)] = src[self._index(sources, src.device)].to(dst.device)
+            return
         if kind != MOVE and self.device.type != "cpu":
             # Across the bus, block by block, each queued on the step's stream from or to pinned
             # memory: asynchronous to the host, ordered with every other copy and the step.
