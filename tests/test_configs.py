@@ -246,6 +246,25 @@ def test_routing_takes_page_size_and_hybrid_model_from_the_engines_and_refuses_o
         app_builder({"routing": {"hybrid_model": False}})
 
 
+def test_the_spec_sizes_a_page_and_a_state_as_one_device_of_the_engine_holds_them(tiny_model_dir):
+    """What the router prices a copy from host memory with: the arena's page and state sizes, on
+    one rank under tensor parallelism, in the engine's dtype."""
+    from workers import EngineOptions, EngineSpec
+    from workers.arena import ArenaLayout
+    from workers.model.registry import read_model_config
+    from workers.model.sharding import shard_config
+
+    cfg = read_model_config(tiny_model_dir / "config.json")
+    for options, dtype_bytes in ((EngineOptions(), 4), (EngineOptions(dtype="bfloat16"), 2),
+                                 (EngineOptions(tensor_parallel_size=2), 4)):
+        spec = EngineSpec.from_model_dir(tiny_model_dir, options)
+        layout = ArenaLayout.plan(shard_config(cfg, options.tensor_parallel_size), options, dtype_bytes)
+        assert spec.page_bytes == layout.block_bytes
+        assert layout.slot_bytes - 16 < spec.state_bytes <= layout.slot_bytes, "a slot only pads a state"
+    whole, half = (EngineSpec.from_model_dir(tiny_model_dir, EngineOptions(tensor_parallel_size=n)) for n in (1, 2))
+    assert (half.page_bytes, half.state_bytes) == (whole.page_bytes // 2, whole.state_bytes // 2)
+
+
 def test_cairn_serve_deploys_local_yaml_when_no_config_is_given(tmp_path, monkeypatch):
     assert deploy.load_config() == load("local.yaml")
     edited = load("local.yaml")
