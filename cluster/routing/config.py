@@ -33,6 +33,10 @@ ROUTER_CLASSES = {
     "ray_prefix": "cluster.routing.router:RayPrefixRouter",
 }
 
+# the description's end of every field the deployment takes from the engines' spec (`for_engines`)
+FROM_ENGINES = ("Leave it unset: the deployment takes it from the engines (workers.EngineSpec); a value that "
+                "differs from theirs fails the deploy.")
+
 
 class RoutingConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -81,20 +85,16 @@ class RoutingConfig(BaseModel):
         500_000, ge=0, description="Bound on the page hashes that memory holds (oldest forgotten first; "
         "roughly 150 bytes each; at least 10,000 are kept for the fresh predictions).")
     page_size: int | None = Field(
-        None, ge=1, description="Tokens per KV page (the page hashes' unit). Leave it unset: the deployment "
-        "takes it from the engines (workers.EngineSpec); a value that differs from theirs fails the deploy.")
+        None, ge=1, description="Tokens per KV page (the page hashes' unit). " + FROM_ENGINES)
     hybrid_model: bool | None = Field(
         None, description="The model has recurrent layers: a replica resumes at its deepest state "
-        "checkpoint, pages beyond it are recomputed; false: at its page hit (attention only). Leave it unset: "
-        "the deployment takes it from the engines; a value that differs from theirs fails the deploy.")
+        "checkpoint, pages beyond it are recomputed; false: at its page hit (attention only). " + FROM_ENGINES)
     page_bytes: int | None = Field(
-        None, ge=0, description="Bytes one KV page takes on one device (with tensor parallelism, on one rank), "
-        "what bringing a page back from host memory copies. Leave it unset: the deployment takes it from the "
-        "engines; a value that differs from theirs fails the deploy.")
+        None, ge=0, description="Bytes one KV page takes on one device (with tensor parallelism, on one rank): "
+        "what bringing a page back from host memory copies. " + FROM_ENGINES)
     state_bytes: int | None = Field(
-        None, ge=0, description="Bytes one recurrent state takes on one device (one rank), what bringing a "
-        "checkpoint back from host memory copies; 0 without recurrent layers. Leave it unset: the deployment "
-        "takes it from the engines; a value that differs from theirs fails the deploy.")
+        None, ge=0, description="Bytes one recurrent state takes on one device (one rank): what bringing a "
+        "checkpoint back from host memory copies; 0 without recurrent layers. " + FROM_ENGINES)
     host_bandwidth_bytes_per_s: float = Field(
         20e9, gt=0, description="Bytes per second a replica copies from its host memory back to its device "
         "(PCIe-class; each rank over its own link): a hit on the host costs the copy time, not nothing.")
