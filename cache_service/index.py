@@ -39,7 +39,8 @@ hash -> worker-bitmask maps and stops as soon as no trusted worker still matches
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from itertools import repeat
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -223,12 +224,15 @@ class MemoryStore:
         for w, bit in self.bits.items():
             if w not in self.resync:
                 trusted |= 1 << bit
-        pages_get, states_get = self.pages.get, self.states.get
+
+        def column(table: dict[bytes, int]) -> Iterator[int]:
+            """The table's mask per prompt page: lazy, and looped in C (this is the hot path)."""
+            return map(table.get, page_hashes, repeat(0))
         if not self.host_pages and not self.host_states:  # nothing on any host: skip two lookups a page
-            return walk_scores(((pages_get(h, 0), states_get(h, 0), 0, 0) for h in page_hashes), trusted, self.bits)
-        host_pages_get, host_states_get = self.host_pages.get, self.host_states.get
-        return walk_scores(((pages_get(h, 0), states_get(h, 0), host_pages_get(h, 0), host_states_get(h, 0))
-                            for h in page_hashes), trusted, self.bits)
+            masks = zip(column(self.pages), column(self.states), repeat(0), repeat(0))
+        else:
+            masks = zip(column(self.pages), column(self.states), column(self.host_pages), column(self.host_states))
+        return walk_scores(masks, trusted, self.bits)
 
     def workers(self) -> set[str]:
         return set(self.last_seq)
