@@ -2,7 +2,7 @@
 
 `index_actor(...)` gets or creates the one named, detached `CacheIndexActor` of a cluster (Ray
 restarts it on failure, `max_restarts=-1`). Its async methods wrap `CacheIndex`: `apply(bytes)`,
-`score(page_hashes)`, `drop_worker`, `workers`, `contents`, `workers_needing_resync`,
+`score(page_hashes)`, `drop_worker`, `workers`, `contents`, `host_contents`, `workers_needing_resync`,
 `needs_resync`, `stats`, and `feed(epoch, cursor, wait_s)`: the change feed routers mirror the
 index from (cache_service.feed; a long poll: it answers at once if something changed since
 `cursor`, else when something does or `wait_s` passes).
@@ -93,10 +93,12 @@ class CacheIndexActor:
             return ApplyResult(True, False)
         return ApplyResult(False, self._index.needs_resync(batch.worker_id))
 
-    async def score(self, page_hashes: list[bytes]) -> dict[str, tuple[int, int]]:
-        """worker -> (hit_pages, state_pages); workers absent from the answer score (0, 0)."""
+    async def score(self, page_hashes: list[bytes]) -> dict[str, tuple[int, int, int, bool]]:
+        """worker -> (hit_pages, state_pages, device_pages, state_on_host), the fields of
+        `cache_service.scoring.WorkerScore`; workers absent from the answer score nothing."""
         self._watch()
-        return {w: (s.hit_pages, s.state_pages) for w, s in self._index.score(page_hashes).items() if s.hit_pages}
+        return {w: (s.hit_pages, s.state_pages, s.device_pages, s.state_on_host)
+                for w, s in self._index.score(page_hashes).items() if s.hit_pages}
 
     async def drop_worker(self, worker_id: str) -> None:
         self._drop(worker_id)
@@ -119,9 +121,17 @@ class CacheIndexActor:
         return self._index.workers()
 
     async def contents(self, worker_id: str) -> tuple[frozenset[bytes], frozenset[bytes]] | None:
-        """(page hashes, state page hashes) held for the worker; None if it is unknown."""
+        """(page hashes, state page hashes) held for the worker, in either medium; None if it is
+        unknown."""
         try:
             return self._index.contents(worker_id)
+        except KeyError:
+            return None
+
+    async def host_contents(self, worker_id: str) -> tuple[frozenset[bytes], frozenset[bytes]] | None:
+        """The part of `contents` in the worker's host memory; None if it is unknown."""
+        try:
+            return self._index.host_contents(worker_id)
         except KeyError:
             return None
 

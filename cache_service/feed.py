@@ -34,7 +34,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
-from cache_service.events import AllCleared, EventBatch, PagesStored, StateStored
+from cache_service.events import HOST, AllCleared, EventBatch, PagesStored, StateStored
 from cache_service.index import CacheIndex
 from cache_service.scoring import WorkerScore
 
@@ -120,9 +120,9 @@ class ChangeFeed:
 
 
 def snapshot_items(index: CacheIndex) -> list[tuple[str, object]]:
-    """One snapshot batch per worker the index has applied a batch from, with its contents and
-    stamped with its last seq; a RESET after it if the index awaits its resync (untrusted, its
-    contents kept)."""
+    """One snapshot batch per worker the index has applied a batch from, with its contents, each
+    page and state in its medium, stamped with its last seq; a RESET after it if the index awaits
+    its resync (untrusted, its contents kept)."""
     items: list[tuple[str, object]] = []
     untrusted = index.workers_needing_resync()
     for worker in sorted(index.workers()):
@@ -131,9 +131,13 @@ def snapshot_items(index: CacheIndex) -> list[tuple[str, object]]:
             continue  # nothing applied yet: its first batch (seq 0 or a snapshot) comes through the feed
         events: list = [AllCleared()]
         pages, states = index.contents(worker)
-        if pages:
-            events.append(PagesStored(tuple(pages), None))  # a hash names its prefix: order is free
-        events.extend(StateStored(h) for h in states)
+        host_pages, host_states = index.host_contents(worker)
+        if pages - host_pages:  # a hash names its prefix: order is free
+            events.append(PagesStored(tuple(pages - host_pages), None))
+        if host_pages:
+            events.append(PagesStored(tuple(host_pages), None, HOST))
+        events.extend(StateStored(h) for h in states - host_states)
+        events.extend(StateStored(h, HOST) for h in host_states)
         items.append((BATCH, EventBatch(worker, last, time.time(), tuple(events)).encode()))
         if worker in untrusted:
             items.append((RESET, worker))

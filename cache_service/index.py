@@ -19,7 +19,9 @@ Ordering, and who acts:
 Event semantics: a state is kept only while its page is resident on that worker (a StateStored
 for a non-resident page is ignored, a PagesRemoved takes the page's state with it); removing
 something absent is a no-op. PagesStored.parent is not needed here: the hash already names the
-whole prefix.
+whole prefix. Media: each page and state is in one medium (`contents` lists every medium,
+`host_contents` the host's part); storing one that is resident in the other medium moves it,
+and a move is not a new entry.
 
 Bounded memory: at most `max_pages` (worker, page) entries in all. Past it, further pages a
 worker stores are dropped (counted as `pages_dropped` in `stats()`); the index then under-reports
@@ -37,11 +39,12 @@ hash -> worker-bitmask maps and stops as soon as no trusted worker still matches
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from itertools import repeat
 from dataclasses import dataclass
 from typing import Protocol
 
-from cache_service.events import (AllCleared, Event, EventBatch, PagesRemoved, PagesStored,
+from cache_service.events import (HOST, AllCleared, Event, EventBatch, PagesRemoved, PagesStored,
                                   StateRemoved, StateStored)
 from cache_service.scoring import WorkerScore, walk_scores
 
@@ -68,12 +71,14 @@ class IndexStore(Protocol):
     def workers(self) -> set[str]: ...
     def needing_resync(self) -> set[str]: ...
     def contents(self, worker: str) -> tuple[frozenset[bytes], frozenset[bytes]]: ...
+    def host_contents(self, worker: str) -> tuple[frozenset[bytes], frozenset[bytes]]: ...
     def stats(self) -> dict: ...
 
 
 class MemoryStore:
-    """The in-process backend: hash -> bitmask of workers, plus each worker's own sets (for
-    clearing, removal and `contents`), seq numbers, the untrusted set and the counters."""
+    """The in-process backend: hash -> bitmask of workers (and of those holding it in host
+    memory), plus each worker's own sets (for clearing, removal and `contents`), seq numbers,
+    the untrusted set and the counters."""
 
     def __init__(self, max_pages: int):
         if max_pages < 0:
@@ -81,9 +86,12 @@ class MemoryStore:
         self.max_pages = max_pages
         self.entries = 0  # (worker, page) pairs, the quantity max_pages bounds
         self.bits: dict[str, int] = {}
-        self.pages: dict[bytes, int] = {}   # hash -> mask of workers holding the page
-        self.states: dict[bytes, int] = {}  # hash -> mask of workers holding a state there
-        self.held: dict[str, tuple[set[bytes], set[bytes]]] = {}  # worker -> (pages, states)
+        self.pages: dict[bytes, int] = {}   # hash -> mask of workers holding the page (either medium)
+        self.states: dict[bytes, int] = {}  # hash -> mask of workers holding a state there (either medium)
+        self.host_pages: dict[bytes, int] = {}   # hash -> the part of its pages mask in host memory
+        self.host_states: dict[bytes, int] = {}  # hash -> the part of its states mask in host memory
+        self.held: dict[str, tuple[set[bytes], set[bytes]]] = {}  # worker -> (pages, states), every medium
+        self.on_host: dict[str, tuple[set[bytes], set[bytes]]] = {}  # worker -> the part of held on host
         self.last_seq: dict[str, int | None] = {}  # None: known, but no batch applied yet
         self.resync: set[str] = set()
         self.counts = dict.fromkeys(COUNTERS, 0)
@@ -114,7 +122,7 @@ class MemoryStore:
     def forget(self, worker: str) -> None:
         if worker in self.bits:
             self._clear(worker)
-            del self.bits[worker], self.held[worker]
+            del self.bits[worker], self.held[worker], self.on_host[worker]
         self.last_seq.pop(worker, None)
         self.resync.discard(worker)
 
@@ -124,15 +132,16 @@ class MemoryStore:
             taken = set(self.bits.values())
             self.bits[worker] = next(b for b in range(len(taken) + 1) if b not in taken)
             self.held[worker] = (set(), set())
+            self.on_host[worker] = (set(), set())
 
     def _apply_event(self, worker: str, event: Event) -> None:
         match event:
-            case PagesStored(hashes):
-                self.counts["pages_dropped"] += self._add_pages(worker, hashes)
+            case PagesStored(hashes, _, medium):
+                self.counts["pages_dropped"] += self._add_pages(worker, hashes, medium == HOST)
             case PagesRemoved(hashes):
                 self._remove_pages(worker, hashes)
-            case StateStored(page_hash):
-                self._add_state(worker, page_hash)
+            case StateStored(page_hash, medium):
+                self._add_state(worker, page_hash, medium == HOST)
             case StateRemoved(page_hash):
                 self._remove_state(worker, page_hash)
             case AllCleared():
@@ -140,50 +149,74 @@ class MemoryStore:
             case _:
                 raise TypeError(f"expected an Event, got {type(event).__name__}")
 
-    def _add_pages(self, worker: str, hashes: Sequence[bytes]) -> int:
-        """Stores what fits under max_pages; returns how many pages were dropped."""
-        bit, pages, held = 1 << self.bits[worker], self.pages, self.held[worker][0]
-        for i, h in enumerate(hashes):
+    def _add_pages(self, worker: str, hashes: Sequence[bytes], to_host: bool) -> int:
+        """Stores what fits under max_pages (in host memory if `to_host`) and moves the pages
+        already held in the other medium; returns how many pages were dropped."""
+        bit, pages, held, dropped = 1 << self.bits[worker], self.pages, self.held[worker][0], 0
+        host = self.on_host[worker][0]
+        for h in hashes:
             if h in held:
+                if (h in host) != to_host:
+                    self._set_medium(worker, h, host, self.host_pages, to_host)
                 continue
             if self.entries >= self.max_pages:
-                return sum(1 for h in hashes[i:] if h not in held)
+                dropped += 1
+                continue
             held.add(h)
             pages[h] = pages.get(h, 0) | bit
             self.entries += 1
-        return 0
+            if to_host:
+                self._set_medium(worker, h, host, self.host_pages, True)
+        return dropped
+
+    def _set_medium(self, worker: str, h: bytes, host: set[bytes], host_masks: dict[bytes, int],
+                    to_host: bool) -> None:
+        """Puts the worker's page or state `h` (held) in host memory, or back on the device."""
+        if to_host:
+            host.add(h)
+            host_masks[h] = host_masks.get(h, 0) | 1 << self.bits[worker]
+        elif h in host:
+            host.remove(h)
+            _unset(host_masks, h, self.bits[worker])
 
     def _remove_pages(self, worker: str, hashes: Iterable[bytes]) -> None:
-        held = self.held[worker][0]
+        held, host = self.held[worker][0], self.on_host[worker][0]
         for h in hashes:
             if h in held:
                 held.remove(h)
                 _unset(self.pages, h, self.bits[worker])
+                self._set_medium(worker, h, host, self.host_pages, False)
                 self.entries -= 1
                 self._remove_state(worker, h)
 
-    def _add_state(self, worker: str, page_hash: bytes) -> None:
+    def _add_state(self, worker: str, page_hash: bytes, to_host: bool) -> None:
         held, held_states = self.held[worker]
-        if page_hash in held and page_hash not in held_states:
+        if page_hash not in held:
+            return
+        host = self.on_host[worker][1]
+        if page_hash not in held_states:
             held_states.add(page_hash)
             self.states[page_hash] = self.states.get(page_hash, 0) | 1 << self.bits[worker]
+        elif (page_hash in host) == to_host:
+            return
+        self._set_medium(worker, page_hash, host, self.host_states, to_host)
 
     def _remove_state(self, worker: str, page_hash: bytes) -> None:
         held_states = self.held[worker][1]
         if page_hash in held_states:
             held_states.remove(page_hash)
             _unset(self.states, page_hash, self.bits[worker])
+            self._set_medium(worker, page_hash, self.on_host[worker][1], self.host_states, False)
 
     def _clear(self, worker: str) -> None:
-        held, held_states = self.held[worker]
         bit = self.bits[worker]
-        for h in held:
-            _unset(self.pages, h, bit)
-        for h in held_states:
-            _unset(self.states, h, bit)
-        self.entries -= len(held)
-        held.clear()
-        held_states.clear()
+        self.entries -= len(self.held[worker][0])
+        for sets, tables in ((self.held[worker], (self.pages, self.states)),
+                             (self.on_host[worker], (self.host_pages, self.host_states))):
+            for hashes, table in zip(sets, tables):
+                for h in hashes:
+                    _unset(table, h, bit)
+                hashes.clear()
 
     # ---- reading -----------------------------------------------------------------------------
     def score(self, page_hashes: Sequence[bytes]) -> dict[str, WorkerScore]:
@@ -191,8 +224,15 @@ class MemoryStore:
         for w, bit in self.bits.items():
             if w not in self.resync:
                 trusted |= 1 << bit
-        pages_get, states_get = self.pages.get, self.states.get
-        return walk_scores(((pages_get(h, 0), states_get(h, 0)) for h in page_hashes), trusted, self.bits)
+
+        def column(table: dict[bytes, int]) -> Iterator[int]:
+            """The table's mask per prompt page: lazy, and looped in C (this is the hot path)."""
+            return map(table.get, page_hashes, repeat(0))
+        if not self.host_pages and not self.host_states:  # nothing on any host: skip two lookups a page
+            masks = zip(column(self.pages), column(self.states), repeat(0), repeat(0))
+        else:
+            masks = zip(column(self.pages), column(self.states), column(self.host_pages), column(self.host_states))
+        return walk_scores(masks, trusted, self.bits)
 
     def workers(self) -> set[str]:
         return set(self.last_seq)
@@ -206,11 +246,17 @@ class MemoryStore:
         held, held_states = self.held[worker]
         return frozenset(held), frozenset(held_states)
 
+    def host_contents(self, worker: str) -> tuple[frozenset[bytes], frozenset[bytes]]:
+        if worker not in self.last_seq:
+            raise KeyError(worker)
+        pages, states = self.on_host[worker]
+        return frozenset(pages), frozenset(states)
+
     def stats(self) -> dict:
         # containers plus one 16-byte bytes object (~49 B) and one mask int (~28 B) per key
-        sets = sum(sys.getsizeof(a) + sys.getsizeof(b) for a, b in self.held.values())
-        keys = len(self.pages) + len(self.states)
-        approx = sys.getsizeof(self.pages) + sys.getsizeof(self.states) + sets + keys * 77
+        sets = sum(sys.getsizeof(a) + sys.getsizeof(b) for w in self.held for a, b in (self.held[w], self.on_host[w]))
+        tables = (self.pages, self.states, self.host_pages, self.host_states)
+        approx = sum(sys.getsizeof(t) + len(t) * 77 for t in tables) + sets
         return dict(workers=len(self.last_seq), workers_needing_resync=len(self.resync),
                     pages=self.entries, states=sum(len(s) for _, s in self.held.values()),
                     max_pages=self.max_pages, approx_bytes=approx, **self.counts)
@@ -292,9 +338,14 @@ class CacheIndex:
         return self._store.status(worker_id).last_seq
 
     def contents(self, worker_id: str) -> tuple[frozenset[bytes], frozenset[bytes]]:
-        """(page hashes, state page hashes) the index holds for the worker, trusted or not.
-        KeyError for a worker it does not know."""
+        """(page hashes, state page hashes) the index holds for the worker, trusted or not, in
+        either medium. KeyError for a worker it does not know."""
         return self._store.contents(worker_id)
+
+    def host_contents(self, worker_id: str) -> tuple[frozenset[bytes], frozenset[bytes]]:
+        """The part of `contents` in the worker's host memory: (page hashes, state page hashes).
+        KeyError for a worker it does not know."""
+        return self._store.host_contents(worker_id)
 
     def stats(self) -> dict:
         """workers, workers_needing_resync, pages, states, max_pages, approx_bytes, and the

@@ -5,8 +5,12 @@ resumes exactly, and any number of readers score against one copy.
 Layout, every key under the namespace prefix `{ns}:` (one namespace per cluster):
 - `workers`          hash  worker id -> msgpack [bit, last seq or nil, needs resync]
 - `pages`            hash  page hash -> msgpack [mask of workers holding the page,
-                                                 mask of workers holding a state there]
-- `w:{worker}:pages`, `w:{worker}:states`   sets of the worker's page / state hashes
+                                                 mask of workers holding a state there,
+                                                 the part of each in host memory]; the two
+                                                 host masks are left out while both are 0
+- `w:{worker}:pages`, `w:{worker}:states`   sets of the worker's page / state hashes (every
+                                            medium)
+- `w:{worker}:host_pages`, `w:{worker}:host_states`   the part of those sets in host memory
 - `counts`           hash  entries ((worker, page) pairs) and the index counters
 - `epoch`            int   the fencing token of the one writer
 A mask packs as a msgpack int, or as little-endian bytes past 64 workers.
@@ -55,6 +59,25 @@ def _pack(*fields: object) -> bytes:
     return msgpack.packb(list(fields), use_bin_type=True)
 
 
+Masks = tuple[int, int, int, int]  # page, state, host page, host state: one hash's `pages` value
+
+
+def _pack_masks(masks: Masks) -> bytes:
+    return _pack(*map(_pack_mask, masks if masks[2] or masks[3] else masks[:2]))
+
+
+def _unpack_masks(raw: bytes | None) -> Masks:
+    """A `pages` value's masks; None (no entry) is all 0, and two masks (the host part left out,
+    or written before the host tier) are all on the device."""
+    if raw is None:
+        return 0, 0, 0, 0
+    return (*map(_unpack_mask, msgpack.unpackb(raw)), 0, 0)[:4]  # type: ignore[return-value]
+
+
+def _masks_of(store: MemoryStore, h: bytes) -> Masks:
+    return store.pages.get(h, 0), store.states.get(h, 0), store.host_pages.get(h, 0), store.host_states.get(h, 0)
+
+
 class RedisStore:
     def __init__(self, client: redis.Redis, namespace: str, max_pages: int = 4_000_000,
                  writer: bool = True, chunk_pages: int = 512):
@@ -84,8 +107,10 @@ class RedisStore:
         self.losses += 1
         return True
 
-    def _held_keys(self, worker: str) -> tuple[str, str]:
-        return f"{self.namespace}:w:{worker}:pages", f"{self.namespace}:w:{worker}:states"
+    def _held_keys(self, worker: str) -> tuple[str, str, str, str]:
+        """The worker's sets: pages, states (every medium), then those of them in host memory."""
+        prefix = f"{self.namespace}:w:{worker}"
+        return f"{prefix}:pages", f"{prefix}:states", f"{prefix}:host_pages", f"{prefix}:host_states"
 
     # ---- ordering state and writes ---------------------------------------------------------
     def status(self, worker: str) -> WorkerStatus:
@@ -120,13 +145,13 @@ class RedisStore:
         sets (AllCleared, forget), not just the `touched` hashes."""
         if self._epoch is None:
             raise PermissionError(f"this RedisStore reads namespace {self.namespace!r}; it was made with writer=False")
-        k_pages, k_states = self._held_keys(worker)
         with self._r.pipeline(transaction=True) as tx:
             tx.watch(self._k_epoch)
             reads = self._r.pipeline(transaction=False)
             reads.get(self._k_epoch).hgetall(self._k_workers).hget(self._k_counts, "entries")
             if full:
-                reads.smembers(k_pages).smembers(k_states)
+                for key in self._held_keys(worker):
+                    reads.smembers(key)
             epoch, workers, entries, *members = reads.execute()
             if epoch is None and self.reclaim_if_lost():  # the store lost everything: write into the new one
                 return self._write(worker, touched, full, change)
@@ -153,27 +178,28 @@ class RedisStore:
             scratch.bits[w], scratch.last_seq[w] = bit, last
             if resync:
                 scratch.resync.add(w)
-        k_pages, k_states = self._held_keys(worker)
+        keys = self._held_keys(worker)
         if hashes:
             reads = self._r.pipeline(transaction=False)
             reads.hmget(self._k_pages, hashes)
             if not members:
-                reads.smismember(k_pages, hashes).smismember(k_states, hashes)
+                for key in keys:
+                    reads.smismember(key, hashes)
             masks, *membership = reads.execute()
         else:
-            masks, membership = [], [[], []]
-        held_pages, held_states = members if members else (
-            {h for h, m in zip(hashes, membership[0]) if m}, {h for h, m in zip(hashes, membership[1]) if m})
+            masks, membership = [], [[] for _ in keys]
+        held = [set(m) for m in members] if members else \
+            [{h for h, isin in zip(hashes, column) if isin} for column in membership]
+        tables = (scratch.pages, scratch.states, scratch.host_pages, scratch.host_states)
         for h, raw in zip(hashes, masks):
-            if raw is not None:
-                page_mask, state_mask = (_unpack_mask(v) for v in msgpack.unpackb(raw))
-                scratch.pages[h] = page_mask
-                if state_mask:
-                    scratch.states[h] = state_mask
+            for table, mask in zip(tables, _unpack_masks(raw)):
+                if mask:
+                    table[h] = mask
         if worker in scratch.bits:
-            scratch.held[worker] = (set(held_pages), set(held_states))
-        base = dict(entries=entries, worker=workers.get(worker.encode()), pages=dict(scratch.pages),
-                    states=dict(scratch.states), held=(set(held_pages), set(held_states)))
+            scratch.held[worker] = (set(held[0]), set(held[1]))
+            scratch.on_host[worker] = (set(held[2]), set(held[3]))
+        base = dict(entries=entries, worker=workers.get(worker.encode()),
+                    masks={h: _masks_of(scratch, h) for h in hashes}, held=held)
         return scratch, base
 
     def _write_diff(self, tx, worker: str, hashes: list[bytes], scratch: MemoryStore, base: dict) -> None:
@@ -185,18 +211,17 @@ class RedisStore:
             tx.hdel(self._k_workers, worker)
         changed, gone = {}, []
         for h in hashes:
-            old = (base["pages"].get(h, 0), base["states"].get(h, 0))
-            new = (scratch.pages.get(h, 0), scratch.states.get(h, 0))
-            if new != old:
+            new = _masks_of(scratch, h)
+            if new != base["masks"][h]:
                 if new[0]:
-                    changed[h] = _pack(*map(_pack_mask, new))
+                    changed[h] = _pack_masks(new)
                 else:
                     gone.append(h)
         if changed:
             tx.hset(self._k_pages, mapping=changed)
         if gone:
             tx.hdel(self._k_pages, *gone)
-        new_held = scratch.held.get(worker, (set(), set()))
+        new_held = (*scratch.held.get(worker, (set(), set())), *scratch.on_host.get(worker, (set(), set())))
         for key, old, new in zip(self._held_keys(worker), base["held"], new_held):
             if worker not in scratch.bits:
                 tx.delete(key)
@@ -226,17 +251,13 @@ class RedisStore:
                 trusted |= 1 << bit
         return walk_scores(self._masks(page_hashes, masks[0] if masks else []), trusted, bits)
 
-    def _masks(self, page_hashes: Sequence[bytes], first: list) -> Iterator[tuple[int, int]]:
+    def _masks(self, page_hashes: Sequence[bytes], first: list) -> Iterator[Masks]:
         chunk = first
         for start in range(0, len(page_hashes), self._chunk):
             if start:
                 chunk = self._r.hmget(self._k_pages, list(page_hashes[start:start + self._chunk]))
             for raw in chunk:
-                if raw is None:
-                    yield 0, 0
-                else:
-                    page_mask, state_mask = msgpack.unpackb(raw)
-                    yield _unpack_mask(page_mask), _unpack_mask(state_mask)
+                yield _unpack_masks(raw)
 
     def workers(self) -> set[str]:
         return {w.decode() for w in self._r.hkeys(self._k_workers)}
@@ -245,7 +266,12 @@ class RedisStore:
         return {w.decode() for w, raw in self._r.hgetall(self._k_workers).items() if msgpack.unpackb(raw)[2]}
 
     def contents(self, worker: str) -> tuple[frozenset[bytes], frozenset[bytes]]:
-        k_pages, k_states = self._held_keys(worker)
+        return self._sets(worker, *self._held_keys(worker)[:2])
+
+    def host_contents(self, worker: str) -> tuple[frozenset[bytes], frozenset[bytes]]:
+        return self._sets(worker, *self._held_keys(worker)[2:])
+
+    def _sets(self, worker: str, k_pages: str, k_states: str) -> tuple[frozenset[bytes], frozenset[bytes]]:
         known, pages, states = self._r.pipeline(transaction=True).hexists(self._k_workers, worker) \
             .smembers(k_pages).smembers(k_states).execute()
         if not known:

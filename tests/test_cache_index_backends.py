@@ -1,17 +1,17 @@
 """One suite, every backend: the index in memory and the index in a real redis-server behave
 identically, and the Redis one survives its process (a new CacheIndex on the namespace resumes
-with the same contents, scores and seq numbers)."""
+with the same contents, media, scores and seq numbers)."""
 
 import random
 import uuid
 
 import pytest
 
-from cache_service.events import (AllCleared, EventBatch, EventDecodeError, EventStream, PagesRemoved,
-                                  PagesStored, StateRemoved, StateStored)
+from cache_service.events import (DEVICE, HOST, AllCleared, EventBatch, EventDecodeError, EventStream,
+                                  PagesRemoved, PagesStored, StateRemoved, StateStored)
 from cache_service.hashing import next_page_hash, root_hash
 from cache_service.index import CacheIndex
-from cache_service.scoring import WorkerScore
+from cache_service.scoring import WorkerScore, walk_scores
 
 H = [bytes([i]) * 16 for i in range(20)]
 
@@ -67,39 +67,47 @@ def backend(request):
 # ---- the randomized replay against a brute-force model ---------------------------------------
 
 class ReferenceWorker:
-    """What a worker holds, as plain sets, and the events it emits for each change."""
+    """What a worker holds, as plain sets, and the events it emits for each change. Storing what
+    it holds in the other medium moves it there (a demotion to the host, a promotion back)."""
 
     def __init__(self, worker_id: str):
         self.stream = EventStream(worker_id, clock=lambda: 0.0)
-        self.pages: dict[bytes, bytes | None] = {}  # hash -> parent
+        self.pages: dict[bytes, bytes | None] = {}  # hash -> parent, every medium
         self.states: set[bytes] = set()
+        self.host_pages: set[bytes] = set()  # the part of pages / states in host memory
+        self.host_states: set[bytes] = set()
         self.pending: list = []
 
-    def store(self, hashes: list[bytes], parent: bytes | None) -> None:
+    def store(self, hashes: list[bytes], parent: bytes | None, medium: str = DEVICE) -> None:
         prev = parent
         for h in hashes:
             self.pages.setdefault(h, prev)
+            _place(self.host_pages, h, medium)
             prev = h
-        self.pending.append(PagesStored(tuple(hashes), parent))
+        self.pending.append(PagesStored(tuple(hashes), parent, medium))
 
     def remove(self, hashes: list[bytes]) -> None:
         for h in hashes:
             self.pages.pop(h, None)
             self.states.discard(h)
+            self.host_pages.discard(h)
+            self.host_states.discard(h)
         self.pending.append(PagesRemoved(tuple(hashes)))
 
-    def store_state(self, h: bytes) -> None:
+    def store_state(self, h: bytes, medium: str = DEVICE) -> None:
         if h in self.pages:
             self.states.add(h)
-        self.pending.append(StateStored(h))
+            _place(self.host_states, h, medium)
+        self.pending.append(StateStored(h, medium))
 
     def remove_state(self, h: bytes) -> None:
         self.states.discard(h)
+        self.host_states.discard(h)
         self.pending.append(StateRemoved(h))
 
     def clear(self) -> None:
-        self.pages.clear()
-        self.states.clear()
+        for held in (self.pages, self.states, self.host_pages, self.host_states):
+            held.clear()
         self.pending.append(AllCleared())
 
     def flush(self) -> EventBatch:
@@ -107,15 +115,28 @@ class ReferenceWorker:
         return batch
 
     def snapshot(self) -> EventBatch:
-        return self.stream.snapshot(list(self.pages.items()), sorted(self.states))
+        on_device = [(h, p) for h, p in self.pages.items() if h not in self.host_pages]
+        on_host = [(h, p) for h, p in self.pages.items() if h in self.host_pages]
+        return self.stream.snapshot(on_device, sorted(self.states - self.host_states), on_host,
+                                    sorted(self.host_states))
+
+
+def _place(host: set[bytes], h: bytes, medium: str) -> None:
+    if medium == HOST:
+        host.add(h)
+    else:
+        host.discard(h)
 
 
 def brute_force_score(prompt: list[bytes], worker: ReferenceWorker) -> WorkerScore:
     hit = 0
     while hit < len(prompt) and prompt[hit] in worker.pages:
         hit += 1
+    device = 0
+    while device < hit and prompt[device] not in worker.host_pages:
+        device += 1
     state = max((j for j in range(1, hit + 1) if prompt[j - 1] in worker.states), default=0)
-    return WorkerScore(hit, state)
+    return WorkerScore(hit, state, device, state > 0 and prompt[state - 1] in worker.host_states)
 
 
 def test_replaying_random_worker_streams_reproduces_their_contents_and_scores(backend):
@@ -147,6 +168,7 @@ def test_replaying_random_worker_streams_reproduces_their_contents_and_scores(ba
 
     workers = [ReferenceWorker(f"w{i}") for i in range(4)]
     index, sent = backend.make(), []
+    partly_on_host = states_on_host = 0  # scores the host tier shaped
     steps = 3000
     for step in range(steps):
         w = rng.choice(workers)
@@ -155,7 +177,8 @@ def test_replaying_random_worker_streams_reproduces_their_contents_and_scores(ba
         else:
             for _ in range(rng.randint(1, 4)):
                 op, held = rng.random(), list(w.pages)
-                if op < 0.35:
+                medium = HOST if rng.random() < 0.15 else DEVICE
+                if op < 0.3:
                     start = rng.random()
                     if held and start < 0.55:
                         parent, hashes = (p := rng.choice(held)), extend(p, rng.randint(1, 8))
@@ -164,14 +187,22 @@ def test_replaying_random_worker_streams_reproduces_their_contents_and_scores(ba
                         parent, hashes = None, hashes + extend(hashes[-1], rng.randint(0, 4))
                     else:
                         parent, hashes = None, extend(rng.choice(roots), rng.randint(1, 8))
-                    w.store(hashes, parent)
+                    w.store(hashes, parent, medium)
+                elif op < 0.45 and held:  # demote a chain's tail to the host, or promote it back
+                    tail = chain_to(rng.choice(held))
+                    tail = tail[rng.randrange(len(tail)):]
+                    medium = HOST if rng.random() < 0.6 else DEVICE
+                    w.store(tail, w.pages.get(tail[0]), medium)
+                    for h in tail:
+                        if h in w.states and rng.random() < 0.7:
+                            w.store_state(h, medium)
                 elif op < 0.55 and held:
                     leaves = list(w.pages.keys() - set(w.pages.values()))
                     victims = leaves if rng.random() < 0.7 else held
                     w.remove(rng.sample(victims, min(len(victims), rng.randint(1, 3))))
                 elif op < 0.85:
                     pool = held if held and rng.random() < 0.8 else list(known) or H
-                    w.store_state(rng.choice(pool))
+                    w.store_state(rng.choice(pool), medium)
                 elif op < 0.97:
                     w.remove_state(rng.choice(sorted(w.states) or H))
                 else:
@@ -185,12 +216,17 @@ def test_replaying_random_worker_streams_reproduces_their_contents_and_scores(ba
         for r in (workers if step % 100 == 0 else [w]):
             if r.stream.next_seq:
                 assert index.contents(r.stream.worker_id) == (frozenset(r.pages), frozenset(r.states))
+                assert index.host_contents(r.stream.worker_id) == (frozenset(r.host_pages), frozenset(r.host_states))
         if step % 5 == 0:
             for _ in range(3):
                 prompt = random_prompt()
-                assert index.score(prompt) == {r.stream.worker_id: brute_force_score(prompt, r)
-                                               for r in workers if r.stream.next_seq > 0}
+                scores = index.score(prompt)
+                assert scores == {r.stream.worker_id: brute_force_score(prompt, r)
+                                  for r in workers if r.stream.next_seq > 0}
+                partly_on_host += sum(s.device_pages < s.hit_pages for s in scores.values())
+                states_on_host += sum(s.state_on_host for s in scores.values())
     stats = index.stats()
+    assert partly_on_host > 100 and states_on_host > 20
     assert index.workers_needing_resync() == set()
     assert stats["batches_applied"] == steps and stats["gaps_detected"] == 0
     assert stats["pages"] == sum(len(w.pages) for w in workers)
@@ -321,6 +357,48 @@ def test_all_cleared_in_the_middle_of_a_batch_keeps_what_follows_it(backend):
     assert index.stats()["pages"] == 5 and index.stats()["states"] == 2
 
 
+def test_a_page_demoted_to_the_host_and_promoted_back_is_in_one_medium_at_every_step(backend):
+    index, a = backend.make(max_pages=4), EventStream("a")  # the bound is full: a move is no new entry
+    index.apply(a.batch([chain(4), StateStored(H[1]), StateStored(H[3])]))
+    assert index.host_contents("a") == (frozenset(), frozenset())
+    assert index.score(H[:4])["a"] == WorkerScore(4, 4, 4, False)
+
+    index.apply(a.batch([PagesStored((H[2], H[3]), H[1], HOST), StateStored(H[3], HOST)]))  # demoted
+    assert index.contents("a") == (frozenset(H[:4]), frozenset([H[1], H[3]])), "contents: every medium"
+    assert index.host_contents("a") == (frozenset(H[2:4]), frozenset([H[3]]))
+    assert index.score(H[:4])["a"] == WorkerScore(4, 4, 2, True)
+    assert index.score(H[:2])["a"] == WorkerScore(2, 2, 2, False)
+    stats = index.stats()
+    assert (stats["pages"], stats["states"], stats["pages_dropped"]) == (4, 2, 0)
+
+    index.apply(a.batch([StateStored(H[1], HOST)]))  # a state goes to the host while its page stays
+    assert index.host_contents("a") == (frozenset(H[2:4]), frozenset([H[1], H[3]]))
+    assert index.score(H[:3])["a"] == WorkerScore(3, 2, 2, True)
+
+    index.apply(a.batch([PagesStored((H[2],), H[1]), StateStored(H[1])]))  # promoted back, one page
+    assert index.host_contents("a") == (frozenset([H[3]]), frozenset([H[3]]))
+    assert index.score(H[:4])["a"] == WorkerScore(4, 4, 3, True)
+    index.apply(a.batch([PagesStored((H[3],), H[2], DEVICE), StateStored(H[3], DEVICE)]))
+    assert index.host_contents("a") == (frozenset(), frozenset())
+    assert index.score(H[:4])["a"] == WorkerScore(4, 4)
+    stats = index.stats()
+    assert (stats["pages"], stats["states"], stats["pages_dropped"]) == (4, 2, 0)
+
+
+def test_removing_a_page_on_the_host_removes_it_and_its_state_from_the_host(backend):
+    index, a = backend.make(), EventStream("a")
+    index.apply(a.batch([chain(3), StateStored(H[2]), PagesStored((H[2],), H[1], HOST), StateStored(H[2], HOST)]))
+    index.apply(a.batch([PagesRemoved((H[2],)), StateStored(H[2], HOST)]))  # the state's page is gone: ignored
+    assert index.contents("a") == (frozenset(H[:2]), frozenset())
+    assert index.host_contents("a") == (frozenset(), frozenset())
+    index.apply(a.batch([PagesStored((H[1],), H[0], HOST), StateStored(H[1], HOST), StateRemoved(H[1])]))
+    assert index.host_contents("a") == (frozenset([H[1]]), frozenset())
+    index.apply(a.batch([AllCleared(), PagesStored((H[0],), None, HOST)]))
+    assert index.contents("a") == index.host_contents("a") == (frozenset([H[0]]), frozenset())
+    assert index.score(H[:2])["a"] == WorkerScore(1, 0, 0, False)
+    assert index.stats()["pages"] == 1
+
+
 def test_drop_worker_forgets_it_and_keeps_the_pages_others_share(backend):
     index, a, b = backend.make(), EventStream("a"), EventStream("b")
     index.apply(a.batch([chain(3), StateStored(H[2])]))
@@ -380,18 +458,21 @@ def test_a_new_index_on_the_same_redis_resumes_with_identical_scores_and_seq_num
     b.batch([])  # lost: b is untrusted
     assert not index.apply(b.batch([]))
     before = (index.score(H[:5]), index.workers(), index.workers_needing_resync(),
-              index.contents("a"), index.last_seq("a"), index.last_seq("b"))
+              index.contents("a"), index.host_contents("a"), index.last_seq("a"), index.last_seq("b"))
 
     restarted = backend.reopen()
     after = (restarted.score(H[:5]), restarted.workers(), restarted.workers_needing_resync(),
-             restarted.contents("a"), restarted.last_seq("a"), restarted.last_seq("b"))
+             restarted.contents("a"), restarted.host_contents("a"), restarted.last_seq("a"), restarted.last_seq("b"))
     assert after == before
-    assert after[0] == {"a": WorkerScore(3, 2), "b": WorkerScore(0, 0)} and after[4] == 1
-    assert restarted.apply(a.batch([]))
+    assert after[0] == {"a": WorkerScore(3, 2), "b": WorkerScore(0, 0)} and after[5] == 1
+    assert restarted.apply(a.batch([PagesStored((H[1], H[2]), H[0], HOST), StateStored(H[1], HOST)]))
     assert restarted.last_seq("a") == 2, "the restarted index continues a's stream where it was"
     assert restarted.apply(b.snapshot([(H[0], None)], []))
     assert restarted.score(H[:2])["b"] == WorkerScore(1, 0)
     assert restarted.stats()["batches_applied"] == index.stats()["batches_applied"] == 5
+    again = backend.reopen()  # the media it was told survive it too
+    assert again.score(H[:5])["a"] == restarted.score(H[:5])["a"] == WorkerScore(3, 2, 1, True)
+    assert again.host_contents("a") == restarted.host_contents("a") == (frozenset(H[1:3]), frozenset([H[1]]))
 
 
 def test_the_replaced_writer_can_no_longer_write_but_readers_can_still_read(redis_backend):
@@ -427,3 +508,33 @@ def test_a_redis_that_lost_everything_is_claimed_again_and_workers_it_forgot_res
     with pytest.raises(StoreSuperseded):
         index.apply(a.batch([]))
     assert newer.contents("a")[0] == frozenset(H[:4])
+
+
+# ---- scoring with media (cache_service.scoring) ------------------------------------------------
+
+def test_a_score_made_from_hit_and_state_alone_is_all_on_the_device():
+    assert WorkerScore(5, 3) == WorkerScore(5, 3, 5, False)
+    assert WorkerScore(5, 3).device_pages == 5 and not WorkerScore(5, 3).state_on_host
+    assert WorkerScore(5, 3, 2, True) != WorkerScore(5, 3)
+
+
+def test_walk_scores_finds_each_workers_device_run_and_where_its_state_is():
+    a, b, c = 1, 2, 4  # masks of workers a, b, c
+    pages = [  # per page: (page mask, state mask, host page mask, host state mask)
+        (a | b | c, 0, 0, 0),
+        (a | b | c, a | c, 0, c),     # c's state here is on the host, its page is not
+        (a | b | c, 0, b, 0),         # b's device run ends here
+        (a | b, b, b, b),             # c's hit ends here; b's state on the host with its page
+        (a | b, a, a, 0),             # a's device run ends here, its state (on the device) over a host page
+        (a, 0, a, 0),
+    ]
+    scores = walk_scores(iter(pages), a | b | c, {"a": 0, "b": 1, "c": 2})
+    assert scores == {"a": WorkerScore(6, 5, 4, False), "b": WorkerScore(5, 4, 2, True),
+                      "c": WorkerScore(3, 2, 3, True)}
+
+
+def test_walk_scores_of_a_run_on_the_host_from_its_first_page_has_no_device_pages():
+    masks = [(1, 0, 1, 0), (1, 1, 1, 1), (0, 0, 0, 0)]
+    assert walk_scores(iter(masks), 1, {"a": 0, "untrusted": 1}) == {
+        "a": WorkerScore(2, 2, 0, True), "untrusted": WorkerScore(0, 0)}
+    assert walk_scores(iter([(1, 0, 0, 0)]), 0, {"a": 0}) == {"a": WorkerScore(0, 0)}, "no trusted worker"

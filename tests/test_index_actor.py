@@ -9,7 +9,7 @@ import uuid
 
 import pytest
 
-from cache_service.events import AllCleared, EventBatch, EventStream, PagesRemoved, PagesStored, StateStored
+from cache_service.events import HOST, AllCleared, EventBatch, EventStream, PagesRemoved, PagesStored, StateStored
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 ray = pytest.importorskip("ray")
@@ -63,7 +63,13 @@ def test_the_actor_is_created_once_by_name_and_scores_what_it_was_sent(actor_nam
     assert first._actor_id == again._actor_id, "get_if_exists: the second caller gets the first actor"
     a = EventStream("a")
     assert ray.get(first.apply.remote(a.batch([chain(4), StateStored(H[1])]).encode())) == ApplyResult(True, False)
-    assert ray.get(again.score.remote(H[:5])) == {"a": (4, 2)}
+    assert ray.get(again.score.remote(H[:5])) == {"a": (4, 2, 4, False)}, "(hit, state, device pages, state on host)"
+    assert ray.get(first.apply.remote(a.batch([PagesStored((H[1], H[2], H[3]), H[0], HOST),
+                                                StateStored(H[1], HOST)]).encode())) == ApplyResult(True, False)
+    assert ray.get(again.score.remote(H[:5])) == {"a": (4, 2, 1, True)}
+    assert ray.get(again.host_contents.remote("a")) == (frozenset(H[1:4]), frozenset([H[1]]))
+    assert ray.get(again.contents.remote("a")) == (frozenset(H[:4]), frozenset([H[1]]))
+    assert ray.get(again.host_contents.remote("nobody")) is None
     assert ray.get(first.score.remote(H[10:12])) == {}, "workers without a hit are left out"
     assert ray.get(first.apply.remote(b"garbage")) == ApplyResult(False, True)
     stats = ray.get(first.stats.remote())
@@ -81,7 +87,7 @@ def test_killed_without_redis_it_restarts_empty_and_asks_workers_to_resync(actor
     assert ray.get(actor.apply.remote(a.batch([chain(1, start=3)]).encode())) == ApplyResult(False, True)
     assert ray.get(actor.workers_needing_resync.remote()) == {"a"}
     assert ray.get(actor.apply.remote(a.snapshot([(H[0], None), (H[1], H[0])], [H[1]]).encode())).applied
-    assert ray.get(actor.score.remote(H[:3])) == {"a": (2, 2)}
+    assert ray.get(actor.score.remote(H[:3])) == {"a": (2, 2, 2, False)}
     assert not ray.get(actor.needs_resync.remote("a"))
 
 
@@ -95,11 +101,11 @@ def test_killed_with_redis_it_restarts_with_the_same_scores_and_seq_numbers(acto
     ray.kill(actor, no_restart=False)
     stats = restarted(actor)
     assert stats["backend"] == "redis" and not stats["resync_unknown_workers"]
-    assert ray.get(actor.score.remote(H[:8])) == before == {"a": (5, 4), "b": (2, 0)}
+    assert ray.get(actor.score.remote(H[:8])) == before == {"a": (5, 4, 5, False), "b": (2, 0, 2, False)}
     assert ray.get(actor.apply.remote(a.batch([StateStored(H[4])]).encode())) == ApplyResult(True, False), \
         "a's stream continues at the next seq: nothing to resync"
     assert ray.get(actor.workers_needing_resync.remote()) == set()
-    assert ray.get(actor.score.remote(H[:8]))["a"] == (5, 5)
+    assert ray.get(actor.score.remote(H[:8]))["a"] == (5, 5, 5, False)
 
 
 # ---- the publisher -----------------------------------------------------------------------------
@@ -236,7 +242,7 @@ def test_a_publisher_feeds_the_real_actor_through_its_restart(actor_name):
         deadline = time.monotonic() + 30
         while True:
             try:
-                if (await actor.score.remote(H[:12])).get("w") == (12, 0):
+                if (await actor.score.remote(H[:12])).get("w") == (12, 0, 12, False):
                     break
             except ray.exceptions.RayActorError:  # still restarting
                 pass
@@ -268,7 +274,7 @@ def test_a_publisher_feeds_the_successor_of_an_actor_killed_for_good(actor_name)
             successor = handle.current()
             if successor is not None and successor._actor_id != actor._actor_id:
                 try:
-                    if (await successor.score.remote(H[:6])).get("w") == (6, 0):
+                    if (await successor.score.remote(H[:6])).get("w") == (6, 0, 6, False):
                         break
                 except ray.exceptions.RayActorError:  # still starting
                     pass
@@ -300,7 +306,8 @@ def test_a_serve_deployment_routes_to_the_replica_the_index_names(actor_name, in
         messages: list | None = None
 
     config = RoutingConfig(index_actor_name=actor_name, index_mode=index_mode, index_timeout_ms=2000,
-                           predicted_holder_ttl_s=0, routing_stats_period_s=0.5, page_size=16, hybrid_model=True)
+                           predicted_holder_ttl_s=0, routing_stats_period_s=0.5, page_size=16, hybrid_model=True,
+                           page_bytes=8192, state_bytes=16896)
     index = index_actor(actor_name, num_cpus=0.01)
 
     @serve.deployment(num_replicas=2, ray_actor_options={"num_cpus": 0},

@@ -1,7 +1,7 @@
 """The index's change feed and a router's mirror of it: whenever the mirror has read the feed, it
-scores every prompt exactly as the index does, through gaps, resyncs, dropped workers, a feed
-that forgot its start, and a restarted index (plain Python, no Ray; the index in memory and in a
-real redis-server)."""
+scores every prompt exactly as the index does, media included, through gaps, resyncs, dropped
+workers, a feed that forgot its start, and a restarted index (plain Python, no Ray; the index in
+memory and in a real redis-server)."""
 
 import asyncio
 import random
@@ -9,10 +9,10 @@ import uuid
 
 import pytest
 
-from cache_service.events import EventStream, PagesRemoved, PagesStored, StateRemoved, StateStored
+from cache_service.events import DEVICE, HOST, EventStream, PagesRemoved, PagesStored, StateRemoved, StateStored
 from cache_service.feed import ChangeFeed, IndexMirror
 from cache_service.index import CacheIndex
-from cache_service.scoring import ZERO
+from cache_service.scoring import ZERO, WorkerScore
 
 H = [bytes([i, j]) * 8 for i in range(4) for j in range(24)]  # 4 chains of 24 pages
 CHAINS = [H[24 * i:24 * (i + 1)] for i in range(4)]
@@ -37,28 +37,45 @@ def make_index(request):
 
 
 class Worker:
-    """A worker's cache as a set of pages per chain depth, with the batches that describe it."""
+    """A worker's cache as a set of pages per chain depth, the first `device[c]` of a chain on its
+    device and the rest on its host (each state in its page's medium), with the batches that
+    describe it."""
 
     def __init__(self, name: str, rng: random.Random):
         self.stream, self.rng = EventStream(name), rng
         self.depth = {c: 0 for c in range(4)}
+        self.device = {c: 0 for c in range(4)}
         self.states: set[bytes] = set()
+
+    def move(self, c: int, start: int, stop: int, medium: str) -> list:
+        """Events that put chain c's pages [start, stop) and their states in `medium`."""
+        chain = CHAINS[c]
+        return [PagesStored(tuple(chain[start:stop]), chain[start - 1] if start else None, medium),
+                *(StateStored(h, medium) for h in chain[start:stop] if h in self.states)]
 
     def change(self):
         c, rng = self.rng.randrange(4), self.rng
-        chain, depth = CHAINS[c], self.depth[c]
-        if rng.random() < 0.6 and depth < 24:
+        chain, depth, device = CHAINS[c], self.depth[c], self.device[c]
+        roll = rng.random()
+        if roll < 0.15 and device:  # the device evicts the chain's tail to the host
+            self.device[c] = cut = rng.randint(0, device - 1)
+            events = self.move(c, cut, device, HOST)
+        elif roll < 0.25 and device < depth:  # a request brings host pages back
+            self.device[c] = up = rng.randint(device + 1, depth)
+            events = self.move(c, device, up, DEVICE)
+        elif roll < 0.6 and depth < 24:
             new = rng.randint(depth + 1, 24)
-            events = [PagesStored(tuple(chain[depth:new]), chain[depth - 1] if depth else None)]
+            events = self.move(c, device, depth, DEVICE)  # a chain grows on the device
+            events += [PagesStored(tuple(chain[depth:new]), chain[depth - 1] if depth else None)]
             if rng.random() < 0.7:
                 self.states.add(chain[new - 1])
                 events.append(StateStored(chain[new - 1]))
-            self.depth[c] = new
+            self.depth[c] = self.device[c] = new
         elif depth:
             cut = rng.randint(0, depth - 1)
             events = [PagesRemoved(tuple(chain[cut:depth]))]
             self.states -= set(chain[cut:depth])
-            self.depth[c] = cut
+            self.depth[c], self.device[c] = cut, min(device, cut)
         elif self.states:
             gone = rng.choice(sorted(self.states))
             self.states.discard(gone)
@@ -68,8 +85,13 @@ class Worker:
         return self.stream.batch(events)
 
     def snapshot(self):
-        pages = [(CHAINS[c][k], CHAINS[c][k - 1] if k else None) for c in range(4) for k in range(self.depth[c])]
-        return self.stream.snapshot(pages, sorted(self.states))
+        def pages(c: int, ks: range) -> list:
+            return [(CHAINS[c][k], CHAINS[c][k - 1] if k else None) for k in ks]
+        on_host = {h for c in range(4) for h in CHAINS[c][self.device[c]:self.depth[c]]}
+        return self.stream.snapshot([p for c in range(4) for p in pages(c, range(self.device[c]))],
+                                    sorted(self.states - on_host),
+                                    [p for c in range(4) for p in pages(c, range(self.device[c], self.depth[c]))],
+                                    sorted(self.states & on_host))
 
 
 def put(index: CacheIndex, feed: ChangeFeed, batch) -> bool:
@@ -79,11 +101,16 @@ def put(index: CacheIndex, feed: ChangeFeed, batch) -> bool:
 PROMPTS = [CHAINS[c][:n] for c in range(4) for n in (1, 7, 24)] + [CHAINS[0][:5] + CHAINS[1][5:9]]
 
 
-def same_scores(mirror: IndexMirror, index: CacheIndex) -> None:
+def same_scores(mirror: IndexMirror, index: CacheIndex) -> int:
+    """Asserts the mirror scores every prompt as the index does; returns how many scores had
+    some of their hit on the host."""
+    on_host = 0
     for prompt in PROMPTS:
         want = {w: s for w, s in index.score(prompt).items() if s.hit_pages}
         got = {w: s for w, s in mirror.score(prompt).items() if s.hit_pages}
         assert got == want, prompt
+        on_host += sum(s.device_pages < s.hit_pages for s in want.values())
+    return on_host
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -93,13 +120,13 @@ def test_a_mirror_scores_like_the_index_through_gaps_resyncs_drops_and_a_forgetf
     index, feed = make_index(max_pages), ChangeFeed(max_pages, max_bytes=rng.choice([600, 4000, 1 << 20]))
     workers = {f"w{k}": Worker(f"w{k}", rng) for k in range(3)}
     mirrors = [IndexMirror()]
-    reads = snapshots_seen = 0
+    reads = snapshots_seen = on_host = 0
 
     def deliver(batch) -> None:
         put(index, feed, batch)
 
     async def main():
-        nonlocal reads, snapshots_seen
+        nonlocal reads, snapshots_seen, on_host
         for step in range(400):
             name = rng.choice(sorted(workers))
             worker, roll = workers[name], rng.random()
@@ -124,10 +151,10 @@ def test_a_mirror_scores_like_the_index_through_gaps_resyncs_drops_and_a_forgetf
                         chunk = feed.read(index, mirror.epoch, mirror.cursor)
                         await mirror.apply(chunk)
                     if mirror.epoch is not None and mirror.cursor == feed.cursor:
-                        same_scores(mirror, index)
+                        on_host += same_scores(mirror, index)
                         reads += 1
     asyncio.run(main())
-    assert reads > 100 and snapshots_seen >= len(mirrors)
+    assert reads > 100 and snapshots_seen >= len(mirrors) and on_host > 50
 
 
 def test_a_reader_behind_the_feed_start_or_from_another_incarnation_gets_a_snapshot():
@@ -251,3 +278,23 @@ def test_a_read_returns_the_next_items_in_order_from_either_end_of_a_long_feed()
             chunk = feed.read(index, feed.epoch, cursor, max_items)
             assert not chunk.snapshot and [p for _, p in chunk.items] == names[cursor:cursor + max_items]
             assert chunk.cursor == cursor + len(chunk.items)
+
+
+def test_a_mirror_follows_a_page_to_the_host_and_back_and_a_late_one_gets_the_media_in_its_snapshot(make_index):
+    index, feed = make_index(4_000_000), ChangeFeed(4_000_000)
+    stream, mirror = EventStream("w"), IndexMirror()
+
+    def step(*events) -> tuple[WorkerScore, WorkerScore, WorkerScore]:
+        assert put(index, feed, stream.batch(list(events)))
+        asyncio.run(mirror.apply(feed.read(index, mirror.epoch, mirror.cursor)))
+        late = IndexMirror()
+        asyncio.run(late.apply(feed.read(index, None, 0)))
+        return index.score(H[:4])["w"], mirror.score(H[:4])["w"], late.score(H[:4])["w"]
+
+    assert step(PagesStored(tuple(H[:4]), None), StateStored(H[3])) == (WorkerScore(4, 4),) * 3
+    assert step(PagesStored(tuple(H[2:4]), H[1], HOST), StateStored(H[3], HOST)) == (WorkerScore(4, 4, 2, True),) * 3
+    assert mirror.index.host_contents("w") == index.host_contents("w") == (frozenset(H[2:4]), frozenset([H[3]]))
+    assert step(PagesStored((H[2],), H[1])) == (WorkerScore(4, 4, 3, True),) * 3
+    assert step(PagesStored((H[3],), H[2]), StateStored(H[3])) == (WorkerScore(4, 4),) * 3
+    assert mirror.index.host_contents("w") == (frozenset(), frozenset())
+    assert mirror.index.stats()["pages"] == index.stats()["pages"] == 4

@@ -8,15 +8,18 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from cache_service.scoring import resume_at_token
+from cache_service.scoring import WorkerScore, resume_at_token
 from cluster.routing.config import RoutingConfig
-from cluster.routing.cost import ReplicaLoad, rank_replicas, reported_load, routing_stats
+from cluster.routing.cost import (ReplicaLoad, host_copy_tokens, rank_replicas, replica_cost, reported_load,
+                                  routing_stats)
 from cluster.routing.predicted import PredictedHolders
 from cluster.routing.ranker import AffinityRanker
 from cluster.routing.router import replica_worker_id
 
 PAGE = 16
-CFG = RoutingConfig(page_size=PAGE, hybrid_model=True, load_weight=0.5, request_load_tokens=256, occupancy_load_tokens=2048,
+PAGE_BYTES, STATE_BYTES = 2 << 20, 64 << 20  # a large hybrid model's page and state, in bytes
+CFG = RoutingConfig(page_size=PAGE, hybrid_model=True, page_bytes=PAGE_BYTES, state_bytes=STATE_BYTES,
+                    load_weight=0.5, request_load_tokens=256, occupancy_load_tokens=2048,
                     spill_limit=4, predicted_holder_ttl_s=2.0, index_mode="remote", index_timeout_ms=50)
 H = [bytes([i]) * 16 for i in range(200)]
 
@@ -35,6 +38,8 @@ def request(pages: int, extra_tokens: int = 5) -> Request:
 
 
 def rank(scores, loads=None, n=1000, config=CFG, replicas=("a", "b", "c"), seed=0):
+    """`scores`: replica -> WorkerScore fields, (hit_pages, state_pages) alone meaning all on the device."""
+    scores = {r: WorkerScore(*s) for r, s in scores.items()}
     return rank_replicas(list(replicas), scores, loads or {}, config, n, random.Random(seed))
 
 
@@ -105,6 +110,44 @@ def test_a_replica_past_the_spill_limit_ranks_after_all_others_whatever_its_cach
     assert rank(scores, at_limit, config=no_weight)[-1] == "a"
     everyone_busy = {r: ReplicaLoad(requests=9) for r in "abc"}  # relative to the least loaded
     assert rank(scores, everyone_busy, config=no_weight)[0] == "a"
+
+
+# ---- hits in host memory -----------------------------------------------------------------------
+
+def test_a_hit_on_the_host_costs_exactly_its_copy_time_in_tokens_more_than_the_same_hit_on_the_device():
+    load, n = ReplicaLoad(requests=1, tokens=50), 1000
+    on_device, on_host = WorkerScore(40, 30), WorkerScore(40, 30, 10, True)  # pages 10..29 and the state
+    copy_s = (20 * PAGE_BYTES + STATE_BYTES) / CFG.host_bandwidth_bytes_per_s
+    assert replica_cost(on_host, load, CFG, n) - replica_cost(on_device, load, CFG, n) == \
+        pytest.approx(copy_s * CFG.prefill_tokens_per_s)
+    assert host_copy_tokens(WorkerScore(40, 30, 30, False), CFG) == 0, "pages past the resume point cost nothing"
+    attention = CFG.model_copy(update=dict(hybrid_model=False))  # resumes at its page hit, needs no state
+    assert host_copy_tokens(on_host, attention) == \
+        pytest.approx(30 * PAGE_BYTES / CFG.host_bandwidth_bytes_per_s * CFG.prefill_tokens_per_s)
+
+
+def test_a_device_hit_beats_the_same_hit_on_the_host_which_beats_a_miss_unless_copying_is_slower_than_recomputing():
+    assert rank({"a": (40, 30, 10, True), "b": (40, 30), "c": (0, 0)}) == ["b", "a", "c"]
+    deep_on_host, shallow_on_device = (30, 30, 0, True), (10, 10)  # 480 tokens saved vs 160
+    assert rank({"a": deep_on_host, "b": shallow_on_device}, replicas=("a", "b")) == ["a", "b"]
+    slow = CFG.model_copy(update=dict(host_bandwidth_bytes_per_s=1e9))  # 130 MB: 1,300 tokens of copying
+    assert rank({"a": deep_on_host, "b": shallow_on_device}, replicas=("a", "b"), config=slow) == ["b", "a"]
+
+
+def test_the_ranker_reads_the_actors_scores_with_their_media_and_an_older_actors_pairs_as_the_device():
+    async def main():
+        ranker = AffinityRanker(CFG, rng=random.Random(0))
+
+        async def index(hashes):
+            return {"a": (40, 30, 10, True), "b": (40, 30, 40, False)}
+
+        async def older(hashes):
+            return {"a": (40, 30)}
+        return (await ranker.rank("r1", request(40), {"a": {}, "b": {}, "c": {}}, index),
+                await ranker.rank("r2", request(40), {"a": {}, "b": {}}, older))
+
+    media, pairs = asyncio.run(main())
+    assert media == ["b", "a", "c"] and pairs[0] == "a"
 
 
 # ---- predicted holders -------------------------------------------------------------------------
@@ -253,7 +296,8 @@ def test_with_the_memory_off_a_down_index_still_leaves_the_fresh_predictions():
 
 def test_the_ranker_spreads_a_burst_frees_finished_prefill_and_keeps_turns_when_the_index_fails():
     chains = [[bytes([i, k]) * 8 for k in range(31)] for i in range(3)]  # page hashes name their prefix
-    ranker = AffinityRanker(RoutingConfig(predicted_holder_ttl_s=30, page_size=16, hybrid_model=True), rng=random.Random(0))
+    ranker = AffinityRanker(RoutingConfig(predicted_holder_ttl_s=30, page_size=16, hybrid_model=True,
+                                          page_bytes=PAGE_BYTES, state_bytes=STATE_BYTES), rng=random.Random(0))
     replicas = {"a": {}, "b": {}, "c": {}}
 
     async def slow_index(hashes):

@@ -6,7 +6,13 @@
   if given, capped by the model's `max_position_embeddings`;
 - `recurrent`: the model has recurrent layers, so a worker resumes at its deepest state
   checkpoint, not at its page hit (cache_service.scoring.resume_at_token);
-- `vocab_size`: token ids are in [0, vocab_size).
+- `vocab_size`: token ids are in [0, vocab_size);
+- `page_bytes`, `state_bytes`: what one KV page (every attention layer's K and V) and one
+  recurrent state (every linear layer's conv and delta-rule state; 0 without recurrent layers)
+  take on one device, in the dtype the options name (auto: the config's). Under tensor
+  parallelism, on one rank: each rank holds its heads' share (`workers.model.sharding`) and
+  copies it over its own link. The arena's sizes (`workers.arena`): a state slot adds at most
+  15 bytes of alignment. The router prices copying them back from host memory with them.
 
 The engine, the ingress (through either engine client) and the router's config all read this
 one value; nothing re-derives these facts. `EngineSpec.from_model_dir` reads config.json and the
@@ -21,8 +27,10 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from cache_service.hashing import branch_root, fingerprint, model_fingerprint, page_hashes, root_hash
+from workers.arena import DTYPE_BYTES, conv_state_bytes, page_bytes, ssm_state_bytes
 from workers.model.config import ModelConfig
 from workers.model.registry import read_model_config
+from workers.model.sharding import shard_config
 from workers.options import EngineOptions
 
 
@@ -33,23 +41,38 @@ class EngineSpec:
     max_model_len: int   # tokens, prompt + output
     recurrent: bool
     vocab_size: int
+    page_bytes: int = 0   # bytes, on one device; 0: not known (a spec made by hand), copies look free
+    state_bytes: int = 0  # bytes, on one device; 0 also for a model without recurrent layers
 
     @classmethod
     def of(cls, cfg: ModelConfig, options: EngineOptions, model_fingerprint: str | None = None) -> EngineSpec:
-        """The spec of a model in memory; without a checkpoint's fingerprint, its config names it."""
+        """The spec of a model in memory, `cfg` as one device holds it (under tensor parallelism,
+        a rank's `shard_config`, as an engine's model has it); without a checkpoint's
+        fingerprint, its config names it."""
         if model_fingerprint is None:
             model_fingerprint = fingerprint({f.name: getattr(cfg, f.name) for f in fields(cfg) if f.compare})
         limit = cfg.max_position_embeddings
+        dtype_bytes = DTYPE_BYTES[cfg.torch_dtype if options.dtype == "auto" else options.dtype]
+        state = conv_state_bytes(cfg, dtype_bytes) + ssm_state_bytes(cfg) if cfg.has_recurrent_layers else 0
         return cls(fingerprint=model_fingerprint, page_size=options.page_size,
                    max_model_len=min(options.max_model_len or limit, limit),
-                   recurrent=cfg.has_recurrent_layers, vocab_size=cfg.vocab_size)
+                   recurrent=cfg.has_recurrent_layers, vocab_size=cfg.vocab_size,
+                   page_bytes=page_bytes(cfg, options.page_size, dtype_bytes), state_bytes=state)
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, options: EngineOptions | None = None) -> EngineSpec:
-        """The spec an engine loading `model_dir` with `options` will have (reads no weights)."""
+        """The spec an engine loading `model_dir` with `options` will have (reads no weights),
+        sized from a rank's shard. A `tensor_parallel_size` the model's shapes do not divide is
+        left to the engine to refuse (it does, when it starts); the sizes are then the whole
+        model's."""
         model_dir = Path(model_dir)
+        options = options or EngineOptions()
         cfg = read_model_config(model_dir / "config.json")
-        return cls.of(cfg, options or EngineOptions(), model_fingerprint(model_dir))
+        try:
+            cfg = shard_config(cfg, options.tensor_parallel_size)
+        except ValueError:
+            pass
+        return cls.of(cfg, options, model_fingerprint(model_dir))
 
     def hash_root(self, cache_salt: str | None = None, tenant: str | None = None) -> bytes:
         """The root of this engine's page-hash chains for `tenant` under `cache_salt`: what a

@@ -10,7 +10,8 @@ Policies (`policy`):
   request's `.prompt` / `.messages`, imported from ray.llm without the ray[llm] extra);
   `ray_prefix_options` go to its `initialize_state`.
 Unknown keys are refused, so a misspelt field fails loudly instead of silently defaulting.
-`page_size` and `hybrid_model` are the engines' (`for_engines`), never guessed.
+`page_size`, `hybrid_model`, `page_bytes` and `state_bytes` are the engines' (`for_engines`),
+never guessed.
 
 A router class path names the module that defines the class (`cluster.routing.router`), never a
 package: Serve ships that module by value, and a package path would ship every module under it,
@@ -31,6 +32,10 @@ ROUTER_CLASSES = {
     # Ray Serve LLM's PrefixCacheAffinityRouter, reading a None `.messages` as absent (see there)
     "ray_prefix": "cluster.routing.router:RayPrefixRouter",
 }
+
+# the description's end of every field the deployment takes from the engines' spec (`for_engines`)
+FROM_ENGINES = ("Leave it unset: the deployment takes it from the engines (workers.EngineSpec); a value that "
+                "differs from theirs fails the deploy.")
 
 
 class RoutingConfig(BaseModel):
@@ -80,12 +85,23 @@ class RoutingConfig(BaseModel):
         500_000, ge=0, description="Bound on the page hashes that memory holds (oldest forgotten first; "
         "roughly 150 bytes each; at least 10,000 are kept for the fresh predictions).")
     page_size: int | None = Field(
-        None, ge=1, description="Tokens per KV page (the page hashes' unit). Leave it unset: the deployment "
-        "takes it from the engines (workers.EngineSpec); a value that differs from theirs fails the deploy.")
+        None, ge=1, description="Tokens per KV page (the page hashes' unit). " + FROM_ENGINES)
     hybrid_model: bool | None = Field(
         None, description="The model has recurrent layers: a replica resumes at its deepest state "
-        "checkpoint, pages beyond it are recomputed; false: at its page hit (attention only). Leave it unset: "
-        "the deployment takes it from the engines; a value that differs from theirs fails the deploy.")
+        "checkpoint, pages beyond it are recomputed; false: at its page hit (attention only). " + FROM_ENGINES)
+    page_bytes: int | None = Field(
+        None, ge=0, description="Bytes one KV page takes on one device (with tensor parallelism, on one rank): "
+        "what bringing a page back from host memory copies. " + FROM_ENGINES)
+    state_bytes: int | None = Field(
+        None, ge=0, description="Bytes one recurrent state takes on one device (one rank): what bringing a "
+        "checkpoint back from host memory copies; 0 without recurrent layers. " + FROM_ENGINES)
+    host_bandwidth_bytes_per_s: float = Field(
+        20e9, gt=0, description="Bytes per second a replica copies from its host memory back to its device "
+        "(PCIe-class; each rank over its own link): a hit on the host costs the copy time, not nothing.")
+    prefill_tokens_per_s: float = Field(
+        10_000.0, gt=0, description="Prefill tokens per second a replica computes. It converts the seconds of "
+        "copying host pages and a host state back to the device into tokens of cost, the unit of every other "
+        "term: a copy slower than recomputing those tokens loses to a replica that recomputes them.")
     routing_stats_period_s: float = Field(
         2.0, gt=0, description="How often Serve collects each replica's record_routing_stats().")
     redis_url: str | None = Field(
@@ -117,14 +133,16 @@ class RoutingConfig(BaseModel):
             raise ValueError(f"{path}: invalid routing config: {problems}") from None
 
     def for_engines(self, spec: Any) -> RoutingConfig:
-        """This config with the engines' `page_size` and `hybrid_model` (from their
-        `workers.EngineSpec`); a value set here that differs is a ValueError naming both."""
-        engines = {"page_size": spec.page_size, "hybrid_model": spec.recurrent}
+        """This config with the engines' `page_size`, `hybrid_model`, `page_bytes` and
+        `state_bytes` (from their `workers.EngineSpec`); a value set here that differs is a
+        ValueError naming both."""
+        engines = {"page_size": spec.page_size, "hybrid_model": spec.recurrent, "page_bytes": spec.page_bytes,
+                   "state_bytes": spec.state_bytes}
         for name, value in engines.items():
             mine = getattr(self, name)
             if mine is not None and mine != value:
                 raise ValueError(f"routing {name} is {mine!r} but the engines' is {value!r}: the router would "
-                                 f"score the wrong pages; leave {name} out of the routing config")
+                                 f"misjudge every replica; leave {name} out of the routing config")
         return self.model_copy(update=engines)
 
     @property

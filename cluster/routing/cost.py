@@ -1,11 +1,16 @@
 """What a replica costs a request, in tokens, and the ranking that follows from it. Plain Python.
 
-    cost = prefill tokens left after the resume point + load_weight * load tokens
+    cost = prefill tokens left after the resume point + host copy tokens + load_weight * load tokens
 
 - resume point: `cache_service.scoring.resume_at_token` of the replica's score (hit pages,
   state pages) from the cache index (design rule 4): for a hybrid model its deepest state
   checkpoint under the page hit, pages without a usable state counting for nothing; for an
   attention-only model the page hit itself.
+- host copy tokens (`host_copy_tokens`): a hit in the replica's host memory is not free. What
+  the resume point needs from there is copied back first: the pages from its `device_pages` up
+  to the resume point's pages (`page_bytes` each) and the state it resumes from when that is on
+  the host (`state_bytes`). The copy takes bytes / `host_bandwidth_bytes_per_s` seconds, which
+  `prefill_tokens_per_s` turns into tokens. Pages past the resume point are not charged.
 - load tokens (`load_tokens`): the prefill tokens left of the requests this router has in flight
   there, plus `request_load_tokens` per in-flight request (the larger of this router's count and
   the replica's reported running + waiting), plus `occupancy_load_tokens` times the fraction of
@@ -23,10 +28,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from cache_service.scoring import resume_at_token
+from cache_service.scoring import ZERO, WorkerScore, resume_at_token
 from cluster.routing.config import RoutingConfig
 
-Score = tuple[int, int]  # (hit_pages, state_pages), as the index answers for a replica
+Score = WorkerScore  # what the index answers for a replica: its hit, state and how much is on the device
 
 
 class RoutingRequest(Protocol):
@@ -91,6 +96,27 @@ def load_tokens(load: ReplicaLoad, config: RoutingConfig) -> float:
     return load.tokens + config.request_load_tokens * requests + config.occupancy_load_tokens * load.occupancy
 
 
+def prefill_tokens(score: Score, num_prompt_tokens: int, config: RoutingConfig) -> int:
+    """Prompt tokens the replica computes: those after its resume point."""
+    return num_prompt_tokens - resume_at_token(score.hit_pages, score.state_pages, num_prompt_tokens,
+                                               config.page_size, config.hybrid_model)
+
+
+def host_copy_tokens(score: Score, config: RoutingConfig) -> float:
+    """The time to copy back from host memory what the replica's resume point needs, in tokens."""
+    resume_pages = score.state_pages if config.hybrid_model else score.hit_pages
+    copy_bytes = max(0, resume_pages - score.device_pages) * config.page_bytes
+    if config.hybrid_model and score.state_on_host and score.state_pages:
+        copy_bytes += config.state_bytes
+    return copy_bytes / config.host_bandwidth_bytes_per_s * config.prefill_tokens_per_s
+
+
+def replica_cost(score: Score, load: ReplicaLoad, config: RoutingConfig, num_prompt_tokens: int) -> float:
+    """The request's cost on the replica, in tokens (the module doc's formula)."""
+    return (prefill_tokens(score, num_prompt_tokens, config) + host_copy_tokens(score, config)
+            + config.load_weight * load_tokens(load, config))
+
+
 def rank_replicas(replicas: Sequence[str], scores: Mapping[str, Score], loads: Mapping[str, ReplicaLoad],
                   config: RoutingConfig, num_prompt_tokens: int, rng: random.Random | None = None) -> list[str]:
     """Replica ids, cheapest first; spilled replicas (see module doc) after all others."""
@@ -100,7 +126,6 @@ def rank_replicas(replicas: Sequence[str], scores: Mapping[str, Score], loads: M
     least = min(busy.values(), default=0)
 
     def key(r: str) -> tuple[bool, float, float]:
-        resume = resume_at_token(*scores.get(r, (0, 0)), num_prompt_tokens, config.page_size, config.hybrid_model)
-        cost = num_prompt_tokens - resume + config.load_weight * load_tokens(loads.get(r, empty), config)
+        cost = replica_cost(scores.get(r, ZERO), loads.get(r, empty), config, num_prompt_tokens)
         return busy[r] - least >= config.spill_limit, cost, rng.random()
     return sorted(replicas, key=key)

@@ -31,15 +31,18 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
-from cache_service.scoring import resume_at_token
+from cache_service.scoring import ZERO, WorkerScore
 from cluster.routing.config import RoutingConfig
-from cluster.routing.cost import ReplicaLoad, Score, prompt_tokens, rank_replicas, reported_load
+from cluster.routing.cost import ReplicaLoad, Score, prefill_tokens, prompt_tokens, rank_replicas, reported_load
 from cluster.routing.predicted import PredictedHolders
 
 logger = logging.getLogger(__name__)
 
-# the index's scores for a prompt's page hashes: awaited (remote, with the timeout) or local
-ScoreFn = Callable[[list[bytes]], Awaitable[Mapping[str, Score]] | Mapping[str, Score]]
+# the index's scores for a prompt's page hashes: awaited (remote, with the timeout) or local. A
+# score is a WorkerScore or its fields as a tuple (the actor's answer; an older actor's
+# (hit_pages, state_pages) pairs are all on the device)
+IndexAnswer = Mapping[str, Score | tuple]
+ScoreFn = Callable[[list[bytes]], Awaitable[IndexAnswer] | IndexAnswer]
 
 
 class IndexUnavailable(RuntimeError):
@@ -57,9 +60,9 @@ class AffinityRanker:
 
     def __init__(self, config: RoutingConfig, clock: Callable[[], float] = time.monotonic,
                  rng: random.Random | None = None, on_fallback: Callable[[str], None] | None = None):
-        if config.page_size is None or config.hybrid_model is None:
-            raise ValueError("the routing config lacks the engines' page_size and hybrid_model: "
-                             "use RoutingConfig.for_engines(spec) (build_application does)")
+        if None in (config.page_size, config.hybrid_model, config.page_bytes, config.state_bytes):
+            raise ValueError("the routing config lacks the engines' page_size, hybrid_model, page_bytes and "
+                             "state_bytes: use RoutingConfig.for_engines(spec) (build_application does)")
         self.config, self._clock, self._rng, self._on_fallback = config, clock, rng or random.Random(), on_fallback
         self.predicted = PredictedHolders(max(config.predicted_holder_ttl_s, config.fallback_memory_s), clock,
                                           max(config.fallback_memory_pages, self.MIN_PREDICTED_HASHES))
@@ -85,8 +88,7 @@ class AffinityRanker:
         scores = await self._scores(hashes, score) if hashes else {}
         loads = {r: reported_load(self._own_load(r), stats) for r, stats in replicas.items()}
         order = rank_replicas(list(replicas), scores, loads, cfg, n, self._rng)
-        prefill = {r: n - resume_at_token(*scores.get(r, (0, 0)), n, cfg.page_size, cfg.hybrid_model)
-                   for r in replicas}
+        prefill = {r: prefill_tokens(scores.get(r, ZERO), n, cfg) for r in replicas}
         self._prefill[request_id] = prefill
         while len(self._prefill) > 4096:  # requests cancelled before routing leave entries behind
             self._prefill.popitem(last=False)
@@ -116,8 +118,9 @@ class AffinityRanker:
         max_age = cfg.predicted_holder_ttl_s if scores is not None else \
             max(cfg.predicted_holder_ttl_s, cfg.fallback_memory_s)
         scores = scores or {}
-        for replica, pages in self.predicted.pages(hashes, max_age).items():
-            scores[replica] = max(scores.get(replica, (0, 0)), (pages, pages), key=lambda s: s[1] if hybrid else s[0])
+        for replica, pages in self.predicted.pages(hashes, max_age).items():  # just computed there: on the device
+            scores[replica] = max(scores.get(replica, ZERO), WorkerScore(pages, pages),
+                                  key=lambda s: (s.state_pages if hybrid else s.hit_pages, s.device_pages))
         return scores
 
     async def _index_scores(self, hashes: list[bytes], score: ScoreFn) -> dict[str, Score] | None:
@@ -129,7 +132,7 @@ class AffinityRanker:
             answer = score(hashes)
             if inspect.isawaitable(answer):
                 answer = await asyncio.wait_for(answer, self.config.index_timeout_ms / 1000)
-            scores = dict(answer)
+            scores = {w: s if isinstance(s, WorkerScore) else WorkerScore(*s) for w, s in answer.items()}
         except Exception as e:  # timeout, index unavailable, actor restarting, Redis down, ...
             if isinstance(e, IndexUnavailable):  # not found yet, or a stale mirror: nothing slow to skip
                 self._fallback("unavailable")

@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable
 from typing import Any
 
 from ray.exceptions import ActorDiedError
@@ -35,9 +35,8 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 
 from cache_service.feed import IndexMirror
 from cluster.routing.config import RoutingConfig
-from cluster.routing.cost import Score
 from cluster.routing.index_handle import IndexHandle
-from cluster.routing.ranker import AffinityRanker, IndexUnavailable
+from cluster.routing.ranker import AffinityRanker, IndexAnswer, IndexUnavailable
 from cluster.routing.registry import register_router
 
 logger = logging.getLogger(__name__)
@@ -88,13 +87,13 @@ class CacheAffinityRouter(RequestRouter):
         if self.mirror is not None and self._mirror_sync is None:
             self._mirror_sync = asyncio.get_running_loop().create_task(self._sync_mirror())
 
-    def _score(self, page_hashes: list[bytes]) -> Mapping[str, Score] | Awaitable[Mapping[str, Score]]:
+    def _score(self, page_hashes: list[bytes]) -> IndexAnswer | Awaitable[IndexAnswer]:
         if self.mirror is not None and not self._feed_missing:
             if not self.mirror.fresh(self._config.index_staleness_s):
                 raise IndexUnavailable(f"mirror of {self._config.index_actor_name} is stale")
             if not self.mirror.known_workers():  # a restarted index before any replica resynced
                 raise IndexUnavailable(f"mirror of {self._config.index_actor_name} knows no replica yet")
-            return {w: (s.hit_pages, s.state_pages) for w, s in self.mirror.score(page_hashes).items() if s.hit_pages}
+            return {w: s for w, s in self.mirror.score(page_hashes).items() if s.hit_pages}
         if self.index.current() is None:
             raise IndexUnavailable(self._config.index_actor_name)
         return self.index.call("score", page_hashes)
