@@ -1,7 +1,9 @@
 """The engine deployment's replica: one `AsyncEngine`, its cache reported to the index.
 
 `EngineReplica` owns one engine (`num_gpus: 1` on GPU nodes, fractional CPUs here) and serves
-`generate`, `abort`, `metrics` and `cache_contents` to the ingress through a DeploymentHandle.
+`generate`, `abort`, `metrics` and `cache_contents` to the ingress through a DeploymentHandle,
+and `export_resume` to its peers (`cluster.peer_fetch`: with the routing config's `fetch` on, a
+request first pulls the resume point the router says another replica holds).
 Rules it keeps:
 - It resolves its model (a directory or a Hugging Face id, `workers.ModelSource`) on its own
   node: from that node's Hugging Face cache, or downloaded into it.
@@ -42,6 +44,7 @@ from cache_service.publisher import EventPublisher
 from cluster.api.engine_client import GenerateRequest
 from cluster.api.metrics import engine_families
 from cluster.metrics_export import ENGINE_EXPORT_INTERVAL_S, RayMetricsMirror
+from cluster.peer_fetch import ExportRequest, PeerFetch
 from cluster.routing.config import RoutingConfig
 from cluster.routing.cost import routing_stats
 from cluster.routing.index_handle import IndexHandle
@@ -77,6 +80,7 @@ class EngineReplica:
         self.index = IndexHandle(cfg)
         await self.index.get()  # found, or created, before the first request
         self.publisher = EventPublisher(self.worker_id, self.index, snapshot=self.engine.snapshot_events)
+        self.fetch = PeerFetch(self.worker_id, self.engine, cfg.fetch_timeout_s)
         self._metrics: dict[str, float] = {}
         self._mirror, self._exported_at = RayMetricsMirror(), 0.0
         self._drain = asyncio.get_running_loop().create_task(self._drain_loop())
@@ -98,10 +102,15 @@ class EngineReplica:
             await asyncio.sleep(DRAIN_INTERVAL_S)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Any]:
+        await self.fetch.before(request)  # the resume point another replica holds, if the router named one
         async for out in self.engine.generate(
                 request.prompt_token_ids, request.params, request.request_id, hash_root=request.hash_root,
                 page_hashes=request.page_hashes, checkpoint_hints=request.checkpoint_hints):
             yield out
+
+    async def export_resume(self, ask: ExportRequest):
+        """A peer asks for pages and a checkpoint this replica holds (`cluster.peer_fetch`)."""
+        return await self.fetch.export(ask)
 
     async def abort(self, request_id: str) -> bool:
         return await self.engine.abort(request_id)

@@ -138,3 +138,25 @@ def test_host_cache_bytes_must_be_a_byte_count(tiny_model_dir, value):
 def test_the_randomized_test_above_did_resume_from_the_host(tiered_engine):
     stats = tiered_engine.cache.stats
     assert stats.pages_promoted > 0 and stats.checkpoints_from_host > 0 and stats.pages_demoted > 0
+
+
+def test_the_index_replaying_the_engines_events_knows_the_medium_of_everything_at_every_step(tiny_model_dir):
+    from cache_service.index import CacheIndex
+
+    engine = tiered(tiny_model_dir, worker_id="w")
+    index = CacheIndex()
+    seen_host = seen_back = 0
+    turn1 = prompt(6 * PS + 5, seed=1)
+    prompts = [turn1] + [prompt(6 * PS, seed=100 + i) for i in range(4)] + [turn1 + prompt(9, seed=2)]
+    for tokens in prompts:
+        engine.add_request(tokens, GREEDY)
+        while engine.has_unfinished():
+            engine.step()
+            batch = engine.drain_events()
+            if batch is not None:
+                assert index.apply(batch.encode())
+            assert index.contents("w") == engine.cache_contents()
+            assert index.host_contents("w") == engine.host_contents()
+            seen_host = max(seen_host, len(engine.host_contents()[0]))
+        seen_back = engine.metrics()["pages_promoted_total"]
+    assert seen_host > 0 and seen_back > 0

@@ -34,6 +34,7 @@ class GenerateRequest:
     hash_root: bytes | None = None                 # spec.hash_root(cache_salt); None: unsalted
     page_hashes: list[bytes] | None = None         # one per whole page, under hash_root
     checkpoint_hints: list[int] = field(default_factory=list)  # token positions of message starts
+    fetch_from: tuple[str, int] | None = None      # set by the router (fetch on): the deepest holder, its resume pages
 
 
 class EngineClient(Protocol):

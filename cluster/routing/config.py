@@ -102,6 +102,17 @@ class RoutingConfig(BaseModel):
         10_000.0, gt=0, description="Prefill tokens per second a replica computes. It converts the seconds of "
         "copying host pages and a host state back to the device into tokens of cost, the unit of every other "
         "term: a copy slower than recomputing those tokens loses to a replica that recomputes them.")
+    fetch: bool = Field(
+        False, description="Move and fetch: a replica resuming a request less deep than another one pulls the "
+        "pages and checkpoint it lacks from that holder (cluster.peer_fetch) instead of recomputing them, and "
+        "the router prices that option (the bytes to move over fetch_bandwidth_bytes_per_s), so it can balance "
+        "load without losing the cache. Off: a request resumes only from what its replica holds.")
+    fetch_bandwidth_bytes_per_s: float = Field(
+        1.25e9, gt=0, description="Bytes per second one replica pulls from another (Ray's object store here; "
+        "on GPU nodes the NIC, 100-400 Gb/s): a fetched resume point costs its transfer time in tokens.")
+    fetch_timeout_s: float = Field(
+        2.0, gt=0, description="How long a replica waits for a holder's pages before recomputing them "
+        "(counted in cairn_engine_fetch_fallbacks_total{kind=\"timeout\"}).")
     routing_stats_period_s: float = Field(
         2.0, gt=0, description="How often Serve collects each replica's record_routing_stats().")
     redis_url: str | None = Field(

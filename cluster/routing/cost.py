@@ -11,6 +11,10 @@
   to the resume point's pages (`page_bytes` each) and the state it resumes from when that is on
   the host (`state_bytes`). The copy takes bytes / `host_bandwidth_bytes_per_s` seconds, which
   `prefill_tokens_per_s` turns into tokens. Pages past the resume point are not charged.
+- move and fetch (`fetch` on): a replica that resumes less deep than the deepest holder may pull
+  the holder's resume point (`cluster.peer_fetch`): its cost is then the holder's prefill plus
+  the transfer (the pages past its own device run and the state, over
+  `fetch_bandwidth_bytes_per_s`, in tokens), when that is cheaper than its own resume point.
 - load tokens (`load_tokens`): the prefill tokens left of the requests this router has in flight
   there, plus `request_load_tokens` per in-flight request (the larger of this router's count and
   the replica's reported running + waiting), plus `occupancy_load_tokens` times the fraction of
@@ -111,10 +115,35 @@ def host_copy_tokens(score: Score, config: RoutingConfig) -> float:
     return copy_bytes / config.host_bandwidth_bytes_per_s * config.prefill_tokens_per_s
 
 
-def replica_cost(score: Score, load: ReplicaLoad, config: RoutingConfig, num_prompt_tokens: int) -> float:
-    """The request's cost on the replica, in tokens (the module doc's formula)."""
-    return (prefill_tokens(score, num_prompt_tokens, config) + host_copy_tokens(score, config)
-            + config.load_weight * load_tokens(load, config))
+def resume_pages(score: Score, config: RoutingConfig) -> int:
+    """How deep (pages) the replica resumes: its state for a hybrid model, its page hit else."""
+    return score.state_pages if config.hybrid_model else score.hit_pages
+
+
+def deepest_holder(scores: Mapping[str, Score], config: RoutingConfig) -> tuple[str, Score] | None:
+    """The replica resuming the request deepest (more device pages breaking ties); None if none
+    resumes it at all."""
+    best = max(scores.items(), key=lambda item: (resume_pages(item[1], config), item[1].device_pages), default=None)
+    return best if best is not None and resume_pages(best[1], config) > 0 else None
+
+
+def fetch_tokens(score: Score, holder: Score, config: RoutingConfig) -> float:
+    """The time to move the holder's resume point to a replica scoring `score`, in tokens: the
+    pages past that replica's own device run, and the state."""
+    pages = max(0, resume_pages(holder, config) - score.device_pages)
+    moved = pages * config.page_bytes + (config.state_bytes if config.hybrid_model else 0)
+    return moved / config.fetch_bandwidth_bytes_per_s * config.prefill_tokens_per_s
+
+
+def replica_cost(score: Score, load: ReplicaLoad, config: RoutingConfig, num_prompt_tokens: int,
+                 holder: Score | None = None) -> float:
+    """The request's cost on the replica, in tokens (the module doc's formula). With fetch on and
+    a deeper `holder` elsewhere, the replica may instead move and fetch: the holder's prefill plus
+    the transfer, when that is cheaper."""
+    work = prefill_tokens(score, num_prompt_tokens, config) + host_copy_tokens(score, config)
+    if config.fetch and holder is not None and resume_pages(holder, config) > resume_pages(score, config):
+        work = min(work, prefill_tokens(holder, num_prompt_tokens, config) + fetch_tokens(score, holder, config))
+    return work + config.load_weight * load_tokens(load, config)
 
 
 def rank_replicas(replicas: Sequence[str], scores: Mapping[str, Score], loads: Mapping[str, ReplicaLoad],
@@ -124,8 +153,10 @@ def rank_replicas(replicas: Sequence[str], scores: Mapping[str, Score], loads: M
     empty = ReplicaLoad()
     busy = {r: max(loads.get(r, empty).requests, loads.get(r, empty).reported_requests) for r in replicas}
     least = min(busy.values(), default=0)
+    deepest = deepest_holder({r: s for r, s in scores.items() if r in busy}, config)
+    holder = deepest[1] if deepest is not None else None
 
     def key(r: str) -> tuple[bool, float, float]:
-        cost = replica_cost(scores.get(r, ZERO), loads.get(r, empty), config, num_prompt_tokens)
+        cost = replica_cost(scores.get(r, ZERO), loads.get(r, empty), config, num_prompt_tokens, holder)
         return busy[r] - least >= config.spill_limit, cost, rng.random()
     return sorted(replicas, key=key)

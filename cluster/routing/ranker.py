@@ -33,7 +33,8 @@ from typing import Any
 
 from cache_service.scoring import ZERO, WorkerScore
 from cluster.routing.config import RoutingConfig
-from cluster.routing.cost import ReplicaLoad, Score, prefill_tokens, prompt_tokens, rank_replicas, reported_load
+from cluster.routing.cost import (ReplicaLoad, Score, deepest_holder, prefill_tokens, prompt_tokens, rank_replicas,
+                                  reported_load, resume_pages)
 from cluster.routing.predicted import PredictedHolders
 
 logger = logging.getLogger(__name__)
@@ -88,6 +89,9 @@ class AffinityRanker:
         scores = await self._scores(hashes, score) if hashes else {}
         loads = {r: reported_load(self._own_load(r), stats) for r, stats in replicas.items()}
         order = rank_replicas(list(replicas), scores, loads, cfg, n, self._rng)
+        if cfg.fetch and hasattr(request, "fetch_from"):  # whichever replica takes it may pull from there
+            deepest = deepest_holder({r: s for r, s in scores.items() if r in replicas}, cfg)
+            request.fetch_from = (deepest[0], resume_pages(deepest[1], cfg)) if deepest is not None else None
         prefill = {r: prefill_tokens(scores.get(r, ZERO), n, cfg) for r in replicas}
         self._prefill[request_id] = prefill
         while len(self._prefill) > 4096:  # requests cancelled before routing leave entries behind

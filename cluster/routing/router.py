@@ -76,9 +76,20 @@ class CacheAffinityRouter(RequestRouter):
             self.ranker.gauges = self.mirror.gauges
         try:  # start looking for the index now if Serve calls this on the router's loop
             asyncio.get_running_loop()
-            self._start()
+            if not self._in_own_replica():
+                self._start()
         except RuntimeError:
             pass
+
+    def _in_own_replica(self) -> bool:
+        """This router serves an engine replica's own handle (its peers' fetches, which name their
+        replica): it never scores, so it follows no index."""
+        try:
+            from ray import serve
+
+            return serve.get_replica_context().deployment == self._deployment_id.name
+        except Exception:  # not in a replica
+            return False
 
     def _start(self) -> None:
         """On the router's loop: starts finding the index and, in mirror mode, following its
@@ -134,6 +145,11 @@ class CacheAffinityRouter(RequestRouter):
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        request = pending_request.args[0] if pending_request is not None and pending_request.args else None
+        target = getattr(request, "target_worker", None)
+        if target is not None:  # a peer's fetch (cluster.peer_fetch): that replica, or none
+            match = [r for r in candidate_replicas if replica_worker_id(r.replica_id) == target]
+            return [match] if match else []
         if pending_request is not None:
             pending_request.routing_context.should_backoff = True  # back off when every rank is full
         if not self._registered:  # here, on the loop Serve routes on: first outputs are reported to it
@@ -143,7 +159,6 @@ class CacheAffinityRouter(RequestRouter):
         if not candidate_replicas:
             return []
         by_id = {replica_worker_id(r.replica_id): r for r in candidate_replicas}
-        request = pending_request.args[0] if pending_request is not None and pending_request.args else None
         request_id = pending_request.metadata.internal_request_id if pending_request is not None else ""
         order = await self.ranker.rank(request_id, request, {w: r.routing_stats for w, r in by_id.items()}, self._score)
         return [[by_id[w]] for w in order]  # singleton ranks: Serve tries them strictly in order
