@@ -203,13 +203,13 @@ def tier_report(workload: str, model_dir: Path, rounds: list[list[Request]], eng
     print(f"\n== {workload}: host tier; the cache needs {need / 2**20:.1f} MiB, device budget "
           f"{device / 2**20:.1f} MiB ({device_share:g}x), {running} sequences at once ==")
     print(f"{'run':20s} {'hit':>8s} {'oracle':>8s} {'ratio':>6s} {'computed':>9s} {'turn-' + str(turns) + ' TTFT':>11s} "
-          f"{'promoted':>9s} {'from host':>9s} {'MiB to host':>11s} {'MiB back':>9s}")
+          f"{'promoted':>9s} {'from host':>9s} {'MiB to host':>11s} {'MiB back':>9s} {'no slot':>7s}")
     for name, r in runs:
         hit, oracle, m = sum(r.hit.values()), sum(r.oracle.values()), r.metrics
         print(f"{name:20s} {hit:8d} {oracle:8d} {hit / max(oracle, 1):6.3f} {r.computed:9d} "
               f"{statistics.median(r.ttft[turns]):10.3f}s {int(m['pages_promoted_total']):9d} "
               f"{int(m['checkpoints_from_host_total']):9d} {m['bytes_to_host_total'] / 2**20:11.1f} "
-              f"{m['bytes_to_device_total'] / 2**20:9.1f}")
+              f"{m['bytes_to_device_total'] / 2**20:9.1f} {int(m['checkpoints_without_slot_total']):7d}")
     without, with_tier = runs[1][1], runs[2][1]
     ratio = sum(with_tier.hit.values()) / max(sum(with_tier.oracle.values()), 1)
     print(f"with the tier: {ratio:.3f} of the oracle (goal >= 0.97), "

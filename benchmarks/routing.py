@@ -2,7 +2,9 @@
 
 The Serve application of `cluster.app` (HTTP ingress + engine replicas), one per policy:
 `cache_affinity` (cairn's router over the cache index), `pow2` (Serve's default), `round_robin`,
-`ray_prefix` (Ray Serve LLM's PrefixCacheAffinityRouter). Every policy replays the same three
+`ray_prefix` (Ray Serve LLM's PrefixCacheAffinityRouter), and `cache_affinity_fetch`: cairn's
+router with move and fetch on (routing `fetch`: a replica resuming less deep than the holder
+pulls the resume point from it, cluster.peer_fetch). Every policy replays the same three
 traces of concurrent multi-turn chats through HTTP (streamed, the answer echoed back,
 each turn sent a think time after the previous answer, greedy decoding):
 - shared-system: every conversation opens with the same system prompt;
@@ -23,8 +25,10 @@ Measured per (trace, policy), from the client and the `x-cairn-replica` response
   policy's class wrapped with a timer), and p99 CPU time of the router's thread over the same
   call: on a machine whose cores the replicas share, the wall time's tail is mostly waiting for
   a core or the interpreter lock, which the CPU time leaves out.
-Then the ratios of cache_affinity against each baseline, measured in the same run. The cache
-index alone, without Serve, is index_scoring.py's.
+Then the ratios of cache_affinity against each baseline, measured in the same run, and fetch on
+against off: hit tokens (local + fetched) / oracle, TTFT p50/p99, in-flight max/mean, and the
+bytes fetched (the replicas' fetched_bytes_total over the trace). The cache index alone, without
+Serve, is index_scoring.py's.
 
 Writes benchmarks/out/routing.png, and every request's numbers to routing.json. Not a test:
 nothing is asserted (tests/test_readme_commands.py runs --quick to see that it runs).
@@ -65,7 +69,8 @@ from percentiles import pct  # noqa: E402  (benchmarks/percentiles.py)
 from plotting import OUT, pyplot, save  # noqa: E402  (benchmarks/plotting.py)
 from traces import Oracle, sentence, text_of_tokens  # noqa: E402  (benchmarks/traces.py)
 
-POLICIES = ["cache_affinity", "pow2", "round_robin", "ray_prefix"]
+FETCH = "cache_affinity_fetch"  # cairn's router with move and fetch on
+POLICIES = ["cache_affinity", FETCH, "pow2", "round_robin", "ray_prefix"]
 TRACES = ["shared-system", "no-shared", "hot-prefix"]
 MODEL = "bench-model"
 NAMESPACE = "cairn-bench"
@@ -112,7 +117,7 @@ def _base_router(policy: str) -> type:
 
     import cluster.routing.router
 
-    return {"cache_affinity": CacheAffinityRouter, "pow2": PowerOfTwoChoicesRequestRouter,
+    return {"cache_affinity": CacheAffinityRouter, FETCH: CacheAffinityRouter, "pow2": PowerOfTwoChoicesRequestRouter,
             "round_robin": RoundRobinRouter, "ray_prefix": cluster.routing.router.RayPrefixRouter}[policy]
 
 
@@ -141,7 +146,8 @@ def build_app(policy: str, args, model_dir: Path):
     from cluster.routing.config import RoutingConfig
 
     base = RoutingConfig.from_yaml(args.routing) if args.routing else RoutingConfig()
-    routing = base.model_copy(update=dict(policy=policy, index_actor_name=f"cairn-bench-index-{policy}",
+    routing = base.model_copy(update=dict(policy="cache_affinity" if policy == FETCH else policy,
+                                          fetch=policy == FETCH, index_actor_name=f"cairn-bench-index-{policy}",
                                           routing_stats_period_s=args.stats_period))
     routing = routing.for_engines(EngineSpec.from_model_dir(model_dir))  # what the timed router is given
     app = build_application(model_dir, args.replicas, routing=routing, num_cpus=args.num_cpus,
@@ -295,6 +301,7 @@ class Result:
     route_cpu_p99: float
     prompt_mismatch: int
     seconds: float
+    fetched_bytes: int = 0
 
 
 def summarize(trace: str, policy: str, reqs: list[Req], replicas: list[str], wall: float,
@@ -349,6 +356,12 @@ def report(results: list[Result], args) -> None:
             print(f"  cache_affinity vs {base.policy:11s}: hit tokens x{mine.hit / max(base.hit, 1):.2f}, "
                   f"TTFT p50 x{mine.ttft_p50 / base.ttft_p50:.2f}, p99 x{mine.ttft_p99 / base.ttft_p99:.2f}, "
                   f"stay {mine.stay:.2f} vs {base.stay:.2f}, routing p50 x{mine.route_p50 / base.route_p50:.1f}")
+        on, off = next((r for r in rows if r.policy == FETCH), None), mine
+        if on is not None and off is not None:
+            print(f"  fetch on vs off: hit/oracle {on.hit / max(on.oracle, 1):.3f} vs {off.hit / max(off.oracle, 1):.3f}, "
+                  f"TTFT p50 x{on.ttft_p50 / off.ttft_p50:.2f}, p99 x{on.ttft_p99 / off.ttft_p99:.2f}, in-flight "
+                  f"max/mean {on.inflight_max_mean:.2f} vs {off.inflight_max_mean:.2f}, "
+                  f"{on.fetched_bytes / 2**20:.1f} MiB fetched")
         mismatched = sum(r.prompt_mismatch for r in rows)
         if mismatched:
             print(f"  note: {mismatched} prompts' client-side token count differed from the server's")
@@ -378,6 +391,11 @@ def plot(results: list[Result]) -> None:
 
 
 # ---- main --------------------------------------------------------------------------------------
+
+def fetched_bytes(handle) -> int:
+    """Bytes the replicas have pulled from their peers so far."""
+    return int(sum(m.get("fetched_bytes_total", 0) for m in handle.broadcast("metrics").results(timeout_s=60)))
+
 
 def wait_running(names: list[str], timeout_s: float = 600) -> None:
     from ray import serve
@@ -471,10 +489,12 @@ def main() -> None:
                 asyncio.run(warm_up(base_url, f"/{policy}", 2 * args.replicas))
                 for name, trace in traces.items():
                     ray.get(stats.take.remote(policy))
+                    fetched = fetched_bytes(handle)
                     reqs, wall = asyncio.run(run_trace(base_url, f"/{policy}", trace, f"{name}-{policy}", args, render))
                     time.sleep(0.6)  # the routers' last timings reach the stats actor
                     route = ray.get(stats.take.remote(policy))
                     results.append(summarize(name, policy, reqs, replicas, wall, route, page))
+                    results[-1].fetched_bytes = fetched_bytes(handle) - fetched
                     records[f"{name}/{policy}"] = [dict(conv=q.conv, turn=q.turn, start=q.start, ttft=q.first - q.start,
                                                         end=q.end, replica=q.replica, prompt=q.prompt_tokens,
                                                         cached=q.cached, oracle=q.oracle, ok=q.ok) for q in reqs]

@@ -150,6 +150,41 @@ def test_the_ranker_reads_the_actors_scores_with_their_media_and_an_older_actors
     assert media == ["b", "a", "c"] and pairs[0] == "a"
 
 
+# ---- move and fetch ----------------------------------------------------------------------------
+
+def test_with_fetch_a_replica_without_the_cache_costs_the_holders_prefill_plus_the_transfer():
+    fetch = CFG.model_copy(update=dict(fetch=True, fetch_bandwidth_bytes_per_s=10e9))
+    holder, empty, idle = WorkerScore(40, 30), WorkerScore(0, 0), ReplicaLoad()
+    n = 40 * PAGE + 5
+    transfer = (30 * PAGE_BYTES + STATE_BYTES) / 10e9 * fetch.prefill_tokens_per_s
+    assert replica_cost(empty, idle, fetch, n, holder) == pytest.approx(n - 30 * PAGE + transfer)
+    assert replica_cost(empty, idle, CFG, n, holder) == n, "fetch off: it recomputes"
+    partly = WorkerScore(10, 5)  # its own first 10 pages need not move
+    assert replica_cost(partly, idle, fetch, n, holder) == \
+        pytest.approx(n - 30 * PAGE + (20 * PAGE_BYTES + STATE_BYTES) / 10e9 * fetch.prefill_tokens_per_s)
+    slow = fetch.model_copy(update=dict(fetch_bandwidth_bytes_per_s=1e6))
+    assert replica_cost(empty, idle, slow, n, holder) == n, "a transfer slower than recomputing is not taken"
+
+
+def test_with_fetch_load_moves_a_conversation_off_its_busy_holder_and_the_request_names_the_holder():
+    fetch = CFG.model_copy(update=dict(fetch=True, fetch_bandwidth_bytes_per_s=50e9))
+    busy = {"a": ReplicaLoad(requests=1, tokens=600)}  # its load weighs less than its cache...
+    assert rank({"a": (40, 30)}, loads=busy, config=CFG)[0] == "a", "without fetch the cache keeps it there"
+    assert rank({"a": (40, 30)}, loads=busy, config=fetch)[0] != "a", "...but more than a fetch of it"
+
+    async def main(config):
+        ranker = AffinityRanker(config, rng=random.Random(0))
+        req = Request(H[:40], 40 * PAGE + 5)
+        req.fetch_from = None
+
+        async def index(hashes):
+            return {"a": (40, 30), "b": (10, 5)}
+        await ranker.rank("r", req, {"a": {}, "b": {}, "c": {}}, index)
+        return req.fetch_from
+    assert asyncio.run(main(fetch)) == ("a", 30)
+    assert asyncio.run(main(CFG)) is None, "fetch off: no hint"
+
+
 # ---- predicted holders -------------------------------------------------------------------------
 
 class Clock:

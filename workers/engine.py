@@ -427,6 +427,7 @@ class Engine:
             "checkpoints_stored_total": stats.checkpoints_stored,
             "checkpoints_used_total": stats.checkpoints_used,
             "checkpoints_evicted_total": stats.checkpoints_evicted,
+            "checkpoints_without_slot_total": stats.checkpoints_without_slot,
             "host_cache_budget_bytes": self.layout.host_blocks * self.layout.block_bytes,
             "host_cache_used_bytes": cache.host.used_blocks * self.layout.block_bytes,
             "host_pages": len(cache.host.pages),

@@ -86,6 +86,7 @@ class CacheStats:
     checkpoints_used: int = 0
     checkpoints_evicted: int = 0
     checkpoints_dropped: int = 0  # refused at commit (duplicate or page gone)
+    checkpoints_without_slot: int = 0  # wanted, but every arena group was held by running sequences
     pages_demoted: int = 0  # of the pages evicted from the device, those kept on the host
     checkpoints_demoted: int = 0
     pages_promoted: int = 0  # host pages brought back to the device for a request
@@ -317,6 +318,7 @@ class PrefixCache(CachePlacement):
                 return None
             self._evict_checkpoint(coldest)
         if not self.arena.has_empty_group() and not self.arena.num_unblocked:
+            self.stats.checkpoints_without_slot += 1
             return None
         slot = self._take_slot()
         self.checkpoints.add_pending(slot)
