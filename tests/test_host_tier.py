@@ -160,3 +160,27 @@ def test_the_index_replaying_the_engines_events_knows_the_medium_of_everything_a
             seen_host = max(seen_host, len(engine.host_contents()[0]))
         seen_back = engine.metrics()["pages_promoted_total"]
     assert seen_host > 0 and seen_back > 0
+
+
+def test_a_checkpoint_that_finds_no_device_slot_goes_straight_to_the_host(tiny_model_dir):
+    """14 blocks: three running sequences hold every group, so no checkpoint slot can be had on
+    the device; with a host tier, the states go there after their step, and the next turns
+    resume from them."""
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    turns = [prompt(90, seed=s) for s in range(6)]
+
+    def two_turns(**options):
+        engine = Engine.from_pretrained(tiny_model_dir, cache_policy="cairn", max_num_seqs=3,
+                                        max_num_batched_tokens=512, **options)
+        first = engine.generate(turns, params)
+        second = engine.generate([t + o.token_ids + [5, 6, 7] for t, o in zip(turns, first)], GREEDY)
+        engine.check()
+        return engine, second
+    alone, lost = two_turns(cache_memory_bytes=14 * BLOCK)
+    tiered_engine, got = two_turns(cache_memory_bytes=14 * BLOCK, host_cache_bytes=400 * BLOCK)
+    _, want = two_turns(num_pages=512)
+    assert alone.cache.stats.checkpoints_without_slot > 0 and sum(o.cached_tokens for o in lost) == 0
+    assert tiered_engine.cache.stats.checkpoints_to_host > 0
+    assert [o.cached_tokens for o in got] == [o.cached_tokens for o in want] and got[0].cached_tokens > 0
+    for a, b in zip(got, want):
+        same_output(a, b)

@@ -211,3 +211,25 @@ def test_memory_utilization_sizes_each_ranks_arena_from_the_least_free_device(mo
         EngineOptions(memory_utilization=0.9, cache_memory_bytes=1 << 30)
     with pytest.raises(ValueError, match=r"memory_utilization must be a fraction in \(0, 1\]"):
         EngineOptions(memory_utilization=1.5)
+
+
+def test_with_a_host_tier_every_rank_demotes_and_promotes_its_own_slice_in_step(hf_checkpoint):
+    from workers import EngineOptions, EngineSpec
+
+    path = hf_checkpoint("tp_q35_moe_vl")
+    base = dict(page_size=8, max_num_seqs=3, max_num_batched_tokens=13)
+
+    def sized(tp: int) -> dict:  # the same block counts at TP 1 and 2: each rank's blocks are its slice
+        block = EngineSpec.from_model_dir(path, EngineOptions(tensor_parallel_size=tp, **base)).page_bytes
+        return dict(base, cache_memory_bytes=40 * block, host_cache_bytes=400 * block)
+    one = Engine.from_pretrained(path, **sized(1))
+    expected = converse(one)
+    m = one.metrics()
+    assert m["pages_demoted_total"] > 0 and m["pages_promoted_total"] > 0 and any(c for _, c in expected[3:])
+    engine = Engine.from_pretrained(path, tensor_parallel_size=2, **sized(2))
+    try:
+        assert engine.layout.num_blocks == one.layout.num_blocks and engine.layout.host_blocks == 400
+        assert converse(engine) == expected
+        assert engine.metrics()["pages_promoted_total"] == m["pages_promoted_total"]
+    finally:
+        engine.close()

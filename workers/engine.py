@@ -244,6 +244,7 @@ class Engine:
                 log.exception("the forward pass failed; failing the %d request(s) of this step", len(plan.segments))
                 for seg in plan.segments:
                     self.scheduler.fail(seg.seq, SequenceFault(f"the forward pass failed: {type(e).__name__}"))
+                self.scheduler.abandon(plan)
                 logits = None
             finally:
                 self.cache.end_pass()
@@ -428,6 +429,7 @@ class Engine:
             "checkpoints_used_total": stats.checkpoints_used,
             "checkpoints_evicted_total": stats.checkpoints_evicted,
             "checkpoints_without_slot_total": stats.checkpoints_without_slot,
+            "checkpoints_to_host_total": stats.checkpoints_to_host,
             "host_cache_budget_bytes": self.layout.host_blocks * self.layout.block_bytes,
             "host_cache_used_bytes": cache.host.used_blocks * self.layout.block_bytes,
             "host_pages": len(cache.host.pages),

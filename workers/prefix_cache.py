@@ -87,6 +87,7 @@ class CacheStats:
     checkpoints_evicted: int = 0
     checkpoints_dropped: int = 0  # refused at commit (duplicate or page gone)
     checkpoints_without_slot: int = 0  # wanted, but every arena group was held by running sequences
+    checkpoints_to_host: int = 0  # of those, written straight to the host tier instead
     pages_demoted: int = 0  # of the pages evicted from the device, those kept on the host
     checkpoints_demoted: int = 0
     pages_promoted: int = 0  # host pages brought back to the device for a request
@@ -117,6 +118,8 @@ class PrefixCache(CachePlacement):
         self.host = HostTier(layout.host_blocks, layout.slot_blocks, on_removed=self._host_removed)
         self.tier_cost = TierCost()
         self._dropping = False  # clear(): what is evicted is dropped, not demoted
+        self._host_pending: dict[int, list[int]] = {}  # pending host checkpoint id (< 0) -> its host blocks
+        self._host_slot_ids = 0
         self._running_slots: set[int] = set()
         self._pinned: list[bytes] = []
         self._demoted: set[bytes] = set()
@@ -325,18 +328,38 @@ class PrefixCache(CachePlacement):
         self.stats.state_bytes_peak = max(self.stats.state_bytes_peak, self.checkpoint_bytes)
         return slot
 
+    def take_host_checkpoint_slot(self) -> int | None:
+        """With a host tier, when no device slot can be had: a pending checkpoint written straight
+        to host blocks after the step (`host_blocks_of`), named by a negative id that
+        `commit_checkpoint` and `drop_pending` take like a slot. None: no tier, or no room."""
+        blocks = self._host_blocks(self.slot_blocks)
+        if blocks is None:
+            return None
+        self._host_slot_ids -= 1
+        self._host_pending[self._host_slot_ids] = blocks
+        return self._host_slot_ids
+
+    def host_blocks_of(self, slot: int) -> list[int]:
+        """The host blocks of a pending host checkpoint (`take_host_checkpoint_slot`)."""
+        return self._host_pending[slot]
+
     def drop_pending(self, slot: int) -> None:
+        if slot < 0:
+            self.host.free_blocks(self._host_pending.pop(slot))
+            return
         self.checkpoints.drop_pending(slot)
         self.arena.free_slot(slot, blocked=True)
 
     def drop_pending_if_any(self, slot: int) -> None:
         """Gives back `slot` if it is still a pending checkpoint (a commit that failed midway)."""
-        if self.checkpoints.is_pending(slot):
+        if self.checkpoints.is_pending(slot) or slot in self._host_pending:
             self.drop_pending(slot)
 
-    def finish_capture(self, seq: Sequence, page: int) -> int | None:
+    def finish_capture(self, seq: Sequence, page: int, at_end: bool = True) -> int | None:
         """The slot to take `seq`'s state after page `page` into, the last boundary it crossed
-        (None: not captured); it is stored as a finish checkpoint when `seq` finishes."""
+        (None: not captured); it is stored as a finish checkpoint when `seq` finishes. With no
+        device slot to be had, a host one (negative) when the boundary ends the step's segment
+        (`at_end`: the state is copied from the sequence's slot after the step)."""
         c, kind = seq.cache, self.policy.captures_finish
         if kind is None:
             return None
@@ -346,8 +369,11 @@ class PrefixCache(CachePlacement):
             return None
         if c.finish_slot is None:
             c.finish_slot = self.take_checkpoint_slot()
-        if c.finish_slot is not None:
-            c.finish_page = page
+            if c.finish_slot is None and at_end and self.host:
+                c.finish_slot = self.take_host_checkpoint_slot()
+        if c.finish_slot is None or (c.finish_slot < 0 and not at_end):
+            return None
+        c.finish_page = page
         return c.finish_slot
 
     def commit_checkpoint(self, seq: Sequence, slot: int, depth: int, kinds: set[str],
@@ -355,14 +381,24 @@ class PrefixCache(CachePlacement):
         """Stores the state in pending `slot` as the checkpoint after page `depth` of `seq`."""
         page_hash = self.extend_hashes(seq, depth)[depth - 1]
         existing = self.checkpoints.get(page_hash)
-        if self.pages.page_of(page_hash) is None or existing is not None:
+        if self.pages.page_of(page_hash) is None or existing is not None or \
+                (slot < 0 and page_hash in self.host.checkpoints):
             self.drop_pending(slot)
             self.stats.checkpoints_dropped += 1
             if existing is not None:
                 existing.kinds |= kinds
                 self.budget.touch_checkpoint(page_hash)
             return False
-        self.store_checkpoint(slot, page_hash, depth, kinds, exact_tail)
+        if slot < 0:  # written to the host tier (no device slot could be had)
+            self.host.add_checkpoint(Checkpoint(page_hash, -1, depth, set(kinds), exact_tail),
+                                     self._host_pending.pop(slot))
+            self._event(StateStored(page_hash, HOST))
+            self.stats.checkpoints_stored += 1
+            self.stats.checkpoints_to_host += 1
+            for k in kinds:
+                self.stats.by_kind.setdefault(k, {"stored": 0})["stored"] += 1
+        else:
+            self.store_checkpoint(slot, page_hash, depth, kinds, exact_tail)
         resumed = seq.cache.resumed_from
         if resumed is not None and depth > resumed[1]:
             old = resumed[0]  # the conversation moved on: its old resume point goes cold

@@ -55,6 +55,7 @@ class StepWork:
     restores: list[tuple[int, int]] = field(default_factory=list)
     fresh_state_slots: list[int] = field(default_factory=list)
     snapshots: list[tuple[int, int]] = field(default_factory=list)
+    host_snapshots: list[tuple[int, list[int]]] = field(default_factory=list)
 
     def batch(self, device: torch.device) -> ForwardBatch:
         return ForwardBatch(
@@ -83,6 +84,7 @@ class ModelRunner:
         self.page_size = page_size
         self.arena = torch.zeros(layout.arena_bytes, dtype=torch.uint8, device=self.device)
         self._blocks = self.arena.view(layout.num_blocks, layout.block_bytes)  # one row per block
+        self.slot_blocks = layout.slot_blocks
         self.host = torch.zeros(layout.host_blocks, layout.block_bytes, dtype=torch.uint8,
                                 pin_memory=self.device.type == "cuda")  # the host tier, one row per block
         self._timed = [0, 0.0]  # host copies timed since `take_copy_timing`: bytes, seconds (CPU only)
@@ -133,6 +135,10 @@ class ModelRunner:
         logits = self.model(work.batch(self.device), self.caches)
         if work.snapshots:
             self._copy_slots(states, work.snapshots)
+        if work.host_snapshots:  # checkpoints that found no device slot: straight to the host tier
+            k = self.slot_blocks
+            self._copy_blocks([(DEMOTE, b, h) for slot, blocks in work.host_snapshots
+                               for b, h in zip(range(slot * k, (slot + 1) * k), blocks)])
         return logits
 
     def _copy_blocks(self, copies: list[tuple[str, int, int]], staging: torch.Tensor | None = None) -> None:
@@ -272,4 +278,5 @@ class ModelRunner:
             seq_lens=ends.astype(np.int32), page_table=table[rows, :max_pages], slot_mapping=slot_mapping,
             state_slots=np.array(slots, dtype=np.int64), num_decodes=nd, logits_indices=logits_rows.astype(np.int64),
             checkpoint_offsets=offsets, checkpoint_slots=offset_slots, block_copies=plan.block_copies,
-            restores=plan.restores, fresh_state_slots=plan.fresh_state_slots, snapshots=plan.snapshots)
+            restores=plan.restores, fresh_state_slots=plan.fresh_state_slots, snapshots=plan.snapshots,
+            host_snapshots=plan.host_snapshots)

@@ -76,6 +76,7 @@ class StepPlan:
     fresh_state_slots: list[int] = field(default_factory=list)  # zero these before the step
     restores: list[tuple[int, int]] = field(default_factory=list)  # (checkpoint slot, seq slot), before
     snapshots: list[tuple[int, int]] = field(default_factory=list)  # (seq slot, checkpoint slot), after
+    host_snapshots: list[tuple[int, list[int]]] = field(default_factory=list)  # (seq slot, host blocks), after
     commits: list[Commit] = field(default_factory=list)  # checkpoints to store after the step
     preempted: list[Sequence] = field(default_factory=list)
     page_table_writes: list[PageTableWrite] = field(default_factory=list)  # apply before the step
@@ -98,6 +99,7 @@ class StepPlan:
         touched = checkpoint_slots | ({state_slot} if state_slot is not None else set())
         self.restores = [(a, b) for a, b in self.restores if b not in touched]
         self.snapshots = [(a, b) for a, b in self.snapshots if a not in touched and b not in touched]
+        self.host_snapshots = [(a, b) for a, b in self.host_snapshots if a not in touched]
         self.fresh_state_slots = [slot for slot in self.fresh_state_slots if slot not in touched]
 
     def sampling_sequences(self) -> list[Sequence]:
@@ -267,15 +269,25 @@ class Scheduler:
             admitted = policy.admit(kinds) if kinds else set()
             if admitted:
                 slot = cache.take_checkpoint_slot()
+                if slot is None and cache.host:  # no device slot: the state goes straight to the host tier,
+                    slot = cache.take_host_checkpoint_slot()  # copied from the sequence's slot after the step
+                    if slot is not None:
+                        seg.num_tokens = j * ps - seg.start  # so the segment ends at this boundary
+                        plan.host_snapshots.append((seq.cache.state_slot, cache.host_blocks_of(slot)))
+                        plan.commits.append(Commit(seq, slot, j, admitted))
+                        return  # later boundaries (and the finish capture) wait for the next step
                 if slot is not None:
                     self._attach(plan, seg, j * ps - seg.start, slot)
                     plan.commits.append(Commit(seq, slot, j, admitted))
         # The finish capture: the last boundary crossed, from the prompt's last one on.
         if policy.captures_finish is None or last < max(first, seq.num_prompt_tokens // ps, 1):
             return
-        slot = cache.finish_capture(seq, last)
-        if slot is not None:
-            self._attach(plan, seg, last * ps - seg.start, slot)
+        offset = last * ps - seg.start
+        slot = cache.finish_capture(seq, last, at_end=offset == seg.num_tokens)
+        if slot is not None and slot < 0:  # a host slot: copied from the sequence's slot after the step
+            plan.host_snapshots.append((seq.cache.state_slot, cache.host_blocks_of(slot)))
+        elif slot is not None:
+            self._attach(plan, seg, offset, slot)
 
     @staticmethod
     def _attach(plan: StepPlan, seg: Segment, offset: int, slot: int) -> None:
@@ -364,6 +376,12 @@ class Scheduler:
         plan.drop(seq, state_slot, mine | ({finish_slot} if finish_slot is not None else set()))
         for slot in mine:
             self.cache.drop_pending_if_any(slot)
+
+    def abandon(self, plan: StepPlan) -> None:
+        """The plan's step did not run (its forward pass failed): the checkpoint slots taken for
+        it go back."""
+        for c in plan.commits:
+            self.cache.drop_pending_if_any(c.slot)
 
     def take_failed(self) -> list[Sequence]:
         """Sequences failed since the last call."""
