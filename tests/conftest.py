@@ -224,6 +224,22 @@ def loader_reads(monkeypatch) -> dict[str, list[str]]:
     return reads
 
 
+def assert_same_output(a, b) -> None:
+    """Two engine outputs are the same computation: equal tokens, logprobs within 1e-4 (fp32
+    rounding of a different batch or split)."""
+    assert a.token_ids == b.token_ids
+    torch.testing.assert_close(torch.tensor([lp.logprob for lp in a.logprobs]),
+                               torch.tensor([lp.logprob for lp in b.logprobs]), atol=1e-4, rtol=0)
+
+
+def open_chat_stream(http, model: str, messages: list[dict], max_tokens: int = 1500):
+    """A long streamed chat completion kept in flight (ignore_eos) until its response is closed:
+    load a replica holds while a test routes around it. `http`: an httpx.Client on the server."""
+    body = {"model": model, "stream": True, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0,
+            "messages": messages}
+    return http.send(http.build_request("POST", "/v1/chat/completions", json=body), stream=True)
+
+
 def chat_turns(client, model: str, system: str, questions: list[str]) -> tuple[list[int], list[int], set]:
     """A conversation through the official client, greedy, each answer echoed back with its
     reasoning as a chat app does: (prompt tokens, cached tokens) per turn, and the replicas

@@ -8,6 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cache_service.index import CacheIndex
+from conftest import assert_same_output
 from workers import Engine, SamplingParams
 from workers.sequence import Sequence
 
@@ -51,12 +52,6 @@ def fetch(receiver, holder, tokens, salt=None, depth=None):
     return receiver.import_resume(export, hashes, plan.first)
 
 
-def same_output(a, b):
-    assert a.token_ids == b.token_ids
-    torch.testing.assert_close(torch.tensor([lp.logprob for lp in a.logprobs]),
-                               torch.tensor([lp.logprob for lp in b.logprobs]), atol=1e-4, rtol=0)
-
-
 @pytest.fixture(scope="module")
 def pair(tiny_model_dir):
     def make(worker_id):
@@ -83,7 +78,7 @@ def test_a_request_resumed_from_a_fetched_resume_point_computes_what_a_cold_one_
     warm = run(receiver, second)
     cold = run(receiver, second, salt=f"cold-{receiver.stats.steps}")
     assert cold.cached_tokens == 0
-    same_output(warm, cold)
+    assert_same_output(warm, cold)
     receiver.check()
     holder.check()
 
@@ -108,7 +103,7 @@ def test_a_fetched_resume_point_counts_as_cached_and_the_index_learns_it(tiny_mo
     got = run(receiver, turn2)
     want = run(holder, turn2)
     assert got.cached_tokens == want.cached_tokens >= 6 * PS
-    same_output(got, want)
+    assert_same_output(got, want)
     assert receiver.metrics()["fetches_total"] == 1
 
 
@@ -123,7 +118,7 @@ def test_a_holder_that_evicted_meanwhile_gives_nothing_and_the_request_recompute
     assert fetch(receiver, holder, tokens + [3], depth=depth) == 0
     out = run(receiver, tokens + [3])
     assert out.cached_tokens == 0
-    same_output(out, run(holder, tokens + [3], salt="cold"))
+    assert_same_output(out, run(holder, tokens + [3], salt="cold"))
     assert receiver.metrics()["fetch_fallbacks_total:evicted"] == 1
 
 

@@ -45,7 +45,7 @@ ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-from conftest import chat_turns, kill_index_actor, wait_for_log  # noqa: E402
+from conftest import chat_turns, kill_index_actor, open_chat_stream, wait_for_log  # noqa: E402
 
 from cache_service.events import EventBatch, PagesStored  # noqa: E402
 from cluster.app import build_application  # noqa: E402
@@ -361,9 +361,8 @@ def test_a_hot_shared_prompt_fills_its_replica_up_to_the_spill_limit_then_spills
     http = httpx.Client(base_url=cluster.url, timeout=60)
     try:
         for i in range(limit + 4):  # one at a time, each kept in flight (ignore_eos, long)
-            body = {"model": MODEL, "stream": True, "max_tokens": 1500, "ignore_eos": True, "temperature": 0,
-                    "messages": [{"role": "system", "content": hot}, {"role": "user", "content": f"question {i}"}]}
-            response = http.send(http.build_request("POST", "/v1/chat/completions", json=body), stream=True)
+            response = open_chat_stream(http, MODEL, [{"role": "system", "content": hot},
+                                                      {"role": "user", "content": f"question {i}"}])
             streams.append(response)
             assert response.status_code == 200
             placed.append(response.headers[REPLICA_HEADER])

@@ -14,6 +14,8 @@ ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
+from conftest import open_chat_stream  # noqa: E402
+
 from cluster.app import build_application  # noqa: E402
 from cluster.ingress import REPLICA_HEADER  # noqa: E402
 from cluster.routing.config import RoutingConfig  # noqa: E402
@@ -59,9 +61,8 @@ def test_load_spreads_a_hot_prompt_over_replicas_which_fetch_its_resume_point_an
     streams, http, placed = [], httpx.Client(base_url=url, timeout=60), []
     try:
         for i in range(2 * ROUTING.spill_limit):  # long streams in flight: load the router balances
-            body = {"model": MODEL, "stream": True, "max_tokens": 1500, "ignore_eos": True, "temperature": 0,
-                    "messages": [{"role": "system", "content": HOT}, {"role": "user", "content": f"busy {i}"}]}
-            response = http.send(http.build_request("POST", "/v1/chat/completions", json=body), stream=True)
+            response = open_chat_stream(http, MODEL, [{"role": "system", "content": HOT},
+                                                      {"role": "user", "content": f"busy {i}"}])
             streams.append(response)
             assert response.status_code == 200
             placed.append(response.headers[REPLICA_HEADER])

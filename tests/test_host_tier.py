@@ -8,6 +8,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from conftest import assert_same_output
 from workers import Engine, SamplingParams
 from workers.tier_cost import TierCost
 
@@ -34,12 +35,6 @@ def run_salted(engine, tokens, salt):
                 return out
 
 
-def same_output(a, b):
-    assert a.token_ids == b.token_ids
-    torch.testing.assert_close(torch.tensor([lp.logprob for lp in a.logprobs]),
-                               torch.tensor([lp.logprob for lp in b.logprobs]), atol=1e-4, rtol=0)
-
-
 @pytest.fixture(scope="module")
 def tiered_engine(tiny_model_dir):
     engine = tiered(tiny_model_dir)
@@ -64,7 +59,7 @@ def test_a_request_resumed_from_the_host_tier_computes_what_a_cold_one_computes(
     warm = engine.generate([second], GREEDY)[0]
     cold = run_salted(engine, second, salt=f"cold-{engine.stats.steps}")
     assert cold.cached_tokens == 0
-    same_output(warm, cold)
+    assert_same_output(warm, cold)
     engine.check()
 
 
@@ -88,7 +83,7 @@ def test_a_later_turn_resumes_from_the_host_where_a_device_only_cache_lost_it(ti
     engine, got = conversation(lambda: tiered(tiny_model_dir))
     assert lost.cached_tokens < want.cached_tokens, "the device alone cannot keep turn one"
     assert got.cached_tokens == want.cached_tokens > 0, "the host tier kept it"
-    same_output(got, want)
+    assert_same_output(got, want)
     m = engine.metrics()
     assert m["pages_demoted_total"] > 0 and m["pages_promoted_total"] > 0
     assert m["checkpoints_demoted_total"] > 0 and m["checkpoints_from_host_total"] > 0
@@ -108,7 +103,7 @@ def test_a_copy_slower_than_recomputing_is_declined(tiny_model_dir):
     assert engine.metrics()["pages_promoted_total"] == 0 and engine.metrics()["checkpoints_from_host_total"] == 0
     _, fast = conversation(lambda: tiered(tiny_model_dir))
     assert out.cached_tokens < fast.cached_tokens
-    same_output(out, fast)
+    assert_same_output(out, fast)
 
 
 def test_the_cost_rule_weighs_copy_time_against_prefill_time():
@@ -183,4 +178,4 @@ def test_a_checkpoint_that_finds_no_device_slot_goes_straight_to_the_host(tiny_m
     assert tiered_engine.cache.stats.checkpoints_to_host > 0
     assert [o.cached_tokens for o in got] == [o.cached_tokens for o in want] and got[0].cached_tokens > 0
     for a, b in zip(got, want):
-        same_output(a, b)
+        assert_same_output(a, b)

@@ -198,6 +198,14 @@ class Harness:
         assert self.holds_state(seq.cache.state_slot, tuple(seq.token_ids))
         self.cache.release(seq)
 
+    def finish_everything_and_clear(self) -> None:
+        while self.computing:
+            self.compute(0)
+        while self.running:
+            self.finish_one()
+        self.cache.clear()
+        self.check()
+
     def check(self) -> None:
         cache = self.cache
         cache.check()
@@ -232,12 +240,7 @@ def test_under_tiny_arenas_every_hit_is_sound_and_nothing_held_is_touched(seed, 
         harness.step(unlimited=False)
         harness.check()
     assert harness.cache.stats.pages_evicted > 0
-    while harness.computing:
-        harness.compute(0)
-    while harness.running:
-        harness.finish_one()
-    harness.cache.clear()
-    harness.check()
+    harness.finish_everything_and_clear()
     assert harness.cache.pages.num_held == 0 and harness.cache.used_bytes == 0
 
 
@@ -262,12 +265,7 @@ def test_under_tiny_arenas_and_a_tiny_host_tier_every_hit_is_sound(seed, pages, 
         harness.step(unlimited=False)
         harness.check()
     assert harness.cache.host.pages_evicted > 0
-    while harness.computing:
-        harness.compute(0)
-    while harness.running:
-        harness.finish_one()
-    harness.cache.clear()
-    harness.check()
+    harness.finish_everything_and_clear()
     assert harness.cache.used_bytes == 0 and harness.cache.host.used_blocks == 0
 
 
