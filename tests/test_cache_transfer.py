@@ -52,15 +52,16 @@ def fetch(receiver, holder, tokens, salt=None, depth=None):
     return receiver.import_resume(export, hashes, plan.first)
 
 
-@pytest.fixture(scope="module")
-def pair(tiny_model_dir):
-    def make(worker_id):
-        return Engine.from_pretrained(tiny_model_dir, cache_policy="all", num_pages=256, max_num_seqs=4,
-                                      worker_id=worker_id)
-    return make("holder"), make("receiver")
+@pytest.fixture(scope="module", params=["roomy", "tight"])
+def pair(tiny_model_dir, request):
+    """A holder, and a receiver with room to spare or with 30 blocks (importing evicts)."""
+    def make(worker_id, **size):
+        return Engine.from_pretrained(tiny_model_dir, cache_policy="all", max_num_seqs=4, worker_id=worker_id, **size)
+    tight = dict(cache_memory_bytes=30 * 8192) if request.param == "tight" else dict(num_pages=256)
+    return make("holder", num_pages=256), make("receiver", **tight)
 
 
-@settings(max_examples=40, deadline=None, derandomize=True,
+@settings(max_examples=30, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(data=st.data())
 def test_a_request_resumed_from_a_fetched_resume_point_computes_what_a_cold_one_computes(pair, data):

@@ -14,8 +14,8 @@ from a peer replica).
 - `import_resume(engine, export, page_hashes)`: on the receiver, between its steps: the pages
   become cached device pages under the very hashes the request carries (so a fetch never crosses
   a `cache_salt`: another salt's chain has other hashes, and the holder finds none of them) and
-  the checkpoint a stored one; events tell the index. The device run up to `first` is held
-  while blocks are taken, so making room never evicts what the import hangs from. Returns the
+  the checkpoint a stored one; events tell the index. The chain's device run is held while
+  blocks are taken, so making room never evicts what the import hangs from. Returns the
   pages imported (0: refused, nothing changed but what making room evicted).
 Nothing here runs under tensor parallelism: each rank holds a slice of every page and state, and
 a fetch would have to move every rank's slice (not built; the caller recomputes).
@@ -111,15 +111,16 @@ def import_resume(engine, export: ResumeExport, page_hashes: list[bytes], first:
     cache, layout = engine.cache, engine.layout
     n = len(export.page_hashes)
     depth = first + n
+    run = _device_run(cache, page_hashes)  # it may have grown since the plan, never shrunk below `first`
     if (engine.options.tensor_parallel_size > 1 or export.block_bytes != layout.block_bytes
             or tuple(page_hashes[first:depth]) != export.page_hashes or export.pages.shape != (n, layout.block_bytes)
-            or _device_run(cache, page_hashes) < first
+            or run < first
             or (export.checkpoint is not None and export.checkpoint.shape != (layout.slot_blocks, layout.block_bytes))):
         return 0
     staging, copies = [], []
-    held = cache.hold_chain(page_hashes[:first])
+    held = cache.hold_chain(page_hashes[:min(run, depth)])  # what the import hangs from stays while room is made
     try:
-        fresh = [j for j in range(n) if cache.pages.page_of(export.page_hashes[j]) is None]
+        fresh = list(range(min(run, depth) - first, n))  # a chain's device pages are a prefix of it
         if not cache.room_for_pages(len(fresh)):
             return 0
         blocks = cache.take_free_pages(len(fresh))
