@@ -179,3 +179,27 @@ def test_a_checkpoint_that_finds_no_device_slot_goes_straight_to_the_host(tiny_m
     assert [o.cached_tokens for o in got] == [o.cached_tokens for o in want] and got[0].cached_tokens > 0
     for a, b in zip(got, want):
         assert_same_output(a, b)
+
+
+def test_a_request_resumed_from_the_host_while_others_run_starts_a_step_later_and_computes_the_same(tiny_model_dir):
+    """What CUDA does to overlap a promotion with other sequences' step (workers.runner's copy
+    stream), on the CPU path: the request's first segment waits one step; nothing else changes."""
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    start = [prompt(100 + 9 * i, seed=20 + i) for i in range(4)]
+
+    def run(overlap: bool, **options):
+        engine = Engine.from_pretrained(tiny_model_dir, cache_policy="all", max_num_seqs=2, **options)
+        engine.scheduler.overlap_promotions = overlap
+        convs, seen = start, []
+        for _ in range(3):  # four conversations, two at a time
+            outs = engine.generate(convs, params)
+            seen += [(o.token_ids, o.cached_tokens) for o in outs]
+            convs = [c + o.token_ids + [7, 8] for c, o in zip(convs, outs)]
+        engine.check()
+        return engine, seen
+    overlapped, got = run(True, cache_memory_bytes=30 * BLOCK, host_cache_bytes=2000 * BLOCK)
+    _, in_step = run(False, cache_memory_bytes=30 * BLOCK, host_cache_bytes=2000 * BLOCK)
+    _, roomy = run(False, num_pages=512)
+    assert overlapped.metrics()["promotions_overlapped_total"] > 0
+    assert [t for t, _ in got] == [t for t, _ in in_step] == [t for t, _ in roomy]
+    assert [c for _, c in got] == [c for _, c in in_step] and sum(c for _, c in got) > 0

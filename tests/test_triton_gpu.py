@@ -244,3 +244,29 @@ def test_the_engine_on_cuda_holds_its_weights_and_one_arena_of_its_budget(tiny_m
     engine.generate([[5] * 40, [6] * 90], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() - before <= weights + budget + slack, "a step left memory behind"
+
+
+@compiled_only
+def test_the_host_tier_on_cuda_overlaps_its_promotions_and_gives_the_cpu_paths_tokens(tiny_model_dir):
+    """Pinned host memory, promotions on their own stream while other sequences run: the same
+    tokens and cached_tokens as the CPU path, and the overlap happened."""
+    from workers import Engine, SamplingParams
+
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    gen = torch.Generator().manual_seed(1)
+    start = [torch.randint(3, 500, (100 + 9 * i,), generator=gen).tolist() for i in range(4)]
+    results = {}
+    for device in ("cpu", "cuda"):
+        engine = Engine.from_pretrained(tiny_model_dir, device=device, cache_policy="all", max_num_seqs=2,
+                                        cache_memory_bytes=30 * 8192, host_cache_bytes=2000 * 8192)
+        engine.scheduler.overlap_promotions = True  # (the CPU path too: the same schedule)
+        assert engine.runner.host.is_pinned() == (device == "cuda")
+        convs, seen = start, []
+        for _ in range(3):  # four conversations, two at a time: turns resume from the host
+            outs = engine.generate(convs, params)
+            seen += [(o.token_ids, o.cached_tokens) for o in outs]
+            convs = [c + o.token_ids + [7, 8] for c, o in zip(convs, outs)]
+        results[device] = seen
+        assert engine.metrics()["promotions_overlapped_total"] > 0
+        engine.check()
+    assert results["cuda"] == results["cpu"]

@@ -65,8 +65,9 @@ class CachePlacement:
     def _promote(self, seq: Sequence, hashes: tuple[bytes, ...], blocks: list[int]) -> list[int]:
         """Brings host pages `hashes` (the next ones of `seq`'s chain after its device run, taken
         out of the host tier on `blocks`) back to device blocks, held by `seq`; queues their
-        copies. The host blocks are freed only once the copies out of them are queued, so
-        nothing placed meanwhile lands on them."""
+        copies. The host blocks are freed only when the pass ends (`end_pass`), so no demotion
+        queued in this pass lands on them: on CUDA the promotions run on a copy stream of their
+        own, after the pass's other copies, and may still be reading them (workers.runner)."""
         first = len(seq.cache.page_ids)
         parent = seq.cache.page_hashes[first - 1] if first else None
         pages = self._take_pages(len(hashes))
@@ -75,7 +76,7 @@ class CachePlacement:
             self.pages.register(page, page_hash, up)
             self._copies.append((PROMOTE, block, page))
             up = page_hash
-        self.host.free_blocks(blocks)
+        self._host_released.extend(blocks)  # free at the pass's end: a promotion may still be reading them
         self._event(PagesStored(hashes, parent, DEVICE))
         self.stats.pages_promoted += len(hashes)
         self.stats.bytes_to_device += len(hashes) * self.layout.block_bytes

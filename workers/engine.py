@@ -121,6 +121,7 @@ class Engine:
         self.runner = ModelRunner(model, layout, options.page_size, rows)
         if layout.host_blocks:  # the cost rule starts from a measured host bandwidth
             self.cache.tier_cost.bandwidth = self.runner.measure_host_bandwidth()
+            self.scheduler.overlap_promotions = self.runner.device.type == "cuda"
         if rank_workers is not None:
             rank_workers.wait_ready(layout.num_blocks, timeout_s=max(120.0, options.collective_timeout_s))
             self.runner = TensorParallelRunner(self.runner, rank_workers)
@@ -430,6 +431,7 @@ class Engine:
             "checkpoints_evicted_total": stats.checkpoints_evicted,
             "checkpoints_without_slot_total": stats.checkpoints_without_slot,
             "checkpoints_to_host_total": stats.checkpoints_to_host,
+            "promotions_overlapped_total": self.scheduler.overlapped_promotions,
             "host_cache_budget_bytes": self.layout.host_blocks * self.layout.block_bytes,
             "host_cache_used_bytes": cache.host.used_blocks * self.layout.block_bytes,
             "host_pages": len(cache.host.pages),

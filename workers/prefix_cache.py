@@ -119,6 +119,7 @@ class PrefixCache(CachePlacement):
         self.tier_cost = TierCost()
         self._dropping = False  # clear(): what is evicted is dropped, not demoted
         self._host_pending: dict[int, list[int]] = {}  # pending host checkpoint id (< 0) -> its host blocks
+        self._host_released: list[int] = []  # host blocks promoted out of in this pass: free at its end
         self._host_slot_ids = 0
         self._running_slots: set[int] = set()
         self._pinned: list[bytes] = []
@@ -289,6 +290,8 @@ class PrefixCache(CachePlacement):
         self._pinned.clear()
         self._demoted.clear()
         self.host.unpin_all()
+        self.host.free_blocks(self._host_released)
+        self._host_released = []
 
     # ---- growth -------------------------------------------------------------------------------
     def can_grow(self, seq: Sequence, upto_tokens: int) -> bool:

@@ -10,10 +10,13 @@ than the budget it was given:
   [L_lin, H_v, D_k, D_v] in fp32; the pools are [num_groups, ...] views strided by a slot.
 A page and a slot over the same blocks never live at once: the arena's placement sees to that.
 With a host tier (`ArenaLayout.host_blocks`), the runner also owns its memory: `host_blocks` blocks
-of the same size, in pinned memory on CUDA (so copies are asynchronous to the host and
-stream-ordered with the step), a separate buffer on CPU; the cache's block copies (demotions to it,
-promotions from it, page moves) are made in the order queued, before anything else in the step.
-Their measured rate feeds the cache's cost rule (`workers.tier_cost`).
+of the same size, in pinned memory on CUDA (so copies are asynchronous to the host), a separate
+buffer on CPU; the cache's block copies (demotions to it, promotions from it, page moves) are made
+before anything else in the step, in the order queued. On CUDA the promotions go on a copy stream
+of their own after the rest: a step waits for them only when one of its segments reads them
+(`promotions_for_now`), else the next step does, so a request the scheduler starts a step later
+has its copies overlap the other sequences' step. Their measured rate feeds the cache's cost rule
+(`workers.tier_cost`).
 Page and slot ids come from the prefix cache; the runner never decides who holds what. It keeps
 the page table (one row of page ids per running sequence, rows assigned by the cache) across
 steps and applies the plan's `page_table_writes` to it, so a step's cost does not grow with its
@@ -56,6 +59,7 @@ class StepWork:
     fresh_state_slots: list[int] = field(default_factory=list)
     snapshots: list[tuple[int, int]] = field(default_factory=list)
     host_snapshots: list[tuple[int, list[int]]] = field(default_factory=list)
+    promotions_for_now: bool = True  # this step's segments read what its promotions bring back
 
     def batch(self, device: torch.device) -> ForwardBatch:
         return ForwardBatch(
@@ -88,6 +92,9 @@ class ModelRunner:
         self.host = torch.zeros(layout.host_blocks, layout.block_bytes, dtype=torch.uint8,
                                 pin_memory=self.device.type == "cuda")  # the host tier, one row per block
         self._timed = [0, 0.0]  # host copies timed since `take_copy_timing`: bytes, seconds (CPU only)
+        # CUDA: promotions run on a stream of their own (module doc); the event says when they are in
+        self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._promoted = None
         self.caches = ModelCaches(*self._views(layout))
         self._table = np.zeros((max_rows, 64), dtype=np.int32)  # row -> page ids, widened on demand
 
@@ -124,8 +131,11 @@ class ModelRunner:
         into resuming sequences' slots, zero fresh slots. After: snapshot slots into checkpoint
         slots. Every rank of a tensor-parallel engine runs the same `work` on its own shard."""
         states = (self.caches.conv_states, self.caches.ssm_states)
+        self._wait_for_promotions()  # the last step's, if it left them running
         if work.block_copies:  # moved, demoted and promoted blocks: before anything writes there
             self._copy_blocks(work.block_copies)
+            if work.promotions_for_now:
+                self._wait_for_promotions()
         if work.restores:
             self._copy_slots(states, work.restores)
         if work.fresh_state_slots:
@@ -141,10 +151,27 @@ class ModelRunner:
                                for b, h in zip(range(slot * k, (slot + 1) * k), blocks)])
         return logits
 
+    def _wait_for_promotions(self) -> None:
+        if self._promoted is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._promoted)
+            self._promoted = None
+
     def _copy_blocks(self, copies: list[tuple[str, int, int]], staging: torch.Tensor | None = None) -> None:
         """Makes the cache's block copies in order: each run of one kind at once when no copy in
         it reads a block an earlier one wrote, else one by one. IMPORT copies read rows of
-        `staging` (blocks fetched from a peer)."""
+        `staging` (blocks fetched from a peer). On CUDA, the promotions go last, on the copy
+        stream, after everything else queued (the cache frees the host blocks they read only at
+        the pass's end, and the blocks they write are held by their requests: nothing else in
+        the list touches them); `_promoted` marks when they are in."""
+        if self._copy_stream is not None and any(c[0] == PROMOTE for c in copies):
+            self._copy_blocks([c for c in copies if c[0] != PROMOTE], staging)
+            promotions = [c for c in copies if c[0] == PROMOTE]
+            self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._copy_stream):
+                self._copy_run(PROMOTE, [c[1] for c in promotions], [c[2] for c in promotions])
+            self._promoted = torch.cuda.Event()
+            self._promoted.record(self._copy_stream)
+            return
         start = 0
         while start < len(copies):
             kind, end = copies[start][0], start + 1
@@ -156,10 +183,15 @@ class ModelRunner:
     def apply_copies(self, copies: list[tuple[str, int, int]], staging=None) -> None:
         """Block copies outside a step (an import, or an export's flush), `staging` a numpy
         array of rows for IMPORT copies."""
+        self._wait_for_promotions()
         self._copy_blocks(copies, None if staging is None else torch.from_numpy(staging))
+        self._wait_for_promotions()
 
     def read_blocks(self, blocks: list[int], host: bool = False):
         """A copy of device (or host tier) blocks as a numpy array [len(blocks), block_bytes]."""
+        self._wait_for_promotions()
+        if host and self._copy_stream is not None:  # demotions into them may still be in flight
+            torch.cuda.current_stream(self.device).synchronize()
         source = self.host if host else self._blocks
         return source[self._index(blocks, source.device)].cpu().numpy()
 
@@ -279,4 +311,4 @@ class ModelRunner:
             state_slots=np.array(slots, dtype=np.int64), num_decodes=nd, logits_indices=logits_rows.astype(np.int64),
             checkpoint_offsets=offsets, checkpoint_slots=offset_slots, block_copies=plan.block_copies,
             restores=plan.restores, fresh_state_slots=plan.fresh_state_slots, snapshots=plan.snapshots,
-            host_snapshots=plan.host_snapshots)
+            host_snapshots=plan.host_snapshots, promotions_for_now=plan.promotions_for_now)

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 import logging
 
+from cache_service.events import HOST
 from workers.checkpoint_policy import BRANCH, EVERY, CheckpointPolicy
 from workers.errors import SequenceFault
 from workers.options import EngineOptions
@@ -81,6 +82,7 @@ class StepPlan:
     preempted: list[Sequence] = field(default_factory=list)
     page_table_writes: list[PageTableWrite] = field(default_factory=list)  # apply before the step
     block_copies: list[tuple[str, int, int]] = field(default_factory=list)  # (kind, from, to), first of all
+    promotions_for_now: bool = False  # a segment of this step reads what this step promotes from the host
 
     @property
     def segments(self) -> list[Segment]:
@@ -121,6 +123,11 @@ class Scheduler:
         self.num_preemptions = 0
         self.hit_tokens = 0
         self.hit_tokens_by_tier: dict[str, int] = {}  # device: resumed from the device alone; host: with host copies
+        # A request whose resume point is copied back from the host starts a step later when other
+        # sequences run in this one, so the copy overlaps their step (the engine sets it on CUDA,
+        # where the copies run on a stream of their own: workers.runner).
+        self.overlap_promotions = False
+        self.overlapped_promotions = 0
         self._failed: list[Sequence] = []
 
     def add(self, seq: Sequence) -> None:
@@ -238,8 +245,13 @@ class Scheduler:
                 self.hit_tokens_by_tier[m.tier] = self.hit_tokens_by_tier.get(m.tier, 0) + m.resume_token
         seq.status = Status.RUNNING
         self.running.append(seq)
-        self._add_segment(plan, seq, n)
         self._add_inflight(inflight, seq)
+        if m.tier == HOST:
+            if self.overlap_promotions and plan:
+                self.overlapped_promotions += 1
+                return 0  # its first segment is the next step's, once the copies are in
+            plan.promotions_for_now = True
+        self._add_segment(plan, seq, n)
         return n
 
     def _reserve_pages(self, seq: Sequence, upto: int, plan: StepPlan) -> bool:
