@@ -13,7 +13,9 @@ index from (cache_service.feed; a long poll: it answers at once if something cha
   within about two intervals even if no router ever sends it a request (routers that do drop it
   at once, on `on_replica_actor_died`). Other worker ids (tests, other launchers) are never reaped.
 - With a Redis URL the index lives in Redis: a restarted actor resumes exactly where the last
-  one stopped (contents, seq numbers, trust), and fences the old one out.
+  one stopped (contents, seq numbers, trust), and fences the old one out. The host `ray-head`
+  in the URL names the Ray head node (`resolve_head`): the cluster config runs Redis there,
+  and the actor, wherever Ray places it, dials the head's address, never its own 127.0.0.1.
 - Without, a restarted actor starts empty and asks every worker it does not know to resync:
   `needs_resync(worker)` is true for them, and their next incremental batch is refused as a gap.
 Only this file under cache_service imports Ray. Replicas feed the actor through
@@ -43,11 +45,33 @@ SERVE_NAMESPACE = "serve"                 # where Serve names its replica actors
 LIVENESS_INTERVAL_S = 1.0
 
 
+HEAD_HOST = "ray-head"  # in a Redis URL: the Ray head node, wherever the actor runs
+
+
+def resolve_head(url: str | None) -> str | None:
+    """`url` with the host `ray-head` replaced by the Ray head node's address (the node holding
+    Ray's head resource, else the GCS address's host); any other URL as it is."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    if not url:
+        return url
+    parts = urlsplit(url)
+    if parts.hostname != HEAD_HOST:
+        return url
+    head = next((n["NodeManagerAddress"] for n in ray.nodes()
+                 if n.get("Alive") and "node:__internal_head__" in n.get("Resources", {})), None)
+    if head is None:
+        head = ray.get_runtime_context().gcs_address.rsplit(":", 1)[0]
+    netloc = parts.netloc.replace(HEAD_HOST, head, 1)
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
 @ray.remote
 class CacheIndexActor:
     def __init__(self, redis_url: str | None = None, namespace: str = "cairn", max_pages: int = 4_000_000,
                  liveness_interval_s: float = LIVENESS_INTERVAL_S):
         self._restarted = ray.get_runtime_context().was_current_actor_reconstructed
+        redis_url = resolve_head(redis_url)
         if redis_url:
             from cache_service.redis_store import RedisStore
 

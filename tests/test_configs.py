@@ -424,3 +424,47 @@ def test_the_tool_call_parser_flag_reaches_the_ingress_and_a_wrong_name_fails_at
     assert "tool_call_parser" not in deploy.apply_overrides(load("local.yaml"), serve_args([]))["applications"][0]["args"]
     with pytest.raises(ValueError, match="tool_call_parser"):
         app_builder({"tool_call_parser": "hermes"})
+
+
+# ---- what another node must reach ------------------------------------------------------------------
+CLUSTER_CONFIGS = [("cluster.yaml", "serve.yaml"), ("cluster-8gpu.yaml", "serve-8gpu.yaml")]
+
+
+def strings(value):
+    """Every string in a loaded YAML document, keys included."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield from strings(k)
+            yield from strings(v)
+    elif isinstance(value, list):
+        for v in value:
+            yield from strings(v)
+
+
+@pytest.mark.parametrize("cluster_file, serve_file", CLUSTER_CONFIGS)
+def test_nothing_in_a_cluster_config_dials_this_machine_for_what_another_node_must_reach(cluster_file, serve_file):
+    from urllib.parse import urlsplit
+
+    from cache_service.actor import HEAD_HOST
+
+    cluster, serve = load(cluster_file), load(serve_file)
+    for text in [*strings(cluster), *strings(serve)]:
+        assert not re.search(r"\b(127\.0\.0\.1|localhost)\b", text), f"a loopback address in a cluster config: {text!r}"
+    assert serve["proxy_location"] == "EveryNode" and serve["http_options"]["host"] == "0.0.0.0"
+    # the index's Redis: on the head, reachable from every node, kept on disk, never evicting
+    starts = " ".join(cluster["head_start_ray_commands"])
+    redis = re.search(r"redis-server (.*?)(\)|$)", starts).group(1)
+    flags = dict(re.findall(r"--([\w-]+) (\S+)", redis))
+    assert flags["bind"] == "0.0.0.0" and flags["protected-mode"] == "no"
+    assert flags["appendonly"] == "yes" and flags["maxmemory-policy"] == "noeviction"
+    assert any("ray start --address=$RAY_HEAD_IP" in c for c in cluster["worker_start_ray_commands"])
+    ray_port = re.search(r"ray start --head --port=(\d+)", starts).group(1)
+    namespaces = set()
+    for app in serve["applications"]:
+        routing = RoutingConfig.model_validate(app["args"]["routing"])
+        url = urlsplit(routing.redis_url)
+        assert url.hostname == HEAD_HOST and str(url.port) == flags["port"] != ray_port
+        namespaces.add(routing.namespace)
+    assert len(namespaces) == len(serve["applications"]), "apps sharing one Redis keep their keys apart"

@@ -341,3 +341,13 @@ def test_a_serve_deployment_routes_to_the_replica_the_index_names(actor_name, in
         assert [handle.remote(hot).result(timeout_s=30) for _ in range(8)] == [target] * 8
     finally:
         serve.shutdown()
+
+
+def test_ray_head_in_a_redis_url_is_the_head_nodes_address(ray_session):
+    from cache_service.actor import resolve_head
+
+    head = next(n["NodeManagerAddress"] for n in ray_session.nodes() if "node:__internal_head__" in n["Resources"])
+    assert resolve_head("redis://ray-head:6380/0") == f"redis://{head}:6380/0"
+    assert resolve_head("redis://:secret@ray-head:6380/2") == f"redis://:secret@{head}:6380/2"
+    assert resolve_head("redis://10.0.0.7:6380/0") == "redis://10.0.0.7:6380/0"
+    assert resolve_head(None) is None

@@ -117,7 +117,8 @@ class RoutingConfig(BaseModel):
         2.0, gt=0, description="How often Serve collects each replica's record_routing_stats().")
     redis_url: str | None = Field(
         None, description="Redis holding the cache index (redis://host:port/db); the index then survives "
-        "actor restarts. None: in the actor's memory, rebuilt by worker resyncs after a restart.")
+        "actor restarts. The host ray-head names the Ray head node, where configs/cluster.yaml runs Redis. "
+        "None: in the actor's memory, rebuilt by worker resyncs after a restart.")
     namespace: str = Field(
         "cairn", pattern=r"^[A-Za-z0-9_.-]+$", description="Key prefix of this cluster's index in Redis; "
         "clusters sharing one Redis need distinct namespaces.")
