@@ -56,6 +56,15 @@ CHECKS: dict[str, object] = {
                                                 ("tests/test_configs.py", SERVE_TEST))),
     "bash .ci/setup && python3 -m pytest -q": Elsewhere(((".ci/run", "bash .ci/setup\npython3 -m pytest -q"),)),
     CURL: "test_the_curl_example_gets_an_answer_with_its_cached_tokens",
+    # A real `ray up` needs a cloud: what it reads is checked by Ray's own schemas, and by a check that
+    # no node dials another's loopback (tests/test_configs.py).
+    "ray up configs/cluster.yaml": Elsewhere((("tests/test_configs.py", "def test_cluster_yaml_passes_rays_autoscaler"),
+                                              ("tests/test_configs.py", "def test_nothing_in_a_cluster_config_dials"))),
+    "ray exec configs/cluster.yaml 'cd ~/cairn && serve deploy configs/serve.yaml'": Elsewhere(
+        (("tests/test_configs.py", "def test_serve_yaml_is_a_serve_deploy_config"),)),
+    "ray exec configs/cluster.yaml 'serve status'": Elsewhere((("configs/cluster.yaml", "cluster_name: cairn"),)),
+    "ray get-head-ip configs/cluster.yaml": Elsewhere((("configs/serve.yaml", "port: 8000"),)),
+    "ray down configs/cluster.yaml": Elsewhere((("configs/cluster.yaml", "cluster_name: cairn"),)),
     "python3 benchmarks/throughput.py": Quick("ratio cairn 4 concurrent / transformers static batch:",
                                               "throughput.png"),
     "python3 benchmarks/multiturn.py": Quick("cairn hit tokens / best baseline", "multiturn.png"),
