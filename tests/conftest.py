@@ -261,6 +261,28 @@ def chat_turns(client, model: str, system: str, questions: list[str]) -> tuple[l
     return prompts, cached, replicas
 
 
+def index_converged(engine, index, timeout_s: float = 20.0) -> dict[str, tuple[frozenset, frozenset]]:
+    """Waits until the cache index holds exactly what every live engine replica holds, and no one
+    else; returns replica -> (pages, states). `engine`: the Engine deployment's handle; `index()`:
+    the index actor now registered (looked up each time: a new one once killed for good)."""
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        held = {w: (p, s) for w, p, s in engine.broadcast("cache_contents").results(timeout_s=30)}
+        actor = index()
+        known = {w: ray.get(actor.contents.remote(w), timeout=30) for w in held}
+        stale = ray.get(actor.workers_needing_resync.remote(), timeout=30)
+        if not stale and ray.get(actor.workers.remote(), timeout=30) == set(held) and all(
+                known[w] is not None and tuple(known[w]) == held[w] for w in held):
+            return held
+        sizes = {w: ((len(p), len(s)), known[w] and (len(known[w][0]), len(known[w][1])))
+                 for w, (p, s) in held.items()}
+        assert time.monotonic() < deadline, f"index never converged: needing resync {stale}, " \
+                                            f"(replica, index) sizes {sizes}"
+        time.sleep(0.25)
+
+
 def kill_index_actor(name: str, namespace: str = "cairn") -> None:
     """Kills a test's cache-index actor (detached: it outlives its app) if it is still there."""
     import ray

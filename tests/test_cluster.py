@@ -45,7 +45,7 @@ ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-from conftest import chat_turns, kill_index_actor, open_chat_stream, wait_for_log  # noqa: E402
+from conftest import chat_turns, index_converged, kill_index_actor, open_chat_stream, wait_for_log  # noqa: E402
 
 from cache_service.events import EventBatch, PagesStored  # noqa: E402
 from cluster.app import build_application  # noqa: E402
@@ -193,19 +193,7 @@ class Cluster:
 
     def converged(self, timeout_s: float = 20.0) -> dict[str, tuple[frozenset, frozenset]]:
         """Waits until the index holds exactly what every live replica holds (and no one else)."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            held = self.replicas()
-            known = {w: ray.get(self.index.contents.remote(w), timeout=30) for w in held}
-            stale = ray.get(self.index.workers_needing_resync.remote(), timeout=30)
-            if not stale and self.index_workers() == set(held) and all(
-                    known[w] is not None and tuple(known[w]) == held[w] for w in held):
-                return held
-            sizes = {w: ((len(p), len(s)), known[w] and (len(known[w][0]), len(known[w][1])))
-                     for w, (p, s) in held.items()}
-            assert time.monotonic() < deadline, f"index never converged: needing resync {stale}, " \
-                                                f"(replica, index) sizes {sizes}"
-            time.sleep(0.25)
+        return index_converged(self.engine, lambda: self.index, timeout_s)
 
 
 @pytest.fixture(scope="module")
