@@ -5,8 +5,11 @@
   a `GenerateRequest` (the router, running in this process, reads its page hashes).
 - `HandleEngineClient`: the `EngineClient` over that handle. When a request's first output
   arrives its prompt is computed: it tells this process's routers (`cluster.routing.registry
-  .prefill_done`), which stop counting its prefill as load. Its /metrics adds the routers'
-  counters (`router_counts`) to one replica's engine metrics.
+  .prefill_done`), which stop counting its prefill as load. A replica lost under a request (its
+  process or its node gone: Ray's `RayActorError`) fails the request as `workers.EngineBroken`,
+  which the API answers as it answers any broken engine: 503 `engine_unavailable`, retry (Serve
+  routes the retry to a live replica). Its /metrics adds the routers' counters (`router_counts`)
+  to one replica's engine metrics.
 - `ReplicaHeader`: which replica served a request. Every HTTP response that reached an engine
   carries the header `x-cairn-replica` with the worker id (the Serve replica id, as in the cache
   index) of the replica that produced it (several, comma-separated, for `n > 1` choices that
@@ -21,6 +24,7 @@ from collections.abc import AsyncIterator
 from contextvars import ContextVar
 from typing import Any
 
+from ray.exceptions import RayActorError
 from ray.serve.handle import DeploymentHandle
 
 from cluster.api.engine_client import GenerateRequest
@@ -31,6 +35,7 @@ from cluster.api.tenants import Tenants
 from cluster.metrics_export import INGRESS_EXPORT_INTERVAL_S, RayMetricsMirror
 from cluster.routing.registry import prefill_done, router_counts
 from workers import EngineSpec, ModelSource
+from workers.errors import EngineBroken
 
 log = logging.getLogger(__name__)
 REPLICA_HEADER = "x-cairn-replica"
@@ -60,6 +65,8 @@ class HandleEngineClient:
                         served.append(out.worker_id)
                 finished = out.finished
                 yield out
+        except RayActorError as e:  # ActorDiedError, ActorUnavailableError: the replica is gone
+            raise EngineBroken(f"engine replica lost under request {request.request_id}: {e}") from e
         finally:
             self._streams.pop(request.request_id, None)
             if not finished:

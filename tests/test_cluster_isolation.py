@@ -4,8 +4,9 @@ One Serve app (2 CPU replicas of the tiny demo model, API keys for two tenants) 
 index kept in a redis-server of its own (so killing it touches no other test):
 - tenants: what tenant A sent is invisible to tenant B, by `cached_tokens` and by timing, and the
   index and the router hold nothing under B's page hashes for it (they are rooted in the tenant);
-- a replica killed while it streams: its client gets an error event and [DONE] within seconds,
-  never a hang; the next requests succeed (on the other replica, then on its replacement);
+- a replica killed while it streams: its client gets a retryable error event (503
+  `engine_unavailable`) and [DONE] within seconds, never a hang; the next requests succeed (on
+  the other replica, then on its replacement);
 - Redis killed under load: every request still succeeds (routing falls back to load and memory);
   once Redis is back (empty, as a fresh server is), the index is rebuilt from the replicas.
 The index actor's own death (restarted, or killed for good) is tests/test_cluster.py's.
@@ -199,8 +200,8 @@ def test_a_replica_killed_mid_stream_ends_its_stream_with_an_error_event_and_not
                     killed = time.monotonic()
         assert time.monotonic() - killed < 20, "the stream did not end soon after its replica died"
         assert events[-1] == "[DONE]"
-        error = json.loads(events[-2])
-        assert error["error"]["type"] and "Traceback" not in events[-2], error
+        error = json.loads(events[-2])  # retryable: Serve routes a retry to a live replica
+        assert error["error"]["code"] == "engine_unavailable" and "Traceback" not in events[-2], error
         assert time.monotonic() - started < 60
         # The next requests succeed: the other replica serves until Serve replaces the dead one.
         for i in range(4):

@@ -6,7 +6,8 @@
 - `EngineError`: an internal fault while a request ran; not the caller's doing.
 - `EngineBroken`: an `EngineError` after which the engine cannot run any request (a
   tensor-parallel rank was lost): every request it holds fails, later ones are refused, and
-  its replica reports itself unhealthy so that Serve replaces it. A client should retry.
+  its replica reports itself unhealthy so that Serve replaces it. A client should retry. The
+  ingress raises it too for a request whose replica was lost (`cluster.ingress`).
 - `SequenceFault`: what went wrong for one sequence inside a step (its sampling, its logits, its
   stop check, one of its cache operations). The engine ends that sequence alone, with
   `finish_reason` "error" and the fault's message; every other sequence of the step goes on.

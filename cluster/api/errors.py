@@ -6,8 +6,9 @@ as `messages[2].role`); a request over a size limit is 413 (or 400 for a paramet
 code `limit_exceeded`, its message giving the value and the limit. Come back later: a full
 queue is 429, no free thread to prepare the request is 503, both with Retry-After. Our own
 fault is 500 with a generic message and the request id, the traceback going to the log under
-that id, never to the client; an engine that broke (a tensor-parallel rank lost) is 503
-`engine_unavailable` with Retry-After: its replica is being replaced. A client that left is logged as 499.
+that id, never to the client; an engine that broke (a tensor-parallel rank lost, or its replica
+lost with its process or node) is 503 `engine_unavailable` with Retry-After: its replica is being
+replaced. A client that left is logged as 499.
 """
 
 from __future__ import annotations
@@ -61,8 +62,8 @@ def internal_error(request_id: str) -> APIError:
 
 
 def engine_unavailable(request_id: str) -> APIError:
-    """The engine running the request broke (`workers.EngineBroken`, a tensor-parallel rank lost):
-    nothing the client did; the replica is being replaced, so a retry succeeds."""
+    """The engine running the request broke (`workers.EngineBroken`: a tensor-parallel rank lost, or
+    the replica itself): nothing the client did; the replica is being replaced, so a retry succeeds."""
     return APIError(503, f"the engine serving this request failed and is being replaced; retry the request "
                          f"(request id {request_id})", code="engine_unavailable", headers={"Retry-After": "1"})
 
