@@ -1,7 +1,9 @@
 """The cache index as a Ray actor.
 
 `index_actor(...)` gets or creates the one named, detached `CacheIndexActor` of a cluster (Ray
-restarts it on failure, `max_restarts=-1`). Its async methods wrap `CacheIndex`: `apply(bytes)`,
+restarts it on failure, `max_restarts=-1`), on the head node whoever creates it (an engine replica
+on a worker node usually does): a worker node can be lost, and the head is the one node the
+cluster cannot lose anyway. Its async methods wrap `CacheIndex`: `apply(bytes)`,
 `score(page_hashes)`, `drop_worker`, `workers`, `contents`, `host_contents`, `workers_needing_resync`,
 `needs_resync`, `stats`, and `feed(epoch, cursor, wait_s)`: the change feed routers mirror the
 index from (cache_service.feed; a long poll: it answers at once if something changed since
@@ -42,6 +44,7 @@ DEFAULT_ACTOR_NAME = "cairn-cache-index"
 DEFAULT_RAY_NAMESPACE = "cairn"
 SERVE_REPLICA_PREFIX = "SERVE_REPLICA::"  # ray.serve._private.common.REPLICA_ID_FULL_ID_STR_PREFIX
 SERVE_NAMESPACE = "serve"                 # where Serve names its replica actors
+HEAD_NODE_RESOURCE = "node:__internal_head__"  # ray._common.constants.HEAD_NODE_RESOURCE_NAME: the head's alone
 LIVENESS_INTERVAL_S = 1.0
 
 
@@ -196,9 +199,10 @@ def _actors_alive(names: list[str]) -> list[bool | None]:
 def index_actor(name: str = DEFAULT_ACTOR_NAME, ray_namespace: str = DEFAULT_RAY_NAMESPACE,
                 redis_url: str | None = None, namespace: str = "cairn", max_pages: int = 4_000_000,
                 num_cpus: float = 0.0) -> ray.actor.ActorHandle:
-    """The cluster's index actor, created on first use (blocking: call it off the event loop).
-    Later callers get the existing actor whatever arguments they pass."""
+    """The cluster's index actor, created on first use (blocking: call it off the event loop), on
+    the head node (a sliver of its head resource; restarts stay there too). Later callers get the
+    existing actor whatever arguments they pass."""
     return CacheIndexActor.options(
         name=name, namespace=ray_namespace, lifetime="detached", get_if_exists=True,
-        max_restarts=-1, num_cpus=num_cpus,
+        max_restarts=-1, num_cpus=num_cpus, resources={HEAD_NODE_RESOURCE: 0.001},
     ).remote(redis_url, namespace, max_pages)

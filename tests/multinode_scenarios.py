@@ -1,0 +1,185 @@
+"""The cluster across nodes: scenarios on a `multinode_cluster.App` (2 engine replicas on 2 GPU
+worker nodes, the index in Redis), run as a script by tests/test_cluster_multinode.py in a process
+of its own (a process holds one Ray connection, and the test process may hold the shared local
+one). `RAY_TMPDIR` should be a folder of its own: the head writes there the address that a bare
+`ray.init()` on this machine would join.
+
+    python3 tests/multinode_scenarios.py MODEL_DIR REDIS_URL
+
+deploys the app, then runs the scenarios in order, each printing one line `SCENARIO {json}`: what
+it observed, for the test to judge (`error`: the traceback of a scenario that raised). Times are
+seconds, measured here.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+import traceback
+
+import ray
+from ray import serve
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from conftest import chat_turns, index_converged
+from multinode_cluster import INDEX, MODEL, App, Load, MultiNode, Outcome, persona, wait_until
+
+QUESTIONS = ["How do I build a cairn that lasts the winter?", "How tall should it be to show in fog?",
+             "Which stones hold best when wet?", "How often should someone check on it?"]
+
+
+# ---- scenarios ---------------------------------------------------------------------------------
+
+@ray.remote(num_cpus=0)
+def create_index(name: str, namespace: str) -> None:
+    """Creates an index actor from wherever this task runs, as a replica's publisher does."""
+    from cache_service.actor import index_actor
+
+    ray.get(index_actor(name, namespace).stats.remote())
+
+
+def placement(app: App) -> dict:
+    """Where each actor runs, and where index actors created from a worker node's process land."""
+    nodes, namespace = app.nodes, app.routing.index_actor_namespace
+    ray.get(app.index.stats.remote(), timeout=30)  # running, not only registered
+    where = {name: nodes.role(node) for name, node in nodes.node_of().items()}
+    names = [f"{INDEX}-from-worker-{k}" for k in range(6)]
+    on_worker = NodeAffinitySchedulingStrategy(nodes.workers[0].node_id, soft=False)
+    ray.get([create_index.options(scheduling_strategy=on_worker).remote(n, namespace) for n in names])
+    created = [nodes.role(nodes.node_of()[n]) for n in names]
+    for n in names:
+        ray.kill(ray.get_actor(n, namespace=namespace), no_restart=True)
+    return {"actors": where, "index": INDEX, "created_from_worker": created}
+
+
+def conversations(app: App, first: int = 0) -> dict:
+    """Four conversations at once (personas `first`.. `first` + 3), four turns each, through the
+    official client."""
+    out: list = [None] * 4
+
+    def run(i: int) -> None:
+        try:
+            prompts, cached, replicas = chat_turns(app.client(), MODEL, persona(first + i), QUESTIONS)
+            out[i] = {"prompts": prompts, "cached": cached, "replicas": sorted(replicas)}
+        except Exception as e:  # noqa: BLE001 - raised below, for the test to show
+            out[i] = {"error": repr(e)}
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    if failed := [c for c in out if c is None or "error" in c]:
+        raise RuntimeError(f"conversations failed: {failed}")
+    return {"conversations": out, "engines": app.engines()}
+
+
+def since(zero: float) -> float:
+    return round(time.monotonic() - zero, 2)
+
+
+def node_loss(app: App) -> dict:
+    """A spare worker joins; then, under load and with streams in flight on both replicas, the
+    worker node of the replica that shares no node with the ingress is removed abruptly. Times are
+    from the removal."""
+    started = time.monotonic()
+    app.nodes.workers.append(app.nodes.add_worker())
+    spare_s = since(started)
+    before = app.engines()
+    ingress_role = next(app.nodes.role(n) for name, n in app.nodes.node_of().items() if "#Ingress#" in name)
+    victim = next(name for name, role in sorted(before.items()) if role != ingress_role)
+    victim_node = next(w for w in app.nodes.workers if app.nodes.role(w.node_id) == before[victim])
+
+    streams: list[Outcome] = []
+    stop, threads = threading.Event(), []
+    for i in range(4):  # one at a time: new prompts go by load, so both replicas hold streams
+        opened = threading.Event()
+        threads.append(threading.Thread(target=app.stream, args=(i, opened, stop, streams), daemon=True))
+        threads[-1].start()
+        opened.wait(60)
+    with Load(app) as load:
+        time.sleep(1.5)
+        lost = time.monotonic()
+        app.nodes.ray.remove_node(victim_node, allow_graceful=False)  # as if its machine went dark
+        removed_s = since(lost)
+        wait_until(lambda: victim not in app.index_workers(), 30, "the index dropped the dead replica")
+        dropped_s = since(lost)
+        after = wait_until(lambda: (e := app.replicas()) and victim not in e and len(e) == 2 and e, 120,
+                           "Serve replaced the replica")
+        replaced_s = since(lost)
+        wait_until(lambda: set(after) <= app.index_workers(), 30, "the replacement reached the index")
+        indexed_s = since(lost)
+        time.sleep(1)
+        stop.set()
+    for t in threads:
+        t.join(timeout=60)
+    return {"victim": victim, "victim_node": before[victim], "before": before, "after": app.engines(),
+            "spare_node_joined_s": spare_s, "removed_s": removed_s, "index_dropped_s": dropped_s,
+            "replaced_s": replaced_s, "replacement_indexed_s": indexed_s,
+            "streams": [o.since(lost) for o in streams], "load": [o.since(lost) for o in load.outcomes],
+            "conversations_after": conversations(app, first=10)["conversations"]}
+
+
+def index_restart(app: App) -> dict:
+    """The index actor, whose state is in Redis, is killed twice: with nothing running, restarted by
+    Ray (it must hold exactly what it held); then under load, for good (a successor is created by
+    the first router or replica to look it up). Times are from the kill."""
+    out: dict = {}
+    for how, threads in (("restarted", 0), ("replaced", 2)):
+        held = index_converged(app.engine, lambda: app.index, timeout_s=30)
+        old = app.index
+        with Load(app, threads) as load:
+            time.sleep(1)
+            killed = time.monotonic()
+            ray.kill(old, no_restart=how == "replaced")
+
+            def back():
+                try:
+                    new = app.index
+                    stats = ray.get(new.stats.remote(), timeout=5)
+                except (ValueError, ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                    return None  # not created yet, or still starting
+                return (stats["restarted"] if how == "restarted" else new._actor_id != old._actor_id) and stats
+            stats = wait_until(back, 60, f"index {how}")
+            back_s, new = since(killed), app.index
+            known = {w: ray.get(new.contents.remote(w), timeout=30) for w in held}
+            out[how] = {"back_s": back_s, "node": app.nodes.role(app.nodes.node_of()[INDEX]), "stats": stats,
+                        "workers_before": sorted(held), "workers_after": sorted(ray.get(new.workers.remote())),
+                        "needing_resync": sorted(ray.get(new.workers_needing_resync.remote())),
+                        "same_contents": all(known[w] is not None and tuple(known[w]) == held[w] for w in held),
+                        "pages_before": sum(len(p) for p, _ in held.values())}
+            time.sleep(1)
+        index_converged(app.engine, lambda: app.index, timeout_s=30)
+        out[how].update(converged_s=since(killed), load=[o.since(killed) for o in load.outcomes])
+    return out
+
+
+SCENARIOS = (placement, conversations, node_loss, index_restart)
+
+
+def main(model_dir: str, redis_url: str) -> None:
+    nodes = MultiNode(workers=2)
+    try:
+        ray.init(address=nodes.ray.address, namespace="cairn-multinode", log_to_driver=False)
+        started = time.monotonic()
+        app = App(nodes, model_dir, redis_url)
+        print("SCENARIO " + json.dumps({"name": "deploy", "s": round(time.monotonic() - started, 1)}), flush=True)
+        for scenario in SCENARIOS:
+            started = time.monotonic()
+            try:
+                result = scenario(app)
+            except Exception:
+                result = {"error": traceback.format_exc()}
+            result.update(name=scenario.__name__, s=round(time.monotonic() - started, 1))
+            print("SCENARIO " + json.dumps(result, default=sorted), flush=True)
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+            nodes.ray.shutdown()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])
