@@ -17,6 +17,7 @@ import json  # noqa: E402
 import shutil  # noqa: E402
 import socket  # noqa: E402
 import subprocess  # noqa: E402
+import threading  # noqa: E402
 import time  # noqa: E402
 from contextlib import ExitStack, contextmanager  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -281,6 +282,28 @@ def index_converged(engine, index, timeout_s: float = 20.0) -> dict[str, tuple[f
         assert time.monotonic() < deadline, f"index never converged: needing resync {stale}, " \
                                             f"(replica, index) sizes {sizes}"
         time.sleep(0.25)
+
+
+class LoadThreads:
+    """Threads running `_run(k)` (k = 0 .. threads - 1, a subclass's load loop, which returns once
+    `_stop` is set) from the start of a `with` block to its end, which stops and joins them."""
+
+    def __init__(self, threads: int):
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(k,), daemon=True) for k in range(threads)]
+
+    def __enter__(self):
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=90)
+
+    def _run(self, k: int) -> None:
+        raise NotImplementedError
 
 
 def kill_index_actor(name: str, namespace: str = "cairn") -> None:

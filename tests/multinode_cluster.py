@@ -26,7 +26,7 @@ from ray.cluster_utils import Cluster
 from cluster.app import build_application
 from cluster.ingress import REPLICA_HEADER
 from cluster.routing.config import RoutingConfig
-from conftest import free_port, open_chat_stream
+from conftest import LoadThreads, free_port, open_chat_stream
 
 MB = 1024 * 1024
 MODEL = "tiny"
@@ -150,22 +150,12 @@ class App:
             opened.set()
 
 
-class Load:
+class Load(LoadThreads):
     """Threads sending short chats back to back until stopped; every Outcome kept."""
 
     def __init__(self, app: App, threads: int = 2):
-        self.app, self.outcomes, self._stop = app, [], threading.Event()
-        self._threads = [threading.Thread(target=self._run, args=(k,), daemon=True) for k in range(threads)]
-
-    def __enter__(self):
-        for t in self._threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        for t in self._threads:
-            t.join(timeout=90)
+        super().__init__(threads)
+        self.app, self.outcomes = app, []
 
     def _run(self, k: int) -> None:
         with httpx.Client(base_url=self.app.url, timeout=60) as http:

@@ -45,7 +45,8 @@ ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-from conftest import chat_turns, index_converged, kill_index_actor, open_chat_stream, wait_for_log  # noqa: E402
+from conftest import (LoadThreads, chat_turns, index_converged, kill_index_actor, open_chat_stream,  # noqa: E402
+                      wait_for_log)
 
 from cache_service.events import EventBatch, PagesStored  # noqa: E402
 from cluster.app import build_application  # noqa: E402
@@ -218,24 +219,13 @@ class Record:
     replica: str | None
 
 
-class Load:
+class Load(LoadThreads):
     """Threads holding multi-turn conversations back to back until stopped; every request is
     recorded (a failed one ends its conversation)."""
 
     def __init__(self, cluster: Cluster, threads: int = 4, turns: int = 4):
-        self.cluster, self.turns, self.records = cluster, turns, []
-        self._stop, self._lock = threading.Event(), threading.Lock()
-        self._threads = [threading.Thread(target=self._run, args=(k,), daemon=True) for k in range(threads)]
-
-    def __enter__(self):
-        for t in self._threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        for t in self._threads:
-            t.join(timeout=90)
+        super().__init__(threads)
+        self.cluster, self.turns, self.records, self._lock = cluster, turns, [], threading.Lock()
 
     def _run(self, k: int) -> None:
         client, conv = self.cluster.client(), 1000 * (k + 1)

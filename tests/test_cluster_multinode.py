@@ -129,7 +129,7 @@ def test_the_index_drops_a_lost_node_s_replica_within_seconds_and_new_requests_s
     replica once its health check fails), on the reaper's second lookup; routers stop sending to it
     earlier, when Serve takes it out of their replica set."""
     loss = observed(scenarios, "node_loss")
-    assert loss["index_dropped_s"] < 10, loss["index_dropped_s"]
+    assert loss["index_dropped_s"] < 15, loss["index_dropped_s"]  # 5 to 7 s here, alone on 2 cores
     later = [o for o in loss["load"] if o["start"] > loss["index_dropped_s"]]
     assert len(later) >= 4 and all(o["status"] == 200 and o["replica"] != loss["victim"] for o in later), later
     served = set()
