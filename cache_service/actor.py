@@ -17,7 +17,7 @@ index from (cache_service.feed; a long poll: it answers at once if something cha
 - With a Redis URL the index lives in Redis: a restarted actor resumes exactly where the last
   one stopped (contents, seq numbers, trust), and fences the old one out. The host `ray-head`
   in the URL names the Ray head node (`resolve_head`): the cluster config runs Redis there,
-  and the actor, wherever Ray places it, dials the head's address, never its own 127.0.0.1.
+  and the actor dials the head's address, never 127.0.0.1.
 - Without, a restarted actor starts empty and asks every worker it does not know to resync:
   `needs_resync(worker)` is true for them, and their next incremental batch is refused as a gap.
 Only this file under cache_service imports Ray. Replicas feed the actor through
