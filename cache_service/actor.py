@@ -202,7 +202,12 @@ def index_actor(name: str = DEFAULT_ACTOR_NAME, ray_namespace: str = DEFAULT_RAY
     """The cluster's index actor, created on first use (blocking: call it off the event loop), on
     the head node (a sliver of its head resource; restarts stay there too). Later callers get the
     existing actor whatever arguments they pass."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
     return CacheIndexActor.options(
         name=name, namespace=ray_namespace, lifetime="detached", get_if_exists=True,
         max_restarts=-1, num_cpus=num_cpus, resources={HEAD_NODE_RESOURCE: 0.001},
+        # never inside the placement group of whoever creates it (a tensor-parallel replica's):
+        # it would not fit there, and it would die with that replica's group
+        scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=None),
     ).remote(redis_url, namespace, max_pages)
