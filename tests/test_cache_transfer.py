@@ -135,3 +135,20 @@ def test_a_fetch_never_crosses_a_cache_salt(tiny_model_dir):
     assert fetch(receiver, holder, tokens, salt="tenant-b", depth=depth) == 0
     assert run(receiver, tokens, salt="tenant-b").cached_tokens == 0
     assert receiver.metrics()["fetch_fallbacks_total:evicted"] == 1
+
+
+def test_a_holder_exports_what_its_host_tier_keeps(tiny_model_dir):
+    holder = Engine.from_pretrained(tiny_model_dir, cache_policy="all", cache_memory_bytes=30 * 8192,
+                                    host_cache_bytes=2000 * 8192, max_num_seqs=4)
+    receiver = Engine.from_pretrained(tiny_model_dir, cache_policy="all", num_pages=256)
+    conversation = prompt(6 * PS + 3, seed=11)
+    first = run(holder, conversation)
+    for i in range(4):  # other conversations push it out to the holder's host tier
+        run(holder, prompt(6 * PS, seed=40 + i))
+    turn2 = conversation + first.token_ids + prompt(7, seed=12)
+    hashes = receiver.spec.page_hashes(turn2, receiver.spec.hash_root())
+    assert any(h in holder.cache.host.pages for h in hashes) and any(h in holder.cache.host.checkpoints for h in hashes)
+    assert fetch(receiver, holder, turn2) > 0
+    got = run(receiver, turn2)
+    assert got.cached_tokens >= 6 * PS
+    assert_same_output(got, run(receiver, turn2, salt="cold"))

@@ -53,20 +53,13 @@ class ResumeExport:
         return self.pages.nbytes + (self.checkpoint.nbytes if self.checkpoint is not None else 0)
 
 
-def _device_run(cache, page_hashes: list[bytes]) -> int:
-    h = 0
-    while h < len(page_hashes) and cache.pages.page_of(page_hashes[h]) is not None:
-        h += 1
-    return h
-
-
 def plan_fetch(engine, page_hashes: list[bytes], num_tokens: int, depth: int) -> FetchPlan | None:
     """What the receiver asks a holder resuming at `depth` pages for (module doc)."""
     cache, ps = engine.cache, engine.spec.page_size
     depth = min(depth, len(page_hashes), (num_tokens - 1) // ps)
     if depth <= 0 or engine.options.tensor_parallel_size > 1:
         return None
-    first = min(_device_run(cache, page_hashes), depth)
+    first = min(cache.device_run(page_hashes), depth)
     local = cache.checkpoints.get(page_hashes[depth - 1]) is not None or page_hashes[depth - 1] in cache.host.checkpoints
     if first == depth and (local or not cache.recurrent):
         return None
@@ -79,15 +72,12 @@ def export_resume(engine, page_hashes: list[bytes], first: int, depth: int) -> R
     if engine.options.tensor_parallel_size > 1 or not 0 <= first <= depth <= len(page_hashes):
         return None
     engine.flush_block_copies()  # a block read here must hold what the cache says it holds
-    rows = []
-    for page_hash in page_hashes[first:depth]:
-        page = cache.pages.page_of(page_hash)
-        if page is not None:
-            rows.append(runner.read_blocks([page]))
-        elif page_hash in cache.host.pages:
-            rows.append(runner.read_blocks([cache.host.pages[page_hash].block], host=True))
-        else:
-            return None  # evicted since the router looked
+    wanted = page_hashes[first:depth]
+    on_device = cache.device_run(wanted)  # then the chain's host pages follow
+    if any(h not in cache.host.pages for h in wanted[on_device:]):
+        return None  # evicted since the router looked
+    rows = [runner.read_blocks(cache.pages.pages_of(wanted[:on_device])),
+            runner.read_blocks([cache.host.pages[h].block for h in wanted[on_device:]], host=True)]
     ckpt, blocks = None, None
     if cache.recurrent and depth:
         tail = page_hashes[depth - 1]
@@ -100,8 +90,7 @@ def export_resume(engine, page_hashes: list[bytes], first: int, depth: int) -> R
         else:
             return None
     width = engine.layout.block_bytes
-    pages = np.concatenate(rows) if rows else np.zeros((0, width), dtype=np.uint8)
-    return ResumeExport(tuple(page_hashes[first:depth]), pages, blocks,
+    return ResumeExport(tuple(wanted), np.concatenate(rows), blocks,
                         tuple(sorted(ckpt.kinds)) if ckpt is not None else (),
                         ckpt.exact_tail if ckpt is not None else None, width)
 
@@ -111,7 +100,7 @@ def import_resume(engine, export: ResumeExport, page_hashes: list[bytes], first:
     cache, layout = engine.cache, engine.layout
     n = len(export.page_hashes)
     depth = first + n
-    run = _device_run(cache, page_hashes)  # it may have grown since the plan, never shrunk below `first`
+    run = cache.device_run(page_hashes)  # it may have grown since the plan, never shrunk below `first`
     if (engine.options.tensor_parallel_size > 1 or export.block_bytes != layout.block_bytes
             or tuple(page_hashes[first:depth]) != export.page_hashes or export.pages.shape != (n, layout.block_bytes)
             or run < first

@@ -150,16 +150,7 @@ class PrefixCache(CachePlacement):
     def match(self, seq: Sequence) -> Match:
         n, ps = seq.num_tokens, self.page_size
         hashes = self.extend_hashes(seq, n // ps)
-        page_of = self.pages.page_of
-        # The resident pages of a chain are a prefix of it (a page is registered after its parent
-        # and evicted with its descendants), so the run's end is found by bisection.
-        h, hi = 0, n // ps
-        while h < hi:
-            mid = (h + hi + 1) // 2
-            if page_of(hashes[mid - 1]) is not None:
-                h = mid
-            else:
-                hi = mid - 1
+        h = self.device_run(hashes, n // ps)
         top, host = h, self.host  # the host pages of the chain follow its device run
         if host:
             while top < n // ps and hashes[top] in host.pages:
@@ -189,6 +180,20 @@ class PrefixCache(CachePlacement):
             if not m.promote and not from_host:
                 break  # a device resume point copies nothing: shallower ones only cost more
         return best
+
+    def device_run(self, hashes: list[bytes], upto: int | None = None) -> int:
+        """How many of the first `upto` (default: all) pages of the chain `hashes` are on the
+        device. The device pages of a chain are a prefix of it (a page is registered after its
+        parent and evicted with its descendants), so the run's end is found by bisection."""
+        page_of = self.pages.page_of
+        h, hi = 0, len(hashes) if upto is None else upto
+        while h < hi:
+            mid = (h + hi + 1) // 2
+            if page_of(hashes[mid - 1]) is not None:
+                h = mid
+            else:
+                hi = mid - 1
+        return h
 
     def _resume_cost(self, m: Match, num_tokens: int) -> float:
         """Seconds to resume at `m` (`workers.tier_cost`): its host copies and its prefill."""
