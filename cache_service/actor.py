@@ -5,9 +5,10 @@ restarts it on failure, `max_restarts=-1`), on the head node whoever creates it 
 on a worker node usually does): a worker node can be lost, and the head is the one node the
 cluster cannot lose anyway. Its async methods wrap `CacheIndex`: `apply(bytes)`,
 `score(page_hashes)`, `drop_worker`, `workers`, `contents`, `host_contents`, `workers_needing_resync`,
-`needs_resync`, `stats`, and `feed(epoch, cursor, wait_s)`: the change feed routers mirror the
-index from (cache_service.feed; a long poll: it answers at once if something changed since
-`cursor`, else when something does or `wait_s` passes).
+`needs_resync`, `stats`, `digest` (`CacheIndex.digest`, to compare a router's mirror with the
+index), and `feed(epoch, cursor, wait_s)`: the change feed routers mirror the index from
+(cache_service.feed; a long poll: it answers at once if something changed since `cursor`, else
+when something does or `wait_s` passes).
 - Dead replicas are dropped by the index itself: a worker id that is a Serve replica id
   (`SERVE_REPLICA::app#deployment#id`, the name Serve gives the replica's actor in the `serve`
   namespace) is looked up every `liveness_interval_s`; once its actor is gone on two lookups in a
@@ -172,6 +173,12 @@ class CacheIndexActor:
             return True
         forgot = self._resync_unknown or self._index.store_lost()
         return forgot and worker_id not in self._index.workers()
+
+    async def digest(self) -> dict[str, Any]:
+        """The index's `CacheIndex.digest` with the feed's `epoch` and `cursor` it is as of (read in
+        one step): a mirror at that epoch and cursor holds the same digest. Reads every entry
+        (from Redis, with that backend): for tests and operators, not for routing."""
+        return dict(epoch=self._feed.epoch, cursor=self._feed.cursor, digest=self._index.digest())
 
     async def stats(self) -> dict[str, Any]:
         self._watch()

@@ -206,6 +206,19 @@ class IndexMirror:
         """Workers the mirror knows, as of its last chunk (counted there, off the request path)."""
         return int(self._gauges.get("index_mirror_workers", 0))
 
+    def summary(self) -> dict:
+        """Where this mirror stands, to compare it with other mirrors and with the index: the
+        feed's `epoch` it follows (None before its first chunk or while it waits for a snapshot),
+        its `cursor`, the `workers` it knows (sorted), its `pages` ((worker, page) entries), the
+        `digest` of its index (`CacheIndex.digest`) and `age_s` since the feed last answered
+        (None before it ever did). Reads every entry, on the caller's thread: call it where the
+        mirror is applied (its router's loop), off the request path; a chunk being applied there
+        in slices shows partly applied, under the cursor it started from."""
+        age = self._clock() - self.heard_at
+        return dict(epoch=self.epoch, cursor=self.cursor, workers=sorted(self.index.workers()),
+                    pages=self.index.stats()["pages"], digest=self.index.digest(),
+                    age_s=None if age == float("inf") else round(age, 3))
+
     def gauges(self) -> dict[str, float]:
         """What the mirror costs and how current it is, as of its last chunk: index_mirror_pages,
         _states, _bytes (approximate), _workers, _snapshots (taken so far), and _age_seconds

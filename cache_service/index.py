@@ -38,11 +38,14 @@ hash -> worker-bitmask maps and stops as soon as no trusted worker still matches
 
 from __future__ import annotations
 
+import hashlib
 import sys
 from collections.abc import Iterable, Iterator, Sequence
 from itertools import repeat
 from dataclasses import dataclass
 from typing import Protocol
+
+import msgpack
 
 from cache_service.events import (HOST, AllCleared, Event, EventBatch, PagesRemoved, PagesStored,
                                   StateRemoved, StateStored)
@@ -351,3 +354,21 @@ class CacheIndex:
         """workers, workers_needing_resync, pages, states, max_pages, approx_bytes, and the
         counters batches_applied/ignored/refused, gaps_detected, pages_dropped."""
         return self._store.stats()
+
+    def digest(self) -> str:
+        """A hash (hex) of everything scoring and the next batch depend on, for every worker a
+        batch was applied from (the workers a feed snapshot carries): its last seq, whether it is
+        trusted, its pages and states, and which of them are in host memory. Two indexes with
+        the same digest score every prompt alike and take or refuse the next batch alike, on
+        either backend. It reads every entry: for tests and operators comparing copies (a
+        router's mirror against the actor's index), never on the request path."""
+        h = hashlib.blake2b(digest_size=16)
+        untrusted = self.workers_needing_resync()
+        for worker in sorted(self.workers()):
+            last = self.last_seq(worker)
+            if last is None:  # known only as untrusted, holding nothing: scores nothing anywhere
+                continue
+            held, on_host = self.contents(worker), self.host_contents(worker)
+            h.update(msgpack.packb([worker, last, worker in untrusted, *(sorted(s) for s in (*held, *on_host))],
+                                   use_bin_type=True))
+        return h.hexdigest()

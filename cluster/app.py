@@ -57,15 +57,19 @@ def build_application(model_dir: str | Path | None = None, replicas: int = 2, *,
                       api_limits: dict[str, Any] | None = None, special_tokens_in_content: bool = False,
                       public_system_prompts: list[str] | None = None, tool_call_parser: str = "auto",
                       autoscaling: dict[str, Any] | None = None, max_ongoing_requests: int | None = None,
-                      ingress_max_ongoing_requests: int = 1024, health_check_period_s: float | None = None,
+                      ingress_max_ongoing_requests: int = 1024, ingress_max_replicas_per_node: int | None = None,
+                      health_check_period_s: float | None = None,
                       graceful_shutdown_timeout_s: float = 120.0, graceful_shutdown_wait_loop_s: float = 1.0):
     """The bound Serve application. `model_dir` is a directory or a Hugging Face id
     (`org/name[@revision]`); None serves the tiny demo model.
     `max_ongoing_requests` per engine replica defaults to the engine's max_num_seqs;
     `health_check_period_s` (Serve's default: 10) is how often the controller checks a replica,
-    hence how soon it replaces one that died. Keys, tenants, HTTP limits, per-request limits and
-    the special-token opt-out and the tool-call parser go to the ingress (`cluster.ingress.Ingress`;
-    `cluster.api.http_limits.HTTPLimits` and `cluster.api.limits.APILimits` as dicts)."""
+    hence how soon it replaces one that died. `ingress_max_replicas_per_node` (Serve's
+    max_replicas_per_node; None: no bound) spreads the ingress replicas over nodes: each node's
+    proxy prefers an ingress replica on its own node. Keys, tenants, HTTP limits, per-request
+    limits and the special-token opt-out and the tool-call parser go to the ingress
+    (`cluster.ingress.Ingress`; `cluster.api.http_limits.HTTPLimits` and
+    `cluster.api.limits.APILimits` as dicts)."""
     from workers import EngineOptions, EngineSpec, ModelSource, demo_model_dir
 
     check_ingress_limits(http_limits or {})
@@ -95,9 +99,12 @@ def build_application(model_dir: str | Path | None = None, replicas: int = 2, *,
         **engine_extra,
         **({"autoscaling_config": autoscaling} if autoscaling else {"num_replicas": replicas}),
     ).bind(str(source), options, routing.model_dump(), spec)
+    ingress_extra = dict(extra)
+    if ingress_max_replicas_per_node is not None:
+        ingress_extra["max_replicas_per_node"] = ingress_max_replicas_per_node
     ingress = serve.deployment(serve.ingress()(Ingress), name="Ingress", num_replicas=ingress_replicas,
                                max_ongoing_requests=ingress_max_ongoing_requests,
-                               ray_actor_options=dict(num_cpus=min(num_cpus, 0.25)), **extra)
+                               ray_actor_options=dict(num_cpus=min(num_cpus, 0.25)), **ingress_extra)
     return ingress.bind(engine, str(source), spec, served_model_name, api_key, api_keys=api_keys,
                         api_keys_file=api_keys_file, metrics_key=metrics_key,
                         shared_cache_tenants=shared_cache_tenants, http_limits=http_limits,
@@ -126,8 +133,8 @@ def app_builder(args: dict[str, Any]):
     shared_cache_tenants, public_system_prompts, http_limits, max_body_bytes, api_limits,
     special_tokens_in_content, tool_call_parser,
     autoscaling, max_ongoing_requests,
-    ingress_max_ongoing_requests, health_check_period_s, graceful_shutdown_timeout_s,
-    graceful_shutdown_wait_loop_s. Unknown keys are an error."""
+    ingress_max_ongoing_requests, ingress_max_replicas_per_node, health_check_period_s,
+    graceful_shutdown_timeout_s, graceful_shutdown_wait_loop_s. Unknown keys are an error."""
     args = dict(args or {})
     routing = args.pop("routing", None)
     if isinstance(routing, str):

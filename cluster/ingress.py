@@ -3,8 +3,9 @@
 - `Ingress`: the FastAPI app of `cluster.api` over a `HandleEngineClient`, which renders,
   tokenizes and hashes once, then calls `EngineReplica.generate` through a DeploymentHandle with
   a `GenerateRequest` (the router, running in this process, reads its page hashes).
-- `HandleEngineClient`: the `EngineClient` over that handle. When a request's first output
-  arrives its prompt is computed: it tells this process's routers (`cluster.routing.registry
+- `HandleEngineClient`: the `EngineClient` over that handle, whose router (and with it its index
+  mirror) the ingress starts in its constructor, before its first request. When a request's
+  first output arrives its prompt is computed: it tells this process's routers (`cluster.routing.registry
   .prefill_done`), which stop counting its prefill as load. A replica lost under a request (its
   process or its node gone: Ray's `RayActorError`) fails the request as `workers.EngineBroken`,
   which the API answers as it answers any broken engine: 503 `engine_unavailable`, retry (Serve
@@ -14,6 +15,11 @@
   carries the header `x-cairn-replica` with the worker id (the Serve replica id, as in the cache
   index) of the replica that produced it (several, comma-separated, for `n > 1` choices that
   landed apart). Tests and benchmarks use it to check affinity; it is not part of the OpenAI API.
+- `Ingress.routing_state()`: a method for operators and tests, never on the request path (it is
+  no HTTP route; call it through a DeploymentHandle, e.g. `broadcast("routing_state")` for every
+  ingress replica): this replica's node and what each cache-affinity router of its process
+  mirrors of the index, so every ingress's mirror can be compared with the others and with the
+  index actor (`CacheIndexActor.digest`).
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ from collections.abc import AsyncIterator
 from contextvars import ContextVar
 from typing import Any
 
+import ray
+from ray import serve
 from ray.exceptions import RayActorError
 from ray.serve.handle import DeploymentHandle
 
@@ -33,7 +41,7 @@ from cluster.api.limits import APILimits
 from cluster.api.metrics import engine_families
 from cluster.api.tenants import Tenants
 from cluster.metrics_export import INGRESS_EXPORT_INTERVAL_S, RayMetricsMirror
-from cluster.routing.registry import prefill_done, router_counts
+from cluster.routing.registry import mirror_summaries, prefill_done, router_counts
 from workers import EngineSpec, ModelSource
 from workers.errors import EngineBroken
 
@@ -112,7 +120,10 @@ class Ingress:
         self.special_tokens_in_content = special_tokens_in_content
         self.public_system_prompts = list(public_system_prompts or ())
         self.tool_call_parser = tool_call_parser
-        self.client = HandleEngineClient(engine, spec)
+        # options() starts the handle's router now (Serve would start it at the first call): its
+        # index mirror follows the index from before this replica takes traffic, where a router
+        # started by a request would route this replica's first requests by load alone
+        self.client = HandleEngineClient(engine.options(), spec)
         self._api_metrics: Any = None
         self._mirror = RayMetricsMirror()
         self._export = asyncio.get_running_loop().create_task(self._export_loop())
@@ -130,6 +141,16 @@ class Ingress:
         self._api_metrics = app.state.metrics
         app.add_middleware(ReplicaHeader)
         return app
+
+    async def routing_state(self) -> dict[str, Any]:
+        """This ingress replica's `replica` id and `node` id, and `routers`: for each router of
+        this process that keeps an index mirror (the engine handle's, started in the
+        constructor), the deployment it routes to, the index it mirrors, its counters and where
+        its mirror stands (`cluster.routing.registry.mirror_summaries`: epoch, cursor, workers,
+        pages, digest, age). Reads every mirror entry, on the routers' loops: for operators and
+        tests, never on the request path."""
+        return dict(replica=serve.get_replica_context().replica_id.to_full_id_str(),
+                    node=ray.get_runtime_context().get_node_id(), routers=await mirror_summaries())
 
     async def _export_loop(self) -> None:
         """Copies this replica's API metrics and router counters to Ray's metrics export."""

@@ -244,14 +244,16 @@ def open_chat_stream(http, model: str, messages: list[dict], max_tokens: int = 1
 def chat_turns(client, model: str, system: str, questions: list[str]) -> tuple[list[int], list[int], set]:
     """A conversation through the official client, greedy, each answer echoed back with its
     reasoning as a chat app does: (prompt tokens, cached tokens) per turn, and the replicas
-    (`cluster.ingress.REPLICA_HEADER`) that served it."""
+    (`cluster.ingress.REPLICA_HEADER`) that served it. `client` may be a list of clients: turn t
+    goes through client[t % len(client)]."""
     from cluster.ingress import REPLICA_HEADER
 
+    clients = client if isinstance(client, (list, tuple)) else [client]
     messages, prompts, cached, replicas = [{"role": "system", "content": system}], [], [], set()
-    for question in questions:
+    for turn, question in enumerate(questions):
         messages.append({"role": "user", "content": question})
-        raw = client.chat.completions.with_raw_response.create(model=model, messages=messages, max_tokens=8,
-                                                               temperature=0)
+        raw = clients[turn % len(clients)].chat.completions.with_raw_response.create(
+            model=model, messages=messages, max_tokens=8, temperature=0)
         out = raw.parse()
         prompts.append(out.usage.prompt_tokens)
         cached.append(out.usage.prompt_tokens_details.cached_tokens)

@@ -3,9 +3,15 @@
 - `MultiNode`: Ray's own multi-node test utility (`ray.cluster_utils.Cluster`): a head of 2 CPUs
   and worker nodes of 2 CPUs and 1 GPU that Ray counts but no device behind it, each node its own
   raylet and object store. An engine replica asks `num_gpus: 1`, as configs/serve.yaml does, so it
-  runs on a worker node only (its engine on the CPU); one replica per worker.
-- `App`: the Serve app on it (2 engine replicas, the index in Redis, Serve's proxy on the head
-  only: every node's proxy would bind the same port here), and what runs where.
+  runs on a worker node only (its engine on the CPU); one replica per worker. Each node's Serve
+  proxy has a port of its own (`proxy_urls`): the head's is Serve's http_options.port, a worker
+  node's is `RAY_SERVE_WORKER_PROXY_HTTP_PORT` in its raylet's environment, which Serve's proxy
+  reads in place of http_options.port on every node but the head (on one machine every node's
+  proxy would otherwise bind the same port).
+- `App`: the Serve app on it (2 engine replicas, the index in Redis, a proxy on every node that
+  has a replica, as configs/serve.yaml's `proxy_location: EveryNode`, and one ingress replica on
+  each of the head and the first two workers: a proxy hands requests to the ingress replica on
+  its own node), and what runs where. `url` is the head's proxy.
 - `Load`, `Outcome`: requests sent back to back, each one's status, replica and error kept.
 """
 
@@ -30,6 +36,7 @@ from conftest import LoadThreads, free_port, open_chat_stream
 
 MB = 1024 * 1024
 MODEL = "tiny"
+WORKER_PROXY_PORT = "RAY_SERVE_WORKER_PROXY_HTTP_PORT"  # Serve: a worker node's proxy binds this port
 INDEX = f"cairn-multinode-index-{uuid.uuid4().hex[:6]}"
 
 
@@ -44,10 +51,22 @@ class MultiNode:
         node = dict(object_store_memory=80 * MB)
         self.ray = Cluster(initialize_head=True, head_node_args=dict(node, num_cpus=2, include_dashboard=False))
         self.head = self.ray.head_node.node_id
+        self.proxy_ports = {self.head: free_port()}  # node id -> the port its Serve proxy binds
         self.workers = [self.add_worker() for _ in range(workers)]
 
     def add_worker(self):
-        return self.ray.add_node(num_cpus=2, num_gpus=1, object_store_memory=80 * MB)
+        port = free_port()
+        node = self.ray.add_node(num_cpus=2, num_gpus=1, object_store_memory=80 * MB,
+                                 env_vars={WORKER_PROXY_PORT: str(port)})  # the raylet's, its workers inherit it
+        self.proxy_ports[node.node_id] = port
+        return node
+
+    def proxy_urls(self) -> dict[str, str]:
+        """Each live node's role -> the URL of its Serve proxy (Serve runs one on the head and on
+        every node with a replica)."""
+        alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+        return {self.role(node): f"http://127.0.0.1:{port}" for node, port in self.proxy_ports.items()
+                if node in alive}
 
     def node_of(self) -> dict[str, str]:
         """Every live named actor -> the id of the node it runs on (from the GCS's actor table: Ray's
@@ -78,16 +97,20 @@ class Outcome:
 
 
 class App:
+    INGRESS_REPLICAS = 3  # one per node of the head and the first two workers (at most one per node)
+
     def __init__(self, nodes: MultiNode, model_dir: str, redis_url: str):
-        self.nodes, self.port = nodes, free_port()
+        self.nodes, self.port = nodes, nodes.proxy_ports[nodes.head]
         self.routing = RoutingConfig(index_actor_name=INDEX, index_timeout_ms=500, routing_stats_period_s=0.5,
                                      redis_url=redis_url, namespace=f"multinode-{uuid.uuid4().hex[:6]}")
-        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": self.port})
+        serve.start(proxy_location="EveryNode", http_options={"host": "127.0.0.1", "port": self.port})
         serve.run(build_application(model_dir, replicas=2, num_cpus=0.5, num_gpus=1, routing=self.routing,
-                                    served_model_name=MODEL, health_check_period_s=1.0),
+                                    served_model_name=MODEL, health_check_period_s=1.0,
+                                    ingress_replicas=self.INGRESS_REPLICAS, ingress_max_replicas_per_node=1),
                   name="cairn", route_prefix="/")
         self.url = f"http://127.0.0.1:{self.port}"
         self.engine = serve.get_deployment_handle("Engine", app_name="cairn")
+        self.ingress = serve.get_deployment_handle("Ingress", app_name="cairn")
 
     @property
     def index(self):
@@ -95,7 +118,15 @@ class App:
 
     def engines(self) -> dict[str, str]:
         """Live engine replica -> its node's role."""
-        return {name: self.nodes.role(node) for name, node in self.nodes.node_of().items() if "#Engine#" in name}
+        return self._replicas_of("Engine")
+
+    def ingresses(self) -> dict[str, str]:
+        """Live ingress replica -> its node's role."""
+        return self._replicas_of("Ingress")
+
+    def _replicas_of(self, deployment: str) -> dict[str, str]:
+        return {name: self.nodes.role(node) for name, node in self.nodes.node_of().items()
+                if f"#{deployment}#" in name}
 
     def replicas(self) -> dict[str, tuple[frozenset, frozenset]] | None:
         """Engine replicas serving now -> (pages, states) they hold; None while one fails to answer."""
@@ -107,8 +138,9 @@ class App:
     def index_workers(self) -> set[str]:
         return ray.get(self.index.workers.remote(), timeout=30)
 
-    def client(self):
-        return openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=60)
+    def client(self, url: str | None = None):
+        """The official client on `url` (a proxy's; default: the head's)."""
+        return openai.OpenAI(base_url=(url or self.url) + "/v1", api_key="none", max_retries=0, timeout=60)
 
     def ask(self, http: httpx.Client, i: int) -> Outcome:
         """A short chat completion, not streamed."""

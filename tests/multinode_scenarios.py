@@ -1,7 +1,7 @@
 """The cluster across nodes: scenarios on a `multinode_cluster.App` (2 engine replicas on 2 GPU
-worker nodes, the index in Redis), run as a script by tests/test_cluster_multinode.py in a process
-of its own (a process holds one Ray connection, and the test process may hold the shared local
-one). `RAY_TMPDIR` should be a folder of its own: the head writes there the address that a bare
+worker nodes, a proxy and an ingress replica on each node, the index in Redis), run as a script
+by tests/test_cluster_multinode.py in a process of its own (a process holds one Ray connection,
+and the test process may hold the shared local one). `RAY_TMPDIR` should be a folder of its own: the head writes there the address that a bare
 `ray.init()` on this machine would join.
 
     python3 tests/multinode_scenarios.py MODEL_DIR REDIS_URL
@@ -19,10 +19,12 @@ import threading
 import time
 import traceback
 
+import httpx
 import ray
 from ray import serve
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from cluster.ingress import REPLICA_HEADER
 from conftest import chat_turns, index_converged
 from multinode_cluster import INDEX, MODEL, App, Load, MultiNode, Outcome, persona, wait_until
 
@@ -79,16 +81,104 @@ def since(zero: float) -> float:
     return round(time.monotonic() - zero, 2)
 
 
+def ask_at(url: str, system: str) -> dict:
+    """One short greedy chat through the proxy at `url`: its status, the replica that served it,
+    its prompt and cached tokens."""
+    body = {"model": MODEL, "max_tokens": 4, "temperature": 0,
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": QUESTIONS[0]}]}
+    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
+    usage = (r.json().get("usage") or {}) if r.status_code == 200 else {}
+    return {"status": r.status_code, "replica": r.headers.get(REPLICA_HEADER), "prompt": usage.get("prompt_tokens"),
+            "cached": (usage.get("prompt_tokens_details") or {}).get("cached_tokens")}
+
+
+def every_proxy(app: App, agree_within_s: float = 15.0) -> dict:
+    """Requests entering at every node's proxy, each handed to the ingress replica on its node,
+    which routes by its own mirror of the index: two conversations at once whose turns each enter
+    at the next node's proxy; one prompt, once cached (sent at the head's), sent through every
+    proxy; then, the traffic over, how long until every ingress's mirror (`Ingress.routing_state`)
+    and the index actor (`digest`) agree (at most `agree_within_s`). `routed_meanwhile`: per
+    ingress replica, what its routers' counters (requests ranked, index fallbacks by reason) rose
+    by during the scenario."""
+    proxies = app.nodes.proxy_urls()  # role -> URL: the head's, worker0's and worker1's
+    roles = sorted(proxies)
+    started = time.monotonic()
+    counted = {s["replica"]: summed(s) for s in app.ingress.broadcast("routing_state").results(timeout_s=30)}
+
+    def serving(url: str) -> bool:
+        try:
+            return httpx.get(url + "/v1/models", timeout=5).status_code == 200
+        except httpx.HTTPError:
+            return False
+    wait_until(lambda: all(serving(url) for url in proxies.values()), 60, "every proxy serves the app", 0.5)
+    ready_s = since(started)
+
+    out: list = [None] * 2
+
+    def converse(i: int) -> None:
+        order = [roles[(i + t) % len(roles)] for t in range(len(QUESTIONS))]
+        try:
+            prompts, cached, replicas = chat_turns([app.client(proxies[r]) for r in order], MODEL, persona(30 + i),
+                                                   QUESTIONS)
+            out[i] = {"proxies": order, "prompts": prompts, "cached": cached, "replicas": sorted(replicas)}
+        except Exception as e:  # noqa: BLE001 - raised below, for the test to show
+            out[i] = {"error": repr(e)}
+    threads = [threading.Thread(target=converse, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    if failed := [c for c in out if c is None or "error" in c]:
+        raise RuntimeError(f"conversations failed: {failed}")
+
+    first = ask_at(app.url, persona(40))  # computes and caches it
+    same = {role: ask_at(proxies[role], persona(40)) for role in roles}
+
+    quiet = time.monotonic()
+    seen: dict = {}
+
+    def agreed() -> bool:
+        seen.update(ingresses=app.ingress.broadcast("routing_state").results(timeout_s=30),
+                    index=ray.get(app.index.digest.remote(), timeout=30))
+        index, engines = seen["index"], sorted(app.engines())
+        mirrors = [m for state in seen["ingresses"] for m in state["routers"]]
+        return all(state["routers"] for state in seen["ingresses"]) and all(
+            [m.get(k) for k in ("epoch", "cursor", "digest")] == [index[k] for k in ("epoch", "cursor", "digest")]
+            and m["workers"] == engines for m in mirrors)
+    try:
+        wait_until(agreed, agree_within_s, "every mirror agrees with the index", 0.2)
+        agreed_s = since(quiet)
+    except TimeoutError:
+        agreed_s = None
+    routed = {}
+    for state in seen["ingresses"]:
+        state["node"] = app.nodes.role(state["node"])
+        before = counted.get(state["replica"], {})
+        routed[state["node"]] = {k: n - before.get(k, 0) for k, n in summed(state).items()}
+    return {"proxies": proxies, "ready_s": ready_s, "ingress_nodes": app.ingresses(), "engines": app.engines(),
+            "conversations": out, "first": first, "same_prompt": same, "agreed_s": agreed_s,
+            "routed_meanwhile": routed, **seen}
+
+
+def summed(routing_state: dict) -> dict[str, int]:
+    """An ingress replica's router counters (`Ingress.routing_state`), summed over its routers."""
+    out: dict[str, int] = {}
+    for router in routing_state["routers"]:
+        for k, n in router["counts"].items():
+            out[k] = out.get(k, 0) + n
+    return out
+
+
 def node_loss(app: App) -> dict:
     """A spare worker joins; then, under load and with streams in flight on both replicas, the
-    worker node of the replica that shares no node with the ingress is removed abruptly. Times are
-    from the removal."""
+    worker node of one replica is removed abruptly, its proxy and its ingress replica with it (the
+    requests enter at the head's proxy, whose ingress replica is the head's). Times are from the
+    removal."""
     started = time.monotonic()
     app.nodes.workers.append(app.nodes.add_worker())
     spare_s = since(started)
     before = app.engines()
-    ingress_role = next(app.nodes.role(n) for name, n in app.nodes.node_of().items() if "#Ingress#" in name)
-    victim = next(name for name, role in sorted(before.items()) if role != ingress_role)
+    victim = min(before)
     victim_node = next(w for w in app.nodes.workers if app.nodes.role(w.node_id) == before[victim])
 
     streams: list[Outcome] = []
@@ -155,7 +245,7 @@ def index_restart(app: App) -> dict:
     return out
 
 
-SCENARIOS = (placement, conversations, node_loss, index_restart)
+SCENARIOS = (placement, conversations, every_proxy, node_loss, index_restart)
 
 
 def main(model_dir: str, redis_url: str) -> None:

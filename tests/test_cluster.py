@@ -7,14 +7,15 @@ Which replica served a response is read from its `x-cairn-replica` header (clust
    replicas of the demo model), /health and chat answered, Ctrl-C (SIGINT to its process
    group) stops it with status 0 and leaves no process behind. It runs first, before the shared
    Ray session of this module starts, so two Ray instances never run at once here.
-2. One Serve app (3 replicas) for the rest of the module, in the shared `ray_session`:
-   conversations stay where their state is and spread over all replicas; a hot shared prompt
-   fills its replica up to the spill limit and then spills; an event gap makes the worker
-   resync; killing the index actor under load (restarted by Ray, or for good: a new one is
-   created) costs no request and the index is rebuilt from the workers; killing a replica under
-   load drops it from the index within 5 s, nothing is routed to it afterwards, and its
-   replacement is learned from its own events. `cairn serve --address` joins this cluster,
-   deploys its own application next to the module's and, on Ctrl-C, deletes only that one.
+2. One Serve app (3 replicas) for the rest of the module, in the shared `ray_session`: the
+   ingress's router mirrors the index from before its first request; conversations stay where
+   their state is and spread over all replicas; a hot shared prompt fills its replica up to the
+   spill limit and then spills; an event gap makes the worker resync; killing the index actor
+   under load (restarted by Ray, or for good: a new one is created) costs no request and the
+   index is rebuilt from the workers; killing a replica under load drops it from the index within
+   5 s, nothing is routed to it afterwards, and its replacement is learned from its own events.
+   `cairn serve --address` joins this cluster, deploys its own application next to the module's
+   and, on Ctrl-C, deletes only that one.
    The ingress's /metrics, through Serve, parses as Prometheus text and counts the routing; Ray's
    metrics export holds every replica's series under its own replica tag, and every metric
    configs/grafana-dashboard.json reads.
@@ -246,6 +247,27 @@ class Load(LoadThreads):
                 with self._lock:
                     self.records.append(Record(start, time.monotonic(), True, replica))
                 messages.append({"role": "assistant", "content": completion.choices[0].message.content or ""})
+
+
+def test_the_ingress_mirrors_the_index_from_before_its_first_request(cluster):
+    """The ingress starts its engine handle's router in its constructor: before any request its
+    router's mirror follows the index (`Ingress.routing_state`) and holds what the index actor
+    holds, so its first requests are routed by cache, not by load alone."""
+    from ray import serve
+
+    ingress = serve.get_deployment_handle("Ingress", app_name="cairn")
+    engines, deadline = sorted(cluster.replicas()), time.monotonic() + 30
+    while True:
+        (state,) = ingress.broadcast("routing_state").results(timeout_s=30)
+        index = ray.get(cluster.index.digest.remote(), timeout=30)
+        mirrors = [m for m in state["routers"] if m["deployment"] == "Engine"]
+        if mirrors and all((m["epoch"], m["cursor"], m["digest"], m["workers"]) ==
+                           (index["epoch"], index["cursor"], index["digest"], engines) for m in mirrors):
+            break
+        assert time.monotonic() < deadline, f"the ingress's mirror {mirrors} never caught up with the index {index}"
+        time.sleep(0.2)
+    assert all(m["counts"]["ranked"] == 0 and m["index"] == INDEX for m in mirrors), mirrors  # no request yet
+    assert state["node"] == ray.get_runtime_context().get_node_id() and "#Ingress#" in state["replica"], state
 
 
 def test_turns_land_where_their_conversation_is_and_conversations_spread_over_all_replicas(cluster):

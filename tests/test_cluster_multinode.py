@@ -1,13 +1,21 @@
 """The cluster across nodes, on Ray's own multi-node test utility: a head and worker nodes on this
 machine, each with its own raylet and object store, GPUs counted by Ray but absent (the engines
 run on the CPU). tests/multinode_scenarios.py deploys one app (2 engine replicas asking
-`num_gpus: 1`, the index in a real redis-server) and runs its scenarios in a process of its own,
+`num_gpus: 1`, the index in a real redis-server, Serve's proxy on every node as configs/serve.yaml
+has it, each with an ingress replica beside it) and runs its scenarios in a process of its own,
 once for this module; each test here judges what one scenario observed:
 - placement: engine replicas on distinct worker nodes; Serve's controller and the index actor on
   the head, even when a process on a worker node is the one that creates the index;
 - a multi-turn conversation resumes across requests on its replica, on either worker node;
-- a worker node hosting a replica is removed abruptly under load, with streams in flight: its
-  replica is replaced on the spare node, its in-flight requests and streams end with a retryable
+- requests entering at every node's proxy reach the same cache-aware routing: each proxy hands
+  them to the ingress replica of its node, which routes by its own mirror of the index; a
+  conversation whose turns enter at different proxies stays on its replica and resumes from its
+  cache, a cached prompt goes to the same replica with the same cached tokens whichever proxy it
+  enters at, and once traffic stops every ingress's mirror agrees with the index actor within
+  seconds;
+- a worker node hosting a replica (and a proxy and an ingress replica) is removed abruptly under
+  load, with streams in flight entering at the head's proxy: its replica is replaced on the spare
+  node, its in-flight requests and streams end with a retryable
   error (503 `engine_unavailable`), streams on the other node go on, the index drops the dead
   replica within seconds, and new requests succeed, on the replacement too;
 - the index actor restarted by Ray comes back from Redis exactly; killed for good under load, its
@@ -92,6 +100,58 @@ def test_each_conversation_resumes_on_its_replica_turn_after_turn_on_either_work
         for t in range(1, len(prompts)):
             assert prompts[t - 1] - PAGE_SIZE - TAIL_GUARD <= cached[t] < prompts[t], conv
     assert {result["engines"][r] for r in served} == {"worker0", "worker1"}, "conversations ran on both workers"
+
+
+def test_every_node_has_a_proxy_that_answers_with_an_ingress_replica_beside_it(scenarios):
+    result = observed(scenarios, "every_proxy")
+    assert sorted(result["proxies"]) == ["head", "worker0", "worker1"], result["proxies"]
+    assert sorted(result["ingress_nodes"].values()) == ["head", "worker0", "worker1"], result["ingress_nodes"]
+    answers = [result["first"], *result["same_prompt"].values()]
+    assert all(a["status"] == 200 and a["replica"] in result["engines"] for a in answers), answers
+    print(f"every proxy: all {len(result['proxies'])} serving {result['ready_s']} s after the scenario began")
+
+
+def test_a_conversation_entering_at_a_different_node_s_proxy_each_turn_resumes_on_its_replica(scenarios):
+    """Each turn is routed by another ingress replica's mirror, which must already know what the
+    replica cached for the turn before: no ingress remembers where the others sent a request."""
+    result = observed(scenarios, "every_proxy")
+    for conv in result["conversations"]:
+        assert len(set(conv["proxies"])) == 3, conv  # it entered at every node's proxy
+        assert len(conv["replicas"]) == 1 and conv["replicas"][0] in result["engines"], conv
+        prompts, cached = conv["prompts"], conv["cached"]
+        for t in range(1, len(prompts)):
+            assert prompts[t - 1] - PAGE_SIZE - TAIL_GUARD <= cached[t] < prompts[t], conv
+    # each ingress's router follows the index from its start, not from its first request
+    routed = result["routed_meanwhile"]
+    assert all(r["ranked"] > 0 and r["index_fallbacks"] == 0 for r in routed.values()), routed
+    print("every proxy: requests ranked by each node's ingress, none without the index:",
+          {node: r["ranked"] for node, r in sorted(routed.items())})
+
+
+def test_a_cached_prompt_goes_to_the_same_replica_with_the_same_cached_tokens_through_every_proxy(scenarios):
+    result = observed(scenarios, "every_proxy")
+    first, same = result["first"], result["same_prompt"]
+    assert sorted(same) == ["head", "worker0", "worker1"], same
+    assert {a["replica"] for a in same.values()} == {first["replica"]}, (first, same)
+    assert len({a["cached"] for a in same.values()}) == 1, same
+    assert first["prompt"] - PAGE_SIZE - TAIL_GUARD <= same["head"]["cached"] < first["prompt"], (first, same)
+
+
+def test_every_ingress_mirror_agrees_with_the_index_once_traffic_stops(scenarios):
+    """Same feed epoch and cursor, same digest (contents, media, trust, seq numbers) as the index
+    actor's, every engine replica known: within seconds of the last response."""
+    result = observed(scenarios, "every_proxy")
+    states, index = result["ingresses"], result["index"]
+    assert sorted(s["node"] for s in states) == ["head", "worker0", "worker1"], states
+    mirrors = [m for s in states for m in s["routers"] if m["deployment"] == "Engine"]
+    assert len(mirrors) >= len(states) and all(s["routers"] for s in states), states
+    assert result["agreed_s"] is not None, f"mirrors {states} never agreed with the index {index}"
+    assert result["agreed_s"] < 15, result["agreed_s"]
+    for m in mirrors:  # as last seen, when they agreed
+        assert (m["epoch"], m["cursor"], m["digest"]) == (index["epoch"], index["cursor"], index["digest"]), m
+        assert m["workers"] == sorted(result["engines"]) and m["pages"] > 0, m
+    print(f"every proxy: {len(mirrors)} mirrors on {len(states)} ingress replicas agreed with the index "
+          f"({mirrors[0]['pages']} pages, cursor {index['cursor']}) {result['agreed_s']} s after the last response")
 
 
 def test_a_lost_node_s_replica_is_replaced_on_the_spare_node(scenarios):

@@ -145,6 +145,13 @@ def test_app_builder_takes_routing_as_a_path_and_refuses_unknown_keys():
 
 # ---- cluster.yaml ----------------------------------------------------------------------------
 
+def test_app_builder_spreads_ingress_replicas_over_nodes_only_when_asked():
+    """Each node's proxy prefers an ingress replica on its own node (proxy_location: EveryNode)."""
+    spread = app_builder({"ingress_replicas": 3, "ingress_max_replicas_per_node": 1})._bound_deployment
+    assert spread._replica_config.max_replicas_per_node == 1 and spread._deployment_config.num_replicas == 3
+    assert app_builder({})._bound_deployment._replica_config.max_replicas_per_node is None
+
+
 def test_cluster_yaml_passes_rays_autoscaler_schema_and_sets_up_gpu_workers():
     import jsonschema
     import ray

@@ -1,7 +1,7 @@
 """The index's change feed and a router's mirror of it: whenever the mirror has read the feed, it
-scores every prompt exactly as the index does, media included, through gaps, resyncs, dropped
-workers, a feed that forgot its start, and a restarted index (plain Python, no Ray; the index in
-memory and in a real redis-server)."""
+scores every prompt exactly as the index does, media included, and holds the same digest, through
+gaps, resyncs, dropped workers, a feed that forgot its start, and a restarted index (plain Python,
+no Ray; the index in memory and in a real redis-server)."""
 
 import asyncio
 import random
@@ -152,6 +152,7 @@ def test_a_mirror_scores_like_the_index_through_gaps_resyncs_drops_and_a_forgetf
                         await mirror.apply(chunk)
                     if mirror.epoch is not None and mirror.cursor == feed.cursor:
                         on_host += same_scores(mirror, index)
+                        assert mirror.summary()["digest"] == index.digest()
                         reads += 1
     asyncio.run(main())
     assert reads > 100 and snapshots_seen >= len(mirrors) and on_host > 50
@@ -298,3 +299,40 @@ def test_a_mirror_follows_a_page_to_the_host_and_back_and_a_late_one_gets_the_me
     assert step(PagesStored((H[3],), H[2]), StateStored(H[3])) == (WorkerScore(4, 4),) * 3
     assert mirror.index.host_contents("w") == (frozenset(), frozenset())
     assert mirror.index.stats()["pages"] == index.stats()["pages"] == 4
+
+
+def test_mirrors_fed_the_same_feed_hold_the_index_s_digest_and_the_next_batch_changes_it(make_index):
+    """The digest is how mirrors in different processes (every ingress's routers) are compared
+    with each other and with the index actor: equal when they hold the same, on either backend,
+    whether a mirror followed the feed or joined late by a snapshot; different after a batch
+    one of them has not read yet, or after a page moved to the host."""
+    index, feed, alike = make_index(4_000_000), ChangeFeed(4_000_000), CacheIndex()
+    streams = {w: EventStream(w) for w in ("a", "b")}
+    following, late = IndexMirror(), IndexMirror()
+
+    def put_both(worker: str, events: list) -> None:
+        batch = streams[worker].batch(events)
+        assert put(index, feed, batch) and alike.apply(batch)
+
+    def read(mirror: IndexMirror) -> dict:
+        asyncio.run(mirror.apply(feed.read(index, mirror.epoch, mirror.cursor)))
+        return mirror.summary()
+
+    put_both("a", [PagesStored(tuple(CHAINS[0][:6]), None), StateStored(CHAINS[0][5])])
+    read(following)
+    put_both("b", [PagesStored(tuple(CHAINS[1][:4]), None)])
+    first, joined = read(following), read(late)
+    assert late.snapshots == 1 and following.snapshots == 1  # the late one's only read was a snapshot
+    assert {k: first[k] for k in ("epoch", "cursor", "workers", "pages", "digest")} == \
+        {k: joined[k] for k in ("epoch", "cursor", "workers", "pages", "digest")}
+    assert first["digest"] == index.digest() == alike.digest(), "the same contents in memory and in Redis"
+    assert first["workers"] == ["a", "b"] and first["pages"] == 10 and first["cursor"] == feed.cursor
+
+    put_both("b", [PagesStored((CHAINS[1][4],), CHAINS[1][3])])
+    assert index.digest() != first["digest"] == following.summary()["digest"], "not read yet"
+    assert read(following)["digest"] == read(late)["digest"] == index.digest() == alike.digest()
+
+    before = index.digest()
+    put_both("a", [PagesStored((CHAINS[0][5],), CHAINS[0][4], HOST), StateStored(CHAINS[0][5], HOST)])
+    assert index.digest() != before, "the same pages, one of them on the host"
+    assert read(following)["digest"] == index.digest() == alike.digest()

@@ -657,7 +657,7 @@ from ray import cloudpickle
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, RequestMetadata
 from ray.serve._private.test_utils import FakeRunningReplica
 from ray.serve.request_router import PendingRequest
-from cluster.routing.registry import router_counts
+from cluster.routing.registry import mirror_summaries, router_counts
 
 cls = cloudpickle.loads(sys.stdin.buffer.read())
 
@@ -673,6 +673,7 @@ async def main():
     router.update_replicas([replica])
     meta = RequestMetadata(request_id="q", internal_request_id="q")
     await router.choose_replicas([replica], PendingRequest(args=[None], kwargs={}, metadata=meta))
+    print(json.dumps(await mirror_summaries()))
     print(router_counts().get("router_ranked_total", 0))
 
 asyncio.run(main())
@@ -690,8 +691,41 @@ def test_the_router_class_as_serve_ships_it_reports_to_the_registry_the_ingress_
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
-    shipped = CFG.request_router_config().get_serialized_request_router_cls()
-    out = subprocess.run([sys.executable, "-c", SHIPPED_ROUTER, json.dumps(CFG.router_kwargs())], input=shipped,
+    cfg = CFG.model_copy(update={"index_mode": "mirror"})
+    shipped = cfg.request_router_config().get_serialized_request_router_cls()
+    out = subprocess.run([sys.executable, "-c", SHIPPED_ROUTER, json.dumps(cfg.router_kwargs())], input=shipped,
                          capture_output=True, cwd=root, env={**os.environ, "PYTHONPATH": str(root)}, timeout=120)
     assert out.returncode == 0, out.stderr.decode()[-3000:]
-    assert out.stdout.decode().split()[-1] == "1", "the router ranked a request: the ingress's registry counts it"
+    *_, mirrors, ranked = out.stdout.decode().splitlines()
+    assert ranked == "1", "the router ranked a request: the ingress's registry counts it"
+    (mirror,) = json.loads(mirrors)  # and reads its mirror (no index actor here: it never heard from one)
+    assert mirror["deployment"] == "engine" and mirror["index"] == CFG.index_actor_name
+    assert (mirror["epoch"], mirror["cursor"], mirror["workers"], mirror["pages"]) == (None, 0, [], 0)
+
+
+def test_the_registry_reads_each_router_s_mirror_on_that_router_s_own_loop():
+    """Serve runs a handle's router on a loop of its own thread; the ingress asks from its loop."""
+    import threading
+
+    from cache_service.events import EventStream, PagesStored
+    from cache_service.feed import ChangeFeed, IndexMirror
+    from cache_service.index import CacheIndex
+    from cluster.routing.registry import mirror_summaries, register_router
+
+    index, feed, mirror = CacheIndex(), ChangeFeed(1000), IndexMirror()
+    feed.apply(index, batch := EventStream("w").batch([PagesStored((b"p" * 16,), None)]), batch.encode())
+    ranker, loop, read_on = AffinityRanker(CFG), asyncio.new_event_loop(), []
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        summary = mirror.summary
+        mirror.summary = lambda: (read_on.append(threading.current_thread()), summary())[1]
+        asyncio.run_coroutine_threadsafe(mirror.apply(feed.read(index, None, 0)), loop).result(10)
+        register_router(ranker, loop, mirror, "Engine")
+        states = [s for s in asyncio.run(mirror_summaries()) if s.get("deployment") == "Engine"]
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+    assert read_on == [thread]
+    assert [(s["index"], s["workers"], s["pages"], s["digest"]) for s in states] == \
+        [(CFG.index_actor_name, ["w"], 1, index.digest())]

@@ -92,8 +92,12 @@ class CacheAffinityRouter(RequestRouter):
             return False
 
     def _start(self) -> None:
-        """On the router's loop: starts finding the index and, in mirror mode, following its
-        change feed. Idempotent."""
+        """On the router's loop: registers the router with this process's registry (first outputs
+        are reported to it there; its mirror is read there), starts finding the index and, in
+        mirror mode, following its change feed. Idempotent."""
+        if not self._registered:
+            register_router(self.ranker, asyncio.get_running_loop(), self.mirror, self._deployment_id.name)
+            self._registered = True
         self.index.current()
         if self.mirror is not None and self._mirror_sync is None:
             self._mirror_sync = asyncio.get_running_loop().create_task(self._sync_mirror())
@@ -152,10 +156,7 @@ class CacheAffinityRouter(RequestRouter):
             return [match] if match else []
         if pending_request is not None:
             pending_request.routing_context.should_backoff = True  # back off when every rank is full
-        if not self._registered:  # here, on the loop Serve routes on: first outputs are reported to it
-            register_router(self.ranker, asyncio.get_running_loop())
-            self._registered = True
-        self._start()
+        self._start()  # a no-op if Serve created this router on this loop (initialize_state started it)
         if not candidate_replicas:
             return []
         by_id = {replica_worker_id(r.replica_id): r for r in candidate_replicas}
