@@ -36,7 +36,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-from conftest import LoadThreads, free_port, open_chat_stream
+from conftest import LoadThreads, free_port, open_chat_stream, wait_until
 from fake_autoscaler import FakeCluster, serve_config
 
 REPO = Path(__file__).resolve().parent.parent
@@ -52,6 +52,7 @@ SERVE_ARGS = {
     "graceful_shutdown_timeout_s": 20,
 }
 CLUSTER_OVERRIDES = {"idle_timeout_minutes": 0.1}   # 6 s where the config says 10 minutes
+POLL_S = 0.5  # how often the scenario looks at the cluster (each look asks the GCS and the controller)
 FAST_METRICS = {"AUTOSCALER_UPDATE_INTERVAL_S": "1",  # the autoscaler's loop (5 s by default)
                 "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "1",
                 "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "1"}
@@ -89,7 +90,8 @@ def cluster_state() -> dict:
             "pending_nodes": len(report.get("pending_nodes") or ()),
             "nodes": {nid: types.get(nid, "?") for nid in sorted(alive)},
             "resources": {nid: {k: r[k] for k in ("CPU", "GPU") if k in r} for nid, r in alive.items()},
-            "engines": {a["Name"].split("#")[-1]: a["Address"]["NodeID"] for a in actors if "#Engine#" in (a["Name"] or "")},
+            "engines": {a["Name"].split("#")[-1]: a["Address"]["NodeID"] for a in actors
+                        if "#Engine#" in (a["Name"] or "")},
             "engine_status": engine and str(engine.status), "replica_states": engine and dict(engine.replica_states),
             "proxies": {nid: str(p) for nid, p in serve.status().proxies.items()}}
 
@@ -121,15 +123,6 @@ class Sampler:
     def __exit__(self, *exc):
         self._stop.set()
         self._thread.join()
-
-
-def wait_for(condition, timeout_s: float, what: str, every_s: float = 0.5):
-    deadline = time.monotonic() + timeout_s
-    while not (value := condition()):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what}: not within {timeout_s} s")
-        time.sleep(every_s)
-    return value
 
 
 class Streams(LoadThreads):
@@ -183,7 +176,7 @@ def deploy(cluster: FakeCluster, home: Path) -> tuple[subprocess.Popen, str]:
             return httpx.get(url + "/v1/models", timeout=5).status_code == 200
         except httpx.HTTPError:
             return False
-    wait_for(lambda: server.poll() is None and answering() and serve_running(), 240, "cairn serve answering")
+    wait_until(lambda: server.poll() is None and answering() and serve_running(), 240, "cairn serve answering", POLL_S)
     return server, url
 
 
@@ -217,26 +210,26 @@ def main(workdir: str) -> None:
 
         ray.init(address=cluster.address, log_to_driver=False)
         with sampler:
-            out["initial"] = wait_for(lambda: (s := cluster_state()) and len(gpu_nodes(s)) >= 1 and s, 90,
-                                      "the min_workers GPU node")
+            out["initial"] = wait_until(lambda: (s := cluster_state()) and len(gpu_nodes(s)) >= 1 and s, 90,
+                                      "the min_workers GPU node", POLL_S)
             timeline.note("min_workers node up", nodes=out["initial"]["nodes"])
             server, url = deploy(cluster, home)
             out["deployed"] = {**cluster_state(), "index": index_stats()}
             timeline.note("deployed", engines=out["deployed"]["engines"])
             with Streams(url, threads=6, timeline=timeline) as load:
-                out["scaled_up"] = wait_for(lambda: (s := cluster_state()) and len(s["engines"]) >= 2
-                                            and serve_running() and s, 180, "a second engine replica running")
+                out["scaled_up"] = wait_until(lambda: (s := cluster_state()) and len(s["engines"]) >= 2
+                                            and serve_running() and s, 180, "a second engine replica running", POLL_S)
                 timeline.note("scaled up", engines=out["scaled_up"]["engines"])
                 new = set(out["scaled_up"]["engines"]) - set(out["deployed"]["engines"])
-                wait_for(lambda: any(o["replica"] and o["replica"].split("#")[-1] in new for o in load.outcomes),
-                         90, "a stream served by the new replica")
+                wait_until(lambda: any(o["replica"] and o["replica"].split("#")[-1] in new for o in load.outcomes),
+                         90, "a stream served by the new replica", POLL_S)
             out["load"], out["load_stopped"] = load.outcomes, timeline.now()
             timeline.note("load stopped", streams=len(load.outcomes))
-            out["scaled_down"] = wait_for(lambda: (s := cluster_state()) and len(s["engines"]) == 1 and s, 120,
-                                          "back to one engine replica")
+            out["scaled_down"] = wait_until(lambda: (s := cluster_state()) and len(s["engines"]) == 1 and s, 120,
+                                          "back to one engine replica", POLL_S)
             timeline.note("scaled down", engines=out["scaled_down"]["engines"])
-            out["retired"] = wait_for(lambda: (s := cluster_state()) and len(gpu_nodes(s)) == 1 and s, 120,
-                                      "the idle GPU node retired")
+            out["retired"] = wait_until(lambda: (s := cluster_state()) and len(gpu_nodes(s)) == 1 and s, 120,
+                                      "the idle GPU node retired", POLL_S)
             timeline.note("idle node retired", nodes=out["retired"]["nodes"])
             r = httpx.post(url + "/v1/chat/completions", timeout=60, json={
                 "model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "Still there?"}]})

@@ -328,6 +328,16 @@ def wait_for_log(proc: subprocess.Popen, log_path: Path, text: str, timeout_s: f
         time.sleep(0.5)
 
 
+def wait_until(condition, timeout_s: float, what: str, every_s: float = 0.1):
+    """`condition()` once it is truthy, polled every `every_s`; TimeoutError naming `what` past `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not (value := condition()):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: not within {timeout_s} s")
+        time.sleep(every_s)
+    return value
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -25,6 +25,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -69,7 +70,9 @@ class FakeCluster:
         self.ports = {name: free_port() for name in WELL_KNOWN_PORTS}
         self.marker = uuid.uuid4().hex
         self.config = bootstrap_config(cluster_yaml, f"127.0.0.1:{self.ports['gcs']}", overrides)
-        self.env = {**os.environ, **(env or {}), MARKER: self.marker, "HOME": str(home), "RAY_FAKE_CLUSTER": "1"}
+        self.env = {**os.environ, **(env or {}), MARKER: self.marker, "HOME": str(home), "RAY_FAKE_CLUSTER": "1",
+                    # the commands' `ray` is this Python's (as on a node, where setup_commands installed it)
+                    "PATH": os.pathsep.join((str(Path(sys.executable).parent), os.environ.get("PATH", "")))}
         self.env.pop("RAY_ADDRESS", None)
         self.started: list[str] = []
 

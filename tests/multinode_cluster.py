@@ -32,7 +32,7 @@ from ray.cluster_utils import Cluster
 from cluster.app import build_application
 from cluster.ingress import REPLICA_HEADER
 from cluster.routing.config import RoutingConfig
-from conftest import LoadThreads, free_port, open_chat_stream
+from conftest import LoadThreads, free_port, open_chat_stream, wait_until  # noqa: F401 - wait_until: for the scenarios
 
 MB = 1024 * 1024
 MODEL = "tiny"
@@ -195,12 +195,3 @@ class Load(LoadThreads):
             while not self._stop.is_set():
                 self.outcomes.append(self.app.ask(http, i))
                 i += len(self._threads)
-
-
-def wait_until(condition, timeout_s: float, what: str, every_s: float = 0.1):
-    deadline = time.monotonic() + timeout_s
-    while not (value := condition()):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what}: not within {timeout_s} s")
-        time.sleep(every_s)
-    return value
