@@ -103,14 +103,20 @@ class App:
         self.nodes, self.port = nodes, nodes.proxy_ports[nodes.head]
         self.routing = RoutingConfig(index_actor_name=INDEX, index_timeout_ms=500, routing_stats_period_s=0.5,
                                      redis_url=redis_url, namespace=f"multinode-{uuid.uuid4().hex[:6]}")
+        self.model_dir = model_dir
         serve.start(proxy_location="EveryNode", http_options={"host": "127.0.0.1", "port": self.port})
-        serve.run(build_application(model_dir, replicas=2, num_cpus=0.5, num_gpus=1, routing=self.routing,
-                                    served_model_name=MODEL, health_check_period_s=1.0,
-                                    ingress_replicas=self.INGRESS_REPLICAS, ingress_max_replicas_per_node=1),
-                  name="cairn", route_prefix="/")
+        self.deploy(self.routing)
         self.url = f"http://127.0.0.1:{self.port}"
         self.engine = serve.get_deployment_handle("Engine", app_name="cairn")
         self.ingress = serve.get_deployment_handle("Ingress", app_name="cairn")
+
+    def deploy(self, routing: RoutingConfig) -> None:
+        """Deploys the app with `routing` (again: every replica is replaced, on the GPU nodes free)."""
+        self.routing = routing
+        serve.run(build_application(self.model_dir, replicas=2, num_cpus=0.5, num_gpus=1, routing=routing,
+                                    served_model_name=MODEL, health_check_period_s=1.0,
+                                    ingress_replicas=self.INGRESS_REPLICAS, ingress_max_replicas_per_node=1),
+                  name="cairn", route_prefix="/")
 
     @property
     def index(self):

@@ -1,8 +1,9 @@
 """The cluster across nodes: scenarios on a `multinode_cluster.App` (2 engine replicas on 2 GPU
 worker nodes, a proxy and an ingress replica on each node, the index in Redis), run as a script
 by tests/test_cluster_multinode.py in a process of its own (a process holds one Ray connection,
-and the test process may hold the shared local one). `RAY_TMPDIR` should be a folder of its own: the head writes there the address that a bare
-`ray.init()` on this machine would join.
+and the test process may hold the shared local one). `RAY_TMPDIR` should be a folder of its own:
+the head writes there the address that a bare `ray.init()` on this machine would join. The last
+scenario, `fetch`, redeploys the app with routing `fetch: true`.
 
     python3 tests/multinode_scenarios.py MODEL_DIR REDIS_URL
 
@@ -25,7 +26,7 @@ from ray import serve
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from cluster.ingress import REPLICA_HEADER
-from conftest import chat_turns, index_converged
+from conftest import chat_turns, index_converged, open_chat_stream
 from multinode_cluster import INDEX, MODEL, App, Load, MultiNode, Outcome, persona, wait_until
 
 QUESTIONS = ["How do I build a cairn that lasts the winter?", "How tall should it be to show in fog?",
@@ -245,7 +246,50 @@ def index_restart(app: App) -> dict:
     return out
 
 
-SCENARIOS = (placement, conversations, every_proxy, node_loss, index_restart)
+HOT = "You are the shared assistant of the cairn club; answer briefly about stone piles. " * 60
+
+
+def fetch(app: App) -> dict:
+    """Move and fetch across nodes: the app redeployed with routing `fetch: true` and a spill limit
+    of 2 (its replicas on two worker nodes); a hot system prompt warmed on one replica; long
+    streams sharing it, which the router spreads once the holder is busy; then a request sharing
+    it, and the same request under another cache salt (computed cold). A replica on the other node
+    that gets them pulls the resume point from the holder through both nodes' object stores."""
+    app.deploy(app.routing.model_copy(update=dict(fetch=True, spill_limit=2)))
+    engines = wait_until(lambda: (e := app.engines()) and len(e) == 2 and e, 120, "two engine replicas")
+    client = app.client()
+
+    def ask(content: str, salt: str | None = None) -> dict:
+        raw = client.chat.completions.with_raw_response.create(
+            model=MODEL, temperature=0, max_tokens=8, extra_body={"cache_salt": salt} if salt else None,
+            messages=[{"role": "system", "content": HOT}, {"role": "user", "content": content}])
+        done = raw.parse()
+        return {"replica": raw.headers.get(REPLICA_HEADER), "text": done.choices[0].message.content,
+                "prompt": done.usage.prompt_tokens, "cached": done.usage.prompt_tokens_details.cached_tokens}
+
+    holder = ask("warm up")["replica"]
+    streams, placed = [], []
+    with httpx.Client(base_url=app.url, timeout=60) as http:
+        try:
+            for i in range(2 * app.routing.spill_limit):  # long streams in flight: load the router balances
+                r = open_chat_stream(http, MODEL, [{"role": "system", "content": HOT},
+                                                   {"role": "user", "content": f"busy {i}"}])
+                streams.append(r)
+                placed.append(r.headers.get(REPLICA_HEADER))
+            shared = ask("How tall should a cairn be?")
+            cold = ask("How tall should a cairn be?", salt="another-tenant")
+        finally:
+            for r in streams:
+                r.close()
+    metrics = {m["worker_id"]: m for m in app.engine.broadcast("metrics").results(timeout_s=30)}
+    keep = ("fetches_total", "fetched_pages_total", "fetched_bytes_total", "exported_bytes_total")
+    return {"engines": engines, "holder": holder,
+            "placed": placed, "shared": shared, "cold": cold,
+            "metrics": {w: {k: v for k, v in m.items() if k in keep or k.startswith("fetch_fallbacks_total")}
+                        for w, m in metrics.items()}}
+
+
+SCENARIOS = (placement, conversations, every_proxy, node_loss, index_restart, fetch)
 
 
 def main(model_dir: str, redis_url: str) -> None:

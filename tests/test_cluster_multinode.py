@@ -19,7 +19,10 @@ once for this module; each test here judges what one scenario observed:
   error (503 `engine_unavailable`), streams on the other node go on, the index drops the dead
   replica within seconds, and new requests succeed, on the replacement too;
 - the index actor restarted by Ray comes back from Redis exactly; killed for good under load, its
-  successor is created on the head, knows every replica from Redis, and no request fails.
+  successor is created on the head, knows every replica from Redis, and no request fails;
+- move and fetch (the app redeployed with routing `fetch: true`): a request sharing a hot prompt
+  that lands on the replica of the other node, away from the busy holder, pulls the resume point
+  through both nodes' object stores and computes what a cold request computes.
 """
 
 import json
@@ -217,3 +220,23 @@ def test_an_index_actor_killed_for_good_under_load_is_succeeded_on_the_head_from
     assert replaced["load"] and all(o["status"] == 200 for o in replaced["load"]), replaced["load"]
     print(f"index killed for good: successor after {replaced['back_s']} s, converged after "
           f"{replaced['converged_s']} s, {len(replaced['load'])} requests meanwhile")
+
+
+def test_a_replica_on_another_node_fetches_a_hot_prompt_s_resume_point_and_computes_what_cold_computes(scenarios):
+    """Move and fetch between nodes: the resume point crosses two nodes' object stores."""
+    result = observed(scenarios, "fetch")
+    engines, holder, metrics = result["engines"], result["holder"], result["metrics"]
+    assert len(set(engines.values())) == 2 and "head" not in engines.values(), engines
+    others = [w for w in metrics if w != holder]
+    assert set(result["placed"] + [result["shared"]["replica"]]) - {holder}, "the load spread past the holder"
+    assert engines[others[0]] != engines[holder], "the receiver is on another node"
+    shared, cold = result["shared"], result["cold"]
+    assert shared["cached"] >= shared["prompt"] - PAGE_SIZE - TAIL_GUARD - 24, shared
+    assert cold["cached"] == 0 and cold["text"] == shared["text"], "resumed == cold; no fetch crosses a salt"
+    assert sum(metrics[w]["fetches_total"] for w in others) >= 1 and sum(metrics[w]["fetched_pages_total"]
+                                                                        for w in others) > 0, metrics
+    assert metrics[holder]["exported_bytes_total"] > 0, metrics
+    assert not any(k.startswith("fetch_fallbacks_total") for m in metrics.values() for k in m), metrics
+    print(f"fetch across nodes: {sum(metrics[w]['fetched_pages_total'] for w in others)} pages, "
+          f"{sum(metrics[w]['fetched_bytes_total'] for w in others)} bytes; the request resumed at "
+          f"{shared['cached']} of {shared['prompt']} tokens")
