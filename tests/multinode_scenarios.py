@@ -60,22 +60,30 @@ def placement(app: App) -> dict:
 def conversations(app: App, first: int = 0) -> dict:
     """Four conversations at once (personas `first`.. `first` + 3), four turns each, through the
     official client."""
-    out: list = [None] * 4
+    def run(i: int) -> dict:
+        prompts, cached, replicas = chat_turns(app.client(), MODEL, persona(first + i), QUESTIONS)
+        return {"prompts": prompts, "cached": cached, "replicas": sorted(replicas)}
+    return {"conversations": concurrently(4, run), "engines": app.engines()}
+
+
+def concurrently(n: int, conversation) -> list[dict]:
+    """`conversation(i)` for i in 0 .. n - 1, each on a thread of its own; their results, or a
+    RuntimeError naming every one that failed."""
+    out: list = [None] * n
 
     def run(i: int) -> None:
         try:
-            prompts, cached, replicas = chat_turns(app.client(), MODEL, persona(first + i), QUESTIONS)
-            out[i] = {"prompts": prompts, "cached": cached, "replicas": sorted(replicas)}
+            out[i] = conversation(i)
         except Exception as e:  # noqa: BLE001 - raised below, for the test to show
             out[i] = {"error": repr(e)}
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=120)
     if failed := [c for c in out if c is None or "error" in c]:
         raise RuntimeError(f"conversations failed: {failed}")
-    return {"conversations": out, "engines": app.engines()}
+    return out
 
 
 def since(zero: float) -> float:
@@ -104,7 +112,7 @@ def every_proxy(app: App, agree_within_s: float = 15.0) -> dict:
     proxies = app.nodes.proxy_urls()  # role -> URL: the head's, worker0's and worker1's
     roles = sorted(proxies)
     started = time.monotonic()
-    counted = {s["replica"]: summed(s) for s in app.ingress.broadcast("routing_state").results(timeout_s=30)}
+    counted = routed_by_ingress(app)
 
     def serving(url: str) -> bool:
         try:
@@ -114,23 +122,12 @@ def every_proxy(app: App, agree_within_s: float = 15.0) -> dict:
     wait_until(lambda: all(serving(url) for url in proxies.values()), 60, "every proxy serves the app", 0.5)
     ready_s = since(started)
 
-    out: list = [None] * 2
-
-    def converse(i: int) -> None:
+    def converse(i: int) -> dict:
         order = [roles[(i + t) % len(roles)] for t in range(len(QUESTIONS))]
-        try:
-            prompts, cached, replicas = chat_turns([app.client(proxies[r]) for r in order], MODEL, persona(30 + i),
-                                                   QUESTIONS)
-            out[i] = {"proxies": order, "prompts": prompts, "cached": cached, "replicas": sorted(replicas)}
-        except Exception as e:  # noqa: BLE001 - raised below, for the test to show
-            out[i] = {"error": repr(e)}
-    threads = [threading.Thread(target=converse, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    if failed := [c for c in out if c is None or "error" in c]:
-        raise RuntimeError(f"conversations failed: {failed}")
+        prompts, cached, replicas = chat_turns([app.client(proxies[r]) for r in order], MODEL, persona(30 + i),
+                                               QUESTIONS)
+        return {"proxies": order, "prompts": prompts, "cached": cached, "replicas": sorted(replicas)}
+    out = concurrently(2, converse)
 
     first = ask_at(app.url, persona(40))  # computes and caches it
     same = {role: ask_at(proxies[role], persona(40)) for role in roles}
@@ -138,16 +135,8 @@ def every_proxy(app: App, agree_within_s: float = 15.0) -> dict:
     quiet = time.monotonic()
     seen: dict = {}
 
-    def agreed() -> bool:
-        seen.update(ingresses=app.ingress.broadcast("routing_state").results(timeout_s=30),
-                    index=ray.get(app.index.digest.remote(), timeout=30))
-        index, engines = seen["index"], sorted(app.engines())
-        mirrors = [m for state in seen["ingresses"] for m in state["routers"]]
-        return all(state["routers"] for state in seen["ingresses"]) and all(
-            [m.get(k) for k in ("epoch", "cursor", "digest")] == [index[k] for k in ("epoch", "cursor", "digest")]
-            and m["workers"] == engines for m in mirrors)
     try:
-        wait_until(agreed, agree_within_s, "every mirror agrees with the index", 0.2)
+        wait_until(lambda: mirrors_agree(app, seen), agree_within_s, "every mirror agrees with the index", 0.2)
         agreed_s = since(quiet)
     except TimeoutError:
         agreed_s = None
@@ -159,6 +148,24 @@ def every_proxy(app: App, agree_within_s: float = 15.0) -> dict:
     return {"proxies": proxies, "ready_s": ready_s, "ingress_nodes": app.ingresses(), "engines": app.engines(),
             "conversations": out, "first": first, "same_prompt": same, "agreed_s": agreed_s,
             "routed_meanwhile": routed, **seen}
+
+
+def mirrors_agree(app: App, seen: dict) -> bool:
+    """Whether every ingress replica's mirror holds the index actor's epoch, cursor and digest and
+    knows exactly the live engine replicas; what was read is left in `seen` (`ingresses`: each
+    one's `Ingress.routing_state`, `index`: the actor's `digest`)."""
+    seen.update(ingresses=app.ingress.broadcast("routing_state").results(timeout_s=30),
+                index=ray.get(app.index.digest.remote(), timeout=30))
+    index, engines = seen["index"], sorted(app.engines())
+    mirrors = [m for state in seen["ingresses"] for m in state["routers"]]
+    return all(state["routers"] for state in seen["ingresses"]) and all(
+        [m.get(k) for k in ("epoch", "cursor", "digest")] == [index[k] for k in ("epoch", "cursor", "digest")]
+        and m["workers"] == engines for m in mirrors)
+
+
+def routed_by_ingress(app: App) -> dict[str, dict[str, int]]:
+    """Each ingress replica -> its routers' counters, summed (`summed`)."""
+    return {s["replica"]: summed(s) for s in app.ingress.broadcast("routing_state").results(timeout_s=30)}
 
 
 def summed(routing_state: dict) -> dict[str, int]:
@@ -257,6 +264,8 @@ def fetch(app: App) -> dict:
     that gets them pulls the resume point from the holder through both nodes' object stores."""
     app.deploy(app.routing.model_copy(update=dict(fetch=True, spill_limit=2)))
     engines = wait_until(lambda: (e := app.engines()) and len(e) == 2 and e, 120, "two engine replicas")
+    wait_until(lambda: mirrors_agree(app, {}), 30, "every ingress's mirror follows the index", 0.2)
+    before = routed_by_ingress(app)
     client = app.client()
 
     def ask(content: str, salt: str | None = None) -> dict:
@@ -282,11 +291,14 @@ def fetch(app: App) -> dict:
             for r in streams:
                 r.close()
     metrics = {m["worker_id"]: m for m in app.engine.broadcast("metrics").results(timeout_s=30)}
-    keep = ("fetches_total", "fetched_pages_total", "fetched_bytes_total", "exported_bytes_total")
+    keep = ("fetches_total", "fetched_pages_total", "fetched_bytes_total", "exported_bytes_total", "cached_tokens",
+            "checkpoints_evicted_total", "checkpoints_without_slot_total")
+    routed = {r: {k: n - before.get(r, {}).get(k, 0) for k, n in counts.items()}
+              for r, counts in routed_by_ingress(app).items()}
     return {"engines": engines, "holder": holder,
             "placed": placed, "shared": shared, "cold": cold,
             "metrics": {w: {k: v for k, v in m.items() if k in keep or k.startswith("fetch_fallbacks_total")}
-                        for w, m in metrics.items()}}
+                        for w, m in metrics.items()}, "routed_meanwhile": routed}
 
 
 SCENARIOS = (placement, conversations, every_proxy, node_loss, index_restart, fetch)

@@ -108,6 +108,23 @@ def test_a_fetched_resume_point_counts_as_cached_and_the_index_learns_it(tiny_mo
     assert receiver.metrics()["fetches_total"] == 1
 
 
+def test_a_fetched_checkpoint_no_slot_can_be_had_for_is_counted_and_the_request_computes_what_cold_computes(
+        tiny_model_dir, monkeypatch):
+    """The pages arrive but the resume point's state has nowhere to go (every state slot held by
+    running sequences): the request cannot resume there, and the fallback says why."""
+    holder = Engine.from_pretrained(tiny_model_dir, cache_policy="all", num_pages=256)
+    receiver = Engine.from_pretrained(tiny_model_dir, cache_policy="all", num_pages=256)
+    tokens = prompt(5 * PS + 2, seed=8)
+    run(holder, tokens)
+    monkeypatch.setattr(receiver.cache, "take_checkpoint_slot", lambda: None)
+    assert fetch(receiver, holder, tokens + [3]) > 0, "the pages came"
+    monkeypatch.undo()
+    assert receiver.metrics()["fetch_fallbacks_total:no_checkpoint_slot"] == 1
+    out = run(receiver, tokens + [3])
+    assert out.cached_tokens == 0
+    assert_same_output(out, run(holder, tokens + [3], salt="cold"))
+
+
 def test_a_holder_that_evicted_meanwhile_gives_nothing_and_the_request_recomputes(tiny_model_dir):
     holder = Engine.from_pretrained(tiny_model_dir, cache_policy="all", num_pages=256)
     receiver = Engine.from_pretrained(tiny_model_dir, cache_policy="all", num_pages=256)

@@ -230,8 +230,10 @@ def test_a_replica_on_another_node_fetches_a_hot_prompt_s_resume_point_and_compu
     others = [w for w in metrics if w != holder]
     assert set(result["placed"] + [result["shared"]["replica"]]) - {holder}, "the load spread past the holder"
     assert engines[others[0]] != engines[holder], "the receiver is on another node"
+    assert all(r.get("index_fallbacks", 0) == 0 for r in result["routed_meanwhile"].values()), \
+        f"every request was routed by a mirror of the index: {result['routed_meanwhile']}"
     shared, cold = result["shared"], result["cold"]
-    assert shared["cached"] >= shared["prompt"] - PAGE_SIZE - TAIL_GUARD - 24, shared
+    assert shared["cached"] >= shared["prompt"] - PAGE_SIZE - TAIL_GUARD - 24, result
     assert cold["cached"] == 0 and cold["text"] == shared["text"], "resumed == cold; no fetch crosses a salt"
     assert sum(metrics[w]["fetches_total"] for w in others) >= 1 and sum(metrics[w]["fetched_pages_total"]
                                                                         for w in others) > 0, metrics

@@ -381,8 +381,12 @@ class Engine:
         return out
 
     def import_resume(self, export, page_hashes: list[bytes], first: int) -> int:
-        """Adopts a peer's export (pages imported; 0: refused)."""
-        pages = cache_transfer.import_resume(self, export, page_hashes, first)
+        """Adopts a peer's export (pages imported; 0: refused). A checkpoint it carried that no
+        slot could be had for counts as a fallback (`no_checkpoint_slot`): the request recomputes
+        from the deepest resume point it has here."""
+        pages, resumable = cache_transfer.import_resume(self, export, page_hashes, first)
+        if not resumable:
+            self.count_fetch_fallback("no_checkpoint_slot")
         if pages or export.checkpoint is not None:
             self.fetch_counts["fetches"] += 1
             self.fetch_counts["fetched_pages"] += pages
