@@ -721,8 +721,9 @@ def test_the_registry_reads_each_router_s_mirror_on_that_router_s_own_loop():
         summary = mirror.summary
         mirror.summary = lambda: (read_on.append(threading.current_thread()), summary())[1]
         asyncio.run_coroutine_threadsafe(mirror.apply(feed.read(index, None, 0)), loop).result(10)
-        register_router(ranker, loop, mirror, "Engine")
-        states = [s for s in asyncio.run(mirror_summaries()) if s.get("deployment") == "Engine"]
+        # a name of its own: routers of earlier tests in this process may still be registered
+        register_router(ranker, loop, mirror, "EngineOfTheRegistryTest")
+        states = [s for s in asyncio.run(mirror_summaries()) if s.get("deployment") == "EngineOfTheRegistryTest"]
     finally:
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
