@@ -338,6 +338,23 @@ def wait_until(condition, timeout_s: float, what: str, every_s: float = 0.1):
     return value
 
 
+def mirrors_agree(ingress, index, engines: list[str], seen: dict | None = None) -> bool:
+    """Whether every ingress replica's index mirror (`Ingress.routing_state`, through the Ingress
+    deployment's handle `ingress`) holds the index actor's (`index`) epoch, cursor and digest and
+    knows exactly the engine replicas `engines`; what was read is left in `seen` (`ingresses`,
+    `index`)."""
+    import ray
+
+    seen = {} if seen is None else seen
+    seen.update(ingresses=ingress.broadcast("routing_state").results(timeout_s=30),
+                index=ray.get(index.digest.remote(), timeout=30))
+    want = [seen["index"][k] for k in ("epoch", "cursor", "digest")]
+    mirrors = [m for state in seen["ingresses"] for m in state["routers"]]
+    return all(state["routers"] for state in seen["ingresses"]) and all(
+        [m.get(k) for k in ("epoch", "cursor", "digest")] == want and m["workers"] == sorted(engines)
+        for m in mirrors)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

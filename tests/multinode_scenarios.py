@@ -26,6 +26,7 @@ from ray import serve
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from cluster.ingress import REPLICA_HEADER
+import conftest
 from conftest import chat_turns, index_converged, open_chat_stream
 from multinode_cluster import INDEX, MODEL, App, Load, MultiNode, Outcome, persona, wait_until
 
@@ -151,16 +152,8 @@ def every_proxy(app: App, agree_within_s: float = 15.0) -> dict:
 
 
 def mirrors_agree(app: App, seen: dict) -> bool:
-    """Whether every ingress replica's mirror holds the index actor's epoch, cursor and digest and
-    knows exactly the live engine replicas; what was read is left in `seen` (`ingresses`: each
-    one's `Ingress.routing_state`, `index`: the actor's `digest`)."""
-    seen.update(ingresses=app.ingress.broadcast("routing_state").results(timeout_s=30),
-                index=ray.get(app.index.digest.remote(), timeout=30))
-    index, engines = seen["index"], sorted(app.engines())
-    mirrors = [m for state in seen["ingresses"] for m in state["routers"]]
-    return all(state["routers"] for state in seen["ingresses"]) and all(
-        [m.get(k) for k in ("epoch", "cursor", "digest")] == [index[k] for k in ("epoch", "cursor", "digest")]
-        and m["workers"] == engines for m in mirrors)
+    """`conftest.mirrors_agree` for this app's ingress replicas, index and live engine replicas."""
+    return conftest.mirrors_agree(app.ingress, app.index, list(app.engines()), seen)
 
 
 def routed_by_ingress(app: App) -> dict[str, dict[str, int]]:
@@ -262,7 +255,8 @@ def fetch(app: App) -> dict:
     streams sharing it, which the router spreads once the holder is busy; then a request sharing
     it, and the same request under another cache salt (computed cold). A replica on the other node
     that gets them pulls the resume point from the holder through both nodes' object stores."""
-    app.deploy(app.routing.model_copy(update=dict(fetch=True, spill_limit=2)))
+    # staleness: a feed answer slowed by a busy machine does not turn routing to load alone mid-scenario
+    app.deploy(app.routing.model_copy(update=dict(fetch=True, spill_limit=2, index_staleness_s=30.0)))
     engines = wait_until(lambda: (e := app.engines()) and len(e) == 2 and e, 120, "two engine replicas")
     wait_until(lambda: mirrors_agree(app, {}), 30, "every ingress's mirror follows the index", 0.2)
     before = routed_by_ingress(app)

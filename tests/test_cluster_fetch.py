@@ -14,7 +14,7 @@ ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-from conftest import open_chat_stream  # noqa: E402
+from conftest import mirrors_agree, open_chat_stream, wait_until  # noqa: E402
 
 from cluster.app import build_application  # noqa: E402
 from cluster.ingress import REPLICA_HEADER  # noqa: E402
@@ -22,7 +22,8 @@ from cluster.routing.config import RoutingConfig  # noqa: E402
 
 MODEL = "tiny"
 INDEX = f"cairn-fetch-index-{uuid.uuid4().hex[:6]}"
-ROUTING = RoutingConfig(index_actor_name=INDEX, spill_limit=2, fetch=True, index_staleness_s=5.0)
+# staleness: a feed answer slowed by a busy 2-core machine must not turn routing to load alone mid-test
+ROUTING = RoutingConfig(index_actor_name=INDEX, spill_limit=2, fetch=True, index_staleness_s=30.0)
 HOT = "You are the shared assistant of the cairn club; answer briefly about stone piles. " * 60
 
 
@@ -40,7 +41,8 @@ def app(ray_session, tiny_model_dir):
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_application(tiny_model_dir, replicas=2, num_cpus=0.25, routing=ROUTING, served_model_name=MODEL),
               name="cairn-fetch", route_prefix="/")
-    yield f"http://127.0.0.1:{port}", serve.get_deployment_handle("Engine", app_name="cairn-fetch")
+    yield (f"http://127.0.0.1:{port}", serve.get_deployment_handle("Engine", app_name="cairn-fetch"),
+           serve.get_deployment_handle("Ingress", app_name="cairn-fetch"))
     serve.shutdown()
     ray.kill(ray.get_actor(INDEX, namespace=ROUTING.index_actor_namespace), no_restart=True)
 
@@ -55,9 +57,12 @@ def ask(client, content: str, salt: str | None = None):
 
 
 def test_load_spreads_a_hot_prompt_over_replicas_which_fetch_its_resume_point_and_compute_what_cold_computes(app):
-    url, engine = app
+    url, engine, ingress = app
     client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
     _, holder = ask(client, "warm up")
+    index = ray.get_actor(INDEX, namespace=ROUTING.index_actor_namespace)
+    replicas = [w for w, _, _ in engine.broadcast("cache_contents").results(timeout_s=30)]
+    wait_until(lambda: mirrors_agree(ingress, index, replicas), 30, "the ingress's mirror holds the warm-up", 0.2)
     streams, http, placed = [], httpx.Client(base_url=url, timeout=60), []
     try:
         for i in range(2 * ROUTING.spill_limit):  # long streams in flight: load the router balances
