@@ -13,7 +13,7 @@ request enters its engine:
 - whatever goes wrong (the holder evicted them meanwhile, died, is gone, or does not answer within
   `fetch_timeout_s`), the request is recomputed as if there had been no hint: never lost, never
   run twice. Each such fallback is counted by reason (`fetch_fallbacks_total{kind=...}`:
-  evicted, timeout, holder_failed, refused).
+  evicted, timeout, holder_failed here; refused, no_checkpoint_slot by `Engine.import_resume`).
 Under tensor parallelism nothing is fetched (`plan_fetch` says so): each rank would need its own
 slice from the holder's same rank.
 """
@@ -72,9 +72,7 @@ class PeerFetch:
             return await self._fell_back("holder_failed")
         if export is None:
             return await self._fell_back("evicted")
-        imported = await self.engine.call(lambda engine: engine.import_resume(export, hashes, plan.first))
-        if not imported and export.checkpoint is None:
-            await self._fell_back("refused")
+        await self.engine.call(lambda engine: engine.import_resume(export, hashes, plan.first))  # counts a refusal
 
     async def _fell_back(self, reason: str) -> None:
         await self.engine.call(lambda engine: engine.count_fetch_fallback(reason))

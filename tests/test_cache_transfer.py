@@ -120,6 +120,7 @@ def test_a_fetched_checkpoint_no_slot_can_be_had_for_is_counted_and_the_request_
     assert fetch(receiver, holder, tokens + [3]) > 0, "the pages came"
     monkeypatch.undo()
     assert receiver.metrics()["fetch_fallbacks_total:no_checkpoint_slot"] == 1
+    assert receiver.metrics()["fetches_total"] == 0, "a fallback, not a fetch"
     out = run(receiver, tokens + [3])
     assert out.cached_tokens == 0
     assert_same_output(out, run(holder, tokens + [3], salt="cold"))

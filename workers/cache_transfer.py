@@ -16,8 +16,9 @@ from a peer replica).
   a `cache_salt`: another salt's chain has other hashes, and the holder finds none of them) and
   the checkpoint a stored one; events tell the index. The chain's device run is held while
   blocks are taken, so making room never evicts what the import hangs from. Returns the
-  pages imported (0: refused, nothing changed but what making room evicted) and whether the
-  checkpoint is there (a checkpoint no slot could be had for is dropped).
+  pages imported and why the request cannot resume where the export ends, if it cannot:
+  "refused" (nothing changed but what making room evicted) or "no_checkpoint_slot" (the pages
+  came, but no state slot could be had for the checkpoint, which is dropped).
 Nothing here runs under tensor parallelism: each rank holds a slice of every page and state, and
 a fetch would have to move every rank's slice (not built; the caller recomputes).
 """
@@ -96,10 +97,9 @@ def export_resume(engine, page_hashes: list[bytes], first: int, depth: int) -> R
                         ckpt.exact_tail if ckpt is not None else None, width)
 
 
-def import_resume(engine, export: ResumeExport, page_hashes: list[bytes], first: int) -> tuple[int, bool]:
+def import_resume(engine, export: ResumeExport, page_hashes: list[bytes], first: int) -> tuple[int, str | None]:
     """Adopts a holder's export as cached pages and a stored checkpoint (module doc): (pages
-    imported, whether the resume point's checkpoint is now here: False when the export carried
-    one and no slot could be had for it, so the request cannot resume there)."""
+    imported, None or why the request cannot resume there: "refused", "no_checkpoint_slot")."""
     cache, layout = engine.cache, engine.layout
     n = len(export.page_hashes)
     depth = first + n
@@ -108,13 +108,13 @@ def import_resume(engine, export: ResumeExport, page_hashes: list[bytes], first:
             or tuple(page_hashes[first:depth]) != export.page_hashes or export.pages.shape != (n, layout.block_bytes)
             or run < first
             or (export.checkpoint is not None and export.checkpoint.shape != (layout.slot_blocks, layout.block_bytes))):
-        return 0, export.checkpoint is None
+        return 0, "refused"
     staging, copies = [], []
     held = cache.hold_chain(page_hashes[:min(run, depth)])  # what the import hangs from stays while room is made
     try:
         fresh = list(range(min(run, depth) - first, n))  # a chain's device pages are a prefix of it
         if not cache.room_for_pages(len(fresh)):
-            return 0, export.checkpoint is None
+            return 0, "refused"
         blocks = cache.take_free_pages(len(fresh))
         for j, block in zip(fresh, blocks):
             parent = page_hashes[first + j - 1] if first + j else None
@@ -135,6 +135,7 @@ def import_resume(engine, export: ResumeExport, page_hashes: list[bytes], first:
         engine.flush_block_copies(copies, np.stack(staging) if staging else None)
         for block in blocks:
             cache.release_page(block)
-        return len(fresh), export.checkpoint is None or cache.checkpoints.get(page_hashes[depth - 1]) is not None
+        stored = export.checkpoint is None or cache.checkpoints.get(page_hashes[depth - 1]) is not None
+        return len(fresh), None if stored else "no_checkpoint_slot"
     finally:
         cache.release_chain(held)

@@ -381,13 +381,14 @@ class Engine:
         return out
 
     def import_resume(self, export, page_hashes: list[bytes], first: int) -> int:
-        """Adopts a peer's export (pages imported; 0: refused). A checkpoint it carried that no
-        slot could be had for counts as a fallback (`no_checkpoint_slot`): the request recomputes
-        from the deepest resume point it has here."""
-        pages, resumable = cache_transfer.import_resume(self, export, page_hashes, first)
-        if not resumable:
-            self.count_fetch_fallback("no_checkpoint_slot")
-        if pages or export.checkpoint is not None:
+        """Adopts a peer's export (pages imported). An import the request cannot resume from is
+        counted as a fallback, by reason (`refused`: nothing imported; `no_checkpoint_slot`: the
+        pages came, the checkpoint found no state slot), and not as a fetch: the request
+        recomputes from the deepest resume point it has here."""
+        pages, missing = cache_transfer.import_resume(self, export, page_hashes, first)
+        if missing is not None:
+            self.count_fetch_fallback(missing)
+        elif pages or export.checkpoint is not None:
             self.fetch_counts["fetches"] += 1
             self.fetch_counts["fetched_pages"] += pages
             self.fetch_counts["fetched_bytes"] += export.nbytes
