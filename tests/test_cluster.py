@@ -46,8 +46,8 @@ ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-from conftest import (LoadThreads, chat_turns, index_converged, kill_index_actor, open_chat_stream,  # noqa: E402
-                      wait_for_log)
+from conftest import (LoadThreads, chat_turns, index_converged, kill_index_actor, mirrors_agree,  # noqa: E402
+                      open_chat_stream, wait_for_log, wait_until)
 
 from cache_service.events import EventBatch, PagesStored  # noqa: E402
 from cluster.app import build_application  # noqa: E402
@@ -255,18 +255,13 @@ def test_the_ingress_mirrors_the_index_from_before_its_first_request(cluster):
     holds, so its first requests are routed by cache, not by load alone."""
     from ray import serve
 
-    ingress = serve.get_deployment_handle("Ingress", app_name="cairn")
-    engines, deadline = sorted(cluster.replicas()), time.monotonic() + 30
-    while True:
-        (state,) = ingress.broadcast("routing_state").results(timeout_s=30)
-        index = ray.get(cluster.index.digest.remote(), timeout=30)
-        mirrors = [m for m in state["routers"] if m["deployment"] == "Engine"]
-        if mirrors and all((m["epoch"], m["cursor"], m["digest"], m["workers"]) ==
-                           (index["epoch"], index["cursor"], index["digest"], engines) for m in mirrors):
-            break
-        assert time.monotonic() < deadline, f"the ingress's mirror {mirrors} never caught up with the index {index}"
-        time.sleep(0.2)
-    assert all(m["counts"]["ranked"] == 0 and m["index"] == INDEX for m in mirrors), mirrors  # no request yet
+    ingress, seen = serve.get_deployment_handle("Ingress", app_name="cairn"), {}
+    wait_until(lambda: mirrors_agree(ingress, cluster.index, list(cluster.replicas()), seen), 30,
+               "the ingress's mirror caught up with the index", 0.2)
+    (state,) = seen["ingresses"]
+    mirrors = [m for m in state["routers"] if m["deployment"] == "Engine"]
+    # and no request yet
+    assert mirrors and all(m["counts"]["ranked"] == 0 and m["index"] == INDEX for m in mirrors), mirrors
     assert state["node"] == ray.get_runtime_context().get_node_id() and "#Ingress#" in state["replica"], state
 
 

@@ -4,7 +4,6 @@ from it and resume there, computing what a cold request computes; another cache 
 nothing. Through the official openai client and Serve's proxy."""
 
 import os
-import socket
 import uuid
 
 import pytest
@@ -14,7 +13,7 @@ ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-from conftest import mirrors_agree, open_chat_stream, wait_until  # noqa: E402
+from conftest import free_port, mirrors_agree, open_chat_stream, wait_until  # noqa: E402
 
 from cluster.app import build_application  # noqa: E402
 from cluster.ingress import REPLICA_HEADER  # noqa: E402
@@ -25,12 +24,6 @@ INDEX = f"cairn-fetch-index-{uuid.uuid4().hex[:6]}"
 # staleness: a feed answer slowed by a busy 2-core machine must not turn routing to load alone mid-test
 ROUTING = RoutingConfig(index_actor_name=INDEX, spill_limit=2, fetch=True, index_staleness_s=30.0)
 HOT = "You are the shared assistant of the cairn club; answer briefly about stone piles. " * 60
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
