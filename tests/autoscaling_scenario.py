@@ -28,7 +28,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 import traceback
 from pathlib import Path
@@ -36,8 +35,8 @@ from pathlib import Path
 import httpx
 import yaml
 
-from conftest import LoadThreads, free_port, open_chat_stream, wait_until
-from fake_autoscaler import FakeCluster, serve_config
+from conftest import LoadThreads, actor_nodes, free_port, open_chat_stream, wait_until
+from fake_autoscaler import FakeCluster, gpu_nodes, serve_config
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = "tiny"
@@ -83,46 +82,32 @@ def cluster_state() -> dict:
     report = (json.loads(raw).get("autoscaler_report") or {}) if raw else {}
     alive = {n["NodeID"]: n["Resources"] for n in ray.nodes() if n["Alive"]}
     types = report.get("node_type_mapping") or {}  # node "ip" -> type: the fake provider's ip is the node id
-    actors = ray._private.state.actors(actor_state_name="ALIVE").values()
-    app = serve.status().applications.get("cairn")
+    status = serve.status()
+    app = status.applications.get("cairn")
     engine = app.deployments.get("Engine") if app else None
     return {"active": report.get("active_nodes", {}), "pending_launches": report.get("pending_launches", {}),
             "pending_nodes": len(report.get("pending_nodes") or ()),
             "nodes": {nid: types.get(nid, "?") for nid in sorted(alive)},
             "resources": {nid: {k: r[k] for k in ("CPU", "GPU") if k in r} for nid, r in alive.items()},
-            "engines": {a["Name"].split("#")[-1]: a["Address"]["NodeID"] for a in actors
-                        if "#Engine#" in (a["Name"] or "")},
+            "engines": {name.split("#")[-1]: node for name, node in actor_nodes().items() if "#Engine#" in name},
             "engine_status": engine and str(engine.status), "replica_states": engine and dict(engine.replica_states),
-            "proxies": {nid: str(p) for nid, p in serve.status().proxies.items()}}
+            "proxies": {nid: str(p) for nid, p in status.proxies.items()}}
 
 
-def gpu_nodes(state: dict) -> list[str]:
-    return [nid for nid, kind in state["nodes"].items() if kind == "gpu_worker"]
-
-
-class Sampler:
+class Sampler(LoadThreads):
     """Samples `cluster_state()` every `every_s` on a thread of its own, into `samples` (each with
     its time on the timeline), from the `with` block's start to its end."""
 
     def __init__(self, timeline: "Timeline", every_s: float = 0.5):
+        super().__init__(threads=1)
         self.timeline, self.every_s, self.samples = timeline, every_s, []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def _run(self) -> None:
+    def _run(self, k: int) -> None:
         while not self._stop.wait(self.every_s):
             try:
                 self.samples.append({"t": self.timeline.now(), **cluster_state()})
             except Exception as e:  # noqa: BLE001 - a sample missed is no failure
                 self.samples.append({"t": self.timeline.now(), "error": repr(e)})
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
 
 
 class Streams(LoadThreads):
@@ -189,9 +174,7 @@ def index_stats() -> dict:
     routing = RoutingConfig()
     actor = ray.get_actor(routing.index_actor_name, namespace=routing.index_actor_namespace)
     stats = ray.get(actor.stats.remote(), timeout=30)  # running, not only registered
-    node = next(a["Address"]["NodeID"] for a in ray._private.state.actors(actor_state_name="ALIVE").values()
-                if a["Name"] == routing.index_actor_name)
-    return {**stats, "node": node}
+    return {**stats, "node": actor_nodes()[routing.index_actor_name]}
 
 
 def main(workdir: str) -> None:
@@ -210,8 +193,8 @@ def main(workdir: str) -> None:
 
         ray.init(address=cluster.address, log_to_driver=False)
         with sampler:
-            out["initial"] = wait_until(lambda: (s := cluster_state()) and len(gpu_nodes(s)) >= 1 and s, 90,
-                                      "the min_workers GPU node", POLL_S)
+            out["initial"] = wait_until(lambda: (s := cluster_state()) and gpu_nodes(s["nodes"]) and s, 90,
+                                        "the min_workers GPU node", POLL_S)
             timeline.note("min_workers node up", nodes=out["initial"]["nodes"])
             server, url = deploy(cluster, home)
             out["deployed"] = {**cluster_state(), "index": index_stats()}
@@ -228,8 +211,8 @@ def main(workdir: str) -> None:
             out["scaled_down"] = wait_until(lambda: (s := cluster_state()) and len(s["engines"]) == 1 and s, 120,
                                           "back to one engine replica", POLL_S)
             timeline.note("scaled down", engines=out["scaled_down"]["engines"])
-            out["retired"] = wait_until(lambda: (s := cluster_state()) and len(gpu_nodes(s)) == 1 and s, 120,
-                                      "the idle GPU node retired", POLL_S)
+            out["retired"] = wait_until(lambda: (s := cluster_state()) and len(gpu_nodes(s["nodes"])) == 1 and s,
+                                        120, "the idle GPU node retired", POLL_S)
             timeline.note("idle node retired", nodes=out["retired"]["nodes"])
             r = httpx.post(url + "/v1/chat/completions", timeout=60, json={
                 "model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "Still there?"}]})

@@ -328,6 +328,15 @@ def wait_for_log(proc: subprocess.Popen, log_path: Path, text: str, timeout_s: f
         time.sleep(0.5)
 
 
+def actor_nodes() -> dict[str, str]:
+    """Every live named actor of the connected Ray cluster -> the id of the node it runs on (from
+    the GCS's actor table: Ray's state API needs a dashboard, which test clusters may not run)."""
+    import ray
+
+    return {a["Name"]: a["Address"]["NodeID"] for a in ray._private.state.actors(actor_state_name="ALIVE").values()
+            if a["Name"]}
+
+
 def wait_until(condition, timeout_s: float, what: str, every_s: float = 0.1):
     """`condition()` once it is truthy, polled every `every_s`; TimeoutError naming `what` past `timeout_s`."""
     deadline = time.monotonic() + timeout_s

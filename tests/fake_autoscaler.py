@@ -5,6 +5,7 @@ machine (`fake_multinode`, enabled by `RAY_FAKE_CLUSTER=1`), with the resources 
 declares. Running a cluster config on it proves the config's node types, resources and start
 commands work together with the Serve config that runs on them, short of clouds and SSH:
 
+- `gpu_nodes`: which of the cluster's nodes are of its GPU worker type.
 - `bootstrap_config`: what `ray up` writes to the head's `~/ray_bootstrap_config.yaml` (Ray's own
   `prepare_config`: defaults filled, setup commands merged), with only the provider swapped for the
   fake one (which names its head node type `ray.head.default`, so the head type is renamed), and
@@ -20,7 +21,6 @@ commands work together with the Serve config that runs on them, short of clouds 
 
 from __future__ import annotations
 
-import copy
 import os
 import re
 import signal
@@ -36,6 +36,7 @@ import yaml
 from conftest import free_port
 
 FAKE_HEAD_TYPE = "ray.head.default"   # the head node type the fake provider reports
+GPU_TYPE = "gpu_worker"               # configs/cluster.yaml's GPU worker node type
 WELL_KNOWN_PORTS = {"gcs": 6379, "redis": 6380, "object_manager": 8076}
 MARKER = "CAIRN_FAKE_CLUSTER"
 
@@ -56,6 +57,11 @@ def bootstrap_config(cluster_yaml: Path, gcs_address: str, overrides: dict[str, 
     return config
 
 
+def gpu_nodes(nodes: dict[str, str]) -> list[str]:
+    """The ids (sorted) of the `GPU_TYPE` nodes among `nodes` (node id -> its type)."""
+    return sorted(nid for nid, kind in nodes.items() if kind == GPU_TYPE)
+
+
 def swap_ports(command: str, ports: dict[str, int]) -> str:
     """`command` with each well-known port it names (as a whole number) replaced by ours."""
     for name, port in WELL_KNOWN_PORTS.items():
@@ -66,10 +72,10 @@ def swap_ports(command: str, ports: dict[str, int]) -> str:
 class FakeCluster:
     def __init__(self, cluster_yaml: Path, home: Path, overrides: dict[str, Any] | None = None,
                  env: dict[str, str] | None = None):
-        self.cluster_yaml, self.home = cluster_yaml, home
+        self.home = home
         self.ports = {name: free_port() for name in WELL_KNOWN_PORTS}
         self.marker = uuid.uuid4().hex
-        self.config = bootstrap_config(cluster_yaml, f"127.0.0.1:{self.ports['gcs']}", overrides)
+        self.config = bootstrap_config(cluster_yaml, self.address, overrides)
         self.env = {**os.environ, **(env or {}), MARKER: self.marker, "HOME": str(home), "RAY_FAKE_CLUSTER": "1",
                     # the commands' `ray` is this Python's (as on a node, where setup_commands installed it)
                     "PATH": os.pathsep.join((str(Path(sys.executable).parent), os.environ.get("PATH", "")))}
@@ -125,7 +131,7 @@ def serve_config(serve_yaml: Path, port: int, redis_port: int, args: dict[str, A
     """configs/serve.yaml for this cluster: its proxy on `port`, its index in the head's Redis on
     `redis_port`, and `args` written over the application's (engine_options and autoscaling merged
     key by key)."""
-    config = copy.deepcopy(yaml.safe_load(serve_yaml.read_text()))
+    config = yaml.safe_load(serve_yaml.read_text())
     config["http_options"]["port"] = port
     (app,) = config["applications"]
     merged = dict(app["args"])

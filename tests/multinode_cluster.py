@@ -32,7 +32,7 @@ from ray.cluster_utils import Cluster
 from cluster.app import build_application
 from cluster.ingress import REPLICA_HEADER
 from cluster.routing.config import RoutingConfig
-from conftest import LoadThreads, free_port, open_chat_stream, wait_until  # noqa: F401 - wait_until: for the scenarios
+from conftest import LoadThreads, actor_nodes, free_port, open_chat_stream
 
 MB = 1024 * 1024
 MODEL = "tiny"
@@ -67,12 +67,6 @@ class MultiNode:
         alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
         return {self.role(node): f"http://127.0.0.1:{port}" for node, port in self.proxy_ports.items()
                 if node in alive}
-
-    def node_of(self) -> dict[str, str]:
-        """Every live named actor -> the id of the node it runs on (from the GCS's actor table: Ray's
-        state API needs a dashboard, which these nodes do not run)."""
-        return {a["Name"]: a["Address"]["NodeID"] for a in ray._private.state.actors(actor_state_name="ALIVE").values()
-                if a["Name"]}
 
     def role(self, node_id: str) -> str:
         if node_id == self.head:
@@ -131,7 +125,7 @@ class App:
         return self._replicas_of("Ingress")
 
     def _replicas_of(self, deployment: str) -> dict[str, str]:
-        return {name: self.nodes.role(node) for name, node in self.nodes.node_of().items()
+        return {name: self.nodes.role(node) for name, node in actor_nodes().items()
                 if f"#{deployment}#" in name}
 
     def replicas(self) -> dict[str, tuple[frozenset, frozenset]] | None:

@@ -27,8 +27,8 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from cluster.ingress import REPLICA_HEADER
 import conftest
-from conftest import chat_turns, index_converged, open_chat_stream
-from multinode_cluster import INDEX, MODEL, App, Load, MultiNode, Outcome, persona, wait_until
+from conftest import actor_nodes, chat_turns, index_converged, open_chat_stream, wait_until
+from multinode_cluster import INDEX, MODEL, App, Load, MultiNode, Outcome, persona
 
 QUESTIONS = ["How do I build a cairn that lasts the winter?", "How tall should it be to show in fog?",
              "Which stones hold best when wet?", "How often should someone check on it?"]
@@ -48,11 +48,11 @@ def placement(app: App) -> dict:
     """Where each actor runs, and where index actors created from a worker node's process land."""
     nodes, namespace = app.nodes, app.routing.index_actor_namespace
     ray.get(app.index.stats.remote(), timeout=30)  # running, not only registered
-    where = {name: nodes.role(node) for name, node in nodes.node_of().items()}
+    where = {name: nodes.role(node) for name, node in actor_nodes().items()}
     names = [f"{INDEX}-from-worker-{k}" for k in range(6)]
     on_worker = NodeAffinitySchedulingStrategy(nodes.workers[0].node_id, soft=False)
     ray.get([create_index.options(scheduling_strategy=on_worker).remote(n, namespace) for n in names])
-    created = [nodes.role(nodes.node_of()[n]) for n in names]
+    created = [nodes.role(actor_nodes()[n]) for n in names]
     for n in names:
         ray.kill(ray.get_actor(n, namespace=namespace), no_restart=True)
     return {"actors": where, "index": INDEX, "created_from_worker": created}
@@ -144,8 +144,7 @@ def every_proxy(app: App, agree_within_s: float = 15.0) -> dict:
     routed = {}
     for state in seen["ingresses"]:
         state["node"] = app.nodes.role(state["node"])
-        before = counted.get(state["replica"], {})
-        routed[state["node"]] = {k: n - before.get(k, 0) for k, n in summed(state).items()}
+        routed[state["node"]] = rose(counted.get(state["replica"], {}), summed(state))
     return {"proxies": proxies, "ready_s": ready_s, "ingress_nodes": app.ingresses(), "engines": app.engines(),
             "conversations": out, "first": first, "same_prompt": same, "agreed_s": agreed_s,
             "routed_meanwhile": routed, **seen}
@@ -159,6 +158,11 @@ def mirrors_agree(app: App, seen: dict) -> bool:
 def routed_by_ingress(app: App) -> dict[str, dict[str, int]]:
     """Each ingress replica -> its routers' counters, summed (`summed`)."""
     return {s["replica"]: summed(s) for s in app.ingress.broadcast("routing_state").results(timeout_s=30)}
+
+
+def rose(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    """How much each counter of `after` rose from `before` (a counter absent there: from 0)."""
+    return {k: n - before.get(k, 0) for k, n in after.items()}
 
 
 def summed(routing_state: dict) -> dict[str, int]:
@@ -235,7 +239,7 @@ def index_restart(app: App) -> dict:
             stats = wait_until(back, 60, f"index {how}")
             back_s, new = since(killed), app.index
             known = {w: ray.get(new.contents.remote(w), timeout=30) for w in held}
-            out[how] = {"back_s": back_s, "node": app.nodes.role(app.nodes.node_of()[INDEX]), "stats": stats,
+            out[how] = {"back_s": back_s, "node": app.nodes.role(actor_nodes()[INDEX]), "stats": stats,
                         "workers_before": sorted(held), "workers_after": sorted(ray.get(new.workers.remote())),
                         "needing_resync": sorted(ray.get(new.workers_needing_resync.remote())),
                         "same_contents": all(known[w] is not None and tuple(known[w]) == held[w] for w in held),
@@ -287,8 +291,7 @@ def fetch(app: App) -> dict:
     metrics = {m["worker_id"]: m for m in app.engine.broadcast("metrics").results(timeout_s=30)}
     keep = ("fetches_total", "fetched_pages_total", "fetched_bytes_total", "exported_bytes_total", "cached_tokens",
             "checkpoints_evicted_total", "checkpoints_without_slot_total")
-    routed = {r: {k: n - before.get(r, {}).get(k, 0) for k, n in counts.items()}
-              for r, counts in routed_by_ingress(app).items()}
+    routed = {r: rose(before.get(r, {}), counts) for r, counts in routed_by_ingress(app).items()}
     return {"engines": engines, "holder": holder,
             "placed": placed, "shared": shared, "cold": cold,
             "metrics": {w: {k: v for k, v in m.items() if k in keep or k.startswith("fetch_fallbacks_total")}

@@ -31,11 +31,10 @@ import yaml
 pytestmark = pytest.mark.slow
 pytest.importorskip("ray")
 
-from fake_autoscaler import FAKE_HEAD_TYPE  # noqa: E402 - tests/ is on the path (conftest)
+from fake_autoscaler import FAKE_HEAD_TYPE, GPU_TYPE, gpu_nodes  # noqa: E402 - tests/ is on the path (conftest)
 
 HERE = Path(__file__).resolve().parent
 CLUSTER = yaml.safe_load((HERE.parent / "configs" / "cluster.yaml").read_text())
-GPU_TYPE = "gpu_worker"
 
 
 @pytest.fixture(scope="module")
@@ -62,10 +61,6 @@ def run() -> dict:
     return result
 
 
-def gpu_nodes(state: dict) -> list[str]:
-    return sorted(nid for nid, kind in state["nodes"].items() if kind == GPU_TYPE)
-
-
 def test_the_head_starts_from_the_cluster_configs_own_start_commands(run):
     started = run["started"]
     assert len(started) == len([c for c in CLUSTER["head_start_ray_commands"] if c.strip() != "ray stop"])
@@ -75,8 +70,8 @@ def test_the_head_starts_from_the_cluster_configs_own_start_commands(run):
 
 def test_the_autoscaler_keeps_min_workers_gpu_nodes_of_the_declared_resources(run):
     initial, declared = run["initial"], CLUSTER["available_node_types"][GPU_TYPE]
-    assert len(gpu_nodes(initial)) == declared["min_workers"] == 1
-    for node in gpu_nodes(initial):
+    assert len(gpu_nodes(initial["nodes"])) == declared["min_workers"] == 1
+    for node in gpu_nodes(initial["nodes"]):
         assert initial["resources"][node] == declared["resources"], "the node registers what its type declares"
 
 
@@ -97,9 +92,9 @@ def test_under_load_serve_asks_for_a_replica_and_the_autoscaler_launches_a_gpu_n
     assert new_node not in before["nodes"] and after["nodes"][new_node] == GPU_TYPE, "a node launched for it"
     assert len(set(after["engines"].values())) == 2, "one engine replica per GPU node"
     waiting = [s for s in run["samples"] if "error" not in s and sum((s["replica_states"] or {}).values()) == 2
-               and len(gpu_nodes(s)) == 1]
+               and len(gpu_nodes(s["nodes"])) == 1]
     assert waiting, "Serve asked for the replica before the node existed: the node was launched for it"
-    launched = next(s["t"] for s in run["samples"] if "error" not in s and len(gpu_nodes(s)) == 2)
+    launched = next(s["t"] for s in run["samples"] if "error" not in s and len(gpu_nodes(s["nodes"])) == 2)
     print(f"autoscaling: Serve asked for a second replica at {waiting[0]['t']} s, its node was up at "
           f"{launched} s, the replica running at {next(e['t'] for e in run['events'] if e['what'] == 'scaled up')} s")
     served = [o for o in run["load"] if o["replica"] and o["replica"].endswith(new)]
@@ -111,9 +106,9 @@ def test_under_load_serve_asks_for_a_replica_and_the_autoscaler_launches_a_gpu_n
 def test_when_quiet_serve_retires_the_replica_and_the_autoscaler_the_idle_node(run):
     down, retired = run["scaled_down"], run["retired"]
     assert len(down["engines"]) == 1
-    assert len(gpu_nodes(retired)) == CLUSTER["available_node_types"][GPU_TYPE]["min_workers"]
+    assert len(gpu_nodes(retired["nodes"])) == CLUSTER["available_node_types"][GPU_TYPE]["min_workers"]
     (kept,) = retired["engines"].values()
-    assert gpu_nodes(retired) == [kept], "the node retired is the one left idle"
+    assert gpu_nodes(retired["nodes"]) == [kept], "the node retired is the one left idle"
     assert run["after"]["status"] == 200
     stopped = next(e["t"] for e in run["events"] if e["what"] == "load stopped")
     print(f"autoscaling: load stopped at {stopped} s; one replica again at "
