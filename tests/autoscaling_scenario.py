@@ -222,11 +222,12 @@ def main(workdir: str) -> None:
     finally:
         if server is not None:
             server.send_signal(signal.SIGINT)
-            try:
-                out["serve_exit"], log = server.wait(timeout=60), server.stdout.read()
+            try:  # read while waiting: a full pipe would block its writer
+                log = server.communicate(timeout=60)[0]
+                out["serve_exit"] = server.returncode
             except subprocess.TimeoutExpired:
                 server.kill()
-                out["serve_exit"], log = "killed", ""
+                out["serve_exit"], log = "killed", server.communicate()[0]
             out["serve_log"] = log[-3000:]
         try:
             import ray
