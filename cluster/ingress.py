@@ -11,6 +11,11 @@
   which the API answers as it answers any broken engine: 503 `engine_unavailable`, retry (Serve
   routes the retry to a live replica). Its /metrics adds the routers' counters (`router_counts`)
   to one replica's engine metrics.
+  Every engine call gets a Serve request id of its own (`engine_call_context`): Serve's router
+  keys the calls it is assigning by that id, and the calls of one HTTP request (its n choices,
+  its prompts) would otherwise share the HTTP request's, so all but the first were never
+  assigned and the request hung. The calls are still cancelled with their HTTP request: the
+  API closes its engine streams when the client leaves (`cluster.api.fanout`).
 - `ReplicaHeader`: which replica served a request. Every HTTP response that reached an engine
   carries the header `x-cairn-replica` with the worker id (the Serve replica id, as in the cache
   index) of the replica that produced it (several, comma-separated, for `n > 1` choices that
@@ -25,8 +30,11 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
-from collections.abc import AsyncIterator
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any
 
@@ -52,6 +60,23 @@ REPLICA_HEADER = "x-cairn-replica"
 _served_by: ContextVar[list[str] | None] = ContextVar("cairn_served_by", default=None)
 
 
+@contextmanager
+def engine_call_context() -> Iterator[None]:
+    """Within it, a handle call gets a Serve internal request id of its own, derived from the
+    current request's. Serve's request router keys a call waiting for a replica by that id
+    (`RequestRouter._pending_requests_by_id`, Ray 2.60): two calls under one id while both wait,
+    and the second is never assigned."""
+    from ray.serve import context
+
+    current = context._get_serve_request_context()
+    own = f"{current._internal_request_id or 'cairn'}:{uuid.uuid4().hex[:12]}"
+    token = context._serve_request_context.set(dataclasses.replace(current, _internal_request_id=own))
+    try:
+        yield
+    finally:
+        context._serve_request_context.reset(token)
+
+
 class HandleEngineClient:
     """The `EngineClient` the ingress uses: engine replicas behind a DeploymentHandle."""
 
@@ -60,7 +85,8 @@ class HandleEngineClient:
         self._streams: dict[str, Any] = {}
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Any]:
-        stream = self.handle.options(stream=True).generate.remote(request)
+        with engine_call_context():  # the request's metadata is read inside remote(), at once
+            stream = self.handle.options(stream=True).generate.remote(request)
         self._streams[request.request_id] = stream
         finished, first = False, True
         served = _served_by.get()

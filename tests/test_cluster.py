@@ -300,6 +300,54 @@ def test_the_ingress_metrics_parse_as_prometheus_text_and_count_the_routing(clus
     assert value["cairn_engine_pages_cached"] >= 0 and value["cairn_cached_tokens"] >= 0
 
 
+def sse_events(http, path: str, body: dict) -> list:
+    """A streamed request's data events, `[DONE]` included, read to the end of the response."""
+    with http.stream("POST", path, json={**body, "stream": True}) as response:
+        assert response.status_code == 200, response.read()
+        return [line[6:] if line[6:] == "[DONE]" else json.loads(line[6:])
+                for line in response.iter_lines() if line.startswith("data: ")]
+
+
+def test_a_request_of_several_choices_or_prompts_answers_every_one_of_them(cluster):
+    """n > 1 and prompt batches fan out into engine calls from one HTTP request, which Serve once
+    tracked under that request's single id: all but the first call waited forever. Greedy, every
+    choice computes what the same prompt computes alone."""
+    client, http = cluster.client(), httpx.Client(base_url=cluster.url, timeout=60)
+    messages = [{"role": "user", "content": "Which stones hold best when they are wet?"}]
+    alone = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0)
+    answer = alone.choices[0].message.content
+    for n in (2, 5):
+        out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0, n=n)
+        assert sorted(c.index for c in out.choices) == list(range(n))
+        assert [c.message.content for c in out.choices] == [answer] * n
+        assert out.usage.completion_tokens == n * alone.usage.completion_tokens
+    events = sse_events(http, "/v1/chat/completions", dict(model=MODEL, messages=messages, max_tokens=6,
+                                                           temperature=0, n=6))
+    assert events[-1] == "[DONE]"
+    texts, finished = [""] * 6, set()
+    for event in events[:-1]:
+        for c in event["choices"]:
+            texts[c["index"]] += c["delta"].get("content") or ""
+            if c["finish_reason"]:
+                finished.add(c["index"])
+    assert finished == set(range(6)) and texts == [answer] * 6
+
+    prompts = ["a cairn on the ridge", "fog over the summit", "moss on granite"]
+    singles = [client.completions.create(model=MODEL, prompt=p, max_tokens=5, temperature=0).choices[0].text
+               for p in prompts]
+    out = client.completions.create(model=MODEL, prompt=prompts, max_tokens=5, temperature=0, n=2)
+    assert [(c.index, c.text) for c in out.choices] == [(k * 2 + i, singles[k]) for k in range(3) for i in range(2)]
+    events = sse_events(http, "/v1/completions", dict(model=MODEL, prompt=prompts, max_tokens=5, temperature=0, n=2))
+    assert events[-1] == "[DONE]"
+    texts, finished = [""] * 6, set()
+    for event in events[:-1]:
+        for c in event["choices"]:
+            texts[c["index"]] += c["text"]
+            if c["finish_reason"]:
+                finished.add(c["index"])
+    assert finished == set(range(6)) and texts == [s for s in singles for _ in range(2)]
+
+
 def ray_exported_families(timeout_s: float, ready) -> dict:
     """Ray's metrics export of this node (its metrics agent, on the node's MetricsExportPort), parsed,
     once `ready(families)` holds (Ray exports every few seconds)."""
