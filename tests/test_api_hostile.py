@@ -198,6 +198,14 @@ def content():
     yield case("tool message without a call", chat(messages=[{"role": "tool", "content": "x"}]), 200)
     yield case("only a system message", chat(messages=[{"role": "system", "content": "x"}]), 200)
     yield case("a developer message", chat(messages=[{"role": "developer", "content": "x"}, HI[0]]), 200)
+    parts = [{"type": "text", "text": "stone "}, {"type": "text", "text": ""}, {"type": "text", "text": "<think>"}]
+    for role in ("system", "developer", "user", "assistant", "tool"):  # the SDK's shape, for every role
+        for content in (parts[:1], parts, []):
+            yield case(f"a {role} message of {len(content)} text parts",
+                       chat(messages=[{"role": role, "content": content}, HI[0]]), 200)
+    yield case("an assistant turn of text parts with tool calls", chat(messages=[
+        {"role": "assistant", "content": parts, "tool_calls": [{"id": "c", "type": "function", "function": {
+            "name": "f", "arguments": "{}"}}]}, {"role": "tool", "tool_call_id": "c", "content": parts}, HI[0]]), 200)
     deep: object = "x"
     for _ in range(100):
         deep = {"a": deep}

@@ -18,7 +18,7 @@ from workers import AsyncEngine
 from conftest import OneTokenClient
 
 MODEL = "tiny"
-KEYS = ["alice:key-a", "bob:key-b", "bob:key-b2"]
+KEYS = ["alice:key-a", "bob:key-b", "bob:key-b2", "carol:key-c"]
 MESSAGES = [{"role": "user", "content": "Which stones last longest in a cairn on a windy ridge? " * 4}]
 
 
@@ -178,6 +178,9 @@ def test_a_public_system_prompt_is_shared_by_every_tenant_and_nothing_after_it_i
         question = "Which stones last longest in a cairn on a windy ridge? " * 3
         assert chat(server, "key-a", PUBLIC, question)[0] == 0
         bob, n = chat(server, "key-b", PUBLIC, question)  # alice's very prompt, from bob
+        as_parts = [{"type": "text", "text": PUBLIC[:40]}, {"type": "text", "text": PUBLIC[40:]}]
+        assert chat(server, "key-c", as_parts, question) == (bob, n), \
+            "the public prompt sent as text parts (the SDK's shape) is shared like the string"
         public_pages = len(app.state.serving.prompts.tokenizer.encode(
             app.state.serving.prompts.template.render([{"role": "system", "content": PUBLIC}],
                                                       add_generation_prompt=False))) // spec.page_size

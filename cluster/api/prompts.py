@@ -9,9 +9,10 @@ text (`special_tokens`) unless the server was built with `special_tokens_in_cont
 prompts are tokenized as written, special tokens included: there the client writes the whole
 prompt; token-id prompts are checked against the vocabulary before anything hashes them. A chat
 opening with one of the server's `public_system_prompts` reports how many tokens that system
-message renders to (`public_tokens`): every tenant shares their whole pages. This is the
-ingress's pre-engine work: it runs on a `prep_pool` thread, after the size limits (`limits`)
-have been checked, and stops between its steps once its `stop` event is set.
+message renders to (`public_tokens`), sent as a string or as text parts: every tenant shares
+their whole pages. This is the ingress's pre-engine work: it runs on a `prep_pool` thread, after
+the size limits (`limits`) have been checked, and stops between its steps once its `stop` event
+is set.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any
 from cluster.api.chat_template import ChatTemplate, TemplateError
 from cluster.api.errors import bad_request
 from cluster.api.prep_pool import check
-from cluster.api.protocol import ChatCompletionRequest, CompletionRequest, FieldError
+from cluster.api.protocol import ChatCompletionRequest, CompletionRequest, FieldError, content_text
 from cluster.api.reasoning import ReasoningParser
 from cluster.api.special_tokens import SpecialTokens
 from cluster.api.tokenizer import TextTokenizer
@@ -80,8 +81,7 @@ class Prompts:
         except TemplateError as e:
             raise bad_request(str(e), "messages", "template_error") from None
         if req.continue_final_message:
-            final = shown[-1].get("content") or ""
-            final = final if isinstance(final, str) else "".join(p.get("text", "") for p in final)
+            final = content_text(shown[-1].get("content"))
             cut = text.rfind(final) if final else -1
             text = text[:cut + len(final)] if cut >= 0 else text
         check(stop)
@@ -101,7 +101,7 @@ class Prompts:
         """Characters of `text` that render a public system prompt opening the conversation (0:
         none). One more render, of that message alone; used only if it is a prefix of `text`."""
         first = messages[0] if messages else {}
-        if first.get("role") != "system" or first.get("content") not in self.public_system_prompts:
+        if first.get("role") != "system" or content_text(first.get("content")) not in self.public_system_prompts:
             return 0
         try:
             alone = self.template.render([first], add_generation_prompt=False)

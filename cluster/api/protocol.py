@@ -63,6 +63,15 @@ class TextPart(_Request):
     text: str = Field(description="the text")
 
 
+def content_text(content: str | list[dict[str, Any]] | None) -> str:
+    """A message's text as the chat templates render it: a string as it is, text parts joined
+    with nothing between them (OpenAI's SDK sends a system prompt as parts as readily as a
+    string: both must compare and share alike)."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    return "".join(part.get("text", "") for part in content)
+
+
 class FieldError(ValueError):
     """A value the request models accepted by type but that fails a later check; `field` is its
     path inside the object that raised it (`tool_calls[0].function.arguments`)."""
