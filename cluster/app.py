@@ -52,7 +52,9 @@ def build_application(model_dir: str | Path | None = None, replicas: int = 2, *,
                       num_cpus: float = 0.5, num_gpus: float = 0, ingress_replicas: int = 1,
                       served_model_name: str | None = None, api_key: str | None = None,
                       api_keys: list[str] | None = None, api_keys_file: str | None = None,
-                      metrics_key: str | None = None, shared_cache_tenants: bool = False,
+                      metrics_key: str | None = None, api_key_digests: list[str] | None = None,
+                      metrics_key_digest: str | None = None, tenant_limits: dict[str, Any] | None = None,
+                      shared_cache_tenants: bool = False,
                       http_limits: dict[str, Any] | None = None, max_body_bytes: int | None = None,
                       api_limits: dict[str, Any] | None = None, special_tokens_in_content: bool = False,
                       public_system_prompts: list[str] | None = None, tool_call_parser: str = "auto",
@@ -69,11 +71,22 @@ def build_application(model_dir: str | Path | None = None, replicas: int = 2, *,
     proxy prefers an ingress replica on its own node. Keys, tenants, HTTP limits, per-request
     limits and the special-token opt-out and the tool-call parser go to the ingress
     (`cluster.ingress.Ingress`; `cluster.api.http_limits.HTTPLimits` and
-    `cluster.api.limits.APILimits` as dicts)."""
+    `cluster.api.limits.APILimits` as dicts). Keys (`api_key`: one key of the tenant "default";
+    `api_keys`: `[TENANT:]KEY` values; `metrics_key`) reach the ingress only as digests, beside
+    any `api_key_digests` and `metrics_key_digest` given (`cluster.api.tenants`): Serve logs
+    what it deploys. `tenant_limits`: every tenant's quotas (`cluster.api.quotas.TenantLimits`)."""
     from workers import EngineOptions, EngineSpec, ModelSource, demo_model_dir
+
+    from cluster.api.quotas import TenantLimits
+    from cluster.api.tenants import Tenants, key_digest
 
     check_ingress_limits(http_limits or {})
     APILimits.model_validate(api_limits or {})  # refused here, at deploy, not in every replica
+    TenantLimits.model_validate(tenant_limits or {})
+    digests = [*Tenants.load([*([f"default:{api_key}"] if api_key else []), *(api_keys or [])], environ={},
+                             api_key_digests=api_key_digests or ()).digests()]
+    if metrics_key:
+        metrics_key_digest = key_digest(metrics_key)
     resolve_format(tool_call_parser, None)
     source = ModelSource.parse(model_dir or demo_model_dir("tiny"))
     local_dir = source.local_dir()
@@ -105,9 +118,9 @@ def build_application(model_dir: str | Path | None = None, replicas: int = 2, *,
     ingress = serve.deployment(serve.ingress()(Ingress), name="Ingress", num_replicas=ingress_replicas,
                                max_ongoing_requests=ingress_max_ongoing_requests,
                                ray_actor_options=dict(num_cpus=min(num_cpus, 0.25)), **ingress_extra)
-    return ingress.bind(engine, str(source), spec, served_model_name, api_key, api_keys=api_keys,
-                        api_keys_file=api_keys_file, metrics_key=metrics_key,
-                        shared_cache_tenants=shared_cache_tenants, http_limits=http_limits,
+    return ingress.bind(engine, str(source), spec, served_model_name, api_key_digests=digests or None,
+                        api_keys_file=api_keys_file, metrics_key_digest=metrics_key_digest,
+                        tenant_limits=tenant_limits, shared_cache_tenants=shared_cache_tenants, http_limits=http_limits,
                         max_body_bytes=max_body_bytes, api_limits=api_limits,
                         special_tokens_in_content=special_tokens_in_content,
                         public_system_prompts=public_system_prompts, tool_call_parser=tool_call_parser)
@@ -129,12 +142,15 @@ def app_builder(args: dict[str, Any]):
     (a directory or a Hugging Face id; null: the demo model), replicas, engine_options, routing
     (a dict, or a path to a routing YAML: absolute, relative to the working directory, or to this
     repository), num_cpus, num_gpus,
-    ingress_replicas, served_model_name, api_key, api_keys, api_keys_file, metrics_key,
-    shared_cache_tenants, public_system_prompts, http_limits, max_body_bytes, api_limits,
+    ingress_replicas, served_model_name, api_key, api_keys, api_keys_file, metrics_key, api_key_digests,
+    metrics_key_digest, tenant_limits, shared_cache_tenants, public_system_prompts, http_limits,
+    max_body_bytes, api_limits,
     special_tokens_in_content, tool_call_parser,
     autoscaling, max_ongoing_requests,
     ingress_max_ongoing_requests, ingress_max_replicas_per_node, health_check_period_s,
-    graceful_shutdown_timeout_s, graceful_shutdown_wait_loop_s. Unknown keys are an error."""
+    graceful_shutdown_timeout_s, graceful_shutdown_wait_loop_s. Unknown keys are an error. Serve
+    logs these arguments: give keys in a config as `api_key_digests` / `metrics_key_digest` or in
+    an `api_keys_file`, never as `api_keys` (`cairn serve --api-key` sends digests)."""
     args = dict(args or {})
     routing = args.pop("routing", None)
     if isinstance(routing, str):

@@ -111,11 +111,14 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--port", type=int, default=None, help="HTTP port (local.yaml: 8000)")
     parser.add_argument("--api-key", action="append", default=None, metavar="[TENANT:]KEY",
                         help="require 'Authorization: Bearer KEY' on /v1, /metrics and /openapi.json; "
-                             "repeat for more tenants; a bare KEY is the tenant 'default' "
-                             "(default: $CAIRN_API_KEY, else none)")
+                             "repeat for more tenants; a bare KEY is a tenant of its own, named key-<hash> "
+                             "(default: $CAIRN_API_KEY, the tenant 'default', else none)")
     parser.add_argument("--api-keys-file", default=None, metavar="PATH",
-                        help="a file of TENANT:KEY lines (# comments); on a cluster it must exist on the "
-                             "ingress's node")
+                        help="a file of 'TENANT:KEY [NAME=VALUE ...]' lines, the values that tenant's limits "
+                             "(as --tenant-limit); # comments; on a cluster it must exist on the ingress's node")
+    parser.add_argument("--tenant-limit", action="append", default=None, metavar="NAME=VALUE",
+                        help="every tenant's quota of cluster.api.quotas.TenantLimits (with keys only), e.g. "
+                             "max_requests=64, requests_per_minute=600, tokens_per_minute=200000; repeat for more")
     parser.add_argument("--metrics-key", default=None, help="the only key that opens /metrics (default: any "
                                                             "tenant's key)")
     parser.add_argument("--shared-cache-tenants", action="store_true", default=None,
@@ -175,7 +178,8 @@ def _serve(args: argparse.Namespace) -> int:
         from cluster.api.server import serve_in_process
         from cluster.api.tenants import Tenants
         from cluster.api.limits import APILimits
-        from cluster.deploy import api_limit_flags, http_limit_flags, public_prompt_flags
+        from cluster.api.quotas import TenantLimits
+        from cluster.deploy import api_limit_flags, http_limit_flags, public_prompt_flags, tenant_limit_flags
         from workers import ModelSource
 
         if args.request_timeout is not None:
@@ -186,6 +190,7 @@ def _serve(args: argparse.Namespace) -> int:
             tenants = Tenants.load(args.api_key, args.api_keys_file)
             limits = HTTPLimits(**http_limit_flags(args, in_process=True))
             api_limits = APILimits(**api_limit_flags(args))
+            tenant_limits = TenantLimits(**tenant_limit_flags(args))
             public_prompts = public_prompt_flags(args)
             model = None
             if args.model:  # resolved now, so an id that resolves to nothing fails before the engine loads
@@ -201,7 +206,7 @@ def _serve(args: argparse.Namespace) -> int:
                          max_body_bytes=args.max_body_bytes, served_model_name=args.served_model_name,
                          limits=api_limits, special_tokens_in_content=bool(args.special_tokens_in_content),
                          public_system_prompts=public_prompts, tool_call_parser=args.tool_call_parser or "auto",
-                         **engine_options)
+                         tenant_limits=tenant_limits, **engine_options)
         return 0
     from cluster.deploy import serve_forever
 

@@ -8,9 +8,11 @@ deploys the same file a checkout does; it is written nowhere else.
 Flags given on the command line override it (`apply_overrides`): `--model` (a directory, made
 absolute, or a Hugging Face id, which every node resolves for itself), `--replicas` (which
 replaces an `autoscaling` config), `--routing` (loaded here and sent inline), `--num-cpus`,
-`--num-gpus`, engine options, API keys (`--api-key` values, `--api-keys-file` as an absolute path,
-`--metrics-key`, `--shared-cache-tenants`), model name, `--max-body-bytes` and the ingress's
-`http_limits` (`--max-header-bytes`, `--body-timeout`) go into every application's `args`;
+`--num-gpus`, engine options, API keys (`--api-key` values and `--metrics-key` as digests,
+`api_key_digests` and `metrics_key_digest`, since Serve logs application arguments;
+`--api-keys-file` as an absolute path; `--shared-cache-tenants`), every tenant's quotas
+(`--tenant-limit`), model name, `--max-body-bytes` and the ingress's `http_limits`
+(`--max-header-bytes`, `--body-timeout`) go into every application's `args`;
 `--host`, `--port`, `--keep-alive-timeout` and `--request-timeout` into `http_options`, the
 proxy's (`--header-timeout` is refused: Serve's proxy has none). The config's models are then
 resolved here (`resolve_models`: an id that resolves to nothing fails before Ray starts), and it
@@ -58,6 +60,7 @@ def load_config(path: str | Path | None = None) -> dict[str, Any]:
 def apply_overrides(config: dict[str, Any], args: argparse.Namespace,
                     engine_options: dict[str, Any] | None = None) -> dict[str, Any]:
     """A copy of `config` with the flags that were given (not None) written over it."""
+    from cluster.api.tenants import Tenants, key_digest
     from cluster.routing.config import RoutingConfig
     from workers import ModelSource
 
@@ -79,15 +82,19 @@ def apply_overrides(config: dict[str, Any], args: argparse.Namespace,
         app_args["routing"] = RoutingConfig.from_yaml(args.routing).model_dump(mode="json")
     if getattr(args, "api_keys_file", None):
         app_args["api_keys_file"] = str(Path(args.api_keys_file).expanduser().resolve())
+    if getattr(args, "api_key", None):  # Serve logs application arguments: keys travel as digests
+        app_args["api_key_digests"] = Tenants.load(args.api_key, environ={}).digests()
+    if getattr(args, "metrics_key", None):
+        app_args["metrics_key_digest"] = key_digest(args.metrics_key)
     for flag, key in (("replicas", "replicas"), ("num_cpus", "num_cpus"), ("num_gpus", "num_gpus"),
-                      ("served_model_name", "served_model_name"), ("api_key", "api_keys"),
-                      ("metrics_key", "metrics_key"), ("shared_cache_tenants", "shared_cache_tenants"),
+                      ("served_model_name", "served_model_name"), ("shared_cache_tenants", "shared_cache_tenants"),
                       ("max_body_bytes", "max_body_bytes"), ("special_tokens_in_content", "special_tokens_in_content"),
                       ("tool_call_parser", "tool_call_parser")):
         if getattr(args, flag, None) is not None:
             app_args[key] = getattr(args, flag)
     limits = http_limit_flags(args, in_process=False)
     api_limits = api_limit_flags(args)
+    tenant_limits = tenant_limit_flags(args)
     if getattr(args, "public_system_prompt", None):
         app_args["public_system_prompts"] = public_prompt_flags(args)
     for app in config.get("applications", []):
@@ -101,6 +108,8 @@ def apply_overrides(config: dict[str, Any], args: argparse.Namespace,
             merged["http_limits"] = {**(merged.get("http_limits") or {}), **limits}
         if api_limits:
             merged["api_limits"] = {**(merged.get("api_limits") or {}), **api_limits}
+        if tenant_limits:
+            merged["tenant_limits"] = {**(merged.get("tenant_limits") or {}), **tenant_limits}
         app["args"] = merged
     return config
 
@@ -125,22 +134,34 @@ def public_prompt_flags(args: argparse.Namespace) -> list[str]:
     return [Path(f).expanduser().read_text(encoding="utf-8") for f in getattr(args, "public_system_prompt", None) or ()]
 
 
+def _limit_flags(flag: str, items: Any, model: Any) -> dict[str, float]:
+    """The fields of `model` that `--FLAG NAME=VALUE` flags give (checked by the model)."""
+    out: dict[str, float] = {}
+    for item in items or ():
+        name, sep, value = item.partition("=")
+        if not sep or name not in model.model_fields:
+            raise ValueError(f"--{flag} {item!r}: expected NAME=VALUE with NAME one of {sorted(model.model_fields)}")
+        try:
+            out[name] = float(value) if "." in value else int(value)
+        except ValueError:
+            raise ValueError(f"--{flag} {item!r}: {value!r} is not a number") from None
+    model(**out)
+    return out
+
+
 def api_limit_flags(args: argparse.Namespace) -> dict[str, float]:
     """The `cluster.api.limits.APILimits` fields `--api-limit NAME=VALUE` flags give (checked)."""
     from cluster.api.limits import APILimits
 
-    out: dict[str, float] = {}
-    for item in getattr(args, "api_limit", None) or ():
-        name, sep, value = item.partition("=")
-        if not sep or name not in APILimits.model_fields:
-            raise ValueError(f"--api-limit {item!r}: expected NAME=VALUE with NAME one of "
-                             f"{sorted(APILimits.model_fields)}")
-        try:
-            out[name] = float(value) if "." in value else int(value)
-        except ValueError:
-            raise ValueError(f"--api-limit {item!r}: {value!r} is not a number") from None
-    APILimits(**out)
-    return out
+    return _limit_flags("api-limit", getattr(args, "api_limit", None), APILimits)
+
+
+def tenant_limit_flags(args: argparse.Namespace) -> dict[str, float]:
+    """The `cluster.api.quotas.TenantLimits` fields `--tenant-limit NAME=VALUE` flags give: every
+    tenant's quotas (a keys file may give a tenant its own)."""
+    from cluster.api.quotas import TenantLimits
+
+    return _limit_flags("tenant-limit", getattr(args, "tenant_limit", None), TenantLimits)
 
 
 def http_limit_flags(args: argparse.Namespace, in_process: bool) -> dict[str, float]:

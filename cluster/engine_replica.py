@@ -105,7 +105,7 @@ class EngineReplica:
         await self.fetch.before(request)  # the resume point another replica holds, if the router named one
         async for out in self.engine.generate(
                 request.prompt_token_ids, request.params, request.request_id, hash_root=request.hash_root,
-                page_hashes=request.page_hashes, checkpoint_hints=request.checkpoint_hints):
+                page_hashes=request.page_hashes, checkpoint_hints=request.checkpoint_hints, tenant=request.tenant):
             yield out
 
     async def export_resume(self, ask: ExportRequest):

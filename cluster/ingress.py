@@ -47,6 +47,7 @@ from cluster.api.engine_client import GenerateRequest
 from cluster.api.http_limits import HTTPLimits
 from cluster.api.limits import APILimits
 from cluster.api.metrics import engine_families
+from cluster.api.quotas import TenantLimits
 from cluster.api.tenants import Tenants
 from cluster.metrics_export import INGRESS_EXPORT_INTERVAL_S, RayMetricsMirror
 from cluster.routing.registry import mirror_summaries, prefill_done, router_counts
@@ -124,22 +125,24 @@ class HandleEngineClient:
 class Ingress:
     """The HTTP front: `cluster.api.build_app` over the engine deployment's handle. `model` (a
     directory or a Hugging Face id, resolved on this replica's node for its tokenizer and chat
-    template) names the model for clients unless `served_model_name` does. `api_key` is
-    one key of the tenant "default"; `api_keys` (TENANT:KEY values) and `api_keys_file` add
-    tenants; none of the three: CAIRN_API_KEY in the replica's environment, else no keys."""
+    template) names the model for clients unless `served_model_name` does. Keys arrive as
+    digests (`api_key_digests`, `metrics_key_digest`: `cluster.api.tenants`), never as keys, since
+    Serve logs a deployment's arguments; `api_keys_file` (read on this replica's node) adds
+    tenants; none of them: CAIRN_API_KEY in the replica's environment, else no keys.
+    `tenant_limits`: every tenant's quotas (`cluster.api.quotas.TenantLimits` as a dict)."""
 
     async def __init__(self, engine: DeploymentHandle, model: str, spec: EngineSpec,
-                       served_model_name: str | None = None, api_key: str | None = None, *,
-                       api_keys: list[str] | None = None, api_keys_file: str | None = None,
-                       metrics_key: str | None = None, shared_cache_tenants: bool = False,
+                       served_model_name: str | None = None, *, api_key_digests: list[str] | None = None,
+                       api_keys_file: str | None = None, metrics_key_digest: str | None = None,
+                       tenant_limits: dict[str, Any] | None = None, shared_cache_tenants: bool = False,
                        http_limits: dict[str, Any] | None = None, max_body_bytes: int | None = None,
                        api_limits: dict[str, Any] | None = None, special_tokens_in_content: bool = False,
                        public_system_prompts: list[str] | None = None, tool_call_parser: str = "auto"):
         source = ModelSource.parse(model)
         self.model_dir, self.served_model_name = source.local_dir(), served_model_name or source.served_name
-        self.tenants = Tenants.load([*([f"default:{api_key}"] if api_key else []), *(api_keys or [])],
-                                    api_keys_file)
-        self.metrics_key, self.shared_cache_tenants = metrics_key, shared_cache_tenants
+        self.tenants = Tenants.load(keys_file=api_keys_file, api_key_digests=api_key_digests or ())
+        self.metrics_key_digest, self.shared_cache_tenants = metrics_key_digest, shared_cache_tenants
+        self.tenant_limits = TenantLimits.model_validate(tenant_limits or {})
         self.http_limits = HTTPLimits.model_validate(http_limits or {})
         self.max_body_bytes = max_body_bytes
         self.api_limits = APILimits.model_validate(api_limits or {})
@@ -160,7 +163,8 @@ class Ingress:
         # Serve's proxy sets X-Request-Id on the way in (the app adopts it) and echoes it itself
         app = build_app(self.client, self.model_dir, self.served_model_name, echo_request_id=False,
                         max_body_bytes=self.max_body_bytes or DEFAULT_MAX_BODY_BYTES, tenants=self.tenants,
-                        metrics_key=self.metrics_key, shared_cache_tenants=self.shared_cache_tenants,
+                        metrics_key_digest=self.metrics_key_digest, tenant_limits=self.tenant_limits,
+                        shared_cache_tenants=self.shared_cache_tenants,
                         http_limits=self.http_limits, limits=self.api_limits,
                         special_tokens_in_content=self.special_tokens_in_content,
                         public_system_prompts=self.public_system_prompts, tool_call_parser=self.tool_call_parser)

@@ -13,7 +13,7 @@ import pytest
 from cluster.api import build_app
 from cluster.api.engine_client import LocalEngineClient
 from cluster.api.server import BackgroundServer
-from cluster.api.tenants import Tenants, read_keys_file
+from cluster.api.tenants import Tenants, bare_tenant_id, read_keys_file
 from workers import AsyncEngine
 from conftest import OneTokenClient
 
@@ -105,14 +105,34 @@ def test_cairn_api_key_is_one_key_of_the_tenant_default_even_with_a_colon(tiny_m
     assert Tenants.load(["x:y"]).tenant_of("env:key") is None, "keys given otherwise replace the environment's"
 
 
-def test_keys_come_from_values_and_a_keys_file(tmp_path):
+def test_keys_come_from_values_a_keys_file_with_limits_and_digests(tmp_path):
     path = tmp_path / "keys"
-    path.write_text("# tenant:key\nalice:a-1\n\n  bob : b:with:colons  \ncarol:c-1\n")
-    assert read_keys_file(path) == [("alice", "a-1"), ("bob", "b:with:colons"), ("carol", "c-1")]
+    path.write_text("# tenant:key [limits]\nalice:a-1 requests_per_minute=60  tokens_per_minute=9000\n\n"
+                    "  bob : b:with:colons  \ncarol:c-1\n")
+    assert read_keys_file(path) == [("alice", "a-1", {"requests_per_minute": 60, "tokens_per_minute": 9000}),
+                                    ("bob", "b:with:colons", {}), ("carol", "c-1", {})]
     tenants = Tenants.load(["bare-key", "dave:d-1"], keys_file=path)
+    bare = bare_tenant_id("bare-key")
     assert {tenants.tenant_of(k) for k in ("bare-key", "dave:d-1", "d-1", "a-1", "b:with:colons")} == \
-        {"default", None, "dave", "alice", "bob"}
-    assert tenants.ids == {"default", "dave", "alice", "bob", "carol"}
+        {bare, None, "dave", "alice", "bob"}
+    assert tenants.ids == {bare, "dave", "alice", "bob", "carol"}
+    assert tenants.limits == {"alice": {"requests_per_minute": 60, "tokens_per_minute": 9000}}
+    travelled = Tenants.load(api_key_digests=tenants.digests())  # how keys cross Ray Serve's logged arguments
+    assert [travelled.tenant_of(k) for k in ("bare-key", "d-1", "a-1", "b:with:colons", "c-1", "nope")] == \
+        [bare, "dave", "alice", "bob", "carol", None]
+    assert not any(k in d for d in tenants.digests() for k in ("bare-key", "d-1", "a-1", "c-1"))
+
+
+def test_each_bare_key_is_a_tenant_of_its_own_named_without_the_key(tiny_model_dir, engine):
+    """`--api-key K1 --api-key K2`: two tenants, which share no cache, and neither id shows its key."""
+    tenants = Tenants.load(["first-secret-key", "second-secret-key"])
+    assert len(tenants.ids) == 2 and not any("secret" in t for t in tenants.ids)
+    assert all(t.startswith("key-") and len(t) == 16 for t in tenants.ids)
+    assert bare_tenant_id("first-secret-key") == bare_tenant_id("first-secret-key"), "stable across restarts"
+    with BackgroundServer(build_app(LocalEngineClient(engine), tiny_model_dir, MODEL, tenants=tenants)) as s:
+        assert cached(s, "first-secret-key", "bare") == 0
+        assert cached(s, "second-secret-key", "bare") == 0, "the other bare key is another tenant"
+        assert cached(s, "first-secret-key", "bare") > 0
 
 
 def test_bad_keys_are_refused_naming_the_place_never_the_key(tmp_path):
@@ -121,6 +141,11 @@ def test_bad_keys_are_refused_naming_the_place_never_the_key(tmp_path):
     with pytest.raises(ValueError, match=r"keys:2: expected TENANT:KEY") as e:
         read_keys_file(path)
     assert "no-colon-secret" not in str(e.value)
+    for line in ("alice:secret-a rpm=5", "alice:secret-a requests_per_minute=five", "alice:secret a"):
+        path.write_text(line + "\n")
+        with pytest.raises(ValueError, match=r"keys:1: after TENANT:KEY, expected limits NAME=VALUE") as e:
+            read_keys_file(path)
+        assert "secret" not in str(e.value)
     for pairs, where in (([("alice", "secret-x"), ("bob", "secret-x")], "the same key is given to tenants"),
                          ([("al ice", "secret-y")], "tenant id"), ([("alice", " secret-z")], "whitespace")):
         with pytest.raises(ValueError, match=where) as e:

@@ -29,10 +29,12 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -120,22 +122,34 @@ def descendants(root: int) -> list[int]:
 
 # ---- 1. `cairn serve` as a user runs it ---------------------------------------------------------
 
+KEYS = {"tenant": "sk-alice-4c1f9e2b7d", "bare": "sk-bare-9a0d3e6f51", "metrics": "sk-ops-2b8e7c4a90"}
+
+
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads the process tree from /proc")
 def test_cairn_serve_starts_its_own_ray_serves_the_api_and_stops_cleanly_on_ctrl_c(tmp_path):
+    """With keys given on the command line, none of them appears in cairn serve's output or in
+    any file of its Ray session (Serve logs an application's arguments: keys travel as digests)."""
     port, log_path = free_port(), tmp_path / "serve.log"
+    ray_tmp = Path(tempfile.mkdtemp(prefix="cairn-ray-", dir="/tmp"))  # short: Ray's socket paths are bounded
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env["RAY_AUTH_MODE"] = "disabled"
+    env.update(RAY_AUTH_MODE="disabled", RAY_TMPDIR=str(ray_tmp))
     with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", "--port", str(port)],
+        proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", "--port", str(port),
+                                 "--api-key", f"alice:{KEYS['tenant']}", "--api-key", KEYS["bare"],
+                                 "--metrics-key", KEYS["metrics"]],
                                 stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp_path, start_new_session=True)
     try:
         wait_for_log(proc, log_path, f"serving on http://127.0.0.1:{port}/v1", 150)
         base = f"http://127.0.0.1:{port}"
         health = httpx.get(base + "/health", timeout=30)
         assert health.status_code == 200 and health.json() == {"status": "ok"}
-        model = httpx.get(base + "/v1/models", timeout=30).json()["data"][0]["id"]
+        assert httpx.get(base + "/v1/models", timeout=30).status_code == 401
+        bare = {"Authorization": f"Bearer {KEYS['bare']}"}
+        model = httpx.get(base + "/v1/models", timeout=30, headers=bare).json()["data"][0]["id"]
         assert model == "demo-tiny", "no --model: the demo model (configs/local.yaml)"
-        client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=60)
+        metrics = httpx.get(base + "/metrics", timeout=30, headers={"Authorization": f"Bearer {KEYS['metrics']}"})
+        assert metrics.status_code == 200 and httpx.get(base + "/metrics", headers=bare).status_code == 401
+        client = openai.OpenAI(base_url=base + "/v1", api_key=KEYS["tenant"], max_retries=0, timeout=60)
 
         def ask(i):
             raw = client.chat.completions.with_raw_response.create(
@@ -160,10 +174,17 @@ def test_cairn_serve_starts_its_own_ray_serves_the_api_and_stops_cleanly_on_ctrl
             time.sleep(0.2)
         with pytest.raises(httpx.ConnectError):
             httpx.get(base + "/health", timeout=5)
+        sessions = list(ray_tmp.glob("ray/session_*/logs"))
+        assert sessions and any(sessions[0].rglob("controller_build_*.log")), "Ray wrote its session logs there"
+        files = [log_path, *(f for f in ray_tmp.rglob("*") if f.is_file() and not f.is_symlink())]
+        for name, key in KEYS.items():
+            leaks = [str(f) for f in files if key.encode() in f.read_bytes()]
+            assert not leaks, f"the {name} key is written in {leaks}"
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+        shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
 # ---- 2. a 3-replica app in the shared Ray session ----------------------------------------------

@@ -18,6 +18,7 @@ pytest.importorskip("ray")
 from ray.serve.schema import ServeDeploySchema  # noqa: E402
 
 from cluster import deploy  # noqa: E402
+from cluster.api.tenants import Tenants, key_digest  # noqa: E402
 from cluster.app import app_builder  # noqa: E402
 from cluster.cli import build_parser  # noqa: E402
 from cluster.routing.config import RoutingConfig  # noqa: E402
@@ -129,10 +130,12 @@ def test_the_ingress_refuses_limits_that_belong_to_servess_proxy():
         app_builder({"http_limits": {"max_header_bytes": -1}})
     ingress = app_builder({"http_limits": {"body_timeout_s": 5}, "api_keys": ["a:k"], "metrics_key": "m",
                            "shared_cache_tenants": True, "max_body_bytes": 1024})._bound_deployment
-    assert ingress.init_kwargs == dict(api_keys=["a:k"], api_keys_file=None, metrics_key="m",
+    assert ingress.init_kwargs == dict(api_key_digests=[f"a:{key_digest('k')}"], api_keys_file=None,
+                                       metrics_key_digest=key_digest("m"), tenant_limits=None,
                                        shared_cache_tenants=True, http_limits={"body_timeout_s": 5},
                                        max_body_bytes=1024, api_limits=None, special_tokens_in_content=False,
                                        public_system_prompts=None, tool_call_parser="auto")
+    assert "k" not in ingress.init_args and "m" not in ingress.init_args, "keys reach the ingress as digests"
 
 
 def test_app_builder_takes_routing_as_a_path_and_refuses_unknown_keys():
@@ -334,10 +337,13 @@ def test_key_tenant_and_limit_flags_go_to_the_app_and_the_proxy(tmp_path):
     out = deploy.apply_overrides(load("local.yaml"), serve_args(
         ["--api-key", "alice:k-a", "--api-key", "bare", "--api-keys-file", str(keys), "--metrics-key", "ops",
          "--shared-cache-tenants", "--max-header-bytes", "8192", "--body-timeout", "15", "--max-body-bytes", "4096",
-         "--keep-alive-timeout", "7", "--request-timeout", "120"]))
+         "--keep-alive-timeout", "7", "--request-timeout", "120", "--tenant-limit", "requests_per_minute=30"]))
     args = out["applications"][0]["args"]
-    assert args["api_keys"] == ["alice:k-a", "bare"] and args["api_keys_file"] == str(keys.resolve())
-    assert args["metrics_key"] == "ops" and args["shared_cache_tenants"] is True and args["max_body_bytes"] == 4096
+    assert args["api_key_digests"] == Tenants.load(["alice:k-a", "bare"]).digests(), "keys travel as digests"
+    assert args["api_keys_file"] == str(keys.resolve()) and "k-a" not in json.dumps(out)
+    assert args["metrics_key_digest"] == key_digest("ops") and '"ops"' not in json.dumps(out)
+    assert args["shared_cache_tenants"] is True and args["max_body_bytes"] == 4096
+    assert args["tenant_limits"] == {"requests_per_minute": 30}
     assert args["http_limits"] == {"max_header_bytes": 8192, "body_timeout_s": 15}
     assert out["http_options"]["keep_alive_timeout_s"] == 7 and out["http_options"]["request_timeout_s"] == 120
     ServeDeploySchema.model_validate(out)
@@ -348,7 +354,10 @@ def test_key_tenant_and_limit_flags_go_to_the_app_and_the_proxy(tmp_path):
     with pytest.raises(ValueError, match="whole seconds"):
         deploy.apply_overrides(load("local.yaml"), serve_args(["--keep-alive-timeout", "2.5"]))
     untouched = deploy.apply_overrides(load("local.yaml"), serve_args([]))["applications"][0]["args"]
-    assert not {"api_keys", "metrics_key", "shared_cache_tenants", "http_limits"} & untouched.keys()
+    assert not {"api_key_digests", "metrics_key_digest", "shared_cache_tenants", "http_limits",
+                "tenant_limits"} & untouched.keys()
+    with pytest.raises(ValueError, match="tenant-limit"):
+        deploy.apply_overrides(load("local.yaml"), serve_args(["--tenant-limit", "rpm=3"]))
 
 
 # ---- grafana-dashboard.json ------------------------------------------------------------------

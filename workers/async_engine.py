@@ -68,8 +68,8 @@ class AsyncEngine:
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
                        request_id: str | None = None, *, hash_root: bytes | None = None,
-                       page_hashes: list[bytes] | None = None,
-                       checkpoint_hints: list[int] | None = None) -> AsyncIterator[RequestOutput]:
+                       page_hashes: list[bytes] | None = None, checkpoint_hints: list[int] | None = None,
+                       tenant: str | None = None) -> AsyncIterator[RequestOutput]:
         """Streams outputs of one request; raises `RequestRejected` at once for a request the
         engine refuses. Keyword arguments as for `Engine.add_request`."""
         self._ensure_loop()
@@ -79,7 +79,8 @@ class AsyncEngine:
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
         add = functools.partial(self.engine.add_request, prompt_token_ids, params, request_id,
-                                hash_root=hash_root, page_hashes=page_hashes, checkpoint_hints=checkpoint_hints)
+                                hash_root=hash_root, page_hashes=page_hashes, checkpoint_hints=checkpoint_hints,
+                                tenant=tenant)
         try:
             await self._call(add)
         except BaseException:

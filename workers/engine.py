@@ -62,6 +62,7 @@ class RequestOutput:
     token_ids: list[int] | None = None  # every output token: on the finished output only
     logprobs: list[TokenLogprob] | None = None  # every output token's, when asked: finished only
     error: str | None = None  # finish_reason "error": what failed, for the client
+    queue_s: float | None = None  # seconds from add_request to its first admission: on its first token's output
 
     @property
     def finished(self) -> bool:
@@ -167,11 +168,13 @@ class Engine:
     # ---- requests --------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, *, hash_root: bytes | None = None,
-                    page_hashes: list[bytes] | None = None, checkpoint_hints: list[int] | None = None) -> str:
+                    page_hashes: list[bytes] | None = None, checkpoint_hints: list[int] | None = None,
+                    tenant: str | None = None) -> str:
         """Queues a prompt; raises `RequestRejected` naming the field at fault. `hash_root`
         (`spec.hash_root(cache_salt)`, default: no salt) roots its page hashes; `page_hashes`
         (from the ingress, under that root) save hashing here; `checkpoint_hints` are token
-        positions (message starts) where a state checkpoint may pay off."""
+        positions (message starts) where a state checkpoint may pay off; `tenant` is who asked
+        (None: one tenant for all), whom the scheduler shares sequence slots among."""
         if self.broken is not None:
             raise EngineBroken(self.broken)
         params = params or SamplingParams()
@@ -206,7 +209,8 @@ class Engine:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._requests:
             raise RequestRejected(f"request_id {request_id!r} is already in use", "request_id")
-        seq = Sequence(request_id, prompt, params, hash_root=hash_root, hints=hints, max_total_tokens=total)
+        seq = Sequence(request_id, prompt, params, hash_root=hash_root, hints=hints, max_total_tokens=total,
+                       tenant=tenant)
         if page_hashes:
             self.cache.adopt_hashes(seq, page_hashes)
         self._requests[request_id] = seq
@@ -278,10 +282,11 @@ class Engine:
                 self._requests.pop(seq.request_id, None)
                 outputs.append(self._output(seq, [token], [logprob] if logprob else []))
             else:  # the common case, inline: one small object per request and step
+                n_out = len(seq.token_ids) - len(seq.prompt_token_ids)
                 outputs.append(RequestOutput(
                     seq.request_id, [token], None if seq.params.logprobs is None else [logprob],
-                    len(seq.token_ids) - len(seq.prompt_token_ids), seq.cached_tokens, None, seq.num_preemptions,
-                    worker))
+                    n_out, seq.cached_tokens, None, seq.num_preemptions, worker,
+                    queue_s=seq.queue_s if n_out == 1 else None))
         stats = self.stats
         stats.steps += 1
         stats.computed_tokens += plan.num_tokens
@@ -292,9 +297,10 @@ class Engine:
 
     def _output(self, seq: Sequence, new: list[int], new_logprobs: list[TokenLogprob]) -> RequestOutput:
         asked = seq.params.logprobs is not None
-        out = RequestOutput(seq.request_id, new, new_logprobs if asked else None,
-                            len(seq.token_ids) - len(seq.prompt_token_ids), seq.cached_tokens, seq.finish_reason,
-                            seq.num_preemptions, self.worker_id)
+        n_out = len(seq.token_ids) - len(seq.prompt_token_ids)
+        out = RequestOutput(seq.request_id, new, new_logprobs if asked else None, n_out, seq.cached_tokens,
+                            seq.finish_reason, seq.num_preemptions, self.worker_id,
+                            queue_s=seq.queue_s if n_out == 1 and new else None)
         if seq.finish_reason is not None:
             out.token_ids = seq.output_token_ids
             out.logprobs = list(seq.logprobs) if asked else None

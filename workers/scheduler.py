@@ -31,10 +31,10 @@ engine, which reports them.
 
 from __future__ import annotations
 
+import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
-
-import logging
 
 from cache_service.events import HOST
 from workers.checkpoint_policy import BRANCH, EVERY, CheckpointPolicy
@@ -239,6 +239,7 @@ class Scheduler:
             plan.fresh_state_slots.append(slot)
         if not seq.admitted_once:
             seq.admitted_once = True
+            seq.queue_s = time.monotonic() - seq.added_at
             seq.cached_tokens = m.resume_token
             self.hit_tokens += m.resume_token
             if m.resume_token:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import time
 from dataclasses import dataclass, field
 
 from workers.sampling_params import SamplingParams
@@ -54,6 +55,9 @@ class Sequence:
     num_preemptions: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)
     arrival: int = field(default_factory=lambda: next(_arrival))
+    tenant: str | None = None  # who asked: the scheduler shares sequence slots among tenants with work
+    added_at: float = field(default_factory=time.monotonic)
+    queue_s: float | None = None  # seconds from added_at to its first admission
     cache: SequenceCache = field(default_factory=SequenceCache)
 
     def __post_init__(self) -> None:

@@ -32,6 +32,7 @@ from cluster.api.responses import (ChatChoice, ChatChunkChoice, ChatCompletion, 
                                ChatLogprobs, ChatMessageOut, TokenLogprob, TopLogprob, Usage)
 from cluster.api.serving import CLIENT_CLOSED_REQUEST, Prepared, Serving
 from cluster.api.sse import SSEResponse
+from cluster.api.tenants import Caller
 from cluster.api.tokenizer import TextTokenizer
 from cluster.api.tool_calls import ToolCallParser
 
@@ -53,7 +54,7 @@ class ChatCompletions:
         self.serving = serving
 
     async def __call__(self, req: ChatCompletionRequest, request_id: str, arrived: float,
-                       client_gone: Callable[[], Awaitable[None]], tenant: str | None = None) -> Response:
+                       client_gone: Callable[[], Awaitable[None]], caller: Caller = Caller()) -> Response:
         s = self.serving
         s.check_common(req)
         if req.top_logprobs is not None and not req.logprobs:
@@ -66,20 +67,19 @@ class ChatCompletions:
         max_tokens = s.max_tokens(req, len(prompt.ids), "messages")
         params = s.sampling(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
                            {"max_tokens": name, "logprobs": "top_logprobs"})
-        s.admit(req.n)
-        requests = s.engine_requests(request_id, req, [prompt], params, tenant)
         choices = [Choice(i, s.tokenizer, prompt.ids, req.stop_strings(),
                           ReasoningParser(prompt.opens_think) if s.reasoning_model else None,
                           self._tool_parser(req))
                    for i in range(req.n)]
-        fan, first = await s.start(requests, "messages")
+        fan, first = await s.start(request_id, req, [prompt], params, caller, "messages", "n")
         completion_id = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
-            return SSEResponse(self._stream(req, completion_id, request_id, prompt, fan, first, choices, arrived))
-        if not await s.collect(fan, first, choices, arrived, client_gone):
-            self._count(prompt, choices, arrived)
+            return SSEResponse(self._stream(req, completion_id, request_id, prompt, fan, first, choices, arrived,
+                                            caller))
+        if not await s.collect(fan, first, choices, arrived, client_gone, caller):
+            s.record([prompt], choices, arrived, caller)
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        usage = Usage.of(*self._count(prompt, choices, arrived))
+        usage = Usage.of(*s.record([prompt], choices, arrived, caller))
         body = ChatCompletion(id=completion_id, model=s.model_name, usage=usage, choices=[
             ChatChoice(index=c.index, finish_reason=c.finish_reason,
                        message=ChatMessageOut(content=None if c.tool_calls and not c.content else c.content,
@@ -96,11 +96,9 @@ class ChatCompletions:
         return ToolCallParser(fmt, {t.function.name: t.function.parameters or {} for t in req.tools},
                               max_calls=1 if req.parallel_tool_calls is False else None)
 
-    def _count(self, prompt: Prepared, choices: list[Choice], arrived: float) -> tuple[int, int, int]:
-        return self.serving.record([prompt], choices, arrived)
-
     def _stream(self, req: ChatCompletionRequest, completion_id: str, request_id: str, prompt: Prepared,
-                fan: Fanout, first: tuple, choices: list[Choice], arrived: float) -> AsyncGenerator[str, None]:
+                fan: Fanout, first: tuple, choices: list[Choice], arrived: float,
+                caller: Caller) -> AsyncGenerator[str, None]:
         s = self.serving
         created = int(time.time())
 
@@ -111,7 +109,7 @@ class ChatCompletions:
         async def events() -> AsyncGenerator[str, None]:
             for c in choices:
                 yield chunk([ChatChunkChoice(index=c.index, delta=ChatDelta(role="assistant", content=""))])
-            async for c, d in s.drive(fan, first, choices, arrived):
+            async for c, d in s.drive(fan, first, choices, arrived, caller):
                 calls = [item for index, call in d.tool_calls for item in call.deltas(index)]
                 deltas = [ChatDelta(content=d.content or None, reasoning_content=d.reasoning or None,
                                     tool_calls=calls[:1] or None)]
@@ -125,7 +123,7 @@ class ChatCompletions:
 
         include_usage = req.stream_options is not None and req.stream_options.include_usage
         return s.stream(request_id, fan, events(), [prompt], choices, arrived,
-                        (lambda usage: chunk([], usage)) if include_usage else None)
+                        (lambda usage: chunk([], usage)) if include_usage else None, caller)
 
 
 def check_tools(req: ChatCompletionRequest) -> None:

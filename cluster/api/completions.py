@@ -22,6 +22,7 @@ from cluster.api.protocol import CompletionRequest
 from cluster.api.responses import Completion, CompletionChoice, CompletionLogprobs, Usage
 from cluster.api.serving import CLIENT_CLOSED_REQUEST, Prepared, Serving
 from cluster.api.sse import SSEResponse
+from cluster.api.tenants import Caller
 from cluster.api.tokenizer import TextTokenizer
 
 
@@ -38,7 +39,7 @@ class Completions:
         self.serving = serving
 
     async def __call__(self, req: CompletionRequest, request_id: str, arrived: float,
-                       client_gone: Callable[[], Awaitable[None]], tenant: str | None = None) -> Response:
+                       client_gone: Callable[[], Awaitable[None]], caller: Caller = Caller()) -> Response:
         s = self.serving
         s.check_common(req)
         if req.suffix:
@@ -50,20 +51,19 @@ class Completions:
         prompts = await s.pool.run(lambda stop: s.prompts.completion(req, stop), client_gone)
         max_tokens = min(s.max_tokens(req, len(p.ids), "prompt") for p in prompts)
         params = s.sampling(req, max_tokens, req.logprobs, {})
-        s.admit(req.n * len(prompts), "n" if len(prompts) == 1 else "prompt")
-        requests = s.engine_requests(request_id, req, prompts, params, tenant)
         choices = [Choice(k * req.n + i, s.tokenizer, p.ids, req.stop_strings())
                    for k, p in enumerate(prompts) for i in range(req.n)]
         echoes = [self._echo(req, p) for p in prompts for _ in range(req.n)]
-        fan, first = await s.start(requests, "prompt")
+        fan, first = await s.start(request_id, req, prompts, params, caller, "prompt",
+                                   "n" if len(prompts) == 1 else "prompt")
         completion_id = f"cmpl-{uuid.uuid4().hex}"
         if req.stream:
             return SSEResponse(self._stream(req, completion_id, request_id, prompts, echoes, fan, first, choices,
-                                            arrived))
-        if not await s.collect(fan, first, choices, arrived, client_gone):
-            s.record(prompts, choices, arrived)
+                                            arrived, caller))
+        if not await s.collect(fan, first, choices, arrived, client_gone, caller):
+            s.record(prompts, choices, arrived, caller)
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        usage = Usage.of(*s.record(prompts, choices, arrived))
+        usage = Usage.of(*s.record(prompts, choices, arrived, caller))
         body = Completion(id=completion_id, model=s.model_name, usage=usage, choices=[
             CompletionChoice(index=c.index, text=echoes[c.index] + c.content, finish_reason=c.finish_reason,
                              logprobs=completion_logprobs(s.tokenizer, c.logprobs, len(echoes[c.index]))
@@ -77,8 +77,8 @@ class Completions:
         return prompt.text if prompt.text is not None else self.serving.tokenizer.decode(prompt.ids)
 
     def _stream(self, req: CompletionRequest, completion_id: str, request_id: str, prompts: list[Prepared],
-                echoes: list[str], fan: Fanout, first: tuple, choices: list[Choice], arrived: float
-                ) -> AsyncGenerator[str, None]:
+                echoes: list[str], fan: Fanout, first: tuple, choices: list[Choice], arrived: float,
+                caller: Caller) -> AsyncGenerator[str, None]:
         s = self.serving
         created = int(time.time())
 
@@ -90,7 +90,7 @@ class Completions:
             for c in choices:
                 if echoes[c.index]:
                     yield chunk([CompletionChoice(index=c.index, text=echoes[c.index])])
-            async for c, d in s.drive(fan, first, choices, arrived):
+            async for c, d in s.drive(fan, first, choices, arrived, caller):
                 lp = completion_logprobs(s.tokenizer, d.logprobs, len(echoes[c.index])) \
                     if req.logprobs is not None else None
                 yield chunk([CompletionChoice(index=c.index, text=d.content, logprobs=lp,
@@ -98,4 +98,4 @@ class Completions:
 
         include_usage = req.stream_options is not None and req.stream_options.include_usage
         return s.stream(request_id, fan, events(), prompts, choices, arrived,
-                        (lambda usage: chunk([], usage)) if include_usage else None)
+                        (lambda usage: chunk([], usage)) if include_usage else None, caller)

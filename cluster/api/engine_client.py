@@ -35,6 +35,7 @@ class GenerateRequest:
     page_hashes: list[bytes] | None = None         # one per whole page, under hash_root
     checkpoint_hints: list[int] = field(default_factory=list)  # token positions of message starts
     fetch_from: tuple[str, int] | None = None      # set by the router (fetch on): the deepest holder, its resume pages
+    tenant: str | None = None                      # who asked (None: no keys), for the engine's fair scheduling
 
 
 class EngineClient(Protocol):
@@ -66,7 +67,7 @@ class LocalEngineClient:
         rid = request.request_id
         stream = self.engine.generate(request.prompt_token_ids, request.params, rid,
                                       hash_root=request.hash_root, page_hashes=request.page_hashes,
-                                      checkpoint_hints=request.checkpoint_hints)
+                                      checkpoint_hints=request.checkpoint_hints, tenant=request.tenant)
         self._waiting.add(rid)
         try:
             async for out in stream:

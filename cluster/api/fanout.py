@@ -5,7 +5,9 @@ in arrival order until each stream has finished. An error from any stream is rai
 reader (a `workers.RequestRejected` first of all: the engine refused the request). `close(i)` ends one
 stream early (a stop string matched); `close()` ends them all (client gone, response done).
 Closing a stream that has not finished aborts its engine request, so its pages and state slot
-go back to the pools; closing is safe to repeat.
+go back to the pools; closing is safe to repeat. With an `admission` (`cluster.api.quotas`), each
+engine request is counted as started at its first output and as ended when its stream ends,
+however it ends, closed before it ran included.
 """
 
 from __future__ import annotations
@@ -14,27 +16,32 @@ import asyncio
 from collections.abc import Sequence
 
 from cluster.api.engine_client import EngineClient, GenerateRequest
+from cluster.api.quotas import Admission
 from workers import RequestOutput
 
 _DONE = object()
 
 
 class Fanout:
-    def __init__(self, client: EngineClient, requests: Sequence[GenerateRequest]):
-        self._client = client
+    def __init__(self, client: EngineClient, requests: Sequence[GenerateRequest], admission: Admission | None = None):
+        self._client, self._admission = client, admission
         self._queue: asyncio.Queue = asyncio.Queue()
         self._open = len(requests)
         self._tasks = [asyncio.create_task(self._pump(i, r)) for i, r in enumerate(requests)]
 
     async def _pump(self, index: int, request: GenerateRequest) -> None:
-        stream = self._client.generate(request)
+        stream, admission = self._client.generate(request), self._admission
         try:
             async for out in stream:
+                if admission is not None:
+                    admission.started(index)
                 self._queue.put_nowait((index, out))
         except Exception as e:  # handed to the reader, who decides what the client sees
             self._queue.put_nowait((index, e))
         finally:
             await stream.aclose()
+            if admission is not None:
+                admission.ended(index)
             self._queue.put_nowait((index, _DONE))
 
     def __aiter__(self) -> "Fanout":
@@ -56,3 +63,6 @@ class Fanout:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if self._admission is not None:  # a task cancelled before it ran never reached its finally
+            for i in range(len(self._tasks)) if index is None else [index]:
+                self._admission.ended(i)

@@ -9,7 +9,8 @@ them from the validation context (`protocol`), and without one they apply the de
 
 A request over a limit is refused in OpenAI's error shape with code `limit_exceeded`; `param`
 names the field and the message gives the value and the limit by name. Sizes are 413 (split
-the request or shorten it): messages, tools, completion prompts in a batch and the total text.
+the request or shorten it): messages, tools, completion prompts in a batch, engine requests
+(choices times prompts) and the total text.
 Lists of parameters are 400 (fix the value): stop strings and their length, stop token ids,
 logit_bias entries (refused as unsupported unless empty, but counted first).
 
@@ -44,9 +45,12 @@ class APILimits(BaseModel):
         "characters of prose; 4M leaves room for dense code and whitespace while one request's "
         "tokenization stays within a few seconds of one core (off the event loop)"))
     max_tools: int = Field(128, ge=0, description="tool definitions in one chat request (413); OpenAI's own limit")
-    max_prompts: int = Field(128, ge=1, description=(
+    max_prompts: int = Field(64, ge=1, description=(
         "prompts in one /v1/completions batch (413); each is tokenized and hashed, and becomes "
         "n engine requests"))
+    max_engine_requests: int = Field(64, ge=1, description=(
+        "engine requests one HTTP request makes, choices times prompts (413): an engine runs 64 "
+        "sequences at once by default, and one request should not take them all"))
     max_stop_strings: int = Field(16, ge=0, description=(
         "stop strings per request (400); each is matched against every generated token"))
     max_stop_string_chars: int = Field(256, ge=1, description=(
@@ -79,7 +83,7 @@ class APILimits(BaseModel):
 
 
 DEFAULT_LIMITS = APILimits()
-SIZE_LIMITS = frozenset({"max_messages", "max_text_chars", "max_tools", "max_prompts"})
+SIZE_LIMITS = frozenset({"max_messages", "max_text_chars", "max_tools", "max_prompts", "max_engine_requests"})
 
 
 def limit_error(limit: str, message: str, param: str | None = None) -> PydanticCustomError:

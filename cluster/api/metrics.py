@@ -3,7 +3,9 @@ this app's own (never the process-wide one), so two apps in one process never mi
 
 Counted by the API (`APIMetrics`): requests by endpoint and status, errors by status, time to
 first token, inter-token latency and end-to-end latency (histograms, seconds), prompt / cached /
-generated tokens, and the prefix hit ratio (cached over prompt tokens). Inter-token latency is
+generated tokens, and the prefix hit ratio (cached over prompt tokens); per tenant (labelled by
+tenant id, never by key): requests admitted, requests refused by the limit they were over,
+tokens by kind, and the seconds each engine request waited in its engine's queue. Inter-token latency is
 timed by `TimedClient`, which wraps the app's engine client: the gap between two outputs of one
 engine request, per token they carry.
 
@@ -51,6 +53,16 @@ class APIMetrics:
         self.generated_tokens = Counter("cairn_generated_tokens", "Tokens generated.", registry=r)
         Gauge("cairn_prefix_hit_ratio", "Cached over prompt tokens since start.",
               registry=r).set_function(self.hit_ratio)
+        # by tenant id (cluster.api.tenants; "default" without keys), never by key
+        self.tenant_requests = Counter("cairn_tenant_requests", "Requests admitted to the engines, by tenant.",
+                                       ("tenant",), registry=r)
+        self.tenant_rejections = Counter("cairn_tenant_rejections", "Requests refused before the engines, by "
+                                         "tenant and the limit they were over.", ("tenant", "limit"), registry=r)
+        self.tenant_tokens = Counter("cairn_tenant_tokens", "Tokens of finished requests, by tenant and kind "
+                                     "(prompt, cached, generated).", ("tenant", "kind"), registry=r)
+        self.tenant_queue = Histogram("cairn_tenant_queue_seconds", "Seconds an engine request waited in its "
+                                      "engine's queue before it first ran, by tenant.", ("tenant",),
+                                      buckets=LATENCY_BUCKETS, registry=r)
         self._engine: Mapping[str, Any] = {}
         self._tokens = [0, 0]  # prompt, cached: the hit ratio's (a counter's value is not public)
         r.register(_EngineCollector(lambda: self._engine))
@@ -60,8 +72,19 @@ class APIMetrics:
         if status >= 400:
             self.errors.labels(str(status)).inc()
 
+    def tenant_admitted(self, tenant: str) -> None:
+        self.tenant_requests.labels(tenant).inc()
+
+    def tenant_rejected(self, tenant: str, limit: str) -> None:
+        self.tenant_rejections.labels(tenant, limit).inc()
+
+    def tenant_queued(self, tenant: str, seconds: float) -> None:
+        self.tenant_queue.labels(tenant).observe(seconds)
+
     def observe_finished(self, prompt_tokens: int, cached_tokens: int, generated_tokens: int,
-                         e2e_seconds: float) -> None:
+                         e2e_seconds: float, tenant: str = "default") -> None:
+        for kind, tokens in (("prompt", prompt_tokens), ("cached", cached_tokens), ("generated", generated_tokens)):
+            self.tenant_tokens.labels(tenant, kind).inc(tokens)
         self.prompt_tokens.inc(prompt_tokens)
         self.cached_tokens.inc(cached_tokens)
         self._tokens[0] += prompt_tokens

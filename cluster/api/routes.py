@@ -3,7 +3,8 @@
 Endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models[/ID], GET /health,
 GET /metrics (Prometheus text), GET /openapi.json. With API keys (`cluster.api.tenants`: by
 argument or CAIRN_API_KEY) the /v1 ones need `Authorization: Bearer <key>` of a tenant, which
-roots that request's page hashes (`request.state.tenant`); /metrics and /openapi.json need a key
+roots that request's page hashes and is held to its quotas (`request.state.caller`,
+`cluster.api.quotas`); /metrics and /openapi.json need a key
 too (the metrics key, if one is set, for /metrics); /health never does. The same app runs
 in-process over one engine (`LocalEngineClient`) and as the Ray Serve ingress (the cluster's
 client): it knows engines only through `EngineClient`.
@@ -39,7 +40,8 @@ from cluster.api.middleware import RequestGuard
 from cluster.api.protocol import ChatCompletionRequest, CompletionRequest
 from cluster.api.responses import ModelCard, ModelList
 from cluster.api.serving import Serving
-from cluster.api.tenants import DEFAULT_TENANT, Tenants
+from cluster.api.quotas import TenantLimits, TenantQuotas
+from cluster.api.tenants import DEFAULT_TENANT, Caller, Tenants
 from cluster.api.tokenizer import TextTokenizer
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20
@@ -80,16 +82,15 @@ def _bearer(request: Request) -> str:
 
 
 def _tenant_check(tenants: Tenants, shared_cache: bool):
-    """/v1: who is asking (`request.state.tenant_id`) and whose cache they use (`.tenant`)."""
+    """/v1: who is asking and whose cache they use (`request.state.caller`, a `Caller`)."""
     async def check(request: Request) -> None:
-        request.state.tenant_id = request.state.tenant = None
+        request.state.caller = Caller()
         if not tenants:
             return
         tenant = tenants.tenant_of(_bearer(request))
         if tenant is None:
             raise _unauthorized("API key")
-        request.state.tenant_id = tenant
-        request.state.tenant = None if shared_cache else tenant
+        request.state.caller = Caller(tenant, None if shared_cache else tenant)
     return check
 
 
@@ -109,14 +110,17 @@ def build_app(client: EngineClient, model_dir: str | Path, served_model_name: st
               limits: APILimits | None = None, special_tokens_in_content: bool = False,
               http_limits: HTTPLimits | None = None, tenants: Tenants | None = None,
               metrics_key: str | None = None, shared_cache_tenants: bool = False,
-              public_system_prompts: Sequence[str] = (), tool_call_parser: str = "auto") -> FastAPI:
+              public_system_prompts: Sequence[str] = (), tool_call_parser: str = "auto",
+              metrics_key_digest: str | None = None, tenant_limits: TenantLimits | None = None) -> FastAPI:
     """The API over `client`; the tokenizer and chat template come from `model_dir`.
     `echo_request_id`: answer with an X-Request-Id header (off behind Ray Serve's proxy, which
     sends its own). `limits`: what one request may ask before the engine (`cluster.api.limits`).
     `special_tokens_in_content`: let special-token strings in messages become control tokens
     (off by default: `cluster.api.special_tokens`). Keys (`cluster.api.tenants`): `api_key` is
     one key of the tenant "default", `tenants` any number (give one or the other; neither:
-    CAIRN_API_KEY, else no keys); `metrics_key` alone opens /metrics; `shared_cache_tenants`
+    CAIRN_API_KEY, else no keys); `metrics_key` (or its `metrics_key_digest`,
+    `tenants.key_digest`) alone opens /metrics; `tenant_limits`: every tenant's quotas
+    (`cluster.api.quotas`; a keys file may give a tenant its own), kept only with keys; `shared_cache_tenants`
     roots every tenant's pages together; `public_system_prompts`: system prompts whose pages
     every tenant shares when a chat opens with one (the rest stays the tenant's own). `http_limits`: the body deadline and the header limit
     the app enforces (the server enforces the rest, `cluster.api.connection`). `tool_call_parser`:
@@ -126,7 +130,8 @@ def build_app(client: EngineClient, model_dir: str | Path, served_model_name: st
     if api_key is not None and tenants is not None:
         raise ValueError("give api_key or tenants, not both")
     tenants = Tenants([(DEFAULT_TENANT, api_key)]) if api_key is not None else tenants or Tenants.load()
-    metrics_keys = Tenants([("metrics", metrics_key)] if metrics_key else [])
+    metrics_keys = Tenants([("metrics", metrics_key)] if metrics_key else [],
+                           [("metrics", metrics_key_digest)] if metrics_key_digest else [])
     operators = metrics_keys or tenants  # who may read /metrics (everyone's traffic)
     readers = (tenants, metrics_keys) if tenants else ()  # /openapi.json: whoever may call /v1, and operators
     http_limits = http_limits or HTTPLimits()
@@ -136,8 +141,12 @@ def build_app(client: EngineClient, model_dir: str | Path, served_model_name: st
     except TemplateError:
         template = None  # completions still work; chat answers 400
     metrics = APIMetrics()
+    quotas = None
+    if tenants:  # without keys everyone is one tenant, bounded by the server's queue alone
+        defaults = tenant_limits or TenantLimits()
+        quotas = TenantQuotas(defaults, {t: defaults.merged(v) for t, v in tenants.limits.items()}, metrics)
     serving = Serving(TimedClient(client, metrics), TextTokenizer.from_dir(model_dir), template, name, max_waiting,
-                      metrics, limits, special_tokens_in_content, public_system_prompts, tool_call_parser)
+                      metrics, limits, special_tokens_in_content, public_system_prompts, tool_call_parser, quotas)
     chat, completions = ChatCompletions(serving), Completions(serving)
 
     app = FastAPI(title="cairn", summary="OpenAI-compatible API for hybrid LLMs with prefix caching",
@@ -179,14 +188,14 @@ def build_app(client: EngineClient, model_dir: str | Path, served_model_name: st
         arrived = time.monotonic()
         req = parse_body(ChatCompletionRequest, await request.body(), limits)
         return await chat(req, request.state.request_id, arrived, lambda: _client_gone(request),
-                          getattr(request.state, "tenant", None))
+                          request.state.caller)
 
     @v1.post("/completions")
     async def text_completions(request: Request) -> Response:
         arrived = time.monotonic()
         req = parse_body(CompletionRequest, await request.body(), limits)
         return await completions(req, request.state.request_id, arrived, lambda: _client_gone(request),
-                                 getattr(request.state, "tenant", None))
+                                 request.state.caller)
 
     app.include_router(v1)
     return app

@@ -5,10 +5,13 @@ template, tokenize and turn message starts into checkpoint hints (`prompts`, on 
 `prep_pool`, once `limits` have passed), and hash whole pages with the engine's root under the
 request's cache_salt. Then it checks what only it can check (model name, context length with
 both numbers, fields we cannot honour, queue room: 429 when full, 413 for a request that could
-never fit the queue), starts one engine request per choice (`seed + i` for choice i) and waits
-for the first output, so a request the engine refuses is still a 400 even when streaming. A non-streaming request
-whose client disconnects is aborted too. Prompt tokens are counted once per prompt, completion
-tokens summed over choices; cached_tokens is a prompt's smallest over its choices.
+never fit the queue or makes more than `max_engine_requests`; the tenant's quotas, `quotas`),
+starts one engine request per choice (`seed + i` for choice i), each carrying its tenant for the
+engine's fair scheduling, and waits for the first output, so a request the engine refuses is
+still a 400 even when streaming. A non-streaming request whose client disconnects is aborted
+too. Prompt tokens are counted once per prompt, completion tokens summed over choices;
+cached_tokens is a prompt's smallest over its choices; each is counted for the tenant too, with
+each engine request's queue time.
 """
 
 from __future__ import annotations
@@ -30,7 +33,9 @@ from cluster.api.metrics import APIMetrics
 from cluster.api.prep_pool import PrepPool
 from cluster.api.prompts import Prepared, Prompts
 from cluster.api.protocol import SamplingFields
+from cluster.api.quotas import Admission, TenantQuotas
 from cluster.api.responses import DONE, Usage
+from cluster.api.tenants import Caller
 from cluster.api.tokenizer import TextTokenizer
 from cluster.api.tool_call_formats import resolve_format
 from workers import MAX_SEED, RequestRejected, SamplingParams
@@ -44,10 +49,10 @@ class Serving:
     def __init__(self, client: EngineClient, tokenizer: TextTokenizer, template: ChatTemplate | None,
                  model_name: str, max_waiting: int, metrics: APIMetrics, limits: APILimits = DEFAULT_LIMITS,
                  special_tokens_in_content: bool = False, public_system_prompts: Sequence[str] = (),
-                 tool_call_parser: str = "auto"):
+                 tool_call_parser: str = "auto", quotas: TenantQuotas | None = None):
         self.client, self.tokenizer = client, tokenizer
         self.model_name, self.max_waiting, self.metrics = model_name, max_waiting, metrics
-        self.limits = limits
+        self.limits, self.quotas = limits, quotas
         self.prompts = Prompts(tokenizer, template, client.spec.vocab_size, special_tokens_in_content,
                                public_system_prompts)
         self.reasoning_model = self.prompts.reasoning_model
@@ -99,17 +104,30 @@ class Serving:
                 raise bad_request(message, param) from None
         return out
 
-    def admit(self, count: int, param: str = "n") -> None:
-        if count > self.max_waiting:
-            raise APIError(413, f"this request makes {count} engine requests (choices times prompts); the server "
-                                f"queues at most {self.max_waiting}", param, "limit_exceeded")
-        waiting = self.client.num_waiting()
-        if waiting + count > self.max_waiting:
-            raise APIError(429, f"the server's queue is full ({waiting} requests waiting); retry later",
-                           code="queue_full", headers={"Retry-After": "1"})
+    def admit(self, count: int, param: str, caller: Caller, prompt_tokens: int) -> Admission | None:
+        """Room for `count` engine requests of `prompt_tokens` prompt tokens in all: in one request
+        (413), in the server's queue (429) and in the caller's quotas (429); what the quotas hold
+        for it (None: no quotas)."""
+        try:
+            bound, name = min((self.max_waiting, "the server's queue"),
+                              (self.limits.max_engine_requests, "max_engine_requests"))
+            if count > bound:
+                raise APIError(413, f"this request makes {count} engine requests (choices times prompts); this "
+                                    f"server accepts at most {bound} ({name})", param, "limit_exceeded")
+            waiting = self.client.num_waiting()
+            if waiting + count > self.max_waiting:
+                raise APIError(429, f"the server's queue is full ({waiting} requests waiting); retry later",
+                               code="queue_full", headers={"Retry-After": "1"})
+        except APIError as e:
+            self.metrics.tenant_rejected(caller.label, e.code or str(e.status))
+            raise
+        if self.quotas is None or caller.tenant_id is None:
+            self.metrics.tenant_admitted(caller.label)
+            return None
+        return self.quotas.admit(caller.tenant_id, count, prompt_tokens)
 
     def engine_requests(self, request_id: str, req: SamplingFields, prompts: list[Prepared],
-                        params: list[SamplingParams], tenant: str | None = None) -> list[GenerateRequest]:
+                        params: list[SamplingParams], caller: Caller = Caller()) -> list[GenerateRequest]:
         """One engine request per (prompt, choice). Their ids are new, unique by construction:
         `request_id` (the client's X-Request-Id, or ours) is a label for logs and the client,
         never an engine key, so a reused label touches no other request. Page hashes are rooted
@@ -118,7 +136,7 @@ class Serving:
         tenant shares (`public_system_prompts`)."""
         internal = uuid.uuid4().hex
         log.debug("request %s runs as engine requests %s-*", request_id, internal)
-        spec = self.client.spec
+        spec, tenant = self.client.spec, caller.cache
         root = spec.hash_root(req.cache_salt, tenant)
         out = []
         for p_index, p in enumerate(prompts):
@@ -128,14 +146,24 @@ class Serving:
                 out.append(GenerateRequest(
                     request_id=f"{internal}-{p_index * len(params) + i}", prompt_token_ids=p.ids, params=sp,
                     prompt=p.text, messages=p.messages, hash_root=root, page_hashes=hashes,
-                    checkpoint_hints=p.hints))
+                    checkpoint_hints=p.hints, tenant=caller.tenant_id))
         return out
 
     # ---- running -----------------------------------------------------------------------------
-    async def start(self, requests: list[GenerateRequest], prompt_param: str) -> tuple[Fanout, tuple[int, Any]]:
-        """Starts the engine requests and waits for the first output (or the engine's refusal:
-        a 400 naming `stop_token_ids`, or else the prompt under `prompt_param`)."""
-        fan = Fanout(self.client, requests)
+    async def start(self, request_id: str, req: SamplingFields, prompts: list[Prepared],
+                    params: list[SamplingParams], caller: Caller, prompt_param: str, count_param: str
+                    ) -> tuple[Fanout, tuple[int, Any]]:
+        """Admits the engine requests of `prompts` times `params` (`admit`), starts them and waits
+        for the first output (or the engine's refusal: a 400 naming `stop_token_ids`, or else the
+        prompt under `prompt_param`)."""
+        admission = self.admit(len(prompts) * len(params), count_param, caller, sum(len(p.ids) for p in prompts))
+        try:
+            requests = self.engine_requests(request_id, req, prompts, params, caller)
+        except BaseException:
+            if admission is not None:
+                admission.close()
+            raise
+        fan = Fanout(self.client, requests, admission)
         try:
             return fan, await fan.__anext__()
         except RequestRejected as e:
@@ -145,13 +173,15 @@ class Serving:
             await fan.close()
             raise
 
-    async def drive(self, fan: Fanout, first: tuple[int, Any], choices: list[Choice], arrived: float
-                    ) -> AsyncIterator[tuple[Choice, Delta]]:
+    async def drive(self, fan: Fanout, first: tuple[int, Any], choices: list[Choice], arrived: float,
+                    caller: Caller) -> AsyncIterator[tuple[Choice, Delta]]:
         """Feeds outputs to their choices; yields (choice, delta) for each that adds something."""
         self.metrics.ttft.observe(time.monotonic() - arrived)
         item: tuple[int, Any] | None = first
         while item is not None:
             index, out = item
+            if out.queue_s is not None:  # an engine request's first output
+                self.metrics.tenant_queued(caller.label, out.queue_s)
             choice = choices[index]
             delta = choice.update(out)
             if choice.finished and not out.finished:
@@ -161,11 +191,11 @@ class Serving:
             item = await anext(fan, None)
 
     async def collect(self, fan: Fanout, first: tuple[int, Any], choices: list[Choice], arrived: float,
-                      client_gone: Callable[[], Awaitable[None]]) -> bool:
+                      client_gone: Callable[[], Awaitable[None]], caller: Caller) -> bool:
         """Runs every choice to its end for a non-streaming response. False if the client went
         away first: its engine requests are then aborted, not left to run for no one."""
         async def consume() -> None:
-            async for _ in self.drive(fan, first, choices, arrived):
+            async for _ in self.drive(fan, first, choices, arrived, caller):
                 pass
 
         work, gone = asyncio.ensure_future(consume()), asyncio.ensure_future(client_gone())
@@ -182,8 +212,8 @@ class Serving:
         return True
 
     async def stream(self, request_id: str, fan: Fanout, events: AsyncGenerator[str, None], prompts: list[Prepared],
-                     choices: list[Choice], arrived: float, usage_chunk: Callable[[Usage], str] | None
-                     ) -> AsyncGenerator[str, None]:
+                     choices: list[Choice], arrived: float, usage_chunk: Callable[[Usage], str] | None,
+                     caller: Caller) -> AsyncGenerator[str, None]:
         """A streamed response: the endpoint's `events`, then `usage_chunk(usage)` if given, then
         [DONE]. A fault after the stream started becomes an error event naming only the request
         id, then [DONE]. Whatever happens (the client leaving included) the engine requests are
@@ -192,7 +222,7 @@ class Serving:
         try:
             async for event in events:
                 yield event
-            usage = Usage.of(*self.record(prompts, choices, arrived))
+            usage = Usage.of(*self.record(prompts, choices, arrived, caller))
             counted = True
             if usage_chunk is not None:
                 yield usage_chunk(usage)
@@ -205,13 +235,17 @@ class Serving:
             await events.aclose()
             await fan.close()
             if not counted:
-                self.record(prompts, choices, arrived)
+                self.record(prompts, choices, arrived, caller)
 
-    def record(self, prompts: list[Prepared], choices: list[Choice], arrived: float) -> tuple[int, int, int]:
-        """(prompt, completion, cached) tokens of the request, counted into the metrics."""
+    def record(self, prompts: list[Prepared], choices: list[Choice], arrived: float,
+               caller: Caller) -> tuple[int, int, int]:
+        """(prompt, completion, cached) tokens of the request, counted into the metrics, the
+        caller's included, and its generated tokens charged to its tokens per minute."""
         per = len(choices) // len(prompts)
         prompt_tokens = sum(len(p.ids) for p in prompts)
         cached = sum(min(c.cached_tokens for c in choices[k * per:(k + 1) * per]) for k in range(len(prompts)))
         completion = sum(c.num_tokens for c in choices)
-        self.metrics.observe_finished(prompt_tokens, cached, completion, time.monotonic() - arrived)
+        self.metrics.observe_finished(prompt_tokens, cached, completion, time.monotonic() - arrived, caller.label)
+        if self.quotas is not None and caller.tenant_id is not None:
+            self.quotas.charge_tokens(caller.tenant_id, completion)
         return prompt_tokens, completion, cached
