@@ -68,7 +68,7 @@ def inject(engine: Engine, point: str, target: str) -> None:
         class Exploding(tuple):
             def __contains__(self, token):
                 raise RuntimeError("injected fault in the stop check")
-        seq = scheduler.waiting[[s.request_id for s in scheduler.waiting].index(target)]
+        seq = next(s for s in scheduler.waiting if s.request_id == target)
         object.__setattr__(seq.params, "stop_token_ids", Exploding())
     elif point == "admission":
         only_for_target(cache, "admit")

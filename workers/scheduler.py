@@ -5,6 +5,13 @@ from where, and which states are saved on the way; after it, what the step's tok
 `max_num_batched_tokens` tokens and `max_num_seqs` running sequences. Running sequences are
 served oldest first; when one needs a page and none can be had, the newest running sequence is
 preempted: it gives back what it holds and waits at the head of the queue to recompute later.
+Tenants (each sequence's `tenant`) share the engine (`workers.tenant_queue`): with more than one
+at work, the slots are shared (a tenant with waiting work below its share of `max_num_seqs`
+takes a slot from the tenant most above it, whose newest sequence is preempted), the step's
+tokens are split max-min fairly among them, running sequences are served with tenants taking
+turns (a page shortage preempts the newest of the tenant running the most), and the next to
+admit is the oldest waiting sequence of the tenant running the fewest. With one tenant all of
+this is first come, first served, as above.
 Running out of pages is never an error. A waiting sequence is matched against the prefix cache
 and admitted only if the cache says it fits (`can_admit`, no side effects), starting at its
 resume point with its state restored from the checkpoint it resumes from; one whose next pages a
@@ -33,7 +40,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
 from cache_service.events import HOST
@@ -42,6 +48,7 @@ from workers.errors import SequenceFault
 from workers.options import EngineOptions
 from workers.prefix_cache import Match, PageTableWrite, PrefixCache
 from workers.sequence import Sequence, Status, TokenLogprob
+from workers.tenant_queue import TenantQueue, fair_shares, slot_share
 
 log = logging.getLogger(__name__)
 
@@ -118,9 +125,10 @@ class Scheduler:
         self.options, self.cache, self.policy = options, cache, policy
         self.eos_token_ids = eos_token_ids
         self.page_size = cache.page_size
-        self.waiting: deque[Sequence] = deque()
+        self.waiting = TenantQueue()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_fair_preemptions = 0  # of those, to give a tenant below its share of the slots one
         self.hit_tokens = 0
         self.hit_tokens_by_tier: dict[str, int] = {}  # device: resumed from the device alone; host: with host copies
         # A request whose resume point is copied back from the host starts a step later when other
@@ -141,18 +149,26 @@ class Scheduler:
         plan = StepPlan()
         budget = self.options.max_num_batched_tokens
         ps, running, decodes, prefills = self.page_size, self.running, plan.decodes, plan.prefills
+        left = self._share_among_tenants()  # tokens each tenant may take this step; None: one tenant
+        order = list(running) if left is None else self._fair_order()
         i = 0
-        while i < len(running) and budget > 0:
-            seq = running[i]
+        while i < len(order) and budget > 0:
+            seq = order[i]
             start = seq.num_computed
             n = len(seq.token_ids) - start
             if n > budget:
                 n = budget
+            if left is not None:
+                n = min(n, left.get(seq.tenant, 0))
+                if n <= 0:  # its tenant's share of the step is spent
+                    i += 1
+                    continue
             if len(seq.cache.page_ids) * ps < start + n:
                 try:
-                    if not self._reserve_pages(seq, start + n, plan):
+                    if not self._reserve_pages(seq, start + n, plan, order):
                         break  # seq itself was preempted; everything after it already was
                 except Exception as e:  # its page reservation failed: it alone ends
+                    order.pop(i)
                     self.fail(seq, SequenceFault(f"reserving pages failed: {type(e).__name__}"), e)
                     continue
             if n == 1:
@@ -160,19 +176,28 @@ class Scheduler:
             else:
                 prefills.append(Segment(seq, start, n))
             budget -= n
+            if left is not None:
+                left[seq.tenant] -= n
             i += 1
         if self.waiting and budget > 0 and not plan.preempted:
             inflight = self._inflight_pages()
+            counts = self._running_by_tenant() if left is not None else {}
             while self.waiting and budget > 0 and len(running) < self.options.max_num_seqs:
-                seq = self.waiting[0]
+                seq = self.waiting.head(counts, left)
+                if seq is None:  # every tenant with waiting work has spent its share
+                    break
                 try:
-                    admitted = self._admit(seq, budget, plan, inflight)
+                    admitted = self._admit(seq, budget if left is None else min(budget, left[seq.tenant]), plan,
+                                           inflight)
                 except Exception as e:  # its admission failed: it alone ends
                     self._fail_in_plan(plan, seq, SequenceFault(f"admission failed: {type(e).__name__}"), e)
                     continue
                 if admitted is None:
                     break
                 budget -= admitted
+                if left is not None:
+                    left[seq.tenant] -= admitted
+                    counts[seq.tenant] = counts.get(seq.tenant, 0) + 1
         if self.cache.recurrent:  # after admission: it may add branch targets to running ones
             for seg in plan.decodes + plan.prefills:
                 if seg.start // ps != (seg.start + seg.num_tokens) // ps:  # only boundaries crossed are saved
@@ -185,6 +210,55 @@ class Scheduler:
             plan.page_table_writes = self.cache.take_page_table_writes()
             plan.block_copies = self.cache.take_block_copies()
         return plan
+
+    # ---- tenants ---------------------------------------------------------------------------------
+    def _running_by_tenant(self) -> dict[str | None, int]:
+        counts: dict[str | None, int] = {}
+        for seq in self.running:
+            counts[seq.tenant] = counts.get(seq.tenant, 0) + 1
+        return counts
+
+    def _share_among_tenants(self) -> dict[str | None, int] | None:
+        """With more than one tenant at work: first, when every sequence slot is taken, each
+        tenant with waiting work below its share of the slots takes one from the tenant most
+        above its share (its newest sequence is preempted); then the step's token budget is
+        split max-min fairly by what each tenant could compute now. None with one tenant."""
+        running, waiting, options = self.running, self.waiting, self.options
+        tenants = {seq.tenant for seq in running}
+        tenants.update(waiting.tenants())
+        if len(tenants) <= 1:
+            return None
+        counts = self._running_by_tenant()
+        if waiting and len(running) >= options.max_num_seqs:
+            share = slot_share(len(tenants), options.max_num_seqs)
+            for needy in sorted((t for t in waiting.tenants() if counts.get(t, 0) < share),
+                                key=lambda t: counts.get(t, 0)):
+                rich = max(counts, key=counts.__getitem__)
+                if counts[rich] <= share:
+                    break
+                victim = next(seq for seq in reversed(running) if seq.tenant == rich)
+                self._preempt(victim)
+                self.num_fair_preemptions += 1
+                counts[rich] -= 1
+        budget = options.max_num_batched_tokens
+        demands: dict[str | None, int] = {}
+        for seq in running:
+            demands[seq.tenant] = demands.get(seq.tenant, 0) + min(seq.num_uncomputed, budget)
+        free = options.max_num_seqs - len(running)
+        if free > 0:
+            for tenant, queue in waiting.by_tenant().items():
+                ask = sum(seq.num_uncomputed for _, seq in zip(range(free), queue))
+                demands[tenant] = demands.get(tenant, 0) + ask
+        return fair_shares({t: min(d, budget) for t, d in demands.items()}, budget)
+
+    def _fair_order(self) -> list[Sequence]:
+        """Running sequences, tenants taking turns, each tenant's oldest first: its last is the
+        newest sequence of the tenant running the most, the first a page shortage preempts."""
+        by_tenant: dict[str | None, list[Sequence]] = {}
+        for seq in self.running:
+            by_tenant.setdefault(seq.tenant, []).append(seq)
+        queues = list(by_tenant.values())
+        return [q[k] for k in range(max(map(len, queues), default=0)) for q in queues if k < len(q)]
 
     def _inflight_pages(self) -> dict[bytes, Sequence]:
         """Whole prompt pages running sequences compute from this step on, by hash."""
@@ -229,7 +303,7 @@ class Scheduler:
             n = min(seq.num_tokens, budget)
             if not cache.can_admit(seq, m, n):
                 return None
-        self.waiting.popleft()
+        self.waiting.remove(seq)
         restore = cache.admit(seq, m, n)
         seq.num_computed = m.resume_token
         slot = seq.cache.state_slot
@@ -255,11 +329,12 @@ class Scheduler:
         self._add_segment(plan, seq, n)
         return n
 
-    def _reserve_pages(self, seq: Sequence, upto: int, plan: StepPlan) -> bool:
-        """Pages for `seq`'s tokens up to `upto`, preempting the newest running sequences until
-        they can be had; False if `seq` itself was preempted."""
+    def _reserve_pages(self, seq: Sequence, upto: int, plan: StepPlan, order: list[Sequence]) -> bool:
+        """Pages for `seq`'s tokens up to `upto`, preempting the last sequences of the step's
+        `order` (the newest, with one tenant) until they can be had; False if `seq` itself was
+        preempted."""
         while not self.cache.can_grow(seq, upto):
-            victim = self.running[-1]
+            victim = order.pop()
             self._preempt(victim)
             plan.preempted.append(victim)
             if victim is seq:
