@@ -62,7 +62,7 @@ class ChatCompletions:
         check_tools(req)
         if req.response_format is not None and req.response_format.get("type", "text") != "text":
             raise bad_request("only response_format {type: text} is supported", "response_format", "unsupported")
-        prompt = await s.pool.run(lambda stop: s.prompts.chat(req, stop), client_gone)
+        prompt = await s.pool.run(lambda stop: s.prompts.chat(req, stop), client_gone, caller.tenant_id)
         name, _ = req.requested_max_tokens()
         max_tokens = s.max_tokens(req, len(prompt.ids), "messages")
         params = s.sampling(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None,

@@ -48,7 +48,7 @@ class Completions:
             raise bad_request("best_of is not supported (it may only equal n)", "best_of", "unsupported")
         if req.echo and req.logprobs is not None:
             raise bad_request("echo with logprobs is not supported", "echo", "unsupported")
-        prompts = await s.pool.run(lambda stop: s.prompts.completion(req, stop), client_gone)
+        prompts = await s.pool.run(lambda stop: s.prompts.completion(req, stop), client_gone, caller.tenant_id)
         max_tokens = min(s.max_tokens(req, len(p.ids), "prompt") for p in prompts)
         params = s.sampling(req, max_tokens, req.logprobs, {})
         choices = [Choice(k * req.n + i, s.tokenizer, p.ids, req.stop_strings())

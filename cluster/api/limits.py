@@ -18,7 +18,8 @@ Total text counts the characters of every string a request carries into the temp
 tokenizer: message contents and their parts, reasoning, names, tool call ids and tool calls
 (keys too), tool definitions, chat_template_kwargs values, text prompts and stop strings.
 Token-id prompts are bounded by the model's context length, checked before they are hashed.
-`prepare_threads` and `prepare_wait_s` size the pool that renders and tokenizes (`prep_pool`).
+`prepare_threads`, `prepare_threads_per_tenant` and `prepare_wait_s` size the pool that renders
+and tokenizes (`prep_pool`).
 """
 
 from __future__ import annotations
@@ -63,6 +64,8 @@ class APILimits(BaseModel):
         "logit_bias entries (400, checked before logit_bias is refused as unsupported)"))
     prepare_threads: int = Field(4, ge=1, description=(
         "threads that render and tokenize, shared by all requests; a request uses one at a time"))
+    prepare_threads_per_tenant: int | None = Field(None, ge=1, description=(
+        "of those, the most one tenant holds at once (with keys); default: half, at least one"))
     prepare_wait_s: float = Field(5.0, gt=0, description=(
         "longest a request waits for a thread before a 503 with Retry-After (the server is busy)"))
 

@@ -10,9 +10,11 @@ prompts are tokenized as written, special tokens included: there the client writ
 prompt; token-id prompts are checked against the vocabulary before anything hashes them. A chat
 opening with one of the server's `public_system_prompts` reports how many tokens that system
 message renders to (`public_tokens`), sent as a string or as text parts: every tenant shares
-their whole pages. This is the ingress's pre-engine work: it runs on a `prep_pool` thread, after
-the size limits (`limits`) have been checked, and stops between its steps once its `stop` event
-is set.
+their whole pages. A text longer than the context could hold whatever its tokens (`max_model_len`
+tokens of `TextTokenizer.max_chars_per_token` characters) is refused before it is tokenized
+(400 `context_length_exceeded`). This is the ingress's pre-engine work: it runs on a `prep_pool`
+thread, after the size limits (`limits`) have been checked, and stops between its steps once its
+`stop` event is set.
 """
 
 from __future__ import annotations
@@ -46,8 +48,12 @@ class Prepared:
 
 class Prompts:
     def __init__(self, tokenizer: TextTokenizer, template: ChatTemplate | None, vocab_size: int,
-                 special_tokens_in_content: bool = False, public_system_prompts: Sequence[str] = ()):
+                 special_tokens_in_content: bool = False, public_system_prompts: Sequence[str] = (),
+                 max_model_len: int | None = None):
         self.tokenizer, self.template, self.vocab_size = tokenizer, template, vocab_size
+        per_token = tokenizer.max_chars_per_token
+        # a text longer than this is more than max_model_len - 1 tokens, whatever it says
+        self.max_fitting_chars = (max_model_len - 1) * per_token if max_model_len and per_token else None
         self.public_system_prompts = frozenset(public_system_prompts)
         self.reasoning_model = tokenizer.has_tokens("<think>", "</think>")
         self.specials = None if special_tokens_in_content else \
@@ -90,12 +96,22 @@ class Prompts:
         if masking is not None and masking.used:
             unmasked = masking.unmask(text)
             text, starts = unmasked.text, [unmasked.real_offset(c) for c in starts]
+            self._fits(text, "messages")
             ids, ends = self.tokenizer.encode_pieces(text, unmasked.pieces)
         else:
+            self._fits(text, "messages")
             ids, ends = self.tokenizer.encode_with_ends(text)
         public = self._public_prefix(messages, text)
         return Prepared(ids, text, self.tokenizer.token_positions(ends, starts), messages, opens,
                         self.tokenizer.token_positions(ends, [public])[0] if public else 0)
+
+    def _fits(self, text: str, param: str) -> None:
+        """Refuses, before tokenizing it, a text too long for the context whatever its tokens."""
+        limit = self.max_fitting_chars
+        if limit is not None and len(text) > limit:
+            raise bad_request(f"the prompt is {len(text)} characters; this model's context holds at most {limit} "
+                              f"(max_model_len - 1 tokens of at most {self.tokenizer.max_chars_per_token} "
+                              f"characters each): refused before tokenizing", param, "context_length_exceeded")
 
     def _public_prefix(self, messages: list[dict[str, Any]], text: str) -> int:
         """Characters of `text` that render a public system prompt opening the conversation (0:
@@ -117,6 +133,7 @@ class Prompts:
         for p in prompts:
             check(stop)
             if isinstance(p, str):
+                self._fits(p, "prompt")
                 out.append(Prepared(self.tokenizer.encode(p, add_special_tokens=True), p))
             else:
                 if not all(0 <= t < self.vocab_size for t in p):  # before they are hashed

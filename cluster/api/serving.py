@@ -54,10 +54,10 @@ class Serving:
         self.model_name, self.max_waiting, self.metrics = model_name, max_waiting, metrics
         self.limits, self.quotas = limits, quotas
         self.prompts = Prompts(tokenizer, template, client.spec.vocab_size, special_tokens_in_content,
-                               public_system_prompts)
+                               public_system_prompts, client.spec.max_model_len)
         self.reasoning_model = self.prompts.reasoning_model
         self.tool_format = resolve_format(tool_call_parser, template.source if template is not None else None)
-        self.pool = PrepPool(limits.prepare_threads, limits.prepare_wait_s)
+        self.pool = PrepPool(limits.prepare_threads, limits.prepare_wait_s, limits.prepare_threads_per_tenant)
 
     # ---- checks shared by both endpoints -------------------------------------------------------
     def check_common(self, req: SamplingFields) -> None:

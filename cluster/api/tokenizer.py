@@ -7,6 +7,9 @@ hint counts the tokens that end at or before the offset, so it is never past the
 strings inside the pieces as plain text (`special_tokens`: how client text is kept from
 becoming control tokens).
 
+`max_chars_per_token` bounds the characters one token covers, so a text that cannot fit a
+context is known before it is tokenized (`prompts`).
+
 `Detokenizer` turns a stream of token ids into text increments. A byte-level tokenizer splits
 multi-byte UTF-8 characters across tokens; an increment never ends in a half character (no
 U+FFFD for an incomplete sequence): the bytes wait for the token that completes them, and
@@ -17,6 +20,7 @@ decode as they would in one piece.
 
 from __future__ import annotations
 
+import json
 from bisect import bisect_right
 from collections.abc import Sequence
 from functools import cached_property, lru_cache
@@ -60,6 +64,20 @@ class TextTokenizer:
         copy = Tokenizer.from_str(self.tokenizer.to_str())
         copy.encode_special_tokens = True
         return copy
+
+    @cached_property
+    def max_chars_per_token(self) -> int | None:
+        """At most how many characters of the text one token covers, normalization included:
+        the longest piece of the vocabulary or added token (a byte-level piece is one character
+        per byte, and a character is at least one byte), times 3 after a composing normalizer
+        (NFC, NFKC: Hangul jamo compose three to one). None for a normalizer that may drop text,
+        about which nothing is certain."""
+        spec = json.loads(self.tokenizer.to_str())
+        factor = _normalizer_factor(spec.get("normalizer"))
+        if factor is None:
+            return None
+        pieces = [*self.tokenizer.get_vocab(with_added_tokens=False), *self._added.values()]
+        return factor * max((len(p) if self._byte_level else len(p.encode()) for p in pieces), default=1)
 
     def special_tokens(self) -> dict[str, int]:
         """Each special token's string and id (the control tokens, not every added token)."""
@@ -133,6 +151,22 @@ class TextTokenizer:
 
     def detokenizer(self, prompt_token_ids: Sequence[int] = ()) -> "Detokenizer":
         return Detokenizer(self, prompt_token_ids)
+
+
+def _normalizer_factor(normalizer: dict | None) -> int | None:
+    """How many characters of the input a normalizer may turn into one (None: unbounded)."""
+    if normalizer is None:
+        return 1
+    kind = normalizer.get("type")
+    if kind == "Sequence":
+        factor = 1
+        for part in normalizer.get("normalizers", ()):
+            f = _normalizer_factor(part)
+            if f is None:
+                return None
+            factor *= f
+        return factor
+    return {"NFC": 3, "NFKC": 3, "NFD": 1, "NFKD": 1, "Lowercase": 1, "Prepend": 1}.get(kind)
 
 
 class Detokenizer:
