@@ -135,6 +135,9 @@ def check_ingress_limits(http_limits: dict[str, Any]) -> None:
     if "header_timeout_s" in http_limits:
         raise ValueError("http_limits.header_timeout_s: Serve's proxy has no header timeout to set (its "
                          "http_options.request_timeout_s bounds a whole request)")
+    if "stream_stall_timeout_s" in http_limits:
+        raise ValueError("http_limits.stream_stall_timeout_s: behind Serve's proxy the ingress cannot see a client "
+                         "that stops reading (the proxy buffers its stream); http_options.request_timeout_s bounds it")
 
 
 def app_builder(args: dict[str, Any]):

@@ -131,6 +131,9 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
                         help="seconds to send a request's headers (10; in-process only: Serve's proxy has none)")
     parser.add_argument("--body-timeout", type=float, default=None, metavar="S",
                         help="seconds to send a request's body (60)")
+    parser.add_argument("--stream-stall-timeout", type=float, default=None, metavar="S",
+                        help="seconds a streamed response waits for its client to read before it is ended and its "
+                             "sequences freed (30; in-process only)")
     parser.add_argument("--keep-alive-timeout", type=float, default=None, metavar="S",
                         help="seconds an idle connection stays open (in-process: 5; Serve: http_options)")
     parser.add_argument("--request-timeout", type=float, default=None, metavar="S",

@@ -170,7 +170,11 @@ def http_limit_flags(args: argparse.Namespace, in_process: bool) -> dict[str, fl
     flags = {"max_header_bytes": getattr(args, "max_header_bytes", None),
              "body_timeout_s": getattr(args, "body_timeout", None)}
     if in_process:
-        flags.update(header_timeout_s=args.header_timeout, keep_alive_timeout_s=args.keep_alive_timeout)
+        flags.update(header_timeout_s=args.header_timeout, keep_alive_timeout_s=args.keep_alive_timeout,
+                     stream_stall_timeout_s=getattr(args, "stream_stall_timeout", None))
+    elif getattr(args, "stream_stall_timeout", None) is not None:
+        raise ValueError("--stream-stall-timeout: behind Serve's proxy a client that stops reading is not seen "
+                         "(in-process only: --replicas 1); --request-timeout bounds its stream")
     return {k: v for k, v in flags.items() if v is not None}
 
 

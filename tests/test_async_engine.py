@@ -107,3 +107,27 @@ def test_an_engine_fault_fails_requests_in_flight_but_not_the_loop(path, monkeyp
 
     after, free = asyncio.run(main())
     assert after[-1].finished and free == 0
+
+
+def test_a_reader_that_falls_behind_pauses_its_request_and_the_others_go_on(path):
+    """A caller that takes nothing: its request computes `MAX_BUFFERED` outputs and then waits,
+    holding its slot, while another request runs to its end; read again, it resumes and ends with
+    the tokens it computes alone."""
+    long = SamplingParams(max_tokens=120, temperature=0, ignore_eos=True)
+    alone = Engine.from_pretrained(path, num_pages=64).generate([prompts(1, 20)[0]], long)[0].token_ids
+
+    async def main():
+        engine = AsyncEngine.from_pretrained(path, num_pages=64)
+        behind = engine.generate(prompts(1, 20)[0], long, "behind")
+        first = await behind.__anext__()
+        other = await collect(engine, prompts(2)[1], SamplingParams(max_tokens=60, temperature=0, ignore_eos=True))
+        seq = engine.engine._requests["behind"]
+        computed, paused = len(seq.output_token_ids), seq.paused
+        rest = [out async for out in behind]
+        await engine.close()
+        return first, computed, paused, other, rest
+
+    first, computed, paused, other, rest = asyncio.run(main())
+    assert other[-1].finished and len(other[-1].token_ids) == 60
+    assert paused and computed <= AsyncEngine.MAX_BUFFERED + 2, f"{computed} tokens computed for nobody"
+    assert [t for out in [first, *rest] for t in out.new_token_ids] == alone and rest[-1].finished

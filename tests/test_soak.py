@@ -2,15 +2,19 @@
 mid-stream. Every round must leave the engine as it found it: no page held, no request running
 or waiting, no state slot taken; and what cairn's own code allocates must not grow from round to
 round (a leak of a few objects per request would show over 64 x rounds requests). Memory is
-measured with tracemalloc, counting the allocations made with cairn's code on the stack. The soak
-runs in a process of its own (spawned), so nothing else of the test run (a Ray session, other
-tests' servers and routers still winding down) allocates beside it."""
+measured with tracemalloc, counting the allocations made with cairn's code on the stack. Then slow
+readers: three clients that never read streams of 16 choices x 4,000 tokens with 20 top logprobs
+each hold 48 sequences; the process's RSS may rise by a bounded buffer while they stall, and is
+back near where it was once the stall timeout has ended them. The soak runs in a process of its
+own (spawned), so nothing else of the test run (a Ray session, other tests' servers and routers
+still winding down) allocates beside it."""
 
 import asyncio
 import gc
 import json
 import multiprocessing
 import random
+import socket
 import time
 import tracemalloc
 from pathlib import Path
@@ -20,11 +24,13 @@ import pytest
 
 from cluster.api import build_app
 from cluster.api.engine_client import LocalEngineClient
+from cluster.api.http_limits import HTTPLimits
 from cluster.api.server import BackgroundServer
 from workers import AsyncEngine
 
 MODEL = "tiny"
 STREAMS, ROUNDS = 64, 6
+STALL_S = 2.0  # the stall timeout of the slow-reader phase
 PACKAGES = ("workers", "cluster", "cache_service", "kernels")
 
 
@@ -82,20 +88,54 @@ def ours(snapshot: tracemalloc.Snapshot) -> int:
     return sum(stat.size for stat in snapshot.filter_traces(keep).statistics("filename"))
 
 
+def stalled_reader(url: str) -> socket.socket:
+    """A client that asks for 16 x 4,000 tokens with 20 top logprobs each and never reads them."""
+    body = json.dumps({"model": MODEL, "stream": True, "n": 16, "max_tokens": 4000, "ignore_eos": True,
+                       "logprobs": True, "top_logprobs": 20,
+                       "messages": [{"role": "user", "content": "Tell me about every stone."}]}).encode()
+    host, port = url.removeprefix("http://").split(":")
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.connect((host, int(port)))
+    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    return s
+
+
+def slow_readers(url: str, engine: AsyncEngine) -> tuple[int, int, int]:
+    """RSS before three stalled readers, at its highest while they stall, and after they ended."""
+    gc.collect()
+    before = peak = rss_bytes()
+    sockets = [stalled_reader(url) for _ in range(3)]
+    core, deadline = engine.engine, time.monotonic() + 60
+    while len(core.scheduler.running) < 48 and time.monotonic() < deadline:  # every choice runs
+        time.sleep(0.02)
+    while core.has_unfinished():  # until the stall timeout ends them
+        peak = max(peak, rss_bytes())
+        assert time.monotonic() < deadline, "the stalled streams were never ended"
+        time.sleep(0.05)
+    for s in sockets:
+        s.close()
+    settled(engine)
+    gc.collect()
+    return before, peak, rss_bytes()
+
+
 def soak(model_dir: Path, results) -> None:
-    """The soak itself, in its own process: puts (allocated, objects, rss) per round on `results`,
-    or the failure's text."""
+    """The soak itself, in its own process: puts (allocated, objects, rss) per round and the slow
+    readers' RSS (before, peak, after) on `results`, or the failure's text."""
     import torch
 
     torch.set_num_threads(1)  # as conftest sets it for the test process
     try:
         # a small arena, full from the first round on: what the cache keeps is at its steady state
-        engine = AsyncEngine.from_pretrained(model_dir, max_num_seqs=32, cache_memory_bytes=4 << 20)
-        app = build_app(LocalEngineClient(engine), model_dir, MODEL, max_waiting=STREAMS)
+        engine = AsyncEngine.from_pretrained(model_dir, max_num_seqs=64, cache_memory_bytes=4 << 20)
+        limits = HTTPLimits(stream_stall_timeout_s=STALL_S)
+        app = build_app(LocalEngineClient(engine), model_dir, MODEL, max_waiting=STREAMS, http_limits=limits)
         allocated, objects, rss = [], [], []
         tracemalloc.start(4)  # frames kept per allocation: enough to see cairn's code, cheap enough to soak
         try:
-            with BackgroundServer(app) as server:
+            with BackgroundServer(app, limits=limits) as server:
                 for _ in range(ROUNDS):  # the same chats each round: the cache's contents settle after the first
                     outcomes = asyncio.run(asyncio.wait_for(soak_round(server.url, seed=0), 300))
                     assert outcomes.count("hung up") >= STREAMS // 3 - 2 and outcomes.count("done") >= STREAMS // 2
@@ -105,10 +145,13 @@ def soak(model_dir: Path, results) -> None:
                     allocated.append(ours(tracemalloc.take_snapshot()))
                     objects.append(our_objects())
                     rss.append(rss_bytes())
+                tracemalloc.stop()  # its own bookkeeping would count in the RSS
+                stalled = slow_readers(server.url, engine)
+                engine.engine.check()
         finally:
             tracemalloc.stop()
         asyncio.run(engine.close())
-        results.put((allocated, objects, rss))
+        results.put((allocated, objects, rss, stalled))
     except BaseException as e:  # noqa: BLE001 - reported to the test
         import traceback
 
@@ -128,7 +171,7 @@ def test_rounds_of_64_streams_with_a_third_hanging_up_leave_nothing_behind(tiny_
         if child.is_alive():
             child.kill()
     assert not isinstance(got, str), got
-    allocated, objects, rss = got
+    allocated, objects, rss, (before, peak, after) = got
     # Round 1 warms caches (the tokenizer's; the prefix cache fills). From then on what cairn holds
     # moves within lazily compacted structures (heaps, the LRU's queue, closing connections) but
     # must not climb: a leak of 1 KiB per request would add 64 KiB a round, 192 KiB over the last 3.
@@ -136,4 +179,9 @@ def test_rounds_of_64_streams_with_a_third_hanging_up_leave_nothing_behind(tiny_
     assert late - early < 128 << 10, f"bytes cairn's code holds after each round: {allocated}"
     assert max(objects[3:]) - max(objects[1:3]) < 32, f"objects of cairn's classes after each round: {objects}"
     print(f"soak: {ROUNDS} rounds x {STREAMS} streams; cairn-allocated KiB {[b >> 10 for b in allocated]}; "
-          f"objects of cairn's classes {objects}; process RSS MiB {[b >> 20 for b in rss]}")
+          f"objects of cairn's classes {objects}; process RSS MiB {[b >> 20 for b in rss]}; slow readers: RSS "
+          f"MiB before {before >> 20}, at most {peak >> 20} while they stalled, {after >> 20} after")
+    # what three stalled readers may hold: the streams' buffers (Fanout.BUFFERED and the engine's
+    # MAX_BUFFERED outputs per choice) and the sockets', not the 192,000 outputs they asked for
+    assert peak - before < 96 << 20, (before, peak, after)
+    assert after - before < 32 << 20, (before, peak, after)

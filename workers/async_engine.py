@@ -6,7 +6,10 @@ steps while any request is unfinished and sleeps otherwise. Each request gets a 
 `RequestOutput`s; `generate` yields them until the one that finishes.
 
 A caller that stops iterating (client gone, task cancelled) aborts its request, so its pages
-and state slot go back to the cache. A request the engine failed alone (finish_reason "error")
+and state slot go back to the cache. A caller that iterates slowly holds back its request: once
+`MAX_BUFFERED` outputs wait in its queue the engine pauses it (it computes nothing, keeping its
+slot and pages), and resumes it when the caller has taken all but `RESUME_BUFFERED`; so a reader
+that never reads costs a bounded queue, and the device's time goes to the others. A request the engine failed alone (finish_reason "error")
 gets `EngineError` with the reason; an unexpected fault of a whole step fails the requests in
 flight the same way (logged once), and the loop goes on serving new requests. An engine that
 broke (`EngineBroken`: a tensor-parallel rank lost) fails its requests with `EngineBroken`,
@@ -34,10 +37,13 @@ log = logging.getLogger(__name__)
 
 
 class AsyncEngine:
+    MAX_BUFFERED, RESUME_BUFFERED = 32, 8  # outputs waiting in a request's queue: pause at, resume at
+
     def __init__(self, engine: Engine):
         self.engine = engine
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cairn-engine")
         self._queues: dict[str, asyncio.Queue] = {}
+        self._paused: set[str] = set()
         self._wake: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
         self._ids = itertools.count()
@@ -91,6 +97,10 @@ class AsyncEngine:
         try:
             while True:
                 item = await queue.get()
+                if request_id in self._paused and queue.qsize() <= self.RESUME_BUFFERED:
+                    self._paused.discard(request_id)
+                    await self._call(self.engine.pause, request_id, False)
+                    self._wake.set()
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
@@ -100,6 +110,7 @@ class AsyncEngine:
                     return
         finally:
             self._queues.pop(request_id, None)
+            self._paused.discard(request_id)
             if not finished:
                 await asyncio.shield(self._call(self.engine.abort, request_id))
 
@@ -133,7 +144,7 @@ class AsyncEngine:
 
     async def _run(self) -> None:
         while True:
-            if not self.engine.has_unfinished():
+            if not self.engine.has_runnable():  # idle, or every request waits for its reader
                 self._wake.clear()
                 await self._wake.wait()
                 continue
@@ -143,11 +154,17 @@ class AsyncEngine:
                 log.exception("engine step failed; failing %d request(s) in flight", len(self._queues))
                 await self._fail_all(e)
                 continue
+            behind = []
             for out in outputs:
                 queue = self._queues.get(out.request_id)
                 if queue is not None:
                     queue.put_nowait(out if out.finish_reason != "error" else
                                      EngineError(f"internal error while running request {out.request_id}: {out.error}"))
+                    if not out.finished and queue.qsize() >= self.MAX_BUFFERED and out.request_id not in self._paused:
+                        behind.append(out.request_id)
+            for request_id in behind:  # its reader is behind: computing more would only queue it
+                self._paused.add(request_id)
+                await self._call(self.engine.pause, request_id)
             await asyncio.sleep(0)  # let consumers run between steps
 
     async def _fail_all(self, cause: Exception) -> None:

@@ -229,6 +229,17 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
+    def has_runnable(self) -> bool:
+        """A step would compute something now (every unfinished request may be paused)."""
+        return self.scheduler.has_runnable_work()
+
+    def pause(self, request_id: str, paused: bool = True) -> None:
+        """Stops (or, with `paused` False, resumes) computing a request whose reader is behind:
+        it keeps its slot and pages meanwhile. Unknown ids are ignored (it may have finished)."""
+        seq = self._requests.get(request_id)
+        if seq is not None:
+            seq.paused = paused
+
     # ---- stepping --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedules, runs the model once, samples, applies the step; returns an output for every

@@ -22,6 +22,9 @@ Checkpoints cost a copy, not compute: a state wanted at a boundary inside a segm
 from the chunked delta rule (`ckpt_slots`), one at a segment's end is a slot copy after the step
 (`snapshots`).
 
+A paused sequence (`Sequence.paused`: its reader has not taken its outputs, `workers.async_engine`)
+keeps its slot and pages but gets no tokens until it is resumed.
+
 `postprocess` is the step's second half: computed tokens advance, whole pages are registered,
 checkpoints committed, sampled tokens appended, and sequences that stop (EOS, a stop id,
 `max_tokens`, the model's length) finish. Plans, not tensors: this module imports no torch.
@@ -144,6 +147,10 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def has_runnable_work(self) -> bool:
+        """Work a step could do now: a waiting sequence, or a running one that is not paused."""
+        return bool(self.waiting) or any(not seq.paused for seq in self.running)
+
     # ---- planning ------------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
         plan = StepPlan()
@@ -154,6 +161,9 @@ class Scheduler:
         i = 0
         while i < len(order) and budget > 0:
             seq = order[i]
+            if seq.paused:  # its reader is behind: it keeps what it holds and waits
+                i += 1
+                continue
             start = seq.num_computed
             n = len(seq.token_ids) - start
             if n > budget:

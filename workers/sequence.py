@@ -58,6 +58,7 @@ class Sequence:
     tenant: str | None = None  # who asked: the scheduler shares sequence slots among tenants with work
     added_at: float = field(default_factory=time.monotonic)
     queue_s: float | None = None  # seconds from added_at to its first admission
+    paused: bool = False  # its reader is behind: while running, it is not scheduled (Engine.pause)
     cache: SequenceCache = field(default_factory=SequenceCache)
 
     def __post_init__(self) -> None:

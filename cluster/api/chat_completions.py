@@ -75,7 +75,7 @@ class ChatCompletions:
         completion_id = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
             return SSEResponse(self._stream(req, completion_id, request_id, prompt, fan, first, choices, arrived,
-                                            caller))
+                                            caller), s.stream_stall_timeout_s)
         if not await s.collect(fan, first, choices, arrived, client_gone, caller):
             s.record([prompt], choices, arrived, caller)
             return Response(status_code=CLIENT_CLOSED_REQUEST)

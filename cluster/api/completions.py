@@ -59,7 +59,7 @@ class Completions:
         completion_id = f"cmpl-{uuid.uuid4().hex}"
         if req.stream:
             return SSEResponse(self._stream(req, completion_id, request_id, prompts, echoes, fan, first, choices,
-                                            arrived, caller))
+                                            arrived, caller), s.stream_stall_timeout_s)
         if not await s.collect(fan, first, choices, arrived, client_gone, caller):
             s.record(prompts, choices, arrived, caller)
             return Response(status_code=CLIENT_CLOSED_REQUEST)

@@ -8,6 +8,11 @@ Closing a stream that has not finished aborts its engine request, so its pages a
 go back to the pools; closing is safe to repeat. With an `admission` (`cluster.api.quotas`), each
 engine request is counted as started at its first output and as ended when its stream ends,
 however it ends, closed before it ran included.
+
+Each stream holds at most `BUFFERED` outputs the reader has not taken: past that it stops reading
+its engine stream until the reader catches up, so a reader that falls behind (a client that does
+not read its response) is held in a bounded buffer here and, in-process, pauses its engine
+requests (`workers.async_engine`) instead of filling memory.
 """
 
 from __future__ import annotations
@@ -23,18 +28,22 @@ _DONE = object()
 
 
 class Fanout:
+    BUFFERED = 16  # outputs of one stream the reader has not taken
+
     def __init__(self, client: EngineClient, requests: Sequence[GenerateRequest], admission: Admission | None = None):
         self._client, self._admission = client, admission
         self._queue: asyncio.Queue = asyncio.Queue()
+        self._room = [asyncio.Semaphore(self.BUFFERED) for _ in requests]
         self._open = len(requests)
         self._tasks = [asyncio.create_task(self._pump(i, r)) for i, r in enumerate(requests)]
 
     async def _pump(self, index: int, request: GenerateRequest) -> None:
-        stream, admission = self._client.generate(request), self._admission
+        stream, admission, room = self._client.generate(request), self._admission, self._room[index]
         try:
             async for out in stream:
                 if admission is not None:
                     admission.started(index)
+                await room.acquire()  # given back when the reader takes it
                 self._queue.put_nowait((index, out))
         except Exception as e:  # handed to the reader, who decides what the client sees
             self._queue.put_nowait((index, e))
@@ -55,6 +64,7 @@ class Fanout:
             elif isinstance(item, Exception):
                 raise item
             else:
+                self._room[index].release()
                 return index, item
         raise StopAsyncIteration
 

@@ -8,6 +8,7 @@
 | `header_timeout_s` | `GuardedH11Protocol`: 408 if a request began, connection closed | not offered by Serve |
 | `body_timeout_s` | `RequestGuard`: 408, connection closed | `RequestGuard`, the same |
 | `keep_alive_timeout_s` | uvicorn's `timeout_keep_alive` | Serve's `http_options.keep_alive_timeout_s` |
+| `stream_stall_timeout_s` | `SSEResponse`: the stream ends, its engine requests are aborted, connection closed | not seen: the proxy buffers a stream for a client that does not read, for up to `http_options.request_timeout_s` |
 
 The body cap is `build_app(max_body_bytes=...)` (`RequestGuard`, 413). Every refusal the app or
 our protocol writes is in OpenAI's error shape (`cluster.api.errors`); the proxy's own answers
@@ -34,6 +35,9 @@ class HTTPLimits(BaseModel):
     body_timeout_s: float = Field(60.0, gt=0, description=(
         "Seconds a client has to send a request's whole body, counted from the end of its headers: "
         "past it, 408 and the connection is closed."))
+    stream_stall_timeout_s: float = Field(30.0, gt=0, description=(
+        "Seconds a streamed response waits for its client to take output: past it, the stream "
+        "ends, its engine requests are aborted and their sequences freed."))
     keep_alive_timeout_s: float = Field(5.0, gt=0, description=(
         "Seconds an idle connection is kept open between requests (in-process only; behind Serve "
         "it is http_options.keep_alive_timeout_s)."))

@@ -146,7 +146,8 @@ def build_app(client: EngineClient, model_dir: str | Path, served_model_name: st
         defaults = tenant_limits or TenantLimits()
         quotas = TenantQuotas(defaults, {t: defaults.merged(v) for t, v in tenants.limits.items()}, metrics)
     serving = Serving(TimedClient(client, metrics), TextTokenizer.from_dir(model_dir), template, name, max_waiting,
-                      metrics, limits, special_tokens_in_content, public_system_prompts, tool_call_parser, quotas)
+                      metrics, limits, special_tokens_in_content, public_system_prompts, tool_call_parser, quotas,
+                      http_limits.stream_stall_timeout_s)
     chat, completions = ChatCompletions(serving), Completions(serving)
 
     app = FastAPI(title="cairn", summary="OpenAI-compatible API for hybrid LLMs with prefix caching",

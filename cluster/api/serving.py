@@ -49,8 +49,10 @@ class Serving:
     def __init__(self, client: EngineClient, tokenizer: TextTokenizer, template: ChatTemplate | None,
                  model_name: str, max_waiting: int, metrics: APIMetrics, limits: APILimits = DEFAULT_LIMITS,
                  special_tokens_in_content: bool = False, public_system_prompts: Sequence[str] = (),
-                 tool_call_parser: str = "auto", quotas: TenantQuotas | None = None):
+                 tool_call_parser: str = "auto", quotas: TenantQuotas | None = None,
+                 stream_stall_timeout_s: float | None = None):
         self.client, self.tokenizer = client, tokenizer
+        self.stream_stall_timeout_s = stream_stall_timeout_s  # SSEResponse's
         self.model_name, self.max_waiting, self.metrics = model_name, max_waiting, metrics
         self.limits, self.quotas = limits, quotas
         self.prompts = Prompts(tokenizer, template, client.spec.vocab_size, special_tokens_in_content,
