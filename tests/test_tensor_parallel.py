@@ -233,3 +233,22 @@ def test_with_a_host_tier_every_rank_demotes_and_promotes_its_own_slice_in_step(
         assert engine.metrics()["pages_promoted_total"] == m["pages_promoted_total"]
     finally:
         engine.close()
+
+
+def test_a_script_without_a_main_guard_fails_at_once_saying_what_to_add(tiny_model_dir, tmp_path):
+    """Each rank is a spawned process that imports the script again; without the guard it never
+    starts, and the engine says so in seconds instead of waiting 60 s for the group to form."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "unguarded.py"
+    script.write_text(f"from workers import Engine\nEngine.from_pretrained({str(tiny_model_dir)!r}, "
+                      f"tensor_parallel_size=2)\nprint('built')\n")
+    root = Path(__file__).resolve().parent.parent
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(root)})
+    assert done.returncode != 0 and "built" not in done.stdout
+    assert "RankFailure" in done.stderr and 'if __name__ == "__main__":' in done.stderr, done.stderr[-2000:]
+    assert time.monotonic() - started < 45, "no wait for the group's rendezvous timeout"

@@ -11,6 +11,10 @@ Contract:
   a `StepWork` once (workers.runner), sends it to every rank, and runs it on its own shard. The
   model's collectives keep the ranks in step; rank 0 gets the full vocabulary's logits and
   samples. The scheduler, the prefix cache and the cache events exist on rank 0 only.
+- Start: rank 0 waits until every rank's process has started (said so over its pipe) before it
+  joins the group; a rank that exits first fails the engine at once, saying why this usually is
+  (a script without an `if __name__ == "__main__":` guard, which every spawned rank imports
+  again), instead of waiting for the group's rendezvous to time out.
 - Failure: a rank that dies or hangs makes the step's collectives time out
   (`options.collective_timeout_s`) on the others; rank 0 then raises `RankFailure` (naming the
   rank and what it reported, if anything) from `execute`, and from every later call: the engine
@@ -23,6 +27,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import socket
+import time
 import traceback
 import weakref
 from pathlib import Path
@@ -89,9 +94,14 @@ def build_rank_runner(model_dir: str | Path, options: EngineOptions, rank: int, 
     return ModelRunner(model, layout, options.page_size, options.max_num_seqs + 1), layout.num_blocks
 
 
+MAIN_GUARD = ("a script that builds a tensor-parallel engine must do so under `if __name__ == \"__main__\":`: "
+              "its ranks are spawned processes, which import the script again")
+
+
 def _rank_main(model_dir: str, options: EngineOptions, rank: int, address: str, conn) -> None:
-    """A rank's process: build, report its layout, then run every StepWork it is sent."""
+    """A rank's process: say it started, build, report its layout, then run every StepWork it is sent."""
     torch.set_num_threads(1)
+    conn.send(("started", None))
     try:
         runner, num_blocks = build_rank_runner(model_dir, options, rank, address)
         conn.send(("ready", num_blocks))
@@ -113,8 +123,13 @@ class RankWorkers:
         self.processes, self.conns = processes, conns
         self._finalizer = weakref.finalize(self, RankWorkers._stop, processes, conns)
 
+    START_TIMEOUT_S = 120.0  # a rank's process imports torch and cairn before it says it started
+
     @classmethod
     def start(cls, model_dir: str | Path, options: EngineOptions, address: str) -> RankWorkers:
+        """Spawns ranks 1..N-1 and waits until each has started (before any loads its shard)."""
+        if getattr(mp.current_process(), "_inheriting", False):  # a spawned process importing its parent's script
+            raise RuntimeError(MAIN_GUARD)
         ctx = mp.get_context("spawn")
         processes, conns = [], []
         for rank in range(1, options.tensor_parallel_size):
@@ -125,7 +140,30 @@ class RankWorkers:
             theirs.close()
             processes.append(p)
             conns.append(ours)
-        return cls(processes, conns)
+        workers = cls(processes, conns)
+        try:
+            workers._wait_started(cls.START_TIMEOUT_S)
+        except BaseException:
+            workers.close()
+            raise
+        return workers
+
+    def _wait_started(self, timeout_s: float) -> None:
+        """Each rank's first word; a rank that exits first never got past importing the script
+        that started it (no `__main__` guard, most likely), and waiting for it would only end in
+        the collectives' timeout."""
+        deadline = time.monotonic() + timeout_s
+        for rank, (p, conn) in enumerate(zip(self.processes, self.conns), start=1):
+            while not conn.poll(0.1):
+                if p.exitcode is not None:
+                    raise RankFailure(f"tensor-parallel rank {rank} exited (status {p.exitcode}) before it started; "
+                                      f"{MAIN_GUARD}")
+                if time.monotonic() > deadline:
+                    raise RankFailure(f"tensor-parallel rank {rank} did not start within {timeout_s:.0f} s")
+            try:
+                conn.recv()
+            except EOFError:
+                raise RankFailure(f"tensor-parallel rank {rank} exited before it started; {MAIN_GUARD}") from None
 
     def wait_ready(self, num_blocks: int, timeout_s: float) -> None:
         """Every rank built its shard with an arena of `num_blocks` blocks (rank 0's)."""
