@@ -211,6 +211,15 @@ def content():
         deep = {"a": deep}
     yield case("tool call arguments 100 levels deep", chat(messages=[{"role": "assistant", "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "f", "arguments": deep}}]}, HI[0]]), 200)
+    yield case("tool calls on a user message", chat(messages=msg(tool_calls=[
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}])), 400, "messages[0].tool_calls")
+    yield case("tool calls on a tool message", chat(messages=[{"role": "tool", "content": "x", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]), 400, "messages[0].tool_calls")
+    for constant in ("NaN", "Infinity", "-Infinity"):
+        yield case(f"history tool call arguments holding {constant}", chat(messages=[
+            {"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {
+                "name": "f", "arguments": f'{{"x": {constant}}}'}}]}, HI[0]]), 400,
+            "messages[0].tool_calls[0].function.arguments")
     yield case("tool calls without a function", chat(messages=[
         {"role": "assistant", "tool_calls": [{}]}, HI[0]]), 400, "messages[0].tool_calls[0].function")
     yield case("a tool that is not a function", chat(tools=[{"type": "retrieval"}]), 400, "tools[0].type")

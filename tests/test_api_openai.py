@@ -367,3 +367,15 @@ def test_continue_final_message_extends_the_assistant_turn(scripted, tok):
     prompt = fake.requests[-1].prompt
     assert prompt.endswith("A pile of") and prompt.count("<|im_start|>assistant") == 1
     assert out.choices[0].message.content == " stones."
+
+
+def test_a_completion_without_max_tokens_or_with_null_generates_openais_default_of_16(scripted, tok):
+    fake, plain, _, _ = scripted
+    fake.script = byte_tokens(tok, "stones " * 10)  # 70 tokens on offer
+    for extra, want in [({}, 16), ({"max_tokens": None}, 16), ({"max_tokens": 20}, 20)]:
+        r = httpx.post(plain.url + "/v1/completions", json={"model": MODEL, "prompt": "A cairn", **extra}, timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == want, (extra, r.text)
+        assert fake.requests[-1].params.max_tokens == want
+    chat = httpx.post(plain.url + "/v1/chat/completions", timeout=30, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": None})
+    assert chat.json()["usage"]["completion_tokens"] == 70, "chat's null: what the context leaves, as OpenAI"

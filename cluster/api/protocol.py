@@ -32,6 +32,7 @@ from cluster.api.limits import DEFAULT_LIMITS, APILimits, text_chars
 
 MAX_N = 16            # choices per request
 MAX_LOGPROBS = 20
+COMPLETION_MAX_TOKENS = 16  # /v1/completions without max_tokens (or with null), as OpenAI's API
 FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's name
 
 
@@ -98,14 +99,19 @@ class ToolCall(_Request):
         arguments = self.function.arguments
         if isinstance(arguments, str):
             try:
-                arguments = json.loads(arguments) if arguments.strip() else {}
+                arguments = json.loads(arguments, parse_constant=_no_constant) if arguments.strip() else {}
             except (ValueError, RecursionError):
-                raise FieldError("function.arguments", "is not valid JSON; send the arguments as a JSON "
-                                                       "object (as a string or an object)") from None
+                raise FieldError("function.arguments", "is not valid JSON (NaN and Infinity are not JSON); send the "
+                                                       "arguments as a JSON object (as a string or an object)") from None
             if not isinstance(arguments, dict):
                 raise FieldError("function.arguments", "must be a JSON object")
         call["function"]["arguments"] = arguments
         return call
+
+
+def _no_constant(name: str) -> Any:
+    """json.loads takes NaN and Infinity, which JSON does not (nor the model's call parser)."""
+    raise ValueError(f"{name} is not JSON")
 
 
 class FunctionDefinition(_Request):
@@ -167,6 +173,14 @@ class ChatMessage(_Request):
         if self.content is None and self.role != "assistant":
             raise ValueError(f"a {self.role} message needs content")
         return self
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _calls_are_the_assistants(cls, calls: list[ToolCall] | None, info: ValidationInfo) -> list[ToolCall] | None:
+        role = info.data.get("role")
+        if calls is not None and role != "assistant":
+            raise ValueError(f"only an assistant message may carry tool_calls, not a {role} message")
+        return calls
 
     def text_chars(self) -> int:
         content = self.content if isinstance(self.content, str) or self.content is None else \
@@ -276,7 +290,8 @@ class ChatCompletionRequest(SamplingFields):
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]] = Field(
         description="text, token ids, or a batch of either")
-    max_tokens: int | None = Field(16, description="tokens to generate at most")
+    max_tokens: int | None = Field(COMPLETION_MAX_TOKENS, description=(
+        f"tokens to generate at most; absent or null: {COMPLETION_MAX_TOKENS}, OpenAI's default"))
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
                                  description="return log-probabilities with this many alternatives")
     echo: bool = Field(False, description="return the prompt before the completion")
@@ -306,4 +321,4 @@ class CompletionRequest(SamplingFields):
         return list(p)  # type: ignore[arg-type]
 
     def requested_max_tokens(self) -> tuple[str, int | None]:
-        return "max_tokens", self.max_tokens
+        return "max_tokens", COMPLETION_MAX_TOKENS if self.max_tokens is None else self.max_tokens

@@ -79,8 +79,8 @@ class Serving:
                               f"(max_model_len {limit}, one left to generate)", prompt_param,
                               "context_length_exceeded")
         name, asked = req.requested_max_tokens()
-        if asked is None or name not in req.model_fields_set:
-            return min(asked or limit, limit - n_prompt)  # a default never overflows the context
+        if asked is None or getattr(req, name) is None or name not in req.model_fields_set:
+            return min(asked or limit, limit - n_prompt)  # a default (null too) never overflows the context
         if asked < 1:
             raise bad_request(f"{name} must be at least 1, got {asked}", name)
         if n_prompt + asked > limit:
