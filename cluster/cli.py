@@ -137,8 +137,9 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--keep-alive-timeout", type=float, default=None, metavar="S",
                         help="seconds an idle connection stays open (in-process: 5; Serve: http_options)")
     parser.add_argument("--request-timeout", type=float, default=None, metavar="S",
-                        help="Serve's end-to-end limit per request (http_options.request_timeout_s; "
-                             "not in-process)")
+                        help="end-to-end limit per request, from its arrival to its last token (a 408); on Ray, "
+                             "Serve's http_options.request_timeout_s, which the ingress enforces too, so a client's "
+                             "x-request-timeout-seconds header cannot lift it")
     parser.add_argument("--max-body-bytes", type=int, default=None, help="request body (8 MiB)")
     parser.add_argument("--api-limit", action="append", default=None, metavar="NAME=VALUE",
                         help="a per-request limit of cluster.api.limits.APILimits, e.g. max_messages=512; "
@@ -185,10 +186,6 @@ def _serve(args: argparse.Namespace) -> int:
         from cluster.deploy import api_limit_flags, http_limit_flags, public_prompt_flags, tenant_limit_flags
         from workers import ModelSource
 
-        if args.request_timeout is not None:
-            print("cairn serve: --request-timeout is Serve's; in-process, requests have no end-to-end limit",
-                  file=sys.stderr)
-            return 2
         try:
             tenants = Tenants.load(args.api_key, args.api_keys_file)
             limits = HTTPLimits(**http_limit_flags(args, in_process=True))
@@ -209,7 +206,7 @@ def _serve(args: argparse.Namespace) -> int:
                          max_body_bytes=args.max_body_bytes, served_model_name=args.served_model_name,
                          limits=api_limits, special_tokens_in_content=bool(args.special_tokens_in_content),
                          public_system_prompts=public_prompts, tool_call_parser=args.tool_call_parser or "auto",
-                         tenant_limits=tenant_limits, **engine_options)
+                         tenant_limits=tenant_limits, request_timeout_s=args.request_timeout, **engine_options)
         return 0
     from cluster.deploy import serve_forever
 

@@ -24,7 +24,10 @@
   no HTTP route; call it through a DeploymentHandle, e.g. `broadcast("routing_state")` for every
   ingress replica): this replica's node and what each cache-affinity router of its process
   mirrors of the index, so every ingress's mirror can be compared with the others and with the
-  index actor (`CacheIndexActor.digest`).
+  index actor (`CacheIndexActor.digest`), and the request timeout it enforces.
+- The operator's end-to-end limit (Serve's `http_options.request_timeout_s`, read from Serve's
+  controller when the replica starts) is enforced by the app too (`build_app(request_timeout_s)`):
+  Serve's proxy obeys a client's `x-request-timeout-seconds` header, which would lift it.
 """
 
 from __future__ import annotations
@@ -143,6 +146,7 @@ class Ingress:
         self.tenants = Tenants.load(keys_file=api_keys_file, api_key_digests=api_key_digests or ())
         self.metrics_key_digest, self.shared_cache_tenants = metrics_key_digest, shared_cache_tenants
         self.tenant_limits = TenantLimits.model_validate(tenant_limits or {})
+        self.request_timeout_s = await serve_request_timeout()
         self.http_limits = HTTPLimits.model_validate(http_limits or {})
         self.max_body_bytes = max_body_bytes
         self.api_limits = APILimits.model_validate(api_limits or {})
@@ -164,6 +168,7 @@ class Ingress:
         app = build_app(self.client, self.model_dir, self.served_model_name, echo_request_id=False,
                         max_body_bytes=self.max_body_bytes or DEFAULT_MAX_BODY_BYTES, tenants=self.tenants,
                         metrics_key_digest=self.metrics_key_digest, tenant_limits=self.tenant_limits,
+                        request_timeout_s=self.request_timeout_s,
                         shared_cache_tenants=self.shared_cache_tenants,
                         http_limits=self.http_limits, limits=self.api_limits,
                         special_tokens_in_content=self.special_tokens_in_content,
@@ -180,7 +185,8 @@ class Ingress:
         pages, digest, age). Reads every mirror entry, on the routers' loops: for operators and
         tests, never on the request path."""
         return dict(replica=serve.get_replica_context().replica_id.to_full_id_str(),
-                    node=ray.get_runtime_context().get_node_id(), routers=await mirror_summaries())
+                    node=ray.get_runtime_context().get_node_id(), routers=await mirror_summaries(),
+                    request_timeout_s=self.request_timeout_s)
 
     async def _export_loop(self) -> None:
         """Copies this replica's API metrics and router counters to Ray's metrics export."""
@@ -194,6 +200,17 @@ class Ingress:
 
     async def __del__(self) -> None:
         self._export.cancel()
+
+
+async def serve_request_timeout() -> float | None:
+    """The operator's end-to-end limit on a request (Serve's `http_options.request_timeout_s`),
+    which this ingress enforces itself: Serve's proxy lets a client's `x-request-timeout-seconds`
+    header lift it."""
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+    controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+    timeout = (await controller.get_http_config.remote()).request_timeout_s
+    return timeout if timeout is not None and timeout > 0 else None
 
 
 class ReplicaHeader:

@@ -10,6 +10,7 @@ import json
 import socket
 import time
 
+import httpx
 import pytest
 
 from cluster.api import build_app
@@ -183,3 +184,40 @@ def test_the_app_refuses_headers_over_its_limit_when_the_server_in_front_lets_th
         assert json.loads(body)["error"]["code"] == "headers_too_large"
         data, _ = read_until_closed(sock, 5)
         assert data == b""
+
+
+def test_the_operators_request_timeout_ends_a_request_whatever_timeout_header_its_client_sends(tiny_model_dir):
+    """`request_timeout_s` is the operator's end-to-end limit. Behind Serve's proxy a client's
+    `x-request-timeout-seconds` header lifts the proxy's own; the app's holds: a 408 for a whole
+    response, an error event and [DONE] in a stream, and the engine stream is closed either way."""
+    import asyncio
+
+    from workers import RequestOutput
+
+    class Slow(OneTokenClient):
+        def __init__(self):
+            super().__init__()
+            self.closed = 0
+
+        async def generate(self, request):
+            try:
+                for k in range(1, 200):
+                    yield RequestOutput(request.request_id, [5], None, k, 0)
+                    await asyncio.sleep(0.05)
+            finally:
+                self.closed += 1
+
+    slow = Slow()
+    app = build_app(slow, tiny_model_dir, "tiny", request_timeout_s=1.0)
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 500}
+    lifted = {"x-request-timeout-seconds": "1000", "x-request-disconnect-disabled": "?1"}
+    with BackgroundServer(app) as s, httpx.Client(base_url=s.url, timeout=30) as http:
+        start = time.monotonic()
+        r = http.post("/v1/chat/completions", json=body, headers=lifted)
+        assert r.status_code == 408 and r.json()["error"]["code"] == "request_timeout", r.text
+        assert time.monotonic() - start < 3
+        with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}, headers=lifted) as r:
+            events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "request_timeout"
+        assert len(events) < 60, "ended at the deadline, not at the end of its 200 tokens"
+    assert slow.closed == 2

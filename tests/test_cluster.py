@@ -189,6 +189,7 @@ def test_cairn_serve_starts_its_own_ray_serves_the_api_and_stops_cleanly_on_ctrl
 
 # ---- 2. a 3-replica app in the shared Ray session ----------------------------------------------
 
+REQUEST_TIMEOUT_S = 600  # Serve's http_options.request_timeout_s here, which the ingress enforces too
 ROUTING = RoutingConfig(index_actor_name=INDEX, index_timeout_ms=500,  # a busy 2-core CI box: be patient
                         routing_stats_period_s=0.5)
 
@@ -224,7 +225,7 @@ def cluster(ray_session, tiny_model_dir):
     from ray import serve
 
     port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.start(http_options={"host": "127.0.0.1", "port": port, "request_timeout_s": REQUEST_TIMEOUT_S})
     serve.run(build_application(tiny_model_dir, replicas=3, num_cpus=0.25, routing=ROUTING, served_model_name=MODEL,
                                 health_check_period_s=1.0),
               name="cairn", route_prefix="/")
@@ -284,6 +285,7 @@ def test_the_ingress_mirrors_the_index_from_before_its_first_request(cluster):
     # and no request yet
     assert mirrors and all(m["counts"]["ranked"] == 0 and m["index"] == INDEX for m in mirrors), mirrors
     assert state["node"] == ray.get_runtime_context().get_node_id() and "#Ingress#" in state["replica"], state
+    assert state["request_timeout_s"] == REQUEST_TIMEOUT_S, "the operator's limit, which no client header lifts"
 
 
 def test_turns_land_where_their_conversation_is_and_conversations_spread_over_all_replicas(cluster):

@@ -402,11 +402,11 @@ def test_the_grafana_dashboard_reads_only_metrics_cairn_exports(tiny_model_dir):
         assert wanted in shown, f"the dashboard shows no {wanted}"
 
 
-def test_cairn_serve_in_process_refuses_serves_options_and_bad_keys_before_loading_anything(tmp_path, capsys):
+def test_cairn_serve_in_process_refuses_bad_limits_and_bad_keys_before_loading_anything(tmp_path, capsys):
     from cluster.cli import main
 
-    assert main(["serve", "--replicas", "1", "--request-timeout", "5"]) == 2
-    assert "in-process, requests have no end-to-end limit" in capsys.readouterr().err
+    assert main(["serve", "--replicas", "1", "--stream-stall-timeout", "0"]) == 2
+    assert "stream_stall_timeout_s" in capsys.readouterr().err
     (tmp_path / "keys").write_text("alice:secret-1\nsecret-2\n")
     assert main(["serve", "--replicas", "1", "--api-keys-file", str(tmp_path / "keys")]) == 2
     err = capsys.readouterr().err

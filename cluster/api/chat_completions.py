@@ -71,7 +71,7 @@ class ChatCompletions:
                           ReasoningParser(prompt.opens_think) if s.reasoning_model else None,
                           self._tool_parser(req))
                    for i in range(req.n)]
-        fan, first = await s.start(request_id, req, [prompt], params, caller, "messages", "n")
+        fan, first = await s.start(request_id, req, [prompt], params, caller, "messages", "n", arrived)
         completion_id = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
             return SSEResponse(self._stream(req, completion_id, request_id, prompt, fan, first, choices, arrived,

@@ -55,7 +55,7 @@ class Completions:
                    for k, p in enumerate(prompts) for i in range(req.n)]
         echoes = [self._echo(req, p) for p in prompts for _ in range(req.n)]
         fan, first = await s.start(request_id, req, prompts, params, caller, "prompt",
-                                   "n" if len(prompts) == 1 else "prompt")
+                                   "n" if len(prompts) == 1 else "prompt", arrived)
         completion_id = f"cmpl-{uuid.uuid4().hex}"
         if req.stream:
             return SSEResponse(self._stream(req, completion_id, request_id, prompts, echoes, fan, first, choices,

@@ -4,7 +4,8 @@ Every error body is `{"error": {"message", "type", "param", "code"}}`. The clien
 4xx with a message that says what to change and `param` naming the field (a dotted path such
 as `messages[2].role`); a request over a size limit is 413 (or 400 for a parameter list) with
 code `limit_exceeded`, its message giving the value and the limit. Come back later: a full
-queue is 429, no free thread to prepare the request is 503, both with Retry-After. Our own
+queue is 429, no free thread to prepare the request is 503, both with Retry-After; a request that
+ran past the operator's end-to-end limit is 408 `request_timeout`. Our own
 fault is 500 with a generic message and the request id, the traceback going to the log under
 that id, never to the client; an engine that broke (a tensor-parallel rank lost, or its replica
 lost with its process or node) is 503 `engine_unavailable` with Retry-After: its replica is being
@@ -55,6 +56,13 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 def client_closed() -> APIError:
     """The client left before its answer: the status is for the logs and metrics; no one reads it."""
     return APIError(CLIENT_CLOSED_REQUEST, "the client closed the request", code="client_closed")
+
+
+def request_timed_out(limit_s: float) -> APIError:
+    """The request ran past the operator's end-to-end limit (`request_timeout_s`), which a client's
+    `x-request-timeout-seconds` header cannot lift."""
+    return APIError(408, f"this request ran past this server's limit of {limit_s:g} s from its arrival; ask for "
+                         f"fewer tokens, or fewer choices", code="request_timeout")
 
 
 def internal_error(request_id: str) -> APIError:

@@ -111,7 +111,8 @@ def build_app(client: EngineClient, model_dir: str | Path, served_model_name: st
               http_limits: HTTPLimits | None = None, tenants: Tenants | None = None,
               metrics_key: str | None = None, shared_cache_tenants: bool = False,
               public_system_prompts: Sequence[str] = (), tool_call_parser: str = "auto",
-              metrics_key_digest: str | None = None, tenant_limits: TenantLimits | None = None) -> FastAPI:
+              metrics_key_digest: str | None = None, tenant_limits: TenantLimits | None = None,
+              request_timeout_s: float | None = None) -> FastAPI:
     """The API over `client`; the tokenizer and chat template come from `model_dir`.
     `echo_request_id`: answer with an X-Request-Id header (off behind Ray Serve's proxy, which
     sends its own). `limits`: what one request may ask before the engine (`cluster.api.limits`).
@@ -120,7 +121,9 @@ def build_app(client: EngineClient, model_dir: str | Path, served_model_name: st
     one key of the tenant "default", `tenants` any number (give one or the other; neither:
     CAIRN_API_KEY, else no keys); `metrics_key` (or its `metrics_key_digest`,
     `tenants.key_digest`) alone opens /metrics; `tenant_limits`: every tenant's quotas
-    (`cluster.api.quotas`; a keys file may give a tenant its own), kept only with keys; `shared_cache_tenants`
+    (`cluster.api.quotas`; a keys file may give a tenant its own), kept only with keys;
+    `request_timeout_s`: the longest a request may run from its arrival (a 408; None: no limit);
+    `shared_cache_tenants`
     roots every tenant's pages together; `public_system_prompts`: system prompts whose pages
     every tenant shares when a chat opens with one (the rest stays the tenant's own). `http_limits`: the body deadline and the header limit
     the app enforces (the server enforces the rest, `cluster.api.connection`). `tool_call_parser`:
@@ -147,7 +150,7 @@ def build_app(client: EngineClient, model_dir: str | Path, served_model_name: st
         quotas = TenantQuotas(defaults, {t: defaults.merged(v) for t, v in tenants.limits.items()}, metrics)
     serving = Serving(TimedClient(client, metrics), TextTokenizer.from_dir(model_dir), template, name, max_waiting,
                       metrics, limits, special_tokens_in_content, public_system_prompts, tool_call_parser, quotas,
-                      http_limits.stream_stall_timeout_s)
+                      http_limits.stream_stall_timeout_s, request_timeout_s)
     chat, completions = ChatCompletions(serving), Completions(serving)
 
     app = FastAPI(title="cairn", summary="OpenAI-compatible API for hybrid LLMs with prefix caching",

@@ -29,7 +29,8 @@ def serve_in_process(model_dir: str | Path | None = None, host: str = "127.0.0.1
                      http_limits: HTTPLimits | None = None, tenants: Tenants | None = None,
                      metrics_key: str | None = None, shared_cache_tenants: bool = False,
                      public_system_prompts: list[str] | None = None, tool_call_parser: str = "auto",
-                     tenant_limits: TenantLimits | None = None, **engine_options: object) -> None:
+                     tenant_limits: TenantLimits | None = None, request_timeout_s: float | None = None,
+                     **engine_options: object) -> None:
     """Serves until interrupted. `model_dir` is a directory or a Hugging Face id (`org/name[@revision]`,
     `workers.ModelSource`; its name for clients unless `served_model_name` says otherwise); None
     serves the tiny demo model. The other arguments are `build_app`'s."""
@@ -50,7 +51,7 @@ def serve_in_process(model_dir: str | Path | None = None, host: str = "127.0.0.1
                     special_tokens_in_content=special_tokens_in_content, http_limits=http_limits, tenants=tenants,
                     metrics_key=metrics_key, shared_cache_tenants=shared_cache_tenants,
                     public_system_prompts=public_system_prompts or (), tool_call_parser=tool_call_parser,
-                    tenant_limits=tenant_limits)
+                    tenant_limits=tenant_limits, request_timeout_s=request_timeout_s)
 
     async def main() -> None:
         server = uvicorn.Server(uvicorn_config(app, http_limits, host=host, port=port, log_level="info"))

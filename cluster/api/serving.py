@@ -9,7 +9,10 @@ never fit the queue or makes more than `max_engine_requests`; the tenant's quota
 starts one engine request per choice (`seed + i` for choice i), each carrying its tenant for the
 engine's fair scheduling, and waits for the first output, so a request the engine refuses is
 still a 400 even when streaming. A non-streaming request whose client disconnects is aborted
-too. Prompt tokens are counted once per prompt, completion tokens summed over choices;
+too. With `request_timeout_s` (the operator's end-to-end limit) a request still running that
+long after its arrival is ended: a 408, or an error event in a stream, its engine requests
+aborted; behind Serve's proxy this holds whatever `x-request-timeout-seconds` a client sends,
+since the proxy obeys that header and the ingress does not. Prompt tokens are counted once per prompt, completion tokens summed over choices;
 cached_tokens is a prompt's smallest over its choices; each is counted for the tenant too, with
 each engine request's queue time.
 """
@@ -26,7 +29,7 @@ from typing import Any
 from cluster.api.chat_template import ChatTemplate
 from cluster.api.choice import Choice, Delta
 from cluster.api.engine_client import EngineClient, GenerateRequest
-from cluster.api.errors import CLIENT_CLOSED_REQUEST, APIError, bad_request, fault
+from cluster.api.errors import CLIENT_CLOSED_REQUEST, APIError, bad_request, fault, request_timed_out
 from cluster.api.fanout import Fanout
 from cluster.api.limits import DEFAULT_LIMITS, APILimits
 from cluster.api.metrics import APIMetrics
@@ -50,9 +53,10 @@ class Serving:
                  model_name: str, max_waiting: int, metrics: APIMetrics, limits: APILimits = DEFAULT_LIMITS,
                  special_tokens_in_content: bool = False, public_system_prompts: Sequence[str] = (),
                  tool_call_parser: str = "auto", quotas: TenantQuotas | None = None,
-                 stream_stall_timeout_s: float | None = None):
+                 stream_stall_timeout_s: float | None = None, request_timeout_s: float | None = None):
         self.client, self.tokenizer = client, tokenizer
         self.stream_stall_timeout_s = stream_stall_timeout_s  # SSEResponse's
+        self.request_timeout_s = request_timeout_s  # from arrival to the last output; None: no limit
         self.model_name, self.max_waiting, self.metrics = model_name, max_waiting, metrics
         self.limits, self.quotas = limits, quotas
         self.prompts = Prompts(tokenizer, template, client.spec.vocab_size, special_tokens_in_content,
@@ -152,9 +156,21 @@ class Serving:
         return out
 
     # ---- running -----------------------------------------------------------------------------
+    async def _next(self, fan: Fanout, arrived: float) -> tuple[int, Any] | None:
+        """The next output of `fan`, or None at its end; past the request's deadline, a 408."""
+        limit = self.request_timeout_s
+        if limit is None:
+            return await anext(fan, None)
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout_at(loop.time() + limit - (time.monotonic() - arrived)):
+                return await anext(fan, None)
+        except TimeoutError:
+            raise request_timed_out(limit) from None
+
     async def start(self, request_id: str, req: SamplingFields, prompts: list[Prepared],
-                    params: list[SamplingParams], caller: Caller, prompt_param: str, count_param: str
-                    ) -> tuple[Fanout, tuple[int, Any]]:
+                    params: list[SamplingParams], caller: Caller, prompt_param: str, count_param: str,
+                    arrived: float) -> tuple[Fanout, tuple[int, Any]]:
         """Admits the engine requests of `prompts` times `params` (`admit`), starts them and waits
         for the first output (or the engine's refusal: a 400 naming `stop_token_ids`, or else the
         prompt under `prompt_param`)."""
@@ -167,7 +183,10 @@ class Serving:
             raise
         fan = Fanout(self.client, requests, admission)
         try:
-            return fan, await fan.__anext__()
+            first = await self._next(fan, arrived)
+            if first is None:
+                raise RuntimeError("an engine stream ended without an output")
+            return fan, first
         except RequestRejected as e:
             await fan.close()
             raise bad_request(e.message, "stop_token_ids" if e.param == "stop_token_ids" else prompt_param) from None
@@ -190,7 +209,7 @@ class Serving:
                 await fan.close(index)
             if delta:
                 yield choice, delta
-            item = await anext(fan, None)
+            item = await self._next(fan, arrived)
 
     async def collect(self, fan: Fanout, first: tuple[int, Any], choices: list[Choice], arrived: float,
                       client_gone: Callable[[], Awaitable[None]], caller: Caller) -> bool:
@@ -228,6 +247,9 @@ class Serving:
             counted = True
             if usage_chunk is not None:
                 yield usage_chunk(usage)
+            yield DONE
+        except APIError as e:  # the request's own limit (a 408 past its deadline)
+            yield f"data: {e.response().body.decode()}\n\n"
             yield DONE
         except Exception as e:
             log.exception("request %s failed while streaming", request_id)
