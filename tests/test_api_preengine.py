@@ -328,11 +328,13 @@ def counted_tokenizing(monkeypatch):
     return calls
 
 
-def test_a_text_that_cannot_fit_the_context_is_refused_before_it_is_tokenized(tiny_model_dir, counted_tokenizing):
+def test_a_text_that_cannot_fit_the_context_is_refused_before_it_is_tokenized(tiny_model_dir, counted_tokenizing,
+                                                                             counted_renders):
     """The demo model's 4,096 tokens hold at most 4,095 x 16 characters (its longest token is 16):
     a 3.9M-character message, 128 tools of 30,000 characters and a 100,000-character completion
-    prompt are each a 400 with no tokenizing at all; a text that might fit is tokenized and judged
-    by its tokens."""
+    prompt are each a 400 with no rendering and no tokenizing at all; a conversation whose
+    rendered text is too long (its parts are not) is rendered but not tokenized; a text that might
+    fit is tokenized and judged by its tokens."""
     fake = OneTokenClient(max_model_len=4096)
     app = build_app(fake, tiny_model_dir, MODEL)
     bound = app.state.serving.prompts.max_fitting_chars
@@ -348,7 +350,11 @@ def test_a_text_that_cannot_fit_the_context_is_refused_before_it_is_tokenized(ti
             error = r.json()["error"]
             assert r.status_code == 400 and error["code"] == "context_length_exceeded" and error["param"] == param
             assert "refused before tokenizing" in error["message"]
-        assert counted_tokenizing == [] and fake.requests == []
+        assert counted_tokenizing == [] and counted_renders == [] and fake.requests == []
+        many = [{"role": "user" if i % 2 else "assistant", "content": "stone " * 1500} for i in range(9)]
+        r = c.post(C, json=chat(many))  # 36,000 characters the template surely renders, 81,000 in all
+        assert r.status_code == 400 and "refused before tokenizing" in r.json()["error"]["message"]
+        assert counted_renders and counted_tokenizing == []
         r = c.post(C, json=chat([{"role": "user", "content": "stone " * 10_000}]))  # 60,000: might fit
         assert r.status_code == 400 and "refused before tokenizing" not in r.json()["error"]["message"]
         assert counted_tokenizing, "tokenized, then judged by its tokens"

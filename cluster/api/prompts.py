@@ -12,7 +12,8 @@ opening with one of the server's `public_system_prompts` reports how many tokens
 message renders to (`public_tokens`), sent as a string or as text parts: every tenant shares
 their whole pages. A text longer than the context could hold whatever its tokens (`max_model_len`
 tokens of `TextTokenizer.max_chars_per_token` characters) is refused before it is tokenized
-(400 `context_length_exceeded`). This is the ingress's pre-engine work: it runs on a `prep_pool`
+(400 `context_length_exceeded`), and so, before it is even rendered, is one whose messages (but
+the assistant's) or tools alone are that long. This is the ingress's pre-engine work: it runs on a `prep_pool`
 thread, after the size limits (`limits`) have been checked, and stops between its steps once its
 `stop` event is set.
 """
@@ -26,6 +27,7 @@ from typing import Any
 
 from cluster.api.chat_template import ChatTemplate, TemplateError
 from cluster.api.errors import bad_request
+from cluster.api.limits import text_chars
 from cluster.api.prep_pool import check
 from cluster.api.protocol import ChatCompletionRequest, CompletionRequest, FieldError, content_text
 from cluster.api.reasoning import ReasoningParser
@@ -62,6 +64,7 @@ class Prompts:
     def chat(self, req: ChatCompletionRequest, stop: threading.Event | None = None) -> Prepared:
         if self.template is None:
             raise bad_request("this model has no chat template; use /v1/completions", "messages")
+        self._fits_before_rendering(req)
         messages = []
         for i, m in enumerate(req.messages):
             try:
@@ -96,20 +99,32 @@ class Prompts:
         if masking is not None and masking.used:
             unmasked = masking.unmask(text)
             text, starts = unmasked.text, [unmasked.real_offset(c) for c in starts]
-            self._fits(text, "messages")
+            self._fits(len(text), "messages")
             ids, ends = self.tokenizer.encode_pieces(text, unmasked.pieces)
         else:
-            self._fits(text, "messages")
+            self._fits(len(text), "messages")
             ids, ends = self.tokenizer.encode_with_ends(text)
         public = self._public_prefix(messages, text)
         return Prepared(ids, text, self.tokenizer.token_positions(ends, starts), messages, opens,
                         self.tokenizer.token_positions(ends, [public])[0] if public else 0)
 
-    def _fits(self, text: str, param: str) -> None:
-        """Refuses, before tokenizing it, a text too long for the context whatever its tokens."""
+    def _fits_before_rendering(self, req: ChatCompletionRequest) -> None:
+        """What the template surely renders, over the limit, is refused before it is rendered: the
+        text of every message but the assistant's (whose thinking a template may drop), and the
+        tools when the template renders tools (as JSON, which only adds to them)."""
+        if self.max_fitting_chars is None:
+            return
+        sure = sum(m.content_chars() for m in req.messages if m.role != "assistant")
+        if req.tools and req.tool_choice != "none" and "tools" in self.template.source:
+            sure += text_chars([t.for_template() for t in req.tools])
+        self._fits(sure, "messages")
+
+    def _fits(self, chars: int, param: str) -> None:
+        """Refuses, before tokenizing it, a text of `chars` characters too long for the context
+        whatever its tokens."""
         limit = self.max_fitting_chars
-        if limit is not None and len(text) > limit:
-            raise bad_request(f"the prompt is {len(text)} characters; this model's context holds at most {limit} "
+        if limit is not None and chars > limit:
+            raise bad_request(f"the prompt is {chars} characters; this model's context holds at most {limit} "
                               f"(max_model_len - 1 tokens of at most {self.tokenizer.max_chars_per_token} "
                               f"characters each): refused before tokenizing", param, "context_length_exceeded")
 
@@ -133,7 +148,7 @@ class Prompts:
         for p in prompts:
             check(stop)
             if isinstance(p, str):
-                self._fits(p, "prompt")
+                self._fits(len(p), "prompt")
                 out.append(Prepared(self.tokenizer.encode(p, add_special_tokens=True), p))
             else:
                 if not all(0 <= t < self.vocab_size for t in p):  # before they are hashed

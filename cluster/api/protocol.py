@@ -182,6 +182,12 @@ class ChatMessage(_Request):
             raise ValueError(f"only an assistant message may carry tool_calls, not a {role} message")
         return calls
 
+    def content_chars(self) -> int:
+        """Characters of the content's text (a template renders it whole)."""
+        if self.content is None or isinstance(self.content, str):
+            return len(self.content or "")
+        return sum(len(part.text) for part in self.content)
+
     def text_chars(self) -> int:
         content = self.content if isinstance(self.content, str) or self.content is None else \
             [part.text for part in self.content]
