@@ -75,6 +75,7 @@ CHECKS: dict[str, object] = {
     "python3 benchmarks/routing.py --quick": Quick("cache_affinity vs pow2", "routing.png"),
     "python3 benchmarks/index_scoring.py": Quick("prompt through the actor: p50"),
     "python3 benchmarks/overhead.py": Quick("x goal"),
+    "python3 benchmarks/tenant_fairness.py": Quick("64 long streams"),
     "python3 benchmarks/tensor_parallel.py": Quick("ratio decode tokens/s TP 2 / TP 1"),
     "python3 benchmarks/kernel_speed.py": "test_kernel_speed_without_cuda_exits_saying_it_needs_a_cuda_device",
     "bash benchmarks/gpu_check.sh": "test_gpu_check_without_a_gpu_exits_saying_so",
