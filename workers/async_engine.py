@@ -5,16 +5,16 @@ so the engine needs no locks and the event loop never blocks on a model step. A 
 steps while any request is unfinished and sleeps otherwise. Each request gets a queue of
 `RequestOutput`s; `generate` yields them until the one that finishes.
 
-A caller that stops iterating (client gone, task cancelled) aborts its request, so its pages
-and state slot go back to the cache. A caller that iterates slowly holds back its request: once
-`MAX_BUFFERED` outputs wait in its queue the engine pauses it (it computes nothing, keeping its
-slot and pages), and resumes it when the caller has taken all but `RESUME_BUFFERED`; so a reader
-that never reads costs a bounded queue, and the device's time goes to the others. A request the engine failed alone (finish_reason "error")
-gets `EngineError` with the reason; an unexpected fault of a whole step fails the requests in
-flight the same way (logged once), and the loop goes on serving new requests. An engine that
-broke (`EngineBroken`: a tensor-parallel rank lost) fails its requests with `EngineBroken`,
-refuses new ones, and `check_health` raises. A request id already in flight is refused before
-anything is touched.
+A caller that stops iterating (client gone, task cancelled) aborts its request, so its pages and
+state slot go back to the cache. A caller that iterates slowly holds back its request: once
+`MAX_BUFFERED` outputs wait in its queue the engine pauses it (it computes nothing, keeping its slot
+and pages), and resumes it when the caller has taken all but `RESUME_BUFFERED`; so a reader that
+never reads costs a bounded queue, and the device's time goes to the others. A request the engine
+failed alone (finish_reason "error") gets `EngineError` with the reason; an unexpected fault of a
+whole step fails the requests in flight the same way (logged once), and the loop goes on serving new
+requests. An engine that broke (`EngineBroken`: a tensor-parallel rank lost) fails its requests with
+`EngineBroken`, refuses new ones, and `check_health` raises. A request id already in flight is
+refused before anything is touched.
 """
 
 from __future__ import annotations

@@ -253,7 +253,8 @@ class Scheduler:
         budget = options.max_num_batched_tokens
         demands: dict[str | None, int] = {}
         for seq in running:
-            demands[seq.tenant] = demands.get(seq.tenant, 0) + min(seq.num_uncomputed, budget)
+            if not seq.paused:
+                demands[seq.tenant] = demands.get(seq.tenant, 0) + min(seq.num_uncomputed, budget)
         free = options.max_num_seqs - len(running)
         if free > 0:
             for tenant, queue in waiting.by_tenant().items():

@@ -101,8 +101,8 @@ class ToolCall(_Request):
             try:
                 arguments = json.loads(arguments, parse_constant=_no_constant) if arguments.strip() else {}
             except (ValueError, RecursionError):
-                raise FieldError("function.arguments", "is not valid JSON (NaN and Infinity are not JSON); send the "
-                                                       "arguments as a JSON object (as a string or an object)") from None
+                raise FieldError("function.arguments", "is not valid JSON (nor are NaN and Infinity); send "
+                                                       "the arguments as a JSON object (a string or an object)") from None
             if not isinstance(arguments, dict):
                 raise FieldError("function.arguments", "must be a JSON object")
         call["function"]["arguments"] = arguments

@@ -12,9 +12,9 @@ still a 400 even when streaming. A non-streaming request whose client disconnect
 too. With `request_timeout_s` (the operator's end-to-end limit) a request still running that
 long after its arrival is ended: a 408, or an error event in a stream, its engine requests
 aborted; behind Serve's proxy this holds whatever `x-request-timeout-seconds` a client sends,
-since the proxy obeys that header and the ingress does not. Prompt tokens are counted once per prompt, completion tokens summed over choices;
-cached_tokens is a prompt's smallest over its choices; each is counted for the tenant too, with
-each engine request's queue time.
+since the proxy obeys that header and the ingress does not. Prompt tokens are counted once per
+prompt, completion tokens summed over choices; cached_tokens is a prompt's smallest over its
+choices; each is counted for the tenant too, with each engine request's queue time.
 """
 
 from __future__ import annotations
