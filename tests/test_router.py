@@ -201,11 +201,11 @@ def test_predicted_holders_name_the_deepest_recorded_page_younger_than_the_age_a
     held.record("a", H[:10])
     clock.now += 1
     held.record("b", H[:4])
-    assert held.pages(H[:12], max_age_s=2) == {"a": 10, "b": 4}
+    assert held.pages(H[:12], max_age_s=2) == {"a": (10, 10), "b": (4, 4)}
     assert held.pages(H[20:30], max_age_s=2) == {}
     clock.now += 1.5  # a's record is older than 2 s, b's is not
-    assert held.pages(H[:12], max_age_s=2) == {"b": 4}
-    assert held.pages(H[:12], max_age_s=10) == {"a": 10, "b": 4}, "an older record is still remembered"
+    assert held.pages(H[:12], max_age_s=2) == {"b": (4, 4)}
+    assert held.pages(H[:12], max_age_s=10) == {"a": (10, 10), "b": (4, 4)}, "an older record is still remembered"
     clock.now += 9
     assert held.pages(H[:12], max_age_s=10) == {} and held._at == {}, "past keep_s nothing is left behind"
 
@@ -238,7 +238,48 @@ def test_predicted_depths_equal_the_deepest_unexpired_record_of_each_replica(see
                 depth = next((k for k in range(min(len(p), len(ask)), 0, -1) if p[:k] == ask[:k]), 0)
                 if depth:
                     want[r] = max(want.get(r, 0), depth)
-        assert held.pages(ask, age) == want
+        assert held.pages(ask, age) == {r: (depth, depth) for r, depth in want.items()}
+
+
+def test_a_hybrid_models_predicted_state_is_where_the_request_leaves_one_not_where_a_prompt_parts_from_it():
+    clock = Clock()
+    held = PredictedHolders(keep_s=10.0, clock=clock)
+    held.record("a", H[:20], state_pages=[12, 19, 20, 0, 99])  # 0 and 99: no such depth
+    assert held.pages(H[:20], 5, states=True) == {"a": (20, 20)}
+    assert held.pages(H[:15] + H[30:35], 5, states=True) == {"a": (15, 12)}, "parting at 15: the state at 12"
+    assert held.pages(H[:10], 5, states=True) == {"a": (10, 0)}, "its pages, but no state under 12"
+    clock.now += 11
+    assert held.pages(H[:20], 20, states=True) == {} and held._states == {}
+
+
+def test_a_replica_that_resumed_a_prompt_deep_is_not_taken_to_hold_a_state_at_a_shallower_message_start():
+    """The fetch scenario: b resumes a hot prompt at page 20 (pulled from a), so it leaves no
+    state at the message start at page 15 it skipped; a prompt parting there goes to a, which
+    holds that state, not to b on a guess (b would recompute it all)."""
+    async def main():
+        ranker = AffinityRanker(CFG.model_copy(update=dict(fetch=True)), clock=Clock(), rng=random.Random(0))
+        replicas = {"a": {}, "b": {}}
+        hot = Request(H[:22], 22 * PAGE + 5)
+        hot.checkpoint_hints = [15 * PAGE + 3, 21 * PAGE + 2]
+        hot.fetch_from = None
+
+        async def index(hashes):  # a holds the hot prompt, with states at 15 and 20
+            shared = next((k for k in range(len(hashes), 0, -1) if hashes[:k] == H[:k]), 0)
+            deepest = max((j for j in (15, 20) if j <= shared), default=0)
+            return {"a": WorkerScore(min(shared, 22), deepest)} if shared else {}
+        ranker.loads["a"] = ReplicaLoad(requests=8, tokens=0)  # a is busy: the hot prompt goes to b
+        order = await ranker.rank("hot", hot, replicas, index)
+        assert order[0] == "b" and hot.fetch_from == ("a", 20)
+        ranker.on_routed("hot", "b", hot)
+        ranker.loads["a"] = ReplicaLoad(requests=1, tokens=0)
+        parting = Request(H[:16] + H[60:66], 22 * PAGE + 5)  # shares 16 pages, parts inside page 17
+        parting.fetch_from = None
+        scores = await ranker._scores(parting.page_hashes, index)
+        return scores
+
+    scores = asyncio.run(main())
+    assert scores["b"] == WorkerScore(16, 0), "b's pages, but no state under 21: it resumed at 20"
+    assert scores["a"].state_pages == 15
 
 
 def test_the_memory_is_bounded_and_forgets_the_oldest_records_first():
@@ -248,8 +289,8 @@ def test_the_memory_is_bounded_and_forgets_the_oldest_records_first():
         clock.now += 1
         held.record(replica, H[40 * i:40 * i + 10])
     held.record("d", H[:10])  # 40 hashes held > 25: a's and b's records go, d's copy of a's chain stays
-    assert held.pages(H[:10], 100) == {"d": 10} and held.pages(H[40:50], 100) == {}
-    assert held.pages(H[80:90], 100) == {"c": 10} and held._size <= 25
+    assert held.pages(H[:10], 100) == {"d": (10, 10)} and held.pages(H[40:50], 100) == {}
+    assert held.pages(H[80:90], 100) == {"c": (10, 10)} and held._size <= 25
     held.forget("d")
     assert held.pages(H[:10], 100) == {} and "d" not in held._at, "a forgotten replica's hashes leave nothing"
 

@@ -13,6 +13,9 @@ predicted holders (`cluster.routing.predicted`) and ranks replicas by cost
   until Serve reports where it went (`on_routed`; at most `TENTATIVE_TTL_S`): a burst ranked at
   once, each awaiting the index, sees the others instead of all taking the same "least loaded"
   replica.
+- What it routed where stands in for the index until the index hears of it (predicted holders):
+  the pages, and for a hybrid model the states the request leaves past where it resumes there
+  (its message starts and its end), never a state merely where a later prompt parts from it.
 - A request's prefill tokens count as load on its replica until its first output
   (`on_prefill_done`, called through `cluster.routing.registry.prefill_done` by the ingress).
 - `counts` (and the adapter's `gauges`) are what the ingress's /metrics exports as
@@ -71,6 +74,7 @@ class AffinityRanker:
         self._in_flight: dict[tuple[str, str], int] = {}  # (replica, request id) -> prefill tokens left
         self._engine_ids: dict[str, tuple[str, str]] = {}  # the request's own id -> (replica, request id)
         self._prefill: OrderedDict[str, dict[str, int]] = OrderedDict()  # request id -> replica -> tokens
+        self._resume: OrderedDict[str, dict[str, int]] = OrderedDict()  # request id -> replica -> resume pages
         # ranked, not yet routed: request id -> (replica ranked first, its prefill tokens, expiry)
         self._tentative: OrderedDict[str, tuple[str, int, float]] = OrderedDict()
         self._failures, self._skip_index_until = 0, float("-inf")
@@ -89,13 +93,20 @@ class AffinityRanker:
         scores = await self._scores(hashes, score) if hashes else {}
         loads = {r: reported_load(self._own_load(r), stats) for r, stats in replicas.items()}
         order = rank_replicas(list(replicas), scores, loads, cfg, n, self._rng)
+        fetched = None  # (holder, pages) another replica may pull
         if cfg.fetch and hasattr(request, "fetch_from"):  # whichever replica takes it may pull from there
             deepest = deepest_holder({r: s for r, s in scores.items() if r in replicas}, cfg)
-            request.fetch_from = (deepest[0], resume_pages(deepest[1], cfg)) if deepest is not None else None
+            fetched = (deepest[0], resume_pages(deepest[1], cfg)) if deepest is not None else None
+            request.fetch_from = fetched
         prefill = {r: prefill_tokens(scores.get(r, ZERO), n, cfg) for r in replicas}
+        resumes = {r: max(resume_pages(scores.get(r, ZERO), cfg), fetched[1] if fetched and fetched[0] != r else 0)
+                   for r in replicas}
         self._prefill[request_id] = prefill
+        self._resume[request_id] = resumes
         while len(self._prefill) > 4096:  # requests cancelled before routing leave entries behind
             self._prefill.popitem(last=False)
+        while len(self._resume) > 4096:
+            self._resume.popitem(last=False)
         if order:
             self._tentative[request_id] = (order[0], prefill[order[0]], self._clock() + self.TENTATIVE_TTL_S)
         return order
@@ -122,8 +133,8 @@ class AffinityRanker:
         max_age = cfg.predicted_holder_ttl_s if scores is not None else \
             max(cfg.predicted_holder_ttl_s, cfg.fallback_memory_s)
         scores = scores or {}
-        for replica, pages in self.predicted.pages(hashes, max_age).items():  # just computed there: on the device
-            scores[replica] = max(scores.get(replica, ZERO), WorkerScore(pages, pages),
+        for replica, (pages, states) in self.predicted.pages(hashes, max_age, hybrid).items():  # on the device
+            scores[replica] = max(scores.get(replica, ZERO), WorkerScore(pages, states),
                                   key=lambda s: (s.state_pages if hybrid else s.hit_pages, s.device_pages))
         return scores
 
@@ -163,6 +174,7 @@ class AffinityRanker:
     def on_routed(self, request_id: str, replica: str, request: Any) -> None:
         self._tentative.pop(request_id, None)
         prefill = self._prefill.pop(request_id, {}).get(replica, prompt_tokens(request, self.config.page_size))
+        resumed = self._resume.pop(request_id, {}).get(replica, 0)
         if (replica, request_id) in self._in_flight:
             return
         self.counts["routed"] += 1
@@ -173,7 +185,16 @@ class AffinityRanker:
         load = self.loads.setdefault(replica, ReplicaLoad())
         load.requests += 1
         load.tokens += prefill
-        self.predicted.record(replica, getattr(request, "page_hashes", None) or ())
+        self.predicted.record(replica, getattr(request, "page_hashes", None) or (),
+                              self._states_left(request, resumed) if self.config.hybrid_model else None)
+
+    def _states_left(self, request: Any, resumed_pages: int) -> list[int]:
+        """Depths (pages) where a hybrid model's engine leaves states computing `request` from
+        `resumed_pages` on: its message starts (the checkpoint hints, rounded down to a page) and
+        the last boundary before its end, past where it resumed."""
+        ps, n = self.config.page_size, prompt_tokens(request, self.config.page_size)
+        depths = {h // ps for h in getattr(request, "checkpoint_hints", None) or ()} | {(n - 1) // ps}
+        return [j for j in depths if j > resumed_pages]
 
     def on_completed(self, request_id: str, replica: str) -> None:
         prefill = self._in_flight.pop((replica, request_id), None)
