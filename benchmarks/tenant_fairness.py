@@ -14,7 +14,7 @@ keys, where both are one tenant (first come, first served): the scheduler as it 
 Prints bob's median latency under each flood, its ratio to his baseline, and what alice's requests
 got. Not a test: nothing here asserts timings.
 
-Usage: python3 benchmarks/tenant_fairness.py [--quick] [--long 1500] [--size bench]
+Usage: python3 benchmarks/tenant_fairness.py [--quick] [--long 1500] [--size bench] [--floods streams,batch,prep]
   --quick: the tiny demo model, 120-token streams, 3 tries: checks that the script runs.
 """
 
@@ -134,6 +134,7 @@ def main() -> None:
     parser.add_argument("--long", type=int, default=None, help="tokens of each of alice's long requests (1500)")
     parser.add_argument("--size", default=None, choices=("tiny", "bench"))
     parser.add_argument("--tries", type=int, default=None, help="bob's chats per flood (5; --quick 3)")
+    parser.add_argument("--floods", default="streams,batch,prep", help="which floods: streams, batch, prep")
     args = parser.parse_args()
     long = args.long or (120 if args.quick else 1500)
     args.tries = args.tries or (3 if args.quick else 5)
@@ -146,13 +147,18 @@ def main() -> None:
     with BackgroundServer(keyed) as two, BackgroundServer(open_app) as one:
         base, _ = bob_latency(two.url, BOB, args.tries)
         rows.append(("alone", "two tenants", base, {}, []))
+        floods = set(args.floods.split(","))
         for server, label, alice, bob in ((two, "two tenants", ALICE, BOB), (one, "one tenant (no keys)", {}, {})):
+            if "streams" not in floods:
+                break
             flood = Flood(server.url, alice, "stream", long, 64)
             wait_running(engine, 64)
             seconds, got = bob_latency(server.url, bob, args.tries)
             rows.append(("64 long streams", label, seconds, flood.end(), got))
             settle(engine)
-
+        for server, label, alice, bob in ((two, "two tenants", ALICE, BOB), (one, "one tenant (no keys)", {}, {})):
+            if "batch" not in floods:
+                break
             refused = httpx.post(server.url + "/v1/completions", headers=alice, timeout=60, json={
                 "model": MODEL, "prompt": ["x"] * 128, "n": 2, "max_tokens": long}).status_code
             batch = {"model": MODEL, "prompt": ["Tell me about every stone on the ridge."] * 64, "max_tokens": long,
@@ -169,6 +175,8 @@ def main() -> None:
                  "tools": [{"type": "function", "function": {"name": f"t{i}", "description": "x" * 30_000}}
                            for i in range(128)]}
         for name, body in (("3.9M-character messages x 6 loops", huge), ("128 tools of 30k characters x 6", tools)):
+            if "prep" not in floods:
+                break
             flood = Flood(two.url, ALICE, "post", ("/v1/chat/completions", body), 6)
             time.sleep(3.0)  # her loops are under way
             seconds, got = bob_latency(two.url, BOB, args.tries + 2)

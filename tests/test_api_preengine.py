@@ -294,6 +294,32 @@ def test_another_tenants_flood_of_slow_preparations_leaves_a_tenant_its_threads(
     assert alice.count(200) >= 2 and set(alice) <= {200, 503}, alice
 
 
+def test_a_large_body_is_parsed_on_the_preparation_threads_and_answers_as_a_small_one(tiny_model_dir, monkeypatch):
+    """A 200 KiB body is parsed off the event loop (a flood of them holds threads, not the loop),
+    and answers exactly as on the loop: 200 when valid, a 400 naming the field when not."""
+    from cluster.api import routes
+
+    threads = []
+    real = routes.parse_body
+
+    def recorded(model, body, limits=routes.DEFAULT_LIMITS):
+        threads.append((len(body) >= routes.PARSE_ON_LOOP_BYTES, threading.current_thread().name))
+        return real(model, body, limits)
+
+    monkeypatch.setattr(routes, "parse_body", recorded)
+    app = build_app(OneTokenClient(max_model_len=1 << 20), tiny_model_dir, MODEL)
+    big = "stone " * 35_000
+    with TestClient(app) as http:
+        ok = http.post(C, json=chat([{"role": "user", "content": big}]))
+        bad = http.post(C, json=chat([{"role": "user", "content": big}], temperature="hot"))
+        small = http.post(C, json=chat([{"role": "user", "content": "Hi"}]))
+    assert ok.status_code == 200, ok.text
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "temperature", bad.text
+    assert small.status_code == 200
+    assert [large for large, _ in threads] == [True, True, False]
+    assert [name.startswith("cairn-prepare") for _, name in threads] == [True, True, False], threads
+
+
 def test_without_keys_one_tenant_may_take_every_thread():
     from cluster.api.prep_pool import PrepPool
 

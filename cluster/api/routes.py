@@ -11,9 +11,11 @@ client): it knows engines only through `EngineClient`.
 
 A body is parsed here, not by FastAPI: bytes that are not UTF-8, not JSON, or not an object
 are a 400 with what is wrong; then the pydantic model checks fields strictly (400 naming the
-field). See `cluster.api.errors` for the error shape, `cluster.api.middleware` for the body limit
-(413), the body deadline (408), the header limit behind a proxy (431) and the last-resort 500, and
-`cluster.api.http_limits` for where each HTTP limit is enforced.
+field). A body of `PARSE_ON_LOOP_BYTES` or more is parsed on the preparation threads
+(`prep_pool`), within the tenant's share of them. See `cluster.api.errors` for the error shape,
+`cluster.api.middleware` for the body limit (413), the body deadline (408), the header limit
+behind a proxy (431) and the last-resort 500, and `cluster.api.http_limits` for where each HTTP
+limit is enforced.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from cluster.api.tokenizer import TextTokenizer
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20
 DEFAULT_MAX_WAITING = 256
+PARSE_ON_LOOP_BYTES = 64 << 10  # bodies below this are parsed on the event loop (well under a millisecond)
 ENDPOINTS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics",
                        "/openapi.json"})
 
@@ -187,17 +190,26 @@ def build_app(client: EngineClient, model_dir: str | Path, served_model_name: st
                            "model_not_found")
         return JSONResponse(ModelCard(id=name, max_model_len=client.spec.max_model_len).model_dump(mode="json"))
 
+    async def parsed(model: type[M], request: Request) -> M:
+        """The body as `model`; a large one is parsed on the preparation threads, in the caller's
+        share of them, so a tenant's flood of large bodies does not hold the event loop."""
+        body = await request.body()
+        if len(body) < PARSE_ON_LOOP_BYTES:
+            return parse_body(model, body, limits)
+        return await serving.pool.run(lambda stop: parse_body(model, body, limits), lambda: _client_gone(request),
+                                      request.state.caller.tenant_id)
+
     @v1.post("/chat/completions")
     async def chat_completions(request: Request) -> Response:
         arrived = time.monotonic()
-        req = parse_body(ChatCompletionRequest, await request.body(), limits)
+        req = await parsed(ChatCompletionRequest, request)
         return await chat(req, request.state.request_id, arrived, lambda: _client_gone(request),
                           request.state.caller)
 
     @v1.post("/completions")
     async def text_completions(request: Request) -> Response:
         arrived = time.monotonic()
-        req = parse_body(CompletionRequest, await request.body(), limits)
+        req = await parsed(CompletionRequest, request)
         return await completions(req, request.state.request_id, arrived, lambda: _client_gone(request),
                                  request.state.caller)
 
