@@ -1,16 +1,21 @@
 """A conversation through the official client, the way chat apps hold one: each turn the client
 echoes the assistant's answer back (its content; in the second case its reasoning_content as
 well, which a thinking template drops once a new user turn arrives). cached_tokens grows every
-turn and covers at least the previous turn's prompt but its last page and the tail guard. The
-Qwen3.5 demo models (dense and MoE) do the same with their own template, which opens thinking
-in every generation prompt and drops it from earlier turns."""
+turn and covers everything the turn shares with the previous turn's prompt but at most 2 tokens
+(the resume lands on the divergence, not on the page before it). The Qwen3.5 demo models (dense
+and MoE) do the same with their own template, which opens thinking in every generation prompt
+and drops it from earlier turns: the next prompt parts from this one inside its generation
+prompt."""
 
 import shutil
 
 import openai
 import pytest
 
+from tokenizers import Tokenizer
+
 from cluster.api import build_app
+from cluster.api.chat_template import ChatTemplate
 from cluster.api.engine_client import LocalEngineClient
 from cluster.api.server import BackgroundServer
 from workers import AsyncEngine
@@ -40,7 +45,8 @@ def thinking_model_dir(tiny_model_dir, tmp_path_factory):
 
 def converse(model_dir, echo_reasoning: bool):
     engine = AsyncEngine.from_pretrained(model_dir, num_pages=1024)
-    page_size, tail_guard = engine.engine.options.page_size, engine.engine.options.tail_guard
+    template, tok = ChatTemplate.from_dir(model_dir), Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    shared = []  # tokens each turn's prompt shares with the previous one's
     with BackgroundServer(build_app(LocalEngineClient(engine), model_dir, MODEL)) as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
         messages = [{"role": "system", "content": "You are a patient guide to stone cairns. " * 5}]
@@ -49,6 +55,10 @@ def converse(model_dir, echo_reasoning: bool):
             messages.append({"role": "user", "content": question})
             out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0)
             msg = out.choices[0].message
+            ids = tok.encode(template.render(messages), add_special_tokens=False).ids
+            assert len(ids) == out.usage.prompt_tokens  # the prompt the server rendered
+            shared.append(common_prefix(ids, last) if prompts else 0)
+            last = ids
             prompts.append(out.usage.prompt_tokens)
             cached.append(out.usage.prompt_tokens_details.cached_tokens)
             reasoning.append(getattr(msg, "reasoning_content", None))
@@ -56,30 +66,38 @@ def converse(model_dir, echo_reasoning: bool):
             if echo_reasoning and reasoning[-1]:
                 turn["reasoning_content"] = reasoning[-1]
             messages.append(turn)
-    return prompts, cached, reasoning, page_size, tail_guard
+    return prompts, cached, reasoning, shared
 
 
-def assert_cache_grows(prompts, cached, page_size, tail_guard):
+def common_prefix(a: list[int], b: list[int]) -> int:
+    k = 0
+    while k < min(len(a), len(b)) and a[k] == b[k]:
+        k += 1
+    return k
+
+
+def assert_cache_grows(prompts, cached, shared):
     assert cached[0] == 0
     for t in range(1, len(prompts)):
         assert cached[t] > cached[t - 1], (prompts, cached)
-        assert cached[t] >= prompts[t - 1] - page_size - tail_guard, (t, prompts, cached)
+        assert cached[t] >= shared[t] - 2, (t, prompts, cached, shared)
         assert cached[t] < prompts[t]
 
 
 def test_echoing_the_content_back_hits_the_cache_every_turn(tiny_model_dir):
-    prompts, cached, _, page_size, tail_guard = converse(tiny_model_dir, echo_reasoning=False)
-    assert_cache_grows(prompts, cached, page_size, tail_guard)
+    prompts, cached, _, shared = converse(tiny_model_dir, echo_reasoning=False)
+    assert_cache_grows(prompts, cached, shared)
 
 
 def test_echoing_content_and_reasoning_that_the_template_drops_still_hits(thinking_model_dir):
-    prompts, cached, reasoning, page_size, tail_guard = converse(thinking_model_dir, echo_reasoning=True)
+    prompts, cached, reasoning, shared = converse(thinking_model_dir, echo_reasoning=True)
     assert all(reasoning), reasoning  # the generation prompt opened <think>: answers start as reasoning
-    assert_cache_grows(prompts, cached, page_size, tail_guard)
+    assert_cache_grows(prompts, cached, shared)
 
 
 @pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])
 def test_qwen3_5_models_keep_their_cache_across_thinking_turns(demo_model, arch):
-    prompts, cached, reasoning, page_size, tail_guard = converse(demo_model(arch), echo_reasoning=True)
+    prompts, cached, reasoning, shared = converse(demo_model(arch), echo_reasoning=True)
     assert all(reasoning), reasoning  # Qwen3.5's generation prompt opens <think>
-    assert_cache_grows(prompts, cached, page_size, tail_guard)
+    assert all(shared[t] < prompts[t - 1] for t in range(1, len(prompts))), (shared, prompts)  # parts inside it
+    assert_cache_grows(prompts, cached, shared)

@@ -286,9 +286,10 @@ def test_the_ingress_hashes_pages_and_marks_message_starts(scripted, tok):
     assert req.hash_root == fake.spec.hash_root("tenant-a") != fake.spec.hash_root(None)
     assert req.page_hashes == fake.spec.page_hashes(req.prompt_token_ids, req.hash_root)
     assert req.messages[1]["role"] == "user"
-    starts = [len(tok.encode(req.prompt[:c]).ids) for c in (req.prompt.index("<|im_start|>user"),
+    user = req.prompt.index("<|im_start|>user")
+    starts = [len(tok.encode(req.prompt[:c]).ids) for c in (user, req.prompt.index("\n", user) + 1,
                                                             req.prompt.rindex("<|im_start|>assistant"))]
-    assert req.checkpoint_hints == starts
+    assert req.checkpoint_hints == starts  # the user's message, its content, the reply
 
 
 def test_api_key_is_required_on_v1_when_set(scripted, tok):

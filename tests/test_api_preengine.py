@@ -71,24 +71,60 @@ def exact_starts(template: ChatTemplate, messages: list[dict], first: int) -> li
             for i in range(first, len(messages) + 1)]
 
 
+def content_head(template: ChatTemplate, messages: list[dict]) -> int:
+    """Where the last message's content starts in the rendered prompt."""
+    bare = template.render(messages[:-1] + [dict(messages[-1], content="")], add_generation_prompt=False)
+    return common_prefix_len(bare, template.render(messages))
+
+
 def test_2000_messages_take_a_fixed_number_of_renders_and_hint_their_last_starts(template, counted_renders):
     messages = conversation(2000)
     text, starts = template.message_starts(messages)
-    assert len(counted_renders) == 1 + HINTED_MESSAGES  # the whole text, then one per hinted start
-    assert starts == exact_starts(template, messages, len(messages) + 1 - HINTED_MESSAGES)
+    assert len(counted_renders) == 3 + HINTED_MESSAGES  # the text, one per hinted start, two heads
+    head = content_head(template, messages)
+    assert head > text.rindex(IM_START, 0, starts[-1])  # past the last message's role header
+    assert starts == sorted(exact_starts(template, messages, len(messages) + 1 - HINTED_MESSAGES) + [head])
     assert text.startswith(f"{IM_START}assistant\n", starts[-1])  # the generation prompt
 
 
 def test_a_short_conversation_gets_every_start_as_before(template):
+    """Every start, and where the next turn will part from this text in place of the generation
+    prompt's start: this conversation ends with a reply, which the template renders with an
+    empty think block only while no user turn follows it."""
     messages = conversation(5)
-    assert template.message_starts(messages)[1] == exact_starts(template, messages, 1)
+    text = template.render(messages)
+    later = template.render(messages + [{"role": "assistant", "content": "x"}, {"role": "user", "content": "x"}],
+                            add_generation_prompt=False)
+    head = common_prefix_len(later, text)
+    assert head < text.rindex(IM_START)  # inside the last reply
+    starts = exact_starts(template, messages, 1)
+    assert template.message_starts(messages)[1] == sorted(starts[:-1] + [head, content_head(template, messages)])
     no_prompt = template.message_starts(messages, add_generation_prompt=False)[1]
-    assert no_prompt == exact_starts(template, messages, 1)[:-1]
+    assert no_prompt == sorted(exact_starts(template, messages, 1)[:-1] + [content_head(template, messages)])
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_next"])
+def test_a_hint_lands_exactly_where_the_next_turn_parts_from_this_prompt(demo_model, arch):
+    """Qwen3.5 drops a past reply's `<think>` block: the next prompt parts from this one inside
+    its generation prompt, and a hint marks that token. Qwen3 keeps the generation prompt in
+    history: the next prompt extends this one whole (its end, which every prompt checkpoints)."""
+    model_dir = demo_model(arch)
+    template = ChatTemplate.from_dir(model_dir)
+    messages = [{"role": "system", "content": "Answer about stones."}, {"role": "user", "content": "How tall?"}]
+    text, starts = template.message_starts(messages)
+    later = template.render(messages + [{"role": "assistant", "content": "Knee high.", "reasoning_content": "Hm."},
+                                        {"role": "user", "content": "Why?"}])
+    parts = common_prefix_len(text + "Hm.\n</think>\n\nKnee high.<|im_end|>", later)
+    if arch == "qwen3_5":
+        assert parts < len(text) and parts in starts
+    else:
+        assert parts >= len(text) and max(starts) < len(text)
 
 
 def test_a_prefix_the_template_refuses_gives_no_hint_and_no_error(tiny_model_dir, tmp_path):
     """Templates such as Qwen3's raise on a conversation without a user turn: the system-only
-    prefix gets no hint, the request renders as a whole."""
+    prefix gets no hint (the user's content and the generation prompt do), the request renders
+    as a whole."""
     shutil.copy(tiny_model_dir / "tokenizer.json", tmp_path / "tokenizer.json")
     source = (tiny_model_dir / "chat_template.jinja").read_text()
     (tmp_path / "chat_template.jinja").write_text(
@@ -97,7 +133,7 @@ def test_a_prefix_the_template_refuses_gives_no_hint_and_no_error(tiny_model_dir
     strict = ChatTemplate.from_dir(tmp_path)
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     text, starts = strict.message_starts(messages)
-    assert starts == [text.rindex(IM_START)]  # the generation prompt only
+    assert starts == [content_head(strict, messages), text.rindex(IM_START)]  # the user's content, the reply
 
 
 def test_the_common_prefix_agrees_with_the_character_loop():
@@ -112,7 +148,7 @@ def test_2000_messages_over_http_take_a_fixed_number_of_renders(tiny_model_dir, 
     fake = OneTokenClient(max_model_len=1 << 20)
     with TestClient(build_app(fake, tiny_model_dir, MODEL)) as c:
         r = c.post(C, json=chat([{"role": "user", "content": ""}] * 2000))
-    assert r.status_code == 200 and len(counted_renders) == 1 + HINTED_MESSAGES
+    assert r.status_code == 200 and len(counted_renders) == 2 + HINTED_MESSAGES  # (empty content: no head)
     assert len(fake.requests[-1].checkpoint_hints) == HINTED_MESSAGES
 
 
@@ -471,7 +507,10 @@ def test_hints_still_land_on_message_starts_when_content_holds_special_tokens(ti
                 {"role": "user", "content": "no " + IM_END}, {"role": "user", "content": "Again " + IM_START}]
     req = prepared(tiny_model_dir, messages)
     starts = [i for i, t in enumerate(req.prompt_token_ids) if t == im_start]
-    assert len(starts) == len(messages) + 1 and req.checkpoint_hints == starts[1:]
+    assert len(starts) == len(messages) + 1
+    hints = req.checkpoint_hints
+    head = [h for h in hints if h not in starts]  # the last message's content head, past its role header
+    assert [h for h in hints if h in starts] == starts[1:] and len(head) == 1 and starts[-2] < head[0] < starts[-1]
     assert req.prompt.count(IM_START) == 5 + 5  # the template's five, and the client's five as text
 
 

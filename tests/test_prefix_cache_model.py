@@ -20,7 +20,7 @@ from cache_service.hashing import root_hash
 from cache_service.index import CacheIndex
 from workers.arena import ArenaLayout
 from workers.checkpoint_policy import CheckpointPolicy
-from workers.cache_placement import DEMOTE, MOVE
+from workers.cache_placement import COPY, DEMOTE, MOVE
 from workers.prefix_cache import PrefixCache
 from workers.sampling_params import SamplingParams
 from workers.sequence import Sequence
@@ -37,10 +37,19 @@ def layout(num_pages: int | None, ckpt_slots: int, blocks: int, recurrent: bool 
                        host_blocks=host_blocks)
 
 
+def shared(a: tuple, b: list[int]) -> int:
+    """Leading tokens `a` and `b` share."""
+    k = 0
+    while k < min(len(a), len(b)) and a[k] == b[k]:
+        k += 1
+    return k
+
+
 class Harness:
     def __init__(self, rng: random.Random, num_pages: int | None, ckpt_slots: int, blocks: int,
                  recurrent: bool = True, host_blocks: int = 0):
         self.rng = rng
+        self.sub_pages = recurrent and not host_blocks  # sub-page checkpoints too (device-only ones)
         self.cache = PrefixCache(layout(num_pages, ckpt_slots, blocks, recurrent, host_blocks),
                                  CheckpointPolicy("all"), PS, recurrent=recurrent)
         self.root = root_hash("model", PS, None)
@@ -56,6 +65,8 @@ class Harness:
         self.index.apply(self.stream.snapshot([], []))
         self.hits = 0
         self.refused = 0
+        self.copied = 0  # admissions that resumed past the page floor by copying a cached page's head
+        self.sub_page = 0  # of those (recurrent), resumed from a sub-page checkpoint
 
     # ---- the fake device -------------------------------------------------------------------------
     def slot_blocks(self, slot: int) -> range:
@@ -72,8 +83,8 @@ class Harness:
         """The runner's part before a step: the cache's block copies, in order (pages moved to
         other blocks; pages and states demoted to the host or brought back)."""
         for kind, src, dst in self.cache.take_block_copies():
-            if kind == MOVE:
-                assert self.device[src][0] == "page", "only a page moves"
+            if kind in (MOVE, COPY):
+                assert self.device[src][0] == "page", "only a page moves or is copied"
                 self.device[dst] = self.device[src]
             elif kind == DEMOTE:
                 self.host[dst] = self.device[src]
@@ -117,17 +128,30 @@ class Harness:
         # Soundness: every hit page and the checkpoint hold exactly this prompt's prefix.
         for j in range(m.hit_pages):
             assert self.page_content(seq.cache.page_hashes[j]) == ("page", tuple(tokens[:(j + 1) * PS]))
+        r = m.resume_token
         if m.checkpoint is not None:
-            assert self.checkpoint_holds(m, tuple(tokens[:m.state_pages * PS]))
-            assert m.state_pages <= m.hit_pages and m.state_pages * PS <= n - 1
-        assert m.resume_token == m.state_pages * PS
+            assert self.checkpoint_holds(m, tuple(tokens[:r]))
+            assert m.state_pages <= m.hit_pages and m.state_pages * PS <= r <= n - 1
+        elif cache.recurrent:
+            assert r == 0
+        if m.copy_from is not None:  # the page copied from holds this prompt's prefix up to the resume point
+            kind, prefix = self.device[m.copy_from]
+            assert kind == "page" and prefix[:r] == tuple(tokens[:r]) and r > m.hit_pages * PS
+        else:
+            assert r <= m.hit_pages * PS
         if unlimited:  # completeness
             h = 0
             while h < n // PS and tuple(tokens[:(h + 1) * PS]) in self.stored_pages:
                 h += 1
-            d = max((j for j in range(1, min(h, (n - 1) // PS) + 1) if tuple(tokens[:j * PS]) in self.stored_ckpts),
-                    default=0)
-            assert m.state_pages == d
+            kv = h * PS
+            if h and not cache.host:  # a page after page h - 1 shares the head of this prompt's page h
+                kv += max((shared(p[h * PS:], tokens[h * PS:]) for p in self.stored_pages
+                           if len(p) == (h + 1) * PS and p[:h * PS] == tuple(tokens[:h * PS])), default=0)
+            if cache.recurrent:
+                d = max((L for L in range(1, min(kv, n - 1) + 1) if tuple(tokens[:L]) in self.stored_ckpts), default=0)
+            else:
+                d = min(kv, n - 1) if kv > h * PS else min(h * PS, n - 1)
+            assert r == d, (r, d, h, kv)
             hashes, cache_h = seq.cache.page_hashes, 0  # resident on either tier
             while cache_h < n // PS and (cache.pages.page_of(hashes[cache_h]) is not None
                                          or hashes[cache_h] in cache.host.pages):
@@ -143,17 +167,21 @@ class Harness:
         restore = cache.admit(seq, m, n - m.resume_token)
         self.apply_moves()
         self.hits += m.resume_token
+        self.copied += m.copy_from is not None
+        self.sub_page += m.checkpoint is not None and bool(m.checkpoint.tail)
         held = {p for r in self.running + self.computing for p in r.cache.page_ids}
         assert not set(seq.cache.page_ids[m.hit_pages:]) & held, "a held page was handed out again"
         slots = {r.cache.state_slot for r in self.running + self.computing}
         assert seq.cache.state_slot not in slots, "a running state slot was handed out again"
         if restore is not None:
-            self.write_state(seq.cache.state_slot, tuple(tokens[:m.state_pages * PS]))
+            self.write_state(seq.cache.state_slot, tuple(tokens[:r]))
         if m.from_host:  # copied from the host by the block copies
-            assert self.holds_state(seq.cache.state_slot, tuple(tokens[:m.state_pages * PS]))
+            assert self.holds_state(seq.cache.state_slot, tuple(tokens[:r]))
         for j in range(m.hit_pages):  # the promoted pages landed
             assert self.device[seq.cache.page_ids[j]] == ("page", tuple(tokens[:(j + 1) * PS]))
-        seq.resume_pages = m.state_pages  # type: ignore[attr-defined]
+        if m.copy_from is not None:  # the copy landed in the request's own page
+            assert self.device[seq.cache.page_ids[m.hit_pages]][1][:r] == tuple(tokens[:r])
+        seq.resume_at = r  # type: ignore[attr-defined]
         cache.end_pass()
         self.computing.append(seq)
         if self.rng.random() < 0.5:  # else it computes later: concurrent twins happen
@@ -171,14 +199,14 @@ class Harness:
         cache.register_pages(seq)
         for j in range(n // PS):  # every whole page computed must be findable (twins included)
             self.stored_pages.add(tuple(tokens[:(j + 1) * PS]))
-        for j in range(seq.resume_pages + 1, n // PS + 1):
-            if self.rng.random() < 0.5:
+        for pos in range(seq.resume_at + 1, n + 1):
+            if self.rng.random() < (0.5 if pos % PS == 0 else 0.15 if self.sub_pages else 0):
                 slot = cache.take_checkpoint_slot()
                 self.apply_moves()
                 if slot is not None:
-                    self.write_state(slot, tuple(tokens[:j * PS]))
-                    if cache.commit_checkpoint(seq, slot, j, {"every"}):
-                        self.stored_ckpts.add(tuple(tokens[:j * PS]))
+                    self.write_state(slot, tuple(tokens[:pos]))
+                    if cache.commit_checkpoint(seq, slot, pos, {"every"}):
+                        self.stored_ckpts.add(tuple(tokens[:pos]))
         cache.end_pass()
         self.running.append(seq)
 
@@ -229,6 +257,18 @@ def test_with_memory_to_spare_hits_are_exactly_the_brute_force_ones(seed):
         harness.step(unlimited=True)
         harness.check()
     assert harness.hits > 0 and harness.refused == 0
+    assert harness.copied > 20 and harness.sub_page > 50, (harness.copied, harness.sub_page)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_attention_only_with_memory_to_spare_resumes_exactly_at_the_divergence(seed):
+    """Without recurrent state, the K/V hit is the resume point: whole pages, then the head of
+    the cached page that shares the most of the prompt's next page, copied into its own."""
+    harness = Harness(random.Random(seed), num_pages=5000, ckpt_slots=0, blocks=25000, recurrent=False)
+    for _ in range(1500):
+        harness.step(unlimited=True)
+        harness.check()
+    assert harness.refused == 0 and harness.copied > 100, harness.copied
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
@@ -280,7 +320,7 @@ def run_prompt(harness: Harness, tokens: list[int], checkpoint_at: tuple[int, ..
     seq.num_computed = len(tokens)
     cache.register_pages(seq)
     for j in checkpoint_at:
-        cache.commit_checkpoint(seq, cache.take_checkpoint_slot(), j, {"every"})
+        cache.commit_checkpoint(seq, cache.take_checkpoint_slot(), j * PS, {"every"})
         harness.apply_moves()
     cache.end_pass()
     cache.release(seq)

@@ -9,6 +9,7 @@ It works on the cache's own parts (`pages`, `arena`, `budget`, `checkpoints`, `h
 - evicts: a page with its cached descendants and every checkpoint on them, a checkpoint alone.
   With a host tier (`workers.host_tier`) what is evicted is demoted there, when the tier can
   make room for all of it, and otherwise dropped, taking what the tier holds under it along;
+  sub-page checkpoints stay on the device: evicted, they are dropped;
 - promotes host pages back to device blocks for an admission.
 Every copy this implies is queued (`take_block_copies`) for the runner to make before the next
 step, in order; every change of residency is an event.
@@ -26,6 +27,7 @@ MOVE = "move"        # (MOVE, device block, device block): a cached page moved t
 DEMOTE = "demote"    # (DEMOTE, device block, host block): evicted from the device, kept on the host
 PROMOTE = "promote"  # (PROMOTE, host block, device block): brought back for a request
 IMPORT = "import"    # (IMPORT, staging row, device block): fetched from a peer (workers.cache_transfer)
+COPY = "copy"        # (COPY, device block, device block): a cached page's K/V, the head of a new page's
 
 
 class CachePlacement:
@@ -71,9 +73,9 @@ class CachePlacement:
         first = len(seq.cache.page_ids)
         parent = seq.cache.page_hashes[first - 1] if first else None
         pages = self._take_pages(len(hashes))
-        up = parent
-        for page, page_hash, block in zip(pages, hashes, blocks):
-            self.pages.register(page, page_hash, up)
+        up, ps = parent, self.page_size
+        for j, (page, page_hash, block) in enumerate(zip(pages, hashes, blocks), start=first):
+            self.pages.register(page, page_hash, up, tuple(seq.token_ids[j * ps:(j + 1) * ps]))
             self._copies.append((PROMOTE, block, page))
             up = page_hash
         self._host_released.extend(blocks)  # free at the pass's end: a promotion may still be reading them
@@ -168,7 +170,7 @@ class CachePlacement:
             self._copies.append((MOVE, page, dst))
 
     def take_block_copies(self) -> list[tuple[str, int, int]]:
-        """(MOVE | DEMOTE | PROMOTE, from block, to block) queued since the last call, in order:
+        """(MOVE | COPY | DEMOTE | PROMOTE, from block, to block) queued since the last call, in order:
         the runner makes them before the step that comes with them, before anything else, in
         this order (a block freed by a demotion may be written by a later copy)."""
         copies, self._copies = self._copies, []
@@ -181,12 +183,25 @@ class CachePlacement:
 
     def _evict_checkpoint(self, page_hash: bytes) -> None:
         self.budget.unlist_checkpoint(page_hash)
-        blocks = self._host_blocks(self.slot_blocks)
+        sub_page = self.checkpoints.get(page_hash).floor is not None  # kept on the device only
+        blocks = None if sub_page else self._host_blocks(self.slot_blocks)
         if blocks is None:
             self._remove_checkpoint(page_hash, listed=True)
             return
         self._demote_checkpoint(page_hash, blocks, listed=True)
-        self._event(StateStored(page_hash, HOST))
+        self._state_event(page_hash)
+
+    def _state_event(self, page_hash: bytes) -> None:
+        """Tells the index where the state at the end of page `page_hash` now is: on the device
+        while a checkpoint there or a sub-page one inside the next page is (the index knows
+        states by page: a sub-page one stands for a resume at least at its floor), else on the
+        host if that tier has one, else nowhere."""
+        if self.checkpoints.get(page_hash) is not None or self.checkpoints.has_sub_page(page_hash):
+            self._event(StateStored(page_hash))
+        elif page_hash in self.host.checkpoints:
+            self._event(StateStored(page_hash, HOST))
+        else:
+            self._event(StateRemoved(page_hash))
 
     def _evict_page(self, first: int) -> None:
         """Evicts a cached page with its cached descendants and their checkpoints: demoted to
@@ -198,6 +213,8 @@ class CachePlacement:
             self.budget.unlist_page(page_hash)
             self.arena.free_page(page)
             self.stats.pages_evicted += 1
+            for sub in self.checkpoints.at_floor(page_hash):  # device-only: they go with their page
+                self._remove_checkpoint(sub.page_hash, self.budget.unlist_checkpoint(sub.page_hash))
             if self.checkpoints.get(page_hash) is not None:  # a pinned one goes all the same
                 states.append((page_hash, self.budget.unlist_checkpoint(page_hash)))
         blocks = self._host_blocks(len(evicted) + len(states) * self.slot_blocks)
@@ -246,11 +263,11 @@ class CachePlacement:
         if pages:
             self._event(PagesRemoved(tuple(pages)))
         for page_hash in states:
-            self._event(StateRemoved(page_hash))
+            self._state_event(page_hash)
 
     def _remove_checkpoint(self, page_hash: bytes, listed: bool) -> None:
         ckpt = self.checkpoints.remove(page_hash)
         self.arena.free_slot(ckpt.slot, blocked=not listed)
         self.stats.checkpoints_evicted += 1
-        self._event(StateRemoved(page_hash))
+        self._state_event(page_hash if ckpt.floor is None else ckpt.floor)
 

@@ -1,16 +1,19 @@
 """Where recurrent-state checkpoints go, and which kinds earn their keep (design rule 6).
 
-Positions are page boundaries (units: pages; page j ends at token j * page_size). Kinds:
-- `tail`: the last boundary at or before n - tail_guard of every prompt (the thinking-drop
-  divergence lies a few tokens before the previous prompt's end, as in templates whose
-  generation prompt opens a think block);
-- `prompt_end`: the last boundary at or before n (templates that rewrite only what was
-  generated, like Qwen3's: the divergence is the previous prompt's end itself);
-- `hint`: boundaries at or before positions the ingress passes (message starts, generation
-  prompt start), rounded down;
+Positions are token positions (a state after p tokens); under the `cairn` policy the first four
+kinds below ask for their exact position, a sub-page checkpoint when it falls inside a page
+(`workers.checkpoint_store`), so that a prompt diverging there resumes at the divergence; the
+baselines round them down to page boundaries (page j ends at token j * page_size). Kinds:
+- `tail`: n - tail_guard of every prompt (the thinking-drop divergence lies a few tokens before
+  the previous prompt's end, as in templates whose generation prompt opens a think block);
+- `prompt_end`: n (templates that rewrite only what was generated, like Qwen3's: the
+  divergence is the previous prompt's end itself);
+- `hint`: positions the ingress passes (message starts, the generation prompt's start, and where
+  the reply as the template writes it in history parts from the generation prompt);
 - `finish`: the last boundary a sequence crossed before it finished, captured during decode
   (a client that echoes the whole turn extends it);
-- `branch`: where a prompt's page hit runs deeper than its state hit, at the page hit;
+- `branch`: where a prompt's K/V hit (a partial page's included) runs deeper than its state hit,
+  at the K/V hit: where it parted from the prompt it shares pages with;
 - `interval`: every `interval_pages` pages of long prefills;
 - `every` (baseline `all` only): every boundary, prefill and decode;
 - `end` (baseline `exact` only): the request's end, usable only by a prompt that contains the
@@ -57,7 +60,7 @@ class KindRecord:
 @dataclass
 class CheckpointPolicy:
     name: str = "cairn"
-    tail_guard: int = 8  # tokens
+    tail_guard: int = 4  # tokens
     interval_pages: int = 32
     exploration: float = 0.05
     warmup: int = 8  # settled admissions of a kind before its hit rate is judged
@@ -83,28 +86,33 @@ class CheckpointPolicy:
         """The kind a finished sequence's last crossing is stored as (None: not captured)."""
         return next((k for k in FINISH_KINDS if k in self.kinds), None)
 
-    def prompt_targets(self, n_tokens: int, page_size: int, resume_pages: int, hit_pages: int,
+    def prompt_targets(self, n_tokens: int, page_size: int, resume_token: int, kv_tokens: int,
                        hints: tuple[int, ...] = ()) -> dict[int, set[str]]:
-        """Boundaries (pages j, resume_pages < j <= n // page_size) to checkpoint while this
-        prompt is prefilled, with the kinds asking for each."""
-        last = n_tokens // page_size
+        """Token positions p (resume_token < p <= n_tokens) to checkpoint while this prompt is
+        prefilled, with the kinds asking for each. Under `cairn`, `tail`, `prompt_end`, `hint`
+        and `branch` ask for their exact position (sub-page checkpoints: a resume lands on the
+        divergence, not on the page before it); the baselines round every one down to a page
+        boundary, as the engines they stand for do."""
+        exact = self.name == "cairn"
         wanted: dict[int, set[str]] = {}
 
-        def want(j: int, kind: str) -> None:
-            if kind in self.kinds and resume_pages < j <= last:
-                wanted.setdefault(j, set()).add(kind)
+        def want(pos: int, kind: str, exact_kind: bool = True) -> None:
+            if not (exact and exact_kind):
+                pos -= pos % page_size
+            if kind in self.kinds and resume_token < pos <= n_tokens and pos > 0:
+                wanted.setdefault(pos, set()).add(kind)
 
-        want((n_tokens - self.tail_guard) // page_size, TAIL)
-        want(last, PROMPT_END)
+        want(n_tokens - self.tail_guard, TAIL)
+        want(n_tokens, PROMPT_END)
         for pos in hints:
-            want(pos // page_size, HINT)
-        if hit_pages > resume_pages:
-            want(hit_pages, BRANCH)
-        for j in range(self.interval_pages, last + 1, self.interval_pages):
-            want(j, INTERVAL)
+            want(pos, HINT)
+        if kv_tokens > resume_token:
+            want(kv_tokens, BRANCH)
+        for j in range(self.interval_pages, n_tokens // page_size + 1, self.interval_pages):
+            want(j * page_size, INTERVAL)
         if EVERY in self.kinds:
-            for j in range(resume_pages + 1, last + 1):
-                want(j, EVERY)
+            for j in range(resume_token // page_size + 1, n_tokens // page_size + 1):
+                want(j * page_size, EVERY)
         return wanted
 
     # ---- earning their keep ---------------------------------------------------------------

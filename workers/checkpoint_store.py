@@ -1,12 +1,16 @@
-"""Recurrent-state checkpoints: which state slot holds the state at which page boundary.
+"""Recurrent-state checkpoints: which state slot holds the state at which token position.
 
 A checkpoint is the full recurrent state (every linear layer's conv and delta-rule state) after
-the page named by its chain hash. Its slot comes from the arena like a running sequence's
-(`workers.arena`); the runner copies the data. Plain Python.
+a position of a chain: at a page boundary, the page named by its chain hash; inside a page (a
+sub-page checkpoint, where a template diverges), its `floor` page plus the `tail` tokens after
+it, keyed by the hash those tokens would have as the next page (`cache_service.hashing`). Its
+slot comes from the arena like a running sequence's (`workers.arena`); the runner copies the
+data. Plain Python.
 
 Slots are `pending` (taken for a checkpoint, being written, not yet usable) or `stored` under a
-hash. A stored checkpoint remembers the kinds that asked for it (so hits can credit them) and,
+key. A stored checkpoint remembers the kinds that asked for it (so hits can credit them) and,
 for the `exact` baseline, the tokens after its boundary that a prompt must repeat to use it.
+Sub-page checkpoints are also found by their floor page (`at_floor`).
 """
 
 from __future__ import annotations
@@ -16,17 +20,26 @@ from dataclasses import dataclass, field
 
 @dataclass
 class Checkpoint:
-    page_hash: bytes
+    page_hash: bytes  # its key: the page it ends, or (sub-page) the hash of floor + tail
     slot: int
-    depth: int  # pages under it
+    depth: int  # whole pages under it
     kinds: set[str] = field(default_factory=set)
     exact_tail: tuple[int, ...] | None = None  # `end` kind: tokens a prompt must repeat after it
+    tail: tuple[int, ...] = ()  # sub-page: the tokens after its floor page that it also covers
+    floor: bytes | None = None  # sub-page: the hash of the page under it
+
+    def position(self, page_size: int) -> int:
+        """Tokens the state has seen."""
+        return self.depth * page_size + len(self.tail)
 
     def usable_by(self, token_ids: list[int], page_size: int) -> bool:
-        """True unless this is an `exact` checkpoint the prompt does not fully extend."""
+        """True unless the prompt does not repeat its tail (a sub-page one), or this is an
+        `exact` checkpoint the prompt does not fully extend."""
+        start = self.depth * page_size
+        if self.tail and tuple(token_ids[start:start + len(self.tail)]) != self.tail:
+            return False
         if self.exact_tail is None:
             return True
-        start = self.depth * page_size
         end = start + len(self.exact_tail)
         return len(token_ids) > end and tuple(token_ids[start:end]) == self.exact_tail
 
@@ -36,6 +49,7 @@ class CheckpointStore:
         self._pending: set[int] = set()
         self._by_hash: dict[bytes, Checkpoint] = {}
         self._by_slot: dict[int, Checkpoint] = {}
+        self._floors: dict[bytes, dict[bytes, Checkpoint]] = {}  # floor page -> its sub-page ones
 
     @property
     def num_stored(self) -> int:
@@ -55,10 +69,13 @@ class CheckpointStore:
         self._pending.remove(slot)
 
     def store(self, slot: int, page_hash: bytes, depth: int, kinds: set[str],
-              exact_tail: tuple[int, ...] | None = None) -> Checkpoint:
+              exact_tail: tuple[int, ...] | None = None, tail: tuple[int, ...] = (),
+              floor: bytes | None = None) -> Checkpoint:
         self._pending.remove(slot)
-        ckpt = Checkpoint(page_hash, slot, depth, set(kinds), exact_tail)
+        ckpt = Checkpoint(page_hash, slot, depth, set(kinds), exact_tail, tail, floor)
         self._by_hash[page_hash] = self._by_slot[slot] = ckpt
+        if floor is not None:
+            self._floors.setdefault(floor, {})[page_hash] = ckpt
         return ckpt
 
     def get(self, page_hash: bytes) -> Checkpoint | None:
@@ -67,10 +84,26 @@ class CheckpointStore:
     def in_slot(self, slot: int) -> Checkpoint | None:
         return self._by_slot.get(slot)
 
+    def at_floor(self, floor: bytes) -> list[Checkpoint]:
+        """The sub-page checkpoints inside the page after `floor`."""
+        return list(self._floors.get(floor, {}).values())
+
+    def has_sub_page(self, floor: bytes) -> bool:
+        return floor in self._floors
+
     def remove(self, page_hash: bytes) -> Checkpoint:
         ckpt = self._by_hash.pop(page_hash)
         del self._by_slot[ckpt.slot]
+        if ckpt.floor is not None:
+            at = self._floors[ckpt.floor]
+            del at[page_hash]
+            if not at:
+                del self._floors[ckpt.floor]
         return ckpt
+
+    def state_pages(self) -> list[bytes]:
+        """The pages with a state at their end or inside the page after them (the index's view)."""
+        return list(dict.fromkeys(c.page_hash if c.floor is None else c.floor for c in self._by_hash.values()))
 
     def hashes(self) -> list[bytes]:
         return list(self._by_hash)
@@ -80,6 +113,8 @@ class CheckpointStore:
         return set(self._by_slot) | self._pending
 
     def check(self) -> None:
-        if set(self._by_slot) & self._pending or len(self._by_slot) != len(self._by_hash):
+        sub = sum(map(len, self._floors.values()))
+        if set(self._by_slot) & self._pending or len(self._by_slot) != len(self._by_hash) or \
+                sub != sum(c.floor is not None for c in self._by_hash.values()):
             raise AssertionError(f"checkpoint store corrupt: pending={len(self._pending)} "
-                                 f"stored={len(self._by_hash)}/{len(self._by_slot)}")
+                                 f"stored={len(self._by_hash)}/{len(self._by_slot)} sub-page={sub}")

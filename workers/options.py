@@ -16,7 +16,7 @@ class EngineOptions:
     cache_memory_bytes: int | None = None     # the arena: pages, running states, checkpoints (256 MiB default)
     max_checkpoints: int | None = None        # cap on checkpoints; None = as many as the arena pays
     cache_policy: str = "cairn"               # cairn | exact | all | interval | end_branch
-    tail_guard: int = 8                       # tokens before a prompt's end the tail checkpoint keeps clear
+    tail_guard: int = 4                       # tokens before a prompt's end the tail checkpoint keeps clear
     checkpoint_interval_pages: int = 32       # pages between `interval` checkpoints
     max_num_seqs: int = 64                    # sequences running at once (each holds a state slot)
     max_num_batched_tokens: int = 1024        # tokens computed in one step (decodes + prefill chunks)

@@ -4,7 +4,9 @@ Plain Python, no tensors: the runner owns the KV tensors, the arena (`workers.ar
 which block a new page takes; this pool keeps the rest. A page is held by reference count. A
 whole page can be registered under its chain hash (cache_service.hashing) with its parent's
 hash; when its last holder releases it, a registered page stays cached for reuse, an
-unregistered one is free again (its block goes back to the arena). The prefix cache decides
+unregistered one is free again (its block goes back to the arena). A page registered with its
+tokens can also serve part of itself: `partial_match` finds, among a page's registered children,
+the one sharing the most leading tokens with a prompt's next page (copy-on-write reuse). The prefix cache decides
 eviction order; `evict` unregisters a cached page and, with it, every cached descendant on its
 chain (they are unreachable from the root without it).
 
@@ -22,6 +24,7 @@ class PagePool:
         self._page_of: dict[bytes, int] = {}
         self._parent: dict[bytes, bytes | None] = {}
         self._children: dict[bytes, set[bytes]] = {}
+        self._tokens: dict[bytes, tuple[int, ...]] = {}  # registered with their tokens: partial matches
         self._num_cached = 0
 
     # ---- counts ----------------------------------------------------------------------------
@@ -107,9 +110,11 @@ class PagePool:
     def parent_of(self, page_hash: bytes) -> bytes | None:
         return self._parent.get(page_hash)
 
-    def register(self, page: int, page_hash: bytes, parent: bytes | None) -> bool:
-        """Names a held, full page by its chain hash. False if that hash already names another
-        page (a duplicate computed concurrently): this page stays private."""
+    def register(self, page: int, page_hash: bytes, parent: bytes | None,
+                 tokens: tuple[int, ...] | None = None) -> bool:
+        """Names a held, full page by its chain hash (with its `tokens`, when known, for
+        `partial_match`). False if that hash already names another page (a duplicate computed
+        concurrently): this page stays private."""
         if page_hash in self._page_of or page in self._hash_of:
             return False
         self._page_of[page_hash] = page
@@ -117,7 +122,25 @@ class PagePool:
         self._parent[page_hash] = parent
         if parent is not None:
             self._children.setdefault(parent, set()).add(page_hash)
+            if tokens is not None:
+                self._tokens[page_hash] = tokens
         return True
+
+    def partial_match(self, parent: bytes, tokens: list[int]) -> tuple[int | None, int]:
+        """(page, m): of `parent`'s registered children whose tokens are known, the one whose
+        first m tokens equal the first m of `tokens`, m as large as possible (None, 0: none
+        shares even one). A page that matched whole would have been a hit, so m < its length."""
+        best, best_m = None, 0
+        for child in self._children.get(parent, ()):
+            known = self._tokens.get(child)
+            if known is None or not tokens or known[0] != tokens[0]:
+                continue
+            m, n = 1, min(len(known), len(tokens))
+            while m < n and known[m] == tokens[m]:
+                m += 1
+            if m > best_m:
+                best, best_m = self._page_of[child], m
+        return best, best_m
 
     def move(self, src: int, dst: int) -> None:
         """A cached page now lives on block `dst` (its K/V copied there): same hash, new id."""
@@ -145,6 +168,7 @@ class PagePool:
             raise RuntimeError(f"page {page} is held but its ancestor was evicted")
         del self._hash_of[page]
         parent = self._parent.pop(page_hash)
+        self._tokens.pop(page_hash, None)
         if parent is not None and parent in self._children:
             self._children[parent].discard(page_hash)
             if not self._children[parent]:

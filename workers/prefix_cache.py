@@ -43,7 +43,7 @@ from cache_service.hashing import next_page_hash
 from cache_service.scoring import resume_at_token
 from workers.arena import Arena, ArenaLayout
 from workers.cache_budget import CacheBudget
-from workers.cache_placement import PROMOTE, CachePlacement
+from workers.cache_placement import COPY, PROMOTE, CachePlacement
 from workers.checkpoint_policy import END, CheckpointPolicy
 from workers.checkpoint_store import Checkpoint, CheckpointStore
 from workers.host_tier import HostTier
@@ -61,6 +61,9 @@ class Match:
     page_ids: list[int] | None = None  # the device run's pages, once looked up (can_admit, admit)
     promote: tuple[bytes, ...] = ()  # host pages brought back, after the device run
     from_host: bool = False  # the checkpoint is on the host: copied from there into the state
+    copy_from: int | None = None  # a cached page whose head (up to resume_token) the request's page
+    # hit_pages copies: the resume point is past the page floor (copy-on-write)
+    kv_tokens: int = 0  # tokens of the prompt whose K/V the device holds, a partial page's included
 
     @property
     def device_pages(self) -> int:
@@ -151,21 +154,32 @@ class PrefixCache(CachePlacement):
         n, ps = seq.num_tokens, self.page_size
         hashes = self.extend_hashes(seq, n // ps)
         h = self.device_run(hashes, n // ps)
+        source, shared = self._partial_page(seq, hashes, h)  # a cached page sharing page h's head
+        kv = h * ps + shared  # tokens whose K/V the device holds
         top, host = h, self.host  # the host pages of the chain follow its device run
         if host:
             while top < n // ps and hashes[top] in host.pages:
                 top += 1
         if not self.recurrent:
-            m = Match(h, h, resume_at_token(h, h, n, ps, recurrent=False), None)
+            r = min(kv, n - 1) if shared else resume_at_token(h, h, n, ps, recurrent=False)
+            m = Match(h, h, r, None, copy_from=source if r > h * ps else None, kv_tokens=kv)
             if top > h:
                 deeper = Match(top, top, resume_at_token(top, top, n, ps, recurrent=False), None,
                                promote=tuple(hashes[h:top]))
                 if self._resume_cost(deeper, n) < self._resume_cost(m, n):
                     return deeper
             return m
-        best = Match(h, 0, 0, None)  # cold
+        best = Match(h, 0, 0, None, kv_tokens=kv)  # cold
         best_cost = self._resume_cost(best, n)
         for j in range(min(top, (n - 1) // ps), 0, -1):
+            if j <= h:  # a sub-page checkpoint inside page j: deeper than the boundary's, on the device
+                sub = self._sub_page_resume(seq, hashes[j - 1], min(n - 1, kv if j == h else (j + 1) * ps))
+                if sub is not None:
+                    m = Match(h, j, sub.position(ps), sub,
+                              copy_from=source if sub.position(ps) > h * ps else None, kv_tokens=kv)
+                    if self._resume_cost(m, n) < best_cost:
+                        best = m
+                    break
             ckpt, from_host = self.checkpoints.get(hashes[j - 1]), False
             if ckpt is None and host:
                 ckpt = host.checkpoints.get(hashes[j - 1])
@@ -173,12 +187,30 @@ class PrefixCache(CachePlacement):
             if ckpt is None or not ckpt.usable_by(seq.token_ids, ps):
                 continue
             m = Match(max(h, j), j, resume_at_token(max(h, j), j, n, ps, recurrent=True), ckpt,
-                      promote=tuple(hashes[h:j]), from_host=from_host)
+                      promote=tuple(hashes[h:j]), from_host=from_host, kv_tokens=kv)
             cost = self._resume_cost(m, n)
             if cost < best_cost:
                 best, best_cost = m, cost
             if not m.promote and not from_host:
                 break  # a device resume point copies nothing: shallower ones only cost more
+        return best
+
+    def _partial_page(self, seq: Sequence, hashes: list[bytes], h: int) -> tuple[int | None, int]:
+        """(page, m): a cached page after page h - 1 whose first m tokens are the first m of
+        `seq`'s page h, m as large as possible ((None, 0): none). Copied into the request's own
+        page h, it gives K/V up to the divergence instead of the page floor."""
+        ps, n = self.page_size, seq.num_tokens
+        if h == 0 or h * ps >= n:
+            return None, 0
+        return self.pages.partial_match(hashes[h - 1], seq.token_ids[h * ps:min(n, (h + 1) * ps)])
+
+    def _sub_page_resume(self, seq: Sequence, floor: bytes, limit: int) -> Checkpoint | None:
+        """The deepest sub-page checkpoint on page `floor` that `seq` repeats, at most at `limit`."""
+        best, ps = None, self.page_size
+        for ckpt in self.checkpoints.at_floor(floor):
+            pos = ckpt.position(ps)
+            if pos <= limit and (best is None or pos > best.position(ps)) and ckpt.usable_by(seq.token_ids, ps):
+                best = ckpt
         return best
 
     def device_run(self, hashes: list[bytes], upto: int | None = None) -> int:
@@ -210,10 +242,14 @@ class PrefixCache(CachePlacement):
             m.page_ids = self.pages.pages_of(seq.cache.page_hashes[:m.device_pages])
         return m.page_ids
 
+    @staticmethod
+    def _copied(m: Match) -> list[int]:
+        return [] if m.copy_from is None else [m.copy_from]
+
     def can_admit(self, seq: Sequence, m: Match, num_tokens: int) -> bool:
         """Whether `admit(seq, m, num_tokens)` would succeed now. No side effects (beyond
         remembering the hit run's pages in `m`)."""
-        cached_hits = self.pages.cached_among(self._hit_page_ids(seq, m))
+        cached_hits = self.pages.cached_among(self._hit_page_ids(seq, m) + self._copied(m))
         pin = m.checkpoint if m.checkpoint is not None and self.budget.has_checkpoint(m.checkpoint.page_hash) else None
         new = self._new_pages(m, num_tokens)
         if not self._free_rows:
@@ -242,8 +278,8 @@ class PrefixCache(CachePlacement):
         slot). The caller checked `can_admit`."""
         c = seq.cache
         c.page_ids = list(self._hit_page_ids(seq, m))
-        was_cached = self.pages.acquire_all(c.page_ids)  # no longer evictable (the LRU skips held pages)
-        self.arena.pages_held(was_cached)
+        was_cached = self.pages.acquire_all(c.page_ids + self._copied(m))  # no longer evictable (the LRU
+        self.arena.pages_held(was_cached)  # skips held pages); the page copied from, until it is copied
         c.register_stopped = False
         c.resumed_from = None
         restore = None
@@ -254,7 +290,7 @@ class PrefixCache(CachePlacement):
             else:
                 self._pin(ckpt)
                 restore = ckpt.slot
-            c.resumed_from = (ckpt.page_hash, ckpt.depth)
+            c.resumed_from = (ckpt.page_hash, ckpt.position(self.page_size))
             self.policy.record_hit(ckpt.kinds)
             self.stats.checkpoints_used += 1
             for k in ckpt.kinds:
@@ -272,15 +308,19 @@ class PrefixCache(CachePlacement):
             self.stats.checkpoints_from_host += 1
             self.stats.bytes_to_device += self.slot_blocks * self.layout.block_bytes
         c.page_ids += self._take_pages(self._new_pages(m, num_tokens) - len(m.promote))
+        if m.copy_from is not None:  # copy-on-write: the cached page's head becomes this one's
+            self._copies.append((COPY, m.copy_from, c.page_ids[m.hit_pages]))
+            self._unhold(m.copy_from)
         c.row = self._free_rows.pop()
         self._table_writes.append(PageTableWrite(c.row, 0, list(c.page_ids)))
         c.checkpoint_targets = self.policy.prompt_targets(
-            seq.num_tokens, self.page_size, m.resume_token // self.page_size, m.hit_pages, seq.hints)
+            seq.num_tokens, self.page_size, m.resume_token, max(m.hit_pages * self.page_size, m.kv_tokens),
+            seq.hints)
         return restore
 
-    def want_checkpoint(self, seq: Sequence, page: int, kind: str) -> None:
-        """Asks `seq` to checkpoint after page `page` too (a twin waits to resume there)."""
-        seq.cache.checkpoint_targets.setdefault(page, set()).add(kind)
+    def want_checkpoint(self, seq: Sequence, position: int, kind: str) -> None:
+        """Asks `seq` to checkpoint after `position` tokens too (a twin waits to resume there)."""
+        seq.cache.checkpoint_targets.setdefault(position, set()).add(kind)
 
     def end_pass(self) -> None:
         """Ends a scheduling pass: checkpoints pinned by admissions become evictable again (just
@@ -384,31 +424,36 @@ class PrefixCache(CachePlacement):
         c.finish_page = page
         return c.finish_slot
 
-    def commit_checkpoint(self, seq: Sequence, slot: int, depth: int, kinds: set[str],
+    def commit_checkpoint(self, seq: Sequence, slot: int, position: int, kinds: set[str],
                           exact_tail: tuple[int, ...] | None = None) -> bool:
-        """Stores the state in pending `slot` as the checkpoint after page `depth` of `seq`."""
-        page_hash = self.extend_hashes(seq, depth)[depth - 1]
-        existing = self.checkpoints.get(page_hash)
-        if self.pages.page_of(page_hash) is None or existing is not None or \
-                (slot < 0 and page_hash in self.host.checkpoints):
+        """Stores the state in pending `slot` as `seq`'s checkpoint after `position` tokens: at a
+        page boundary, keyed by that page; inside a page (a device slot only), a sub-page one on
+        the page before it. Refused (False) when its page is gone or it is already stored."""
+        depth, cut = divmod(position, self.page_size)
+        tail = tuple(seq.token_ids[position - cut:position])
+        floor = self.extend_hashes(seq, depth)[depth - 1] if depth else None
+        key = floor if not tail else (next_page_hash(floor, tail) if floor is not None and slot >= 0 else None)
+        existing = self.checkpoints.get(key) if key is not None else None
+        if key is None or self.pages.page_of(floor) is None or existing is not None or \
+                (slot < 0 and key in self.host.checkpoints):
             self.drop_pending(slot)
             self.stats.checkpoints_dropped += 1
             if existing is not None:
                 existing.kinds |= kinds
-                self.budget.touch_checkpoint(page_hash)
+                self.budget.touch_checkpoint(key)
             return False
         if slot < 0:  # written to the host tier (no device slot could be had)
-            self.host.add_checkpoint(Checkpoint(page_hash, -1, depth, set(kinds), exact_tail),
+            self.host.add_checkpoint(Checkpoint(key, -1, depth, set(kinds), exact_tail),
                                      self._host_pending.pop(slot))
-            self._event(StateStored(page_hash, HOST))
+            self._state_event(key)
             self.stats.checkpoints_stored += 1
             self.stats.checkpoints_to_host += 1
             for k in kinds:
                 self.stats.by_kind.setdefault(k, {"stored": 0})["stored"] += 1
         else:
-            self.store_checkpoint(slot, page_hash, depth, kinds, exact_tail)
+            self.store_checkpoint(slot, key, depth, kinds, exact_tail, tail, floor if tail else None)
         resumed = seq.cache.resumed_from
-        if resumed is not None and depth > resumed[1]:
+        if resumed is not None and position > resumed[1]:
             old = resumed[0]  # the conversation moved on: its old resume point goes cold
             if self.budget.has_checkpoint(old):
                 self.budget.demote(old)
@@ -418,14 +463,17 @@ class PrefixCache(CachePlacement):
         return True
 
     def store_checkpoint(self, slot: int, page_hash: bytes, depth: int, kinds: set[str],
-                         exact_tail: tuple[int, ...] | None = None) -> None:
-        """Pending `slot` (written) becomes the checkpoint after page `page_hash`, which is on
-        the device and has none yet; a host copy is superseded."""
-        self.checkpoints.store(slot, page_hash, depth, kinds, exact_tail)
-        self.host.drop_checkpoint(page_hash)  # (StateStored moves it in the index)
+                         exact_tail: tuple[int, ...] | None = None, tail: tuple[int, ...] = (),
+                         floor: bytes | None = None) -> None:
+        """Pending `slot` (written) becomes the checkpoint keyed `page_hash`: after that page,
+        which is on the device and has none yet (a host copy is superseded), or, with `floor`,
+        the sub-page one `tail` tokens into the page after `floor`."""
+        self.checkpoints.store(slot, page_hash, depth, kinds, exact_tail, tail, floor)
+        if floor is None:
+            self.host.drop_checkpoint(page_hash)  # (the state event below moves it in the index)
         self.budget.list_checkpoint(page_hash)
         self.arena.slot_evictable(slot, True)
-        self._event(StateStored(page_hash))
+        self._state_event(page_hash if floor is None else floor)
         self.stats.checkpoints_stored += 1
         for k in kinds:
             self.stats.by_kind.setdefault(k, {"stored": 0})["stored"] += 1
@@ -436,8 +484,8 @@ class PrefixCache(CachePlacement):
         A page whose hash a concurrent twin registered first (two prompts with one prefix,
         prefilled in the same steps) is swapped for the twin's page, which holds the same K/V;
         ours goes back to the arena. So a sequence always holds its whole chain."""
-        c = seq.cache
-        full = seq.num_computed // self.page_size
+        c, ps = seq.cache, self.page_size
+        full = seq.num_computed // ps
         if c.register_stopped or c.registered_pages >= full:
             return
         hashes = self.extend_hashes(seq, full)
@@ -452,7 +500,7 @@ class PrefixCache(CachePlacement):
                 self._unhold(c.page_ids[j])
                 c.page_ids[j] = twin
                 self._table_writes.append(PageTableWrite(c.row, j, [twin]))
-            elif self.pages.register(c.page_ids[j], page_hash, parent):
+            elif self.pages.register(c.page_ids[j], page_hash, parent, tuple(seq.token_ids[j * ps:(j + 1) * ps])):
                 run.append(page_hash)
                 if page_hash in self.host.pages:  # computed again: the device copy supersedes it
                     self.host.free_blocks([self.host.pop_page(page_hash)])
@@ -473,7 +521,7 @@ class PrefixCache(CachePlacement):
         if c.finish_slot is not None and c.finish_page:
             kind = self.policy.captures_finish
             tail = tuple(seq.token_ids[c.finish_page * self.page_size:]) if kind == END else None
-            self.commit_checkpoint(seq, c.finish_slot, c.finish_page, {kind}, exact_tail=tail)
+            self.commit_checkpoint(seq, c.finish_slot, c.finish_page * self.page_size, {kind}, exact_tail=tail)
             c.finish_slot = c.finish_page = None
         self.release(seq)
 
@@ -517,7 +565,7 @@ class PrefixCache(CachePlacement):
         self._events.append(AllCleared())
         for page_hash, parent in self.pages.registered():
             self._events.append(PagesStored((page_hash,), parent))
-        self._events.extend(StateStored(h) for h in self.checkpoints.hashes())
+        self._events.extend(StateStored(h) for h in self.checkpoints.state_pages())
 
     # ---- reporting --------------------------------------------------------------------------
     MAX_QUEUED_EVENTS = 65536  # undrained (no index, or a stuck one): dropped, and the next drain resyncs
@@ -537,13 +585,14 @@ class PrefixCache(CachePlacement):
         return events
 
     def snapshot(self) -> tuple[list[tuple[bytes, bytes | None]], list[bytes]]:
-        """What is resident on the device now: (page hash, parent) pairs parents first, and
-        checkpoint hashes."""
-        return self.pages.registered(), self.checkpoints.hashes()
+        """What is resident on the device now: (page hash, parent) pairs parents first, and the
+        pages with a state (`CheckpointStore.state_pages`)."""
+        return self.pages.registered(), self.checkpoints.state_pages()
 
     def host_snapshot(self) -> tuple[list[tuple[bytes, bytes | None]], list[bytes]]:
-        """What the host tier holds now, in the same form."""
-        return self.host.registered(), list(self.host.checkpoints)
+        """What the host tier holds now, in the same form (a state there whose page also has a
+        sub-page one on the device is the device's, as its events say: `_state_event`)."""
+        return self.host.registered(), [h for h in self.host.checkpoints if not self.checkpoints.has_sub_page(h)]
 
     def forget_events(self) -> None:
         """Drops the queued events: a snapshot sent now supersedes them. Events are queued from

@@ -34,7 +34,7 @@ import torch
 
 import kernels
 from workers.arena import ArenaLayout
-from workers.cache_placement import DEMOTE, IMPORT, MOVE, PROMOTE
+from workers.cache_placement import COPY, DEMOTE, IMPORT, MOVE, PROMOTE
 from workers.model import ForwardBatch, HybridForCausalLM, ModelCaches
 from workers.scheduler import StepPlan
 
@@ -196,24 +196,26 @@ class ModelRunner:
         return source[self._index(blocks, source.device)].cpu().numpy()
 
     def _copy_run(self, kind: str, sources: list[int], targets: list[int], staging: torch.Tensor | None = None) -> None:
-        src, dst = {MOVE: (self._blocks, self._blocks), DEMOTE: (self._blocks, self.host),
-                    PROMOTE: (self.host, self._blocks), IMPORT: (staging, self._blocks)}[kind]
+        src, dst = {MOVE: (self._blocks, self._blocks), COPY: (self._blocks, self._blocks),
+                    DEMOTE: (self._blocks, self.host), PROMOTE: (self.host, self._blocks),
+                    IMPORT: (staging, self._blocks)}[kind]
         if kind == IMPORT:
             dst[self._index(targets)] = src[self._index(sources, src.device)].to(dst.device)
             return
-        if kind != MOVE and self.device.type != "cpu":
+        on_device = kind in (MOVE, COPY)
+        if not on_device and self.device.type != "cpu":
             # Across the bus, block by block, each queued on the step's stream from or to pinned
             # memory: asynchronous to the host, ordered with every other copy and the step.
             for s, d in zip(sources, targets):
                 dst[d].copy_(src[s], non_blocking=True)
             return
-        if kind == MOVE and not set(sources).isdisjoint(targets):
+        if on_device and not set(sources).isdisjoint(targets):
             for s, d in zip(sources, targets):
                 dst[d] = src[s]
             return
         began = time.perf_counter()
         dst[self._index(targets, dst.device)] = src[self._index(sources, src.device)]
-        if kind != MOVE:
+        if not on_device:
             self._timed[0] += len(sources) * self._blocks.shape[1]
             self._timed[1] += time.perf_counter() - began
 

@@ -76,7 +76,7 @@ class Segment:
 class Commit:
     seq: Sequence
     slot: int
-    depth: int  # pages
+    position: int  # tokens the state has seen (a page boundary, or inside a page: sub-page)
     kinds: set[str]
 
 
@@ -297,7 +297,7 @@ class Scheduler:
         while k < whole and inflight.get(hashes[k]) is owner:
             k += 1
         if self.cache.recurrent:
-            self.cache.want_checkpoint(owner, k, BRANCH)
+            self.cache.want_checkpoint(owner, k * self.page_size, BRANCH)
         return True
 
     def _admit(self, seq: Sequence, budget: int, plan: StepPlan, inflight: dict[bytes, Sequence]) -> int | None:
@@ -361,23 +361,26 @@ class Scheduler:
         seq, ps, policy, cache = seg.seq, self.page_size, self.policy, self.cache
         first, last = seg.start // ps + 1, seg.end // ps  # boundaries inside (start, end]
         targets = seq.cache.checkpoint_targets
-        for j in range(first, last + 1):
-            kinds = set(targets.get(j, ()))
-            if EVERY in policy.kinds and j * ps > seq.num_prompt_tokens:
-                kinds.add(EVERY)  # decode crossings of the `all` baseline
-            admitted = policy.admit(kinds) if kinds else set()
-            if admitted:
-                slot = cache.take_checkpoint_slot()
-                if slot is None and cache.host:  # no device slot: the state goes straight to the host tier,
-                    slot = cache.take_host_checkpoint_slot()  # copied from the sequence's slot after the step
-                    if slot is not None:
-                        seg.num_tokens = j * ps - seg.start  # so the segment ends at this boundary
-                        plan.host_snapshots.append((seq.cache.state_slot, cache.host_blocks_of(slot)))
-                        plan.commits.append(Commit(seq, slot, j, admitted))
-                        return  # later boundaries (and the finish capture) wait for the next step
+        wanted = {p: set(k) for p, k in targets.items() if seg.start < p <= seg.end}
+        if EVERY in policy.kinds:
+            for j in range(max(first, seq.num_prompt_tokens // ps + 1), last + 1):
+                if j * ps > seq.num_prompt_tokens:
+                    wanted.setdefault(j * ps, set()).add(EVERY)  # decode crossings of the `all` baseline
+        for pos in sorted(wanted):
+            admitted = policy.admit(wanted[pos])
+            if not admitted:
+                continue
+            slot = cache.take_checkpoint_slot()
+            if slot is None and cache.host and pos % ps == 0:  # no device slot: the state goes straight
+                slot = cache.take_host_checkpoint_slot()  # to the host tier, copied from the sequence's slot after the step
                 if slot is not None:
-                    self._attach(plan, seg, j * ps - seg.start, slot)
-                    plan.commits.append(Commit(seq, slot, j, admitted))
+                    seg.num_tokens = pos - seg.start  # so the segment ends at this boundary
+                    plan.host_snapshots.append((seq.cache.state_slot, cache.host_blocks_of(slot)))
+                    plan.commits.append(Commit(seq, slot, pos, admitted))
+                    return  # later positions (and the finish capture) wait for the next step
+            if slot is not None:
+                self._attach(plan, seg, pos - seg.start, slot)
+                plan.commits.append(Commit(seq, slot, pos, admitted))
         # The finish capture: the last boundary crossed, from the prompt's last one on.
         if policy.captures_finish is None or last < max(first, seq.num_prompt_tokens // ps, 1):
             return
@@ -414,7 +417,7 @@ class Scheduler:
                     self.fail(seq, SequenceFault(f"registering its pages failed: {type(e).__name__}"), e)
         for c in plan.commits:
             try:
-                cache.commit_checkpoint(c.seq, c.slot, c.depth, c.kinds)
+                cache.commit_checkpoint(c.seq, c.slot, c.position, c.kinds)
             except Exception as e:
                 self.fail(c.seq, SequenceFault(f"storing a checkpoint failed: {type(e).__name__}"), e)
                 cache.drop_pending_if_any(c.slot)

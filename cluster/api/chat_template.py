@@ -9,9 +9,13 @@ The template comes from `chat_template.jinja` or, failing that, `tokenizer_confi
 (`reserved_names`): the API refuses those. A template error raises `TemplateError`, which the
 API turns into a 400: it is the request's messages that the template refused.
 
-`message_starts` marks where the last `HINTED_MESSAGES` messages and the generation prompt start
-(checkpoint hints): one full render plus one render per hinted message, so its cost is linear
-in the conversation. Earlier messages need no hint: their checkpoints came from earlier turns,
+`message_starts` marks where the last `HINTED_MESSAGES` messages and the generation prompt start,
+where the newest message's content starts (prompts that share everything before it, as users of
+one system prompt do, part a few tokens past its role header), and, replacing the generation
+prompt's start when the template rewrites a past reply (Qwen3.5 drops its think block), where
+the reply as history renders it parts from the generation prompt (the next turn's prompt
+diverges there): these are the checkpoint hints. One full render plus one per hinted message and
+two more, so the cost is linear in the conversation. Earlier messages need no hint: their checkpoints came from earlier turns,
 and a next turn diverges near the end.
 """
 
@@ -29,6 +33,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from cluster.api.prep_pool import check
 
 HINTED_MESSAGES = 8  # messages at the end of a conversation whose starts become checkpoint hints
+REPLY = "cairn"  # stands for a reply and a next user turn when finding where history parts from a reply
 RENDER_ARGUMENTS = frozenset({"messages", "add_generation_prompt", "tools"})  # what `render` passes itself
 JINJA_NAMES = frozenset({"self", "loop", "caller", "varargs", "kwargs", "super", "context"})
 
@@ -84,7 +89,8 @@ class ChatTemplate:
                        tools: list[dict] | None = None, variables: dict[str, Any] | None = None,
                        stop: threading.Event | None = None) -> tuple[str, list[int]]:
         """The rendered text and the character offsets where each of the last `HINTED_MESSAGES`
-        messages (and the generation prompt) starts: checkpoint hints for the prefix cache. A
+        messages (and the generation prompt) starts, and, with a generation prompt, where the
+        next turn's history parts from it (`_reply_head`): checkpoint hints for the prefix cache. A
         template may render earlier messages differently once later ones exist (dropped
         reasoning); an offset is then the longest common prefix with the full text, so a hint is
         never past the real start. A prefix the template refuses (some refuse a conversation
@@ -92,7 +98,7 @@ class ChatTemplate:
         variables = variables or {}
         text = self._render(messages, add_generation_prompt, tools, variables)
         end = len(messages) + (1 if add_generation_prompt else 0)
-        starts = set()
+        starts, generation = set(), None
         for i in range(max(1, end - HINTED_MESSAGES), end):
             check(stop)
             try:
@@ -100,7 +106,39 @@ class ChatTemplate:
             except TemplateError:
                 continue
             starts.add(common_prefix_len(prefix, text))
+            generation = common_prefix_len(prefix, text) if i == len(messages) else generation
+        if messages and isinstance(messages[-1].get("content"), str) and messages[-1]["content"]:
+            check(stop)  # the newest message: where its content starts (prompts sharing all before it part there)
+            starts.add(self._content_head(messages, text, tools, variables))
+        if add_generation_prompt:
+            check(stop)
+            head = self._reply_head(messages, text, tools, variables)
+            if head < len(text):  # (at the end: history keeps the generation prompt, whose end every prompt checkpoints)
+                starts.discard(generation)  # the head is at or past it, and a next turn parts there
+                starts.add(head)
         return text, sorted(starts)
+
+    def _content_head(self, messages: list[dict[str, Any]], text: str, tools: list[dict] | None,
+                      variables: dict[str, Any]) -> int:
+        """Where the last message's content starts (after its role header): the same message
+        with no content parts from `text` there. A refusal gives 0 (no hint past the start)."""
+        try:
+            return common_prefix_len(self._render(messages[:-1] + [dict(messages[-1], content="")], False,
+                                                  tools, variables), text)
+        except TemplateError:
+            return 0
+
+    def _reply_head(self, messages: list[dict[str, Any]], text: str, tools: list[dict] | None,
+                    variables: dict[str, Any]) -> int:
+        """Where the generation prompt parts from the reply as this template writes it in
+        history (a next turn's prompt): with reasoning dropped, a few characters into the
+        generation prompt (`<think>` opened there, absent from history). A template refusing
+        that conversation gives the text's end."""
+        later = messages + [{"role": "assistant", "content": REPLY}, {"role": "user", "content": REPLY}]
+        try:
+            return common_prefix_len(self._render(later, False, tools, variables), text)
+        except TemplateError:
+            return len(text)
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                tools: list[dict] | None = None, **variables: Any) -> str:
