@@ -76,6 +76,8 @@ def build_application(model_dir: str | Path | None = None, replicas: int = 2, *,
     any `api_key_digests` and `metrics_key_digest` given (`cluster.api.tenants`): Serve logs
     what it deploys. `tenant_limits`: every tenant's quotas (`cluster.api.quotas.TenantLimits`)."""
     from workers import EngineOptions, EngineSpec, ModelSource, demo_model_dir
+    from workers.model import read_model_config
+    from workers.options import choose_dtype
 
     from cluster.api.quotas import TenantLimits
     from cluster.api.tenants import Tenants, key_digest
@@ -92,6 +94,9 @@ def build_application(model_dir: str | Path | None = None, replicas: int = 2, *,
     local_dir = source.local_dir()
     source = source.pinned(local_dir)  # every node loads the snapshot the spec was read from
     options = dict(engine_options or {})
+    if EngineOptions.from_kwargs(**options).dtype == "auto":  # chosen once, here, for the engines' devices:
+        config_dtype = read_model_config(Path(local_dir) / "config.json").torch_dtype  # every replica
+        options["dtype"] = choose_dtype("auto", config_dtype, "cuda" if num_gpus else "cpu")  # runs it
     spec = EngineSpec.from_model_dir(local_dir, EngineOptions.from_kwargs(**options))
     routing = (routing or RoutingConfig()).for_engines(spec)
     placement: dict[str, Any] = dict(num_cpus=num_cpus, num_gpus=num_gpus)

@@ -50,6 +50,10 @@ def _demo_model(args: argparse.Namespace) -> int:
     return 0
 
 
+DTYPE_HELP = ("weights and activations (auto: the checkpoint's dtype on CUDA; on CPU, bfloat16 where the "
+              "processor computes it natively (AVX512-BF16, AMX), else float32)")
+
+
 def _add_generate(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "generate", help="print one completion from the engine (a debugging aid)",
@@ -62,6 +66,8 @@ def _add_generate(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32", "float16"),
+                        help=DTYPE_HELP)
     parser.set_defaults(run=_generate)
 
 
@@ -81,7 +87,7 @@ def _generate(args: argparse.Namespace) -> int:
         from cluster.api.chat_template import ChatTemplate
 
         text = ChatTemplate.from_dir(model_dir).render([{"role": "user", "content": args.prompt}])
-    engine = Engine.from_pretrained(model_dir)
+    engine = Engine.from_pretrained(model_dir, dtype=args.dtype)
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
         out = engine.generate([tokenizer.encode(text, add_special_tokens=False).ids], params)[0]
@@ -163,6 +169,8 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--host-cache-bytes", type=int, default=None, metavar="BYTES",
                         help="host tier per replica: what the device cache evicts is kept in host memory (pinned "
                              "on CUDA) up to this many bytes, and brought back when cheaper than recomputing (0: off)")
+    parser.add_argument("--dtype", default=None, choices=("auto", "bfloat16", "float32", "float16"),
+                        help=DTYPE_HELP)
     parser.add_argument("--tensor-parallel-size", type=int, default=None, metavar="N",
                         help="devices one engine replica spans (1); a replica is then N bundles of --num-cpus and "
                              "--num-gpus on one node")
@@ -175,7 +183,8 @@ def _serve(args: argparse.Namespace) -> int:
                                                       ("cache_memory_bytes", args.cache_memory_bytes),
                                                       ("memory_utilization", args.memory_utilization),
                                                       ("host_cache_bytes", args.host_cache_bytes),
-                                                      ("tensor_parallel_size", args.tensor_parallel_size))
+                                                      ("tensor_parallel_size", args.tensor_parallel_size),
+                                                      ("dtype", args.dtype))
                       if value is not None}
     if args.replicas == 1 and not args.address and not args.config:
         from cluster.api.http_limits import HTTPLimits

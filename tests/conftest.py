@@ -3,6 +3,8 @@
 TRITON_INTERPRET must be set before any @triton.jit is decorated, so it is set here, first.
 Nothing may come from a hub: HF_HUB_OFFLINE=1. Tiny checkpoints are built locally, once per
 session: by transformers (the outside oracle's own save_pretrained) and by `cairn demo-model`.
+Engines run fp32 (`CAIRN_DTYPE=float32`: what `dtype="auto"` picks, here and in every process the
+tests start): the parity oracles are fp32, and auto would pick bf16 on a CPU with native bf16.
 """
 
 import os
@@ -11,6 +13,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("CAIRN_DTYPE", "float32")
 
 import hashlib  # noqa: E402
 import json  # noqa: E402

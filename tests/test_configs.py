@@ -331,6 +331,29 @@ def test_flags_override_the_config_and_absent_flags_leave_it_alone(tmp_path):
     assert engine_options["max_num_seqs"] == 32 and engine_options["page_size"] == 16, "merged, not replaced"
 
 
+@pytest.mark.parametrize("native, gpus, want", [(True, 0, "bfloat16"), (False, 0, "float32"), (False, 1, "float32")])
+def test_auto_dtype_is_chosen_once_at_deploy_for_the_engines_devices(monkeypatch, tiny_model_dir, native, gpus, want):
+    """Every replica runs (and the spec every router and ingress reads says) one dtype: auto is
+    resolved where the app is built, for the device the engines run on (a GPU: the checkpoint's,
+    fp32 for the demo model; a CPU: bf16 where it is native); a --dtype given is passed as is."""
+    from workers import options
+
+    monkeypatch.delenv("CAIRN_DTYPE")
+    monkeypatch.setattr(options, "native_bf16_cpu", lambda: native)
+    app = app_builder({"model_dir": str(tiny_model_dir), "replicas": 1, "num_gpus": gpus})
+    _, (_, engine_options, _, spec) = engine_of(app)
+    assert engine_options["dtype"] == want
+    from workers import EngineOptions, EngineSpec
+
+    fp32 = EngineSpec.from_model_dir(tiny_model_dir, EngineOptions(dtype="float32"))
+    assert spec.page_bytes * (2 if want == "bfloat16" else 1) == fp32.page_bytes
+    flagged = deploy.apply_overrides(load("local.yaml"), serve_args(["--dtype", "float32"]), {"dtype": "float32"})
+    assert flagged["applications"][0]["args"]["engine_options"] == {"dtype": "float32"}
+    assert build_parser().parse_args(["serve", "--dtype", "bfloat16"]).dtype == "bfloat16"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--dtype", "int8"])
+
+
 def test_key_tenant_and_limit_flags_go_to_the_app_and_the_proxy(tmp_path):
     keys = tmp_path / "keys"
     keys.write_text("alice:k-a\n")

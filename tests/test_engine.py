@@ -167,3 +167,26 @@ def test_unknown_engine_options_are_rejected():
         EngineOptions.from_kwargs(page_sise=16)
     with pytest.raises(ValueError, match="page_size"):
         EngineOptions(page_size=0)
+
+
+def test_auto_dtype_is_bf16_on_a_cpu_with_native_bf16_and_the_engine_names_what_it_runs(tiny_model_dir, monkeypatch):
+    """auto picks bf16 where the CPU computes it natively (faster than fp32 there), fp32
+    elsewhere, the checkpoint's dtype on CUDA; the engine's options and spec name the dtype it
+    runs, and agree with the spec a deploy reads from the directory."""
+    from workers import EngineOptions, EngineSpec, options
+    from workers.options import choose_dtype
+
+    monkeypatch.delenv("CAIRN_DTYPE")
+    for native, want in ((True, "bfloat16"), (False, "float32")):
+        monkeypatch.setattr(options, "native_bf16_cpu", lambda: native)
+        engine = Engine.from_pretrained(tiny_model_dir, num_pages=32)
+        assert str(next(engine.model.parameters()).dtype) == f"torch.{want}" and engine.options.dtype == want
+        assert engine.spec == EngineSpec.from_model_dir(tiny_model_dir, EngineOptions(num_pages=32))
+        out = engine.generate([[1, 2, 3, 4, 5]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0]
+        assert len(out.token_ids) == 4
+    assert choose_dtype("auto", "bfloat16", "cuda") == "bfloat16" and choose_dtype("float16", "float32", "cpu") == "float16"
+    monkeypatch.setenv("CAIRN_DTYPE", "float32")
+    assert choose_dtype("auto", "bfloat16", "cuda") == "float32"
+    monkeypatch.setenv("CAIRN_DTYPE", "int4")
+    with pytest.raises(ValueError, match="CAIRN_DTYPE"):
+        choose_dtype("auto", "float32", "cpu")

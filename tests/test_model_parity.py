@@ -56,10 +56,11 @@ def test_greedy_tokens_and_logprobs_match_transformers(hf_checkpoint, kind, n):
 
 
 def test_bf16_checkpoint_runs_in_bf16_and_tracks_fp32(tmp_path):
+    """(dtype given: auto is pinned to fp32 under the tests, see conftest)"""
     from conftest import build_hf_checkpoint
 
     path = build_hf_checkpoint(tmp_path / "bf16", "dense", dtype=torch.bfloat16)
-    engine = Engine.from_pretrained(path, num_pages=16, max_num_seqs=1)
+    engine = Engine.from_pretrained(path, num_pages=16, max_num_seqs=1, dtype="bfloat16")
     assert next(engine.model.parameters()).dtype == torch.bfloat16
     ids = prompt(20, engine.config.vocab_size, seed=3)
     got = engine.prompt_logits(ids)

@@ -19,7 +19,7 @@ import itertools
 import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -101,11 +101,12 @@ class Engine:
                  eos_token_ids: frozenset[int] = frozenset(), rank_workers=None):
         """`model`: the whole model, or rank 0's shard of it with `rank_workers`
         (workers.tp_runner.RankWorkers) running the other ranks' shards."""
-        self.options = options = options or EngineOptions()
+        dtype = next(model.parameters()).dtype
+        # The engine runs in its model's dtype, which its options (and its spec) then name.
+        self.options = options = replace(options or EngineOptions(), dtype=str(dtype).removeprefix("torch."))
         self.model = model
         cfg: ModelConfig = model.config
         self.config = cfg
-        dtype = next(model.parameters()).dtype
         self.spec = EngineSpec.of(cfg, options, fingerprint)
         self.worker_id = worker_id
         self.layout = layout = ArenaLayout.plan(cfg, options, dtype.itemsize)

@@ -23,14 +23,17 @@ from workers.model.hybrid import HybridForCausalLM
 from workers.model.layers import Rotary
 from workers.model.registry import family_for
 from workers.model.sharding import PER_EXPERT, Ranges, Shard, ranges, shard_config, vocab_rows, zero_on_other_ranks
+from workers.options import choose_dtype
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_dtype(dtype: str | torch.dtype | None, cfg: ModelConfig) -> torch.dtype:
+def resolve_dtype(dtype: str | torch.dtype | None, cfg: ModelConfig, device: torch.device | str = "cpu") -> torch.dtype:
+    """`dtype` as a torch dtype; auto (or None) as `workers.options.choose_dtype` picks it for
+    `device`."""
     if isinstance(dtype, torch.dtype):
         return dtype
-    name = cfg.torch_dtype if dtype in (None, "auto") else dtype
+    name = choose_dtype("auto", cfg.torch_dtype, torch.device(device).type) if dtype in (None, "auto") else dtype
     if name not in DTYPES:
         raise ValueError(f"dtype: expected one of {sorted(DTYPES)} or 'auto', got {dtype!r}")
     return DTYPES[name]
@@ -124,7 +127,7 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype | None = None,
     family = family_for(raw, str(source))
     full = family.read_config(raw, str(source))
     cfg = shard_config(full, shard.world)
-    torch_dtype = resolve_dtype(dtype, cfg)
+    torch_dtype = resolve_dtype(dtype, cfg, device or "cpu")
     files = weight_files(model_dir)
     state = {_our_name(k): v for k, v in read_tensors(files, torch_dtype, family, full, shard).items()}
     _, _, vocab_per_rank = vocab_rows(full.vocab_size, shard)
