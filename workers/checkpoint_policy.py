@@ -21,9 +21,9 @@ baselines round them down to page boundaries (page j ends at token j * page_size
 
 Each kind earns its keep under the `cairn` policy: hits served against checkpoints admitted,
 decayed so a workload change shows, decide admission. A checkpoint is judged only once it has
-settled (`settle_after` admission decisions later, enough for the next turns of the
-conversations in flight to have come back), so a kind is not refused while its first hits are
-still on their way. A kind that does not pay is still admitted with a small exploration
+settled (`settle_window` admission decisions later: `settle_after`, or how long nine in ten of
+the recent hits took to come back, so that the next turns of the conversations in flight have come back
+however many there are), so a kind is not refused while its first hits are still on their way. A kind that does not pay is still admitted with a small exploration
 probability (seeded, so runs repeat). Baselines admit their fixed kinds always. This module
 decides; it holds no slots and touches no tensor.
 """
@@ -80,6 +80,7 @@ class CheckpointPolicy:
         self.kinds = POLICY_KINDS[self.name]
         self._rng = random.Random(self.seed)
         self._clock = 0
+        self._reuse: deque[int] = deque(maxlen=128)  # how long recent hits took to come back, in decisions
 
     @property
     def captures_finish(self) -> str | None:
@@ -130,7 +131,7 @@ class CheckpointPolicy:
         if self.name != "cairn":
             return kind in self.kinds
         rec = self.records[kind]
-        while rec.pending and rec.pending[0] <= self._clock - self.settle_after:
+        while rec.pending and rec.pending[0] <= self._clock - self.settle_window:
             rec.pending.popleft()
             rec.settled = rec.settled * self.decay + 1.0
             rec.hits *= self.decay
@@ -138,7 +139,26 @@ class CheckpointPolicy:
             return True
         return self._rng.random() < self.exploration
 
-    def record_hit(self, kinds: set[str]) -> None:
+    @property
+    def clock(self) -> int:
+        """Admission decisions so far (what a checkpoint is stamped with when stored)."""
+        return self._clock
+
+    @property
+    def settle_window(self) -> int:
+        """Admission decisions after which a checkpoint's outcome is judged: `settle_after`, or
+        how long nine in ten of the last 128 hits took to come back if that is longer (64
+        conversations in round robin come back later than a handful do; one old checkpoint hit
+        late does not stretch it); before any hit has come back, eight times `settle_after`:
+        nothing is refused for want of hits that cannot have arrived yet."""
+        if not self._reuse:
+            return 8 * self.settle_after
+        return max(self.settle_after, sorted(self._reuse)[len(self._reuse) * 9 // 10])
+
+    def record_hit(self, kinds: set[str], admitted_at: int | None = None) -> None:
+        """A resume from a checkpoint of `kinds`, stamped `admitted_at` (`clock` when stored)."""
+        if admitted_at is not None:
+            self._reuse.append(self._clock - admitted_at)
         for k in kinds:
             self.records[k].hits += 1.0
             self.records[k].total_hits += 1

@@ -291,7 +291,7 @@ class PrefixCache(CachePlacement):
                 self._pin(ckpt)
                 restore = ckpt.slot
             c.resumed_from = (ckpt.page_hash, ckpt.position(self.page_size))
-            self.policy.record_hit(ckpt.kinds)
+            self.policy.record_hit(ckpt.kinds, ckpt.admitted_at)
             self.stats.checkpoints_used += 1
             for k in ckpt.kinds:
                 self.stats.by_kind.setdefault(k, {"stored": 0}).setdefault("used", 0)
@@ -443,7 +443,7 @@ class PrefixCache(CachePlacement):
                 self.budget.touch_checkpoint(key)
             return False
         if slot < 0:  # written to the host tier (no device slot could be had)
-            self.host.add_checkpoint(Checkpoint(key, -1, depth, set(kinds), exact_tail),
+            self.host.add_checkpoint(Checkpoint(key, -1, depth, set(kinds), exact_tail, admitted_at=self.policy.clock),
                                      self._host_pending.pop(slot))
             self._state_event(key)
             self.stats.checkpoints_stored += 1
@@ -468,7 +468,7 @@ class PrefixCache(CachePlacement):
         """Pending `slot` (written) becomes the checkpoint keyed `page_hash`: after that page,
         which is on the device and has none yet (a host copy is superseded), or, with `floor`,
         the sub-page one `tail` tokens into the page after `floor`."""
-        self.checkpoints.store(slot, page_hash, depth, kinds, exact_tail, tail, floor)
+        self.checkpoints.store(slot, page_hash, depth, kinds, exact_tail, tail, floor, self.policy.clock)
         if floor is None:
             self.host.drop_checkpoint(page_hash)  # (the state event below moves it in the index)
         self.budget.list_checkpoint(page_hash)
