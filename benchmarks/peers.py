@@ -27,8 +27,8 @@ Then two speed rows per system: an uncached long prompt (prefill tok/s = its tok
 
 Every system gets the same cache bytes: 4 GiB, or with `--budget F` F of the working set (the
 traces' distinct tokens' K/V plus one recurrent state per conversation, in the model's bf16
-sizes): cairn's --cache-memory-bytes, vLLM's VLLM_CPU_KVCACHE_SPACE (GiB), llama-server's
---cache-ram (MiB).
+sizes): cairn's --cache-memory-bytes, vLLM's VLLM_CPU_KVCACHE_SPACE (whole GiB: a budget under
+1 GiB leaves vLLM out, saying so), llama-server's --cache-ram (MiB).
 
 Printed: one table per trace with cached/oracle, TTFT p50/p99 and each peer's ratio to cairn,
 then the speed table, then the exact command each system ran. Writes benchmarks/out/peers.png
@@ -147,8 +147,11 @@ def vllm(model_dir: Path, cache_bytes: int) -> System:
     python = PEERS / "vllm" / "bin" / "python"
     if not python.exists():
         raise Unavailable(f"no {python} (bash benchmarks/peers_setup.sh vllm)")
+    if cache_bytes < 1 << 30:
+        raise Unavailable(f"VLLM_CPU_KVCACHE_SPACE takes whole GiB, and this cache is {cache_bytes / 2**20:.1f} MiB "
+                          "(a larger model or longer traces give a working set whose share is a GiB or more)")
     port = free_port()
-    gib = f"{cache_bytes / 2**30:.3f}".rstrip("0").rstrip(".")
+    gib = str(cache_bytes >> 30)
     config = json.loads((model_dir / "config.json").read_text())
     context = min(8192, config.get("text_config", config).get("max_position_embeddings", 8192))
     return System("vllm", [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
