@@ -77,7 +77,7 @@ def build_application(model_dir: str | Path | None = None, replicas: int = 2, *,
     what it deploys. `tenant_limits`: every tenant's quotas (`cluster.api.quotas.TenantLimits`)."""
     from workers import EngineOptions, EngineSpec, ModelSource, demo_model_dir
     from workers.model import read_model_config
-    from workers.options import choose_dtype
+    from workers.precision import choose_dtype
 
     from cluster.api.quotas import TenantLimits
     from cluster.api.tenants import Tenants, key_digest

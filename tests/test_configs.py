@@ -336,10 +336,10 @@ def test_auto_dtype_is_chosen_once_at_deploy_for_the_engines_devices(monkeypatch
     """Every replica runs (and the spec every router and ingress reads says) one dtype: auto is
     resolved where the app is built, for the device the engines run on (a GPU: the checkpoint's,
     fp32 for the demo model; a CPU: bf16 where it is native); a --dtype given is passed as is."""
-    from workers import options
+    from workers import precision
 
     monkeypatch.delenv("CAIRN_DTYPE")
-    monkeypatch.setattr(options, "native_bf16_cpu", lambda: native)
+    monkeypatch.setattr(precision, "native_bf16_cpu", lambda: native)
     app = app_builder({"model_dir": str(tiny_model_dir), "replicas": 1, "num_gpus": gpus})
     _, (_, engine_options, _, spec) = engine_of(app)
     assert engine_options["dtype"] == want

@@ -173,12 +173,12 @@ def test_auto_dtype_is_bf16_on_a_cpu_with_native_bf16_and_the_engine_names_what_
     """auto picks bf16 where the CPU computes it natively (faster than fp32 there), fp32
     elsewhere, the checkpoint's dtype on CUDA; the engine's options and spec name the dtype it
     runs, and agree with the spec a deploy reads from the directory."""
-    from workers import EngineOptions, EngineSpec, options
-    from workers.options import choose_dtype
+    from workers import EngineOptions, EngineSpec, precision
+    from workers.precision import choose_dtype
 
     monkeypatch.delenv("CAIRN_DTYPE")
     for native, want in ((True, "bfloat16"), (False, "float32")):
-        monkeypatch.setattr(options, "native_bf16_cpu", lambda: native)
+        monkeypatch.setattr(precision, "native_bf16_cpu", lambda: native)
         engine = Engine.from_pretrained(tiny_model_dir, num_pages=32)
         assert str(next(engine.model.parameters()).dtype) == f"torch.{want}" and engine.options.dtype == want
         assert engine.spec == EngineSpec.from_model_dir(tiny_model_dir, EngineOptions(num_pages=32))

@@ -28,6 +28,7 @@ class Checkpoint:
     tail: tuple[int, ...] = ()  # sub-page: the tokens after its floor page that it also covers
     floor: bytes | None = None  # sub-page: the hash of the page under it
     admitted_at: int = 0  # the policy's clock when it was stored (how long its hits take to come back)
+    root: bytes | None = None  # sub-page: the hash root it was computed under (only that root's prompts use it)
 
     def position(self, page_size: int) -> int:
         """Tokens the state has seen."""
@@ -71,9 +72,9 @@ class CheckpointStore:
 
     def store(self, slot: int, page_hash: bytes, depth: int, kinds: set[str],
               exact_tail: tuple[int, ...] | None = None, tail: tuple[int, ...] = (),
-              floor: bytes | None = None, admitted_at: int = 0) -> Checkpoint:
+              floor: bytes | None = None, admitted_at: int = 0, root: bytes | None = None) -> Checkpoint:
         self._pending.remove(slot)
-        ckpt = Checkpoint(page_hash, slot, depth, set(kinds), exact_tail, tail, floor, admitted_at)
+        ckpt = Checkpoint(page_hash, slot, depth, set(kinds), exact_tail, tail, floor, admitted_at, root)
         self._by_hash[page_hash] = self._by_slot[slot] = ckpt
         if floor is not None:
             self._floors.setdefault(floor, {})[page_hash] = ckpt

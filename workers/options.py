@@ -3,41 +3,14 @@
 Every field is checked at construction; a bad value raises `ValueError` naming the field and its
 allowed range. Sizes say their unit: tokens, pages, slots or bytes.
 
-`dtype="auto"` (`choose_dtype`): on CUDA, the checkpoint's dtype; on a CPU that computes bf16
-natively (AVX512-BF16 or AMX), bfloat16 (faster than fp32 there: about 1.4x prefill and 1.5x
-decode on the bench demo model); on any other CPU, float32. `$CAIRN_DTYPE`, when set, is what
-auto picks instead (the test suite pins float32: its parity oracles are fp32).
+`dtype="auto"`: the engine's device and processor choose (`workers.precision`).
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, fields
 
-DTYPE_NAMES = ("float32", "bfloat16", "float16")
-AUTO_DTYPE_ENV = "CAIRN_DTYPE"
-
-
-def native_bf16_cpu() -> bool:
-    """Whether this CPU computes bf16 natively (AVX512-BF16 or AMX tiles)."""
-    import torch
-
-    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
-
-
-def choose_dtype(requested: str, config_dtype: str, device_type: str) -> str:
-    """The dtype an engine runs in: `requested` unless it is auto (see the module docstring);
-    `device_type` is "cuda" or "cpu"."""
-    if requested != "auto":
-        return requested
-    forced = os.environ.get(AUTO_DTYPE_ENV)
-    if forced:
-        if forced not in DTYPE_NAMES:
-            raise ValueError(f"${AUTO_DTYPE_ENV} must be one of {', '.join(DTYPE_NAMES)}, got {forced!r}")
-        return forced
-    if device_type == "cuda":
-        return config_dtype if config_dtype in DTYPE_NAMES else "bfloat16"
-    return "bfloat16" if native_bf16_cpu() else "float32"
+from workers.precision import DTYPE_NAMES
 
 
 @dataclass(frozen=True)
@@ -52,25 +25,13 @@ class EngineOptions:
     max_num_seqs: int = 64                    # sequences running at once (each holds a state slot)
     max_num_batched_tokens: int = 1024        # tokens computed in one step (decodes + prefill chunks)
     max_model_len: int | None = None          # prompt + output tokens; None = model's max positions
-    dtype: str = "auto"                       # float32 | bfloat16 | float16 | auto (choose_dtype)
+    dtype: str = "auto"                       # float32 | bfloat16 | float16 | auto (workers.precision)
     device: str = "auto"                      # cpu | cuda | cuda:N | auto (cuda when present)
     seed: int = 0                             # randomness of requests that carry no seed
     memory_utilization: float | None = None   # CUDA: size the arena from what the device has left (workers.device_budget)
     tensor_parallel_size: int = 1             # devices (ranks) one engine spans (workers.tp_runner)
     collective_timeout_s: float = 60.0        # the longest a rank waits on the others in a step
     host_cache_bytes: int = 0                 # host tier: what the device evicts is kept here (0: off; workers.host_tier)
-
-    def device_type(self) -> str:
-        """"cuda" or "cpu": where an engine with these options runs (auto: CUDA when present)."""
-        if self.device == "auto":
-            import torch
-
-            return "cuda" if torch.cuda.is_available() else "cpu"
-        return "cuda" if self.device.startswith("cuda") else "cpu"
-
-    def run_dtype(self, config_dtype: str) -> str:
-        """The dtype the engine runs in, for a checkpoint whose config says `config_dtype`."""
-        return choose_dtype(self.dtype, config_dtype, self.device_type())
 
     def __post_init__(self) -> None:
         def positive(name: str, allow_none: bool = False) -> None:

@@ -5,8 +5,9 @@ which block a new page takes; this pool keeps the rest. A page is held by refere
 whole page can be registered under its chain hash (cache_service.hashing) with its parent's
 hash; when its last holder releases it, a registered page stays cached for reuse, an
 unregistered one is free again (its block goes back to the arena). A page registered with its
-tokens can also serve part of itself: `partial_match` finds, among a page's registered children,
-the one sharing the most leading tokens with a prompt's next page (copy-on-write reuse). The prefix cache decides
+tokens can also serve part of itself: `partial_match` finds, among a page's registered children
+computed under the same hash root (a tenant's, a salt's: never another's), the one sharing the
+most leading tokens with a prompt's next page (copy-on-write reuse). The prefix cache decides
 eviction order; `evict` unregisters a cached page and, with it, every cached descendant on its
 chain (they are unreachable from the root without it).
 
@@ -24,7 +25,7 @@ class PagePool:
         self._page_of: dict[bytes, int] = {}
         self._parent: dict[bytes, bytes | None] = {}
         self._children: dict[bytes, set[bytes]] = {}
-        self._tokens: dict[bytes, tuple[int, ...]] = {}  # registered with their tokens: partial matches
+        self._tokens: dict[bytes, tuple[bytes, tuple[int, ...]]] = {}  # (hash root, tokens): partial matches
         self._num_cached = 0
 
     # ---- counts ----------------------------------------------------------------------------
@@ -111,10 +112,10 @@ class PagePool:
         return self._parent.get(page_hash)
 
     def register(self, page: int, page_hash: bytes, parent: bytes | None,
-                 tokens: tuple[int, ...] | None = None) -> bool:
-        """Names a held, full page by its chain hash (with its `tokens`, when known, for
-        `partial_match`). False if that hash already names another page (a duplicate computed
-        concurrently): this page stays private."""
+                 tokens: tuple[int, ...] | None = None, root: bytes = b"") -> bool:
+        """Names a held, full page by its chain hash (with its `tokens` and the hash `root` of
+        the sequence that computed it, when known, for `partial_match`). False if that hash
+        already names another page (a duplicate computed concurrently): this page stays private."""
         if page_hash in self._page_of or page in self._hash_of:
             return False
         self._page_of[page_hash] = page
@@ -123,18 +124,21 @@ class PagePool:
         if parent is not None:
             self._children.setdefault(parent, set()).add(page_hash)
             if tokens is not None:
-                self._tokens[page_hash] = tokens
+                self._tokens[page_hash] = (root, tokens)
         return True
 
-    def partial_match(self, parent: bytes, tokens: list[int]) -> tuple[int | None, int]:
-        """(page, m): of `parent`'s registered children whose tokens are known, the one whose
-        first m tokens equal the first m of `tokens`, m as large as possible (None, 0: none
-        shares even one). A page that matched whole would have been a hit, so m < its length."""
+    def partial_match(self, parent: bytes, tokens: list[int], root: bytes = b"") -> tuple[int | None, int]:
+        """(page, m): of `parent`'s registered children whose tokens are known and that were
+        computed under `root`, the one whose first m tokens equal the first m of `tokens`, m as
+        large as possible (None, 0: none shares even one). A page that matched whole would have
+        been a hit, so m < its length. (A child of a public prefix's last page computed under
+        another root is another tenant's first page of its own: it never matches.)"""
         best, best_m = None, 0
         for child in self._children.get(parent, ()):
-            known = self._tokens.get(child)
-            if known is None or not tokens or known[0] != tokens[0]:
+            entry = self._tokens.get(child)
+            if entry is None or entry[0] != root or not tokens or entry[1][0] != tokens[0]:
                 continue
+            known = entry[1]
             m, n = 1, min(len(known), len(tokens))
             while m < n and known[m] == tokens[m]:
                 m += 1

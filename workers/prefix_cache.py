@@ -39,7 +39,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from cache_service.events import DEVICE, HOST, AllCleared, PagesStored, StateStored
-from cache_service.hashing import next_page_hash
+from cache_service.hashing import branch_root, next_page_hash
 from cache_service.scoring import resume_at_token
 from workers.arena import Arena, ArenaLayout
 from workers.cache_budget import CacheBudget
@@ -202,14 +202,16 @@ class PrefixCache(CachePlacement):
         ps, n = self.page_size, seq.num_tokens
         if h == 0 or h * ps >= n:
             return None, 0
-        return self.pages.partial_match(hashes[h - 1], seq.token_ids[h * ps:min(n, (h + 1) * ps)])
+        return self.pages.partial_match(hashes[h - 1], seq.token_ids[h * ps:min(n, (h + 1) * ps)], seq.hash_root)
 
     def _sub_page_resume(self, seq: Sequence, floor: bytes, limit: int) -> Checkpoint | None:
-        """The deepest sub-page checkpoint on page `floor` that `seq` repeats, at most at `limit`."""
+        """The deepest sub-page checkpoint on page `floor` that `seq` repeats, at most at `limit`,
+        taken under `seq`'s own hash root (after a public prefix, another tenant's is not its)."""
         best, ps = None, self.page_size
         for ckpt in self.checkpoints.at_floor(floor):
             pos = ckpt.position(ps)
-            if pos <= limit and (best is None or pos > best.position(ps)) and ckpt.usable_by(seq.token_ids, ps):
+            if pos <= limit and ckpt.root == seq.hash_root and (best is None or pos > best.position(ps)) \
+                    and ckpt.usable_by(seq.token_ids, ps):
                 best = ckpt
         return best
 
@@ -432,7 +434,10 @@ class PrefixCache(CachePlacement):
         depth, cut = divmod(position, self.page_size)
         tail = tuple(seq.token_ids[position - cut:position])
         floor = self.extend_hashes(seq, depth)[depth - 1] if depth else None
-        key = floor if not tail else (next_page_hash(floor, tail) if floor is not None and slot >= 0 else None)
+        if tail:  # keyed under this sequence's root: a floor may be a public page every tenant shares
+            key = next_page_hash(branch_root(floor, seq.hash_root), tail) if floor is not None and slot >= 0 else None
+        else:
+            key = floor
         existing = self.checkpoints.get(key) if key is not None else None
         if key is None or self.pages.page_of(floor) is None or existing is not None or \
                 (slot < 0 and key in self.host.checkpoints):
@@ -451,7 +456,7 @@ class PrefixCache(CachePlacement):
             for k in kinds:
                 self.stats.by_kind.setdefault(k, {"stored": 0})["stored"] += 1
         else:
-            self.store_checkpoint(slot, key, depth, kinds, exact_tail, tail, floor if tail else None)
+            self.store_checkpoint(slot, key, depth, kinds, exact_tail, tail, floor if tail else None, seq.hash_root)
         resumed = seq.cache.resumed_from
         if resumed is not None and position > resumed[1]:
             old = resumed[0]  # the conversation moved on: its old resume point goes cold
@@ -464,11 +469,11 @@ class PrefixCache(CachePlacement):
 
     def store_checkpoint(self, slot: int, page_hash: bytes, depth: int, kinds: set[str],
                          exact_tail: tuple[int, ...] | None = None, tail: tuple[int, ...] = (),
-                         floor: bytes | None = None) -> None:
+                         floor: bytes | None = None, root: bytes | None = None) -> None:
         """Pending `slot` (written) becomes the checkpoint keyed `page_hash`: after that page,
         which is on the device and has none yet (a host copy is superseded), or, with `floor`,
         the sub-page one `tail` tokens into the page after `floor`."""
-        self.checkpoints.store(slot, page_hash, depth, kinds, exact_tail, tail, floor, self.policy.clock)
+        self.checkpoints.store(slot, page_hash, depth, kinds, exact_tail, tail, floor, self.policy.clock, root)
         if floor is None:
             self.host.drop_checkpoint(page_hash)  # (the state event below moves it in the index)
         self.budget.list_checkpoint(page_hash)
@@ -500,7 +505,8 @@ class PrefixCache(CachePlacement):
                 self._unhold(c.page_ids[j])
                 c.page_ids[j] = twin
                 self._table_writes.append(PageTableWrite(c.row, j, [twin]))
-            elif self.pages.register(c.page_ids[j], page_hash, parent, tuple(seq.token_ids[j * ps:(j + 1) * ps])):
+            elif self.pages.register(c.page_ids[j], page_hash, parent, tuple(seq.token_ids[j * ps:(j + 1) * ps]),
+                                     seq.hash_root):
                 run.append(page_hash)
                 if page_hash in self.host.pages:  # computed again: the device copy supersedes it
                     self.host.free_blocks([self.host.pop_page(page_hash)])

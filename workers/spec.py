@@ -9,7 +9,7 @@
 - `vocab_size`: token ids are in [0, vocab_size);
 - `page_bytes`, `state_bytes`: what one KV page (every attention layer's K and V) and one
   recurrent state (every linear layer's conv and delta-rule state; 0 without recurrent layers)
-  take on one device, in the dtype the engine runs in (`EngineOptions.run_dtype`). Under tensor
+  take on one device, in the dtype the engine runs in (`workers.precision.run_dtype`). Under tensor
   parallelism, on one rank: each rank holds its heads' share (`workers.model.sharding`) and
   copies it over its own link. The arena's sizes (`workers.arena`): a state slot adds at most
   15 bytes of alignment. The router prices copying them back from host memory with them.
@@ -32,6 +32,7 @@ from workers.model.config import ModelConfig
 from workers.model.registry import read_model_config
 from workers.model.sharding import shard_config
 from workers.options import EngineOptions
+from workers.precision import run_dtype
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,7 @@ class EngineSpec:
         if model_fingerprint is None:
             model_fingerprint = fingerprint({f.name: getattr(cfg, f.name) for f in fields(cfg) if f.compare})
         limit = cfg.max_position_embeddings
-        dtype_bytes = DTYPE_BYTES[options.run_dtype(cfg.torch_dtype)]
+        dtype_bytes = DTYPE_BYTES[run_dtype(options, cfg.torch_dtype)]
         state = conv_state_bytes(cfg, dtype_bytes) + ssm_state_bytes(cfg) if cfg.has_recurrent_layers else 0
         return cls(fingerprint=model_fingerprint, page_size=options.page_size,
                    max_model_len=min(options.max_model_len or limit, limit),

@@ -139,7 +139,9 @@ class Serving:
         never an engine key, so a reused label touches no other request. Page hashes are rooted
         in the tenant (who asked) and the request's cache_salt: tenants never share a page, but
         for the whole pages of a public system prompt opening an unsalted chat, which every
-        tenant shares (`public_system_prompts`)."""
+        tenant shares (`public_system_prompts`); where they end is a checkpoint hint (a state
+        there is keyed by the last public page: every tenant resumes from it, and from nothing
+        past it that another tenant computed)."""
         internal = uuid.uuid4().hex
         log.debug("request %s runs as engine requests %s-*", request_id, internal)
         spec, tenant = self.client.spec, caller.cache
@@ -148,11 +150,14 @@ class Serving:
         for p_index, p in enumerate(prompts):
             public = p.public_tokens // spec.page_size if req.cache_salt is None and tenant is not None else 0
             hashes = spec.page_hashes(p.ids, root, shared_pages=public)
+            hints = p.hints
+            if public and len(p.ids) // spec.page_size > public:  # the state where the public pages end,
+                hints = sorted({*hints, public * spec.page_size})  # keyed by the last of them: every tenant's
             for i, sp in enumerate(params):
                 out.append(GenerateRequest(
                     request_id=f"{internal}-{p_index * len(params) + i}", prompt_token_ids=p.ids, params=sp,
                     prompt=p.text, messages=p.messages, hash_root=root, page_hashes=hashes,
-                    checkpoint_hints=p.hints, tenant=caller.tenant_id))
+                    checkpoint_hints=hints, tenant=caller.tenant_id))
         return out
 
     # ---- running -----------------------------------------------------------------------------

@@ -23,13 +23,13 @@ from workers.model.hybrid import HybridForCausalLM
 from workers.model.layers import Rotary
 from workers.model.registry import family_for
 from workers.model.sharding import PER_EXPERT, Ranges, Shard, ranges, shard_config, vocab_rows, zero_on_other_ranks
-from workers.options import choose_dtype
+from workers.precision import choose_dtype
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, cfg: ModelConfig, device: torch.device | str = "cpu") -> torch.dtype:
-    """`dtype` as a torch dtype; auto (or None) as `workers.options.choose_dtype` picks it for
+    """`dtype` as a torch dtype; auto (or None) as `workers.precision.choose_dtype` picks it for
     `device`."""
     if isinstance(dtype, torch.dtype):
         return dtype
