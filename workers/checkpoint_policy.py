@@ -9,7 +9,9 @@ baselines round them down to page boundaries (page j ends at token j * page_size
 - `prompt_end`: n (templates that rewrite only what was generated, like Qwen3's: the
   divergence is the previous prompt's end itself);
 - `hint`: positions the ingress passes (message starts, the generation prompt's start, and where
-  the reply as the template writes it in history parts from the generation prompt);
+  the reply as the template writes it in history parts from the generation prompt), each also
+  at the page boundary at or before it: a whole-page state, the one the host tier keeps and a
+  peer's fetch exports (sub-page states stay on their device);
 - `finish`: the last boundary a sequence crossed before it finished, captured during decode
   (a client that echoes the whole turn extends it);
 - `branch`: where a prompt's K/V hit (a partial page's included) runs deeper than its state hit,
@@ -107,6 +109,7 @@ class CheckpointPolicy:
         want(n_tokens, PROMPT_END)
         for pos in hints:
             want(pos, HINT)
+            want(pos, HINT, exact_kind=False)  # and its page boundary (module docstring)
         if kv_tokens > resume_token:
             want(kv_tokens, BRANCH)
         for j in range(self.interval_pages, n_tokens // page_size + 1, self.interval_pages):
