@@ -50,6 +50,7 @@ def _demo_model(args: argparse.Namespace) -> int:
     return 0
 
 
+DTYPE_CHOICES = ("auto", "bfloat16", "float32", "float16")  # workers.precision's, without importing workers
 DTYPE_HELP = ("weights and activations (auto: the checkpoint's dtype on CUDA; on CPU, bfloat16 where the "
               "processor computes it natively (AVX512-BF16, AMX), else float32)")
 
@@ -66,7 +67,7 @@ def _add_generate(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32", "float16"),
+    parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                         help=DTYPE_HELP)
     parser.set_defaults(run=_generate)
 
@@ -169,7 +170,7 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--host-cache-bytes", type=int, default=None, metavar="BYTES",
                         help="host tier per replica: what the device cache evicts is kept in host memory (pinned "
                              "on CUDA) up to this many bytes, and brought back when cheaper than recomputing (0: off)")
-    parser.add_argument("--dtype", default=None, choices=("auto", "bfloat16", "float32", "float16"),
+    parser.add_argument("--dtype", default=None, choices=DTYPE_CHOICES,
                         help=DTYPE_HELP)
     parser.add_argument("--tensor-parallel-size", type=int, default=None, metavar="N",
                         help="devices one engine replica spans (1); a replica is then N bundles of --num-cpus and "

@@ -24,9 +24,9 @@ baselines round them down to page boundaries (page j ends at token j * page_size
 Each kind earns its keep under the `cairn` policy: hits served against checkpoints admitted,
 decayed so a workload change shows, decide admission. A checkpoint is judged only once it has
 settled (`settle_window` admission decisions later: `settle_after`, or how long nine in ten of
-the recent hits took to come back, so that the next turns of the conversations in flight have come back
-however many there are), so a kind is not refused while its first hits are still on their way. A kind that does not pay is still admitted with a small exploration
-probability (seeded, so runs repeat). Baselines admit their fixed kinds always. This module
+the recent hits took to come back, so that the next turns of the conversations in flight have
+come back however many there are), so a kind is not refused while its first hits are still on
+their way. A kind that does not pay is still admitted with a small exploration probability (seeded, so runs repeat). Baselines admit their fixed kinds always. This module
 decides; it holds no slots and touches no tensor.
 """
 
@@ -83,6 +83,7 @@ class CheckpointPolicy:
         self._rng = random.Random(self.seed)
         self._clock = 0
         self._reuse: deque[int] = deque(maxlen=128)  # how long recent hits took to come back, in decisions
+        self._window = 8 * self.settle_after  # settle_window, updated as hits come back
 
     @property
     def captures_finish(self) -> str | None:
@@ -154,14 +155,13 @@ class CheckpointPolicy:
         conversations in round robin come back later than a handful do; one old checkpoint hit
         late does not stretch it); before any hit has come back, eight times `settle_after`:
         nothing is refused for want of hits that cannot have arrived yet."""
-        if not self._reuse:
-            return 8 * self.settle_after
-        return max(self.settle_after, sorted(self._reuse)[len(self._reuse) * 9 // 10])
+        return self._window
 
     def record_hit(self, kinds: set[str], admitted_at: int | None = None) -> None:
         """A resume from a checkpoint of `kinds`, stamped `admitted_at` (`clock` when stored)."""
-        if admitted_at is not None:
+        if admitted_at is not None:  # the window moves here, not at each admission decision
             self._reuse.append(self._clock - admitted_at)
+            self._window = max(self.settle_after, sorted(self._reuse)[len(self._reuse) * 9 // 10])
         for k in kinds:
             self.records[k].hits += 1.0
             self.records[k].total_hits += 1

@@ -364,8 +364,7 @@ class Scheduler:
         wanted = {p: set(k) for p, k in targets.items() if seg.start < p <= seg.end}
         if EVERY in policy.kinds:
             for j in range(max(first, seq.num_prompt_tokens // ps + 1), last + 1):
-                if j * ps > seq.num_prompt_tokens:
-                    wanted.setdefault(j * ps, set()).add(EVERY)  # decode crossings of the `all` baseline
+                wanted.setdefault(j * ps, set()).add(EVERY)  # decode crossings of the `all` baseline
         for pos in sorted(wanted):
             admitted = policy.admit(wanted[pos])
             if not admitted:
