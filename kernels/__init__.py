@@ -4,7 +4,8 @@ Callers import ops from here (`from kernels import store_kv`), never from an imp
 Each op asks `_backend` which module implements it for the tensors it was given:
 - CUDA tensors run `kernels.gpu` (compiled Triton, imported on first use);
 - CPU tensors run `kernels.reference` (fp32 torch: the CPU path, and the oracle every Triton
-  kernel is tested against) and `kernels.reference_varlen` (its per-sequence loops);
+  kernel is tested against), `kernels.reference_varlen` (its per-sequence loops) and
+  `kernels.reference_moe` (the mixture of experts);
 - `CAIRN_KERNELS=reference` in the environment (read at every call) or `force_reference(True)`
   sends CUDA tensors to the references too, for debugging a suspected kernel.
 Interpreted Triton (`TRITON_INTERPRET=1`) is for the CPU tests only, which import the
@@ -25,7 +26,7 @@ from types import ModuleType
 
 from torch import Tensor
 
-from kernels import reference, reference_varlen
+from kernels import reference, reference_moe, reference_varlen
 
 __all__ = [
     "store_kv",
@@ -41,6 +42,7 @@ __all__ = [
     "gated_delta_rule_step_slots",
     "causal_conv1d_varlen",
     "causal_conv1d_update_slots",
+    "fused_moe",
     "force_reference",
 ]
 
@@ -72,6 +74,11 @@ def _uses_triton(tensor: Tensor) -> bool:
 def _backend(tensor: Tensor) -> ModuleType:
     """The module implementing the `reference` ops on `tensor`'s device."""
     return importlib.import_module("kernels.gpu") if _uses_triton(tensor) else reference
+
+
+def _moe_backend(tensor: Tensor) -> ModuleType:
+    """The module implementing `fused_moe` on `tensor`'s device."""
+    return importlib.import_module("kernels.triton_moe") if _uses_triton(tensor) else reference_moe
 
 
 def _varlen_backend(tensor: Tensor) -> ModuleType:
@@ -163,3 +170,9 @@ def causal_conv1d_varlen(x: Tensor, weight: Tensor, cu_seqlens: Tensor, conv_poo
 def causal_conv1d_update_slots(x: Tensor, weight: Tensor, conv_pool: Tensor, state_slots: Tensor) -> Tensor:
     """See `reference_varlen.causal_conv1d_update_slots`."""
     return _varlen_backend(x).causal_conv1d_update_slots(x, weight, conv_pool, state_slots)
+
+
+def fused_moe(x: Tensor, logits: Tensor, gate_up: Tensor, down: Tensor, top_k: int,
+              renormalize: bool = True) -> Tensor:
+    """See `reference_moe.fused_moe`."""
+    return _moe_backend(x).fused_moe(x, logits, gate_up, down, top_k, renormalize)

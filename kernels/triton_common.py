@@ -5,7 +5,7 @@ imported (TRITON_INTERPRET=1 then makes even triton's own `tl.sum` interpreted),
 cannot run both interpreted and compiled kernels.
 
 `FILL`: when set (tests set NaN), every buffer a launcher allocates, outputs and scratch alike, is
-filled with it instead of left uninitialised, so a kernel that reads memory nobody wrote, or
+filled with it instead of left uninitialised (integer buffers with their dtype's minimum), so a kernel that reads memory nobody wrote, or
 leaves part of its output unwritten, fails loudly rather than by luck.
 """
 
@@ -23,6 +23,8 @@ FILL: float | None = None
 def empty(*shape: int, dtype: torch.dtype, device: torch.device) -> Tensor:
     if FILL is None:
         return torch.empty(*shape, dtype=dtype, device=device)
+    if not dtype.is_floating_point:  # integer scratch: the most negative value, an index nothing may use
+        return torch.full(shape, torch.iinfo(dtype).min, dtype=dtype, device=device)
     return torch.full(shape, FILL, dtype=dtype, device=device)
 
 
@@ -41,7 +43,10 @@ def unit_last(t: Tensor) -> Tensor:
 
 
 def dot_dtype(t: Tensor) -> tl.dtype:
-    """Matmul operand dtype for data stored as `t`: 16-bit stays 16-bit (tensor cores), else fp32."""
+    """Matmul operand dtype for data stored as `t`: 16-bit stays 16-bit (tensor cores), else fp32.
+    Interpreted, always fp32: the interpreter's tl.dot of bf16 operands returns garbage."""
+    if INTERPRETED:
+        return tl.float32
     return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}.get(t.dtype, tl.float32)
 
 

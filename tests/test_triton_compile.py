@@ -20,7 +20,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 EXPECTED = {"_l2norm_kernel", "_chunk_prepare_kernel", "_chunk_scan_kernel", "_chunk_out_kernel", "_recurrent_kernel",
             "_store_kv_kernel", "_prefill_kernel", "_decode_kernel", "_decode_merge_kernel", "_conv_fwd_kernel",
-            "_conv_state_kernel", "_conv_update_kernel", "_copy_slots_kernel"}
+            "_conv_state_kernel", "_conv_update_kernel", "_copy_slots_kernel",
+            "_route_kernel", "_align_kernel", "_gate_up_kernel", "_down_kernel"}
 
 
 def _nvidia_bin() -> Path | None:
@@ -64,13 +65,13 @@ def _main() -> None:
     from triton.compiler import ASTSource
 
     from kernels import triton_attention, triton_common, triton_conv, triton_delta_recurrent, triton_delta_rule
-    from kernels import triton_state
+    from kernels import triton_moe, triton_state
 
     assert not triton_common.INTERPRETED
     types = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int32: "i32",
              torch.int64: "i64"}
     cubin = Path(os.environ.get("TMPDIR", "/tmp")) / f"cairn-compile-{os.getpid()}.cubin"
-    shapes = {"now": ""}
+    shapes: dict = {"now": "", "dtype": None}
 
     def local_bytes(binary: bytes) -> int:
         cubin.write_bytes(binary)
@@ -95,18 +96,19 @@ def _main() -> None:
             options = {k: v for k, v in kwargs.items() if k not in kernel.arg_names}
             binary = triton.compile(ASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
                                     options=options)
-            data = "bf16" if "*bf16" in signature.values() else "fp32"
+            data = "bf16" if shapes["dtype"] == torch.bfloat16 else "fp32"  # the run's (align's data are ids)
             print(json.dumps(dict(kernel=kernel.fn.__name__, shapes=shapes["now"], data=data,
                                   local_bytes=local_bytes(binary.asm["cubin"]))), flush=True)
         kernel.run = run
 
-    modules = (triton_attention, triton_conv, triton_delta_recurrent, triton_delta_rule, triton_state)
+    modules = (triton_attention, triton_conv, triton_delta_recurrent, triton_delta_rule, triton_state, triton_moe)
     for module in modules:
         for value in vars(module).values():
             if isinstance(value, triton.runtime.jit.JITFunction) and value.fn.__name__.endswith("_kernel"):
                 intercept(value)
 
     for shapes["now"], dtype in (("qwen3-next", torch.bfloat16), ("demo", torch.float32)):
+        shapes["dtype"] = dtype
         big = shapes["now"] == "qwen3-next"  # Qwen3-Next-80B head shapes, few heads and tokens; or the demo's
         h_k, h_v, d_k, d_v = (2, 4, 128, 128) if big else (2, 4, 16, 16)
         h_q, h_kv, d, channels, t = (16, 2, 256, 8192, 70) if big else (4, 2, 32, 96, 70)
@@ -130,6 +132,11 @@ def _main() -> None:
         triton_conv.causal_conv1d_update(torch.randn(2, channels, dtype=dtype), weight,
                                          torch.zeros(2, channels, 3, dtype=dtype))
         triton_state.copy_state_slots([torch.zeros(4, 3, 5, dtype=dtype)], torch.tensor([0]), torch.tensor([1]))
+        # Qwen3-Next's routing (512 experts, top 10); the widths are runtime values, so small ones compile the same
+        experts, top_k, hidden, inter = (512, 10, 64, 32) if big else (8, 2, 32, 16)
+        triton_moe.fused_moe(torch.randn(t, hidden, dtype=dtype), torch.randn(t, experts, dtype=dtype),
+                             torch.randn(experts, 2 * inter, hidden, dtype=dtype),
+                             torch.randn(experts, hidden, inter, dtype=dtype), top_k)
     cubin.unlink(missing_ok=True)
 
 

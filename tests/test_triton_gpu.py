@@ -176,6 +176,25 @@ def test_decode_step_and_recurrence_match_the_reference(gpu, dtype):
 
 @compiled_only
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("experts, top_k, intermediate", [(512, 10, 512), (256, 8, 512)])
+def test_fused_moe_matches_the_reference_at_qwen_shapes(dtype, experts, top_k, intermediate):
+    """Qwen3-Next/3.5 (E = 512, k = 10) and Qwen3.5-35B-A3B-like (E = 256, k = 8) routing, hidden
+    2048, at a decode batch and a prefill."""
+    from kernels import reference_moe, triton_moe
+
+    gen = torch.Generator().manual_seed(0)
+    hidden = 2048
+    gate_up = (torch.randn(experts, 2 * intermediate, hidden, generator=gen) * hidden**-0.5).to(CUDA, dtype)
+    down = (torch.randn(experts, hidden, intermediate, generator=gen) * intermediate**-0.5).to(CUDA, dtype)
+    for tokens in (64, 1000):
+        x = torch.randn(tokens, hidden, generator=gen).to(CUDA, dtype)
+        logits = torch.randn(tokens, experts, generator=gen).to(CUDA)
+        assert_close(triton_moe.fused_moe(x, logits, gate_up, down, top_k),
+                     reference_moe.fused_moe(x, logits, gate_up, down, top_k), "out", dtype)
+
+
+@compiled_only
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_conv_and_state_copies_match_the_reference(gpu, dtype):
     channels = 2 * 16 * 128 + 32 * 128
     weight = torch.randn(channels, 4, device=CUDA, dtype=dtype)

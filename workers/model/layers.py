@@ -141,15 +141,5 @@ class SparseMoE(nn.Module):
         self.shared_expert_gate = nn.Linear(H, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)
-        weights, experts = torch.topk(probs, self.top_k, dim=-1)  # [T, k]
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        weights = weights.to(x.dtype)
-        out = torch.zeros_like(x)
-        for e in torch.unique(experts).tolist():
-            rows, which = torch.where(experts == e)
-            gate, up = F.linear(x[rows], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down_proj[e]) * weights[rows, which, None]
-            out.index_add_(0, rows, y)
+        out = kernels.fused_moe(x, self.gate(x), self.gate_up_proj, self.down_proj, self.top_k, self.norm_topk_prob)
         return out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)

@@ -1,0 +1,145 @@
+"""The fused MoE op: Triton (interpreted on CPU) against the torch reference at odd shapes, and the
+properties a CUDA graph relies on: four kernels and no other op, no host sync, and launch grids
+fixed by (tokens, experts, top k) whatever the routing."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import kernels
+from kernels import reference_moe, triton_common
+from kernels import triton_moe as moe
+
+pytestmark = pytest.mark.skipif(not triton_common.INTERPRETED,
+                                reason="needs TRITON_INTERPRET=1 before triton is imported (tests/conftest.py sets it)")
+TOL = dict(atol=2e-5, rtol=1e-4)
+H, I = 40, 24  # neither a power of two nor a block multiple
+
+
+@pytest.fixture(autouse=True)
+def nan_filled_buffers(monkeypatch):
+    monkeypatch.setattr(triton_common, "FILL", math.nan)
+
+
+def moe_inputs(T: int, E: int, seed: int = 0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g).to(dtype)
+    logits = torch.randn(T, E, generator=g) * 2
+    gate_up = (torch.randn(E, 2 * I, H, generator=g) * H**-0.5).to(dtype)
+    down = (torch.randn(E, H, I, generator=g) * I**-0.5).to(dtype)
+    return x, logits, gate_up, down
+
+
+@pytest.mark.parametrize("E, k", [(6, 2), (64, 8)])
+@pytest.mark.parametrize("T", [1, 7, 65])
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_triton_moe_matches_the_reference(E, k, T, renormalize):
+    x, logits, gate_up, down = moe_inputs(T, E, seed=T + E)
+    want = reference_moe.fused_moe(x, logits, gate_up, down, k, renormalize)
+    got = moe.fused_moe(x, logits, gate_up, down, k, renormalize)
+    torch.testing.assert_close(got, want, **TOL)
+
+
+def test_bf16_weights_and_activations_stay_within_bf16_rounding_of_the_reference():
+    x, logits, gate_up, down = moe_inputs(17, 64, seed=3, dtype=torch.bfloat16)
+    got = moe.fused_moe(x, logits, gate_up, down, 8)
+    want = reference_moe.fused_moe(x, logits, gate_up, down, 8)
+    assert got.dtype == torch.bfloat16
+    assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 1.5e-2
+
+
+def test_experts_that_get_no_token_and_every_token_on_one_expert():
+    x, logits, gate_up, down = moe_inputs(33, 6, seed=5)
+    logits[:, 4] = -1e4  # expert 4 gets no token
+    logits[:, 2] += 30.0  # every token's first choice is expert 2
+    _, experts = reference_moe.route(logits, 2, True, x.dtype)
+    assert (experts[:, 0] == 2).all() and not (experts == 4).any()
+    torch.testing.assert_close(moe.fused_moe(x, logits, gate_up, down, 2),
+                               reference_moe.fused_moe(x, logits, gate_up, down, 2), **TOL)
+
+
+def test_no_tokens_give_an_empty_output():
+    x, logits, gate_up, down = moe_inputs(0, 6)
+    assert moe.fused_moe(x, logits, gate_up, down, 2).shape == (0, H)
+
+
+KERNELS = {name: getattr(moe, name) for name in ("_route_kernel", "_align_kernel", "_gate_up_kernel", "_down_kernel")}
+
+
+class AtenOps(TorchDispatchMode):
+    """The aten ops the launcher's host code runs, allocations aside, and not while a kernel runs
+    (the interpreter's own tensor work is the GPU's there)."""
+    ALLOCATIONS = {"empty.memory_format", "full.default", "empty_strided.default"}
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+        self.in_kernel = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self.in_kernel and func.__name__ not in self.ALLOCATIONS:
+            self.ops.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+class Recorder:
+    """Stands in for a jitted kernel: records each launch's grid, then launches it."""
+
+    def __init__(self, kernel, launches: list, ops: AtenOps):
+        self.kernel, self.launches, self.ops = kernel, launches, ops
+
+    def __getitem__(self, grid):
+        self.launches.append((self.kernel.fn.__name__, tuple(grid)))
+
+        def launch(*args, **kwargs):
+            self.ops.in_kernel = True
+            try:
+                return self.kernel[grid](*args, **kwargs)
+            finally:
+                self.ops.in_kernel = False
+        return launch
+
+
+def launches_of(monkeypatch, x, logits, gate_up, down, k) -> tuple[list, list[str]]:
+    launches: list = []
+    ops = AtenOps()
+    for name, kernel in KERNELS.items():
+        monkeypatch.setattr(moe, name, Recorder(kernel, launches, ops))
+    with ops:
+        moe.fused_moe(x, logits, gate_up, down, k)
+    return launches, ops.ops
+
+
+def test_four_kernels_no_other_op_and_grids_fixed_by_the_shapes_not_the_routing(monkeypatch):
+    x, logits, gate_up, down = moe_inputs(9, 64, seed=1)
+    spread, ops = launches_of(monkeypatch, x, logits, gate_up, down, 8)
+    assert [name for name, _ in spread] == ["_route_kernel", "_align_kernel", "_gate_up_kernel", "_down_kernel"]
+    # fp32: no cast, no host sync (`_local_scalar_dense` is what .item() and .tolist() run), no
+    # routing-sized op (nonzero, unique): the host code only allocates and launches
+    assert ops == [], ops
+    skewed = logits.clone()
+    skewed[:, :8] += 50.0  # every token on the same 8 experts
+    assert launches_of(monkeypatch, x, skewed, gate_up, down, 8)[0] == spread
+
+
+def test_the_model_calls_the_op_and_cpu_runs_the_reference(monkeypatch):
+    calls = []
+    monkeypatch.setattr(reference_moe, "fused_moe",
+                        lambda *a, **kw: calls.append(a[0].shape) or torch.zeros_like(a[0]))
+    x, logits, gate_up, down = moe_inputs(3, 6)
+    kernels.fused_moe(x, logits, gate_up, down, 2, True)
+    assert calls == [(3, H)]
+
+
+def test_bad_shapes_are_refused_with_what_was_expected():
+    x, logits, gate_up, down = moe_inputs(4, 6)
+    with pytest.raises(ValueError, match=r"expected logits \[T, E\]"):
+        moe.fused_moe(x, logits[:, :5], gate_up, down, 2)
+    with pytest.raises(ValueError, match="top_k"):
+        moe.fused_moe(x, logits, gate_up, down, 7)
+    with pytest.raises(ValueError, match=r"expected down \[E, H, I\]"):
+        moe.fused_moe(x, logits, gate_up, down[:, :, :-1], 2)
