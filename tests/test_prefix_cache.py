@@ -302,8 +302,9 @@ def run_conversations(engine, workload: str, turns: int = 10, convs: int = 2):
 def test_each_checkpoint_kind_earns_its_keep(tiny_model_dir, workload, pays, idle):
     # Each workload reuses one kind; once its checkpoints have settled it stops paying for kinds
     # it never hits (exploration aside): 60 requests finish; 8 admissions judge a kind, each
-    # settles 16 decisions later (4 x max_num_seqs).
-    engine = Engine.from_pretrained(tiny_model_dir, num_pages=1024, max_num_seqs=4)
+    # settles 16 decisions later (4 x max_num_seqs). Verdicts bind under pressure only: 8
+    # checkpoints for 3 conversations asking for up to five kinds a turn.
+    engine = Engine.from_pretrained(tiny_model_dir, num_pages=1024, max_num_seqs=4, max_checkpoints=8)
     m = run_conversations(engine, workload, turns=20, convs=3)
     assert m[f"checkpoint_hits_total:{pays}"] >= 45
     for kind in idle:

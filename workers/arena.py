@@ -165,6 +165,10 @@ class Arena:
     def is_blocked(self, group: int) -> bool:
         return self._blocked[group] > 0
 
+    def has_free_slot(self) -> bool:
+        """Whether `take_slot` would succeed now, evicting nothing."""
+        return bool(self._virtual) if not self.k else self.has_empty_group()
+
     def has_empty_group(self) -> bool:
         while self._empty and not self._is_empty(-self._empty[0]):
             self._empty_queued[-heapq.heappop(self._empty)] = 0

@@ -26,8 +26,13 @@ decayed so a workload change shows, decide admission. A checkpoint is judged onl
 settled (`settle_window` admission decisions later: `settle_after`, or how long nine in ten of
 the recent hits took to come back, so that the next turns of the conversations in flight have
 come back however many there are), so a kind is not refused while its first hits are still on
-their way. A kind that does not pay is still admitted with a small exploration probability (seeded, so runs repeat). Baselines admit their fixed kinds always. This module
-decides; it holds no slots and touches no tensor.
+their way. A kind that does not pay is still admitted with a small exploration probability
+(seeded, so runs repeat). Verdicts bind only under pressure: while the cache has a free slot that
+no stored state would have to leave (`room`), every kind asked for is admitted, and judged all
+the same, since a checkpoint there costs one state copy and evicts nothing. So one workload's
+verdicts do not cost the next workload its hits while memory is to spare (a server running chats
+with thinking dropped, then edits, kept refusing the kinds edits need). Baselines admit their
+fixed kinds always. This module decides; it holds no slots and touches no tensor.
 """
 
 from __future__ import annotations
@@ -121,10 +126,11 @@ class CheckpointPolicy:
         return wanted
 
     # ---- earning their keep ---------------------------------------------------------------
-    def admit(self, kinds: set[str]) -> set[str]:
-        """The subset of `kinds` admitted now; each admitted kind is charged one checkpoint."""
+    def admit(self, kinds: set[str], room: bool = False) -> set[str]:
+        """The subset of `kinds` admitted now; each admitted kind is charged one checkpoint.
+        `room`: the cache has a free slot that evicts nothing (every kind is then admitted)."""
         self._clock += 1
-        admitted = {k for k in kinds if self._admits(k)}
+        admitted = {k for k in kinds if self._admits(k) or (room and k in self.kinds)}
         for k in admitted:
             rec = self.records[k]
             rec.pending.append(self._clock)

@@ -360,6 +360,16 @@ class PrefixCache(CachePlacement):
         return writes
 
     # ---- checkpoints during steps -------------------------------------------------------------
+    def checkpoint_room(self) -> bool:
+        """Whether a checkpoint slot can be had without evicting anything: under the cap, and an
+        empty group in the arena (the policy's verdicts bind only when this is False)."""
+        cap = self.layout.max_checkpoints
+        if not self.slot_blocks or cap == 0:
+            return False
+        if cap is not None and self.checkpoints.num_stored + self.checkpoints.num_pending >= cap:
+            return False
+        return self.arena.has_free_slot()
+
     def take_checkpoint_slot(self) -> int | None:
         """A pending checkpoint slot, evicting to make room; None when none can be had."""
         cap = self.layout.max_checkpoints
@@ -414,7 +424,7 @@ class PrefixCache(CachePlacement):
         if kind is None:
             return None
         if c.finish_admitted is None:
-            c.finish_admitted = bool(self.policy.admit({kind}))
+            c.finish_admitted = bool(self.policy.admit({kind}, room=self.checkpoint_room()))
         if not c.finish_admitted:
             return None
         if c.finish_slot is None:

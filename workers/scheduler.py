@@ -366,7 +366,7 @@ class Scheduler:
             for j in range(max(first, seq.num_prompt_tokens // ps + 1), last + 1):
                 wanted.setdefault(j * ps, set()).add(EVERY)  # decode crossings of the `all` baseline
         for pos in sorted(wanted):
-            admitted = policy.admit(wanted[pos])
+            admitted = policy.admit(wanted[pos], room=cache.checkpoint_room())
             if not admitted:
                 continue
             slot = cache.take_checkpoint_slot()
