@@ -27,13 +27,16 @@ Traces (`--traces`), each as it exercises the design:
 - shared-system: many users opening with one long system prompt;
 - edits: a user regenerates the last answer, then edits an earlier turn and goes on from it;
 - interleaved: 64 conversations in round-robin, several in flight (with --budget: eviction).
-Then two speed rows per system: an uncached long prompt (prefill tok/s = its tokens / TTFT) and
+Before its traces each system answers a few short warm-up chats at once (2; --cluster 4), so no
+first-request cost lands in a measurement. Then two speed rows per system: an uncached long prompt (prefill tok/s = its tokens / TTFT) and
 16 concurrent streams (decode tok/s = completion tokens / wall time).
 
 Every system gets the same cache bytes: 4 GiB, or with `--budget F` F of the working set (the
 traces' distinct tokens' K/V plus one recurrent state per conversation, in the model's bf16
-sizes): cairn's --cache-memory-bytes, vLLM's VLLM_CPU_KVCACHE_SPACE (whole GiB: a budget under
-1 GiB leaves vLLM out, saying so), llama-server's --cache-ram (MiB).
+sizes): cairn's --cache-memory-bytes, vLLM's --kv-cache-memory-bytes (which its CPU backend
+honours; VLLM_CPU_KVCACHE_SPACE, the older setting, takes whole GiB), llama-server's --cache-ram
+(MiB), with its context (-c) and --ctx-checkpoints sized so that its slots' K/V and states fit
+the same bytes beside that cache.
 
 The cluster row (`--cluster`): cairn with 2 replicas and its cache-affinity routing, against two
 vLLM servers (one core each) behind peer_proxy.py, routed round-robin and by session (the
@@ -137,6 +140,17 @@ class System:
         self.stop()
         raise Unavailable(f"not serving after {timeout_s:.0f} s: {self.log_tail()}")
 
+    def warm_up(self, requests: int) -> None:
+        """`requests` short chats at once, each answered before a trace starts, so that no system
+        pays its first requests' costs (a replica's first forward; cairn's engines still starting
+        behind an ingress that already answers /v1/models) inside a measurement."""
+        async def go() -> None:
+            async with httpx.AsyncClient(base_url=self.url, timeout=600) as http:
+                await asyncio.gather(*(chat(http, {"model": MODEL, "max_tokens": 1, "stream": True,
+                                                   "messages": [{"role": "user", "content": f"warm-up {i}"}]},
+                                            {"x-session-id": f"warm-up-{i}"}) for i in range(requests)))
+        asyncio.run(go())
+
     def log_tail(self) -> str:
         lines = self.log.read_text(errors="replace").strip().splitlines() if self.log else []
         return " | ".join(lines[-3:])[-400:]
@@ -170,19 +184,16 @@ def vllm(model_dir: Path, cache_bytes: int, cores: str | None = None) -> System:
     python = PEERS / "vllm" / "bin" / "python"
     if not python.exists():
         raise Unavailable(f"no {python} (bash benchmarks/peers_setup.sh vllm)")
-    if cache_bytes < 1 << 30:
-        raise Unavailable(f"VLLM_CPU_KVCACHE_SPACE takes whole GiB, and this cache is {cache_bytes / 2**20:.1f} MiB "
-                          "(a larger model or longer traces give a working set whose share is a GiB or more)")
     port = free_port()
-    gib = str(cache_bytes >> 30)
     config = json.loads((model_dir / "config.json").read_text())
     context = min(8192, config.get("text_config", config).get("max_position_embeddings", 8192))
     return System("vllm", [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                            "--served-model-name", MODEL, "--dtype", "bfloat16", "--enable-prefix-caching",
                            "--mamba-cache-mode", "align", "--prefix-match-unit", "16", "--max-model-len", str(context),
                            "--enable-prompt-tokens-details", "--enable-auto-tool-choice",
-                           "--tool-call-parser", "qwen3_coder", "--port", str(port)],
-                  {"VLLM_CPU_KVCACHE_SPACE": gib, **({"VLLM_CPU_OMP_THREADS_BIND": cores} if cores else {})}, port)
+                           "--tool-call-parser", "qwen3_coder", "--kv-cache-memory-bytes", str(cache_bytes),
+                           "--port", str(port)],
+                  {"VLLM_CPU_OMP_THREADS_BIND": cores} if cores else {}, port)
 
 
 def llama(model_dir: Path, cache_bytes: int) -> System:
@@ -194,9 +205,23 @@ def llama(model_dir: Path, cache_bytes: int) -> System:
         raise Unavailable(f"no {gguf}: llama.cpp's converter recognises the peer model's tokenizer, not the "
                           "demo one's (bash benchmarks/peers_setup.sh llama writes both)")
     port = free_port()
-    argv = [str(server), "-m", str(gguf), "--alias", MODEL, "--port", str(port), "--jinja", "-c", "32768",
-            "-np", "4", "--cache-ram", str(max(1, cache_bytes >> 20))]
-    return System("llama", argv, {}, port)
+    argv = [str(server), "-m", str(gguf), "--alias", MODEL, "--port", str(port), "--jinja", "-np", str(LLAMA_SLOTS)]
+    if cache_bytes >= SPARE_BYTES >> 3:  # memory to spare: its defaults, a large context, the RAM cache
+        return System("llama", argv + ["-c", "32768", "--cache-ram", str(cache_bytes >> 20)], {}, port)
+    # Under a budget, all that llama-server keeps counts against it, as all cairn keeps does: the
+    # slots' K/V (-c tokens in all), each slot's state and its context checkpoints (a state each),
+    # and what is left for the RAM prompt cache.
+    from workers import EngineOptions, EngineSpec
+
+    spec = EngineSpec.from_model_dir(model_dir, EngineOptions(dtype="bfloat16"))
+    context, checkpoints = LLAMA_SLOTS * 2048, 2
+    held = context * spec.page_bytes // spec.page_size + LLAMA_SLOTS * (1 + checkpoints) * spec.state_bytes
+    ram = max(1, (cache_bytes - held) >> 20)
+    return System("llama", argv + ["-c", str(context), "--ctx-checkpoints", str(checkpoints), "--cache-ram", str(ram)],
+                  {}, port)
+
+
+LLAMA_SLOTS = 4  # llama-server's parallel slots (-np)
 
 
 def proxied(peer: str, model_dir: Path, cache_bytes: int, policy: str) -> System:
@@ -469,8 +494,9 @@ def print_trace(name: str, rows: dict[str, dict]) -> None:
         ratio = r["cached"] / max(r["oracle"], 1)
         rel = "" if base is None else f"{ratio / max(base['cached'] / max(base['oracle'], 1), 1e-9):12.3f}"
         rel_t = "" if base is None else f"{r['ttft_p50'] / base['ttft_p50']:10.2f}"
-        shares = r.get("in_flight", {})
-        note = "".join([f"  in flight: {'/'.join(f'{v:.2f}' for v in shares.values())}" if len(shares) > 1 else "",
+        shares = list(r.get("in_flight", {}).values())
+        shares += [0.0] * (r.get("replicas", 1) - len(shares))  # a replica no request reached
+        note = "".join([f"  in flight: {'/'.join(f'{v:.2f}' for v in shares)}" if len(shares) > 1 else "",
                         f"  {r['errors']} errors ({r['first_error']})" if r["errors"] else "",
                         f"  {r['mismatched']} prompts of another length" if r["mismatched"] else ""])
         print(f"{sys_name:14s} {r['requests']:5d} {r['cached']:8d} {r['oracle']:8d} {ratio:6.3f} {r['short']:6d} "
@@ -559,9 +585,10 @@ def main() -> None:
             continue
         results["commands"][system.name] = system.command
         try:
+            system.warm_up(4 if args.cluster else 2)
             for trace in traces:
                 sent = asyncio.run(replay(system, trace, renderer, max_tokens))
-                results["traces"][trace.name][system.name] = summary(sent)
+                results["traces"][trace.name][system.name] = dict(summary(sent), replicas=2 if args.cluster else 1)
             try:
                 if not args.cluster:
                     results["speed"][name] = asyncio.run(speed(system, renderer, long_tokens, streams, out_tokens))
