@@ -34,8 +34,8 @@ Writes benchmarks/out/routing.png, and every request's numbers to routing.json. 
 nothing is asserted (tests/test_readme_commands.py runs --quick to see that it runs).
 
 Usage: python3 benchmarks/routing.py [--quick] [--replicas 4] [--convs 32] [--turns 6] [--model DIR]
-  --quick: 2 replicas, 6 conversations, 3 turns, the tiny demo model, all four policies deployed
-  at once (less than 3 minutes on a 2-core machine). Without it the policies are deployed one
+  --quick: 2 replicas, 4 conversations, 2 turns, a 600-token hot prefix, the tiny demo model, every
+  policy deployed at once (about 2 minutes on a 2-core machine). Without it the policies are deployed one
   after another (4 replicas each: on GPUs pass --num-gpus 1 and a --model).
 """
 
@@ -174,7 +174,7 @@ class Conversation:
 def make_trace(name: str, args, tokenizer, seed: int) -> list[Conversation]:
     rng = random.Random(f"{name}-{seed}")
     shared = text_of_tokens(tokenizer, rng, args.system_tokens, "You are the cairn club's trail guide.")
-    hot = text_of_tokens(tokenizer, rng, HOT_PREFIX_TOKENS, "You are the cairn club's archive.")
+    hot = text_of_tokens(tokenizer, rng, args.hot_prefix_tokens, "You are the cairn club's archive.")
     hot_convs = set(rng.sample(range(args.convs), round(HOT_SHARE * args.convs)))
     convs = []
     for c in range(args.convs):
@@ -413,7 +413,7 @@ def wait_running(names: list[str], timeout_s: float = 600) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="2 replicas, 6 conversations, 3 turns, tiny model")
+    parser.add_argument("--quick", action="store_true", help="2 replicas, 4 conversations, 2 turns, tiny model")
     parser.add_argument("--model", default=None, help="checkpoint directory (default: the bench demo model; "
                                                       "--quick: the tiny one)")
     parser.add_argument("--arch", default="qwen3_next", choices=("qwen3_next", "qwen3_5", "qwen3_5_moe"),
@@ -422,6 +422,7 @@ def main() -> None:
     parser.add_argument("--convs", type=int, default=32)
     parser.add_argument("--turns", type=int, default=6)
     parser.add_argument("--system-tokens", type=int, default=400, help="system prompt length (not the hot prefix)")
+    parser.add_argument("--hot-prefix-tokens", type=int, default=HOT_PREFIX_TOKENS)
     parser.add_argument("--user-words", type=int, default=30)
     parser.add_argument("--answer-tokens", type=int, default=32)
     parser.add_argument("--think", type=float, default=1.0, help="mean think time between turns, seconds")
@@ -436,8 +437,8 @@ def main() -> None:
                         help="deploy every policy's application at once (default: with --quick)")
     args = parser.parse_args()
     if args.quick:
-        args.replicas, args.convs, args.turns, args.answer_tokens, args.think = 2, 6, 3, 8, 0.3
-        args.system_tokens, args.user_words, args.num_cpus = 300, 20, 0.25
+        args.replicas, args.convs, args.turns, args.answer_tokens, args.think = 2, 4, 2, 8, 0.3
+        args.system_tokens, args.user_words, args.num_cpus, args.hot_prefix_tokens = 300, 20, 0.25, 600
     parallel = args.quick if args.parallel is None else args.parallel
     policies, traces_wanted = args.policies.split(","), args.traces.split(",")
 
@@ -469,7 +470,7 @@ def main() -> None:
     print(f"model {model_dir.name}, {args.replicas} replicas per policy "
           f"({args.num_cpus} CPU, {args.num_gpus} GPU each), "
           f"{args.convs} conversations x {args.turns} turns, answers of {args.answer_tokens} tokens, "
-          f"think {args.think} s; system prompts ~{args.system_tokens} tokens, hot prefix ~{HOT_PREFIX_TOKENS} "
+          f"think {args.think} s; system prompts ~{args.system_tokens} tokens, hot prefix ~{args.hot_prefix_tokens} "
           f"tokens shared by {HOT_SHARE:.0%}", flush=True)
     page = 16
     results: list[Result] = []

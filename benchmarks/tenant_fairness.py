@@ -15,7 +15,7 @@ Prints bob's median latency under each flood, its ratio to his baseline, and wha
 got. Not a test: nothing here asserts timings.
 
 Usage: python3 benchmarks/tenant_fairness.py [--quick] [--long 1500] [--size bench] [--floods streams,batch,prep]
-  --quick: the tiny demo model, 120-token streams, 3 tries: checks that the script runs.
+  --quick: the tiny demo model, 48-token streams, 3 tries: checks that the script runs.
 """
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ def main() -> None:
     parser.add_argument("--tries", type=int, default=None, help="bob's chats per flood (5; --quick 3)")
     parser.add_argument("--floods", default="streams,batch,prep", help="which floods: streams, batch, prep")
     args = parser.parse_args()
-    long = args.long or (120 if args.quick else 1500)
+    long = args.long or (48 if args.quick else 1500)
     args.tries = args.tries or (3 if args.quick else 5)
     model_dir = demo_model_dir(args.size or ("tiny" if args.quick else "bench"))
     engine = AsyncEngine.from_pretrained(model_dir, max_num_seqs=64)

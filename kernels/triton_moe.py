@@ -97,15 +97,20 @@ def _align_kernel(ids, N, E, sorted_pairs, block_expert, num_padded, MAX_PADDED,
 
 
 @triton.jit
+def _expert_block(sorted_pairs, block_expert, N, BLOCK_M: tl.constexpr):
+    """(expert, pair ids [BLOCK_M], which of them are pairs, not padding) of this program's block."""
+    b = tl.program_id(0)
+    pairs = tl.load(sorted_pairs + b * BLOCK_M + tl.arange(0, BLOCK_M))
+    return tl.load(block_expert + b).to(tl.int64), pairs, pairs < N
+
+
+@triton.jit
 def _gate_up_kernel(x, s_xt, w, s_we, s_wn, inter, sorted_pairs, block_expert, num_padded, N, H, I,
                     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     DOT: tl.constexpr, PREC: tl.constexpr):
-    b = tl.program_id(0)
-    if b * BLOCK_M >= tl.load(num_padded):
+    if tl.program_id(0) * BLOCK_M >= tl.load(num_padded):
         return
-    expert = tl.load(block_expert + b).to(tl.int64)
-    pairs = tl.load(sorted_pairs + b * BLOCK_M + tl.arange(0, BLOCK_M))
-    valid = pairs < N
+    expert, pairs, valid = _expert_block(sorted_pairs, block_expert, N, BLOCK_M)
     tokens = (pairs // TOP_K).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < I
@@ -129,12 +134,9 @@ def _gate_up_kernel(x, s_xt, w, s_we, s_wn, inter, sorted_pairs, block_expert, n
 def _down_kernel(inter, w, s_we, s_wn, weights, out, sorted_pairs, block_expert, num_padded, N, H, I,
                  TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  DOT: tl.constexpr, PREC: tl.constexpr):
-    b = tl.program_id(0)
-    if b * BLOCK_M >= tl.load(num_padded):
+    if tl.program_id(0) * BLOCK_M >= tl.load(num_padded):
         return
-    expert = tl.load(block_expert + b).to(tl.int64)
-    pairs = tl.load(sorted_pairs + b * BLOCK_M + tl.arange(0, BLOCK_M))
-    valid = pairs < N
+    expert, pairs, valid = _expert_block(sorted_pairs, block_expert, N, BLOCK_M)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < H
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
