@@ -34,8 +34,9 @@ Writes benchmarks/out/routing.png, and every request's numbers to routing.json. 
 nothing is asserted (tests/test_readme_commands.py runs --quick to see that it runs).
 
 Usage: python3 benchmarks/routing.py [--quick] [--replicas 4] [--convs 32] [--turns 6] [--model DIR]
-  --quick: 2 replicas, 4 conversations, 2 turns, a 600-token hot prefix, the tiny demo model, every
-  policy deployed at once (about 2 minutes on a 2-core machine). Without it the policies are deployed one
+  --quick: 2 replicas, 4 conversations, 2 turns, a 600-token hot prefix, the tiny demo model, and
+  cairn's router (fetch off and on) beside pow2 only, deployed at once (about a minute on a 2-core
+  machine; tests/test_router.py builds every policy's application). Without it the policies are deployed one
   after another (4 replicas each: on GPUs pass --num-gpus 1 and a --model).
 """
 
@@ -71,6 +72,7 @@ from traces import Oracle, sentence, text_of_tokens  # noqa: E402  (benchmarks/t
 
 FETCH = "cache_affinity_fetch"  # cairn's router with move and fetch on
 POLICIES = ["cache_affinity", FETCH, "pow2", "round_robin", "ray_prefix"]
+QUICK_POLICIES = ["cache_affinity", FETCH, "pow2"]
 TRACES = ["shared-system", "no-shared", "hot-prefix"]
 MODEL = "bench-model"
 NAMESPACE = "cairn-bench"
@@ -431,7 +433,7 @@ def main() -> None:
     parser.add_argument("--stats-period", type=float, default=0.5, help="routing stats period, seconds")
     parser.add_argument("--routing", default=None, help="a routing YAML (configs/routing.yaml) whose settings "
                                                         "every policy's deployment starts from")
-    parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument("--policies", default=None, help=f"default {','.join(POLICIES)}; --quick: {','.join(QUICK_POLICIES)}")
     parser.add_argument("--traces", default=",".join(TRACES))
     parser.add_argument("--parallel", action=argparse.BooleanOptionalAction, default=None,
                         help="deploy every policy's application at once (default: with --quick)")
@@ -440,7 +442,8 @@ def main() -> None:
         args.replicas, args.convs, args.turns, args.answer_tokens, args.think = 2, 4, 2, 8, 0.3
         args.system_tokens, args.user_words, args.num_cpus, args.hot_prefix_tokens = 300, 20, 0.25, 600
     parallel = args.quick if args.parallel is None else args.parallel
-    policies, traces_wanted = args.policies.split(","), args.traces.split(",")
+    policies = (args.policies or ",".join(QUICK_POLICIES if args.quick else POLICIES)).split(",")
+    traces_wanted = args.traces.split(",")
 
     from ray import serve
     from ray.serve.api import RunTarget

@@ -15,7 +15,7 @@ Prints bob's median latency under each flood, its ratio to his baseline, and wha
 got. Not a test: nothing here asserts timings.
 
 Usage: python3 benchmarks/tenant_fairness.py [--quick] [--long 1500] [--size bench] [--floods streams,batch,prep]
-  --quick: the tiny demo model, 48-token streams, 3 tries: checks that the script runs.
+  --quick: the tiny demo model, 48-token streams, 2 tries: checks that the script runs.
 """
 
 from __future__ import annotations
@@ -133,11 +133,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--long", type=int, default=None, help="tokens of each of alice's long requests (1500)")
     parser.add_argument("--size", default=None, choices=("tiny", "bench"))
-    parser.add_argument("--tries", type=int, default=None, help="bob's chats per flood (5; --quick 3)")
+    parser.add_argument("--tries", type=int, default=None, help="bob's chats per flood (5; --quick 2)")
     parser.add_argument("--floods", default="streams,batch,prep", help="which floods: streams, batch, prep")
     args = parser.parse_args()
     long = args.long or (48 if args.quick else 1500)
-    args.tries = args.tries or (3 if args.quick else 5)
+    args.tries = args.tries or (2 if args.quick else 5)
     model_dir = demo_model_dir(args.size or ("tiny" if args.quick else "bench"))
     engine = AsyncEngine.from_pretrained(model_dir, max_num_seqs=64)
     keyed = build_app(LocalEngineClient(engine), model_dir, MODEL,
