@@ -143,12 +143,14 @@ class System:
     def warm_up(self, requests: int) -> None:
         """`requests` short chats at once, each answered before a trace starts, so that no system
         pays its first requests' costs (a replica's first forward; cairn's engines still starting
-        behind an ingress that already answers /v1/models) inside a measurement."""
+        behind an ingress that already answers /v1/models) inside a measurement. A failed one is
+        let be: the traces count their own errors."""
         async def go() -> None:
             async with httpx.AsyncClient(base_url=self.url, timeout=600) as http:
                 await asyncio.gather(*(chat(http, {"model": MODEL, "max_tokens": 1, "stream": True,
                                                    "messages": [{"role": "user", "content": f"warm-up {i}"}]},
-                                            {"x-session-id": f"warm-up-{i}"}) for i in range(requests)))
+                                            {"x-session-id": f"warm-up-{i}"}) for i in range(requests)),
+                                     return_exceptions=True)
         asyncio.run(go())
 
     def log_tail(self) -> str:
