@@ -30,9 +30,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers  # noqa: E402
+from tokenizers import Tokenizer, models, normalizers  # noqa: E402
 
-from workers.demo.tokenizer import ADDED_TOKENS, SPECIAL_TOKENS, SPLIT_PATTERN  # noqa: E402
+from workers.demo.tokenizer import add_control_tokens, byte_level_bpe  # noqa: E402
 
 PEERS = Path(os.environ.get("CAIRN_PEERS") or Path.home() / ".cache" / "cairn-peers")
 NAME = "peer-bench"
@@ -59,20 +59,9 @@ def qwen2_tokenizer(llama_dir: Path) -> Tokenizer:
     vocab = {token: i for i, token in enumerate(strings("tokenizer.ggml.tokens")) if types[i] == NORMAL}
     vocab.update(CONTROL_IDS)  # added below with the same contents: the tokens keep these ids
     merges = [tuple(m.split(" ", 1)) for m in strings("tokenizer.ggml.merges")]
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tokenizer = byte_level_bpe(models.BPE(vocab=vocab, merges=merges))
     tokenizer.normalizer = normalizers.NFC()
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
-    tokenizer.decoder = decoders.ByteLevel()
-
-    def control(content: str, special: bool) -> AddedToken:
-        return AddedToken(content, single_word=False, lstrip=False, rstrip=False, normalized=False,
-                          special=special)
-
-    tokenizer.add_special_tokens([control(t, special=True) for t in SPECIAL_TOKENS])
-    tokenizer.add_tokens([control(t, special=False) for t in ADDED_TOKENS])
+    add_control_tokens(tokenizer)
     for token, i in CONTROL_IDS.items():
         if tokenizer.token_to_id(token) != i:
             raise RuntimeError(f"{token} took id {tokenizer.token_to_id(token)}, not Qwen3's {i}")

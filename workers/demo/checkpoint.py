@@ -19,9 +19,8 @@ import os
 import shutil
 from pathlib import Path
 
-from tokenizers import Tokenizer
-
 from safetensors.torch import save_file
+from tokenizers import Tokenizer
 
 from workers.demo.config import ARCHS, SIZES, hf_config
 from workers.demo.tokenizer import EOS_TOKEN, PAD_TOKEN, train_tokenizer, write_tokenizer_files

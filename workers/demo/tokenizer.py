@@ -6,8 +6,9 @@ Contract:
   tokens at the top of the id range in `CONTROL_TOKENS` order (as Qwen places them). It is a
   function of `vocab_size` alone — the same on every machine and in every process — and takes
   well under a second for 512 tokens. It raises `ValueError` if the corpus cannot fill the vocab.
-- Pre-tokenization is Qwen2's split regex followed by byte-level mapping; no normalizer, so any
-  Unicode string (including non-NFC text) decodes back to itself.
+- Pre-tokenization is Qwen2's split regex followed by byte-level mapping (`byte_level_bpe`, which
+  the peer benchmark's Qwen2-vocabulary tokenizer shares); no normalizer, so any Unicode string
+  (including non-NFC text) decodes back to itself. `add_control_tokens` adds the control tokens.
 - `<|endoftext|>`, `<|im_start|>`, `<|im_end|>` are special (skipped by
   `decode(skip_special_tokens=True)`); the think / tool-call / tool-response tags are added but
   not special, so decoded model output keeps them for reasoning and tool-call parsers.
@@ -45,12 +46,7 @@ CHAT_TEMPLATES = {"qwen3_next": Path(__file__).with_name("chat_template.jinja"),
 def train_tokenizer(vocab_size: int) -> Tokenizer:
     """Train the byte-level BPE with exactly `vocab_size` tokens, control tokens last."""
     n_learned = vocab_size - len(CONTROL_TOKENS)
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
-    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer = byte_level_bpe(models.BPE())
     trainer = trainers.BpeTrainer(
         vocab_size=n_learned, min_frequency=2, show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
@@ -58,9 +54,26 @@ def train_tokenizer(vocab_size: int) -> Tokenizer:
     tokenizer.train_from_iterator(training_corpus(max(400, n_learned * 3)), trainer=trainer)
     if tokenizer.get_vocab_size() != n_learned:
         raise ValueError(f"expected {n_learned} learned tokens, got {tokenizer.get_vocab_size()}")
+    add_control_tokens(tokenizer)
+    return tokenizer
+
+
+def byte_level_bpe(model: models.BPE) -> Tokenizer:
+    """A tokenizer running `model` after Qwen2's split regex and the byte-level mapping."""
+    tokenizer = Tokenizer(model)
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer
+
+
+def add_control_tokens(tokenizer: Tokenizer) -> None:
+    """`SPECIAL_TOKENS` as special tokens, `ADDED_TOKENS` as added ones (kept in decoded text);
+    each takes the id the vocabulary already gives it, else the next free one."""
     tokenizer.add_special_tokens([_control(t, special=True) for t in SPECIAL_TOKENS])
     tokenizer.add_tokens([_control(t, special=False) for t in ADDED_TOKENS])
-    return tokenizer
 
 
 def _control(content: str, special: bool) -> AddedToken:
