@@ -78,10 +78,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import httpx  # noqa: E402
 
+from peer_proxy import BACKEND_HEADER, SESSION_HEADER  # noqa: E402
 from percentiles import pct  # noqa: E402
 from plotting import pyplot, save, OUT  # noqa: E402
 from traces import AGENT_TOOLS, WORDS, Oracle, sentence  # noqa: E402
 
+REPLICA_HEADER = "x-cairn-replica"  # cluster.ingress.REPLICA_HEADER (importing it would import Ray)
 PEERS = Path(os.environ.get("CAIRN_PEERS") or Path.home() / ".cache" / "cairn-peers")
 MODEL = "demo"
 TRACES = ("thinking-drop", "agent", "shared-system", "edits", "interleaved")
@@ -102,6 +104,7 @@ class System:
     proc: subprocess.Popen | None = None
     log: Path | None = None
     backends: list[System] = field(default_factory=list)  # started before this one, stopped after it
+    replicas: int = 1  # engines behind its URL (each one's share in flight is reported)
 
     @property
     def url(self) -> str:
@@ -149,7 +152,7 @@ class System:
             async with httpx.AsyncClient(base_url=self.url, timeout=600) as http:
                 await asyncio.gather(*(chat(http, {"model": MODEL, "max_tokens": 1, "stream": True,
                                                    "messages": [{"role": "user", "content": f"warm-up {i}"}]},
-                                            {"x-session-id": f"warm-up-{i}"}) for i in range(requests)),
+                                            {SESSION_HEADER: f"warm-up-{i}"}) for i in range(requests)),
                                      return_exceptions=True)
         asyncio.run(go())
 
@@ -179,7 +182,8 @@ def cairn(model_dir: Path, cache_bytes: int, replicas: int = 1) -> System:
     argv = [sys.executable, "-m", "cluster.cli", "serve", "--replicas", str(replicas), "--model", str(model_dir),
             "--served-model-name", MODEL, "--dtype", "bfloat16", "--cache-memory-bytes", str(cache_bytes)]
     port = free_port()
-    return System("cairn" if replicas == 1 else f"cairn x{replicas}", argv + ["--port", str(port)], {}, port)
+    return System("cairn" if replicas == 1 else f"cairn x{replicas}", argv + ["--port", str(port)], {}, port,
+                  replicas=replicas)
 
 
 def vllm(model_dir: Path, cache_bytes: int, cores: str | None = None) -> System:
@@ -189,7 +193,8 @@ def vllm(model_dir: Path, cache_bytes: int, cores: str | None = None) -> System:
     port = free_port()
     config = json.loads((model_dir / "config.json").read_text())
     context = min(8192, config.get("text_config", config).get("max_position_embeddings", 8192))
-    return System("vllm", [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+    return System("vllm" if cores is None else f"vllm-{cores}",
+                  [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                            "--served-model-name", MODEL, "--dtype", "bfloat16", "--enable-prefix-caching",
                            "--mamba-cache-mode", "align", "--prefix-match-unit", "16", "--max-model-len", str(context),
                            "--enable-prompt-tokens-details", "--enable-auto-tool-choice",
@@ -226,17 +231,14 @@ def llama(model_dir: Path, cache_bytes: int) -> System:
 LLAMA_SLOTS = 4  # llama-server's parallel slots (-np)
 
 
-def proxied(peer: str, model_dir: Path, cache_bytes: int, policy: str) -> System:
-    """Two `peer` servers, one core each, behind peer_proxy.py routing by `policy`."""
-    if peer != "vllm":
-        raise Unavailable(f"the cluster row runs vLLM behind proxies, not {peer}")
+def proxied_vllm(model_dir: Path, cache_bytes: int, policy: str) -> System:
+    """Two vLLM servers, one core each, behind peer_proxy.py routing by `policy`."""
     backends = [vllm(model_dir, cache_bytes, cores=str(core)) for core in range(2)]
-    for i, b in enumerate(backends):
-        b.name = f"vllm-{i}"
     port = free_port()
     argv = [sys.executable, str(Path(__file__).with_name("peer_proxy.py")), "--port", str(port),
             "--policy", policy] + [b.url for b in backends]
-    return System(f"vllm x2 {'rr' if policy == 'round-robin' else 'session'}", argv, {}, port, backends=backends)
+    return System(f"vllm x2 {'rr' if policy == 'round-robin' else 'session'}", argv, {}, port, backends=backends,
+                  replicas=len(backends))
 
 
 BUILDERS = {"cairn": cairn, "vllm": vllm, "llama": llama}
@@ -245,8 +247,8 @@ BUILDERS = {"cairn": cairn, "vllm": vllm, "llama": llama}
 # would be the other yardstick; it needs ray[llm], which installs vLLM's CUDA build beside Ray,
 # so it does not run on this CPU machine.
 CLUSTER_BUILDERS = {"cairn": lambda m, b: cairn(m, b, replicas=2),
-                    "vllm-rr": lambda m, b: proxied("vllm", m, b, "round-robin"),
-                    "vllm-session": lambda m, b: proxied("vllm", m, b, "session")}
+                    "vllm-rr": lambda m, b: proxied_vllm(m, b, "round-robin"),
+                    "vllm-session": lambda m, b: proxied_vllm(m, b, "session")}
 
 
 # ---- the traces -----------------------------------------------------------------------------------
@@ -380,7 +382,7 @@ async def chat(http: httpx.AsyncClient, body: dict, headers: dict | None = None,
     sent, ttft, usage = time.perf_counter(), float("nan"), {}
     async with http.stream("POST", "/v1/chat/completions", json=body, headers=headers) as r:
         if answered_by is not None:
-            answered_by.append(r.headers.get("x-cairn-replica") or r.headers.get("x-peer-backend"))
+            answered_by.append(r.headers.get(REPLICA_HEADER) or r.headers.get(BACKEND_HEADER))
         if r.status_code != 200:
             raise RuntimeError(f"{r.status_code}: {(await r.aread())[:200]!r}")
         async for line in r.aiter_lines():
@@ -411,7 +413,7 @@ async def replay(system: System, trace: Trace, renderer: Renderer, max_tokens: i
         answered_by: list = []
         s.began = time.perf_counter()
         try:
-            s.ttft, usage = await chat(http, body, {"x-session-id": f"{trace.name}-{c}"}, answered_by)
+            s.ttft, usage = await chat(http, body, {SESSION_HEADER: f"{trace.name}-{c}"}, answered_by)
             s.cached = ((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
             s.reported_prompt = usage.get("prompt_tokens", 0)
         except (httpx.HTTPError, RuntimeError, json.JSONDecodeError) as e:
@@ -590,7 +592,7 @@ def main() -> None:
             system.warm_up(4 if args.cluster else 2)
             for trace in traces:
                 sent = asyncio.run(replay(system, trace, renderer, max_tokens))
-                results["traces"][trace.name][system.name] = dict(summary(sent), replicas=2 if args.cluster else 1)
+                results["traces"][trace.name][system.name] = dict(summary(sent), replicas=system.replicas)
             try:
                 if not args.cluster:
                     results["speed"][name] = asyncio.run(speed(system, renderer, long_tokens, streams, out_tokens))

@@ -363,19 +363,19 @@ class PrefixCache(CachePlacement):
     def checkpoint_room(self) -> bool:
         """Whether a checkpoint slot can be had without evicting anything: under the cap, and an
         empty group in the arena (the policy's verdicts bind only when this is False)."""
+        if not self.slot_blocks or self.layout.max_checkpoints == 0:
+            return False
+        return not self._at_checkpoint_cap() and self.arena.has_free_slot()
+
+    def _at_checkpoint_cap(self) -> bool:
         cap = self.layout.max_checkpoints
-        if not self.slot_blocks or cap == 0:
-            return False
-        if cap is not None and self.checkpoints.num_stored + self.checkpoints.num_pending >= cap:
-            return False
-        return self.arena.has_free_slot()
+        return cap is not None and self.checkpoints.num_stored + self.checkpoints.num_pending >= cap
 
     def take_checkpoint_slot(self) -> int | None:
         """A pending checkpoint slot, evicting to make room; None when none can be had."""
-        cap = self.layout.max_checkpoints
-        if not self.slot_blocks or cap == 0:
+        if not self.slot_blocks or self.layout.max_checkpoints == 0:
             return None
-        while cap is not None and self.checkpoints.num_stored + self.checkpoints.num_pending >= cap:
+        while self._at_checkpoint_cap():
             coldest = self.budget.coldest_checkpoint()
             if coldest is None:
                 return None
