@@ -13,7 +13,9 @@ Interpreted Triton (`TRITON_INTERPRET=1`) is for the CPU tests only, which impor
 kernels at all, so there CUDA tensors run the references, with a warning (a test session on a
 GPU machine keeps working; tests/test_triton_gpu.py runs the compiled kernels in a child process).
 
-Shapes, units and conventions are stated once, in `kernels.reference`.
+Shapes, units and conventions are stated once, in `kernels.reference`. The varlen ops take an
+optional `VarlenPlan` (kernels.varlen_plan): their tiles and chunks, built on the host once per
+step by the engine, so that a step's launchers never read a length back from the device.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from types import ModuleType
 from torch import Tensor
 
 from kernels import reference, reference_moe, reference_varlen
+from kernels.varlen_plan import VarlenPlan
 
 __all__ = [
     "store_kv",
@@ -43,6 +46,7 @@ __all__ = [
     "causal_conv1d_varlen",
     "causal_conv1d_update_slots",
     "fused_moe",
+    "VarlenPlan",
     "force_reference",
 ]
 
@@ -92,10 +96,11 @@ def store_kv(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_
 
 
 def paged_attention_prefill(query: Tensor, k_cache: Tensor, v_cache: Tensor, page_table: Tensor,
-                            cu_seqlens_q: Tensor, seq_lens: Tensor, scale: float) -> Tensor:
+                            cu_seqlens_q: Tensor, seq_lens: Tensor, scale: float,
+                            plan: VarlenPlan | None = None) -> Tensor:
     """See `reference.paged_attention_prefill`."""
     return _backend(query).paged_attention_prefill(query, k_cache, v_cache, page_table, cu_seqlens_q,
-                                                   seq_lens, scale)
+                                                   seq_lens, scale, plan)
 
 
 def paged_attention_decode(query: Tensor, k_cache: Tensor, v_cache: Tensor, page_table: Tensor,
@@ -145,12 +150,12 @@ def copy_state_slots(tensors: Sequence[Tensor], src_slots: Tensor, dst_slots: Te
 
 def chunk_gated_delta_rule_varlen(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, cu_seqlens: Tensor,
                                   state_pool: Tensor, state_slots: Tensor, *, scale: float | None = None,
-                                  use_qk_l2norm: bool = True,
-                                  state_positions: Sequence[Sequence[int]] = ()) -> tuple[Tensor, Tensor]:
+                                  use_qk_l2norm: bool = True, state_positions: Sequence[Sequence[int]] = (),
+                                  plan: VarlenPlan | None = None) -> tuple[Tensor, Tensor]:
     """See `reference_varlen.chunk_gated_delta_rule_varlen`."""
     return _varlen_backend(v).chunk_gated_delta_rule_varlen(q, k, v, g, beta, cu_seqlens, state_pool, state_slots,
                                                             scale=scale, use_qk_l2norm=use_qk_l2norm,
-                                                            state_positions=state_positions)
+                                                            state_positions=state_positions, plan=plan)
 
 
 def gated_delta_rule_step_slots(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state_pool: Tensor,
@@ -162,9 +167,9 @@ def gated_delta_rule_step_slots(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta
 
 
 def causal_conv1d_varlen(x: Tensor, weight: Tensor, cu_seqlens: Tensor, conv_pool: Tensor,
-                         state_slots: Tensor) -> Tensor:
+                         state_slots: Tensor, plan: VarlenPlan | None = None) -> Tensor:
     """See `reference_varlen.causal_conv1d_varlen`."""
-    return _varlen_backend(x).causal_conv1d_varlen(x, weight, cu_seqlens, conv_pool, state_slots)
+    return _varlen_backend(x).causal_conv1d_varlen(x, weight, cu_seqlens, conv_pool, state_slots, plan)
 
 
 def causal_conv1d_update_slots(x: Tensor, weight: Tensor, conv_pool: Tensor, state_slots: Tensor) -> Tensor:

@@ -112,20 +112,21 @@ def _check_paged(query: Tensor, k_cache: Tensor, v_cache: Tensor, page_table: Te
 
 
 def paged_attention_prefill(query: Tensor, k_cache: Tensor, v_cache: Tensor, page_table: Tensor,
-                            cu_seqlens_q: Tensor, seq_lens: Tensor, scale: float) -> Tensor:
+                            cu_seqlens_q: Tensor, seq_lens: Tensor, scale: float, plan=None) -> Tensor:
     """Causal attention of B sequences' new tokens over their cached prefix and themselves.
 
     query [T, H_q, D] (new tokens of B sequences concatenated); k_cache, v_cache
     [num_pages, page_size, H_kv, D]; page_table [B, max_pages] int32; cu_seqlens_q [B+1] int32;
     seq_lens [B] int32, totals including the new tokens. New token i of sequence b sits at
     position seq_lens[b] - q_len_b + i and attends to positions [0, that position].
-    Returns [T, H_q, D] in query's dtype.
+    Returns [T, H_q, D] in query's dtype. `plan` (kernels.varlen_plan.VarlenPlan of cu_seqlens_q),
+    when given, spares reading the boundaries back.
     """
     batch, group = _check_paged(query, k_cache, v_cache, page_table, seq_lens)
     _expect_shape("cu_seqlens_q", cu_seqlens_q, "B+1", (batch + 1,))
     _expect_dtype("cu_seqlens_q", cu_seqlens_q, torch.int32)
     page_size, h_kv, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
-    cu, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
+    cu, lens = (cu_seqlens_q.tolist() if plan is None else plan.cu), seq_lens.tolist()
     _expect(cu[0] == 0 and cu[-1] == query.shape[0], f"cu_seqlens_q from 0 to T = {query.shape[0]}", cu)
     out = torch.empty_like(query)
     for b in range(batch):

@@ -7,6 +7,8 @@ into a batch tensor and scattered back. Conventions are `reference`'s; in additi
   state_slots [B] int64; the slots of one call are distinct (the caller's contract).
 - A varlen batch may hold empty sequences (cu_seqlens[b] == cu_seqlens[b+1]); their state is
   left as it is.
+- `plan`, when given, is cu_seqlens' `kernels.varlen_plan.VarlenPlan`: its host copy of the
+  boundaries is used instead of reading cu_seqlens back.
 """
 
 from __future__ import annotations
@@ -18,15 +20,19 @@ from torch import Tensor
 
 from kernels import reference
 from kernels.reference import _check_delta, _expect, _expect_dtype, _expect_shape
+from kernels.varlen_plan import VarlenPlan
 
 
-def _cu_host(cu_seqlens: Tensor, total: int) -> list[int]:
+def _plan(cu_seqlens: Tensor, total: int, plan: VarlenPlan | None,
+          positions: Sequence[Sequence[int]] = ()) -> VarlenPlan:
+    """The varlen plan of cu_seqlens: the caller's, or built from cu_seqlens read back; checked to
+    cover `total` rows."""
     _expect_shape("cu_seqlens", cu_seqlens, "B+1", (None,))
     _expect_dtype("cu_seqlens", cu_seqlens, torch.int32)
-    cu = cu_seqlens.tolist()
-    _expect(cu[0] == 0 and cu[-1] == total and all(a <= b for a, b in zip(cu, cu[1:])),
-            f"cu_seqlens non-decreasing from 0 to T = {total}", cu)
-    return cu
+    plan = plan or VarlenPlan.of(cu_seqlens, positions)
+    _expect(plan.batch == cu_seqlens.shape[0] - 1, f"a plan of B = {cu_seqlens.shape[0] - 1} sequences", plan.batch)
+    _expect(plan.total == total, f"cu_seqlens non-decreasing from 0 to T = {total}", plan.cu)
+    return plan
 
 
 def _check_slots(name: str, pool: Tensor, layout: str, inner: tuple[int, ...], state_slots: Tensor,
@@ -38,8 +44,8 @@ def _check_slots(name: str, pool: Tensor, layout: str, inner: tuple[int, ...], s
 
 def chunk_gated_delta_rule_varlen(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, cu_seqlens: Tensor,
                                   state_pool: Tensor, state_slots: Tensor, *, scale: float | None = None,
-                                  use_qk_l2norm: bool = True,
-                                  state_positions: Sequence[Sequence[int]] = ()) -> tuple[Tensor, Tensor]:
+                                  use_qk_l2norm: bool = True, state_positions: Sequence[Sequence[int]] = (),
+                                  plan: VarlenPlan | None = None) -> tuple[Tensor, Tensor]:
     """The chunked delta rule over B sequences, each starting from and ending in its state slot.
 
     q, k [T, H_k, D_k]; v [T, H_v, D_v]; g, beta [T, H_v]; cu_seqlens [B+1] int32; state_pool
@@ -50,7 +56,8 @@ def chunk_gated_delta_rule_varlen(q: Tensor, k: Tensor, v: Tensor, g: Tensor, be
     sequence b, sequence by sequence, position by position).
     """
     total, h_v, d_k, d_v = _check_delta(q, k, v, g, beta, "T")
-    cu = _cu_host(cu_seqlens, total)
+    plan = _plan(cu_seqlens, total, plan, state_positions)
+    cu, state_positions = plan.cu, plan.positions
     batch = len(cu) - 1
     _check_slots("state_pool", state_pool, "num_slots, H_v, D_k, D_v", (h_v, d_k, d_v), state_slots, batch)
     _expect_dtype("state_pool", state_pool, torch.float32)
@@ -87,14 +94,14 @@ def gated_delta_rule_step_slots(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta
 
 
 def causal_conv1d_varlen(x: Tensor, weight: Tensor, cu_seqlens: Tensor, conv_pool: Tensor,
-                         state_slots: Tensor) -> Tensor:
+                         state_slots: Tensor, plan: VarlenPlan | None = None) -> Tensor:
     """`reference.causal_conv1d` over B sequences, each continuing from and leaving its conv state in
     its slot: x [T, C]; weight [C, K]; cu_seqlens [B+1] int32; conv_pool [num_slots, C, K-1] (its
     dtype is the states'). Returns out [T, C] in x's dtype."""
     _expect_shape("weight", weight, "C, K", (None, None))
     channels, width = weight.shape
     _expect_shape("x", x, "T, C", (None, channels))
-    cu = _cu_host(cu_seqlens, x.shape[0])
+    cu = _plan(cu_seqlens, x.shape[0], plan).cu
     _check_slots("conv_pool", conv_pool, "num_slots, C, K-1", (channels, width - 1), state_slots, len(cu) - 1)
     out = torch.empty_like(x)
     for b, slot in enumerate(state_slots.tolist()):

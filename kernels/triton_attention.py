@@ -29,7 +29,8 @@ import triton.language as tl
 from torch import Tensor
 
 from kernels import triton_common as tc
-from kernels.reference import _check_paged, _check_store_kv, _expect, _expect_dtype, _expect_shape
+from kernels.reference import _check_paged, _check_store_kv, _expect_dtype, _expect_shape
+from kernels.varlen_plan import ATTENTION_ROWS, VarlenPlan
 
 # Masked scores and empty running maxima are -1e30, a finite -inf: a row that sees nothing yet
 # (padding rows, empty splits) computes exp(0) * 0 instead of exp(nan).
@@ -177,32 +178,30 @@ def store_kv(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_
 
 
 def paged_attention_prefill(query: Tensor, k_cache: Tensor, v_cache: Tensor, page_table: Tensor,
-                            cu_seqlens_q: Tensor, seq_lens: Tensor, scale: float) -> Tensor:
-    """See `reference.paged_attention_prefill`."""
+                            cu_seqlens_q: Tensor, seq_lens: Tensor, scale: float,
+                            plan: VarlenPlan | None = None) -> Tensor:
+    """See `reference.paged_attention_prefill`; `plan` (kernels.varlen_plan) holds the tiles, so no
+    length is read back from the device (without one, cu_seqlens_q is, once)."""
     batch, group = _check_paged(query, k_cache, v_cache, page_table, seq_lens)
     _expect_shape("cu_seqlens_q", cu_seqlens_q, "B+1", (batch + 1,))
     _expect_dtype("cu_seqlens_q", cu_seqlens_q, torch.int32)
-    cu = cu_seqlens_q.tolist()
-    _expect(cu[0] == 0 and cu[-1] == query.shape[0], f"cu_seqlens_q from 0 to T = {query.shape[0]}", cu)
+    plan = plan or VarlenPlan.of(cu_seqlens_q)
+    plan.check("cu_seqlens_q", query.shape[0])
     query = tc.unit_last(query)
     out = tc.empty_like(query)
     d = query.shape[2]
     bd = tc.pow2(d)
-    bm, bn = 64, (64 if bd <= 128 else 32)
-    block_seq, block_row = [], []
-    for b in range(batch):
-        for row in range(cu[b], cu[b + 1], bm):
-            block_seq.append(b)
-            block_row.append(row)
-    if not block_seq:
+    bn = 64 if bd <= 128 else 32
+    tiles = plan.tables["attention_tiles"].shape[1]
+    if not tiles:
         return out
-    blocks = tc.device_tensor([block_seq, block_row], query.device)
+    blocks = plan.device("attention_tiles")
     dt, prec = tc.dot_dtype(k_cache), "ieee"
-    _prefill_kernel[(len(block_seq), query.shape[1])](
+    _prefill_kernel[(tiles, query.shape[1])](
         query, k_cache, v_cache, out, page_table, cu_seqlens_q.contiguous(), seq_lens.contiguous(),
         blocks[0], blocks[1], query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), page_table.stride(0), float(scale), d,
-        k_cache.shape[1], GROUP=group, BM=bm, BN=bn, BD=bd, DT=dt, PREC=prec,
+        k_cache.shape[1], GROUP=group, BM=ATTENTION_ROWS, BN=bn, BD=bd, DT=dt, PREC=prec,
         num_warps=4 if bd <= 128 else 8)
     return out
 

@@ -48,8 +48,3 @@ def dot_dtype(t: Tensor) -> tl.dtype:
     if INTERPRETED:
         return tl.float32
     return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}.get(t.dtype, tl.float32)
-
-
-def device_tensor(rows: list[list[int]], device: torch.device) -> Tensor:
-    """A small int32 table built on the host, moved in one copy: [len(rows), len(rows[0])]."""
-    return torch.tensor(rows, dtype=torch.int32).to(device)

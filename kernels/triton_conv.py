@@ -27,10 +27,11 @@ from torch import Tensor
 
 from kernels import triton_common as tc
 from kernels.reference import _expect, _expect_shape
-from kernels.reference_varlen import _check_slots, _cu_host
+from kernels.reference_varlen import _check_slots, _plan
+from kernels.varlen_plan import CONV_ROWS, VarlenPlan
 
 # Launch shapes (rows and channels per program, warps), sized from sm_90 register reports; untimed.
-TUNE = dict(rows=16, channels=128, warps=4)
+TUNE = dict(channels=128, warps=4)  # rows per program: varlen_plan.CONV_ROWS
 
 
 @triton.jit
@@ -112,26 +113,22 @@ def _conv_update_kernel(x, w, out, state, slots, sx_b, sw_c, sw_k, so_b, ss_n, s
     tl.store(out + b * so_b + cols, y.to(out.dtype.element_ty), mask=cmask)
 
 
-def _run_varlen(x: Tensor, weight: Tensor, cu_host: list[int], cu: Tensor, state_in: Tensor, in_slots: Tensor,
+def _run_varlen(x: Tensor, weight: Tensor, plan: VarlenPlan, cu: Tensor, state_in: Tensor, in_slots: Tensor,
                 state_out: Tensor, out_slots: Tensor) -> Tensor:
     """Both launches over a varlen batch; returns out [T, C]."""
     channels, width = weight.shape
     x = tc.unit_last(x)
     out = tc.empty_like(x)
-    block_seq, block_row = [], []
-    for b in range(len(cu_host) - 1):
-        for row in range(cu_host[b], cu_host[b + 1], TUNE["rows"]):
-            block_seq.append(b)
-            block_row.append(row)
+    tiles = plan.tables["conv_tiles"].shape[1]
     bc = min(TUNE["channels"], tc.pow2(channels))
-    if block_seq:
-        table = tc.device_tensor([block_seq, block_row], x.device)
-        _conv_fwd_kernel[(len(block_seq), triton.cdiv(channels, bc))](
+    if tiles:
+        table = plan.device("conv_tiles")
+        _conv_fwd_kernel[(tiles, triton.cdiv(channels, bc))](
             x, weight, out, state_in, in_slots, cu, table[0], table[1],
             x.stride(0), weight.stride(0), weight.stride(1), out.stride(0),
             state_in.stride(0), state_in.stride(1), state_in.stride(2), channels,
-            K=width, BT=TUNE["rows"], BC=bc, num_warps=TUNE["warps"])
-    batch = len(cu_host) - 1
+            K=width, BT=CONV_ROWS, BC=bc, num_warps=TUNE["warps"])
+    batch = plan.batch
     if batch and width > 1:
         _conv_state_kernel[(batch, triton.cdiv(channels, bc))](
             x, state_in, in_slots, state_out, out_slots, cu, x.stride(0),
@@ -152,21 +149,22 @@ def causal_conv1d(x: Tensor, weight: Tensor, conv_state: Tensor | None) -> tuple
     new_state = tc.empty(1, channels, width - 1, dtype=conv_state.dtype, device=x.device)
     slot = torch.zeros(1, dtype=torch.int64, device=x.device)
     length = x.shape[0]
-    cu = torch.tensor([0, length], dtype=torch.int32).to(x.device)
-    out = _run_varlen(x, weight, [0, length], cu, conv_state[None], slot, new_state, slot)
+    plan = VarlenPlan.build([0, length]).on(x.device)
+    out = _run_varlen(x, weight, plan, plan.device("cu"), conv_state[None], slot, new_state, slot)
     return out, new_state[0]
 
 
 def causal_conv1d_varlen(x: Tensor, weight: Tensor, cu_seqlens: Tensor, conv_pool: Tensor,
-                         state_slots: Tensor) -> Tensor:
-    """See `reference_varlen.causal_conv1d_varlen`."""
+                         state_slots: Tensor, plan: VarlenPlan | None = None) -> Tensor:
+    """See `reference_varlen.causal_conv1d_varlen`; `plan` holds the tiles (without one,
+    cu_seqlens is read back once)."""
     _expect_shape("weight", weight, "C, K", (None, None))
     channels, width = weight.shape
     _expect_shape("x", x, "T, C", (None, channels))
-    cu_host = _cu_host(cu_seqlens, x.shape[0])
-    _check_slots("conv_pool", conv_pool, "num_slots, C, K-1", (channels, width - 1), state_slots, len(cu_host) - 1)
+    plan = _plan(cu_seqlens, x.shape[0], plan)
+    _check_slots("conv_pool", conv_pool, "num_slots, C, K-1", (channels, width - 1), state_slots, plan.batch)
     slots = state_slots.contiguous()
-    return _run_varlen(x, weight, cu_host, cu_seqlens.contiguous(), conv_pool, slots, conv_pool, slots)
+    return _run_varlen(x, weight, plan, cu_seqlens.contiguous(), conv_pool, slots, conv_pool, slots)
 
 
 def _update(x: Tensor, weight: Tensor, pool: Tensor, slots: Tensor) -> Tensor:

@@ -36,9 +36,11 @@ from torch import Tensor
 
 from kernels import triton_common as tc
 from kernels.reference import _check_delta, _expect, _expect_dtype, _expect_shape
+from kernels.reference_varlen import _plan
 from kernels.triton_delta_recurrent import _check_pool
+from kernels.varlen_plan import DELTA_CHUNK, VarlenPlan
 
-CHUNK = 64
+CHUNK = DELTA_CHUNK
 BT = tl.constexpr(CHUNK)
 F32 = tl.float32
 # Launch shapes, sized from sm_90 register reports (no spills); untimed on a GPU.
@@ -213,31 +215,6 @@ def _chunk_out_kernel(q_ptr, k_ptr, out, chunk_start, chunk_len, gbuf, hbuf, ubu
 # ---------------------------------------------------------------- launchers
 
 
-def _plan_chunks(cu: list[int], positions: Sequence[Sequence[int]]) -> tuple[list[list[int]], list[int], int]:
-    """Chunks of <= 64 tokens that end at every requested position.
-
-    Returns ([chunk_start, chunk_len, chunk_save] rows of NC ints, seq_chunks [B+1], number of
-    saved states); chunk_save is the index of the saved state the chunk ends on, or -1.
-    """
-    starts, lens, saves, seq_chunks, saved = [], [], [], [0], 0
-    for b in range(len(cu) - 1):
-        begin, length = cu[b], cu[b + 1] - cu[b]
-        wanted = [int(p) for p in positions[b]] if b < len(positions) else []
-        _expect(all(0 < p <= length for p in wanted) and all(x < y for x, y in zip(wanted, wanted[1:])),
-                f"state_positions of sequence {b} strictly increasing in (0, {length}]", wanted)
-        save_at = {p: saved + i for i, p in enumerate(wanted)}
-        saved += len(wanted)
-        pos = 0
-        for end in sorted(set(wanted) | {length}) if length else []:
-            while pos < end:
-                starts.append(begin + pos)
-                lens.append(min(CHUNK, end - pos))
-                pos += lens[-1]
-                saves.append(save_at.get(pos, -1))
-        seq_chunks.append(len(starts))
-    return [starts, lens, saves], seq_chunks, saved
-
-
 def _normalised(x: Tensor, scale: float, l2: bool, dtype: torch.dtype) -> Tensor:
     """x [T, H, D] L2-normalised (optionally) and scaled, contiguous, in `dtype`."""
     length, heads, dim = x.shape
@@ -248,14 +225,12 @@ def _normalised(x: Tensor, scale: float, l2: bool, dtype: torch.dtype) -> Tensor
     return y
 
 
-def _chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, cu_host: list[int], cu: Tensor,
-             pool: Tensor, slots: Tensor, scale: float | None, use_qk_l2norm: bool,
-             positions: Sequence[Sequence[int]]) -> tuple[Tensor, Tensor]:
+def _chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, plan: VarlenPlan,
+             pool: Tensor, slots: Tensor, scale: float | None, use_qk_l2norm: bool) -> tuple[Tensor, Tensor]:
     length, h_v, d_k, d_v = _check_delta(q, k, v, g, beta, "T")
     h_k, dev = k.shape[1], v.device
     q, k, v, g, beta = (tc.unit_last(t) for t in (q, k, v, g, beta))
-    table, seq_chunks, num_saved = _plan_chunks(cu_host, positions)
-    nc, batch = len(table[0]), len(cu_host) - 1
+    nc, batch, num_saved = plan.tables["chunks"].shape[1], plan.batch, plan.num_saved
     out = tc.empty(length, h_v, d_v, dtype=v.dtype, device=dev)
     saved = tc.empty(num_saved, h_v, d_k, d_v, dtype=torch.float32, device=dev)
     if batch == 0:
@@ -266,8 +241,7 @@ def _chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, cu_host: 
     scale = d_k ** -0.5 if scale is None else float(scale)
     qn = _normalised(q, scale, bool(use_qk_l2norm), data)
     kn = _normalised(k, 1.0, bool(use_qk_l2norm), data)
-    chunks = tc.device_tensor(table, dev)
-    seq_chunks_t = torch.tensor(seq_chunks, dtype=torch.int32).to(dev)
+    chunks, seq_chunks = plan.device("chunks"), plan.device("seq_chunks")
     rows = max(nc, 1)
     gbuf = tc.empty(rows, h_v, CHUNK, dtype=torch.float32, device=dev)
     wbuf = tc.empty(rows, h_v, CHUNK, d_k, dtype=data, device=dev)
@@ -282,7 +256,7 @@ def _chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, cu_host: 
             beta.stride(0), h_k, h_v, d_k, d_v, KB=kb, VB=min(64, tc.pow2(d_v)),
             num_warps=TUNE["prepare_warps"], **common)
     _chunk_scan_kernel[(batch, h_v, triton.cdiv(d_v, scan_bv))](
-        kn, chunks[0], chunks[1], chunks[2], seq_chunks_t, gbuf, wbuf, ubuf, hbuf, pool, slots, saved,
+        kn, chunks[0], chunks[1], chunks[2], seq_chunks, gbuf, wbuf, ubuf, hbuf, pool, slots, saved,
         *pool.stride(), h_k, h_v, d_k, d_v, HK=bk // 2, BV=scan_bv, num_warps=TUNE["scan_warps"], **common)
     if nc:
         _chunk_out_kernel[(nc, h_v, triton.cdiv(d_v, out_bv))](
@@ -305,25 +279,22 @@ def chunk_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
         _expect_shape("initial_state", initial_state, "H_v, D_k, D_v", (h_v, d_k, d_v))
         pool = initial_state.to(torch.float32, copy=True)[None]
     slots = torch.zeros(1, dtype=torch.int64, device=v.device)
-    cu = torch.tensor([0, length], dtype=torch.int32).to(v.device)
-    out, saved = _chunked(q, k, v, g, beta, [0, length], cu, pool, slots, scale, use_qk_l2norm,
-                          [list(state_positions)])
+    plan = VarlenPlan.build([0, length], [list(state_positions)]).on(v.device)
+    out, saved = _chunked(q, k, v, g, beta, plan, pool, slots, scale, use_qk_l2norm)
     return out, pool[0], saved
 
 
 def chunk_gated_delta_rule_varlen(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, cu_seqlens: Tensor,
                                   state_pool: Tensor, state_slots: Tensor, *, scale: float | None = None,
-                                  use_qk_l2norm: bool = True,
-                                  state_positions: Sequence[Sequence[int]] = ()) -> tuple[Tensor, Tensor]:
-    """See `reference_varlen.chunk_gated_delta_rule_varlen`."""
+                                  use_qk_l2norm: bool = True, state_positions: Sequence[Sequence[int]] = (),
+                                  plan: VarlenPlan | None = None) -> tuple[Tensor, Tensor]:
+    """See `reference_varlen.chunk_gated_delta_rule_varlen`; `plan` holds the chunks (cut at
+    `state_positions`, which it then supersedes); without one, cu_seqlens is read back once."""
     length, h_v, d_k, d_v = _check_delta(q, k, v, g, beta, "T")
     _expect_shape("cu_seqlens", cu_seqlens, "B+1", (None,))
     _expect_dtype("cu_seqlens", cu_seqlens, torch.int32)
     batch = cu_seqlens.shape[0] - 1
     _check_pool(state_pool, state_slots, batch, h_v, d_k, d_v)
     _expect(len(state_positions) <= batch, f"at most B = {batch} lists of state_positions", len(state_positions))
-    cu_host = cu_seqlens.tolist()
-    _expect(cu_host[0] == 0 and cu_host[-1] == length and all(a <= b for a, b in zip(cu_host, cu_host[1:])),
-            f"cu_seqlens non-decreasing from 0 to T = {length}", cu_host)
-    return _chunked(q, k, v, g, beta, cu_host, cu_seqlens.contiguous(), state_pool, state_slots.contiguous(),
-                    scale, use_qk_l2norm, state_positions)
+    plan = _plan(cu_seqlens, length, plan, state_positions)
+    return _chunked(q, k, v, g, beta, plan, state_pool, state_slots.contiguous(), scale, use_qk_l2norm)

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 import kernels
+from kernels.varlen_plan import VarlenPlan
 from workers.arena import ArenaLayout
 from workers.cache_placement import COPY, DEMOTE, IMPORT, MOVE, PROMOTE
 from workers.model import ForwardBatch, HybridForCausalLM, ModelCaches
@@ -42,7 +43,8 @@ from workers.scheduler import StepPlan
 @dataclass
 class StepWork:
     """One step as plain host data: what `ModelRunner.run` needs, and all a tensor-parallel
-    rank is sent (workers.tp_runner). Arrays are numpy; `batch` puts them on a device."""
+    rank is sent (workers.tp_runner). Arrays are numpy; `ModelRunner` puts every one of them on
+    the device in one copy (`upload`)."""
     input_ids: np.ndarray
     positions: np.ndarray
     cu_seqlens: np.ndarray
@@ -52,8 +54,10 @@ class StepWork:
     state_slots: np.ndarray
     num_decodes: int
     logits_indices: np.ndarray
-    checkpoint_offsets: dict[int, list[int]]
-    checkpoint_slots: dict[int, list[list[int]]]
+    prefill: VarlenPlan  # the prefill segments' boundaries (from 0) and checkpoint positions
+    checkpoint_rows: np.ndarray  # see workers.model.batch
+    checkpoint_targets: np.ndarray
+    checkpoint_states: np.ndarray
     block_copies: list[tuple[str, int, int]] = field(default_factory=list)
     restores: list[tuple[int, int]] = field(default_factory=list)
     fresh_state_slots: list[int] = field(default_factory=list)
@@ -61,21 +65,47 @@ class StepWork:
     host_snapshots: list[tuple[int, list[int]]] = field(default_factory=list)
     promotions_for_now: bool = True  # this step's segments read what its promotions bring back
 
-    def batch(self, device: torch.device) -> ForwardBatch:
+    def arrays(self) -> dict[str, np.ndarray]:
+        """Every per-step array the device reads, by name: the batch's, the prefill plan's tables
+        (`prefill.<name>`), and the slot copies made around the forward."""
+        restores, snapshots = np.array(self.restores, np.int64).reshape(-1, 2), np.array(self.snapshots,
+                                                                                          np.int64).reshape(-1, 2)
+        out = dict(input_ids=self.input_ids, positions=self.positions, cu_seqlens=self.cu_seqlens,
+                   seq_lens=self.seq_lens, page_table=self.page_table, slot_mapping=self.slot_mapping,
+                   state_slots=self.state_slots, logits_indices=self.logits_indices,
+                   checkpoint_rows=self.checkpoint_rows, checkpoint_targets=self.checkpoint_targets,
+                   checkpoint_states=self.checkpoint_states, restore_src=restores[:, 0], restore_dst=restores[:, 1],
+                   snapshot_src=snapshots[:, 0], snapshot_dst=snapshots[:, 1],
+                   fresh_state_slots=np.array(self.fresh_state_slots, np.int64))
+        out.update({f"prefill.{name}": t for name, t in self.prefill.tables.items()})
+        return out
+
+    def batch(self, tensors: dict[str, torch.Tensor]) -> ForwardBatch:
+        """The forward's view of this step, over its uploaded arrays."""
+        prefill = self.prefill.bind({name[8:]: t for name, t in tensors.items() if name.startswith("prefill.")})
         return ForwardBatch(
-            input_ids=torch.from_numpy(self.input_ids).to(device),
-            positions=torch.from_numpy(self.positions).to(device),
-            cu_seqlens=torch.from_numpy(self.cu_seqlens).to(device),
-            num_seqs=len(self.cu_seqlens) - 1,
-            seq_lens=torch.from_numpy(self.seq_lens).to(device),
-            page_table=torch.from_numpy(self.page_table).to(device),
-            slot_mapping=torch.from_numpy(self.slot_mapping).to(device),
-            state_slots=torch.from_numpy(self.state_slots).to(device),
-            num_decodes=self.num_decodes,
-            logits_indices=torch.from_numpy(self.logits_indices).to(device),
-            checkpoint_offsets=self.checkpoint_offsets,
-            checkpoint_slots=self.checkpoint_slots,
-        )
+            input_ids=tensors["input_ids"], positions=tensors["positions"], cu_seqlens=tensors["cu_seqlens"],
+            num_seqs=len(self.cu_seqlens) - 1, seq_lens=tensors["seq_lens"], page_table=tensors["page_table"],
+            slot_mapping=tensors["slot_mapping"], state_slots=tensors["state_slots"], num_decodes=self.num_decodes,
+            logits_indices=tensors["logits_indices"], prefill=prefill,
+            checkpoint_rows=tensors["checkpoint_rows"], checkpoint_targets=tensors["checkpoint_targets"],
+            checkpoint_states=tensors["checkpoint_states"])
+
+
+def _checkpoint_tables(prefills, plan: VarlenPlan, width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Where each checkpoint of the step's prefill segments takes its states from (see
+    workers.model.batch): its conv window's K-1 source rows, its slot, its saved delta-rule state."""
+    rows, targets, states, saved = [], [], [], 0
+    n = len(prefills)
+    for i, seg in enumerate(prefills):
+        for off in plan.positions[i]:
+            window = [n * width + plan.cu[i] + p if p >= 0 else (i + 1) * width + p for p in range(off - width, off)]
+            for slot in seg.ckpt_slots[off]:
+                rows.append(window)
+                targets.append(slot)
+                states.append(saved)
+            saved += 1
+    return (np.array(rows, np.int64).reshape(-1, width), np.array(targets, np.int64), np.array(states, np.int64))
 
 
 class ModelRunner:
@@ -97,6 +127,7 @@ class ModelRunner:
         self._promoted = None
         self.caches = ModelCaches(*self._views(layout))
         self._table = np.zeros((max_rows, 64), dtype=np.int32)  # row -> page ids, widened on demand
+        self._staging: list[torch.Tensor | None] = [None, None]  # CUDA: pinned buffers `upload` alternates
 
     def _views(self, layout: ArenaLayout):
         cfg, item = self.cfg, self.dtype.itemsize
@@ -136,15 +167,15 @@ class ModelRunner:
             self._copy_blocks(work.block_copies)
             if work.promotions_for_now:
                 self._wait_for_promotions()
+        tensors = self.upload(work.arrays())
         if work.restores:
-            self._copy_slots(states, work.restores)
+            kernels.copy_state_slots(states, tensors["restore_src"], tensors["restore_dst"])
         if work.fresh_state_slots:
-            slots = self._index(work.fresh_state_slots)
             for t in states:
-                t[slots] = 0
-        logits = self.model(work.batch(self.device), self.caches)
+                t.index_fill_(0, tensors["fresh_state_slots"], 0)
+        logits = self.model(work.batch(tensors), self.caches)
         if work.snapshots:
-            self._copy_slots(states, work.snapshots)
+            kernels.copy_state_slots(states, tensors["snapshot_src"], tensors["snapshot_dst"])
         if work.host_snapshots:  # checkpoints that found no device slot: straight to the host tier
             k = self.slot_blocks
             self._copy_blocks([(DEMOTE, b, h) for slot, blocks in work.host_snapshots
@@ -241,8 +272,29 @@ class ModelRunner:
     def _index(self, values: list[int], device: torch.device | None = None) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=device or self.device)
 
-    def _copy_slots(self, tensors, pairs: list[tuple[int, int]]) -> None:
-        kernels.copy_state_slots(tensors, self._index([s for s, _ in pairs]), self._index([d for _, d in pairs]))
+    def upload(self, arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        """The arrays on the device, in one copy: packed, 8-byte aligned, into one host buffer
+        (on CUDA a pinned one, copied without blocking the host; the next step's sampled ids, read
+        back, come after that copy, so the two alternating buffers are free again by then), then
+        viewed by name, each with its dtype and shape."""
+        offsets, size = {}, 0
+        for name, a in arrays.items():
+            offsets[name] = size
+            size += -(-a.nbytes // 8) * 8
+        packed = np.empty(max(size, 8), dtype=np.uint8)
+        for name, a in arrays.items():
+            packed[offsets[name]:offsets[name] + a.nbytes] = np.ascontiguousarray(a).view(np.uint8).reshape(-1)
+        host = torch.from_numpy(packed)
+        if self.device.type == "cuda":
+            self._staging = self._staging[::-1]
+            if self._staging[0] is None or self._staging[0].numel() < host.numel():
+                self._staging[0] = torch.empty(2 * host.numel(), dtype=torch.uint8, pin_memory=True)
+            pinned = self._staging[0][:host.numel()]
+            pinned.copy_(host)
+            host = pinned.to(self.device, non_blocking=True)
+        dtypes = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32}
+        return {name: host[offsets[name]:offsets[name] + a.nbytes].view(dtypes[a.dtype]).view(a.shape)
+                for name, a in arrays.items()}
 
     def _write_page_table(self, writes: list) -> None:
         """Applies the cache's page-table writes to the persistent table (rows: sequences)."""
@@ -301,16 +353,13 @@ class ModelRunner:
         else:
             logits_rows = (cu[1:] - 1)[ends == np.array(lengths)]  # segments reaching their end sample
         max_pages = int((ends.max() + ps - 1) // ps)
-        offsets: dict[int, list[int]] = {}
-        offset_slots: dict[int, list[list[int]]] = {}
-        for b, seg in enumerate(prefills, start=nd):
-            if seg.ckpt_slots:
-                offsets[b] = sorted(seg.ckpt_slots)
-                offset_slots[b] = [seg.ckpt_slots[o] for o in offsets[b]]
+        prefill = VarlenPlan.build((cu[nd:] - cu[nd]).tolist(), [sorted(seg.ckpt_slots) for seg in prefills])
+        ck_rows, ck_targets, ck_states = _checkpoint_tables(prefills, prefill, self.cfg.linear_conv_kernel_dim - 1)
         return StepWork(
             input_ids=np.array(ids, dtype=np.int64), positions=pos.astype(np.int64, copy=False), cu_seqlens=cu,
             seq_lens=ends.astype(np.int32), page_table=table[rows, :max_pages], slot_mapping=slot_mapping,
             state_slots=np.array(slots, dtype=np.int64), num_decodes=nd, logits_indices=logits_rows.astype(np.int64),
-            checkpoint_offsets=offsets, checkpoint_slots=offset_slots, block_copies=plan.block_copies,
+            prefill=prefill, checkpoint_rows=ck_rows, checkpoint_targets=ck_targets, checkpoint_states=ck_states,
+            block_copies=plan.block_copies,
             restores=plan.restores, fresh_state_slots=plan.fresh_state_slots, snapshots=plan.snapshots,
             host_snapshots=plan.host_snapshots, promotions_for_now=plan.promotions_for_now)

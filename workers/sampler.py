@@ -16,7 +16,6 @@ Faults stay in their row: a row whose logits are not finite, or whose draw fails
 
 from __future__ import annotations
 
-import math
 
 import torch
 
@@ -34,9 +33,11 @@ class Sampler:
         """logits: [N, vocab] fp32, one row per sequence in `seqs`; one result per row."""
         if all(s.params.temperature == 0 and s.params.logprobs is None for s in seqs):  # argmax on the device
             best, argmax = torch.max(logits, dim=-1)
-            # a row with a NaN or +inf has its maximum there (all -inf: -inf): one sum tells, O(rows)
-            if math.isfinite(float(best.sum())):
-                return [(t, None) for t in argmax.tolist()]
+            # a row with a NaN or an infinity has its maximum there: it reads back as -1, and the
+            # step's one read of the device is these ids
+            ids = torch.where(torch.isfinite(best), argmax, -1).tolist()
+            if min(ids, default=0) >= 0:
+                return [(t, None) for t in ids]
         finite = torch.isfinite(logits).all(dim=-1).tolist()
         logits = logits.float().cpu()
         tokens = torch.argmax(logits, dim=-1).tolist()

@@ -15,13 +15,26 @@ Caches are passed beside the batch, not inside it:
   [num_slots, L_lin, H_v, D_k, D_v] (fp32), indexed by a linear layer's rank among linear layers.
 A sequence's state slot always holds its state at the start of the segment (zeros for a fresh
 sequence, a restored checkpoint for a resumed one); the model leaves it at the segment's end.
+
+Everything a step's kernels need to know about its lengths is computed on the host before the
+step and arrives with it (`prefill`, the checkpoint tables), so that the forward never reads a
+value back from the device: the tensors here are the device's, every int and list is the host's.
+
+Checkpoints: the prefill plan's `positions[i]` are the offsets in prefill segment i after which
+its recurrent state is saved, each into one or more state slots. The N copies are tables:
+`checkpoint_targets` [N] the slots, `checkpoint_states` [N] the index of the delta-rule state the
+chunked rule saved (segment by segment, offset by offset), and `checkpoint_rows` [N, K-1] the
+conv window's rows in [each prefill segment's starting conv window, K-1 rows each; then the
+prefill tokens' conv inputs].
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
+
+from kernels.varlen_plan import VarlenPlan
 
 
 @dataclass
@@ -36,9 +49,8 @@ class ForwardBatch:
     state_slots: torch.Tensor  # [B] int64
     num_decodes: int  # the first num_decodes sequences have one new token each
     logits_indices: torch.Tensor  # [N] int64: rows of T whose logits are computed
-    # Per prefill segment (index b >= num_decodes): offsets inside the segment (strictly
-    # increasing, each < its length) after which the recurrent state is saved, and for each
-    # offset the state-pool slots receiving a copy.
-    checkpoint_offsets: dict[int, list[int]] = field(default_factory=dict)
-    checkpoint_slots: dict[int, list[list[int]]] = field(default_factory=dict)
+    prefill: VarlenPlan  # sequences num_decodes.. : their boundaries from 0, tables on the device
+    checkpoint_rows: torch.Tensor  # [N, K-1] int64 (see above)
+    checkpoint_targets: torch.Tensor  # [N] int64
+    checkpoint_states: torch.Tensor  # [N] int64
 

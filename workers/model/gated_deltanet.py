@@ -63,37 +63,30 @@ class GatedDeltaNet(nn.Module):
             core[:nd] = kernels.gated_delta_rule_step_slots(q, k, v, g[:nd], beta[:nd], ssm_pool, slots)
 
         if nd < batch.num_seqs:  # every prefill segment in one call per op
-            slots = batch.state_slots[nd:]
-            cu = batch.cu_seqlens[nd:] - batch.cu_seqlens[nd]
+            slots, plan = batch.state_slots[nd:], batch.prefill
+            cu = plan.device("cu")
             rows = slice(nd, T)  # decode tokens come first, one each
-            offsets = [batch.checkpoint_offsets.get(i, []) for i in range(nd, batch.num_seqs)]
-            before = conv_pool[slots] if any(offsets) else None  # conv states the segments start from
-            q, k, v = self._heads(kernels.causal_conv1d_varlen(mixed[rows], weight, cu, conv_pool, slots))
+            saving = batch.checkpoint_targets.shape[0] > 0
+            before = conv_pool[slots] if saving else None  # conv states the segments start from
+            q, k, v = self._heads(kernels.causal_conv1d_varlen(mixed[rows], weight, cu, conv_pool, slots, plan))
             core[rows], states = kernels.chunk_gated_delta_rule_varlen(
-                q, k, v, g[rows], beta[rows], cu, ssm_pool, slots, state_positions=offsets)
-            if before is not None:
-                self._save_checkpoints(batch, mixed[rows], cu.tolist(), offsets, before, states, conv_pool, ssm_pool)
+                q, k, v, g[rows], beta[rows], cu, ssm_pool, slots, plan=plan)
+            if saving:
+                self._save_checkpoints(batch, mixed[rows], before, states, conv_pool, ssm_pool)
 
         core = self.norm(core.reshape(-1, self.dv), z.reshape(-1, self.dv)).reshape(T, self.value_dim)
         return self.out_proj(core)
 
-    def _save_checkpoints(self, batch: ForwardBatch, mixed: torch.Tensor, cu: list[int], offsets: list[list[int]],
-                          before: torch.Tensor, states: torch.Tensor, conv_pool: torch.Tensor,
-                          ssm_pool: torch.Tensor) -> None:
-        """Copies the states after each checkpoint offset of each prefill segment into the
-        checkpoint slots asking for them: the delta-rule state the chunked rule returned
-        (`states`, segment by segment, offset by offset) and the conv window ending there."""
-        nd, j = batch.num_decodes, 0
-        for i, offs in enumerate(offsets):
-            if not offs:
-                continue
-            # the conv input history of segment i: its starting state, then its tokens [C, K-1+len]
-            history = torch.cat((before[i], mixed[cu[i]:cu[i + 1]].t().to(before.dtype)), dim=1)
-            for off, slots in zip(offs, batch.checkpoint_slots[nd + i]):
-                for ck in slots:
-                    conv_pool[ck] = history[:, off: off + self.kernel - 1]
-                    ssm_pool[ck] = states[j]
-                j += 1
+    @staticmethod
+    def _save_checkpoints(batch: ForwardBatch, mixed: torch.Tensor, before: torch.Tensor, states: torch.Tensor,
+                          conv_pool: torch.Tensor, ssm_pool: torch.Tensor) -> None:
+        """Copies the states after each checkpoint offset into the slots asking for them, all at
+        once from the step's tables (workers.model.batch): the conv window ending there, gathered
+        from the segments' starting windows and their tokens, and the delta-rule state the
+        chunked rule saved there."""
+        source = torch.cat((before.transpose(1, 2).reshape(-1, before.shape[1]), mixed.to(before.dtype)))
+        conv_pool[batch.checkpoint_targets] = source[batch.checkpoint_rows].transpose(1, 2)
+        ssm_pool[batch.checkpoint_targets] = states[batch.checkpoint_states]
 
     def _heads(self, y: torch.Tensor):
         n = y.shape[0]

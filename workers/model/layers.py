@@ -107,9 +107,10 @@ class Attention(nn.Module):
             parts.append(kernels.paged_attention_decode(
                 q[:nd], k_cache, v_cache, batch.page_table[:nd], batch.seq_lens[:nd], self.scale))
         if nd < batch.num_seqs:
-            cu = batch.cu_seqlens[nd:] - batch.cu_seqlens[nd]
+            plan = batch.prefill
             parts.append(kernels.paged_attention_prefill(
-                q[nd:], k_cache, v_cache, batch.page_table[nd:], cu, batch.seq_lens[nd:], self.scale))
+                q[nd:], k_cache, v_cache, batch.page_table[nd:], plan.device("cu"), batch.seq_lens[nd:], self.scale,
+                plan))
         out = torch.cat(parts) if len(parts) > 1 else parts[0]
         out = out.reshape(T, -1) * torch.sigmoid(gate)
         return self.o_proj(out)
