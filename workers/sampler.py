@@ -16,7 +16,6 @@ Faults stay in their row: a row whose logits are not finite, or whose draw fails
 
 from __future__ import annotations
 
-
 import torch
 
 from workers.errors import SequenceFault
