@@ -4,8 +4,9 @@ Callers import ops from here (`from kernels import store_kv`), never from an imp
 Each op asks `_backend` which module implements it for the tensors it was given:
 - CUDA tensors run `kernels.gpu` (compiled Triton, imported on first use);
 - CPU tensors run `kernels.reference` (fp32 torch: the CPU path, and the oracle every Triton
-  kernel is tested against), `kernels.reference_varlen` (its per-sequence loops) and
-  `kernels.reference_moe` (the mixture of experts);
+  kernel is tested against), `kernels.reference_varlen` (its per-sequence loops),
+  `kernels.reference_moe` (the mixture of experts) and `kernels.reference_fused` (the norms,
+  rotary and gates a GPU runs as one launch each, `kernels.triton_fused`);
 - `CAIRN_KERNELS=reference` in the environment (read at every call) or `force_reference(True)`
   sends CUDA tensors to the references too, for debugging a suspected kernel.
 Interpreted Triton (`TRITON_INTERPRET=1`) is for the CPU tests only, which import the
@@ -28,7 +29,8 @@ from types import ModuleType
 
 from torch import Tensor
 
-from kernels import reference, reference_moe, reference_varlen
+from kernels import reference, reference_fused, reference_moe, reference_varlen
+from kernels.reference_moe import SharedExpert
 from kernels.varlen_plan import VarlenPlan
 
 __all__ = [
@@ -46,6 +48,12 @@ __all__ = [
     "causal_conv1d_varlen",
     "causal_conv1d_update_slots",
     "fused_moe",
+    "SharedExpert",
+    "rms_norm",
+    "gated_rms_norm",
+    "qk_norm_rope",
+    "delta_gates",
+    "sigmoid_gate",
     "VarlenPlan",
     "force_reference",
 ]
@@ -83,6 +91,11 @@ def _backend(tensor: Tensor) -> ModuleType:
 def _moe_backend(tensor: Tensor) -> ModuleType:
     """The module implementing `fused_moe` on `tensor`'s device."""
     return importlib.import_module("kernels.triton_moe") if _uses_triton(tensor) else reference_moe
+
+
+def _fused_backend(tensor: Tensor) -> ModuleType:
+    """The module implementing the `reference_fused` ops on `tensor`'s device."""
+    return importlib.import_module("kernels.triton_fused") if _uses_triton(tensor) else reference_fused
 
 
 def _varlen_backend(tensor: Tensor) -> ModuleType:
@@ -178,6 +191,32 @@ def causal_conv1d_update_slots(x: Tensor, weight: Tensor, conv_pool: Tensor, sta
 
 
 def fused_moe(x: Tensor, logits: Tensor, gate_up: Tensor, down: Tensor, top_k: int,
-              renormalize: bool = True) -> Tensor:
+              renormalize: bool = True, shared: SharedExpert | None = None) -> Tensor:
     """See `reference_moe.fused_moe`."""
-    return _moe_backend(x).fused_moe(x, logits, gate_up, down, top_k, renormalize)
+    return _moe_backend(x).fused_moe(x, logits, gate_up, down, top_k, renormalize, shared)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None):
+    """See `reference_fused.rms_norm`."""
+    return _fused_backend(x).rms_norm(x, weight, eps, residual)
+
+
+def gated_rms_norm(x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """See `reference_fused.gated_rms_norm`."""
+    return _fused_backend(x).gated_rms_norm(x, gate, weight, eps)
+
+
+def qk_norm_rope(q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor, positions: Tensor, inv_freq: Tensor,
+                 eps: float) -> tuple[Tensor, Tensor]:
+    """See `reference_fused.qk_norm_rope`."""
+    return _fused_backend(q).qk_norm_rope(q, k, q_weight, k_weight, positions, inv_freq, eps)
+
+
+def delta_gates(a: Tensor, b: Tensor, A_log: Tensor, dt_bias: Tensor) -> tuple[Tensor, Tensor]:
+    """See `reference_fused.delta_gates`."""
+    return _fused_backend(a).delta_gates(a, b, A_log, dt_bias)
+
+
+def sigmoid_gate(x: Tensor, gate: Tensor) -> Tensor:
+    """See `reference_fused.sigmoid_gate`."""
+    return _fused_backend(x).sigmoid_gate(x, gate)

@@ -32,15 +32,16 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels import triton_common
-from kernels.reference_moe import check_moe_args
+from kernels import reference_moe, triton_common
+from kernels.reference_moe import SharedExpert, check_moe_args, check_shared
 
 ALIGN_TILE = 4096  # the align kernel's [pairs, experts] one-hot tile: pairs per pass = this / experts
 
 
 @triton.jit
-def _route_kernel(logits, s_lt, weights, ids, out, H, E, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
-                  BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr):
+def _route_kernel(logits, s_lt, weights, ids, out, x, s_xt, shared_gate, N, H, E, TOP_K: tl.constexpr,
+                  RENORMALIZE: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                  BLOCK_H: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
     row = tl.load(logits + t * s_lt + e, mask=e < E, other=float("-inf")).to(tl.float32)
@@ -60,9 +61,15 @@ def _route_kernel(logits, s_lt, weights, ids, out, H, E, TOP_K: tl.constexpr, RE
         top_w = top_w / tl.sum(top_w, axis=0)
     tl.store(weights + t * TOP_K + j, top_w, mask=j < TOP_K)
     tl.store(ids + t * TOP_K + j, top_i, mask=j < TOP_K)
+    dot = tl.zeros([BLOCK_H], dtype=tl.float32)
     for h0 in range(0, H, BLOCK_H):
         h = h0 + tl.arange(0, BLOCK_H)
         tl.store(out + t * H + h, tl.zeros([BLOCK_H], dtype=tl.float32), mask=h < H)
+        if HAS_SHARED:
+            xv = tl.load(x + t * s_xt + h, mask=h < H, other=0.0).to(tl.float32)
+            dot += xv * tl.load(shared_gate + h, mask=h < H, other=0.0).to(tl.float32)
+    if HAS_SHARED:  # the shared expert's weight, at pair N + t
+        tl.store(weights + N + t, 1.0 / (1.0 + tl.exp(-tl.sum(dot, axis=0))))
 
 
 @triton.jit
@@ -97,21 +104,40 @@ def _align_kernel(ids, N, E, sorted_pairs, block_expert, num_padded, MAX_PADDED,
 
 
 @triton.jit
-def _expert_block(sorted_pairs, block_expert, N, BLOCK_M: tl.constexpr):
-    """(expert, pair ids [BLOCK_M], which of them are pairs, not padding) of this program's block."""
+def _expert_block(sorted_pairs, block_expert, num_padded, N, T, MAX_BLOCKS, TOP_K: tl.constexpr,
+                  BLOCK_M: tl.constexpr):
+    """This program's block: (whether it has work, expert, pair ids [BLOCK_M], which are pairs and
+    not padding, their tokens). Blocks past MAX_BLOCKS are the shared expert's (expert E): tokens
+    in order, pair N + t."""
     b = tl.program_id(0)
-    pairs = tl.load(sorted_pairs + b * BLOCK_M + tl.arange(0, BLOCK_M))
-    return tl.load(block_expert + b).to(tl.int64), pairs, pairs < N
+    r = tl.arange(0, BLOCK_M)
+    if b < MAX_BLOCKS:
+        pairs = tl.load(sorted_pairs + b * BLOCK_M + r)
+        valid = pairs < N
+        tokens = pairs // TOP_K
+        expert = tl.load(block_expert + b)
+        busy = b * BLOCK_M < tl.load(num_padded)
+    else:
+        tokens = (b - MAX_BLOCKS) * BLOCK_M + r
+        valid = tokens < T
+        pairs = N + tokens
+        expert = tl.full([], -1, tl.int32)
+        busy = b >= MAX_BLOCKS
+    return busy, expert.to(tl.int64), pairs.to(tl.int64), valid, tokens.to(tl.int64)
 
 
 @triton.jit
-def _gate_up_kernel(x, s_xt, w, s_we, s_wn, inter, sorted_pairs, block_expert, num_padded, N, H, I,
-                    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    DOT: tl.constexpr, PREC: tl.constexpr):
-    if tl.program_id(0) * BLOCK_M >= tl.load(num_padded):
+def _gate_up_kernel(x, s_xt, w, s_we, s_wn, sg, su, s_sn, inter, sorted_pairs, block_expert, num_padded, N, T,
+                    MAX_BLOCKS, H, I, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
+    busy, expert, pairs, valid, tokens = _expert_block(sorted_pairs, block_expert, num_padded, N, T, MAX_BLOCKS,
+                                                       TOP_K, BLOCK_M)
+    if not busy:
         return
-    expert, pairs, valid = _expert_block(sorted_pairs, block_expert, N, BLOCK_M)
-    tokens = (pairs // TOP_K).to(tl.int64)
+    if expert >= 0:
+        gate_rows, up_rows, s_n = w + expert * s_we, w + expert * s_we + I * s_wn, s_wn
+    else:
+        gate_rows, up_rows, s_n = sg, su, s_sn
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < I
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -120,73 +146,84 @@ def _gate_up_kernel(x, s_xt, w, s_we, s_wn, inter, sorted_pairs, block_expert, n
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < H
         a = tl.load(x + tokens[:, None] * s_xt + k[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        rows = w + expert * s_we + k[:, None]
-        g = tl.load(rows + n[None, :] * s_wn, mask=k_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
-        u = tl.load(rows + (n[None, :] + I) * s_wn, mask=k_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
+        w_ok = k_ok[:, None] & n_ok[None, :]
+        g = tl.load(gate_rows + k[:, None] + n[None, :] * s_n, mask=w_ok, other=0.0).to(tl.float32)
+        u = tl.load(up_rows + k[:, None] + n[None, :] * s_n, mask=w_ok, other=0.0).to(tl.float32)
         acc_gate += tl.dot(a.to(DOT), g.to(DOT), input_precision=PREC)
         acc_up += tl.dot(a.to(DOT), u.to(DOT), input_precision=PREC)
     h = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up
-    dst = inter + pairs.to(tl.int64)[:, None] * I + n[None, :]
+    dst = inter + pairs[:, None] * I + n[None, :]
     tl.store(dst, h.to(inter.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
 
 
 @triton.jit
-def _down_kernel(inter, w, s_we, s_wn, weights, out, sorted_pairs, block_expert, num_padded, N, H, I,
-                 TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 DOT: tl.constexpr, PREC: tl.constexpr):
-    if tl.program_id(0) * BLOCK_M >= tl.load(num_padded):
+def _down_kernel(inter, w, s_we, s_wn, sd, s_sd, weights, out, sorted_pairs, block_expert, num_padded, N, T,
+                 MAX_BLOCKS, H, I, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
+    busy, expert, pairs, valid, tokens = _expert_block(sorted_pairs, block_expert, num_padded, N, T, MAX_BLOCKS,
+                                                       TOP_K, BLOCK_M)
+    if not busy:
         return
-    expert, pairs, valid = _expert_block(sorted_pairs, block_expert, N, BLOCK_M)
+    if expert >= 0:
+        rows, s_n = w + expert * s_we, s_wn
+    else:
+        rows, s_n = sd, s_sd
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < H
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < I
-        a = tl.load(inter + pairs.to(tl.int64)[:, None] * I + k[None, :], mask=valid[:, None] & k_ok[None, :],
+        a = tl.load(inter + pairs[:, None] * I + k[None, :], mask=valid[:, None] & k_ok[None, :],
                     other=0.0).to(tl.float32)
-        d = tl.load(w + expert * s_we + n[None, :] * s_wn + k[:, None], mask=k_ok[:, None] & n_ok[None, :],
-                    other=0.0).to(tl.float32)
+        d = tl.load(rows + n[None, :] * s_n + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
         acc += tl.dot(a.to(DOT), d.to(DOT), input_precision=PREC)
     scale = tl.load(weights + pairs, mask=valid, other=0.0)
-    tokens = (pairs // TOP_K).to(tl.int64)
     tl.atomic_add(out + tokens[:, None] * H + n[None, :], acc * scale[:, None], mask=valid[:, None] & n_ok[None, :])
 
 
 def fused_moe(x: Tensor, logits: Tensor, gate_up: Tensor, down: Tensor, top_k: int,
-              renormalize: bool = True) -> Tensor:
-    """See `reference_moe.fused_moe`; five launches, no host sync."""
+              renormalize: bool = True, shared: SharedExpert | None = None) -> Tensor:
+    """See `reference_moe.fused_moe`; five launches, no host sync. A shared expert of the routed
+    experts' width runs in the same launches, as T more pairs; of another width, beside them."""
     check_moe_args(x, logits, gate_up, down, top_k)
     T, H = x.shape
     E, I = gate_up.shape[0], down.shape[2]
+    if shared is not None:
+        check_shared(x, shared)
+        if shared.gate_proj.shape[0] != I:
+            return fused_moe(x, logits, gate_up, down, top_k, renormalize) + reference_moe.shared_expert(x, shared)
+    has_shared = shared is not None
     x, logits = triton_common.unit_last(x), triton_common.unit_last(logits)
     gate_up, down = gate_up.contiguous(), down.contiguous()
+    sg, su, sd, s_gate = (t.contiguous() for t in shared) if has_shared else (down, down, down, down)
     dev = x.device
     n = T * top_k
     out = triton_common.empty(T, H, dtype=torch.float32, device=dev)
     if T == 0:
         return out.to(x.dtype)
-    weights = triton_common.empty(n, dtype=torch.float32, device=dev)
+    pairs = n + (T if has_shared else 0)
+    weights = triton_common.empty(pairs, dtype=torch.float32, device=dev)
     ids = triton_common.empty(n, dtype=torch.int32, device=dev)
     block_e = triton_common.pow2(E)
-    _route_kernel[(T,)](logits, logits.stride(0), weights, ids, out, H, E, TOP_K=top_k, RENORMALIZE=renormalize,
-                        BLOCK_E=block_e, BLOCK_K=triton_common.pow2(top_k, least=2),
-                        BLOCK_H=min(1024, triton_common.pow2(H)))
+    _route_kernel[(T,)](logits, logits.stride(0), weights, ids, out, x, x.stride(0), s_gate, n, H, E, TOP_K=top_k,
+                        RENORMALIZE=renormalize, HAS_SHARED=has_shared, BLOCK_E=block_e,
+                        BLOCK_K=triton_common.pow2(top_k, least=2), BLOCK_H=min(1024, triton_common.pow2(H)))
     block_m = 16 if n <= 16 * E else 64
     max_padded = triton.cdiv(n + E * (block_m - 1), block_m) * block_m
     max_blocks = max_padded // block_m
+    blocks = max_blocks + (triton.cdiv(T, block_m) if has_shared else 0)
     sorted_pairs = triton_common.empty(max_padded, dtype=torch.int32, device=dev)
     block_expert = triton_common.empty(max_blocks, dtype=torch.int32, device=dev)
     num_padded = triton_common.empty(1, dtype=torch.int32, device=dev)
     _align_kernel[(1,)](ids, n, E, sorted_pairs, block_expert, num_padded, max_padded, max_blocks,
                         BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=max(16, ALIGN_TILE // block_e), num_warps=8)
-    inter = triton_common.empty(n, I, dtype=x.dtype, device=dev)
-    dot = triton_common.dot_dtype(x)
-    block_n, block_k = 64, 64
-    _gate_up_kernel[(max_blocks, triton.cdiv(I, block_n))](
-        x, x.stride(0), gate_up, gate_up.stride(0), gate_up.stride(1), inter, sorted_pairs, block_expert,
-        num_padded, n, H, I, TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT=dot, PREC="ieee")
-    _down_kernel[(max_blocks, triton.cdiv(H, block_n))](
-        inter, down, down.stride(0), down.stride(1), weights, out, sorted_pairs, block_expert, num_padded,
-        n, H, I, TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT=dot, PREC="ieee")
+    inter = triton_common.empty(pairs, I, dtype=x.dtype, device=dev)
+    common = dict(TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=64, DOT=triton_common.dot_dtype(x), PREC="ieee")
+    _gate_up_kernel[(blocks, triton.cdiv(I, 64))](
+        x, x.stride(0), gate_up, gate_up.stride(0), gate_up.stride(1), sg, su, sg.stride(0), inter, sorted_pairs,
+        block_expert, num_padded, n, T, max_blocks, H, I, **common)
+    _down_kernel[(blocks, triton.cdiv(H, 64))](
+        inter, down, down.stride(0), down.stride(1), sd, sd.stride(0), weights, out, sorted_pairs, block_expert,
+        num_padded, n, T, max_blocks, H, I, **common)
     return out if x.dtype == torch.float32 else out.to(x.dtype)

@@ -21,7 +21,9 @@ ROOT = Path(__file__).resolve().parent.parent
 EXPECTED = {"_l2norm_kernel", "_chunk_prepare_kernel", "_chunk_scan_kernel", "_chunk_out_kernel", "_recurrent_kernel",
             "_store_kv_kernel", "_prefill_kernel", "_decode_kernel", "_decode_merge_kernel", "_conv_fwd_kernel",
             "_conv_state_kernel", "_conv_update_kernel", "_copy_slots_kernel",
-            "_route_kernel", "_align_kernel", "_gate_up_kernel", "_down_kernel"}
+            "_route_kernel", "_align_kernel", "_gate_up_kernel", "_down_kernel",
+            "_rms_norm_kernel", "_gated_rms_norm_kernel", "_qk_norm_rope_kernel", "_delta_gates_kernel",
+            "_sigmoid_gate_kernel"}
 
 
 def _nvidia_bin() -> Path | None:
@@ -65,7 +67,8 @@ def _main() -> None:
     from triton.compiler import ASTSource
 
     from kernels import triton_attention, triton_common, triton_conv, triton_delta_recurrent, triton_delta_rule
-    from kernels import triton_moe, triton_state
+    from kernels import triton_fused, triton_moe, triton_state
+    from kernels.reference_moe import SharedExpert
 
     assert not triton_common.INTERPRETED
     types = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int32: "i32",
@@ -101,7 +104,8 @@ def _main() -> None:
                                   local_bytes=local_bytes(binary.asm["cubin"]))), flush=True)
         kernel.run = run
 
-    modules = (triton_attention, triton_conv, triton_delta_recurrent, triton_delta_rule, triton_state, triton_moe)
+    modules = (triton_attention, triton_conv, triton_delta_recurrent, triton_delta_rule, triton_state, triton_moe,
+               triton_fused)
     for module in modules:
         for value in vars(module).values():
             if isinstance(value, triton.runtime.jit.JITFunction) and value.fn.__name__.endswith("_kernel"):
@@ -136,7 +140,22 @@ def _main() -> None:
         experts, top_k, hidden, inter = (512, 10, 64, 32) if big else (8, 2, 32, 16)
         triton_moe.fused_moe(torch.randn(t, hidden, dtype=dtype), torch.randn(t, experts, dtype=dtype),
                              torch.randn(experts, 2 * inter, hidden, dtype=dtype),
-                             torch.randn(experts, hidden, inter, dtype=dtype), top_k)
+                             torch.randn(experts, hidden, inter, dtype=dtype), top_k,
+                             shared=SharedExpert(torch.randn(inter, hidden, dtype=dtype),
+                                                 torch.randn(inter, hidden, dtype=dtype),
+                                                 torch.randn(hidden, inter, dtype=dtype),
+                                                 torch.randn(1, hidden, dtype=dtype)))
+        # the row-wise ops at full widths (Qwen3.5-397B's hidden 4096; heads of 256, a quarter rotated)
+        width = 4096 if big else 32
+        rows, norm_w = torch.randn(3, width, dtype=dtype), torch.randn(width, dtype=dtype)
+        triton_fused.rms_norm(rows, norm_w, 1e-6, rows)
+        triton_fused.gated_rms_norm(v.reshape(-1, d_v), v.reshape(-1, d_v), torch.randn(d_v, dtype=dtype), 1e-6)
+        q_heads, k_heads = torch.randn(t, h_q, d, dtype=dtype), torch.randn(t, h_kv, d, dtype=dtype)
+        triton_fused.qk_norm_rope(q_heads, k_heads, torch.randn(d, dtype=dtype), torch.randn(d, dtype=dtype),
+                                  torch.arange(t), torch.rand(d // 8), 1e-6)
+        triton_fused.sigmoid_gate(rows, rows)
+        triton_fused.delta_gates(torch.randn(t, h_v, dtype=dtype), torch.randn(t, h_v, dtype=dtype), torch.randn(h_v),
+                                 torch.randn(h_v, dtype=dtype))
     cubin.unlink(missing_ok=True)
 
 

@@ -62,6 +62,36 @@ def test_experts_that_get_no_token_and_every_token_on_one_expert():
                                reference_moe.fused_moe(x, logits, gate_up, down, 2), **TOL)
 
 
+def shared_inputs(width: int = I, seed: int = 9, dtype=torch.float32) -> reference_moe.SharedExpert:
+    g = torch.Generator().manual_seed(seed)
+    return reference_moe.SharedExpert(*((torch.randn(*shape, generator=g) * shape[-1] ** -0.5).to(dtype)
+                                        for shape in ((width, H), (width, H), (H, width), (1, H))))
+
+
+@pytest.mark.parametrize("E, k", [(6, 2), (64, 8)])
+@pytest.mark.parametrize("T", [1, 7, 65])
+def test_a_shared_expert_rides_in_the_routed_experts_launches(E, k, T):
+    x, logits, gate_up, down = moe_inputs(T, E, seed=T * E)
+    shared = shared_inputs(seed=T)
+    torch.testing.assert_close(moe.fused_moe(x, logits, gate_up, down, k, shared=shared),
+                               reference_moe.fused_moe(x, logits, gate_up, down, k, shared=shared), **TOL)
+
+
+def test_a_shared_expert_of_another_width_runs_beside_them():
+    x, logits, gate_up, down = moe_inputs(7, 6, seed=2)
+    shared = shared_inputs(width=2 * I + 3)
+    torch.testing.assert_close(moe.fused_moe(x, logits, gate_up, down, 2, shared=shared),
+                               reference_moe.fused_moe(x, logits, gate_up, down, 2, shared=shared), **TOL)
+
+
+def test_bf16_with_a_shared_expert_stays_within_bf16_rounding():
+    x, logits, gate_up, down = moe_inputs(17, 64, seed=4, dtype=torch.bfloat16)
+    shared = shared_inputs(dtype=torch.bfloat16)
+    got = moe.fused_moe(x, logits, gate_up, down, 8, shared=shared).float()
+    want = reference_moe.fused_moe(x, logits, gate_up, down, 8, shared=shared).float()
+    assert ((got - want).norm() / want.norm()).item() < 1.5e-2
+
+
 def test_no_tokens_give_an_empty_output():
     x, logits, gate_up, down = moe_inputs(0, 6)
     assert moe.fused_moe(x, logits, gate_up, down, 2).shape == (0, H)
@@ -104,26 +134,28 @@ class Recorder:
         return launch
 
 
-def launches_of(monkeypatch, x, logits, gate_up, down, k) -> tuple[list, list[str]]:
+def launches_of(monkeypatch, x, logits, gate_up, down, k, shared=None) -> tuple[list, list[str]]:
     launches: list = []
     ops = AtenOps()
     for name, kernel in KERNELS.items():
         monkeypatch.setattr(moe, name, Recorder(kernel, launches, ops))
     with ops:
-        moe.fused_moe(x, logits, gate_up, down, k)
+        moe.fused_moe(x, logits, gate_up, down, k, shared=shared)
     return launches, ops.ops
 
 
-def test_four_kernels_no_other_op_and_grids_fixed_by_the_shapes_not_the_routing(monkeypatch):
+@pytest.mark.parametrize("with_shared", [False, True])
+def test_four_kernels_no_other_op_and_grids_fixed_by_the_shapes_not_the_routing(monkeypatch, with_shared):
     x, logits, gate_up, down = moe_inputs(9, 64, seed=1)
-    spread, ops = launches_of(monkeypatch, x, logits, gate_up, down, 8)
+    shared = shared_inputs() if with_shared else None
+    spread, ops = launches_of(monkeypatch, x, logits, gate_up, down, 8, shared)
     assert [name for name, _ in spread] == ["_route_kernel", "_align_kernel", "_gate_up_kernel", "_down_kernel"]
     # fp32: no cast, no host sync (`_local_scalar_dense` is what .item() and .tolist() run), no
     # routing-sized op (nonzero, unique): the host code only allocates and launches
     assert ops == [], ops
     skewed = logits.clone()
     skewed[:, :8] += 50.0  # every token on the same 8 experts
-    assert launches_of(monkeypatch, x, skewed, gate_up, down, 8)[0] == spread
+    assert launches_of(monkeypatch, x, skewed, gate_up, down, 8, shared)[0] == spread
 
 
 def test_the_model_calls_the_op_and_cpu_runs_the_reference(monkeypatch):

@@ -14,7 +14,6 @@ offset into the checkpoint slots asking for them (see workers.model.batch).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import kernels
@@ -50,17 +49,16 @@ class GatedDeltaNet(nn.Module):
                 ssm_states: torch.Tensor) -> torch.Tensor:
         T = x.shape[0]
         mixed, z, b, a = self._split_projections(x)
-        beta = b.sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        g, beta = kernels.delta_gates(a, b, self.A_log, self.dt_bias)
         weight = self.conv1d.weight.squeeze(1)  # [conv_dim, K]
         nd, r = batch.num_decodes, self.rank
         conv_pool, ssm_pool = conv_states[:, r], ssm_states[:, r]  # [num_slots, ...] views of this layer
-        core = torch.empty(T, self.nv, self.dv, dtype=x.dtype, device=x.device)
+        parts = []  # the core output of the decode rows, then of the prefill rows
 
         if nd:  # one new token per sequence, states updated in their slots
             slots = batch.state_slots[:nd]
             q, k, v = self._heads(kernels.causal_conv1d_update_slots(mixed[:nd], weight, conv_pool, slots))
-            core[:nd] = kernels.gated_delta_rule_step_slots(q, k, v, g[:nd], beta[:nd], ssm_pool, slots)
+            parts.append(kernels.gated_delta_rule_step_slots(q, k, v, g[:nd], beta[:nd], ssm_pool, slots))
 
         if nd < batch.num_seqs:  # every prefill segment in one call per op
             slots, plan = batch.state_slots[nd:], batch.prefill
@@ -69,11 +67,13 @@ class GatedDeltaNet(nn.Module):
             saving = batch.checkpoint_targets.shape[0] > 0
             before = conv_pool[slots] if saving else None  # conv states the segments start from
             q, k, v = self._heads(kernels.causal_conv1d_varlen(mixed[rows], weight, cu, conv_pool, slots, plan))
-            core[rows], states = kernels.chunk_gated_delta_rule_varlen(
+            out, states = kernels.chunk_gated_delta_rule_varlen(
                 q, k, v, g[rows], beta[rows], cu, ssm_pool, slots, plan=plan)
+            parts.append(out)
             if saving:
                 self._save_checkpoints(batch, mixed[rows], before, states, conv_pool, ssm_pool)
 
+        core = torch.cat(parts) if len(parts) > 1 else parts[0]  # [T, H_v, D_v]
         core = self.norm(core.reshape(-1, self.dv), z.reshape(-1, self.dv)).reshape(T, self.value_dim)
         return self.out_proj(core)
 

@@ -52,19 +52,26 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
-        h = self.input_layernorm(x)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch,
+                caches: ModelCaches) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's MLP output (the embeddings for the first layer, with no
+        residual yet); residual: the stream before it. Returns (this layer's MLP output, the
+        stream before it): each residual add is fused into the norm that follows it."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
         if self.is_attention:
             h = self.self_attn(h, batch, caches.kv[self.cache_rank])
         else:
             h = self.linear_attn(h, batch, caches.conv_states, caches.ssm_states)
         if self.group is not None:
             h = self.group.all_reduce(h)
-        x = x + h
-        h = self.mlp(self.post_attention_layernorm(x))
+        h, residual = self.post_attention_layernorm(h, residual)
+        h = self.mlp(h)
         if self.group is not None:
             h = self.group.all_reduce(h)
-        return x + h
+        return h, residual
 
 
 class HybridForCausalLM(nn.Module):
@@ -98,10 +105,11 @@ class HybridForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
         """Returns fp32 logits [len(batch.logits_indices), vocab]."""
-        x = self._embed(batch.input_ids)  # [T, hidden]
+        x, residual = self._embed(batch.input_ids), None  # [T, hidden]
         for layer in self.model.layers:
-            x = layer(x, batch, caches)
-        x = self.model.norm(x[batch.logits_indices])
+            x, residual = layer(x, residual, batch, caches)
+        rows = batch.logits_indices
+        x, _ = self.model.norm(x[rows], residual[rows])  # the last residual add, for the sampled rows
         logits = self.lm_head(x).float()
         if self.group is not None:
             logits = self.group.all_gather(logits, dim=-1)[:, :self.config.vocab_size]

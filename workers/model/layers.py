@@ -1,8 +1,8 @@
 """The layers every hybrid family shares, exactly as transformers computes them.
 
-- `RMSNorm`: zero-centred, y = x / rms(x) * (1 + w), in fp32;
+- `RMSNorm`: zero-centred, y = x / rms(x) * (1 + w), in fp32, fused with the residual add;
 - `GatedRMSNorm`: plain-weight RMSNorm times silu(gate) (the DeltaNet output norm);
-- `Rotary`: partial RoPE, rotate-half layout. M-RoPE (Qwen3.5) splits the frequencies into
+- `Rotary`: partial RoPE's frequencies, rotate-half layout, applied with the q/k norm. M-RoPE (Qwen3.5) splits the frequencies into
   temporal/height/width sections, each rotated by its own position; a text token has all three
   equal, so for text M-RoPE is exactly this rotation, interleaved or not;
 - `Attention`: gated full attention (q_proj yields query and an output gate per head, RMSNorm on
@@ -11,7 +11,8 @@
   shared expert.
 
 Each is a pure function of its weights and inputs; the KV cache it writes is passed in.
-All attention ops come from `kernels` (Triton on CUDA, the torch reference on CPU).
+All attention ops, norms and rotary come from `kernels` (Triton on CUDA, the torch reference on
+CPU), one launch each on a GPU.
 """
 
 from __future__ import annotations
@@ -26,17 +27,17 @@ from workers.model.config import ModelConfig
 
 
 class RMSNorm(nn.Module):
-    """Zero-centred RMSNorm: y = x / rms(x) * (1 + w), computed in fp32."""
+    """Zero-centred RMSNorm: y = x / rms(x) * (1 + w), computed in fp32. Given the residual
+    stream, it adds x to it first and returns (y, the new stream): one fused op
+    (`kernels.rms_norm`)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * (1.0 + self.weight.float())).to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        return kernels.rms_norm(x, self.weight, self.eps, residual)
 
 
 class GatedRMSNorm(nn.Module):
@@ -48,15 +49,12 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        y = self.weight * xf.to(dtype)
-        return (y * F.silu(gate.float())).to(dtype)
+        return kernels.gated_rms_norm(x, gate, self.weight, self.eps)
 
 
 class Rotary(nn.Module):
-    """Partial RoPE on the first `rotary_dim` channels of each head (rotate-half layout)."""
+    """Partial RoPE's frequencies for the first `rotary_dim` channels of each head (rotate-half
+    layout); `kernels.qk_norm_rope` applies them."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -64,16 +62,6 @@ class Rotary(nn.Module):
         inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.dim = dim
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        # x: [T, H, D]; positions: [T]
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, dim/2]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos().to(x.dtype)[:, None, :], emb.sin().to(x.dtype)[:, None, :]
-        rot, rest = x[..., : self.dim], x[..., self.dim :]
-        half = self.dim // 2
-        rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
-        return torch.cat((rot * cos + rotated * sin, rest), dim=-1)
 
 
 class Attention(nn.Module):
@@ -95,8 +83,9 @@ class Attention(nn.Module):
         T = x.shape[0]
         q, gate = self.q_proj(x).view(T, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
         gate = gate.reshape(T, -1)  # [T, H*D]
-        q = self.rotary(self.q_norm(q), batch.positions)  # [T, H, D]
-        k = self.rotary(self.k_norm(self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)), batch.positions)
+        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        q, k = kernels.qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, batch.positions,
+                                    self.rotary.inv_freq, self.q_norm.eps)  # [T, H, D], [T, H_kv, D]
         v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv
         kernels.store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
@@ -112,8 +101,7 @@ class Attention(nn.Module):
                 q[nd:], k_cache, v_cache, batch.page_table[nd:], plan.device("cu"), batch.seq_lens[nd:], self.scale,
                 plan))
         out = torch.cat(parts) if len(parts) > 1 else parts[0]
-        out = out.reshape(T, -1) * torch.sigmoid(gate)
-        return self.o_proj(out)
+        return self.o_proj(kernels.sigmoid_gate(out.reshape(T, -1), gate))
 
 
 class MLP(nn.Module):
@@ -142,5 +130,8 @@ class SparseMoE(nn.Module):
         self.shared_expert_gate = nn.Linear(H, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = kernels.fused_moe(x, self.gate(x), self.gate_up_proj, self.down_proj, self.top_k, self.norm_topk_prob)
-        return out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        s = self.shared_expert
+        shared = kernels.SharedExpert(s.gate_proj.weight, s.up_proj.weight, s.down_proj.weight,
+                                      self.shared_expert_gate.weight)
+        return kernels.fused_moe(x, self.gate(x), self.gate_up_proj, self.down_proj, self.top_k, self.norm_topk_prob,
+                                 shared)
