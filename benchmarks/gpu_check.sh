@@ -1,6 +1,12 @@
 #!/usr/bin/env bash
-# The GPU checks as one command: `pytest -m gpu`, then benchmarks/kernel_speed.py with
-# flash-linear-attention beside it, each logged to LOG_DIR.
+# The GPU checks as one command, each logged to LOG_DIR (about 8 minutes on one H200):
+# - `pytest -m gpu`: every kernel against its reference at Qwen shapes (the fused MoE at E = 512,
+#   k = 10 and E = 256, k = 8 in bf16, with its shared expert; the fused norms, rotary and gates),
+#   decode-graph replay against eager, the engine on CUDA against the CPU path;
+# - benchmarks/kernel_speed.py with flash-linear-attention beside it;
+# - benchmarks/step_cost.py --measure: decode (1, 64, 256 running) and 4k-prefill step times of a
+#   Qwen3.5-35B-A3B-shaped engine with random bf16 weights (about 70 GB), beside the projection
+#   from its launch and sync counts, and output tokens/s at 64 running.
 #
 #   bash benchmarks/gpu_check.sh [LOG_DIR]   (default: benchmarks/out/gpu-check, or
 #                                             $CAIRN_BENCH_OUT/gpu-check when that is set)
@@ -61,5 +67,9 @@ fi
 python3 benchmarks/kernel_speed.py 2>&1 | tee "$LOGS/kernel_speed.log"
 bench=${PIPESTATUS[0]}
 rm -rf "$fla_site"
-echo "pytest -m gpu: exit $tests; benchmarks/kernel_speed.py: exit $bench; logs in $LOGS"
-exit $(( tests || bench ))
+python3 benchmarks/step_cost.py --shapes qwen3.5-35b-a3b --steps "decode x1,decode x64,decode x256,prefill 4k" \
+    --measure 2>&1 | tee "$LOGS/step_cost.log"
+steps=${PIPESTATUS[0]}
+echo "pytest -m gpu: exit $tests; benchmarks/kernel_speed.py: exit $bench; benchmarks/step_cost.py: exit $steps;" \
+     "logs in $LOGS"
+exit $(( tests || bench || steps ))

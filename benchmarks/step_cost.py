@@ -15,8 +15,11 @@ step, by phase and per layer kind, the ten busiest call sites, and the projectio
                                                          fp32 states, 4k of context per sequence)
     projected = max(limit, launches x launch cost) + syncs x sync cost
 
-A tensor-parallel shape counts one rank (its `shard_config`, collectives as launches) against one
-GPU's limit for that rank's share. On a CUDA machine, `--measure` also times the step of a
+Decode rows also print the projection with decode graphs (workers.decode_graphs): the forward's
+launches become one replay and a microsecond each on the device, the step's other launches stay
+eager. A tensor-parallel shape counts one rank (its `shard_config`, collectives as launches) against
+one GPU's limit for that rank's share (tensor-parallel engines run eager today: no graph column is
+meant for them, it is printed for comparison). On a CUDA machine, `--measure` also times the step of a
 full-size engine with random weights beside the projection (see gpu_check.sh).
 
 This file computes no timing assertion; tests/test_step_syncs.py asserts the sync counts.
@@ -28,6 +31,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -43,7 +47,7 @@ from workers.model.registry import family_named  # noqa: E402
 from workers.model.sharding import Shard, shard_config  # noqa: E402
 from workers.options import EngineOptions  # noqa: E402
 from workers.sampling_params import SamplingParams  # noqa: E402
-from workers.step_census import Census, CensusGroup  # noqa: E402
+from workers.step_census import Census, CensusGroup, Tally  # noqa: E402
 
 CONTEXT = 4096  # tokens of context each decoding sequence is assumed to hold (the limit's K/V reads)
 
@@ -68,9 +72,10 @@ SHAPES = {
     "qwen3.5-35b-a3b": (_shape("qwen3_5_moe", 40, 2048, 16, 256, 8, 512, 32, 248320), 1),
     "qwen3.5-397b-a17b-tp8": (_shape("qwen3_5_moe", 60, 4096, 32, 512, 10, 1024, 64, 248320), 8),
 }
-GPUS = {"h200": dict(bandwidth=4.8e12, flops=989e12, launch_us=5.0, sync_us=(10.0, 20.0)),
-        "h100": dict(bandwidth=3.35e12, flops=989e12, launch_us=5.0, sync_us=(10.0, 20.0)),
-        "a100": dict(bandwidth=2.0e12, flops=312e12, launch_us=5.0, sync_us=(10.0, 20.0))}
+GPUS = {"h200": dict(bandwidth=4.8e12, flops=989e12, launch_us=5.0, sync_us=(10.0, 20.0), graph_node_us=1.0),
+        "h100": dict(bandwidth=3.35e12, flops=989e12, launch_us=5.0, sync_us=(10.0, 20.0), graph_node_us=1.0),
+        "a100": dict(bandwidth=2.0e12, flops=312e12, launch_us=5.0, sync_us=(10.0, 20.0), graph_node_us=1.5)}
+GRAPH_LAUNCH_US = 10.0  # one graph replay's own launch
 
 
 @dataclass(frozen=True)
@@ -165,11 +170,70 @@ def step_limit(cfg: ModelConfig, tp: int, step: Step, gpu: dict) -> dict:
     return dict(bytes=moved, flops=flops, limit_s=limit)
 
 
-def project(census: Census, limit: dict, gpu: dict) -> dict:
+def project(census: Census, limit: dict, gpu: dict, graphed: bool) -> dict:
+    """Eager: every launch costs the host `launch_us`; with a decode graph (`graphed`), the forward's
+    launches are one replay plus `graph_node_us` each on the device, the rest of the step eager."""
     t = census.total()
     launch_s = t.launches * gpu["launch_us"] * 1e-6
     lo, hi = (max(limit["limit_s"], launch_s) + t.syncs * s * 1e-6 for s in gpu["sync_us"])
-    return dict(projected_s=(lo, hi), ratio=(lo / limit["limit_s"], hi / limit["limit_s"]))
+    out = dict(projected_s=(lo, hi), ratio=(lo / limit["limit_s"], hi / limit["limit_s"]))
+    if graphed:
+        inside = census.phases.get("forward", Tally()).launches
+        graph_s = (GRAPH_LAUNCH_US + inside * gpu["graph_node_us"] + (t.launches - inside) * gpu["launch_us"]) * 1e-6
+        g = max(limit["limit_s"], graph_s) + t.syncs * gpu["sync_us"][1] * 1e-6
+        out.update(graph_s=g, graph_ratio=g / limit["limit_s"])
+    return out
+
+
+# ---------------------------------------------------------------- measured, on a GPU
+
+
+def full_engine(cfg: ModelConfig, device: str, max_seqs: int) -> Engine:
+    """An engine over random bf16 weights of `cfg` at full size on `device` (Qwen3.5-35B-A3B: about
+    70 GB), decode graphs on where the device has them."""
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = family_named(cfg.model_type).model_class(cfg)
+    model = model.to_empty(device=device).to(torch.bfloat16)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.02)
+        for module in model.modules():  # the rotary frequencies are a buffer, not a weight
+            if hasattr(module, "inv_freq"):
+                module.inv_freq = type(module)(cfg).inv_freq.to(device)
+    options = EngineOptions(max_num_seqs=max_seqs, max_num_batched_tokens=4096 + 512, max_model_len=8192,
+                            cache_memory_bytes=24 * 2**30 if device == "cuda" else 2**30, device=device,
+                            dtype="bfloat16")
+    return Engine(model.eval(), options)
+
+
+def measure(cfg: ModelConfig, device: str, steps: list[Step], repeat: int = 8) -> dict[str, float]:
+    """Seconds per step of each `step` on a full-size engine, and decode tokens/s at 64 running."""
+    engine = full_engine(cfg, device, max(s.decodes + len(s.prefills) for s in steps) + 1)
+    params = SamplingParams(max_tokens=10_000, temperature=0, ignore_eos=True)
+    g = torch.Generator().manual_seed(1)
+    out = {}
+    for step in steps:
+        for request_id in list(engine._requests):  # the last step's sequences
+            engine.abort(request_id)
+        for _ in range(step.decodes):
+            engine.add_request(torch.randint(0, cfg.vocab_size, (8,), generator=g).tolist(), params)
+        while engine.scheduler.waiting or any(s.num_uncomputed > 1 for s in engine.scheduler.running):
+            engine.step()
+        for _ in range(2):  # warm: the decode graph of this size, the allocator
+            if not step.prefills:
+                engine.step()
+        times = []
+        for _ in range(1 if step.prefills else repeat):
+            for n in step.prefills:
+                engine.add_request(torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist(), params)
+            began = time.perf_counter()
+            engine.step()  # its sampled ids read back: the step is done
+            times.append(time.perf_counter() - began)
+        out[step.name] = sorted(times)[len(times) // 2]
+    if "decode x64" in out:
+        out["decode tokens/s at 64"] = 64 / out["decode x64"]
+    return out
 
 
 # ---------------------------------------------------------------- output
@@ -179,7 +243,7 @@ def report(name: str, cfg: ModelConfig, tp: int, step: Step, census: Census, che
            gpu: dict) -> dict:
     t = census.total()
     limit = step_limit(cfg, tp, step, gpu)
-    proj = project(census, limit, gpu)
+    proj = project(census, limit, gpu, graphed=not step.prefills)
     layers = {kind: dict(layers=n, launches=tally.launches / n, syncs=tally.syncs / n)
               for kind, (n, tally) in census.per_layer_kind().items()}
     return dict(shape=name, step=step.name, tp=tp, checkpoints=checkpoints, launches=t.launches, syncs=t.syncs, uploads=t.uploads,
@@ -195,7 +259,8 @@ def print_row(r: dict) -> None:
                     for k, v in sorted(r["per_layer"].items()))
     print(f"{r['shape']:<24}{r['step']:<16}{r['launches']:>9}{r['syncs']:>7}{forward.get('syncs', 0):>9}"
           f"{r['uploads']:>8}{r['aten_ops']:>9}{r['limit_s'] * 1e3:>10.3f}"
-          f"{r['projected_s'][0] * 1e3:>10.2f}-{r['projected_s'][1] * 1e3:<8.2f}{lo:>6.1f}-{hi:<5.1f}x")
+          f"{r['projected_s'][0] * 1e3:>10.2f}-{r['projected_s'][1] * 1e3:<8.2f}{lo:>6.1f}-{hi:<5.1f}x"
+          + (f"{r['graph_s'] * 1e3:>10.2f}{r['graph_ratio']:>7.1f}x" if "graph_s" in r else ""))
     print(f"{'':<40}{per}")
 
 
@@ -207,6 +272,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK_STEPS)}")
     parser.add_argument("--json", action="store_true", help="one JSON line per row, nothing else")
     parser.add_argument("--sites", action="store_true", help="print the ten busiest call sites of each row")
+    parser.add_argument("--measure", action="store_true",
+                        help="also time each step on a full-size engine with random bf16 weights (CUDA; on CPU "
+                             "it needs --measure-device cpu and only proves the path at small shapes)")
+    parser.add_argument("--measure-device", default="cuda", choices=("cuda", "cpu"))
     args = parser.parse_args()
     gpu = GPUS[args.gpu]
     wanted = args.steps.split(",") if args.steps else (QUICK_STEPS if args.quick else [s.name for s in STEPS])
@@ -217,12 +286,16 @@ def main() -> None:
               f"{CONTEXT} tokens of context per decoding sequence; bf16 weights and K/V, fp32 states.")
         print("limit = max(bytes / bandwidth, FLOPs / peak); projected = max(limit, launches x launch cost) "
               "+ syncs x sync cost. Counted at tiny widths, real layers, heads, experts and top-k.")
+        print(f"graph (decode steps): max(limit, {GRAPH_LAUNCH_US} us + forward launches x {gpu['graph_node_us']} us "
+              f"+ the step's other launches x {gpu['launch_us']} us) + syncs x {gpu['sync_us'][1]} us.")
         print(f"{'shape':<24}{'step':<16}{'launches':>9}{'syncs':>7}{'in fwd':>9}{'uploads':>8}{'aten ops':>9}"
-              f"{'limit ms':>10}{'projected ms':>19}{'ratio':>13}")
+              f"{'limit ms':>10}{'projected ms':>19}{'ratio':>13}{'graph ms':>10}{'ratio':>8}")
     for name in args.shapes.split(","):
         cfg, tp = SHAPES[name]
+        rows = []
         for step in steps:
             row = report(name, cfg, tp, step, *count_step(cfg, tp, step), args.gpu, gpu)
+            rows.append(row)
             if args.json:
                 print(json.dumps(row), flush=True)
                 continue
@@ -231,6 +304,20 @@ def main() -> None:
                 for what in ("launches", "syncs"):
                     for site, n in row[f"busiest_{what}"]:
                         print(f"{'':<44}{n:>8} {what:<9}{site}")
+        if args.measure and tp == 1:
+            if args.measure_device == "cuda" and not torch.cuda.is_available():
+                sys.exit("--measure times a full-size engine on a CUDA device; none is here")
+            full = cfg if args.measure_device == "cuda" else tiny(cfg)
+            measured = measure(full, args.measure_device, steps)
+            if args.measure_device == "cpu":
+                print("(CPU at tiny widths: this proves the measuring path; its times are not the projection's)")
+            for row in rows:
+                took = measured[row["step"]]
+                best = row.get("graph_s", row["projected_s"][0])
+                print(f"measured {name:<22}{row['step']:<16}{took * 1e3:>9.2f} ms   projected {best * 1e3:.2f} ms   "
+                      f"limit {row['limit_s'] * 1e3:.2f} ms   measured / limit {took / row['limit_s']:.1f}x")
+            if "decode tokens/s at 64" in measured:
+                print(f"measured {name}: {measured['decode tokens/s at 64']:.0f} output tokens/s at 64 running")
 
 
 if __name__ == "__main__":

@@ -175,6 +175,10 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--tensor-parallel-size", type=int, default=None, metavar="N",
                         help="devices one engine replica spans (1); a replica is then N bundles of --num-cpus and "
                              "--num-gpus on one node")
+    parser.add_argument("--enforce-eager", action="store_true", default=None,
+                        help="CUDA: run decode steps eagerly instead of replaying CUDA graphs captured at batch "
+                             "sizes 1, 2, 4, 8, 16, ... --max-num-seqs (graphs are the default on CUDA; CPU is "
+                             "always eager)")
     parser.set_defaults(run=_serve)
 
 
@@ -185,7 +189,8 @@ def _serve(args: argparse.Namespace) -> int:
                                                       ("memory_utilization", args.memory_utilization),
                                                       ("host_cache_bytes", args.host_cache_bytes),
                                                       ("tensor_parallel_size", args.tensor_parallel_size),
-                                                      ("dtype", args.dtype))
+                                                      ("dtype", args.dtype),
+                                                      ("enforce_eager", args.enforce_eager))
                       if value is not None}
     if args.replicas == 1 and not args.address and not args.config:
         from cluster.api.http_limits import HTTPLimits

@@ -7,6 +7,8 @@ into a batch tensor and scattered back. Conventions are `reference`'s; in additi
   state_slots [B] int64; the slots of one call are distinct (the caller's contract).
 - A varlen batch may hold empty sequences (cu_seqlens[b] == cu_seqlens[b+1]); their state is
   left as it is.
+- In the decode ops (`gated_delta_rule_step_slots`, `causal_conv1d_update_slots`) a slot of -1
+  is a padding row (a CUDA graph's batch bucket): it starts from a zero state and writes none.
 - `plan`, when given, is cu_seqlens' `kernels.varlen_plan.VarlenPlan`: its host copy of the
   boundaries is used instead of reading cu_seqlens back.
 """
@@ -33,6 +35,14 @@ def _plan(cu_seqlens: Tensor, total: int, plan: VarlenPlan | None,
     _expect(plan.batch == cu_seqlens.shape[0] - 1, f"a plan of B = {cu_seqlens.shape[0] - 1} sequences", plan.batch)
     _expect(plan.total == total, f"cu_seqlens non-decreasing from 0 to T = {total}", plan.cu)
     return plan
+
+
+def _gather(pool: Tensor, state_slots: Tensor) -> tuple[Tensor, Tensor]:
+    """A copy of the slots' states (zeros for a padding row's -1), and which rows are live."""
+    live = state_slots >= 0
+    state = pool[state_slots.clamp(min=0)]
+    state[~live] = 0
+    return state, live
 
 
 def _check_slots(name: str, pool: Tensor, layout: str, inner: tuple[int, ...], state_slots: Tensor,
@@ -87,9 +97,9 @@ def gated_delta_rule_step_slots(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta
     batch, h_v, d_k, d_v = _check_delta(q, k, v, g, beta, "B")
     _check_slots("state_pool", state_pool, "num_slots, H_v, D_k, D_v", (h_v, d_k, d_v), state_slots, batch)
     _expect_dtype("state_pool", state_pool, torch.float32)
-    state = state_pool[state_slots]  # a gathered copy
+    state, live = _gather(state_pool, state_slots)
     out = reference.gated_delta_rule_step(q, k, v, g, beta, state, scale=scale, use_qk_l2norm=use_qk_l2norm)
-    state_pool[state_slots] = state
+    state_pool[state_slots[live]] = state[live]
     return out
 
 
@@ -119,7 +129,7 @@ def causal_conv1d_update_slots(x: Tensor, weight: Tensor, conv_pool: Tensor, sta
     channels, width = weight.shape
     _expect_shape("x", x, "B, C", (None, channels))
     _check_slots("conv_pool", conv_pool, "num_slots, C, K-1", (channels, width - 1), state_slots, x.shape[0])
-    state = conv_pool[state_slots]
+    state, live = _gather(conv_pool, state_slots)
     out = reference.causal_conv1d_update(x, weight, state)
-    conv_pool[state_slots] = state
+    conv_pool[state_slots[live]] = state[live]
     return out

@@ -111,13 +111,14 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, out, page_table, cu_q, seq_lens, bl
 
 @triton.jit
 def _decode_kernel(q_ptr, k_cache, v_cache, part, stats, page_table, seq_lens,
-                   sq_b, sq_h, s_page, s_tok, s_head, s_table, scale, D, PAGE, split_len, num_splits,
+                   sq_b, sq_h, s_page, s_tok, s_head, s_table, scale, D, PAGE, num_splits,
                    GROUP: tl.constexpr, BG: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
                    DT: tl.constexpr, PREC: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     total = tl.load(seq_lens + b)
+    split_len = tl.cdiv(tl.cdiv(total, num_splits), BN) * BN  # this sequence's splits, whole blocks each
     lo = split * split_len
     hi = tl.minimum(lo + split_len, total)
     g = tl.arange(0, BG)
@@ -220,16 +221,16 @@ def paged_attention_decode(query: Tensor, k_cache: Tensor, v_cache: Tensor, page
     bd, bn = tc.pow2(d), 64
     max_len = page_table.shape[1] * page_size  # a bound known without reading seq_lens
     # Enough programs to fill the device about twice; a split never holds less than one block.
+    # Each sequence cuts its own length into that many splits (in the kernel, from seq_lens), so the
+    # work is even whatever the page table's width (a decode graph's is the longest sequence's).
     splits = max(1, min(triton.cdiv(2 * _sm_count(query.device), batch * h_kv), triton.cdiv(max_len, bn), 64))
-    split_len = triton.cdiv(triton.cdiv(max_len, splits), bn) * bn
-    splits = triton.cdiv(max_len, split_len)
     part = tc.empty(batch, h_q, splits, bd, dtype=torch.float32, device=query.device)
     stats = tc.empty(batch, h_q, splits, 2, dtype=torch.float32, device=query.device)
     dt, prec = tc.dot_dtype(k_cache), "ieee"
     _decode_kernel[(batch, h_kv, splits)](
         query, k_cache, v_cache, part, stats, page_table, seq_lens.contiguous(),
         query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        page_table.stride(0), float(scale), d, page_size, split_len, splits,
+        page_table.stride(0), float(scale), d, page_size, splits,
         GROUP=group, BG=tc.pow2(group), BN=bn, BD=bd, DT=dt, PREC=prec, num_warps=4 if bd <= 128 else 8)
     _decode_merge_kernel[(batch, h_q)](part, stats, out, out.stride(0), out.stride(1), h_q, splits, d,
                                        BS=tc.pow2(splits, least=2), BD=bd)

@@ -96,16 +96,17 @@ def _conv_update_kernel(x, w, out, state, slots, sx_b, sw_c, sw_k, so_b, ss_n, s
     cols = tl.program_id(1) * BC + tl.arange(0, BC)
     cmask = cols < C
     slot = tl.load(slots + b).to(tl.int64)
+    live = cmask & (tl.zeros([BC], dtype=tl.int64) + slot >= 0)  # slot -1: a padding row, no state read or written
     j = tl.arange(0, BKS)
     jmask = j < KM1
-    m2 = cmask[:, None] & jmask[None, :]
-    base = state + slot * ss_n + cols[:, None] * ss_c
+    m2 = live[:, None] & jmask[None, :]
+    base = state + tl.maximum(slot, 0) * ss_n + cols[:, None] * ss_c
     old = tl.load(base + j[None, :] * ss_k, mask=m2, other=0.0).to(tl.float32)  # [BC, BKS]
     xv = tl.load(x + b * sx_b + cols, mask=cmask, other=0.0).to(tl.float32)
     wold = tl.load(w + cols[:, None] * sw_c + j[None, :] * sw_k, mask=m2, other=0.0).to(tl.float32)
     wlast = tl.load(w + cols * sw_c + KM1 * sw_k, mask=cmask, other=0.0).to(tl.float32)
     acc = tl.sum(old * wold, axis=1) + xv * wlast
-    shifted = tl.load(base + (j[None, :] + 1) * ss_k, mask=cmask[:, None] & (j + 1 < KM1)[None, :],
+    shifted = tl.load(base + (j[None, :] + 1) * ss_k, mask=live[:, None] & (j + 1 < KM1)[None, :],
                       other=0.0).to(tl.float32)
     new = tl.where((j == KM1 - 1)[None, :], xv[:, None], shifted)
     tl.store(base + j[None, :] * ss_k, new.to(state.dtype.element_ty), mask=m2)

@@ -49,7 +49,8 @@ def _recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, out, pool, slots, cu,
         first = b
         last = b + 1
     slot = tl.load(slots + b).to(tl.int64)
-    state_at = pool + slot * sp_n + hv * sp_h + dk[:, None] * sp_k + dv[None, :] * sp_v
+    hmask = hmask & (tl.zeros([BK, BV], dtype=tl.int64) + slot >= 0)  # slot -1: a padding row: zeros in, no write
+    state_at = pool + tl.maximum(slot, 0) * sp_n + hv * sp_h + dk[:, None] * sp_k + dv[None, :] * sp_v
     h = tl.load(state_at, mask=hmask, other=0.0)
     for i in range(0, last - first):
         t64 = (first + i).to(tl.int64)

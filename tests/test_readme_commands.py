@@ -85,6 +85,8 @@ CHECKS: dict[str, object] = {
     "python3 benchmarks/peers.py --budget 0.25": Elsewhere((("benchmarks/peers.py", "args.budget * working_set_bytes"),)),
     "python3 benchmarks/peers.py --cluster": Elsewhere((("benchmarks/peers.py", "CLUSTER_BUILDERS if args.cluster"),
                                                         ("benchmarks/peer_proxy.py", "x-peer-backend"))),
+    # tests/test_step_syncs.py runs it (its counts are what that test asserts)
+    "python3 benchmarks/step_cost.py": Elsewhere((("tests/test_step_syncs.py", '"benchmarks/step_cost.py", "--json"'),)),
     "python3 benchmarks/kernel_speed.py": "test_kernel_speed_without_cuda_exits_saying_it_needs_a_cuda_device",
     "bash benchmarks/gpu_check.sh": "test_gpu_check_without_a_gpu_exits_saying_so",
 }

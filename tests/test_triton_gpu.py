@@ -186,11 +186,51 @@ def test_fused_moe_matches_the_reference_at_qwen_shapes(dtype, experts, top_k, i
     hidden = 2048
     gate_up = (torch.randn(experts, 2 * intermediate, hidden, generator=gen) * hidden**-0.5).to(CUDA, dtype)
     down = (torch.randn(experts, hidden, intermediate, generator=gen) * intermediate**-0.5).to(CUDA, dtype)
+    shared = reference_moe.SharedExpert(
+        *((torch.randn(*shape, generator=gen) * shape[-1] ** -0.5).to(CUDA, dtype)
+          for shape in ((intermediate, hidden), (intermediate, hidden), (hidden, intermediate), (1, hidden))))
     for tokens in (64, 1000):
         x = torch.randn(tokens, hidden, generator=gen).to(CUDA, dtype)
         logits = torch.randn(tokens, experts, generator=gen).to(CUDA)
         assert_close(triton_moe.fused_moe(x, logits, gate_up, down, top_k),
                      reference_moe.fused_moe(x, logits, gate_up, down, top_k), "out", dtype)
+        assert_close(triton_moe.fused_moe(x, logits, gate_up, down, top_k, shared=shared),
+                     reference_moe.fused_moe(x, logits, gate_up, down, top_k, shared=shared), "out", dtype)
+
+
+@compiled_only
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_row_ops_match_the_reference_at_qwen_shapes(dtype):
+    """Norms at hidden 2048 and 4096 with the residual add, q/k norm with rotary at 16 / 2 heads of
+    256 (a quarter rotated), the DeltaNet gates and gated norm at 32 value heads of 128."""
+    from kernels import reference_fused, triton_fused
+
+    gen = torch.Generator().manual_seed(3)
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen) * scale).to(CUDA, dtype)
+
+    for hidden in (2048, 4096):
+        x, res, w = rand(300, hidden), rand(300, hidden), rand(hidden, scale=0.1)
+        got, want = triton_fused.rms_norm(x, w, 1e-6, res), reference_fused.rms_norm(x, w, 1e-6, res)
+        assert torch.equal(got[1], want[1])  # the residual stream: the same sum, rounded to nearest
+        assert_close(got[0], want[0], "out", dtype)
+    q, k = rand(300, 16, 512)[..., :256], rand(300, 2, 256)
+    wq, wk = rand(256, scale=0.1), rand(256, scale=0.1)
+    positions = torch.randint(0, 200_000, (300,), generator=gen).to(CUDA)
+    inv_freq = (1.0 / (1e7 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64))).to(CUDA)
+    for g, w in zip(triton_fused.qk_norm_rope(q, k, wq, wk, positions, inv_freq, 1e-6),
+                    reference_fused.qk_norm_rope(q, k, wq, wk, positions, inv_freq, 1e-6)):
+        assert_close(g, w, "out", dtype)
+    a, b = rand(300, 32, scale=4.0), rand(300, 32)
+    A_log, dt_bias = torch.randn(32, generator=gen).to(CUDA), rand(32)
+    for g, w in zip(triton_fused.delta_gates(a, b, A_log, dt_bias), reference_fused.delta_gates(a, b, A_log, dt_bias)):
+        assert_close(g, w, "out", dtype)
+    core, gate, nw = rand(300 * 32, 128), rand(300 * 32, 128), rand(128)
+    assert_close(triton_fused.gated_rms_norm(core, gate, nw, 1e-6), reference_fused.gated_rms_norm(core, gate, nw, 1e-6),
+                 "out", dtype)
+    attn, out_gate = rand(300, 4096), rand(300, 8192)[:, 4096:]
+    assert_close(triton_fused.sigmoid_gate(attn, out_gate), reference_fused.sigmoid_gate(attn, out_gate), "out", dtype)
 
 
 @compiled_only
@@ -289,3 +329,32 @@ def test_the_host_tier_on_cuda_overlaps_its_promotions_and_gives_the_cpu_paths_t
         assert engine.metrics()["promotions_overlapped_total"] > 0
         engine.check()
     assert results["cuda"] == results["cpu"]
+
+
+@compiled_only
+def test_decode_graphs_replay_the_eager_tokens_and_logprobs_at_every_batch_size(tiny_model_dir):
+    """Graphs captured at 1, 2, 4, 8: conversations finishing one by one pass through every size;
+    second turns restore checkpoints and share pages, and a host tier moves blocks between
+    steps: replay gives eager's tokens and cached tokens, and its logprobs (a padded batch may
+    take another GEMM algorithm: within 1e-4), and capture is accounted."""
+    from workers import Engine, SamplingParams
+
+    gen = torch.Generator().manual_seed(2)
+    first = [torch.randint(3, 500, (40 + 13 * i,), generator=gen).tolist() for i in range(8)]
+    params = [SamplingParams(max_tokens=3 + 2 * i, temperature=0, ignore_eos=True, logprobs=3) for i in range(8)]
+    results = {}
+    for eager in (True, False):
+        engine = Engine.from_pretrained(tiny_model_dir, device=CUDA, max_num_seqs=8, enforce_eager=eager,
+                                        cache_memory_bytes=48 * 8192, host_cache_bytes=2000 * 8192)
+        if not eager:
+            graphs = engine.runner.graphs
+            assert sorted(graphs._graphs) == [1, 2, 4, 8] and graphs.capture_s > 0 and graphs.memory_bytes > 0
+        turn1 = engine.generate(first, params)
+        second = [p + o.token_ids + [7, 8, 9] for p, o in zip(first, turn1)]
+        turn2 = engine.generate(second, params)
+        results[eager] = [(o.token_ids, o.cached_tokens, [lp.logprob for lp in o.logprobs]) for o in turn1 + turn2]
+        assert any(o.cached_tokens for o in turn2)
+        engine.check()
+    assert [r[:2] for r in results[False]] == [r[:2] for r in results[True]]
+    for graphed, eager in zip(results[False], results[True]):
+        torch.testing.assert_close(torch.tensor(graphed[2]), torch.tensor(eager[2]), atol=1e-4, rtol=0)

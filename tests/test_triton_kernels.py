@@ -394,3 +394,27 @@ def test_the_engine_running_the_triton_kernels_gives_the_reference_paths_tokens(
         results.append([(o.token_ids, o.cached_tokens) for o in turn1 + turn2])
     assert results[1] == results[0]
     assert any(cached for _, cached in results[0][len(first):])  # the second turns resumed
+
+
+def test_decode_state_ops_treat_slot_minus_one_as_a_padding_row_like_the_reference():
+    """A decode graph's padding rows carry state slot -1: zeros in, nothing written (the slot
+    before it, the pool's last, is untouched too)."""
+    g = torch.Generator().manual_seed(4)
+    slots = torch.tensor([1, -1, 0], dtype=torch.int64)
+    x, w = torch.randn(3, 6, generator=g), torch.randn(6, 4, generator=g)
+    first = torch.randn(3, 6, 3, generator=g)
+    pools = {name: first.clone() for name in ("triton", "reference")}
+    outs = {"triton": conv.causal_conv1d_update_slots(x, w, pools["triton"], slots),
+            "reference": reference_varlen.causal_conv1d_update_slots(x, w, pools["reference"], slots)}
+    torch.testing.assert_close(outs["triton"], outs["reference"], **OUT_TOL)
+    torch.testing.assert_close(pools["triton"], pools["reference"], **EXACT)
+    assert torch.equal(pools["triton"][2], first[2])
+    q, k = torch.randn(3, 2, 8, generator=g), torch.randn(3, 2, 8, generator=g)
+    v, gate, beta = torch.randn(3, 4, 8, generator=g), -torch.rand(3, 4, generator=g), torch.rand(3, 4, generator=g)
+    start = torch.randn(3, 4, 8, 8, generator=g)
+    ssm = {name: start.clone() for name in ("triton", "reference")}
+    got = recurrent.gated_delta_rule_step_slots(q, k, v, gate, beta, ssm["triton"], slots)
+    want = reference_varlen.gated_delta_rule_step_slots(q, k, v, gate, beta, ssm["reference"], slots)
+    torch.testing.assert_close(got, want, **OUT_TOL)
+    torch.testing.assert_close(ssm["triton"], ssm["reference"], **STATE_TOL)
+    assert torch.equal(ssm["triton"][2], start[2])  # the last slot, which -1 would wrap to

@@ -28,7 +28,7 @@ from cache_service.events import EventBatch, EventStream
 from cache_service.hashing import DIGEST_BYTES, model_fingerprint
 from workers import cache_transfer
 from workers.arena import ArenaLayout
-from workers.device_budget import sized
+from workers.device_budget import graph_reserve_bytes, sized
 from workers.checkpoint_policy import CheckpointPolicy
 from workers.errors import EngineBroken, RequestRejected, SequenceFault
 from workers.model import HybridForCausalLM, ModelConfig, load_model, read_model_config
@@ -124,6 +124,19 @@ class Engine:
         if layout.host_blocks:  # the cost rule starts from a measured host bandwidth
             self.cache.tier_cost.bandwidth = self.runner.measure_host_bandwidth()
             self.scheduler.overlap_promotions = self.runner.device.type == "cuda"
+        on_cuda = self.runner.device.type == "cuda"
+        eager = not on_cuda if options.enforce_eager is None else options.enforce_eager
+        if rank_workers is None and not eager:
+            # decode steps at fixed batch sizes over fixed buffers; graphs captured on CUDA (a
+            # tensor-parallel engine stays eager: its collectives are not captured)
+            self.runner.use_decode_graphs(options.max_num_seqs, -(-self.spec.max_model_len // options.page_size),
+                                          capture=on_cuda)
+            if on_cuda:
+                estimate = graph_reserve_bytes(cfg, options.max_num_seqs)
+                (log.warning if self.runner.graphs.memory_bytes > estimate else log.info)(
+                    "decode graphs hold %.1f MiB (the arena was sized leaving %.1f MiB for them under "
+                    "memory_utilization); capture took %.1f s", self.runner.graphs.memory_bytes / 2**20,
+                    estimate / 2**20, self.runner.graphs.capture_s)
         if rank_workers is not None:
             rank_workers.wait_ready(layout.num_blocks, timeout_s=max(120.0, options.collective_timeout_s))
             self.runner = TensorParallelRunner(self.runner, rank_workers)
@@ -145,7 +158,10 @@ class Engine:
         opts = EngineOptions.from_kwargs(**options)                   # replica: cluster.tp_ranks)
         if opts.tensor_parallel_size == 1:
             model = load_model(model_dir, dtype=opts.dtype, device=_pick_device(opts.device))
-            opts = sized(opts, next(model.parameters()).device)  # memory_utilization: what the weights left
+            device = next(model.parameters()).device
+            graphs = device.type == "cuda" and not opts.enforce_eager
+            reserve = graph_reserve_bytes(model.config, opts.max_num_seqs) if graphs else 0
+            opts = sized(opts, device, reserve=reserve)  # memory_utilization: what the weights and graphs left
             return cls(model, opts, fingerprint=model_fingerprint(model_dir), worker_id=worker_id,
                        eos_token_ids=generation_eos_ids(Path(model_dir)))
         shard_config(read_model_config(Path(model_dir) / "config.json"), opts.tensor_parallel_size)  # fits?

@@ -32,6 +32,7 @@ class EngineOptions:
     tensor_parallel_size: int = 1             # devices (ranks) one engine spans (workers.tp_runner)
     collective_timeout_s: float = 60.0        # the longest a rank waits on the others in a step
     host_cache_bytes: int = 0                 # host tier: what the device evicts is kept here (0: off; workers.host_tier)
+    enforce_eager: bool | None = None         # no decode graphs (None: graphs on CUDA, eager on CPU; workers.decode_graphs)
 
     def __post_init__(self) -> None:
         def positive(name: str, allow_none: bool = False) -> None:
@@ -64,6 +65,8 @@ class EngineOptions:
         timeout = self.collective_timeout_s
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
             raise ValueError(f"collective_timeout_s must be a positive number of seconds, got {timeout!r}")
+        if self.enforce_eager not in (None, True, False):
+            raise ValueError(f"enforce_eager must be true, false or None (graphs on CUDA only), got {self.enforce_eager!r}")
         if self.dtype not in ("auto", *DTYPE_NAMES):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):

@@ -36,6 +36,7 @@ import kernels
 from kernels.varlen_plan import VarlenPlan
 from workers.arena import ArenaLayout
 from workers.cache_placement import COPY, DEMOTE, IMPORT, MOVE, PROMOTE
+from workers.decode_graphs import DecodeGraphs
 from workers.model import ForwardBatch, HybridForCausalLM, ModelCaches
 from workers.scheduler import StepPlan
 
@@ -128,6 +129,7 @@ class ModelRunner:
         self.caches = ModelCaches(*self._views(layout))
         self._table = np.zeros((max_rows, 64), dtype=np.int32)  # row -> page ids, widened on demand
         self._staging: list[torch.Tensor | None] = [None, None]  # CUDA: pinned buffers `upload` alternates
+        self.graphs: DecodeGraphs | None = None  # decode steps at fixed batch sizes (`use_decode_graphs`)
 
     def _views(self, layout: ArenaLayout):
         cfg, item = self.cfg, self.dtype.itemsize
@@ -167,6 +169,8 @@ class ModelRunner:
             self._copy_blocks(work.block_copies)
             if work.promotions_for_now:
                 self._wait_for_promotions()
+        if self._graphed(work):
+            return self.graphs.run(work)
         tensors = self.upload(work.arrays())
         if work.restores:
             kernels.copy_state_slots(states, tensors["restore_src"], tensors["restore_dst"])
@@ -272,16 +276,25 @@ class ModelRunner:
     def _index(self, values: list[int], device: torch.device | None = None) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=device or self.device)
 
-    def upload(self, arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
-        """The arrays on the device, in one copy: packed, 8-byte aligned, into one host buffer
-        (on CUDA a pinned one, copied without blocking the host; the next step's sampled ids, read
-        back, come after that copy, so the two alternating buffers are free again by then), then
-        viewed by name, each with its dtype and shape."""
+    @staticmethod
+    def _offsets(arrays: dict[str, np.ndarray]) -> tuple[dict[str, int], int]:
         offsets, size = {}, 0
         for name, a in arrays.items():
             offsets[name] = size
             size += -(-a.nbytes // 8) * 8
-        packed = np.empty(max(size, 8), dtype=np.uint8)
+        return offsets, max(size, 8)
+
+    def packed_bytes(self, arrays: dict[str, np.ndarray]) -> int:
+        return self._offsets(arrays)[1]
+
+    def upload(self, arrays: dict[str, np.ndarray], into: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """The arrays on the device, in one copy: packed, 8-byte aligned, into one host buffer
+        (on CUDA a pinned one, copied without blocking the host; the next step's sampled ids, read
+        back, come after that copy, so the two alternating buffers are free again by then), then
+        viewed by name, each with its dtype and shape. `into`: a device buffer of `packed_bytes`
+        to copy into (a decode graph's inputs), instead of a new one."""
+        offsets, size = self._offsets(arrays)
+        packed = np.empty(size, dtype=np.uint8)
         for name, a in arrays.items():
             packed[offsets[name]:offsets[name] + a.nbytes] = np.ascontiguousarray(a).view(np.uint8).reshape(-1)
         host = torch.from_numpy(packed)
@@ -291,10 +304,27 @@ class ModelRunner:
                 self._staging[0] = torch.empty(2 * host.numel(), dtype=torch.uint8, pin_memory=True)
             pinned = self._staging[0][:host.numel()]
             pinned.copy_(host)
-            host = pinned.to(self.device, non_blocking=True)
+            host = pinned
+        if into is not None:
+            into.copy_(host, non_blocking=True)
+            host = into
+        elif self.device.type == "cuda":
+            host = host.to(self.device, non_blocking=True)
         dtypes = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32}
         return {name: host[offsets[name]:offsets[name] + a.nbytes].view(dtypes[a.dtype]).view(a.shape)
                 for name, a in arrays.items()}
+
+    def use_decode_graphs(self, max_num_seqs: int, width: int, capture: bool) -> None:
+        """Decode-only steps run at fixed batch sizes over fixed buffers (workers.decode_graphs),
+        replaying CUDA graphs when `capture` (made here, now: after the arena, before any step)."""
+        self.graphs = DecodeGraphs(self, max_num_seqs, width, capture)
+        self.graphs.capture()
+
+    def _graphed(self, work: StepWork) -> bool:
+        """Whether this step runs as a decode graph: decodes only, nothing copied around them."""
+        return (self.graphs is not None and work.num_decodes == len(work.cu_seqlens) - 1
+                and len(work.logits_indices) == work.num_decodes and self.graphs.bucket(work.num_decodes) is not None
+                and not (work.restores or work.fresh_state_slots or work.snapshots or work.host_snapshots))
 
     def _write_page_table(self, writes: list) -> None:
         """Applies the cache's page-table writes to the persistent table (rows: sequences)."""
