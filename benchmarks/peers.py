@@ -200,7 +200,8 @@ def vllm(model_dir: Path, cache_bytes: int, cores: str | None = None) -> System:
                            "--enable-prompt-tokens-details", "--enable-auto-tool-choice",
                            "--tool-call-parser", "qwen3_coder", "--kv-cache-memory-bytes", str(cache_bytes),
                            "--port", str(port)],
-                  {"VLLM_CPU_OMP_THREADS_BIND": cores} if cores else {}, port)
+                  # every core unless given some, as cairn's torch threads take: the same threads for both
+                  {"VLLM_CPU_OMP_THREADS_BIND": cores or ",".join(map(str, sorted(os.sched_getaffinity(0))))}, port)
 
 
 def llama(model_dir: Path, cache_bytes: int) -> System:
@@ -557,7 +558,7 @@ def plot(results: dict, filename: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--traces", default=",".join(TRACES))
+    parser.add_argument("--traces", default=",".join(TRACES), help="comma-separated (none: the speed row alone)")
     parser.add_argument("--systems", default=None, help="cairn,vllm,llama (--cluster: cairn,vllm-rr,vllm-session)")
     parser.add_argument("--cluster", action="store_true",
                         help="the cluster row: 2 cairn replicas against 2 vLLM servers behind proxies (no speed rows)")
@@ -571,7 +572,7 @@ def main() -> None:
     model_dir = (Path(args.model) if args.model else demo_model_dir("tiny", "qwen3_5") if args.quick
                  else peer_model if (peer_model / "model.safetensors").exists() else demo_model_dir("bench", "qwen3_5"))
     renderer = Renderer(model_dir)
-    traces = [build_trace(t, args.quick) for t in args.traces.split(",")]
+    traces = [build_trace(t, args.quick) for t in args.traces.split(",") if t and t != "none"]  # none: speed only
     spare = SPARE_BYTES >> 3 if args.quick else SPARE_BYTES
     budget = int(args.budget * working_set_bytes(traces, renderer, model_dir)) if args.budget else spare
     long_tokens, streams, out_tokens = (500, 4, 16) if args.quick else (6000, 16, 64)

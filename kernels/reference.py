@@ -137,16 +137,33 @@ def paged_attention_prefill(query: Tensor, k_cache: Tensor, v_cache: Tensor, pag
         if n_new == 0:
             continue
         pages = page_table[b, : -(-total // page_size)].long()
-        k = k_cache[pages].flatten(0, 1)[:total].float()  # [total, H_kv, D]
-        v = v_cache[pages].flatten(0, 1)[:total].float()
-        q = query[start:end].float().reshape(n_new, h_kv, group, d)
-        scores = torch.einsum("qhgd,khd->hgqk", q, k) * scale  # [H_kv, group, n_new, total]
-        q_pos = torch.arange(total - n_new, total, device=query.device)
-        visible = torch.arange(total, device=query.device)[None, :] <= q_pos[:, None]  # [n_new, total]
-        probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
-        o = torch.einsum("hgqk,khd->qhgd", probs, v)
-        out[start:end] = o.reshape(n_new, h_kv * group, d).to(query.dtype)
+        k = k_cache[pages].flatten(0, 1)[:total].float().transpose(0, 1).repeat_interleave(group, 0)[None]
+        v = v_cache[pages].flatten(0, 1)[:total].float().transpose(0, 1).repeat_interleave(group, 0)[None]
+        q = query[start:end].float().transpose(0, 1)[None]  # [1, H_q, n_new, D]
+        cached = total - n_new  # keys before the new tokens: all visible; the new ones causally
+        o, lse = _flash(q, k[:, :, cached:], v[:, :, cached:], True, scale)
+        if cached:
+            o_old, lse_old = _flash(q, k[:, :, :cached], v[:, :, :cached], False, scale)
+            top = torch.maximum(lse, lse_old)
+            w, w_old = (lse - top).exp()[..., None], (lse_old - top).exp()[..., None]
+            o = (o * w + o_old * w_old) / (w + w_old)
+        out[start:end] = o[0].transpose(0, 1).to(query.dtype)
     return out
+
+
+def _flash(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    """softmax(q k^T * scale) v over [1, H, n, D] fp32 blocks (causal: query i sees keys <= i), and
+    the rows' log-sum-exp [1, H, n], with torch's CPU flash-attention kernel: two blocks' results
+    merge exactly by their log-sum-exps, so a prefix needs no mask. Elsewhere (references forced on
+    CUDA tensors), the same, spelled out."""
+    if q.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, is_causal=causal, scale=scale)
+    scores = (q @ k.transpose(-1, -2)) * scale
+    if causal:
+        n = q.shape[2]
+        scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    lse = scores.logsumexp(-1)
+    return (scores - lse[..., None]).exp() @ v, lse
 
 
 def paged_attention_decode(query: Tensor, k_cache: Tensor, v_cache: Tensor, page_table: Tensor,
@@ -337,20 +354,23 @@ def chunk_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
     q, k, vf, g, beta = (chunked(t) for t in (q, k, vf, g, beta))
     w, kk, intra, q_decayed, cum = _chunk_terms(q, k, vf, g, beta)
     k_to_end = (cum[..., -1:] - cum).exp()[..., None] * k  # [H, N, C, D_k]
-    out = torch.empty(h_v, num_chunks, size, d_v, dtype=_F32, device=v.device)
+    # the scan reads one chunk at a time: chunk-major copies make each chunk's slice contiguous
+    w, kk, intra, q_decayed, k_to_end = (t.movedim(1, 0).contiguous() for t in (w, kk, intra, q_decayed, k_to_end))
+    decay_end = cum[:, :, -1].exp().t().contiguous()  # [N, H]
+    out = torch.empty(num_chunks, h_v, size, d_v, dtype=_F32, device=v.device)
     by_chunk: dict[int, list[int]] = {}
     for p in positions:
         by_chunk.setdefault((p - 1) // size, []).append(p - ((p - 1) // size) * size)
     states = []
     for n in range(num_chunks):
-        u = w[:, n] - kk[:, n] @ state  # [H, C, D_v]
-        out[:, n] = q_decayed[:, n] @ state + intra[:, n] @ u
+        u = torch.baddbmm(w[n], kk[n], state, alpha=-1)  # w - kk @ state: [H, C, D_v]
+        torch.baddbmm(torch.bmm(q_decayed[n], state), intra[n], u, out=out[n])
         for r in by_chunk.get(n, []):  # state after the first r tokens of this chunk
             c = cum[:, n, :r]
             part = (c[:, -1:] - c).exp()[..., None] * k[:, n, :r]
             states.append(c[:, -1].exp()[:, None, None] * state + part.transpose(-1, -2) @ u[:, :r])
-        state = cum[:, n, -1].exp()[:, None, None] * state + k_to_end[:, n].transpose(-1, -2) @ u
-    out = out.reshape(h_v, num_chunks * size, d_v)[:, :length].transpose(0, 1)
+        state = torch.baddbmm(decay_end[n][:, None, None] * state, k_to_end[n].transpose(-1, -2), u)
+    out = out.transpose(0, 1).reshape(h_v, num_chunks * size, d_v)[:, :length].transpose(0, 1)
     saved = torch.stack(states) if states else torch.empty(0, h_v, d_k, d_v, dtype=_F32, device=v.device)
     return out.to(v.dtype), state, saved
 

@@ -29,7 +29,7 @@ import triton.language as tl
 from torch import Tensor
 
 from kernels import triton_common as tc
-from kernels.reference import _check_paged, _check_store_kv, _expect_dtype, _expect_shape
+from kernels.reference import _check_paged, _check_store_kv, _expect, _expect_dtype, _expect_shape
 from kernels.varlen_plan import ATTENTION_ROWS, VarlenPlan
 
 # Masked scores and empty running maxima are -1e30, a finite -inf: a row that sees nothing yet
@@ -75,29 +75,32 @@ def _attend_block(q, m, l, acc, k_cache, v_cache, table_row, pos, visible, kvh, 
 @triton.jit
 def _prefill_kernel(q_ptr, k_cache, v_cache, out, page_table, cu_q, seq_lens, block_seq, block_row,
                     sq_t, sq_h, so_t, so_h, s_page, s_tok, s_head, s_table, scale, D, PAGE,
-                    GROUP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
+                    GROUP: tl.constexpr, ROWS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
                     DT: tl.constexpr, PREC: tl.constexpr):
+    """A tile of ROWS query rows of one sequence times the GROUP query heads of one K/V head: BM >=
+    ROWS * GROUP (row, head) pairs in one program, so each K/V block is read once for the group."""
     blk = tl.program_id(0)
-    h = tl.program_id(1)
-    kvh = h // GROUP
+    kvh = tl.program_id(1)
     b = tl.load(block_seq + blk)
     row0 = tl.load(block_row + blk)
     q_start = tl.load(cu_q + b)
     q_end = tl.load(cu_q + b + 1)
     total = tl.load(seq_lens + b)
     first_pos = total - (q_end - q_start)  # position of the sequence's first new token
-    rows = row0 + tl.arange(0, BM)
-    rmask = rows < q_end
+    r = tl.arange(0, BM)
+    rows = row0 + r // GROUP
+    heads = kvh * GROUP + r % GROUP
+    rmask = (rows < q_end) & (r < ROWS * GROUP)
     qpos = first_pos + (rows - q_start)
     d = tl.arange(0, BD)
     dmask = d < D
     rows64 = rows.to(tl.int64)
-    q = tl.load(q_ptr + rows64[:, None] * sq_t + h * sq_h + d[None, :], mask=rmask[:, None] & dmask[None, :],
-                other=0.0).to(tl.float32) * scale
+    q = tl.load(q_ptr + rows64[:, None] * sq_t + heads[:, None] * sq_h + d[None, :],
+                mask=rmask[:, None] & dmask[None, :], other=0.0).to(tl.float32) * scale
     m = tl.full((BM,), -1.0e30, dtype=tl.float32)
     l = tl.zeros((BM,), dtype=tl.float32)
     acc = tl.zeros((BM, BD), dtype=tl.float32)
-    hi = first_pos + (tl.minimum(row0 + BM, q_end) - q_start)  # one past the block's last query position
+    hi = first_pos + (tl.minimum(row0 + ROWS, q_end) - q_start)  # one past the tile's last query position
     table_row = page_table + b.to(tl.int64) * s_table
     for n0 in range(0, hi, BN):
         pos = n0 + tl.arange(0, BN)
@@ -105,7 +108,7 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, out, page_table, cu_q, seq_lens, bl
         m, l, acc = _attend_block(q, m, l, acc, k_cache, v_cache, table_row, pos, visible, kvh, d, dmask,
                                   s_page, s_tok, s_head, PAGE, DT, PREC)
     o = acc / tl.where(l > 0, l, 1.0)[:, None]
-    tl.store(out + rows64[:, None] * so_t + h * so_h + d[None, :], o.to(out.dtype.element_ty),
+    tl.store(out + rows64[:, None] * so_t + heads[:, None] * so_h + d[None, :], o.to(out.dtype.element_ty),
              mask=rmask[:, None] & dmask[None, :])
 
 
@@ -186,8 +189,11 @@ def paged_attention_prefill(query: Tensor, k_cache: Tensor, v_cache: Tensor, pag
     batch, group = _check_paged(query, k_cache, v_cache, page_table, seq_lens)
     _expect_shape("cu_seqlens_q", cu_seqlens_q, "B+1", (batch + 1,))
     _expect_dtype("cu_seqlens_q", cu_seqlens_q, torch.int32)
-    plan = plan or VarlenPlan.of(cu_seqlens_q)
+    plan = plan or VarlenPlan.of(cu_seqlens_q, group=group)
     plan.check("cu_seqlens_q", query.shape[0])
+    _expect(plan.attention_rows * group <= ATTENTION_ROWS or plan.attention_rows == 1,
+            f"a plan of attention tiles of {max(1, ATTENTION_ROWS // group)} rows for {group} query heads per "
+            f"K/V head (VarlenPlan.build(..., group={group}))", plan.attention_rows)
     query = tc.unit_last(query)
     out = tc.empty_like(query)
     d = query.shape[2]
@@ -198,11 +204,12 @@ def paged_attention_prefill(query: Tensor, k_cache: Tensor, v_cache: Tensor, pag
         return out
     blocks = plan.device("attention_tiles")
     dt, prec = tc.dot_dtype(k_cache), "ieee"
-    _prefill_kernel[(tiles, query.shape[1])](
+    rows = plan.attention_rows
+    _prefill_kernel[(tiles, k_cache.shape[2])](
         query, k_cache, v_cache, out, page_table, cu_seqlens_q.contiguous(), seq_lens.contiguous(),
         blocks[0], blocks[1], query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), page_table.stride(0), float(scale), d,
-        k_cache.shape[1], GROUP=group, BM=ATTENTION_ROWS, BN=bn, BD=bd, DT=dt, PREC=prec,
+        k_cache.shape[1], GROUP=group, ROWS=rows, BM=tc.pow2(rows * group), BN=bn, BD=bd, DT=dt, PREC=prec,
         num_warps=4 if bd <= 128 else 8)
     return out
 

@@ -2,12 +2,14 @@
 once per step, so that no launcher reads a length back from the device.
 
 Contract:
-- `VarlenPlan.build(cu, positions)` takes the segments' boundaries `cu` (B+1 host ints from 0,
+- `VarlenPlan.build(cu, positions, group)` takes the segments' boundaries `cu` (B+1 host ints from 0,
   non-decreasing) and, per segment, the positions after which its recurrent state is wanted
   (strictly increasing in (0, len]; a shorter list means none for the rest). It checks them,
   raising ValueError, and computes each launcher's tables as int32 numpy arrays (`tables`):
   - `cu` [B+1];
-  - `attention_tiles` [2, N]: (segment, first row) of each `ATTENTION_ROWS`-row prefill tile;
+  - `attention_tiles` [2, N]: (segment, first row) of each prefill attention tile, of
+    `attention_rows` = ATTENTION_ROWS // group rows (`group`: query heads per K/V head, which one
+    program takes together, so a program holds about ATTENTION_ROWS (row, head) pairs);
   - `conv_tiles` [2, N]: the same for the conv's `CONV_ROWS`-row tiles;
   - `chunks` [3, NC]: (first row, length, saved-state index or -1) of each delta-rule chunk, at
     most `DELTA_CHUNK` tokens, cut so that every wanted position ends one; `seq_chunks` [B+1],
@@ -30,7 +32,7 @@ from torch import Tensor
 
 from kernels.reference import _expect
 
-ATTENTION_ROWS = 64  # query rows of one prefill attention program
+ATTENTION_ROWS = 64  # (query row, head) pairs of one prefill attention program
 CONV_ROWS = 16  # rows of one varlen conv program
 DELTA_CHUNK = 64  # the chunked delta rule's chunk
 
@@ -63,26 +65,29 @@ def _chunks(cu: list[int], positions: Sequence[Sequence[int]]) -> tuple[np.ndarr
 
 
 class VarlenPlan:
-    def __init__(self, cu: list[int], positions: list[list[int]], tables: dict[str, np.ndarray], num_saved: int):
+    def __init__(self, cu: list[int], positions: list[list[int]], tables: dict[str, np.ndarray], num_saved: int,
+                 attention_rows: int = ATTENTION_ROWS):
         self.cu, self.positions, self.tables, self.num_saved = cu, positions, tables, num_saved
+        self.attention_rows = attention_rows
         self._device: dict[str, Tensor] = {}
         self._target: torch.device | None = None  # `on`: copies made when first asked for
 
     @classmethod
-    def build(cls, cu: Sequence[int], positions: Sequence[Sequence[int]] = ()) -> "VarlenPlan":
+    def build(cls, cu: Sequence[int], positions: Sequence[Sequence[int]] = (), group: int = 1) -> "VarlenPlan":
         cu = [int(c) for c in cu]
         _expect(len(cu) >= 1 and cu[0] == 0 and all(a <= b for a, b in zip(cu, cu[1:])),
                 "cu_seqlens non-decreasing from 0", cu)
         _expect(len(positions) <= len(cu) - 1, f"at most B = {len(cu) - 1} lists of state_positions",
                 len(positions))
         chunks, seq_chunks, saved = _chunks(cu, positions)
-        tables = dict(cu=np.array(cu, dtype=np.int32), attention_tiles=_tiles(cu, ATTENTION_ROWS),
+        rows = max(1, ATTENTION_ROWS // max(1, group))
+        tables = dict(cu=np.array(cu, dtype=np.int32), attention_tiles=_tiles(cu, rows),
                       conv_tiles=_tiles(cu, CONV_ROWS), chunks=chunks, seq_chunks=seq_chunks)
-        return cls(cu, [list(p) for p in positions], tables, saved)
+        return cls(cu, [list(p) for p in positions], tables, saved, rows)
 
     @classmethod
-    def of(cls, cu_seqlens: Tensor, positions: Sequence[Sequence[int]] = ()) -> "VarlenPlan":
-        return cls.build(cu_seqlens.tolist(), positions).on(cu_seqlens.device)
+    def of(cls, cu_seqlens: Tensor, positions: Sequence[Sequence[int]] = (), group: int = 1) -> "VarlenPlan":
+        return cls.build(cu_seqlens.tolist(), positions, group).on(cu_seqlens.device)
 
     @property
     def batch(self) -> int:

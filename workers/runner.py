@@ -383,7 +383,8 @@ class ModelRunner:
         else:
             logits_rows = (cu[1:] - 1)[ends == np.array(lengths)]  # segments reaching their end sample
         max_pages = int((ends.max() + ps - 1) // ps)
-        prefill = VarlenPlan.build((cu[nd:] - cu[nd]).tolist(), [sorted(seg.ckpt_slots) for seg in prefills])
+        prefill = VarlenPlan.build((cu[nd:] - cu[nd]).tolist(), [sorted(seg.ckpt_slots) for seg in prefills],
+                                   self.cfg.num_attention_heads // self.cfg.num_key_value_heads)
         ck_rows, ck_targets, ck_states = _checkpoint_tables(prefills, prefill, self.cfg.linear_conv_kernel_dim - 1)
         return StepWork(
             input_ids=np.array(ids, dtype=np.int64), positions=pos.astype(np.int64, copy=False), cu_seqlens=cu,
