@@ -125,7 +125,7 @@ def paged_attention_prefill(query: Tensor, k_cache: Tensor, v_cache: Tensor, pag
     batch, group = _check_paged(query, k_cache, v_cache, page_table, seq_lens)
     _expect_shape("cu_seqlens_q", cu_seqlens_q, "B+1", (batch + 1,))
     _expect_dtype("cu_seqlens_q", cu_seqlens_q, torch.int32)
-    page_size, h_kv, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    page_size = k_cache.shape[1]
     cu, lens = (cu_seqlens_q.tolist() if plan is None else plan.cu), seq_lens.tolist()
     _expect(cu[0] == 0 and cu[-1] == query.shape[0], f"cu_seqlens_q from 0 to T = {query.shape[0]}", cu)
     out = torch.empty_like(query)

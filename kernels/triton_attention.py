@@ -72,6 +72,8 @@ def _attend_block(q, m, l, acc, k_cache, v_cache, table_row, pos, visible, kvh, 
     return m_new, l * alpha + tl.sum(p, axis=1), acc
 
 
+@tc.tuned([dict(BN=32, num_warps=8), dict(BN=16, num_warps=4), dict(BN=32, num_warps=4), dict(BN=16, num_warps=8)],
+          key=["D", "GROUP", "ROWS"])
 @triton.jit
 def _prefill_kernel(q_ptr, k_cache, v_cache, out, page_table, cu_q, seq_lens, block_seq, block_row,
                     sq_t, sq_h, so_t, so_h, s_page, s_tok, s_head, s_table, scale, D, PAGE,
@@ -112,6 +114,8 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, out, page_table, cu_q, seq_lens, bl
              mask=rmask[:, None] & dmask[None, :])
 
 
+@tc.tuned([dict(BN=64, num_warps=4), dict(BN=32, num_warps=4), dict(BN=64, num_warps=8), dict(BN=32, num_warps=2)],
+          key=["D", "GROUP", "num_splits"])
 @triton.jit
 def _decode_kernel(q_ptr, k_cache, v_cache, part, stats, page_table, seq_lens,
                    sq_b, sq_h, s_page, s_tok, s_head, s_table, scale, D, PAGE, num_splits,
@@ -198,7 +202,6 @@ def paged_attention_prefill(query: Tensor, k_cache: Tensor, v_cache: Tensor, pag
     out = tc.empty_like(query)
     d = query.shape[2]
     bd = tc.pow2(d)
-    bn = 64 if bd <= 128 else 32
     tiles = plan.tables["attention_tiles"].shape[1]
     if not tiles:
         return out
@@ -209,8 +212,7 @@ def paged_attention_prefill(query: Tensor, k_cache: Tensor, v_cache: Tensor, pag
         query, k_cache, v_cache, out, page_table, cu_seqlens_q.contiguous(), seq_lens.contiguous(),
         blocks[0], blocks[1], query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), page_table.stride(0), float(scale), d,
-        k_cache.shape[1], GROUP=group, ROWS=rows, BM=tc.pow2(rows * group), BN=bn, BD=bd, DT=dt, PREC=prec,
-        num_warps=4 if bd <= 128 else 8)
+        k_cache.shape[1], GROUP=group, ROWS=rows, BM=tc.pow2(rows * group), BD=bd, DT=dt, PREC=prec)
     return out
 
 
@@ -238,7 +240,7 @@ def paged_attention_decode(query: Tensor, k_cache: Tensor, v_cache: Tensor, page
         query, k_cache, v_cache, part, stats, page_table, seq_lens.contiguous(),
         query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         page_table.stride(0), float(scale), d, page_size, splits,
-        GROUP=group, BG=tc.pow2(group), BN=bn, BD=bd, DT=dt, PREC=prec, num_warps=4 if bd <= 128 else 8)
+        GROUP=group, BG=tc.pow2(group), BD=bd, DT=dt, PREC=prec)
     _decode_merge_kernel[(batch, h_q)](part, stats, out, out.stride(0), out.stride(1), h_q, splits, d,
                                        BS=tc.pow2(splits, least=2), BD=bd)
     return out

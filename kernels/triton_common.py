@@ -4,6 +4,12 @@
 imported (TRITON_INTERPRET=1 then makes even triton's own `tl.sum` interpreted), so one process
 cannot run both interpreted and compiled kernels.
 
+`tuned(configs, key, ...)`: how a kernel is autotuned. Compiled, over a few configs keyed on its
+shapes (triton.autotune, which benchmarks them at the first launch of each key: in an engine, at
+its first steps and in decode graphs' warm-up, before capture). Interpreted, where autotuning
+cannot run, at the first config, fixed. Launchers pass none of a config's names, and give a grid
+that depends on them as a function of them (`grid(meta)`).
+
 `FILL`: when set (tests set NaN), every buffer a launcher allocates, outputs and scratch alike, is
 filled with it instead of left uninitialised (integer buffers with their dtype's minimum), so a kernel that reads memory nobody wrote, or
 leaves part of its output unwritten, fails loudly rather than by luck.
@@ -18,6 +24,34 @@ from torch import Tensor
 
 INTERPRETED = not isinstance(tl.standard.sum, triton.runtime.jit.JITFunction)
 FILL: float | None = None
+
+
+class Fixed:
+    """An interpreted kernel launched at one config (what `tuned` gives under TRITON_INTERPRET=1)."""
+
+    def __init__(self, kernel, config: dict):
+        self.kernel, self.fn, self.config = kernel, kernel.fn, dict(config)
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            return self.kernel[grid(self.config) if callable(grid) else grid](*args, **self.config, **kwargs)
+        return launch
+
+
+def tuned(configs: list[dict], key: list[str], reset_to_zero: tuple[str, ...] = (),
+          restore_value: tuple[str, ...] = ()):
+    """Decorates a @triton.jit kernel (see the module doc). `configs`: meta-parameters, with
+    `num_warps` among them; `key`: argument names whose values select a tuning; `reset_to_zero`
+    and `restore_value`: outputs a kernel accumulates into or updates in place, reset or restored
+    around each benchmark run so that tuning leaves what one launch would."""
+    def wrap(kernel):
+        if INTERPRETED:
+            return Fixed(kernel, configs[0])
+        return triton.autotune(
+            [triton.Config({k: v for k, v in c.items() if k != "num_warps"}, num_warps=c.get("num_warps", 4))
+             for c in configs],
+            key=key, reset_to_zero=list(reset_to_zero) or None, restore_value=list(restore_value) or None)(kernel)
+    return wrap
 
 
 def empty(*shape: int, dtype: torch.dtype, device: torch.device) -> Tensor:

@@ -31,9 +31,12 @@ from kernels.reference_varlen import _check_slots, _plan
 from kernels.varlen_plan import CONV_ROWS, VarlenPlan
 
 # Launch shapes (rows and channels per program, warps), sized from sm_90 register reports; untimed.
-TUNE = dict(channels=128, warps=4)  # rows per program: varlen_plan.CONV_ROWS
+# Rows per program: varlen_plan.CONV_ROWS. The varlen conv is tuned; the state kernels update the
+# pool in place (tuning would clone it around each timed run), so their channel block is fixed.
+TUNE = dict(channels=128)
 
 
+@tc.tuned([dict(BC=128, num_warps=4), dict(BC=256, num_warps=8), dict(BC=64, num_warps=2)], key=["C", "K"])
 @triton.jit
 def _conv_fwd_kernel(x, w, out, state, slots, cu, block_seq, block_row,
                      sx_t, sw_c, sw_k, so_t, ss_n, ss_c, ss_k, C,
@@ -124,11 +127,11 @@ def _run_varlen(x: Tensor, weight: Tensor, plan: VarlenPlan, cu: Tensor, state_i
     bc = min(TUNE["channels"], tc.pow2(channels))
     if tiles:
         table = plan.device("conv_tiles")
-        _conv_fwd_kernel[(tiles, triton.cdiv(channels, bc))](
+        _conv_fwd_kernel[lambda meta: (tiles, triton.cdiv(channels, meta["BC"]))](
             x, weight, out, state_in, in_slots, cu, table[0], table[1],
             x.stride(0), weight.stride(0), weight.stride(1), out.stride(0),
             state_in.stride(0), state_in.stride(1), state_in.stride(2), channels,
-            K=width, BT=CONV_ROWS, BC=bc, num_warps=TUNE["warps"])
+            K=width, BT=CONV_ROWS)
     batch = plan.batch
     if batch and width > 1:
         _conv_state_kernel[(batch, triton.cdiv(channels, bc))](

@@ -8,7 +8,8 @@ Launches, one program per row (a token, or a token's head):
 - `_qk_norm_rope_kernel` (T, H_q + H_kv): a head of q or of k, normed, then rotated;
 - `_delta_gates_kernel` (cdiv(T * H_v, 256),): g and beta;
 - `_sigmoid_gate_kernel` (T, cdiv(N, 1024)): x * sigmoid(gate).
-A row is one block of `pow2(D)` lanes: D up to 16k fits with 8 warps.
+A row is one block of `pow2(D)` lanes: D up to 16k fits with 8 warps; the warps are tuned
+(triton_common.tuned), the first config interpreted.
 """
 
 from __future__ import annotations
@@ -22,12 +23,10 @@ from kernels import triton_common as tc
 from kernels.reference import _expect, _expect_shape
 
 F32 = tl.float32
+ROW_WARPS = [dict(num_warps=4), dict(num_warps=8), dict(num_warps=2)]  # one row per program: warps are all to tune
 
 
-def _warps(block: int) -> int:
-    return 8 if block >= 4096 else 4 if block >= 1024 else 1
-
-
+@tc.tuned(ROW_WARPS, key=["D"])
 @triton.jit
 def _rms_norm_kernel(x, res, y, res_out, w, s_x, s_r, s_y, s_ro, D, eps, HAS_RES: tl.constexpr, BD: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -43,6 +42,7 @@ def _rms_norm_kernel(x, res, y, res_out, w, s_x, s_r, s_y, s_ro, D, eps, HAS_RES
     tl.store(y + row * s_y + d, (v * inv * (1.0 + wv)).to(y.dtype.element_ty), mask=m)
 
 
+@tc.tuned(ROW_WARPS, key=["D"])
 @triton.jit
 def _gated_rms_norm_kernel(x, gate, w, y, s_x, s_g, s_y, D, eps, BD: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -78,6 +78,7 @@ def _norm_rope_row(src, dst, w, inv_freq, pos, s_src, s_dst, D, eps, HALF: tl.co
     tl.store(dst + j + HALF, (y2 * c + y1 * s).to(out_ty), mask=jm)
 
 
+@tc.tuned(ROW_WARPS, key=["D"])
 @triton.jit
 def _qk_norm_rope_kernel(q, k, qo, ko, wq, wk, inv_freq, positions, sq_t, sq_h, sk_t, sk_h, sqo_t, sqo_h, sko_t,
                          sko_h, HQ, D, eps, HALF: tl.constexpr, BD: tl.constexpr, BH: tl.constexpr):
@@ -137,7 +138,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = No
     if rows.shape[0]:
         bd = tc.pow2(d, least=2)
         _rms_norm_kernel[(rows.shape[0],)](rows, res, y, res_out, weight, rows.stride(0), res.stride(0), d, d, d,
-                                           float(eps), HAS_RES=residual is not None, BD=bd, num_warps=_warps(bd))
+                                           float(eps), HAS_RES=residual is not None, BD=bd)
     return y if residual is None else (y, res_out)
 
 
@@ -151,7 +152,7 @@ def gated_rms_norm(x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tenso
     if x.shape[0]:
         bd = tc.pow2(d, least=2)
         _gated_rms_norm_kernel[(x.shape[0],)](x, gate, weight, y, x.stride(0), gate.stride(0), d, d, float(eps),
-                                              BD=bd, num_warps=_warps(bd))
+                                              BD=bd)
     return y
 
 
@@ -172,7 +173,7 @@ def qk_norm_rope(q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor, posit
         _qk_norm_rope_kernel[(t, h_q + k.shape[1])](
             q, k, qo, ko, q_weight, k_weight, inv_freq, positions, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
             qo.stride(0), qo.stride(1), ko.stride(0), ko.stride(1), h_q, d, float(eps), HALF=half, BD=bd,
-            BH=tc.pow2(half, least=2), num_warps=_warps(bd))
+            BH=tc.pow2(half, least=2))
     return qo, ko
 
 

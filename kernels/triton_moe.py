@@ -21,8 +21,10 @@ p // k, its (p % k)-th choice):
 5. the fp32 output cast to x's dtype (none for fp32).
 
 Loads are upcast to fp32 (which the interpreter needs for bf16), then matmul operands go back to
-the stored 16-bit dtype (tensor cores) or stay exact fp32 (no TF32); accumulation is fp32. Block sizes are
-fixed here: BLOCK_M by the pair count (16 at decode sizes, 64 for prefills), untimed on a GPU.
+the stored 16-bit dtype (tensor cores) or stay exact fp32 (no TF32); accumulation is fp32. BLOCK_M
+is fixed by the pair count (16 at decode sizes, 64 for prefills); the GEMMs' BLOCK_N, BLOCK_K and
+warps are autotuned per (H, I, BLOCK_M) (`GEMM_CONFIGS`, triton_common.tuned; the first one
+interpreted).
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ from kernels import reference_moe, triton_common
 from kernels.reference_moe import SharedExpert, check_moe_args, check_shared
 
 ALIGN_TILE = 4096  # the align kernel's [pairs, experts] one-hot tile: pairs per pass = this / experts
+GEMM_CONFIGS = [dict(BLOCK_N=64, BLOCK_K=64, num_warps=4), dict(BLOCK_N=32, BLOCK_K=64, num_warps=2),
+                dict(BLOCK_N=64, BLOCK_K=128, num_warps=4), dict(BLOCK_N=128, BLOCK_K=64, num_warps=8)]  # no spills at sm_90
 
 
 @triton.jit
@@ -126,6 +130,7 @@ def _expert_block(sorted_pairs, block_expert, num_padded, N, T, MAX_BLOCKS, TOP_
     return busy, expert.to(tl.int64), pairs.to(tl.int64), valid, tokens.to(tl.int64)
 
 
+@triton_common.tuned(GEMM_CONFIGS, key=["H", "I", "BLOCK_M"])
 @triton.jit
 def _gate_up_kernel(x, s_xt, w, s_we, s_wn, sg, su, s_sn, inter, sorted_pairs, block_expert, num_padded, N, T,
                     MAX_BLOCKS, H, I, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -156,6 +161,7 @@ def _gate_up_kernel(x, s_xt, w, s_we, s_wn, sg, su, s_sn, inter, sorted_pairs, b
     tl.store(dst, h.to(inter.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
 
 
+@triton_common.tuned(GEMM_CONFIGS, key=["H", "I", "BLOCK_M"], reset_to_zero=("out",))
 @triton.jit
 def _down_kernel(inter, w, s_we, s_wn, sd, s_sd, weights, out, sorted_pairs, block_expert, num_padded, N, T,
                  MAX_BLOCKS, H, I, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -219,11 +225,11 @@ def fused_moe(x: Tensor, logits: Tensor, gate_up: Tensor, down: Tensor, top_k: i
     _align_kernel[(1,)](ids, n, E, sorted_pairs, block_expert, num_padded, max_padded, max_blocks,
                         BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=max(16, ALIGN_TILE // block_e), num_warps=8)
     inter = triton_common.empty(pairs, I, dtype=x.dtype, device=dev)
-    common = dict(TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=64, DOT=triton_common.dot_dtype(x), PREC="ieee")
-    _gate_up_kernel[(blocks, triton.cdiv(I, 64))](
+    common = dict(TOP_K=top_k, BLOCK_M=block_m, DOT=triton_common.dot_dtype(x), PREC="ieee")
+    _gate_up_kernel[lambda meta: (blocks, triton.cdiv(I, meta["BLOCK_N"]))](
         x, x.stride(0), gate_up, gate_up.stride(0), gate_up.stride(1), sg, su, sg.stride(0), inter, sorted_pairs,
         block_expert, num_padded, n, T, max_blocks, H, I, **common)
-    _down_kernel[(blocks, triton.cdiv(H, 64))](
+    _down_kernel[lambda meta: (blocks, triton.cdiv(H, meta["BLOCK_N"]))](
         inter, down, down.stride(0), down.stride(1), sd, sd.stride(0), weights, out, sorted_pairs, block_expert,
         num_padded, n, T, max_blocks, H, I, **common)
     return out if x.dtype == torch.float32 else out.to(x.dtype)

@@ -2,7 +2,8 @@
 imports triton compiled (a process running the interpreted tests cannot compile anything), the
 launchers run on CPU tensors and each launch is compiled ahead of time instead of started. This
 catches what the interpreter forgives (non-constexpr globals, tl.dot shapes, layouts) and, in bf16
-at Qwen3-Next shapes, kernels that spill registers to local memory. Triton caches what it compiled
+at Qwen3-Next shapes, kernels that spill registers to local memory: every autotune config of a
+tuned kernel is compiled and checked. Triton caches what it compiled
 (~/.triton/cache): only a first run pays for compilation.
 
 Run as a script, this file is that child: it prints one JSON line per launch."""
@@ -49,8 +50,8 @@ def launches() -> list[dict]:
 def test_every_kernel_compiles_for_sm90_at_qwen3_next_shapes_in_bf16_without_spilling(launches):
     big = [x for x in launches if x["shapes"] == "qwen3-next" and x["data"] == "bf16"]
     assert {x["kernel"] for x in big} == EXPECTED
-    spilling = {x["kernel"]: x["local_bytes"] for x in big if x["local_bytes"] > 64}
-    assert not spilling, f"kernels spilling registers (bytes of local memory): {spilling}"
+    spilling = {(x["kernel"], str(x["config"])): x["local_bytes"] for x in big if x["local_bytes"] > 64}
+    assert not spilling, f"kernels (and autotune configs) spilling registers (bytes of local memory): {spilling}"
 
 
 def test_every_kernel_compiles_for_sm90_at_the_demo_models_shapes_in_fp32(launches):
@@ -101,14 +102,24 @@ def _main() -> None:
                                     options=options)
             data = "bf16" if shapes["dtype"] == torch.bfloat16 else "fp32"  # the run's (align's data are ids)
             print(json.dumps(dict(kernel=kernel.fn.__name__, shapes=shapes["now"], data=data,
+                                  config={k: v for k, v in constants.items() if k.isupper() and isinstance(v, int)} | options,
                                   local_bytes=local_bytes(binary.asm["cubin"]))), flush=True)
         kernel.run = run
+
+    def every_config(tuner) -> None:  # an autotuned kernel: each of its configs compiled, none timed
+        def run(*args, **kwargs):
+            for config in tuner.configs:
+                tuner.fn.run(*args, **kwargs, **config.all_kwargs())
+        intercept(tuner.fn)
+        tuner.run = run
 
     modules = (triton_attention, triton_conv, triton_delta_recurrent, triton_delta_rule, triton_state, triton_moe,
                triton_fused)
     for module in modules:
         for value in vars(module).values():
-            if isinstance(value, triton.runtime.jit.JITFunction) and value.fn.__name__.endswith("_kernel"):
+            if isinstance(value, triton.runtime.autotuner.Autotuner):
+                every_config(value)
+            elif isinstance(value, triton.runtime.jit.JITFunction) and value.fn.__name__.endswith("_kernel"):
                 intercept(value)
 
     for shapes["now"], dtype in (("qwen3-next", torch.bfloat16), ("demo", torch.float32)):

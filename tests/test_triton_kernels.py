@@ -42,6 +42,7 @@ def nan_filled_buffers(monkeypatch):
 def test_the_kernels_under_test_are_interpreted():
     assert os.environ.get("TRITON_INTERPRET") == "1"
     for kernel in (attention._prefill_kernel, delta._chunk_scan_kernel, conv._conv_fwd_kernel):
+        kernel = getattr(kernel, "kernel", kernel)  # an autotuned kernel runs its first config, fixed
         assert isinstance(kernel, InterpretedFunction)
 
 

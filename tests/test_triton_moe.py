@@ -123,7 +123,8 @@ class Recorder:
         self.kernel, self.launches, self.ops = kernel, launches, ops
 
     def __getitem__(self, grid):
-        self.launches.append((self.kernel.fn.__name__, tuple(grid)))
+        # a tuned kernel's grid is a function of its config (interpreted: the first, fixed)
+        self.launches.append((self.kernel.fn.__name__, tuple(grid(self.kernel.config) if callable(grid) else grid)))
 
         def launch(*args, **kwargs):
             self.ops.in_kernel = True

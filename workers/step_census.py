@@ -158,6 +158,7 @@ class Census(TorchDispatchMode):
         census = self
         self._saved = [(torch.Tensor, n, getattr(torch.Tensor, n)) for n in ("tolist", "numpy", "cpu")]
         self._saved.append((triton.runtime.jit.JITFunction, "run", triton.runtime.jit.JITFunction.run))
+        self._saved.append((triton.runtime.autotuner.Autotuner, "run", triton.runtime.autotuner.Autotuner.run))
         self._saved.append((kernels, "_uses_triton", kernels._uses_triton))
         from kernels import triton_common
 
@@ -180,7 +181,12 @@ class Census(TorchDispatchMode):
             with torch.utils._python_dispatch._disable_current_modes():
                 return torch.zeros(*shape, dtype=dtype, device=device)
 
+        def tuned_launch(tuner, *args, **kwargs):  # an autotuned kernel: one launch, no tuning
+            census.kernels[tuner.fn.fn.__name__] += 1
+            census._record("launch")
+
         triton.runtime.jit.JITFunction.run = launch
+        triton.runtime.autotuner.Autotuner.run = tuned_launch
         kernels._uses_triton = lambda tensor: True
         triton_common.empty = zeros
         return super().__enter__()
