@@ -37,9 +37,12 @@ def _plan(cu_seqlens: Tensor, total: int, plan: VarlenPlan | None,
     return plan
 
 
-def _gather(pool: Tensor, state_slots: Tensor) -> tuple[Tensor, Tensor]:
-    """A copy of the slots' states (zeros for a padding row's -1), and which rows are live."""
+def _gather(pool: Tensor, state_slots: Tensor) -> tuple[Tensor, Tensor | slice]:
+    """A copy of the slots' states (zeros for a padding row's -1), and which rows are live (all of
+    them, `slice(None)`, when no row pads: a host sync, which costs nothing on the CPU path)."""
     live = state_slots >= 0
+    if bool(live.all()):
+        return pool[state_slots], slice(None)
     state = pool[state_slots.clamp(min=0)]
     state[~live] = 0
     return state, live
