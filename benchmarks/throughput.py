@@ -78,7 +78,8 @@ def per_segment_prefill():
         def one_by_one(*args, **kwargs):
             x = args[0]
             cu, pool, slots = (args[2], args[3], args[4]) if name == "causal_conv1d_varlen" else args[5:8]
-            bounds, positions = cu.tolist(), kwargs.pop("state_positions", ())
+            plan = kwargs.pop("plan", None)  # the step's plan: its positions, not its tiles (each call makes its own)
+            bounds, positions = cu.tolist(), kwargs.pop("state_positions", ()) or (plan.positions if plan else ())
             outs, states = [], []
             for b in range(len(bounds) - 1):
                 rows = slice(bounds[b], bounds[b + 1])

@@ -277,26 +277,30 @@ class ModelRunner:
         return torch.tensor(values, dtype=torch.long, device=device or self.device)
 
     @staticmethod
-    def _offsets(arrays: dict[str, np.ndarray]) -> tuple[dict[str, int], int]:
-        offsets, size = {}, 0
-        for name, a in arrays.items():
-            offsets[name] = size
-            size += -(-a.nbytes // 8) * 8
-        return offsets, max(size, 8)
+    def _by_dtype(arrays: dict[str, np.ndarray]) -> tuple[list[str], list[str]]:
+        """The arrays' names, int64 ones then int32 ones: how `upload` lays them out."""
+        wide = [n for n, a in arrays.items() if a.dtype == np.int64]
+        narrow = [n for n, a in arrays.items() if a.dtype == np.int32]
+        if len(wide) + len(narrow) != len(arrays):
+            raise TypeError(f"step arrays are int64 or int32, got {sorted({str(a.dtype) for a in arrays.values()})}")
+        return wide, narrow
 
     def packed_bytes(self, arrays: dict[str, np.ndarray]) -> int:
-        return self._offsets(arrays)[1]
+        return max(8, sum(a.nbytes for a in arrays.values()))
 
     def upload(self, arrays: dict[str, np.ndarray], into: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-        """The arrays on the device, in one copy: packed, 8-byte aligned, into one host buffer
-        (on CUDA a pinned one, copied without blocking the host; the next step's sampled ids, read
-        back, come after that copy, so the two alternating buffers are free again by then), then
-        viewed by name, each with its dtype and shape. `into`: a device buffer of `packed_bytes`
-        to copy into (a decode graph's inputs), instead of a new one."""
-        offsets, size = self._offsets(arrays)
-        packed = np.empty(size, dtype=np.uint8)
-        for name, a in arrays.items():
-            packed[offsets[name]:offsets[name] + a.nbytes] = np.ascontiguousarray(a).view(np.uint8).reshape(-1)
+        """The arrays on the device, in one copy: packed into one host buffer, the int64 ones first
+        and then the int32 ones (on CUDA a pinned buffer, copied without blocking the host; the
+        next step's sampled ids, read back, come after that copy, so the two alternating buffers
+        are free again by then), then viewed by name: a handful of ops whatever the number of
+        arrays. `into`: a device buffer of `packed_bytes` to copy into (a decode graph's inputs),
+        instead of a new one."""
+        wide, narrow = self._by_dtype(arrays)
+        parts = [np.ascontiguousarray(arrays[n]).reshape(-1).view(np.uint8) for n in wide + narrow]
+        size = self.packed_bytes(arrays)
+        packed = np.zeros(size, dtype=np.uint8)
+        if parts:
+            np.concatenate(parts, out=packed[:sum(p.size for p in parts)])
         host = torch.from_numpy(packed)
         if self.device.type == "cuda":
             self._staging = self._staging[::-1]
@@ -310,9 +314,16 @@ class ModelRunner:
             host = into
         elif self.device.type == "cuda":
             host = host.to(self.device, non_blocking=True)
-        dtypes = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32}
-        return {name: host[offsets[name]:offsets[name] + a.nbytes].view(dtypes[a.dtype]).view(a.shape)
-                for name, a in arrays.items()}
+        out = {}
+        split = sum(arrays[n].nbytes for n in wide)
+        for names, region, dtype in ((wide, host[:split], torch.int64), (narrow, host[split:size], torch.int32)):
+            if not names:
+                continue
+            sizes = [arrays[n].size for n in names]
+            flat = region[:sum(sizes) * dtype.itemsize].view(dtype)
+            for name, t in zip(names, torch.split(flat, sizes)):
+                out[name] = t if arrays[name].ndim == 1 else t.view(arrays[name].shape)
+        return out
 
     def use_decode_graphs(self, max_num_seqs: int, width: int, capture: bool) -> None:
         """Decode-only steps run at fixed batch sizes over fixed buffers (workers.decode_graphs),
