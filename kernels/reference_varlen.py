@@ -1,6 +1,7 @@
 """Plain-torch references of the slot-indexed and varlen ops: a per-sequence loop over `reference`.
 
-These are the entry points an engine adopts to run a whole batch in one launch per op: states
+These are the entry points an engine adopts to run a whole batch in one launch per op (on CPU the
+varlen conv, too, runs every segment in one pass): states
 live in pools and are read from and written back to slots in place, instead of being gathered
 into a batch tensor and scattered back. Conventions are `reference`'s; in addition:
 - A pool is [num_slots, ...] (any strides, e.g. the per-layer view `ssm_states[:, r]`) indexed by
@@ -18,10 +19,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from kernels import reference
-from kernels.reference import _check_delta, _expect, _expect_dtype, _expect_shape
+from kernels.reference import _check_delta, _expect, _expect_dtype, _expect_shape, _windows
 from kernels.varlen_plan import VarlenPlan
 
 
@@ -115,14 +117,21 @@ def causal_conv1d_varlen(x: Tensor, weight: Tensor, cu_seqlens: Tensor, conv_poo
     channels, width = weight.shape
     _expect_shape("x", x, "T, C", (None, channels))
     cu = _plan(cu_seqlens, x.shape[0], plan).cu
-    _check_slots("conv_pool", conv_pool, "num_slots, C, K-1", (channels, width - 1), state_slots, len(cu) - 1)
-    out = torch.empty_like(x)
-    for b, slot in enumerate(state_slots.tolist()):
-        start, end = cu[b], cu[b + 1]
-        if start == end:
-            continue
-        out[start:end], conv_pool[slot] = reference.causal_conv1d(x[start:end], weight, conv_pool[slot])
-    return out
+    batch, k1 = len(cu) - 1, width - 1
+    _check_slots("conv_pool", conv_pool, "num_slots, C, K-1", (channels, width - 1), state_slots, batch)
+    if batch == 0:
+        return torch.empty_like(x)
+    # All segments at once: each one's conv state (K-1 rows) then its tokens, end to end; the
+    # windows slide over the whole of it, and only those ending on a token are kept.
+    xf, states = x.float(), conv_pool[state_slots].float().transpose(1, 2)  # [T, C], [B, K-1, C]
+    history = torch.cat([part for b in range(batch) for part in (states[b], xf[cu[b]:cu[b + 1]])])
+    lengths = torch.tensor([cu[b + 1] - cu[b] for b in range(batch)])
+    segment = torch.repeat_interleave(torch.arange(batch), lengths)
+    out = _windows(history, weight, history.shape[0] - k1)[torch.arange(x.shape[0]) + k1 * segment]
+    ends = torch.tensor(cu[1:]) + k1 * torch.arange(1, batch + 1)  # one past each segment's history
+    last = ends[:, None] - k1 + torch.arange(k1)[None, :]  # [B, K-1]: the rows that are its new state
+    conv_pool[state_slots] = history[last].transpose(1, 2).to(conv_pool.dtype)
+    return F.silu(out).to(x.dtype)
 
 
 def causal_conv1d_update_slots(x: Tensor, weight: Tensor, conv_pool: Tensor, state_slots: Tensor) -> Tensor:
