@@ -354,35 +354,55 @@ def chunk_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
     state = _initial_state(initial_state, h_v, d_k, d_v, v.device)
     q, k, vf, g, beta = _prepare(q, k, v, g, beta, scale, use_qk_l2norm)
     size = min(chunk_size, length)
-    num_chunks = -(-length // size)
-    pad = num_chunks * size - length  # padded tokens have g = 0 and beta = 0: they change nothing
+    pad = -(-length // size) * size - length  # padded tokens have g = 0 and beta = 0: they change nothing
+    q, k, vf, g, beta = (F.pad(t, (0, 0) * (t.dim() - 2) + (0, 0, 0, pad))[None] for t in (q, k, vf, g, beta))
+    out, state, saved = delta_chunks(q, k, vf, g, beta, state[None], [positions], size)
+    return out[0, :length].to(v.dtype), state[0], saved
 
-    def chunked(t: Tensor) -> Tensor:  # [T, H, ...] -> [H, N, C, ...]
-        t = F.pad(t, (0, 0) * (t.dim() - 2) + (0, 0, 0, pad))
-        return t.reshape(num_chunks, size, *t.shape[1:]).movedim(2, 0)
 
-    q, k, vf, g, beta = (chunked(t) for t in (q, k, vf, g, beta))
-    w, kk, intra, q_decayed, cum = _chunk_terms(q, k, vf, g, beta)
-    k_to_end = (cum[..., -1:] - cum).exp()[..., None] * k  # [H, N, C, D_k]
+def delta_chunks(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor,
+                 positions: Sequence[Sequence[int]], size: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The chunked rule over B sequences at once, each padded to L = N * size tokens.
+
+    q, k [B, L, H_v, D_k], v [B, L, H_v, D_v], g, beta [B, L, H_v], fp32 and prepared
+    (`_prepare`), zeros past each sequence's end (g = beta = 0 there: no effect); state
+    [B, H_v, D_k, D_v] fp32, each sequence's initial state (not modified); positions[b]: the
+    states wanted, 0 < p <= its length. The in-chunk terms of every chunk of every sequence are
+    solved in one batch; only the state scan loops, over the chunks. Returns (out [B, L, H_v, D_v]
+    fp32, final states [B, H_v, D_k, D_v], the states at the positions [P, H_v, D_k, D_v],
+    sequence by sequence, position by position).
+    """
+    batch, length, h_v = g.shape
+    d_v, num_chunks = v.shape[-1], length // size
+
+    def chunked(t: Tensor) -> Tensor:  # [B, L, H, ...] -> [B, H, N, C, ...]
+        return t.reshape(batch, num_chunks, size, *t.shape[2:]).movedim(3, 1)
+
+    q, k, v, g, beta = (chunked(t) for t in (q, k, v, g, beta))
+    w, kk, intra, q_decayed, cum = _chunk_terms(q, k, v, g, beta)
+    k_to_end = (cum[..., -1:] - cum).exp()[..., None] * k  # [B, H, N, C, D_k]
     # the scan reads one chunk at a time: chunk-major copies make each chunk's slice contiguous
-    w, kk, intra, q_decayed, k_to_end = (t.movedim(1, 0).contiguous() for t in (w, kk, intra, q_decayed, k_to_end))
-    decay_end = cum[:, :, -1].exp().t().contiguous()  # [N, H]
-    out = torch.empty(num_chunks, h_v, size, d_v, dtype=_F32, device=v.device)
-    by_chunk: dict[int, list[int]] = {}
-    for p in positions:
-        by_chunk.setdefault((p - 1) // size, []).append(p - ((p - 1) // size) * size)
-    states = []
+    w, kk, intra, q_decayed, k_to_end = (t.movedim(2, 0).contiguous() for t in (w, kk, intra, q_decayed, k_to_end))
+    decay_end = cum[..., -1].exp().movedim(2, 0)[..., None, None]  # [N, B, H, 1, 1]
+    out = torch.empty(num_chunks, batch, h_v, size, d_v, dtype=_F32, device=v.device)
+    wanted: dict[int, list[tuple[int, int, int]]] = {}  # chunk -> (sequence, tokens into it, order)
+    order = 0
+    for b, ps in enumerate(positions):
+        for p in ps:
+            wanted.setdefault((p - 1) // size, []).append((b, p - ((p - 1) // size) * size, order))
+            order += 1
+    saved: list[Tensor | None] = [None] * order
     for n in range(num_chunks):
-        u = torch.baddbmm(w[n], kk[n], state, alpha=-1)  # w - kk @ state: [H, C, D_v]
-        torch.baddbmm(torch.bmm(q_decayed[n], state), intra[n], u, out=out[n])
-        for r in by_chunk.get(n, []):  # state after the first r tokens of this chunk
-            c = cum[:, n, :r]
-            part = (c[:, -1:] - c).exp()[..., None] * k[:, n, :r]
-            states.append(c[:, -1].exp()[:, None, None] * state + part.transpose(-1, -2) @ u[:, :r])
-        state = torch.baddbmm(decay_end[n][:, None, None] * state, k_to_end[n].transpose(-1, -2), u)
-    out = out.transpose(0, 1).reshape(h_v, num_chunks * size, d_v)[:, :length].transpose(0, 1)
-    saved = torch.stack(states) if states else torch.empty(0, h_v, d_k, d_v, dtype=_F32, device=v.device)
-    return out.to(v.dtype), state, saved
+        u = w[n] - kk[n] @ state  # [B, H, C, D_v]
+        out[n] = q_decayed[n] @ state + intra[n] @ u
+        for b, r, at in wanted.get(n, []):  # state after the first r tokens of this chunk
+            c = cum[b, :, n, :r]
+            part = (c[:, -1:] - c).exp()[..., None] * k[b, :, n, :r]
+            saved[at] = c[:, -1].exp()[:, None, None] * state[b] + part.transpose(-1, -2) @ u[b, :, :r]
+        state = decay_end[n] * state + k_to_end[n].transpose(-1, -2) @ u
+    out = out.permute(1, 0, 3, 2, 4).reshape(batch, length, h_v, d_v)
+    states = torch.stack(saved) if saved else torch.empty(0, h_v, k.shape[-1], d_v, dtype=_F32, device=v.device)
+    return out, state, states
 
 
 def gated_delta_rule_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, *,

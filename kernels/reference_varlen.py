@@ -1,4 +1,5 @@
-"""Plain-torch references of the slot-indexed and varlen ops: a per-sequence loop over `reference`.
+"""Plain-torch references of the slot-indexed and varlen ops, over `reference`'s math: the varlen
+conv and delta rule run every sequence of the batch at once (no Python loop over sequences).
 
 These are the entry points an engine adopts to run a whole batch in one launch per op (on CPU the
 varlen conv, too, runs every segment in one pass): states
@@ -77,21 +78,28 @@ def chunk_gated_delta_rule_varlen(q: Tensor, k: Tensor, v: Tensor, g: Tensor, be
     _check_slots("state_pool", state_pool, "num_slots, H_v, D_k, D_v", (h_v, d_k, d_v), state_slots, batch)
     _expect_dtype("state_pool", state_pool, torch.float32)
     _expect(len(state_positions) <= batch, f"at most B = {batch} lists of state_positions", len(state_positions))
-    out = torch.empty(total, h_v, d_v, dtype=v.dtype, device=v.device)
-    saved = []
-    for b, slot in enumerate(state_slots.tolist()):
-        start, end = cu[b], cu[b + 1]
-        positions = list(state_positions[b]) if b < len(state_positions) else []
-        if start == end:
-            _expect(not positions, f"no state_positions for the empty sequence {b}", positions)
-            continue
-        out[start:end], final, states = reference.chunk_gated_delta_rule(
-            q[start:end], k[start:end], v[start:end], g[start:end], beta[start:end], state_pool[slot],
-            scale=scale, use_qk_l2norm=use_qk_l2norm, state_positions=positions)
-        state_pool[slot] = final
-        saved.append(states)
-    states = torch.cat(saved) if saved else torch.empty(0, h_v, d_k, d_v, dtype=torch.float32, device=v.device)
-    return out, states
+    for b in range(batch):
+        if cu[b] == cu[b + 1]:
+            _expect(not (b < len(state_positions) and state_positions[b]),
+                    f"no state_positions for the empty sequence {b}", state_positions[b] if b < len(state_positions) else [])
+    # Every sequence at once, each padded to the longest one's chunks (the padding has no effect).
+    lengths = [cu[b + 1] - cu[b] for b in range(batch)]
+    size = 64
+    padded = -(-max(lengths + [1]) // size) * size
+    segment = torch.repeat_interleave(torch.arange(batch), torch.tensor(lengths))
+    offset = torch.arange(total) - torch.tensor(cu[:-1])[segment]
+    qp, kp, vp, gp, bp = reference._prepare(q, k, v, g, beta, scale, use_qk_l2norm)
+
+    def laid_out(t: Tensor) -> Tensor:  # [T, ...] -> [B, padded, ...], zeros past each end
+        out = torch.zeros(batch, padded, *t.shape[1:], dtype=t.dtype, device=t.device)
+        out[segment, offset] = t
+        return out
+
+    out, final, states = reference.delta_chunks(*(laid_out(t) for t in (qp, kp, vp, gp, bp)), state_pool[state_slots],
+                                                [list(state_positions[b]) if b < len(state_positions) else []
+                                                 for b in range(batch)], size)
+    state_pool[state_slots] = final
+    return out[segment, offset].to(v.dtype), states
 
 
 def gated_delta_rule_step_slots(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state_pool: Tensor,
