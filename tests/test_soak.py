@@ -76,6 +76,18 @@ def settled(engine: AsyncEngine, timeout_s: float = 20) -> None:
         time.sleep(0.05)
 
 
+def connections_closed(timeout_s: float = 10) -> None:
+    """Waits until the server has let go of the round's connections: the client has closed them,
+    and the server drops each one (its protocol, h11 state and caller) when its loop sees the close,
+    which can take a keep-alive interval. Counting before that counts them as if leaked."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        gc.collect()
+        if not any(type(o).__name__ == "GuardedH11Protocol" for o in gc.get_objects()):
+            return
+        time.sleep(0.25)
+
+
 def our_objects() -> int:
     """Live objects of cairn's own classes (a leaked output, sequence, event or choice counts).
     The soak subtracts the cache's stored checkpoints: how many a full arena holds varies from
@@ -143,6 +155,7 @@ def soak(model_dir: Path, results) -> None:
                     outcomes = asyncio.run(asyncio.wait_for(soak_round(server.url, seed=0), 300))
                     assert outcomes.count("hung up") >= STREAMS // 3 - 2 and outcomes.count("done") >= STREAMS // 2
                     settled(engine)
+                    connections_closed()
                     engine.engine.check()
                     gc.collect()
                     allocated.append(ours(tracemalloc.take_snapshot()))
