@@ -298,11 +298,13 @@ def test_the_engine_on_cuda_holds_its_weights_and_one_arena_of_its_budget(tiny_m
     engine = Engine.from_pretrained(tiny_model_dir, device=CUDA, cache_memory_bytes=budget, max_num_seqs=8)
     model = engine.model
     weights = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    graphs = engine.runner.graphs.memory_bytes  # decode graphs' pool, measured at capture (and logged)
     slack = 1 << 20  # allocator rounding and small tensors (index tensors, the step's inputs)
-    assert torch.cuda.memory_allocated() - before <= weights + budget + slack, "the cache reserved beyond its budget"
+    held = weights + budget + graphs + slack
+    assert torch.cuda.memory_allocated() - before <= held, "the cache reserved beyond its budget"
     engine.generate([[5] * 40, [6] * 90], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     torch.cuda.synchronize()
-    assert torch.cuda.memory_allocated() - before <= weights + budget + slack, "a step left memory behind"
+    assert torch.cuda.memory_allocated() - before <= held, "a step left memory behind"
 
 
 @compiled_only
