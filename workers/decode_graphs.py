@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from kernels.varlen_plan import VarlenPlan
-from workers.model.batch import ForwardBatch
+from workers.model.batch import ForwardBatch, plan_arrays
 
 log = logging.getLogger(__name__)
 
@@ -76,25 +76,16 @@ class DecodeGraphs:
                    logits_indices=np.arange(size, dtype=np.int64),
                    checkpoint_rows=np.zeros((0, self._width_k), np.int64),
                    checkpoint_targets=np.zeros(0, np.int64), checkpoint_states=np.zeros(0, np.int64))
-        out.update({f"prefill.{name}": t for name, t in self._empty_plan.tables.items()})
+        out.update(plan_arrays(self._empty_plan))
         return out
-
-    def _batch(self, size: int, tensors: dict[str, torch.Tensor]) -> ForwardBatch:
-        plan = VarlenPlan(self._empty_plan.cu, [], self._empty_plan.tables, 0).bind(
-            {name[8:]: t for name, t in tensors.items() if name.startswith("prefill.")})
-        return ForwardBatch(
-            input_ids=tensors["input_ids"], positions=tensors["positions"], cu_seqlens=tensors["cu_seqlens"],
-            num_seqs=size, seq_lens=tensors["seq_lens"], page_table=tensors["page_table"],
-            slot_mapping=tensors["slot_mapping"], state_slots=tensors["state_slots"], num_decodes=size,
-            logits_indices=tensors["logits_indices"], prefill=plan, checkpoint_rows=tensors["checkpoint_rows"],
-            checkpoint_targets=tensors["checkpoint_targets"], checkpoint_states=tensors["checkpoint_states"])
 
     def _load(self, size: int, arrays: dict[str, np.ndarray]) -> ForwardBatch:
         """Writes `arrays` into the bucket's buffer (made on first use) and returns its batch."""
         if size not in self._static:
             buffer = torch.empty(self.runner.packed_bytes(arrays), dtype=torch.uint8, device=self.runner.device)
             tensors = self.runner.upload(arrays, into=buffer)
-            self._static[size] = (buffer, tensors, self._batch(size, tensors))
+            plan = VarlenPlan(self._empty_plan.cu, [], self._empty_plan.tables, 0)  # bound to this bucket's copies
+            self._static[size] = (buffer, tensors, ForwardBatch.over(tensors, size, plan))
             return self._static[size][2]
         buffer, _, batch = self._static[size]
         self.runner.upload(arrays, into=buffer)

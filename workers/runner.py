@@ -38,6 +38,7 @@ from workers.arena import ArenaLayout
 from workers.cache_placement import COPY, DEMOTE, IMPORT, MOVE, PROMOTE
 from workers.decode_graphs import DecodeGraphs
 from workers.model import ForwardBatch, HybridForCausalLM, ModelCaches
+from workers.model.batch import plan_arrays
 from workers.scheduler import StepPlan
 
 
@@ -78,19 +79,12 @@ class StepWork:
                    checkpoint_states=self.checkpoint_states, restore_src=restores[:, 0], restore_dst=restores[:, 1],
                    snapshot_src=snapshots[:, 0], snapshot_dst=snapshots[:, 1],
                    fresh_state_slots=np.array(self.fresh_state_slots, np.int64))
-        out.update({f"prefill.{name}": t for name, t in self.prefill.tables.items()})
+        out.update(plan_arrays(self.prefill))
         return out
 
     def batch(self, tensors: dict[str, torch.Tensor]) -> ForwardBatch:
         """The forward's view of this step, over its uploaded arrays."""
-        prefill = self.prefill.bind({name[8:]: t for name, t in tensors.items() if name.startswith("prefill.")})
-        return ForwardBatch(
-            input_ids=tensors["input_ids"], positions=tensors["positions"], cu_seqlens=tensors["cu_seqlens"],
-            num_seqs=len(self.cu_seqlens) - 1, seq_lens=tensors["seq_lens"], page_table=tensors["page_table"],
-            slot_mapping=tensors["slot_mapping"], state_slots=tensors["state_slots"], num_decodes=self.num_decodes,
-            logits_indices=tensors["logits_indices"], prefill=prefill,
-            checkpoint_rows=tensors["checkpoint_rows"], checkpoint_targets=tensors["checkpoint_targets"],
-            checkpoint_states=tensors["checkpoint_states"])
+        return ForwardBatch.over(tensors, self.num_decodes, self.prefill)
 
 
 def _checkpoint_tables(prefills, plan: VarlenPlan, width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

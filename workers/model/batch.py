@@ -32,9 +32,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kernels.varlen_plan import VarlenPlan
+
+
+# The tensor fields, which are also the names the runner uploads them by; a prefill plan's tables
+# travel beside them as PREFILL + their name (`plan_arrays`).
+TENSORS = ("input_ids", "positions", "cu_seqlens", "seq_lens", "page_table", "slot_mapping", "state_slots",
+           "logits_indices", "checkpoint_rows", "checkpoint_targets", "checkpoint_states")
+PREFILL = "prefill."
+
+
+def plan_arrays(plan: VarlenPlan) -> dict[str, np.ndarray]:
+    """A prefill plan's host tables, named as `ForwardBatch.over` finds them."""
+    return {PREFILL + name: t for name, t in plan.tables.items()}
 
 
 @dataclass
@@ -54,3 +67,11 @@ class ForwardBatch:
     checkpoint_targets: torch.Tensor  # [N] int64
     checkpoint_states: torch.Tensor  # [N] int64
 
+
+    @classmethod
+    def over(cls, tensors: dict[str, torch.Tensor], num_decodes: int, prefill: VarlenPlan) -> "ForwardBatch":
+        """The batch over a step's uploaded arrays (`TENSORS` by name, the plan's tables as
+        `plan_arrays` names them), with `prefill` bound to its tables' device copies."""
+        plan = prefill.bind({name[len(PREFILL):]: t for name, t in tensors.items() if name.startswith(PREFILL)})
+        return cls(**{name: tensors[name] for name in TENSORS}, num_seqs=tensors["cu_seqlens"].shape[0] - 1,
+                   num_decodes=num_decodes, prefill=plan)
