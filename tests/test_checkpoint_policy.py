@@ -2,9 +2,11 @@
 being admitted (but for exploration), one that is keeps being admitted, and no kind is judged
 before the hits it could earn can have come back, however many conversations are in flight. The
 verdicts bind only under pressure: with room in the cache, a kind judged idle is still admitted,
-so the next workload that needs it finds its checkpoints."""
+so the next workload that needs it finds its checkpoints. A prompt's targets are thinned to what
+is worth a state: near positions fold into one, and under pressure only the end, the newest hint
+and branch points are taken.""" 
 
-from workers.checkpoint_policy import HINT, PROMPT_END, TAIL, CheckpointPolicy
+from workers.checkpoint_policy import BRANCH, HINT, INTERVAL, PROMPT_END, TAIL, CheckpointPolicy
 
 CONVERSATIONS, SETTLE = 64, 4 * 16  # the engine's settle_after: 4 x max_num_seqs (16 here)
 
@@ -55,3 +57,51 @@ def test_with_room_in_the_cache_a_kind_judged_idle_is_admitted_and_judged_again_
     assert roomy[-1] == {HINT: CONVERSATIONS, TAIL: CONVERSATIONS, PROMPT_END: CONVERSATIONS}, roomy
     tight = round_robin(policy, rounds=4)
     assert tight[-1][TAIL] <= CONVERSATIONS // 5 and tight[-1][PROMPT_END] <= CONVERSATIONS // 5, tight
+
+
+PS = 16
+
+
+def test_a_hinted_prompts_end_is_one_checkpoint_at_the_replys_hint_with_every_kind_that_asked():
+    # Qwen3.5's generation prompt opens <think>, which history drops: the reply's hint lies two
+    # tokens before the end, between the tail (n - 4) and the prompt's end, and a message starts
+    # at 101, its content at 104: each pair is one checkpoint, at the deeper known position.
+    policy, n = CheckpointPolicy(), 200
+    targets = policy.prompt_targets(n, PS, 0, 0, hints=(101, 104, n - 2))
+    thinned = policy.thin(targets, PS, hinted=True, pressure=False)
+    assert thinned[n - 2] == {TAIL, PROMPT_END, HINT}
+    assert thinned[104] == {HINT} and 101 not in thinned
+    assert n not in thinned and n - 4 not in thinned
+    assert thinned[96] == {HINT} and thinned[192] == {HINT}  # page boundaries stay, with memory to spare
+
+
+def test_a_hinted_prompts_end_folds_to_its_end_when_the_template_parts_elsewhere():
+    # A tool round: the hint of the reply lies far back (the query's start), so the next prompt
+    # extends this one: its end is kept, exact, and the tail folds into it.
+    policy, n = CheckpointPolicy(), 300
+    thinned = policy.thin(policy.prompt_targets(n, PS, 120, 120, hints=(100, 250)), PS, hinted=True, pressure=False)
+    assert thinned[n] == {TAIL, PROMPT_END}
+
+
+def test_a_prompt_without_hints_keeps_its_targets_apart():
+    policy = CheckpointPolicy(interval_pages=4)
+    targets = policy.prompt_targets(200, PS, 0, 0)
+    assert set(targets) == {64, 128, 192, 196, 200}
+    assert policy.thin(targets, PS, hinted=False, pressure=False) == targets
+    assert set(policy.thin(targets, PS, hinted=False, pressure=True)) == {196, 200}  # the intervals go
+
+
+def test_under_pressure_a_prompt_keeps_its_end_its_newest_hint_and_where_it_branched():
+    policy, n = CheckpointPolicy(interval_pages=4), 300
+    targets = policy.prompt_targets(n, PS, 40, 150, hints=(60, 90, 200, 203, n - 2))
+    assert {INTERVAL} <= set().union(*targets.values())
+    thinned = policy.thin(targets, PS, hinted=True, pressure=True)
+    assert thinned == {n - 2: {TAIL, PROMPT_END, HINT}, 203: {HINT}, 150: {BRANCH}}
+
+
+def test_baselines_take_their_targets_as_they_are():
+    for name in ("all", "exact", "interval"):
+        policy = CheckpointPolicy(name)
+        targets = policy.prompt_targets(300, PS, 0, 0, hints=(100, 298))
+        assert policy.thin(targets, PS, hinted=True, pressure=True) == targets
+

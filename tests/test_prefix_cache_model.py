@@ -309,18 +309,22 @@ def test_under_tiny_arenas_and_a_tiny_host_tier_every_hit_is_sound(seed, pages, 
     assert harness.cache.used_bytes == 0 and harness.cache.host.used_blocks == 0
 
 
-def run_prompt(harness: Harness, tokens: list[int], checkpoint_at: tuple[int, ...] = ()) -> Sequence:
-    """Admits, computes and finishes one prompt; stores checkpoints at the given page depths."""
+def run_prompt(harness: Harness, tokens: list[int], checkpoint_at: tuple[int, ...] = (),
+               kinds: frozenset[str] = frozenset({"every"}), hints: tuple[int, ...] = ()) -> Sequence:
+    """Admits, computes and finishes one prompt (with the ingress's `hints`); stores checkpoints
+    of `kinds` at the given page depths."""
     cache = harness.cache
-    seq = Sequence("s", tokens, SamplingParams(max_tokens=1), hash_root=harness.root)
+    seq = Sequence("s", tokens, SamplingParams(max_tokens=1), hash_root=harness.root, hints=hints)
     m = cache.match(seq)
     assert cache.can_admit(seq, m, len(tokens) - m.resume_token)
     cache.admit(seq, m, len(tokens) - m.resume_token)
     harness.apply_moves()
     seq.num_computed = len(tokens)
+    for j, page in enumerate(seq.cache.page_ids[:len(tokens) // PS]):  # the fake device, for moves
+        harness.write_page(page, tuple(tokens[:(j + 1) * PS]))
     cache.register_pages(seq)
     for j in checkpoint_at:
-        cache.commit_checkpoint(seq, cache.take_checkpoint_slot(), j * PS, {"every"})
+        cache.commit_checkpoint(seq, cache.take_checkpoint_slot(), j * PS, set(kinds))
         harness.apply_moves()
     cache.end_pass()
     cache.release(seq)
@@ -364,6 +368,52 @@ def test_a_resume_point_goes_cold_once_its_conversation_stores_a_deeper_checkpoi
     h2 = Sequence("b", other, SamplingParams(max_tokens=1), hash_root=harness.root)
     assert cache.match(h1).state_pages == 0
     assert cache.match(h2).state_pages == 2
+
+
+def test_a_prompts_end_where_later_prompts_part_stays_warm_while_its_conversation_goes_on():
+    # An agent's query: its first request ends at depth 2; every tool round after it resumes
+    # deeper, and the template's hints name depth 2 (the next query parts there, where the
+    # rounds' thinking is dropped). The rounds' own ends go cold as the conversation moves on;
+    # depth 2 does not, though the rounds pass it, while another conversation's end, unused
+    # since, is evicted before it.
+    harness = Harness(random.Random(0), num_pages=100, ckpt_slots=4, blocks=1000)
+    end = frozenset({"tail", "prompt_end"})
+    query = [1] * (2 * PS) + [2]
+    run_prompt(harness, query, checkpoint_at=(2,), kinds=end)
+    run_prompt(harness, [3] * (2 * PS) + [2], checkpoint_at=(2,), kinds=end)  # another conversation
+    round1 = query[:2 * PS] + [4] * (2 * PS) + [2]
+    run_prompt(harness, round1, checkpoint_at=(4,), kinds=end, hints=(2 * PS,))  # resumes at depth 2
+    round2 = round1[:4 * PS] + [5] * (2 * PS) + [2]
+    run_prompt(harness, round2, checkpoint_at=(6,), kinds=end, hints=(2 * PS,))  # at 4, passing 2
+    for k in range(2):  # two more checkpoints evict two: round 1's end, then the other conversation's
+        run_prompt(harness, [6 + k] * (2 * PS) + [1], checkpoint_at=(2,), kinds=end)
+    cache = harness.cache
+    next_query = Sequence("q", query[:2 * PS] + [9] * PS, SamplingParams(max_tokens=1), hash_root=harness.root)
+    other = Sequence("o", [3] * (2 * PS) + [9], SamplingParams(max_tokens=1), hash_root=harness.root)
+    assert cache.match(next_query).state_pages == 2
+    assert cache.match(other).state_pages == 0
+    assert cache.match(Sequence("r", round1[:4 * PS] + [9], SamplingParams(max_tokens=1),
+                                hash_root=harness.root)).state_pages == 2  # round 1's end is gone
+
+
+def test_a_group_emptied_for_a_state_slot_moves_its_hot_pages_rather_than_dropping_their_chains():
+    # One conversation comes back every turn, one page longer, resuming from the checkpoint at
+    # its previous end, between one-off prompts that fill a tiny arena. When a group must be
+    # emptied for a state slot and no block is free, the coldest item elsewhere goes to make room
+    # for that group's pages: a hot page of the conversation is moved, never evicted with the
+    # rest of its chain and its checkpoint, so every turn resumes where the last one ended.
+    harness = Harness(random.Random(0), num_pages=None, ckpt_slots=None, blocks=8 * SLOT_BLOCKS)
+    rng = random.Random(3)
+    chat = [1] * PS
+    for turn in range(7):  # up to 8 pages, its checkpoint and a one-off's pages and two slots: 19 of 24 blocks
+        depth = len(chat) // PS
+        chat = chat + [2 + turn % 7] * PS
+        if turn:
+            m = harness.cache.match(Sequence("m", chat, SamplingParams(max_tokens=1), hash_root=harness.root))
+            assert m.state_pages == depth, f"turn {turn}"
+        run_prompt(harness, chat, checkpoint_at=(len(chat) // PS,))
+        for _ in range(2):
+            run_prompt(harness, [rng.randrange(50, 99) for _ in range(2 * PS)], checkpoint_at=(2,))
 
 
 def test_a_state_slot_never_comes_from_a_group_holding_a_running_sequences_pages():

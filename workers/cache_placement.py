@@ -138,10 +138,12 @@ class CachePlacement:
 
     def _empty_a_group(self) -> None:
         """Empties an unblocked group for a state slot. Candidates are the groups of the coldest
-        evictable items; of those, the one holding the fewest pages is taken. Its pages move to
-        free blocks elsewhere (their K/V is copied before the step: `take_page_moves`), so the
-        slot costs a copy, not the pages; only what finds no free block is evicted. A group that
-        is a stored checkpoint's slot loses that checkpoint."""
+        evictable items. When the coldest is a checkpoint, its slot is taken (it is evicted);
+        else, of the candidates holding pages, the one holding the fewest. Its pages move to free
+        blocks elsewhere (their K/V is copied before the step: `take_block_copies`), so the slot
+        costs a copy, not the pages; with no block free, the coldest items go, in LRU order,
+        until one is free outside the group or the page itself went. A checkpoint is not lost
+        for sitting among cold pages, nor a hot chain for sharing a group with a cold page."""
         arena, candidates = self.arena, []
         for kind, item in self.budget.cold_first():
             group = self.checkpoints.get(item).slot if kind == CHECKPOINT else \
@@ -152,15 +154,21 @@ class CachePlacement:
                     break
         if not candidates:
             return
-        group = min(candidates, key=lambda g: (not arena.is_slot(g), arena.pages_in(g)))
-        if arena.is_slot(group):
-            self._evict_checkpoint(self.checkpoints.in_slot(group).page_hash)
+        if arena.is_slot(candidates[0]):  # the coldest item is a checkpoint: it goes
+            self._evict_checkpoint(self.checkpoints.in_slot(candidates[0]).page_hash)
             return
+        group = min((g for g in candidates if not arena.is_slot(g)), key=arena.pages_in)
         pages = [b for b in arena.pages_of_group(group) if not arena.is_free(b)]  # all cached: unblocked
         for page in pages:
-            if self.pages.hash_of(page) is None:
-                continue  # evicted meanwhile, with an ancestor
             dst = arena.take_page(outside=group)
+            while dst is None and self.pages.hash_of(page) is not None and self.budget.coldest() is not None:
+                self._evict_coldest()  # in LRU order, until a block outside is free or this page went
+                dst = arena.take_page(outside=group)
+            if self.pages.hash_of(page) is None:  # evicted meanwhile, with an ancestor
+                if dst is not None:
+                    arena.page_held(dst, False)
+                    arena.free_page(dst)
+                continue
             if dst is None:
                 self._evict_page(page)
                 continue

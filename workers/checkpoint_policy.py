@@ -32,7 +32,9 @@ no stored state would have to leave (`room`), every kind asked for is admitted, 
 the same, since a checkpoint there costs one state copy and evicts nothing. So one workload's
 verdicts do not cost the next workload its hits while memory is to spare (a server running chats
 with thinking dropped, then edits, kept refusing the kinds edits need). Baselines admit their
-fixed kinds always. This module decides; it holds no slots and touches no tensor.
+fixed kinds always. Before any is admitted, a prompt's targets are thinned (`thin`): near
+positions of a hinted prompt fold into one, and under pressure only its end, its newest hint and
+its branch points are taken. This module decides; it holds no slots and touches no tensor.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ POLICY_KINDS = {
     "interval": frozenset({INTERVAL, FINISH}),
     "end_branch": frozenset({FINISH, BRANCH}),
 }
+KNOWN = frozenset({HINT, BRANCH})  # kinds at a position where prompts are known to part
 FINISH_KINDS = (FINISH, END)  # captured at decode crossings into one pending slot per sequence
 
 
@@ -124,6 +127,45 @@ class CheckpointPolicy:
             for j in range(resume_token // page_size + 1, n_tokens // page_size + 1):
                 want(j * page_size, EVERY)
         return wanted
+
+    def thin(self, targets: dict[int, set[str]], page_size: int, hinted: bool, pressure: bool) -> dict[int, set[str]]:
+        """`targets` as they are worth taking. For a prompt with hints (the ingress knows its
+        template), positions within `tail_guard` tokens of each other fold into one, kinds
+        joined: at the deepest hint or branch point among them (where prompts are known to
+        part: a message's content rather than its role header), else at the deepest (the
+        template put its divergence elsewhere: the next prompt extends this one). So such a
+        prompt's end is one checkpoint with the kinds of all that asked for it (`tail`,
+        `prompt_end` and the reply's hint), which later prompts parting there keep warm
+        (`PrefixCache`). A hint's page boundary stays apart (the whole-page state the host
+        tier keeps and a fetch exports), with memory to spare. Under `pressure` (each
+        checkpoint then evicts about `slot_blocks` pages' worth of what is cached) only these
+        are kept: the end (`tail` and `prompt_end`: the next turn's resume), the deepest other
+        hint (the newest message's content: where users of one system prompt part, and where
+        an edit of this turn will), and branch points; message starts further back, hints'
+        page boundaries and intervals go (those tokens cost a recompute when asked for, where
+        keeping them costs the cached pages and states that the next turns of every
+        conversation need). The baselines take their targets as they are."""
+        if self.name != "cairn":
+            return targets
+        exact = [p for p, kinds in targets.items() if HINT in kinds and p % page_size]
+        floors = {p for p, kinds in targets.items()
+                  if kinds == {HINT} and not p % page_size and any(p < h < p + page_size for h in exact)}
+        order = sorted(p for p in targets if p not in floors)
+        folded: list[tuple[int, set[str]]] = []
+        i = 0
+        while i < len(order):
+            j = i
+            while hinted and j + 1 < len(order) and order[j + 1] - order[i] <= self.tail_guard:
+                j += 1
+            cluster = order[i:j + 1]
+            at = max((p for p in cluster if targets[p] & KNOWN), default=cluster[-1])
+            folded.append((at, set().union(*(targets[p] for p in cluster))))
+            i = j + 1
+        if not pressure:
+            return dict(folded + [(p, targets[p]) for p in floors])
+        ends = {pos for pos, kinds in folded if kinds & {TAIL, PROMPT_END}}
+        newest = max((pos for pos, kinds in folded if pos not in ends and HINT in kinds), default=None)
+        return {pos: kinds for pos, kinds in folded if pos in ends or pos == newest or BRANCH in kinds}
 
     # ---- earning their keep ---------------------------------------------------------------
     def admit(self, kinds: set[str], room: bool = False) -> set[str]:

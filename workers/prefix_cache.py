@@ -28,8 +28,10 @@ Eviction (rule 7, `workers.cache_placement`): the least recently used evictable 
 (`workers.cache_budget`) goes first; a page goes with its cached descendants and every
 checkpoint on them, to the host tier when there is one with room, else dropped. A state slot
 needs a whole arena group (`workers.arena`): when none is empty, the coldest item in an
-unblocked group decides which group is emptied. A request that resumed from a checkpoint demotes
-it once it stores a deeper one. Nothing a running sequence holds is ever evicted; a refused allocation is a
+unblocked group decides which group is emptied (its pages moved, not dropped). A request that
+resumed from a checkpoint demotes it once it stores a deeper one, unless the checkpoint is only
+where prompts part (a hint, a branch) or lies at one of the request's hints; a prompt passing an
+earlier prompt's end at one of its hints keeps it warm (an agent's next query parts there). Nothing a running sequence holds is ever evicted; a refused allocation is a
 result, not an error. Events (rule 8): every change of what is resident is queued here and
 drained by the engine.
 """
@@ -44,12 +46,14 @@ from cache_service.scoring import resume_at_token
 from workers.arena import Arena, ArenaLayout
 from workers.cache_budget import CacheBudget
 from workers.cache_placement import COPY, PROMOTE, CachePlacement
-from workers.checkpoint_policy import END, CheckpointPolicy
+from workers.checkpoint_policy import END, KNOWN, PROMPT_END, TAIL, CheckpointPolicy
 from workers.checkpoint_store import Checkpoint, CheckpointStore
 from workers.host_tier import HostTier
 from workers.page_pool import PagePool
 from workers.sequence import Sequence
 from workers.tier_cost import TierCost
+
+END_KINDS = frozenset({TAIL, PROMPT_END})  # a prompt's end checkpoint: the next turn's resume
 
 
 @dataclass
@@ -292,7 +296,12 @@ class PrefixCache(CachePlacement):
             else:
                 self._pin(ckpt)
                 restore = ckpt.slot
-            c.resumed_from = (ckpt.page_hash, ckpt.position(self.page_size))
+            position = ckpt.position(self.page_size)
+            # goes cold once this conversation stores a deeper one (it moved on), unless it is
+            # only a point where prompts part (a shared system prompt's end, a branch), or one
+            # where the template says later prompts part too (an agent's query start)
+            moves_on = not ckpt.kinds <= KNOWN and position not in seq.hints
+            c.resumed_from = (ckpt.page_hash, position) if moves_on else None
             self.policy.record_hit(ckpt.kinds, ckpt.admitted_at)
             self.stats.checkpoints_used += 1
             for k in ckpt.kinds:
@@ -315,10 +324,31 @@ class PrefixCache(CachePlacement):
             self._unhold(m.copy_from)
         c.row = self._free_rows.pop()
         self._table_writes.append(PageTableWrite(c.row, 0, list(c.page_ids)))
+        self._touch_hinted(seq, m.resume_token)
         c.checkpoint_targets = self.policy.prompt_targets(
             seq.num_tokens, self.page_size, m.resume_token, max(m.hit_pages * self.page_size, m.kv_tokens),
             seq.hints)
         return restore
+
+    def _touch_hinted(self, seq: Sequence, upto: int) -> None:
+        """An earlier prompt's end checkpoint that this prompt passes at one of its hints (at or
+        before `upto`) goes to the hot end: the template says a later prompt of this
+        conversation parts there (an agent's next query parts where its current one's first
+        request ended). Message starts passed are left to age."""
+        c, ps = seq.cache, self.page_size
+        for pos in seq.hints:
+            if pos > upto:
+                break
+            depth, cut = divmod(pos, ps)
+            if not depth or depth > len(c.page_hashes):
+                continue
+            floor = c.page_hashes[depth - 1]
+            found = [self.checkpoints.get(floor)] if not cut else \
+                [ck for ck in self.checkpoints.at_floor(floor) if ck.position(ps) == pos and ck.root == seq.hash_root
+                 and ck.usable_by(seq.token_ids, ps)]
+            for ckpt in found:
+                if ckpt is not None and ckpt.kinds & END_KINDS:
+                    self.budget.touch_checkpoint(ckpt.page_hash)
 
     def want_checkpoint(self, seq: Sequence, position: int, kind: str) -> None:
         """Asks `seq` to checkpoint after `position` tokens too (a twin waits to resume there)."""
@@ -424,7 +454,11 @@ class PrefixCache(CachePlacement):
         if kind is None:
             return None
         if c.finish_admitted is None:
-            c.finish_admitted = bool(self.policy.admit({kind}, room=self.checkpoint_room()))
+            room = self.checkpoint_room()
+            # under pressure, not where the template rewrites the reply in history (a hint at the
+            # prompt's end: the next turn parts there, before anything decoded)
+            rewritten = any(seq.num_prompt_tokens - self.policy.tail_guard <= h for h in seq.hints)
+            c.finish_admitted = (room or not rewritten) and bool(self.policy.admit({kind}, room=room))
         if not c.finish_admitted:
             return None
         if c.finish_slot is None:
