@@ -106,6 +106,7 @@ class System:
     log: Path | None = None
     backends: list[System] = field(default_factory=list)  # started before this one, stopped after it
     replicas: int = 1  # engines behind its URL (each one's share in flight is reported)
+    ready_path: str = "/v1/models"  # answers 200 once it takes requests (cairn: /ready, its engines up)
 
     @property
     def url(self) -> str:
@@ -136,7 +137,7 @@ class System:
             if self.proc.poll() is not None:
                 raise Unavailable(f"exited with {self.proc.returncode}: {self.log_tail()}")
             try:
-                if httpx.get(self.url + "/v1/models", timeout=2).status_code == 200:
+                if httpx.get(self.url + self.ready_path, timeout=5).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
@@ -146,8 +147,7 @@ class System:
 
     def warm_up(self, requests: int) -> None:
         """`requests` short chats at once, each answered before a trace starts, so that no system
-        pays its first requests' costs (a replica's first forward; cairn's engines still starting
-        behind an ingress that already answers /v1/models) inside a measurement. A failed one is
+        pays its first requests' costs (a replica's first forward) inside a measurement. A failed one is
         let be: the traces count their own errors."""
         async def go() -> None:
             async with httpx.AsyncClient(base_url=self.url, timeout=600) as http:
@@ -184,7 +184,7 @@ def cairn(model_dir: Path, cache_bytes: int, replicas: int = 1) -> System:
             "--served-model-name", MODEL, "--dtype", "bfloat16", "--cache-memory-bytes", str(cache_bytes)]
     port = free_port()
     return System("cairn" if replicas == 1 else f"cairn x{replicas}", argv + ["--port", str(port)], {}, port,
-                  replicas=replicas)
+                  replicas=replicas, ready_path="/ready")
 
 
 def vllm(model_dir: Path, cache_bytes: int, cores: str | None = None) -> System:

@@ -1,7 +1,7 @@
 """The engine deployment's replica: one `AsyncEngine`, its cache reported to the index.
 
 `EngineReplica` owns one engine (`num_gpus: 1` on GPU nodes, fractional CPUs here) and serves
-`generate`, `abort`, `metrics` and `cache_contents` to the ingress through a DeploymentHandle,
+`generate`, `abort`, `metrics`, `cache_contents` and `ready` to the ingress through a DeploymentHandle,
 and `export_resume` to its peers (`cluster.peer_fetch`: with the routing config's `fetch` on, a
 request first pulls the resume point the router says another replica holds).
 Rules it keeps:
@@ -119,6 +119,10 @@ class EngineReplica:
         """Serve's health check: an engine that lost a tensor-parallel rank fails it, so Serve
         replaces this replica (its requests already ended with a retryable error)."""
         self.engine.check_health()
+
+    async def ready(self) -> bool:
+        """The ingress's readiness probe (GET /ready): this replica exists and answers."""
+        return True
 
     async def metrics(self) -> dict[str, float]:
         return dict(await self.engine.metrics(), worker_id=self.worker_id)  # type: ignore[arg-type]

@@ -58,6 +58,7 @@ from workers import EngineSpec, ModelSource
 from workers.errors import EngineBroken
 
 log = logging.getLogger(__name__)
+READY_TIMEOUT_S = 2.0  # how long GET /ready waits for an engine replica to answer
 REPLICA_HEADER = "x-cairn-replica"
 # the worker ids that served the HTTP request being handled (set per request by ReplicaHeader;
 # a list, so the tasks the request spawns append to the same one)
@@ -123,6 +124,16 @@ class HandleEngineClient:
 
     def num_waiting(self) -> int:
         return len(self._streams)
+
+    async def ready(self) -> bool:
+        """An engine replica answered within `READY_TIMEOUT_S`: one exists and takes calls. The
+        ingress answers HTTP as soon as it is up, before the engine replicas behind it are (a
+        model still loading), so /v1/models alone says nothing of them."""
+        try:
+            with engine_call_context():
+                return bool(await asyncio.wait_for(self.handle.ready.remote(), READY_TIMEOUT_S))
+        except Exception:  # no replica yet (the call waits in Serve's queue), or one failing
+            return False
 
 
 class Ingress:

@@ -450,6 +450,9 @@ class OneTokenClient:
     def num_waiting(self):
         return 0
 
+    async def ready(self):
+        return True
+
 
 class ScriptedClient(OneTokenClient):
     """An `EngineClient` that answers every request with `script`, one token per output, and keeps

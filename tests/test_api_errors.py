@@ -229,7 +229,7 @@ class FaultyClient:
     spec = EngineSpec(fingerprint="scripted", page_size=16, max_model_len=4096, recurrent=True, vocab_size=512)
 
     def __init__(self):
-        self.waiting, self.fail_after, self.broken = 0, None, False
+        self.waiting, self.fail_after, self.broken, self.engines_up = 0, None, False, True
 
     async def generate(self, request):
         from workers import EngineError, RequestOutput
@@ -252,6 +252,9 @@ class FaultyClient:
     def num_waiting(self):
         return self.waiting
 
+    async def ready(self):
+        return self.engines_up
+
 
 @pytest.fixture(scope="module")
 def faulty(tiny_model_dir):
@@ -259,6 +262,17 @@ def faulty(tiny_model_dir):
     with BackgroundServer(build_app(fake, tiny_model_dir, MODEL, max_waiting=10)) as s, \
             httpx.Client(base_url=s.url, timeout=30) as c:
         yield fake, c
+
+
+def test_ready_is_503_until_an_engine_takes_requests_while_health_answers_all_along(faulty):
+    # A load balancer probes /ready: the HTTP server (health) is up before its engines are.
+    fake, c = faulty
+    fake.engines_up = False
+    r = c.get("/ready")
+    assert r.status_code == 503 and r.json()["status"] == "starting"
+    assert c.get("/health").status_code == 200
+    fake.engines_up = True
+    assert c.get("/ready").json() == {"status": "ready"}
 
 
 def test_a_full_queue_is_429_and_clears(faulty):

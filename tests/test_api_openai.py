@@ -304,6 +304,7 @@ def test_api_key_is_required_on_v1_when_set(scripted, tok):
     good = openai.OpenAI(base_url=locked.url + "/v1", api_key="sekrit", max_retries=0)
     assert good.chat.completions.create(model=MODEL, messages=MESSAGES).choices[0].message.content == "ok"
     assert httpx.get(locked.url + "/health").status_code == 200  # outside /v1: open
+    assert httpx.get(locked.url + "/ready").status_code == 200
 
 
 def test_requests_with_different_cache_salts_never_share_pages(client):

@@ -143,6 +143,7 @@ def test_cairn_serve_starts_its_own_ray_serves_the_api_and_stops_cleanly_on_ctrl
         base = f"http://127.0.0.1:{port}"
         health = httpx.get(base + "/health", timeout=30)
         assert health.status_code == 200 and health.json() == {"status": "ok"}
+        assert httpx.get(base + "/ready", timeout=30).json() == {"status": "ready"}  # the engines answer
         assert httpx.get(base + "/v1/models", timeout=30).status_code == 401
         bare = {"Authorization": f"Bearer {KEYS['bare']}"}
         model = httpx.get(base + "/v1/models", timeout=30, headers=bare).json()["data"][0]["id"]
@@ -763,3 +764,27 @@ def test_a_replica_scaled_down_or_replaced_finishes_its_streams_then_leaves_the_
     finally:
         serve.delete("drain", _blocking=True)
         kill_index_actor(index_name)
+
+
+def test_the_ingress_is_ready_only_once_an_engine_replica_answers(monkeypatch):
+    """No engine replica yet: the handle's call waits in Serve's queue, and /ready says 503 after
+    READY_TIMEOUT_S rather than hanging; a replica that answers makes it ready."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from cluster import ingress
+
+    monkeypatch.setattr(ingress, "READY_TIMEOUT_S", 0.2)
+
+    async def never():
+        await asyncio.Event().wait()
+
+    async def answers():
+        return True
+
+    async def probe(remote):
+        client = ingress.HandleEngineClient(SimpleNamespace(ready=SimpleNamespace(remote=remote)), spec=None)
+        return await client.ready()
+
+    assert asyncio.run(probe(never)) is False
+    assert asyncio.run(probe(answers)) is True

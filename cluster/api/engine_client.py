@@ -54,6 +54,10 @@ class EngineClient(Protocol):
         """Requests accepted but not yet producing tokens (the queue the API bounds)."""
         ...
 
+    async def ready(self) -> bool:
+        """Whether an engine behind this client takes requests now (GET /ready)."""
+        ...
+
 
 class LocalEngineClient:
     """An `EngineClient` over an `AsyncEngine` in this process."""
@@ -85,3 +89,6 @@ class LocalEngineClient:
 
     def num_waiting(self) -> int:
         return len(self._waiting)
+
+    async def ready(self) -> bool:
+        return True  # the engine was built before the app: it takes requests, or fails them as broken

@@ -1,11 +1,12 @@
 """The OpenAI-compatible HTTP API: `build_app(client, model_dir, ...)` returns the FastAPI app.
 
-Endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models[/ID], GET /health,
-GET /metrics (Prometheus text), GET /openapi.json. With API keys (`cluster.api.tenants`: by
+Endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models[/ID], GET /health
+(the server is up), GET /ready (an engine takes requests: 200, else 503), GET /metrics
+(Prometheus text), GET /openapi.json. With API keys (`cluster.api.tenants`: by
 argument or CAIRN_API_KEY) the /v1 ones need `Authorization: Bearer <key>` of a tenant, which
 roots that request's page hashes and is held to its quotas (`request.state.caller`,
 `cluster.api.quotas`); /metrics and /openapi.json need a key
-too (the metrics key, if one is set, for /metrics); /health never does. The same app runs
+too (the metrics key, if one is set, for /metrics); /health and /ready never do. The same app runs
 in-process over one engine (`LocalEngineClient`) and as the Ray Serve ingress (the cluster's
 client): it knows engines only through `EngineClient`.
 
@@ -49,8 +50,8 @@ from cluster.api.tokenizer import TextTokenizer
 DEFAULT_MAX_BODY_BYTES = 8 << 20
 DEFAULT_MAX_WAITING = 256
 PARSE_ON_LOOP_BYTES = 64 << 10  # bodies below this are parsed on the event loop (well under a millisecond)
-ENDPOINTS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics",
-                       "/openapi.json"})
+ENDPOINTS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/ready",
+                       "/metrics", "/openapi.json"})
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -167,6 +168,12 @@ def build_app(client: EngineClient, model_dir: str | Path, served_model_name: st
     @app.get("/health")
     async def health() -> dict[str, str]:
         return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        if await client.ready():
+            return JSONResponse({"status": "ready"})
+        return JSONResponse({"status": "starting", "message": "no engine takes requests yet"}, status_code=503)
 
     @app.get("/metrics", dependencies=[Depends(_key_check(operators))])
     async def prometheus() -> Response:
