@@ -39,7 +39,8 @@ honours; VLLM_CPU_KVCACHE_SPACE, the older setting, takes whole GiB), llama-serv
 (MiB), with its context (-c) and --ctx-checkpoints sized so that its slots' K/V and states fit
 the same bytes beside that cache.
 
-The cluster row (`--cluster`): cairn with 2 replicas and its cache-affinity routing, against two
+The cluster row (`--cluster`): cairn with 2 replicas and its cache-affinity routing (and again
+with move and fetch on: a replica pulls a resume point the other holds), against two
 vLLM servers (one core each) behind peer_proxy.py, routed round-robin and by session (the
 conversation, sent as x-session-id). Each replica or server gets the cache bytes above. The
 trace tables then add each replica's share of the requests in flight (from x-cairn-replica and
@@ -179,12 +180,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def cairn(model_dir: Path, cache_bytes: int, replicas: int = 1) -> System:
+def cairn(model_dir: Path, cache_bytes: int, replicas: int = 1, fetch: bool = False) -> System:
     argv = [sys.executable, "-m", "cluster.cli", "serve", "--replicas", str(replicas), "--model", str(model_dir),
             "--served-model-name", MODEL, "--dtype", "bfloat16", "--cache-memory-bytes", str(cache_bytes)]
+    if fetch:  # move and fetch: a replica pulls the resume point another holds (cluster.peer_fetch)
+        OUT.mkdir(parents=True, exist_ok=True)
+        routing = OUT / "peers-routing-fetch.yaml"
+        routing.write_text("policy: cache_affinity\nfetch: true\n")
+        argv += ["--routing", str(routing)]
     port = free_port()
-    return System("cairn" if replicas == 1 else f"cairn x{replicas}", argv + ["--port", str(port)], {}, port,
-                  replicas=replicas, ready_path="/ready")
+    name = "cairn" if replicas == 1 else f"cairn x{replicas}" + (" fetch" if fetch else "")
+    return System(name, argv + ["--port", str(port)], {}, port, replicas=replicas, ready_path="/ready")
 
 
 def vllm(model_dir: Path, cache_bytes: int, cores: str | None = None) -> System:
@@ -249,6 +255,7 @@ BUILDERS = {"cairn": cairn, "vllm": vllm, "llama": llama}
 # would be the other yardstick; it needs ray[llm], which installs vLLM's CUDA build beside Ray,
 # so it does not run on this CPU machine.
 CLUSTER_BUILDERS = {"cairn": lambda m, b: cairn(m, b, replicas=2),
+                    "cairn-fetch": lambda m, b: cairn(m, b, replicas=2, fetch=True),
                     "vllm-rr": lambda m, b: proxied_vllm(m, b, "round-robin"),
                     "vllm-session": lambda m, b: proxied_vllm(m, b, "session")}
 
@@ -578,7 +585,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--traces", default=",".join(TRACES), help="comma-separated (none: the speed row alone)")
-    parser.add_argument("--systems", default=None, help="cairn,vllm,llama (--cluster: cairn,vllm-rr,vllm-session)")
+    parser.add_argument("--systems", default=None, help="cairn,vllm,llama (--cluster: cairn,cairn-fetch,vllm-rr,vllm-session)")
     parser.add_argument("--cluster", action="store_true",
                         help="the cluster row: 2 cairn replicas against 2 vLLM servers behind proxies (no speed rows)")
     parser.add_argument("--budget", type=float, default=None, metavar="F", help="cache bytes: F of the working set")

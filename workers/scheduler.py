@@ -360,7 +360,9 @@ class Scheduler:
     def _plan_checkpoints(self, plan: StepPlan, seg: Segment) -> None:
         seq, ps, policy, cache = seg.seq, self.page_size, self.policy, self.cache
         first, last = seg.start // ps + 1, seg.end // ps  # boundaries inside (start, end]
-        targets = policy.thin(seq.cache.checkpoint_targets, ps, bool(seq.hints), not cache.checkpoint_room())
+        targets = seq.cache.checkpoint_targets
+        if any(seg.start < p <= seg.end for p in targets):  # (a decode step past the prompt has none)
+            targets = policy.thin(targets, ps, bool(seq.hints), not cache.checkpoint_room())
         wanted = {p: set(k) for p, k in targets.items() if seg.start < p <= seg.end}
         if EVERY in policy.kinds:
             for j in range(max(first, seq.num_prompt_tokens // ps + 1), last + 1):
