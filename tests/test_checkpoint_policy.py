@@ -105,3 +105,12 @@ def test_baselines_take_their_targets_as_they_are():
         targets = policy.prompt_targets(300, PS, 0, 0, hints=(100, 298))
         assert policy.thin(targets, PS, hinted=True, pressure=True) == targets
 
+
+def test_a_twins_branch_point_stays_exact_and_nothing_is_asked_for_inside_the_first_page():
+    # A twin waits to resume where it parts from this prompt, at a page boundary: a hint two
+    # tokens later does not move it. A state inside page 0 has no page to be keyed by.
+    policy = CheckpointPolicy()
+    targets = {64: {BRANCH}, 66: {HINT}, 12: {TAIL}, 14: {HINT}, 16: {PROMPT_END}}
+    for pressure in (False, True):
+        assert policy.thin(targets, PS, hinted=True, pressure=pressure) == {64: {BRANCH}, 66: {HINT},
+                                                                            16: {PROMPT_END}}

@@ -362,3 +362,22 @@ def test_in_a_tight_arena_pages_and_states_share_blocks_and_resumed_equals_cold(
         tight.check()
     assert hits > 0 and tight.cache.stats.pages_evicted > 0
     assert tight.cache.pages.num_held == 0 and tight.cache.num_running_slots == 0
+
+
+def test_the_exact_baseline_stores_every_finished_chat_under_pressure_whatever_its_hints(tiny_model_dir):
+    # The ingress hints a chat's reply head two tokens before its end, whatever the policy; only
+    # `cairn` reads that as "the template rewrites the reply" and skips the finish capture. The
+    # `exact` baseline's one kind is that capture: at its cap of two, each chat still stores its
+    # end (evicting the coldest), and its echo resumes there.
+    engine = Engine.from_pretrained(tiny_model_dir, cache_policy="exact", num_pages=256, max_checkpoints=2)
+    chats = [prompt(3 * PS + 5, seed=40 + i) for i in range(4)]
+    outs = []
+    for p in chats:
+        rid = engine.add_request(p, GREEDY, checkpoint_hints=[len(p) - 2])
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.request_id == rid and out.finished:
+                    outs.append(out)
+    assert engine.cache.stats.by_kind["end"]["stored"] == 4
+    echo = chats[-1] + outs[-1].token_ids + [7]
+    assert engine.generate([echo], GREEDY)[0].cached_tokens > 0

@@ -163,6 +163,8 @@ class CachePlacement:
             dst = arena.take_page(outside=group)
             while dst is None and self.pages.hash_of(page) is not None and self.budget.coldest() is not None:
                 self._evict_coldest()  # in LRU order, until a block outside is free or this page went
+                if arena.has_empty_group():
+                    return  # a checkpoint went (or this group's pages did): its group is the slot
                 dst = arena.take_page(outside=group)
             if self.pages.hash_of(page) is None:  # evicted meanwhile, with an ancestor
                 if dst is not None:

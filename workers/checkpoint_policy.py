@@ -137,7 +137,9 @@ class CheckpointPolicy:
         prompt's end is one checkpoint with the kinds of all that asked for it (`tail`,
         `prompt_end` and the reply's hint), which later prompts parting there keep warm
         (`PrefixCache`). A hint's page boundary stays apart (the whole-page state the host
-        tier keeps and a fetch exports), with memory to spare. Under `pressure` (each
+        tier keeps and a fetch exports), with memory to spare, and so does a branch point asked
+        for alone (a twin waits to resume exactly there); positions inside the first page go
+        (a state there has no page to be keyed by). Under `pressure` (each
         checkpoint then evicts about `slot_blocks` pages' worth of what is cached) only these
         are kept: the end (`tail` and `prompt_end`: the next turn's resume), the deepest other
         hint (the newest message's content: where users of one system prompt part, and where
@@ -150,8 +152,9 @@ class CheckpointPolicy:
         exact = [p for p, kinds in targets.items() if HINT in kinds and p % page_size]
         floors = {p for p, kinds in targets.items()
                   if kinds == {HINT} and not p % page_size and any(p < h < p + page_size for h in exact)}
-        order = sorted(p for p in targets if p not in floors)
-        folded: list[tuple[int, set[str]]] = []
+        branches = {p for p, kinds in targets.items() if kinds == {BRANCH}}  # a twin waits there: exact
+        order = sorted(p for p in targets if p not in floors and p not in branches and p >= page_size)
+        folded: list[tuple[int, set[str]]] = [(p, targets[p]) for p in branches]
         i = 0
         while i < len(order):
             j = i

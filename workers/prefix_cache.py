@@ -297,10 +297,10 @@ class PrefixCache(CachePlacement):
                 self._pin(ckpt)
                 restore = ckpt.slot
             position = ckpt.position(self.page_size)
-            # goes cold once this conversation stores a deeper one (it moved on), unless it is
-            # only a point where prompts part (a shared system prompt's end, a branch), or one
-            # where the template says later prompts part too (an agent's query start)
-            moves_on = not ckpt.kinds <= KNOWN and position not in seq.hints
+            # goes cold once this conversation stores a deeper one (it moved on), unless (under
+            # `cairn`) it is only a point where prompts part (a shared system prompt's end, a
+            # branch), or one where the template says later prompts part too (an agent's query start)
+            moves_on = self.policy.name != "cairn" or (not ckpt.kinds <= KNOWN and position not in seq.hints)
             c.resumed_from = (ckpt.page_hash, position) if moves_on else None
             self.policy.record_hit(ckpt.kinds, ckpt.admitted_at)
             self.stats.checkpoints_used += 1
@@ -456,8 +456,9 @@ class PrefixCache(CachePlacement):
         if c.finish_admitted is None:
             room = self.checkpoint_room()
             # under pressure, not where the template rewrites the reply in history (a hint at the
-            # prompt's end: the next turn parts there, before anything decoded)
-            rewritten = any(seq.num_prompt_tokens - self.policy.tail_guard <= h for h in seq.hints)
+            # prompt's end: the next turn parts there, before anything decoded); baselines as ever
+            rewritten = self.policy.name == "cairn" and \
+                any(seq.num_prompt_tokens - self.policy.tail_guard <= h for h in seq.hints)
             c.finish_admitted = (room or not rewritten) and bool(self.policy.admit({kind}, room=room))
         if not c.finish_admitted:
             return None
