@@ -17,7 +17,8 @@ turn in them is fixed by the client (not what the model said), so every system s
 prompts. The oracle comes from outside: transformers' `apply_chat_template` of those messages,
 tokenized, each prompt against every prompt sent before it (`traces.Oracle`, exact to the token,
 capped at n - 1); two prompts sent at once may reach a server in either order, so a request's
-cached tokens count up to what it shares with a prompt sent before it or beside it. Per request: cached tokens (usage.prompt_tokens_details.cached_tokens), TTFT
+cached tokens count up to what it shares with a prompt sent before it or beside it. Per
+request: cached tokens (usage.prompt_tokens_details.cached_tokens), TTFT
 (request sent to the first streamed token), and the prompt length each system reports (a
 mismatch with the oracle's is printed: the systems would not be comparing the same prompts).
 
@@ -420,7 +421,8 @@ async def replay(system: System, trace: Trace, renderer: Renderer, max_tokens: i
         s.bound = s.oracle
         for other, other_ids in in_flight.values():  # sent beside it: either may arrive first
             shared = shared_prefix(ids, other_ids)
-            s.bound, other.bound = max(s.bound, min(shared, len(ids) - 1)), max(other.bound, min(shared, len(other_ids) - 1))
+            s.bound = max(s.bound, min(shared, len(ids) - 1))
+            other.bound = max(other.bound, min(shared, len(other_ids) - 1))
         in_flight[id(s)] = (s, ids)
         body = {"model": MODEL, "messages": req.messages, "max_tokens": max_tokens, "temperature": 0,
                 "stream": True, "stream_options": {"include_usage": True}}

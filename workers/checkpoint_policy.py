@@ -55,6 +55,7 @@ POLICY_KINDS = {
     "end_branch": frozenset({FINISH, BRANCH}),
 }
 KNOWN = frozenset({HINT, BRANCH})  # kinds at a position where prompts are known to part
+END_KINDS = frozenset({TAIL, PROMPT_END})  # a prompt's end: the next turn's resume
 FINISH_KINDS = (FINISH, END)  # captured at decode crossings into one pending slot per sequence
 
 
@@ -166,9 +167,23 @@ class CheckpointPolicy:
             i = j + 1
         if not pressure:
             return dict(folded + [(p, targets[p]) for p in floors])
-        ends = {pos for pos, kinds in folded if kinds & {TAIL, PROMPT_END}}
+        ends = {pos for pos, kinds in folded if kinds & END_KINDS}
         newest = max((pos for pos, kinds in folded if pos not in ends and HINT in kinds), default=None)
         return {pos: kinds for pos, kinds in folded if pos in ends or pos == newest or BRANCH in kinds}
+
+    def moves_on(self, kinds: set[str], position: int, hints: tuple[int, ...]) -> bool:
+        """Whether a checkpoint of `kinds` at `position`, resumed from by a prompt with `hints`,
+        goes cold once that prompt stores a deeper one (its conversation moved on). Under
+        `cairn`, not one that is only a point where prompts part (a shared system prompt's end,
+        a branch), nor one where the template says later prompts part too (an agent's query
+        start); the baselines demote every one."""
+        return self.name != "cairn" or (not kinds <= KNOWN and position not in hints)
+
+    def reply_rewritten(self, num_prompt_tokens: int, hints: tuple[int, ...]) -> bool:
+        """Under `cairn`: a hint at the prompt's end says the template rewrites the reply in
+        history, so the next turn parts there, before anything decoded, and a finish capture
+        under pressure is wasted. The baselines take their captures as ever."""
+        return self.name == "cairn" and any(num_prompt_tokens - self.tail_guard <= h for h in hints)
 
     # ---- earning their keep ---------------------------------------------------------------
     def admit(self, kinds: set[str], room: bool = False) -> set[str]:

@@ -46,14 +46,12 @@ from cache_service.scoring import resume_at_token
 from workers.arena import Arena, ArenaLayout
 from workers.cache_budget import CacheBudget
 from workers.cache_placement import COPY, PROMOTE, CachePlacement
-from workers.checkpoint_policy import END, KNOWN, PROMPT_END, TAIL, CheckpointPolicy
+from workers.checkpoint_policy import END, END_KINDS, CheckpointPolicy
 from workers.checkpoint_store import Checkpoint, CheckpointStore
 from workers.host_tier import HostTier
 from workers.page_pool import PagePool
 from workers.sequence import Sequence
 from workers.tier_cost import TierCost
-
-END_KINDS = frozenset({TAIL, PROMPT_END})  # a prompt's end checkpoint: the next turn's resume
 
 
 @dataclass
@@ -297,10 +295,7 @@ class PrefixCache(CachePlacement):
                 self._pin(ckpt)
                 restore = ckpt.slot
             position = ckpt.position(self.page_size)
-            # goes cold once this conversation stores a deeper one (it moved on), unless (under
-            # `cairn`) it is only a point where prompts part (a shared system prompt's end, a
-            # branch), or one where the template says later prompts part too (an agent's query start)
-            moves_on = self.policy.name != "cairn" or (not ckpt.kinds <= KNOWN and position not in seq.hints)
+            moves_on = self.policy.moves_on(ckpt.kinds, position, seq.hints)  # demoted past a deeper one
             c.resumed_from = (ckpt.page_hash, position) if moves_on else None
             self.policy.record_hit(ckpt.kinds, ckpt.admitted_at)
             self.stats.checkpoints_used += 1
@@ -343,12 +338,9 @@ class PrefixCache(CachePlacement):
             if not depth or depth > len(c.page_hashes):
                 continue
             floor = c.page_hashes[depth - 1]
-            found = [self.checkpoints.get(floor)] if not cut else \
-                [ck for ck in self.checkpoints.at_floor(floor) if ck.position(ps) == pos and ck.root == seq.hash_root
-                 and ck.usable_by(seq.token_ids, ps)]
-            for ckpt in found:
-                if ckpt is not None and ckpt.kinds & END_KINDS:
-                    self.budget.touch_checkpoint(ckpt.page_hash)
+            ckpt = self._sub_page_resume(seq, floor, pos) if cut else self.checkpoints.get(floor)
+            if ckpt is not None and ckpt.position(ps) == pos and ckpt.kinds & END_KINDS:
+                self.budget.touch_checkpoint(ckpt.page_hash)
 
     def want_checkpoint(self, seq: Sequence, position: int, kind: str) -> None:
         """Asks `seq` to checkpoint after `position` tokens too (a twin waits to resume there)."""
@@ -455,11 +447,8 @@ class PrefixCache(CachePlacement):
             return None
         if c.finish_admitted is None:
             room = self.checkpoint_room()
-            # under pressure, not where the template rewrites the reply in history (a hint at the
-            # prompt's end: the next turn parts there, before anything decoded); baselines as ever
-            rewritten = self.policy.name == "cairn" and \
-                any(seq.num_prompt_tokens - self.policy.tail_guard <= h for h in seq.hints)
-            c.finish_admitted = (room or not rewritten) and bool(self.policy.admit({kind}, room=room))
+            wasted = not room and self.policy.reply_rewritten(seq.num_prompt_tokens, seq.hints)
+            c.finish_admitted = not wasted and bool(self.policy.admit({kind}, room=room))
         if not c.finish_admitted:
             return None
         if c.finish_slot is None:
