@@ -39,6 +39,7 @@ from workers.cache_placement import COPY, DEMOTE, IMPORT, MOVE, PROMOTE
 from workers.decode_graphs import DecodeGraphs
 from workers.model import ForwardBatch, HybridForCausalLM, ModelCaches
 from workers.model.batch import plan_arrays
+from workers.model.packed_linear import pack_linears
 from workers.scheduler import StepPlan
 
 
@@ -108,6 +109,7 @@ class ModelRunner:
         """max_rows: page-table rows, one per sequence holding pages (the prefix cache's rows)."""
         self.model = model
         self.cfg = model.config
+        self.packed_linears = pack_linears(model)  # CPU: weights laid out once for oneDNN (none on CUDA)
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.page_size = page_size

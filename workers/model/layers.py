@@ -119,6 +119,8 @@ class SparseMoE(nn.Module):
     """Top-k softmax routing over experts (weights fused at load: gate_up [E, 2I, H],
     down [E, H, I]) plus a shared expert scaled by sigmoid(shared_expert_gate(x))."""
 
+    READS_WEIGHTS = ("shared_expert", "shared_expert_gate")  # their weights go to the fused op as tensors
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
