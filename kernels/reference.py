@@ -2,7 +2,11 @@
 
 Rules every op keeps:
 - Math in fp32. Inputs are upcast right after reading; outputs are cast back to the dtype each
-  docstring names. Recurrent states are fp32 unless a docstring says otherwise.
+  docstring names. Recurrent states are fp32 unless a docstring says otherwise. One exception:
+  on a CPU, prefill attention over bf16 queries and caches runs torch's flash kernel on the bf16
+  values (oneDNN's matrix engine; scores, softmax and sums accumulate in fp32 inside it), about
+  2.7x faster there than in fp32; the ops on CUDA tensors, the oracles of the Triton kernels,
+  stay fp32.
 - Tokens are rows. One sequence is [T, H, D]; a varlen prefill concatenates B sequences' new
   tokens into [T, H, D] with `cu_seqlens_q` [B+1] int32 offsets; a decode batch is [B, H, D],
   one token per sequence.
@@ -128,7 +132,7 @@ def paged_attention_prefill(query: Tensor, k_cache: Tensor, v_cache: Tensor, pag
     page_size = k_cache.shape[1]
     cu, lens = (cu_seqlens_q.tolist() if plan is None else plan.cu), seq_lens.tolist()
     _expect(cu[0] == 0 and cu[-1] == query.shape[0], f"cu_seqlens_q from 0 to T = {query.shape[0]}", cu)
-    out = torch.empty_like(query)
+    out, work, h_kv = torch.empty_like(query), _attention_dtype(query), k_cache.shape[2]
     for b in range(batch):
         start, end, total = cu[b], cu[b + 1], lens[b]
         n_new = end - start
@@ -137,18 +141,26 @@ def paged_attention_prefill(query: Tensor, k_cache: Tensor, v_cache: Tensor, pag
         if n_new == 0:
             continue
         pages = page_table[b, : -(-total // page_size)].long()
-        k = k_cache[pages].flatten(0, 1)[:total].float().transpose(0, 1).repeat_interleave(group, 0)[None]
-        v = v_cache[pages].flatten(0, 1)[:total].float().transpose(0, 1).repeat_interleave(group, 0)[None]
-        q = query[start:end].float().transpose(0, 1)[None]  # [1, H_q, n_new, D]
+        k = k_cache[pages].flatten(0, 1)[:total].to(work).transpose(0, 1)  # [H_kv, total, D]
+        v = v_cache[pages].flatten(0, 1)[:total].to(work).transpose(0, 1)
+        q = query[start:end].to(work).transpose(0, 1)  # [H_q, n_new, D]
         cached = total - n_new  # keys before the new tokens: all visible; the new ones causally
-        o, lse = _flash(q, k[:, :, cached:], v[:, :, cached:], True, scale)
-        if cached:
-            o_old, lse_old = _flash(q, k[:, :, :cached], v[:, :, :cached], False, scale)
+        o, lse = _flash(q[None], k[None, :, cached:].repeat_interleave(group, 1),
+                        v[None, :, cached:].repeat_interleave(group, 1), True, scale)
+        if cached:  # every new token sees them all: a KV head's query heads fold into its rows
+            folded = q.reshape(h_kv, group * n_new, q.shape[-1])[None]
+            o_old, lse_old = _flash(folded, k[None, :, :cached], v[None, :, :cached], False, scale)
+            o_old, lse_old = o_old.reshape(o.shape), lse_old.reshape(lse.shape)
             top = torch.maximum(lse, lse_old)
             w, w_old = (lse - top).exp()[..., None], (lse_old - top).exp()[..., None]
-            o = (o * w + o_old * w_old) / (w + w_old)
+            o = (o.float() * w + o_old.float() * w_old) / (w + w_old)
         out[start:end] = o[0].transpose(0, 1).to(query.dtype)
     return out
+
+
+def _attention_dtype(query: Tensor) -> torch.dtype:
+    """fp32, except bf16 on a CPU (the module's one exception to fp32 math, see its rules)."""
+    return torch.bfloat16 if query.device.type == "cpu" and query.dtype == torch.bfloat16 else _F32
 
 
 def _flash(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
@@ -312,23 +324,24 @@ def recurrent_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta:
 def _chunk_terms(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> tuple[Tensor, ...]:
     """The state-independent terms of every chunk at once (UT transform).
 
-    q, k [H, N, C, D_k]; v [H, N, C, D_v]; g, beta [H, N, C]. With G the in-chunk cumulative log
-    decay and A[t, j] = beta_t e^(G_t - G_j) k_t.k_j for j < t, a chunk that starts from state S
-    has updates u = W - K S where (I + A) W = beta v and (I + A) K = beta e^G k. Then
-    o = (e^G q) S + (q k^T * D) u, and the state after the first r tokens is
-    e^(G_r) S + sum_{j<r} e^(G_r - G_j) k_j u_j^T, with D[t, j] = e^(G_t - G_j) for j <= t.
-    Returns (W, K, intra = q k^T * D, decayed q, cum G).
+    q, k [..., C, D_k]; v [..., C, D_v]; g, beta [..., C] (any leading dims: chunks, sequences,
+    heads). With G the in-chunk cumulative log decay and A[t, j] = beta_t e^(G_t - G_j) k_t.k_j
+    for j < t, a chunk that starts from state S has updates u = W - K S where (I + A) W = beta v
+    and (I + A) K = beta e^G k. Then o = (e^G q) S + (q k^T * D) u, and the state after the
+    first r tokens is e^(G_r) S + sum_{j<r} e^(G_r - G_j) k_j u_j^T, with D[t, j] = e^(G_t - G_j)
+    for j <= t. Returns (W, K, intra = q k^T * D, decayed q, cum G).
     """
     size = g.shape[-1]
     cum = g.cumsum(dim=-1)
     causal = torch.ones(size, size, dtype=torch.bool, device=g.device).tril()
-    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~causal, float("-inf")).exp()
-    system = (beta[..., :, None] * (k @ k.transpose(-1, -2)) * decay).tril(-1)
-    system = system + torch.eye(size, dtype=_F32, device=g.device)
+    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill_(~causal, float("-inf")).exp_()
+    # I + A: the solve reads only the strict lower triangle (unitriangular, lower), so neither
+    # the unit diagonal nor the zeros above it are written
+    system = (k @ k.transpose(-1, -2)).mul_(decay).mul_(beta[..., :, None])
     rhs = torch.cat((beta[..., None] * v, (beta * cum.exp())[..., None] * k), dim=-1)
     solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
     w, kk = solved.split([v.shape[-1], k.shape[-1]], dim=-1)
-    intra = (q @ k.transpose(-1, -2)) * decay
+    intra = (q @ k.transpose(-1, -2)).mul_(decay)
     return w, kk, intra, cum.exp()[..., None] * q, cum
 
 
@@ -375,15 +388,14 @@ def delta_chunks(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state
     batch, length, h_v = g.shape
     d_v, num_chunks = v.shape[-1], length // size
 
-    def chunked(t: Tensor) -> Tensor:  # [B, L, H, ...] -> [B, H, N, C, ...]
-        return t.reshape(batch, num_chunks, size, *t.shape[2:]).movedim(3, 1)
+    def chunked(t: Tensor) -> Tensor:  # [B, L, H, ...] -> [N, B, H, C, ...], chunk-major and contiguous:
+        t = t.reshape(batch, num_chunks, size, *t.shape[2:])  # the scan reads chunk n as one block, and
+        return t.permute(1, 0, 3, 2, *range(4, t.dim())).contiguous()  # no product copies its operands
 
     q, k, v, g, beta = (chunked(t) for t in (q, k, v, g, beta))
     w, kk, intra, q_decayed, cum = _chunk_terms(q, k, v, g, beta)
-    k_to_end = (cum[..., -1:] - cum).exp()[..., None] * k  # [B, H, N, C, D_k]
-    # the scan reads one chunk at a time: chunk-major copies make each chunk's slice contiguous
-    w, kk, intra, q_decayed, k_to_end = (t.movedim(2, 0).contiguous() for t in (w, kk, intra, q_decayed, k_to_end))
-    decay_end = cum[..., -1].exp().movedim(2, 0)[..., None, None]  # [N, B, H, 1, 1]
+    k_to_end = ((cum[..., -1:] - cum).exp()[..., None] * k).transpose(-1, -2)  # [N, B, H, D_k, C]
+    decay_end = cum[..., -1].exp()[..., None, None]  # [N, B, H, 1, 1]
     out = torch.empty(num_chunks, batch, h_v, size, d_v, dtype=_F32, device=v.device)
     wanted: dict[int, list[tuple[int, int, int]]] = {}  # chunk -> (sequence, tokens into it, order)
     order = 0
@@ -394,12 +406,13 @@ def delta_chunks(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state
     saved: list[Tensor | None] = [None] * order
     for n in range(num_chunks):
         u = w[n] - kk[n] @ state  # [B, H, C, D_v]
-        out[n] = q_decayed[n] @ state + intra[n] @ u
+        torch.matmul(q_decayed[n], state, out=out[n])
+        out[n].add_(intra[n] @ u)
         for b, r, at in wanted.get(n, []):  # state after the first r tokens of this chunk
-            c = cum[b, :, n, :r]
-            part = (c[:, -1:] - c).exp()[..., None] * k[b, :, n, :r]
+            c = cum[n, b, :, :r]
+            part = (c[:, -1:] - c).exp()[..., None] * k[n, b, :, :r]
             saved[at] = c[:, -1].exp()[:, None, None] * state[b] + part.transpose(-1, -2) @ u[b, :, :r]
-        state = decay_end[n] * state + k_to_end[n].transpose(-1, -2) @ u
+        state = decay_end[n] * state + k_to_end[n] @ u
     out = out.permute(1, 0, 3, 2, 4).reshape(batch, length, h_v, d_v)
     states = torch.stack(saved) if saved else torch.empty(0, h_v, k.shape[-1], d_v, dtype=_F32, device=v.device)
     return out, state, states

@@ -91,6 +91,8 @@ def chunk_gated_delta_rule_varlen(q: Tensor, k: Tensor, v: Tensor, g: Tensor, be
     qp, kp, vp, gp, bp = reference._prepare(q, k, v, g, beta, scale, use_qk_l2norm)
 
     def laid_out(t: Tensor) -> Tensor:  # [T, ...] -> [B, padded, ...], zeros past each end
+        if batch == 1:  # one segment (a long prompt's chunk): padded at its end, not scattered
+            return F.pad(t, (0, 0) * (t.dim() - 1) + (0, padded - total))[None]
         out = torch.zeros(batch, padded, *t.shape[1:], dtype=t.dtype, device=t.device)
         out[segment, offset] = t
         return out
@@ -99,7 +101,7 @@ def chunk_gated_delta_rule_varlen(q: Tensor, k: Tensor, v: Tensor, g: Tensor, be
                                                 [list(state_positions[b]) if b < len(state_positions) else []
                                                  for b in range(batch)], size)
     state_pool[state_slots] = final
-    return out[segment, offset].to(v.dtype), states
+    return (out[0, :total] if batch == 1 else out[segment, offset]).to(v.dtype), states
 
 
 def gated_delta_rule_step_slots(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state_pool: Tensor,

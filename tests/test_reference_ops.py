@@ -282,6 +282,17 @@ def test_prefill_equals_plain_causal_attention_over_prefix_and_new_tokens():
         torch.testing.assert_close(out[cu[b]: cu[b + 1]], want, **TOL)
 
 
+def test_bf16_prefill_on_cpu_is_the_fp32_attention_to_bf16_accuracy():
+    """The CPU's one exception to fp32 math: bf16 caches and queries attend in bf16 (oneDNN's
+    flash kernel), over a cached prefix and the new tokens, as close to fp32 as bf16 allows."""
+    query, k_cache, v_cache, table, cu, lens, _ = paged_batch(BATCH)
+    query, k_cache, v_cache = (x.bfloat16() for x in (query, k_cache, v_cache))
+    out = paged_attention_prefill(query, k_cache, v_cache, table, cu, lens, SCALE)
+    want = paged_attention_prefill(query.float(), k_cache.float(), v_cache.float(), table, cu, lens, SCALE)
+    assert out.dtype == torch.bfloat16 and not out.isnan().any()
+    torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=2e-2)
+
+
 def test_decode_equals_the_prefill_output_of_each_sequence_last_token():
     query, k_cache, v_cache, table, cu, lens, _ = paged_batch(BATCH)
     prefill = paged_attention_prefill(query, k_cache, v_cache, table, cu, lens, SCALE)

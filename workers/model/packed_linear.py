@@ -18,7 +18,9 @@ Contract:
   tied to another parameter (an LM head tied to the embedding), and the children a module names
   in its `READS_WEIGHTS` (e.g. `SparseMoE`'s shared expert, whose weights the fused MoE op takes).
   A model off the CPU, or in another dtype, is left as it is (0).
-- `PackedLinear.forward(x)` is `F.linear(x, weight, bias)` for any leading shape.
+- `PackedLinear.forward(x)` is `F.linear(x, weight, bias)` for any leading shape; it runs the
+  product at `padded_rows` rows (zero rows added, their results dropped), so that the shapes
+  oneDNN compiles a kernel for are few and a new prompt length costs no compile.
 Packing is the CPU's eager path only: CUDA models never take it, and the step census
 (`workers.step_census`), which counts a GPU's work on CPU tensors, sees one op a linear either way.
 """
@@ -29,6 +31,19 @@ import torch
 from torch import nn
 
 PACK_BATCH_HINT = 16  # the rows oneDNN is told to expect; any count works, the layout is the same
+ROW_STEP = 256  # above it, row counts are rounded up to a multiple of it; below, to a power of two
+
+
+def padded_rows(n: int) -> int:
+    """The row count a product of `n` rows runs at: oneDNN builds (JIT-compiles) a kernel for
+    every new shape, about 4 ms a linear here, so a prefill of a length never seen before paid
+    that in every layer; rounded up, a linear sees at most log2(ROW_STEP) + 1 shapes below
+    ROW_STEP and one per ROW_STEP rows above, at most ROW_STEP - 1 rows of zeros more."""
+    if n <= 1:
+        return n
+    if n <= ROW_STEP:
+        return 1 << (n - 1).bit_length()
+    return -(-n // ROW_STEP) * ROW_STEP
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
@@ -51,7 +66,13 @@ class PackedLinear(nn.Module):
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        rows = x.reshape(-1, self.in_features)
+        n = rows.shape[0]
+        padded = padded_rows(n)
+        if padded != n:
+            rows = torch.cat((rows, rows.new_zeros(padded - n, self.in_features)))
+        y = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
+        return y[:n].view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
