@@ -131,3 +131,31 @@ def test_a_reader_that_falls_behind_pauses_its_request_and_the_others_go_on(path
     assert other[-1].finished and len(other[-1].token_ids) == 60
     assert paused and computed <= AsyncEngine.MAX_BUFFERED + 2, f"{computed} tokens computed for nobody"
     assert [t for out in [first, *rest] for t in out.new_token_ids] == alone and rest[-1].finished
+
+
+def test_the_engine_is_loaded_on_the_thread_that_steps_it(path, monkeypatch):
+    """Model loading and steps share one thread: on a CPU each thread that runs torch's parallel
+    ops gets an OpenMP team of its own, and two teams on few cores slow every step (module doc)."""
+    import threading
+
+    seen: dict[str, set[int]] = {"load": set(), "step": set()}
+    load, step = Engine.from_pretrained.__func__, Engine.step
+
+    def loading(cls, *args, **kwargs):
+        seen["load"].add(threading.get_ident())
+        return load(cls, *args, **kwargs)
+
+    def stepping(self):
+        seen["step"].add(threading.get_ident())
+        return step(self)
+
+    monkeypatch.setattr(Engine, "from_pretrained", classmethod(loading))
+    monkeypatch.setattr(Engine, "step", stepping)
+
+    async def main():
+        engine = AsyncEngine.from_pretrained(path, num_pages=64)
+        await collect(engine, prompts(1)[0])
+        await engine.close()
+
+    asyncio.run(main())
+    assert len(seen["load"]) == 1 and seen["load"] == seen["step"] and threading.get_ident() not in seen["load"]

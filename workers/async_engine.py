@@ -1,7 +1,12 @@
 """The engine behind an asyncio interface: many callers stream tokens, one thread steps.
 
 Every call into the `Engine` (add, abort, step) runs on one dedicated worker thread, in order,
-so the engine needs no locks and the event loop never blocks on a model step. A background task
+so the engine needs no locks and the event loop never blocks on a model step. `from_pretrained`
+loads the model on that thread too, so that on a CPU one thread alone runs torch's parallel
+work: each thread that does gets an OpenMP team of its own, and once a process has more team
+threads than cores, GNU OpenMP stops spinning between parallel regions and every small op waits
+on a wake-up (a 1024-token prefill step of the peer model took 1.5x as long, its batched
+triangular solves 5x). A background task
 steps while any request is unfinished and sleeps otherwise. Each request gets a queue of
 `RequestOutput`s; `generate` yields them until the one that finishes.
 
@@ -39,9 +44,9 @@ log = logging.getLogger(__name__)
 class AsyncEngine:
     MAX_BUFFERED, RESUME_BUFFERED = 32, 8  # outputs waiting in a request's queue: pause at, resume at
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, executor: ThreadPoolExecutor | None = None):
         self.engine = engine
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cairn-engine")
+        self._executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="cairn-engine")
         self._queues: dict[str, asyncio.Queue] = {}
         self._paused: set[str] = set()
         self._wake: asyncio.Event | None = None
@@ -50,7 +55,14 @@ class AsyncEngine:
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, **options: object) -> "AsyncEngine":
-        return cls(Engine.from_pretrained(model_dir, **options))
+        """The engine is loaded on the thread that will step it (see the module doc)."""
+        executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cairn-engine")
+        try:
+            engine = executor.submit(functools.partial(Engine.from_pretrained, model_dir, **options)).result()
+        except BaseException:
+            executor.shutdown(wait=False)
+            raise
+        return cls(engine, executor)
 
     @property
     def spec(self) -> EngineSpec:
