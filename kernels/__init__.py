@@ -3,12 +3,15 @@
 Callers import ops from here (`from kernels import store_kv`), never from an implementation.
 Each op asks `_backend` which module implements it for the tensors it was given:
 - CUDA tensors run `kernels.gpu` (compiled Triton, imported on first use);
-- CPU tensors run `kernels.reference` (fp32 torch: the CPU path, and the oracle every Triton
-  kernel is tested against), `kernels.reference_varlen` (its per-sequence loops),
+- CPU tensors run `kernels.cpu` where it has the op and its C++ library built (the Gated
+  DeltaNet's conv and delta rule, decode attention: `kernels.cpu_build`), else
+  `kernels.reference` (fp32 torch: the rest of the CPU path, and the oracle every kernel, C++ or
+  Triton, is tested against), `kernels.reference_varlen` (its varlen and slot forms),
   `kernels.reference_moe` (the mixture of experts) and `kernels.reference_fused` (the norms,
   rotary and gates a GPU runs as one launch each, `kernels.triton_fused`);
 - `CAIRN_KERNELS=reference` in the environment (read at every call) or `force_reference(True)`
-  sends CUDA tensors to the references too, for debugging a suspected kernel.
+  sends every tensor to the references, CUDA's and the CPU's alike, for debugging a suspected
+  kernel.
 Interpreted Triton (`TRITON_INTERPRET=1`) is for the CPU tests only, which import the
 `kernels.triton_*` modules directly. A process that imported triton interpreted cannot compile
 kernels at all, so there CUDA tensors run the references, with a warning (a test session on a
@@ -54,6 +57,7 @@ __all__ = [
     "qk_norm_rope",
     "delta_gates",
     "sigmoid_gate",
+    "silu_mul",
     "VarlenPlan",
     "force_reference",
 ]
@@ -68,8 +72,21 @@ def force_reference(on: bool = True) -> None:
     _forced_reference = bool(on)
 
 
+def _reference_forced() -> bool:
+    return _forced_reference or os.environ.get("CAIRN_KERNELS", "").strip().lower() == "reference"
+
+
+def _uses_native(tensor: Tensor) -> bool:
+    """Whether `tensor`'s op runs `kernels.cpu` (a CPU tensor, its C++ library built)."""
+    if tensor.device.type != "cpu" or _reference_forced():
+        return False
+    from kernels import cpu_build
+
+    return cpu_build.library()
+
+
 def _uses_triton(tensor: Tensor) -> bool:
-    if not tensor.is_cuda or _forced_reference or os.environ.get("CAIRN_KERNELS", "").strip().lower() == "reference":
+    if not tensor.is_cuda or _reference_forced():
         return False
     from kernels import triton_common  # imports triton: only once CUDA tensors show up
 
@@ -83,9 +100,12 @@ def _uses_triton(tensor: Tensor) -> bool:
     return True
 
 
-def _backend(tensor: Tensor) -> ModuleType:
-    """The module implementing the `reference` ops on `tensor`'s device."""
-    return importlib.import_module("kernels.gpu") if _uses_triton(tensor) else reference
+def _backend(tensor: Tensor, native: bool = False) -> ModuleType:
+    """The module implementing the `reference` ops on `tensor`'s device (`native`: an op
+    `kernels.cpu` has too)."""
+    if _uses_triton(tensor):
+        return importlib.import_module("kernels.gpu")
+    return importlib.import_module("kernels.cpu") if native and _uses_native(tensor) else reference
 
 
 def _moe_backend(tensor: Tensor) -> ModuleType:
@@ -94,13 +114,19 @@ def _moe_backend(tensor: Tensor) -> ModuleType:
 
 
 def _fused_backend(tensor: Tensor) -> ModuleType:
-    """The module implementing the `reference_fused` ops on `tensor`'s device."""
-    return importlib.import_module("kernels.triton_fused") if _uses_triton(tensor) else reference_fused
+    """The module implementing the `reference_fused` ops on `tensor`'s device (`kernels.cpu` has
+    them all)."""
+    if _uses_triton(tensor):
+        return importlib.import_module("kernels.triton_fused")
+    return importlib.import_module("kernels.cpu") if _uses_native(tensor) else reference_fused
 
 
 def _varlen_backend(tensor: Tensor) -> ModuleType:
-    """The module implementing the `reference_varlen` ops on `tensor`'s device."""
-    return importlib.import_module("kernels.gpu") if _uses_triton(tensor) else reference_varlen
+    """The module implementing the `reference_varlen` ops on `tensor`'s device (`kernels.cpu` has
+    them all)."""
+    if _uses_triton(tensor):
+        return importlib.import_module("kernels.gpu")
+    return importlib.import_module("kernels.cpu") if _uses_native(tensor) else reference_varlen
 
 
 def store_kv(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
@@ -119,7 +145,7 @@ def paged_attention_prefill(query: Tensor, k_cache: Tensor, v_cache: Tensor, pag
 def paged_attention_decode(query: Tensor, k_cache: Tensor, v_cache: Tensor, page_table: Tensor,
                            seq_lens: Tensor, scale: float) -> Tensor:
     """See `reference.paged_attention_decode`."""
-    return _backend(query).paged_attention_decode(query, k_cache, v_cache, page_table, seq_lens, scale)
+    return _backend(query, native=True).paged_attention_decode(query, k_cache, v_cache, page_table, seq_lens, scale)
 
 
 def causal_conv1d(x: Tensor, weight: Tensor, conv_state: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -220,3 +246,8 @@ def delta_gates(a: Tensor, b: Tensor, A_log: Tensor, dt_bias: Tensor) -> tuple[T
 def sigmoid_gate(x: Tensor, gate: Tensor) -> Tensor:
     """See `reference_fused.sigmoid_gate`."""
     return _fused_backend(x).sigmoid_gate(x, gate)
+
+
+def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
+    """See `reference_fused.silu_mul`."""
+    return _fused_backend(gate).silu_mul(gate, up)

@@ -14,6 +14,8 @@ itself, so each computes exactly what transformers computes, in the order and dt
   beta = sigmoid(b) in b's dtype, a, b [T, H_v].
 - `sigmoid_gate(x, gate)`: x * sigmoid(gate), both [T, N] in one dtype (the gated attention's
   output gate): the sigmoid rounded to the dtype, then the product.
+- `silu_mul(gate, up)`: silu(gate) * up, both [T, N] in one dtype (SwiGLU's activation): the silu
+  rounded to the dtype, then the product.
 """
 
 from __future__ import annotations
@@ -62,3 +64,7 @@ def delta_gates(a: Tensor, b: Tensor, A_log: Tensor, dt_bias: Tensor) -> tuple[T
 
 def sigmoid_gate(x: Tensor, gate: Tensor) -> Tensor:
     return x * torch.sigmoid(gate)
+
+
+def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
+    return F.silu(gate) * up

@@ -7,7 +7,8 @@ Launches, one program per row (a token, or a token's head):
 - `_gated_rms_norm_kernel` (N,): plain-weight RMSNorm times silu(gate);
 - `_qk_norm_rope_kernel` (T, H_q + H_kv): a head of q or of k, normed, then rotated;
 - `_delta_gates_kernel` (cdiv(T * H_v, 256),): g and beta;
-- `_sigmoid_gate_kernel` (T, cdiv(N, 1024)): x * sigmoid(gate).
+- `_sigmoid_gate_kernel` (T, cdiv(N, 1024)): x * sigmoid(gate);
+- `_silu_mul_kernel` (T, cdiv(N, 1024)): silu(gate) * up.
 A row is one block of `pow2(D)` lanes: D up to 16k fits with 8 warps; the warps are tuned
 (triton_common.tuned), the first config interpreted.
 """
@@ -117,6 +118,17 @@ def _sigmoid_gate_kernel(x, gate, y, s_x, s_g, N, BLOCK: tl.constexpr):
              mask=m)
 
 
+@triton.jit
+def _silu_mul_kernel(gate, up, y, s_g, s_u, N, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = n < N
+    z = tl.load(gate + t * s_g + n, mask=m, other=0.0).to(F32)
+    act = (z / (1.0 + tl.exp(-z))).to(y.dtype.element_ty).to(F32)
+    tl.store(y + t * N + n, (act * tl.load(up + t * s_u + n, mask=m, other=0.0).to(F32)).to(y.dtype.element_ty),
+             mask=m)
+
+
 # ---------------------------------------------------------------- launchers
 
 
@@ -202,4 +214,17 @@ def sigmoid_gate(x: Tensor, gate: Tensor) -> Tensor:
     if t:
         _sigmoid_gate_kernel[(t, triton.cdiv(n, 1024))](x, gate, y, x.stride(0), gate.stride(0), n, BLOCK=1024,
                                                          num_warps=4)
+    return y
+
+
+def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
+    """See `reference_fused.silu_mul`."""
+    _expect_shape("gate", gate, "T, N", (None, None))
+    _expect_shape("up", up, "T, N", tuple(gate.shape))
+    gate, up = tc.unit_last(gate), tc.unit_last(up)
+    t, n = gate.shape
+    y = tc.empty(t, n, dtype=gate.dtype, device=gate.device)
+    if t:
+        _silu_mul_kernel[(t, triton.cdiv(n, 1024))](gate, up, y, gate.stride(0), up.stride(0), n, BLOCK=1024,
+                                                     num_warps=4)
     return y

@@ -33,6 +33,17 @@ H_K, H_V, D_K, D_V = 2, 6, 24, 20  # more value heads than key heads, odd head d
 TOL = dict(atol=2e-5, rtol=1e-4)
 
 
+@pytest.fixture(autouse=True)
+def the_references():
+    """CPU tensors run the C++ kernels where they have one (tests/test_cpu_kernels.py holds them to
+    these references): here, the references themselves."""
+    import kernels
+
+    kernels.force_reference(True)
+    yield
+    kernels.force_reference(False)
+
+
 def delta_inputs(length: int, seed: int = 0, heads: tuple[int, int] = (H_K, H_V)):
     """q, k, v, g, beta shaped like one Gated DeltaNet sequence (g: log decay, some near 0, some strong)."""
     gen = torch.Generator().manual_seed(seed)

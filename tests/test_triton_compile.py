@@ -24,7 +24,7 @@ EXPECTED = {"_l2norm_kernel", "_chunk_prepare_kernel", "_chunk_scan_kernel", "_c
             "_conv_state_kernel", "_conv_update_kernel", "_copy_slots_kernel",
             "_route_kernel", "_align_kernel", "_gate_up_kernel", "_down_kernel",
             "_rms_norm_kernel", "_gated_rms_norm_kernel", "_qk_norm_rope_kernel", "_delta_gates_kernel",
-            "_sigmoid_gate_kernel"}
+            "_sigmoid_gate_kernel", "_silu_mul_kernel"}
 
 
 def _nvidia_bin() -> Path | None:
@@ -165,6 +165,7 @@ def _main() -> None:
         triton_fused.qk_norm_rope(q_heads, k_heads, torch.randn(d, dtype=dtype), torch.randn(d, dtype=dtype),
                                   torch.arange(t), torch.rand(d // 8), 1e-6)
         triton_fused.sigmoid_gate(rows, rows)
+        triton_fused.silu_mul(rows, rows)
         triton_fused.delta_gates(torch.randn(t, h_v, dtype=dtype), torch.randn(t, h_v, dtype=dtype), torch.randn(h_v),
                                  torch.randn(h_v, dtype=dtype))
     cubin.unlink(missing_ok=True)

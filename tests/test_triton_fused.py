@@ -1,4 +1,5 @@
-"""The fused row-wise ops (norms with the residual add, q/k norm with rotary, the DeltaNet gates):
+"""The fused row-wise ops (norms with the residual add, q/k norm with rotary, the DeltaNet gates, the
+gates' products):
 Triton, interpreted on CPU, against the torch references the CPU path runs, at odd widths, on
 strided inputs as the model passes them, in fp32 and in bf16; and one launch each, with no other
 op than allocations."""
@@ -87,6 +88,13 @@ def test_sigmoid_gate_on_a_strided_gate(dtype, tol):
     torch.testing.assert_close(fused.sigmoid_gate(x, gate), ref.sigmoid_gate(x, gate), **tol)
 
 
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, TOL), (torch.bfloat16, BF16)])
+def test_silu_mul_on_halves_of_one_projection(dtype, tol):
+    gate_up = rand(6, 2 * 1100, seed=17, dtype=dtype, scale=3)
+    gate, up = gate_up[:, :1100], gate_up[:, 1100:]  # strided rows, more than one block of a row
+    torch.testing.assert_close(fused.silu_mul(gate, up), ref.silu_mul(gate, up), **tol)
+
+
 class _Ops(TorchDispatchMode):
     def __init__(self):
         super().__init__()
@@ -103,7 +111,7 @@ def test_each_op_is_one_launch_and_allocations():
     launches = []
     originals = {}
     for name in ("_rms_norm_kernel", "_gated_rms_norm_kernel", "_qk_norm_rope_kernel", "_delta_gates_kernel",
-                 "_sigmoid_gate_kernel"):
+                 "_sigmoid_gate_kernel", "_silu_mul_kernel"):
         kernel = getattr(fused, name)
         originals[name] = kernel
 
@@ -126,9 +134,10 @@ def test_each_op_is_one_launch_and_allocations():
             fused.qk_norm_rope(q, k, w, w, positions, inv_freq, 1e-6)
             fused.delta_gates(a, b, zeros, zeros)
             fused.sigmoid_gate(x, x)
+            fused.silu_mul(x, x)
     finally:
         for name, kernel in originals.items():
             setattr(fused, name, kernel)
     assert launches == ["_rms_norm_kernel", "_gated_rms_norm_kernel", "_qk_norm_rope_kernel", "_delta_gates_kernel",
-                        "_sigmoid_gate_kernel"]
+                        "_sigmoid_gate_kernel", "_silu_mul_kernel"]
     assert set(seen.ops) <= {"full", "empty", "view", "_unsafe_view", "slice"}, seen.ops

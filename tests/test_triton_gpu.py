@@ -231,6 +231,9 @@ def test_fused_row_ops_match_the_reference_at_qwen_shapes(dtype):
                  "out", dtype)
     attn, out_gate = rand(300, 4096), rand(300, 8192)[:, 4096:]
     assert_close(triton_fused.sigmoid_gate(attn, out_gate), reference_fused.sigmoid_gate(attn, out_gate), "out", dtype)
+    gate_up = rand(300, 2 * 3072, scale=3.0)
+    assert_close(triton_fused.silu_mul(gate_up[:, :3072], gate_up[:, 3072:]),
+                 reference_fused.silu_mul(gate_up[:, :3072], gate_up[:, 3072:]), "out", dtype)
 
 
 @compiled_only

@@ -1,0 +1,278 @@
+"""The CPU kernels (kernels/csrc, launched by kernels.cpu) against the torch references they stand
+in for, at odd shapes (odd lengths, empty and short segments, head dims off the vector width, more
+value heads than key heads), on the strided pools and pages the engine passes, in fp32 and bf16.
+Pool slots the op must not touch, and the rest of every buffer, start as NaN: a kernel that reads
+or writes outside its rows fails loudly. The row-wise ops round where the references round: in bf16
+they are bit-identical. `kernels` sends CPU tensors here once the library builds, and to the
+references when told to (CAIRN_KERNELS=reference) or when it cannot build."""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kernels
+from kernels import cpu, cpu_build
+from kernels import reference as ref
+from kernels import reference_fused as ref_fused
+from kernels import reference_varlen as ref_varlen
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
+                                reason="no C++ compiler: the CPU kernels cannot build here (the references run)")
+TOL = dict(atol=2e-5, rtol=1e-4)
+BF16 = dict(atol=2e-2, rtol=2e-2)
+HEADS = [(2, 4, 16, 16), (1, 2, 24, 40), (4, 8, 64, 64), (2, 4, 128, 128)]  # H_k, H_v, D_k, D_v
+
+
+def test_the_library_builds_on_a_machine_with_a_compiler():
+    assert cpu_build.library(), cpu_build.build_error()
+    assert kernels._varlen_backend(torch.zeros(1)) is cpu
+
+
+def rand(*shape, seed=0, dtype=torch.float32, scale=1.0):
+    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).to(dtype)
+
+
+def delta_inputs(total, heads, dtype, seed=0):
+    h_k, h_v, d_k, d_v = heads
+    gen = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(total, h_k, d_k, generator=gen).to(dtype) for _ in range(2))
+    v = torch.randn(total, h_v, d_v, generator=gen).to(dtype)
+    g = F.logsigmoid(2 * torch.randn(total, h_v, generator=gen) + 2)
+    beta = torch.sigmoid(torch.randn(total, h_v, generator=gen)).to(dtype)
+    return q, k, v, g, beta
+
+
+def layer_pool(slots, inner, dtype=torch.float32, layers=3, layer=1):
+    """A per-layer view of a pool of all layers' states, strided by a slot as the engine's arena
+    lays it out, NaN everywhere; returns (the whole pool, the layer's view)."""
+    whole = torch.full((slots, layers, *inner), math.nan, dtype=dtype)
+    return whole, whole[:, layer]
+
+
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, TOL), (torch.bfloat16, BF16)])
+def test_varlen_delta_rule_equals_the_reference_with_states_at_positions(heads, dtype, tol):
+    lengths = [75, 0, 3, 130, 1]
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+    q, k, v, g, beta = delta_inputs(int(cu[-1]), heads, dtype)
+    h_v, d_k, d_v = heads[1:]
+    whole, pool = layer_pool(8, (h_v, d_k, d_v))
+    slots = torch.tensor([6, 0, 2, 5, 3])
+    pool[slots] = rand(5, h_v, d_k, d_v, seed=3, scale=0.5)
+    positions = [[1, 16, 64, 75], [], [2], [63, 130], [1]]
+    want_whole = whole.clone()
+    want_out, want_states = ref_varlen.chunk_gated_delta_rule_varlen(q, k, v, g, beta, cu, want_whole[:, 1], slots,
+                                                                     state_positions=positions)
+    out, states = cpu.chunk_gated_delta_rule_varlen(q, k, v, g, beta, cu, pool, slots, state_positions=positions)
+    assert out.dtype == dtype and states.dtype == torch.float32
+    torch.testing.assert_close(out.float(), want_out.float(), **tol)
+    torch.testing.assert_close(states, want_states, **TOL)
+    torch.testing.assert_close(whole, want_whole, equal_nan=True, **TOL)  # the final states; the rest NaN still
+
+
+def test_an_explicit_scale_and_no_l2_norm_reach_the_kernel():
+    q, k, v, g, beta = delta_inputs(40, HEADS[0], torch.float32)
+    q, k = q / 4, k / 4  # unnormalised keys of norm about 1: a contracting recurrence, as in a model
+    cu = torch.tensor([0, 40], dtype=torch.int32)
+    for kwargs in (dict(scale=0.3), dict(use_qk_l2norm=False, scale=0.1)):
+        a, b = torch.zeros(2, 4, 16, 16), torch.zeros(2, 4, 16, 16)
+        want, _ = ref_varlen.chunk_gated_delta_rule_varlen(q, k, v, g, beta, cu, a, torch.tensor([1]), **kwargs)
+        out, _ = cpu.chunk_gated_delta_rule_varlen(q, k, v, g, beta, cu, b, torch.tensor([1]), **kwargs)
+        torch.testing.assert_close(out, want, **TOL)
+        torch.testing.assert_close(b, a, **TOL)
+
+
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, TOL), (torch.bfloat16, BF16)])
+def test_decode_step_in_slots_leaves_padding_rows_unwritten(heads, dtype, tol):
+    q, k, v, g, beta = delta_inputs(5, heads, dtype, seed=4)
+    h_v, d_k, d_v = heads[1:]
+    whole, pool = layer_pool(7, (h_v, d_k, d_v))
+    slots = torch.tensor([4, -1, 0, 6, -1])
+    pool[slots[slots >= 0]] = rand(3, h_v, d_k, d_v, seed=5, scale=0.5)
+    want_whole = whole.clone()
+    want = ref_varlen.gated_delta_rule_step_slots(q, k, v, g, beta, want_whole[:, 1], slots)
+    out = cpu.gated_delta_rule_step_slots(q, k, v, g, beta, pool, slots)
+    torch.testing.assert_close(out.float(), want.float(), **tol)
+    torch.testing.assert_close(whole, want_whole, equal_nan=True, **TOL)
+
+
+@pytest.mark.parametrize("channels", [24, 300, 1024])
+@pytest.mark.parametrize("dtype, pool_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                               (torch.bfloat16, torch.float32)])
+def test_varlen_conv_equals_the_reference_for_segments_shorter_than_its_window(channels, dtype, pool_dtype):
+    lengths = [0, 1, 2, 3, 70, 130]
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+    x = rand(int(cu[-1]), channels, seed=1, dtype=dtype)
+    weight = rand(channels, 4, seed=2)
+    whole, pool = layer_pool(9, (channels, 3), dtype=pool_dtype)
+    slots = torch.tensor([8, 1, 2, 0, 5, 7])
+    pool[slots] = rand(6, channels, 3, seed=3, dtype=pool_dtype)
+    want_whole = whole.clone()
+    want = ref_varlen.causal_conv1d_varlen(x, weight, cu, want_whole[:, 1], slots)
+    out = cpu.causal_conv1d_varlen(x, weight, cu, pool, slots)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), want.float(), **(TOL if dtype == torch.float32 else BF16))
+    assert torch.equal(whole.isnan(), want_whole.isnan())
+    torch.testing.assert_close(whole, want_whole, equal_nan=True, **TOL)  # states are copies: exact
+
+
+def test_conv_reads_strided_rows_of_its_input():
+    mixed = rand(50, 96, seed=1)
+    x = mixed[7:40, 8:72]  # rows of a wider projection
+    weight, cu = rand(64, 4, seed=2), torch.tensor([0, 10, 33], dtype=torch.int32)
+    a, b = rand(3, 64, 3, seed=3), None
+    b = a.clone()
+    want = ref_varlen.causal_conv1d_varlen(x, weight, cu, a, torch.tensor([2, 0]))
+    torch.testing.assert_close(cpu.causal_conv1d_varlen(x, weight, cu, b, torch.tensor([2, 0])), want, **TOL)
+    torch.testing.assert_close(b, a)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_conv_update_in_slots_leaves_padding_rows_unwritten(dtype):
+    x, weight = rand(4, 40, seed=1, dtype=dtype), rand(40, 4, seed=2)
+    whole, pool = layer_pool(5, (40, 3), dtype=dtype)
+    slots = torch.tensor([3, -1, 0, 4])
+    pool[slots[slots >= 0]] = rand(3, 40, 3, seed=3, dtype=dtype)
+    want_whole = whole.clone()
+    want = ref_varlen.causal_conv1d_update_slots(x, weight, want_whole[:, 1], slots)
+    out = cpu.causal_conv1d_update_slots(x, weight, pool, slots)
+    torch.testing.assert_close(out.float(), want.float(), **(TOL if dtype == torch.float32 else BF16))
+    torch.testing.assert_close(whole, want_whole, equal_nan=True, **TOL)
+
+
+@pytest.mark.parametrize("group, head_dim", [(1, 32), (4, 64), (3, 40)])
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, TOL), (torch.bfloat16, BF16)])
+def test_decode_attention_over_strided_pages_equals_the_reference(group, head_dim, dtype, tol):
+    h_kv, page_size, pages = 2, 16, 40
+    arena = torch.full((pages, 3, 2, page_size, h_kv, head_dim), math.nan, dtype=dtype)  # [block, layer, K|V, ...]
+    k_cache, v_cache = arena[:, 1, 0], arena[:, 1, 1]
+    lens = torch.tensor([1, 16, 17, 100, 33], dtype=torch.int32)
+    table = torch.randperm(pages)[:5 * 8].reshape(5, 8).to(torch.int32)
+    for b, n in enumerate(lens.tolist()):  # write only each sequence's own tokens
+        for p in range(n):
+            page = table[b, p // page_size]
+            k_cache[page, p % page_size] = rand(h_kv, head_dim, seed=100 * b + p, dtype=dtype)
+            v_cache[page, p % page_size] = rand(h_kv, head_dim, seed=100 * b + p + 50, dtype=dtype)
+    q = rand(5, h_kv * group, head_dim, seed=9, dtype=dtype)
+    want = ref.paged_attention_decode(q, k_cache, v_cache, table, lens, head_dim ** -0.5)
+    out = cpu.paged_attention_decode(q, k_cache, v_cache, table, lens, head_dim ** -0.5)
+    assert out.dtype == dtype and not out.isnan().any()
+    torch.testing.assert_close(out.float(), want.float(), **tol)
+
+
+def test_decode_attention_refuses_lengths_past_the_page_table():
+    k_cache = torch.zeros(4, 16, 1, 8)
+    with pytest.raises(ValueError, match="seq_lens"):
+        cpu.paged_attention_decode(torch.zeros(1, 2, 8), k_cache, k_cache.clone(), torch.zeros(1, 2, dtype=torch.int32),
+                                   torch.tensor([33], dtype=torch.int32), 1.0)
+
+
+# ---------------------------------------------------------------- the row-wise ops
+
+
+def same(got, want, dtype):
+    """bf16: bit for bit; fp32: to rounding."""
+    if dtype == torch.bfloat16:
+        assert torch.equal(got, want)
+    else:
+        torch.testing.assert_close(got, want, **TOL)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, width", [(1, 40), (7, 96), (65, 33)])
+def test_rms_norm_rounds_as_the_reference_with_and_without_the_residual(dtype, rows, width):
+    x, res = rand(rows, width, seed=1, dtype=dtype), rand(rows, width, seed=2, dtype=dtype)
+    weight = rand(width, seed=3, dtype=dtype, scale=0.1)
+    same(cpu.rms_norm(x, weight, 1e-6), ref_fused.rms_norm(x, weight, 1e-6), dtype)
+    y, total = cpu.rms_norm(x, weight, 1e-6, res)
+    want_y, want_total = ref_fused.rms_norm(x, weight, 1e-6, res)
+    same(y, want_y, dtype)
+    same(total, want_total, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+def test_gated_rms_norm_rounds_its_product_as_the_reference(dtype, weight_dtype):
+    wide = rand(9, 40, seed=1, dtype=dtype)
+    x, gate = wide[:, :20], wide[:, 20:]  # strided rows, as the layer passes them
+    weight = rand(20, seed=3, dtype=weight_dtype)
+    same(cpu.gated_rms_norm(x, gate, weight, 1e-6), ref_fused.gated_rms_norm(x, gate, weight, 1e-6), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim, pairs", [(32, 4), (24, 12), (64, 8)])
+def test_qk_norm_rope_rounds_as_the_reference(dtype, head_dim, pairs):
+    q = rand(11, 6, 2 * head_dim, seed=1, dtype=dtype)[:, :, :head_dim]  # strided heads
+    k = rand(11, 2, head_dim, seed=2, dtype=dtype)
+    wq, wk = rand(head_dim, seed=3, dtype=dtype, scale=0.1), rand(head_dim, seed=4, dtype=dtype, scale=0.1)
+    positions = torch.tensor([0, 1, 2, 7, 100, 4095, 5, 6, 9, 3000, 12])
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 2 * pairs, 2, dtype=torch.float32) / (2 * pairs)))
+    got = cpu.qk_norm_rope(q, k, wq, wk, positions, inv_freq, 1e-6)
+    want = ref_fused.qk_norm_rope(q, k, wq, wk, positions, inv_freq, 1e-6)
+    for a, b in zip(got, want):
+        if dtype == torch.bfloat16:  # cos and sin by libm here, by torch there: at most a rounding apart
+            torch.testing.assert_close(a, b, atol=0, rtol=2 ** -7)
+        else:
+            torch.testing.assert_close(a, b, **TOL)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_activations_round_as_the_reference(dtype):
+    a, b = rand(5, 300, seed=1, dtype=dtype, scale=4), rand(5, 300, seed=2, dtype=dtype, scale=4)
+    same(cpu.silu_mul(a, b), ref_fused.silu_mul(a, b), dtype)
+    same(cpu.sigmoid_gate(a, b), ref_fused.sigmoid_gate(a, b), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_delta_gates_including_softplus_past_its_threshold(dtype):
+    a = torch.tensor([[-30.0, -1.0, 0.0, 19.0], [20.5, 40.0, 3.0, -5.0]]).to(dtype)
+    b = rand(2, 4, seed=1, dtype=dtype)
+    A_log, dt_bias = rand(4, seed=2), rand(4, seed=3, dtype=dtype)
+    g, beta = cpu.delta_gates(a, b, A_log, dt_bias)
+    want_g, want_beta = ref_fused.delta_gates(a, b, A_log, dt_bias)
+    assert g.dtype == torch.float32 and beta.dtype == dtype
+    torch.testing.assert_close(g, want_g, **TOL)
+    same(beta, want_beta, dtype)
+
+
+# ---------------------------------------------------------------- dispatch
+
+
+def test_cpu_tensors_run_the_kernels_unless_the_references_are_asked_for(monkeypatch):
+    x = torch.zeros(2, 4)
+    assert kernels._fused_backend(x) is cpu and kernels._backend(x, native=True) is cpu
+    assert kernels._backend(x) is ref  # an op without a kernel here
+    monkeypatch.setenv("CAIRN_KERNELS", "reference")
+    assert kernels._fused_backend(x) is ref_fused and kernels._varlen_backend(x) is ref_varlen
+    monkeypatch.delenv("CAIRN_KERNELS")
+    kernels.force_reference(True)
+    try:
+        assert kernels._backend(x, native=True) is ref
+    finally:
+        kernels.force_reference(False)
+
+
+def test_without_the_library_an_engine_runs_the_references():
+    script = ("import warnings, kernels, torch\n"
+              "from workers import Engine, SamplingParams\n"
+              "from workers.demo import demo_model_dir\n"
+              "e = Engine.from_pretrained(demo_model_dir('tiny', 'qwen3_5'))\n"
+              "out = e.generate([[5, 6, 7] * 30], SamplingParams(max_tokens=3, temperature=0))[0]\n"
+              "assert kernels._varlen_backend(torch.zeros(1)).__name__ == 'kernels.reference_varlen'\n"
+              "print(len(out.token_ids))\n")
+    env = dict(os.environ, CAIRN_NATIVE_CPU="0")
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().endswith("3")
