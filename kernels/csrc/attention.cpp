@@ -1,8 +1,10 @@
 // Paged attention for decode on CPU: one new token per sequence over its cached pages.
 //
 // Each (sequence, KV head) is one work item: its GQA group of query heads walks the sequence's
-// pages once, K and V read in the cache's dtype straight from the pages (no gather), scores and
-// an online softmax in fp32, so the K/V of a group are read once, not once per query head.
+// pages once, K and V read in the cache's dtype straight from the pages (no gather), so the K/V
+// of a group are read once, not once per query head. Tokens go in blocks of 16 within a page:
+// the block's K transposed, so its 16 scores are one vector FMA per channel, then an online
+// softmax over blocks in fp32 (m: running max, l: running sum, acc rescaled by exp(m - m_new)).
 //
 // Op (shapes and conventions are kernels.reference's):
 //   attention_decode(query [B, H_q, D], k_cache, v_cache [num_pages, page_size, H_kv, D],
@@ -20,6 +22,7 @@ namespace {
 
 constexpr int kMaxHeadDim = 512;
 constexpr int kMaxGroup = 64;
+constexpr int64_t kBlock = 16;  // tokens scored at once: one vector of scores per query head
 
 template <typename Q, typename KV>
 void decode_typed(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -34,9 +37,13 @@ void decode_typed(const at::Tensor& query, const at::Tensor& k_cache, const at::
   const int64_t ks0 = k_cache.stride(0), ks1 = k_cache.stride(1), ks2 = k_cache.stride(2);
   const int64_t vs0 = v_cache.stride(0), vs1 = v_cache.stride(1), vs2 = v_cache.stride(2);
   const int64_t qs0 = query.stride(0), qs1 = query.stride(1), ts0 = page_table.stride(0);
+  int64_t longest = 0;
+  for (int64_t b = 0; b < batch; ++b) longest = std::max<int64_t>(longest, lens[b]);
   Q* o = out.data_ptr<Q>();
-  at::parallel_for(0, batch * h_kv, 1, [&](int64_t first, int64_t last) {
-    std::vector<float> qf(group * d), acc(group * d), kf(d), vf(d);
+  parallel_items(batch * h_kv, 4 * group * d * std::max<int64_t>(longest, 1), [&](int64_t first, int64_t last) {
+    // per block: K transposed [d][kBlock] (scores are then one FMA per channel), V [kBlock][d]
+    std::vector<float> qf(group * d), acc(group * d), kt(d * kBlock), vf(kBlock * d), row(d);
+    alignas(64) float s[kBlock];
     float m[kMaxGroup], l[kMaxGroup];
     for (int64_t item = first; item < last; ++item) {
       const int64_t b = item / h_kv, h = item % h_kv;
@@ -48,28 +55,46 @@ void decode_typed(const at::Tensor& query, const at::Tensor& k_cache, const at::
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       const int64_t len = lens[b];
-      for (int64_t pos = 0; pos < len; ++pos) {
-        const int64_t page = table[b * ts0 + pos / page_size], off = pos % page_size;
-        load_row(kc + page * ks0 + off * ks1 + h * ks2, kf.data(), d);
-        load_row(vc + page * vs0 + off * vs1 + h * vs2, vf.data(), d);
+      for (int64_t start = 0; start < len;) {
+        // a block: tokens of one page, at most kBlock
+        const int64_t page = table[b * ts0 + start / page_size], off = start % page_size;
+        const int64_t n = std::min({kBlock, page_size - off, len - start});
+        for (int64_t t = 0; t < n; ++t) {
+          load_row(kc + page * ks0 + (off + t) * ks1 + h * ks2, row.data(), d);
+          for (int64_t i = 0; i < d; ++i) kt[i * kBlock + t] = row[i];
+          load_row(vc + page * vs0 + (off + t) * vs1 + h * vs2, vf.data() + t * d, d);
+        }
         for (int64_t g = 0; g < group; ++g) {
           const float* qg = qf.data() + g * d;
-          float s = 0.f;
-#pragma omp simd reduction(+ : s)
-          for (int64_t i = 0; i < d; ++i) s += qg[i] * kf[i];
-          float* ag = acc.data() + g * d;
-          if (s > m[g]) {  // a new maximum: rescale what was summed so far
-            const float c = std::exp(m[g] - s);
-            l[g] *= c;
 #pragma omp simd
-            for (int64_t i = 0; i < d; ++i) ag[i] *= c;
-            m[g] = s;
+          for (int64_t t = 0; t < kBlock; ++t) s[t] = 0.f;
+          for (int64_t i = 0; i < d; ++i) {
+            const float qi = qg[i];
+            const float* ki = kt.data() + i * kBlock;
+#pragma omp simd
+            for (int64_t t = 0; t < kBlock; ++t) s[t] += qi * ki[t];
           }
-          const float p = std::exp(s - m[g]);
-          l[g] += p;
+          float top = m[g];
+          for (int64_t t = 0; t < n; ++t) top = std::max(top, s[t]);
+          const float c = exp_approx(m[g] - top);  // rescales what was summed (0 before the first block)
+          float sum = 0.f;
+          for (int64_t t = 0; t < n; ++t) {
+            s[t] = exp_approx(s[t] - top);
+            sum += s[t];
+          }
+          l[g] = l[g] * c + sum;
+          m[g] = top;
+          float* ag = acc.data() + g * d;
 #pragma omp simd
-          for (int64_t i = 0; i < d; ++i) ag[i] += p * vf[i];
+          for (int64_t i = 0; i < d; ++i) ag[i] *= c;
+          for (int64_t t = 0; t < n; ++t) {
+            const float p = s[t];
+            const float* vt = vf.data() + t * d;
+#pragma omp simd
+            for (int64_t i = 0; i < d; ++i) ag[i] += p * vt[i];
+          }
         }
+        start += n;
       }
       for (int64_t g = 0; g < group; ++g) {
         const float inv = 1.f / l[g];

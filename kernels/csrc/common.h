@@ -7,12 +7,19 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
 #include <cmath>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace cairn {
 
@@ -83,6 +90,16 @@ inline void store_row<c10::BFloat16>(const float* src, c10::BFloat16* dst, int64
   for (int64_t i = 0; i < n; ++i) bits[i] = f32_to_bf16_bits(src[i]);
 }
 
+// A small tensor (a weight vector) as fp32 values, converted here rather than by an ATen op:
+// an op costs microseconds of dispatch, which a decode step pays per call.
+inline std::vector<float> as_floats(const at::Tensor& t) {
+  const at::Tensor c = t.is_contiguous() ? t : t.contiguous();
+  std::vector<float> out(c.numel());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, c.scalar_type(), "as_floats",
+                                  [&] { load_row(c.data_ptr<scalar_t>(), out.data(), c.numel()); });
+  return out;
+}
+
 // exp(x) for a vectorised loop: Cephes' expf (x = n ln 2 + r, |r| <= ln 2 / 2, a degree-6
 // polynomial in r), scaled by 2^n as two powers of two so that n = 128 still overflows to +inf;
 // within 2 ulp of expf; below -87.3 (where expf turns subnormal) it returns 0; NaN stays NaN.
@@ -112,5 +129,136 @@ inline float exp_approx(float x) {
 }
 
 inline float silu(float x) { return x / (1.f + exp_approx(-x)); }
+
+// ---- whole vectors of 16 (the elementwise loops' body; a scalar loop takes the tail)
+
+typedef uint16_t u16x16 __attribute__((vector_size(32), aligned(2)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+
+template <typename T>
+inline vec16 vload_as_f32(const T* p) {
+  vec16 out;
+  for (int i = 0; i < kLanes; ++i) out[i] = to_f32(p[i]);
+  return out;
+}
+template <>
+inline vec16 vload_as_f32<float>(const float* p) { return vload(p); }
+template <>
+inline vec16 vload_as_f32<c10::BFloat16>(const c10::BFloat16* p) {
+#if defined(__AVX512F__)
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return reinterpret_cast<vec16>(_mm512_slli_epi32(wide, 16));
+#else
+  const u16x16 bits = *reinterpret_cast<const u16x16*>(p);
+  return reinterpret_cast<vec16>(__builtin_convertvector(bits, u32x16) << 16);
+#endif
+}
+
+inline u16x16 f32_to_bf16_bits(vec16 v) {  // round to nearest even; NaN stays a NaN
+#if defined(__AVX512BF16__)
+  return reinterpret_cast<u16x16>(_mm512_cvtneps_pbh(reinterpret_cast<__m512>(v)));
+#else
+  const u32x16 u = reinterpret_cast<u32x16>(v);
+  const u32x16 rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  const u32x16 out = v != v ? u32x16{} + 0x7fc0u : rounded;
+#if defined(__AVX512F__)
+  return reinterpret_cast<u16x16>(_mm512_cvtepi32_epi16(reinterpret_cast<__m512i>(out)));
+#else
+  return __builtin_convertvector(out, u16x16);
+#endif
+#endif
+}
+
+template <typename T>
+inline void vstore_from_f32(T* p, vec16 v) {
+  for (int i = 0; i < kLanes; ++i) p[i] = from_f32<T>(v[i]);
+}
+template <>
+inline void vstore_from_f32<float>(float* p, vec16 v) { vstore(p, v); }
+template <>
+inline void vstore_from_f32<c10::BFloat16>(c10::BFloat16* p, vec16 v) {
+  *reinterpret_cast<u16x16*>(p) = f32_to_bf16_bits(v);
+}
+
+// v rounded to T's precision and back (the reference's casts between ops)
+template <typename T>
+inline vec16 vround(vec16 v) {
+  vec16 out;
+  for (int i = 0; i < kLanes; ++i) out[i] = to_f32(from_f32<T>(v[i]));
+  return out;
+}
+template <>
+inline vec16 vround<float>(vec16 v) { return v; }
+template <>
+inline vec16 vround<c10::BFloat16>(vec16 v) {
+  const u16x16 bits = f32_to_bf16_bits(v);
+  return vload_as_f32(reinterpret_cast<const c10::BFloat16*>(&bits));
+}
+
+inline vec16 vexp(vec16 x) {  // exp_approx, a vector at a time
+#if defined(__AVX512F__)
+  // 2^n by scalef, which over- and underflows as exp does (to inf, to subnormals and 0) and keeps NaN
+  const vec16 c = x < -104.f ? vsplat(-104.f) : (x > 89.f ? vsplat(89.f) : x);
+  const vec16 n = reinterpret_cast<vec16>(_mm512_roundscale_ps(reinterpret_cast<__m512>(c * 1.44269504088896341f),
+                                                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#else
+  const vec16 lo = vsplat(-87.33654475055310f), hi = vsplat(88.8f);
+  const vec16 c = x < lo ? lo : (x > hi ? hi : x);
+  vec16 n;
+  for (int i = 0; i < kLanes; ++i) n[i] = std::nearbyint(c[i] * 1.44269504088896341f);
+#endif
+  const vec16 r = (c - n * 0.693359375f) - n * -2.12194440e-4f;
+  vec16 p = vsplat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+#if defined(__AVX512F__)
+  return reinterpret_cast<vec16>(_mm512_scalef_ps(reinterpret_cast<__m512>(p), reinterpret_cast<__m512>(n)));
+#else
+  const i32x16 ni = __builtin_convertvector(n, i32x16), half = ni / 2;
+  const vec16 s1 = reinterpret_cast<vec16>((half + 127) << 23), s2 = reinterpret_cast<vec16>((ni - half + 127) << 23);
+  const vec16 out = p * s1 * s2;
+  return x != x ? x : (x < lo ? vec16{} : out);
+#endif
+}
+
+inline vec16 vrecip(vec16 y) {  // 1 / y for y >= 1 (a sigmoid's denominator), +inf included
+#if defined(__AVX512F__)
+  const vec16 r = reinterpret_cast<vec16>(_mm512_rcp14_ps(reinterpret_cast<__m512>(y)));
+  const vec16 refined = r * (2.f - y * r);  // one Newton step: about 2^-28 relative error, before rounding
+  return y == INFINITY ? vec16{} : refined;  // rcp14(inf) = 0, where the step would make 0 * inf
+#else
+  return 1.f / y;
+#endif
+}
+
+// x / y for y >= 1 (+inf included), as a division rounds it (one FMA correction of x * (1 / y)
+// gives the correctly rounded quotient but for the rarest ties): torch's silu divides.
+inline vec16 vdiv(vec16 x, vec16 y) {
+#if defined(__AVX512F__)
+  const vec16 r = vrecip(y);
+  const vec16 q = x * r;
+  const vec16 corrected = q + (x - y * q) * r;  // NaN where q is infinite: q is the quotient there
+  return y == INFINITY ? x / y : (corrected != corrected ? q : corrected);
+#else
+  return x / y;
+#endif
+}
+
+inline vec16 vsilu(vec16 x) { return vdiv(x, 1.f + vexp(-x)); }
+inline vec16 vsigmoid(vec16 x) { return vdiv(vsplat(1.f), 1.f + vexp(-x)); }
+
+// at::parallel_for over n items of `cost` scalar operations each, in grains of about 256k
+// operations (tens of microseconds): a small op (a decode step's rows) runs on the calling
+// thread, sparing the other threads' wake-up, which costs more than such work.
+template <typename F>
+inline void parallel_items(int64_t n, int64_t cost, const F& f) {
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / std::max<int64_t>(1, cost));
+  at::parallel_for(0, n, grain, f);
+}
 
 }  // namespace cairn

@@ -21,11 +21,19 @@ namespace cairn {
 namespace {
 
 constexpr int64_t kTileTokens = 64;
+
+template <typename X>
+void silu_store(const float* acc, X* out, int64_t n) {
+  int64_t c = 0;
+  for (; c + kLanes <= n; c += kLanes) vstore_from_f32(out + c, vsilu(vload(acc + c)));
+  for (; c < n; ++c) out[c] = from_f32<X>(silu(acc[c]));
+}
 constexpr int64_t kTileChannels = 256;
 constexpr int kMaxWidth = 8;
 
 struct ConvArgs {
-  at::Tensor x, weight_t;  // x with C contiguous; weight_t [K, C] fp32
+  at::Tensor x;  // with C contiguous
+  std::vector<float> weight_t;  // [K, C]
   int64_t channels;
   int width;
 };
@@ -38,9 +46,12 @@ ConvArgs conv_args(const at::Tensor& x, const at::Tensor& weight, const at::Tens
               "expected conv_pool [num_slots, C, K-1]");
   ConvArgs a;
   a.x = x.stride(1) == 1 ? x : x.contiguous();
-  a.weight_t = weight.to(at::kFloat).t().contiguous();
   a.channels = x.size(1);
   a.width = static_cast<int>(weight.size(1));
+  const std::vector<float> w = as_floats(weight);  // [C, K]
+  a.weight_t.resize(w.size());
+  for (int64_t c = 0; c < a.channels; ++c)
+    for (int j = 0; j < a.width; ++j) a.weight_t[j * a.channels + c] = w[c * a.width + j];
   return a;
 }
 
@@ -49,7 +60,7 @@ void conv_varlen_typed(const ConvArgs& a, at::IntArrayRef cu, at::Tensor& pool, 
   const int64_t C = a.channels, k1 = a.width - 1, batch = static_cast<int64_t>(cu.size()) - 1;
   const X* x = a.x.data_ptr<X>();
   const int64_t xs = a.x.stride(0);
-  const float* w = a.weight_t.data_ptr<float>();
+  const float* w = a.weight_t.data();
   P* p = pool.data_ptr<P>();
   const int64_t ps0 = pool.stride(0), ps1 = pool.stride(1), ps2 = pool.stride(2);
   X* o = out.data_ptr<X>();
@@ -87,9 +98,7 @@ void conv_varlen_typed(const ConvArgs& a, at::IntArrayRef cu, at::Tensor& pool, 
 #pragma omp simd
           for (int64_t c = 0; c < nc; ++c) acc[c] += wj[c] * hj[c];
         }
-#pragma omp simd
-        for (int64_t c = 0; c < nc; ++c) acc[c] = silu(acc[c]);
-        store_row(acc, o + t * C + c0, nc);
+        silu_store(acc, o + t * C + c0, nc);
       }
     }
   });
@@ -130,27 +139,63 @@ at::Tensor conv_varlen(const at::Tensor& x, const at::Tensor& weight, at::IntArr
   return out;
 }
 
+// A state [C, K1] (K1 contiguous) to rows [K1][C] of fp32, and back.
+template <int K1, typename P>
+void transpose_in(const P* state, float* rows, int64_t C) {
+  for (int j = 0; j < K1; ++j) {
+    float* row = rows + j * C;
+#pragma omp simd
+    for (int64_t c = 0; c < C; ++c) row[c] = to_f32(state[c * K1 + j]);
+  }
+}
+
+template <int K1, typename P>
+void transpose_out(const float* rows, P* state, int64_t C) {
+  for (int j = 0; j < K1; ++j) {
+    const float* row = rows + j * C;
+#pragma omp simd
+    for (int64_t c = 0; c < C; ++c) state[c * K1 + j] = from_f32<P>(row[c]);
+  }
+}
+
 template <typename X, typename P>
 void conv_update_typed(const ConvArgs& a, at::Tensor& pool, const int64_t* slots, at::Tensor& out) {
   const int64_t C = a.channels, k1 = a.width - 1, batch = a.x.size(0);
   const X* x = a.x.data_ptr<X>();
-  const float* w = a.weight_t.data_ptr<float>();
+  const float* w = a.weight_t.data();
   P* p = pool.data_ptr<P>();
   const int64_t ps0 = pool.stride(0), ps1 = pool.stride(1), ps2 = pool.stride(2);
   X* o = out.data_ptr<X>();
-  at::parallel_for(0, batch, 1, [&](int64_t first, int64_t last) {
+  parallel_items(batch, C * a.width * 4, [&](int64_t first, int64_t last) {
+    std::vector<float> hist(kMaxWidth * C), acc(C);
     for (int64_t b = first; b < last; ++b) {
-      const X* xb = x + b * a.x.stride(0);
+      // hist row j: tap j's inputs across channels (the state's K-1, then the token)
       P* state = slots[b] >= 0 ? p + slots[b] * ps0 : nullptr;
-      for (int64_t c = 0; c < C; ++c) {
-        float window[kMaxWidth];
-        for (int64_t j = 0; j < k1; ++j) window[j] = state ? to_f32(state[c * ps1 + j * ps2]) : 0.f;
-        window[k1] = to_f32(xb[c]);
-        float acc = 0.f;
-        for (int j = 0; j < a.width; ++j) acc += w[j * C + c] * window[j];
-        o[b * C + c] = from_f32<X>(silu(acc));
-        if (state)
-          for (int64_t j = 0; j < k1; ++j) state[c * ps1 + j * ps2] = from_f32<P>(window[j + 1]);
+      if (!state) {
+        std::fill(hist.begin(), hist.begin() + k1 * C, 0.f);
+      } else if (k1 == 3 && ps1 == 3 && ps2 == 1) {  // the pools' layout: constant strides, which vectorise
+        transpose_in<3>(state, hist.data(), C);
+      } else {
+        for (int64_t j = 0; j < k1; ++j)
+          for (int64_t c = 0; c < C; ++c) hist[j * C + c] = to_f32(state[c * ps1 + j * ps2]);
+      }
+      load_row(x + b * a.x.stride(0), hist.data() + k1 * C, C);
+#pragma omp simd
+      for (int64_t c = 0; c < C; ++c) acc[c] = w[c] * hist[c];
+      for (int j = 1; j < a.width; ++j) {
+        const float* wj = w + j * C;
+        const float* hj = hist.data() + j * C;
+#pragma omp simd
+        for (int64_t c = 0; c < C; ++c) acc[c] += wj[c] * hj[c];
+      }
+      silu_store(acc.data(), o + b * C, C);
+      if (state && k1 == 3 && ps1 == 3 && ps2 == 1) {
+        transpose_out<3>(hist.data() + C, state, C);
+      } else if (state) {
+        for (int64_t j = 0; j < k1; ++j) {
+          const float* src = hist.data() + (j + 1) * C;
+          for (int64_t c = 0; c < C; ++c) state[c * ps1 + j * ps2] = from_f32<P>(src[c]);
+        }
       }
     }
   });

@@ -224,7 +224,7 @@ at::Tensor delta_rule_step(const at::Tensor& q, const at::Tensor& k, const at::T
   const int64_t state_elems = static_cast<int64_t>(in.dk) * in.dv;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, v.scalar_type(), "delta_rule_step", [&] {
     scalar_t* o = out.data_ptr<scalar_t>();
-    at::parallel_for(0, batch * in.h_v, 4, [&](int64_t first, int64_t last) {
+    parallel_items(batch * in.h_v, 5 * in.dk * in.dv, [&](int64_t first, int64_t last) {
       std::vector<float> scratch;
       for (int64_t item = first; item < last; ++item) {
         const int64_t b = item / in.h_v;

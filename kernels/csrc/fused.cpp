@@ -36,13 +36,12 @@ at::Tensor rowwise(const at::Tensor& x) {  // [N, D] with D contiguous
   return r.stride(1) == 1 ? r : r.contiguous();
 }
 
-constexpr int64_t kGrain = 16;
 
 template <typename T>
 void rms_rows(const at::Tensor& x, const at::Tensor* residual, const float* w, float eps, at::Tensor& y,
               at::Tensor& sum) {
   const int64_t n = x.size(0), d = x.size(1);
-  at::parallel_for(0, n, kGrain, [&](int64_t first, int64_t last) {
+  parallel_items(n, 6 * d, [&](int64_t first, int64_t last) {
     std::vector<float> row(d);
     for (int64_t i = first; i < last; ++i) {
       load_row(x.data_ptr<T>() + i * x.stride(0), row.data(), d);
@@ -65,8 +64,9 @@ void rms_rows(const at::Tensor& x, const at::Tensor* residual, const float* w, f
 
 std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x_in, const at::Tensor& weight, double eps,
                                             const std::optional<at::Tensor>& residual_in) {
-  const at::Tensor x = rowwise(x_in), w = weight.to(at::kFloat).contiguous();
-  TORCH_CHECK(w.numel() == x.size(1), "expected a weight per channel");
+  const at::Tensor x = rowwise(x_in);
+  const std::vector<float> w = as_floats(weight);
+  TORCH_CHECK(static_cast<int64_t>(w.size()) == x.size(1), "expected a weight per channel");
   at::Tensor y = at::empty(x_in.sizes(), x_in.options());
   at::Tensor sum, residual;
   if (residual_in) {
@@ -77,7 +77,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x_in, const at::Te
   }
   at::Tensor y2 = y.view({-1, x.size(1)}), sum2 = residual_in ? sum.view({-1, x.size(1)}) : sum;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
-    rms_rows<scalar_t>(x, residual_in ? &residual : nullptr, w.data_ptr<float>(), static_cast<float>(eps), y2, sum2);
+    rms_rows<scalar_t>(x, residual_in ? &residual : nullptr, w.data(), static_cast<float>(eps), y2, sum2);
   });
   return {y, sum};
 }
@@ -86,7 +86,7 @@ template <typename T>
 void gated_rows(const at::Tensor& x, const at::Tensor& gate, const float* w, float eps, bool round_product,
                 at::Tensor& y) {
   const int64_t n = x.size(0), d = x.size(1);
-  at::parallel_for(0, n, kGrain, [&](int64_t first, int64_t last) {
+  parallel_items(n, 16 * d, [&](int64_t first, int64_t last) {
     std::vector<float> row(d), g(d);
     for (int64_t i = first; i < last; ++i) {
       load_row(x.data_ptr<T>() + i * x.stride(0), row.data(), d);
@@ -95,12 +95,16 @@ void gated_rows(const at::Tensor& x, const at::Tensor& gate, const float* w, flo
 #pragma omp simd reduction(+ : sq)
       for (int64_t j = 0; j < d; ++j) sq += row[j] * row[j];
       const float inv = 1.f / std::sqrt(sq / d + eps);
-      if (round_product) {
-#pragma omp simd
-        for (int64_t j = 0; j < d; ++j) row[j] = rd<T>(w[j] * rd<T>(row[j] * inv)) * silu(g[j]);
-      } else {
-#pragma omp simd
-        for (int64_t j = 0; j < d; ++j) row[j] = w[j] * rd<T>(row[j] * inv) * silu(g[j]);
+      int64_t j = 0;
+      const vec16 vinv = vsplat(inv);
+      for (; j + kLanes <= d; j += kLanes) {
+        const vec16 normed = vround<T>(vload(row.data() + j) * vinv);
+        const vec16 weighted = round_product ? vround<T>(vload(w + j) * normed) : vload(w + j) * normed;
+        vstore(row.data() + j, weighted * vsilu(vload(g.data() + j)));
+      }
+      for (; j < d; ++j) {
+        const float weighted = round_product ? rd<T>(w[j] * rd<T>(row[j] * inv)) : w[j] * rd<T>(row[j] * inv);
+        row[j] = weighted * silu(g[j]);
       }
       store_row(row.data(), y.data_ptr<T>() + i * d, d);
     }
@@ -111,31 +115,47 @@ at::Tensor gated_rms_norm(const at::Tensor& x_in, const at::Tensor& gate_in, con
                           bool round_product) {
   TORCH_CHECK(gate_in.sizes() == x_in.sizes() && gate_in.scalar_type() == x_in.scalar_type(),
               "expected a gate like x");
-  const at::Tensor x = rowwise(x_in), gate = rowwise(gate_in), w = weight.to(at::kFloat).contiguous();
-  TORCH_CHECK(w.numel() == x.size(1), "expected a weight per channel");
+  const at::Tensor x = rowwise(x_in), gate = rowwise(gate_in);
+  const std::vector<float> w = as_floats(weight);
+  TORCH_CHECK(static_cast<int64_t>(w.size()) == x.size(1), "expected a weight per channel");
   at::Tensor y = at::empty(x_in.sizes(), x_in.options());
   at::Tensor y2 = y.view({-1, x.size(1)});
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "gated_rms_norm", [&] {
-    gated_rows<scalar_t>(x, gate, w.data_ptr<float>(), static_cast<float>(eps), round_product, y2);
+    gated_rows<scalar_t>(x, gate, w.data(), static_cast<float>(eps), round_product, y2);
   });
   return y;
 }
 
-// out = f(a, b) elementwise over rows, f given fp32 values.
-template <typename T, typename F>
-void pairwise(const at::Tensor& a, const at::Tensor& b, at::Tensor& out, F f) {
+// out = Op(a, b) elementwise over rows: Op::v on whole vectors of 16, Op::s on the tail.
+template <typename T, typename Op>
+void pairwise(const at::Tensor& a, const at::Tensor& b, at::Tensor& out) {
   const int64_t n = a.size(0), d = a.size(1);
-  at::parallel_for(0, n, kGrain, [&](int64_t first, int64_t last) {
-    std::vector<float> ra(d), rb(d);
+  parallel_items(n, 16 * d, [&](int64_t first, int64_t last) {
     for (int64_t i = first; i < last; ++i) {
-      load_row(a.data_ptr<T>() + i * a.stride(0), ra.data(), d);
-      load_row(b.data_ptr<T>() + i * b.stride(0), rb.data(), d);
-#pragma omp simd
-      for (int64_t j = 0; j < d; ++j) ra[j] = f(ra[j], rb[j]);
-      store_row(ra.data(), out.data_ptr<T>() + i * d, d);
+      const T* pa = a.data_ptr<T>() + i * a.stride(0);
+      const T* pb = b.data_ptr<T>() + i * b.stride(0);
+      T* po = out.data_ptr<T>() + i * d;
+      int64_t j = 0;
+      for (; j + kLanes <= d; j += kLanes)
+        vstore_from_f32(po + j, Op::template v<T>(vload_as_f32(pa + j), vload_as_f32(pb + j)));
+      for (; j < d; ++j) po[j] = from_f32<T>(Op::template s<T>(to_f32(pa[j]), to_f32(pb[j])));
     }
   });
 }
+
+struct SiluMul {  // rd(rd(silu(gate)) * up)
+  template <typename T>
+  static vec16 v(vec16 g, vec16 u) { return vround<T>(vsilu(g)) * u; }
+  template <typename T>
+  static float s(float g, float u) { return rd<T>(silu(g)) * u; }
+};
+
+struct SigmoidMul {  // rd(x * rd(sigmoid(gate)))
+  template <typename T>
+  static vec16 v(vec16 x, vec16 g) { return x * vround<T>(vsigmoid(g)); }
+  template <typename T>
+  static float s(float x, float g) { return x * rd<T>(1.f / (1.f + exp_approx(-g))); }
+};
 
 at::Tensor silu_mul(const at::Tensor& gate_in, const at::Tensor& up_in) {
   TORCH_CHECK(gate_in.sizes() == up_in.sizes() && gate_in.scalar_type() == up_in.scalar_type(),
@@ -144,7 +164,7 @@ at::Tensor silu_mul(const at::Tensor& gate_in, const at::Tensor& up_in) {
   at::Tensor out = at::empty(gate_in.sizes(), gate_in.options());
   at::Tensor out2 = out.view({-1, gate.size(1)});
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate.scalar_type(), "silu_mul", [&] {
-    pairwise<scalar_t>(gate, up, out2, [](float g, float u) { return rd<scalar_t>(silu(g)) * u; });
+    pairwise<scalar_t, SiluMul>(gate, up, out2);
   });
   return out;
 }
@@ -156,7 +176,7 @@ at::Tensor sigmoid_mul(const at::Tensor& x_in, const at::Tensor& gate_in) {
   at::Tensor out = at::empty(x_in.sizes(), x_in.options());
   at::Tensor out2 = out.view({-1, x.size(1)});
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "sigmoid_mul", [&] {
-    pairwise<scalar_t>(x, gate, out2, [](float v, float g) { return v * rd<scalar_t>(1.f / (1.f + exp_approx(-g))); });
+    pairwise<scalar_t, SigmoidMul>(x, gate, out2);
   });
   return out;
 }
@@ -165,7 +185,7 @@ template <typename T>
 void norm_rope_rows(const at::Tensor& x, const float* w, const float* cos, const float* sin, int64_t pairs,
                     float eps, at::Tensor& y) {
   const int64_t tokens = x.size(0), heads = x.size(1), d = x.size(2);
-  at::parallel_for(0, tokens, kGrain, [&](int64_t first, int64_t last) {
+  parallel_items(tokens, 8 * heads * d, [&](int64_t first, int64_t last) {
     std::vector<float> row(d), out(d);
     for (int64_t t = first; t < last; ++t) {
       for (int64_t h = 0; h < heads; ++h) {
@@ -197,13 +217,15 @@ std::tuple<at::Tensor, at::Tensor> qk_norm_rope(const at::Tensor& q_in, const at
               "expected q [T, H_q, D] and k [T, H_kv, D] of one dtype");
   const int64_t tokens = q_in.size(0), d = q_in.size(2), pairs = inv_freq.numel();
   TORCH_CHECK(positions.numel() == tokens && 2 * pairs <= d, "expected a position per token and 2R <= D");
-  const at::Tensor pos = positions.to(at::kLong).contiguous(), freq = inv_freq.to(at::kFloat).contiguous();
+  TORCH_CHECK(positions.scalar_type() == at::kLong, "expected int64 positions");
+  const at::Tensor pos = positions.contiguous();
+  const std::vector<float> freq = as_floats(inv_freq);
   std::vector<float> cos(tokens * pairs), sin(tokens * pairs);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q_in.scalar_type(), "qk_rope_angles", [&] {
     for (int64_t t = 0; t < tokens; ++t) {
       const float p = static_cast<float>(pos.data_ptr<int64_t>()[t]);
       for (int64_t j = 0; j < pairs; ++j) {
-        const float f = p * freq.data_ptr<float>()[j];
+        const float f = p * freq[j];
         cos[t * pairs + j] = rd<scalar_t>(std::cos(f));
         sin[t * pairs + j] = rd<scalar_t>(std::sin(f));
       }
@@ -213,11 +235,11 @@ std::tuple<at::Tensor, at::Tensor> qk_norm_rope(const at::Tensor& q_in, const at
   for (int which = 0; which < 2; ++which) {
     const at::Tensor& in = which ? k_in : q_in;
     const at::Tensor x = in.stride(2) == 1 ? in : in.contiguous();
-    const at::Tensor w = (which ? k_weight : q_weight).to(at::kFloat).contiguous();
-    TORCH_CHECK(w.numel() == d, "expected a norm weight per channel");
+    const std::vector<float> w = as_floats(which ? k_weight : q_weight);
+    TORCH_CHECK(static_cast<int64_t>(w.size()) == d, "expected a norm weight per channel");
     at::Tensor y = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "qk_norm_rope", [&] {
-      norm_rope_rows<scalar_t>(x, w.data_ptr<float>(), cos.data(), sin.data(), pairs, static_cast<float>(eps), y);
+      norm_rope_rows<scalar_t>(x, w.data(), cos.data(), sin.data(), pairs, static_cast<float>(eps), y);
     });
     (which ? std::get<1>(out) : std::get<0>(out)) = y;
   }
@@ -229,16 +251,14 @@ std::tuple<at::Tensor, at::Tensor> delta_gates(const at::Tensor& a_in, const at:
   TORCH_CHECK(a_in.dim() == 2 && b_in.sizes() == a_in.sizes() && A_log.numel() == a_in.size(1) &&
                   dt_bias.numel() == a_in.size(1),
               "expected a, b [T, H] and A_log, dt_bias [H]");
-  const at::Tensor a = a_in.to(at::kFloat).contiguous(), b = b_in.contiguous();
-  const at::Tensor al = A_log.to(at::kFloat).contiguous(), dt = dt_bias.to(at::kFloat).contiguous();
-  const int64_t n = a.size(0), h = a.size(1);
-  at::Tensor g = at::empty({n, h}, a.options());
+  const at::Tensor b = b_in.contiguous();
+  const std::vector<float> av = as_floats(a_in), al = as_floats(A_log), dv = as_floats(dt_bias);
+  const int64_t n = a_in.size(0), h = a_in.size(1);
+  at::Tensor g = at::empty({n, h}, b.options().dtype(at::kFloat));
   at::Tensor beta = at::empty({n, h}, b.options());
   std::vector<float> decay(h);
-  for (int64_t j = 0; j < h; ++j) decay[j] = -std::exp(al.data_ptr<float>()[j]);
+  for (int64_t j = 0; j < h; ++j) decay[j] = -std::exp(al[j]);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, b.scalar_type(), "delta_gates", [&] {
-    const float* av = a.data_ptr<float>();
-    const float* dv = dt.data_ptr<float>();
     const scalar_t* bv = b.data_ptr<scalar_t>();
     float* gv = g.data_ptr<float>();
     scalar_t* betav = beta.data_ptr<scalar_t>();
