@@ -31,7 +31,8 @@ Traces (`--traces`), each as it exercises the design:
 - interleaved: 64 conversations in round-robin, several in flight (with --budget: eviction).
 Before its traces each system answers a few short warm-up chats at once (2; --cluster 4), so no
 first-request cost lands in a measurement. Then two speed rows per system: an uncached long prompt (prefill tok/s = its tokens / TTFT) and
-16 concurrent streams (decode tok/s = completion tokens / wall time).
+16 concurrent streams (decode tok/s = completion tokens / wall time), each the median of three runs
+(three distinct long prompts).
 
 Every system gets the same cache bytes: 4 GiB, or with `--budget F` F of the working set (the
 traces' distinct tokens' K/V plus one recurrent state per conversation, in the model's bf16
@@ -91,6 +92,7 @@ PEERS = Path(os.environ.get("CAIRN_PEERS") or Path.home() / ".cache" / "cairn-pe
 MODEL = "demo"
 TRACES = ("thinking-drop", "agent", "shared-system", "edits", "interleaved")
 SPARE_BYTES = 4 << 30  # every system's cache without --budget
+SPEED_REPEATS = 3  # each speed figure is the median of this many runs
 
 
 # ---- the systems --------------------------------------------------------------------------------
@@ -464,24 +466,33 @@ async def replay(system: System, trace: Trace, renderer: Renderer, max_tokens: i
     return results
 
 
-async def speed(system: System, renderer: Renderer, long_tokens: int, streams: int, out_tokens: int) -> dict:
+async def speed(system: System, renderer: Renderer, long_tokens: int, streams: int, out_tokens: int,
+                repeats: int = SPEED_REPEATS) -> dict:
+    """Each figure is the median of `repeats` measurements (distinct uncached prompts for prefill;
+    the first request of a kind pays one-time costs on every system, and this machine's speed
+    drifts by tens of percent from minute to minute)."""
     rng = random.Random(99)
+    prefill, decode = [], []
     async with httpx.AsyncClient(base_url=system.url, timeout=600) as http:
-        text = words(rng, 8)
-        while len(renderer.tok.encode(text)) < long_tokens:
-            text += " " + words(rng, 200)
-        ttft, usage = await chat(http, {"model": MODEL, "messages": [{"role": "user", "content": text}],
-                                        "max_tokens": 1, "temperature": 0, "stream": True,
-                                        "stream_options": {"include_usage": True}})
-        prefill = usage.get("prompt_tokens", 0) / ttft
-        began = time.perf_counter()
-        outs = await asyncio.gather(*(chat(http, {
-            "model": MODEL, "messages": [{"role": "user", "content": f"{i} " + words(rng, 20)}],
-            "max_tokens": out_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}) for i in range(streams)))
-        wall = time.perf_counter() - began
-    return {"prefill_tok_s": prefill, "prompt_tokens": usage.get("prompt_tokens", 0),
-            "decode_tok_s": sum(u.get("completion_tokens", 0) for _, u in outs) / wall}
+        for _ in range(repeats):
+            text = words(rng, 8)
+            while len(renderer.tok.encode(text)) < long_tokens:
+                text += " " + words(rng, 200)
+            ttft, usage = await chat(http, {"model": MODEL, "messages": [{"role": "user", "content": text}],
+                                            "max_tokens": 1, "temperature": 0, "stream": True,
+                                            "stream_options": {"include_usage": True}})
+            prefill.append((usage.get("prompt_tokens", 0) / ttft, usage.get("prompt_tokens", 0)))
+        for _ in range(repeats):
+            began = time.perf_counter()
+            outs = await asyncio.gather(*(chat(http, {
+                "model": MODEL, "messages": [{"role": "user", "content": f"{i} " + words(rng, 20)}],
+                "max_tokens": out_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}) for i in range(streams)))
+            wall = time.perf_counter() - began
+            decode.append(sum(u.get("completion_tokens", 0) for _, u in outs) / wall)
+    rate, tokens = sorted(prefill)[len(prefill) // 2]
+    return {"prefill_tok_s": rate, "prompt_tokens": tokens, "decode_tok_s": sorted(decode)[len(decode) // 2],
+            "prefill_runs": [r for r, _ in prefill], "decode_runs": decode}
 
 
 # ---- the report ------------------------------------------------------------------------------------

@@ -67,7 +67,8 @@ class EngineReplica:
         self.worker_id = replica_worker_id(serve.get_replica_context().replica_id)
         model_dir = ModelSource.parse(model).local_dir()
         extra = {"start_ranks": RayRankWorkers.start} if engine_options.get("tensor_parallel_size", 1) > 1 else {}
-        self.engine = AsyncEngine.from_pretrained(model_dir, worker_id=self.worker_id, **engine_options, **extra)
+        options = {"warm_up": True, **engine_options}  # kernels compiled before the replica takes requests
+        self.engine = AsyncEngine.from_pretrained(model_dir, worker_id=self.worker_id, **options, **extra)
         if self.engine.spec != spec:  # e.g. another copy of the model on this node
             raise RuntimeError(f"this replica's engine is {self.engine.spec}, but the deployment was built for "
                                f"{spec}: every replica must load the same checkpoint with the same options")

@@ -30,6 +30,7 @@ import warnings
 from collections.abc import Sequence
 from types import ModuleType
 
+import torch
 from torch import Tensor
 
 from kernels import reference, reference_fused, reference_moe, reference_varlen
@@ -60,6 +61,7 @@ __all__ = [
     "silu_mul",
     "VarlenPlan",
     "force_reference",
+    "load_native",
 ]
 
 _forced_reference = False
@@ -70,6 +72,16 @@ def force_reference(on: bool = True) -> None:
     """Run the torch references on every device (or, with on=False, go back to the default)."""
     global _forced_reference
     _forced_reference = bool(on)
+
+
+def load_native(device) -> bool:
+    """Loads (building it the first time) the C++ library CPU tensors run on, now rather than at
+    the first op; True where it is in use. Anything but a CPU: False, nothing done."""
+    if torch.device(device).type != "cpu":
+        return False
+    from kernels import cpu_build
+
+    return cpu_build.library()
 
 
 def _reference_forced() -> bool:

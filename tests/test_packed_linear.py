@@ -67,3 +67,43 @@ def test_the_moe_shared_expert_stays_plain_and_the_engine_answers_as_unpacked(tm
     with torch.inference_mode():
         want = hf_reference_model(path).generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)
     assert got == want[0, len(prompt):].tolist()
+
+
+def test_row_buckets_are_every_row_count_a_product_runs_at():
+    from workers.model.packed_linear import padded_rows, row_buckets
+
+    for most in (1, 2, 255, 256, 257, 2048, 3000):
+        assert row_buckets(most) == sorted({padded_rows(n) for n in range(1, most + 1)})
+
+
+def test_warm_up_runs_each_shape_at_each_bucket_and_the_head_at_the_sampled_rows(monkeypatch):
+    from workers.model import packed_linear
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(16, 32), nn.Linear(16, 32), nn.Linear(32, 16)  # a and b: one shape
+            self.lm_head = nn.Linear(16, 50, bias=False)
+
+    model = Model()
+    assert pack_linears(model) == 4
+    seen = []
+    original = PackedLinear.forward
+    monkeypatch.setattr(PackedLinear, "forward", lambda self, x: seen.append((self.out_features, x.shape[0]))
+                        or original(self, x))
+    done = packed_linear.warm_up(model, max_rows=300, head_rows=4)
+    body = packed_linear.row_buckets(300)
+    assert sorted(seen) == sorted([(32, r) for r in body] + [(16, r) for r in body] + [(50, r) for r in (1, 2, 4)])
+    assert done == len(seen)
+
+
+def test_an_engine_warms_up_when_asked_and_answers_the_same(tmp_path):
+    from workers.demo import demo_model_dir
+
+    prompt, params = [3, 4, 5] * 20, SamplingParams(max_tokens=4, temperature=0)
+    cold = Engine.from_pretrained(demo_model_dir("tiny", "qwen3_5"))
+    warm = Engine.from_pretrained(demo_model_dir("tiny", "qwen3_5"), warm_up=True)
+    assert warm.generate([prompt], params)[0].token_ids == cold.generate([prompt], params)[0].token_ids
+    assert warm.warm_up() >= 0
+    with pytest.raises(ValueError, match="warm_up"):
+        Engine.from_pretrained(demo_model_dir("tiny", "qwen3_5"), warm_up="yes")

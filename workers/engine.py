@@ -162,8 +162,11 @@ class Engine:
             graphs = device.type == "cuda" and not opts.enforce_eager
             reserve = graph_reserve_bytes(model.config, opts.max_num_seqs) if graphs else 0
             opts = sized(opts, device, reserve=reserve)  # memory_utilization: what the weights and graphs left
-            return cls(model, opts, fingerprint=model_fingerprint(model_dir), worker_id=worker_id,
-                       eos_token_ids=generation_eos_ids(Path(model_dir)))
+            engine = cls(model, opts, fingerprint=model_fingerprint(model_dir), worker_id=worker_id,
+                         eos_token_ids=generation_eos_ids(Path(model_dir)))
+            if opts.warm_up:
+                engine.warm_up()
+            return engine
         shard_config(read_model_config(Path(model_dir) / "config.json"), opts.tensor_parallel_size)  # fits?
         meta = dict(fingerprint=model_fingerprint(model_dir), worker_id=worker_id,
                     eos_token_ids=generation_eos_ids(Path(model_dir)))
@@ -172,10 +175,24 @@ class Engine:
         try:
             model = load_rank_model(model_dir, opts, 0, address)
             opts = sized(opts, next(model.parameters()).device, model.group)  # the same on every rank
-            return cls(model, opts, rank_workers=workers, **meta)
+            engine = cls(model, opts, rank_workers=workers, **meta)
+            if opts.warm_up:
+                engine.warm_up()
+            return engine
         except BaseException:
             workers.close()
             raise
+
+    def warm_up(self) -> float:
+        """Compiles, before any request, the kernels a step's shapes would compile during one: on
+        CPU every packed linear at every row count a step can give it (`max_num_batched_tokens`
+        at most, `max_num_seqs` for the LM head; workers.model.packed_linear.warm_up). Returns
+        the seconds it took (logged)."""
+        began = time.perf_counter()
+        products = self.runner.warm_up(self.options.max_num_batched_tokens, self.options.max_num_seqs)
+        seconds = time.perf_counter() - began
+        log.info("warmed up in %.2f s (%d linear products)", seconds, products)
+        return seconds
 
     def close(self) -> None:
         """Stops a tensor-parallel engine's other ranks (nothing to do on one device)."""

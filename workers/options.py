@@ -23,7 +23,7 @@ class EngineOptions:
     tail_guard: int = 4                       # tokens before a prompt's end the tail checkpoint keeps clear
     checkpoint_interval_pages: int = 32       # pages between `interval` checkpoints
     max_num_seqs: int = 64                    # sequences running at once (each holds a state slot)
-    max_num_batched_tokens: int = 1024        # tokens computed in one step (decodes + prefill chunks)
+    max_num_batched_tokens: int = 2048        # tokens computed in one step (decodes + prefill chunks; vLLM's server default)
     max_model_len: int | None = None          # prompt + output tokens; None = model's max positions
     dtype: str = "auto"                       # float32 | bfloat16 | float16 | auto (workers.precision)
     device: str = "auto"                      # cpu | cuda | cuda:N | auto (cuda when present)
@@ -33,6 +33,7 @@ class EngineOptions:
     collective_timeout_s: float = 60.0        # the longest a rank waits on the others in a step
     host_cache_bytes: int = 0                 # host tier: what the device evicts is kept here (0: off; workers.host_tier)
     enforce_eager: bool | None = None         # no decode graphs (None: graphs on CUDA, eager on CPU; workers.decode_graphs)
+    warm_up: bool = False                     # compile every kernel shape at load (Engine.warm_up); servers turn it on
 
     def __post_init__(self) -> None:
         def positive(name: str, allow_none: bool = False) -> None:
@@ -65,6 +66,8 @@ class EngineOptions:
         timeout = self.collective_timeout_s
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
             raise ValueError(f"collective_timeout_s must be a positive number of seconds, got {timeout!r}")
+        if not isinstance(self.warm_up, bool):
+            raise ValueError(f"warm_up must be true or false, got {self.warm_up!r}")
         if self.enforce_eager not in (None, True, False):
             raise ValueError(f"enforce_eager must be true, false or None (graphs on CUDA only), got {self.enforce_eager!r}")
         if self.dtype not in ("auto", *DTYPE_NAMES):

@@ -39,6 +39,7 @@ from workers.cache_placement import COPY, DEMOTE, IMPORT, MOVE, PROMOTE
 from workers.decode_graphs import DecodeGraphs
 from workers.model import ForwardBatch, HybridForCausalLM, ModelCaches
 from workers.model.batch import plan_arrays
+from workers.model import packed_linear
 from workers.model.packed_linear import pack_linears
 from workers.scheduler import StepPlan
 
@@ -112,6 +113,7 @@ class ModelRunner:
         self.packed_linears = pack_linears(model)  # CPU: weights laid out once for oneDNN (none on CUDA)
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
+        kernels.load_native(self.device)  # CPU: the C++ kernels, built or loaded now, not in a step
         self.page_size = page_size
         self.arena = torch.zeros(layout.arena_bytes, dtype=torch.uint8, device=self.device)
         self._blocks = self.arena.view(layout.num_blocks, layout.block_bytes)  # one row per block
@@ -126,6 +128,12 @@ class ModelRunner:
         self._table = np.zeros((max_rows, 64), dtype=np.int32)  # row -> page ids, widened on demand
         self._staging: list[torch.Tensor | None] = [None, None]  # CUDA: pinned buffers `upload` alternates
         self.graphs: DecodeGraphs | None = None  # decode steps at fixed batch sizes (`use_decode_graphs`)
+
+    def warm_up(self, max_rows: int, sampled_rows: int) -> int:
+        """Runs each packed linear at every row count a step of at most `max_rows` tokens, and of
+        `sampled_rows` sampled rows for the LM head, gives it (CPU; nothing elsewhere). Returns
+        the products run."""
+        return packed_linear.warm_up(self.model, max_rows, sampled_rows) if self.packed_linears else 0
 
     def _views(self, layout: ArenaLayout):
         cfg, item = self.cfg, self.dtype.itemsize

@@ -42,7 +42,7 @@ def serve_in_process(model_dir: str | Path | None = None, host: str = "127.0.0.1
 
     source = ModelSource.parse(model_dir if model_dir is not None else demo_model_dir("tiny"))
     model_dir, served_model_name = source.local_dir(), served_model_name or source.served_name
-    engine = AsyncEngine.from_pretrained(model_dir, **engine_options)
+    engine = AsyncEngine.from_pretrained(model_dir, **{"warm_up": True, **engine_options})  # compiled before serving
     gc.collect()
     gc.freeze()  # this process serves one engine: its long-lived objects need no cyclic scans (as a replica)
     app = build_app(LocalEngineClient(engine), model_dir, served_model_name, api_key,

@@ -21,6 +21,11 @@ Contract:
 - `PackedLinear.forward(x)` is `F.linear(x, weight, bias)` for any leading shape; it runs the
   product at `padded_rows` rows (zero rows added, their results dropped), so that the shapes
   oneDNN compiles a kernel for are few and a new prompt length costs no compile.
+- `warm_up(model, max_rows, head_rows)` runs every distinct packed shape once at every row count
+  a product of at most `max_rows` rows runs at (`head_rows` for the model's `lm_head`, which sees
+  only the sampled rows), zeros in, nothing kept: oneDNN then compiles its kernels before the
+  first request instead of during it (a first 6,000-token prompt paid about 200 ms of compiles on
+  the peer model, served). Returns how many products it ran.
 Packing is the CPU's eager path only: CUDA models never take it, and the step census
 (`workers.step_census`), which counts a GPU's work on CPU tensors, sees one op a linear either way.
 """
@@ -99,5 +104,27 @@ def pack_linears(model: nn.Module) -> int:
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear) and id(child) not in skip and child.weight.dtype == p.dtype:
                 setattr(parent, name, PackedLinear(child))
+                done += 1
+    return done
+
+
+def row_buckets(max_rows: int) -> list[int]:
+    """Every row count `padded_rows` gives for 1..max_rows."""
+    out, n = [], 1
+    while n <= padded_rows(max_rows):
+        out.append(n)
+        n = n * 2 if n < ROW_STEP else n + ROW_STEP
+    return out
+
+
+def warm_up(model: nn.Module, max_rows: int, head_rows: int) -> int:
+    head = getattr(model, "lm_head", None)
+    shapes = {(m.in_features, m.out_features, m.bias is not None, m is head): m for m in model.modules()
+              if isinstance(m, PackedLinear)}
+    done = 0
+    with torch.inference_mode():
+        for (*_, is_head), linear in shapes.items():
+            for rows in row_buckets(head_rows if is_head else max_rows):
+                linear(torch.zeros(rows, linear.in_features, dtype=linear.packed.dtype))
                 done += 1
     return done
