@@ -36,6 +36,7 @@ import kernels
 from kernels.varlen_plan import VarlenPlan
 from workers.arena import ArenaLayout
 from workers.cache_placement import COPY, DEMOTE, IMPORT, MOVE, PROMOTE
+from workers import heap
 from workers.decode_graphs import DecodeGraphs
 from workers.model import ForwardBatch, HybridForCausalLM, ModelCaches
 from workers.model.batch import plan_arrays
@@ -113,7 +114,9 @@ class ModelRunner:
         self.packed_linears = pack_linears(model)  # CPU: weights laid out once for oneDNN (none on CUDA)
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
-        kernels.load_native(self.device)  # CPU: the C++ kernels, built or loaded now, not in a step
+        if self.device.type == "cpu":
+            kernels.load_native(self.device)  # the C++ kernels, built or loaded now, not in a step
+            heap.retain_freed_memory()  # a step reuses the last one's activation pages (workers.heap)
         self.page_size = page_size
         self.arena = torch.zeros(layout.arena_bytes, dtype=torch.uint8, device=self.device)
         self._blocks = self.arena.view(layout.num_blocks, layout.block_bytes)  # one row per block
