@@ -59,6 +59,7 @@ __all__ = [
     "delta_gates",
     "sigmoid_gate",
     "silu_mul",
+    "argmax_rows",
     "VarlenPlan",
     "force_reference",
     "load_native",
@@ -263,3 +264,8 @@ def sigmoid_gate(x: Tensor, gate: Tensor) -> Tensor:
 def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
     """See `reference_fused.silu_mul`."""
     return _fused_backend(gate).silu_mul(gate, up)
+
+
+def argmax_rows(logits: Tensor) -> Tensor:
+    """See `reference.argmax_rows`."""
+    return _backend(logits, native=True).argmax_rows(logits)

@@ -2,8 +2,9 @@
 kernel (kernels/csrc), with the same signatures, checks and results (to rounding: the delta rule
 runs token by token here, chunk by chunk there).
 
-Which ops: the Gated DeltaNet's conv and delta rule, varlen (prefill) and per slot (decode), and
-decode attention over paged K/V: the ops whose torch form is a chain of small tensors' ops, where a
+Which ops: the Gated DeltaNet's conv and delta rule, varlen (prefill) and per slot (decode),
+decode attention over paged K/V, the row-wise ops of `reference_fused`, and greedy sampling's
+argmax: the ops whose torch form is a chain of small tensors' ops, where a
 fused loop keeps its data in cache. Each is a launcher over `torch.ops.cairn_cpu.<op>`, built by
 `kernels.cpu_build`; `kernels` sends CPU tensors here only once that library is loaded.
 The kernels' own notes (what runs on a thread, the math) open their C++ sources.
@@ -131,3 +132,9 @@ def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
     """See `reference_fused.silu_mul`."""
     _expect_shape("up", up, "T, N", tuple(gate.shape))
     return _ops.silu_mul(gate, up)
+
+
+def argmax_rows(logits: Tensor) -> Tensor:
+    """See `reference.argmax_rows`."""
+    _expect_shape("logits", logits, "N, V", (None, None))
+    return _ops.argmax_rows(logits)

@@ -457,3 +457,14 @@ def copy_state_slots(tensors: Sequence[Tensor], src_slots: Tensor, dst_slots: Te
     for pool in tensors:
         _expect(pool.dim() >= 1, "state pools with a slot dim", list(pool.shape))
         pool.index_copy_(0, dst_slots, pool.index_select(0, src_slots))
+
+
+# ---------------------------------------------------------------- sampling
+
+
+def argmax_rows(logits: Tensor) -> Tensor:
+    """Greedy sampling's ids: logits [N, V] (any float dtype) -> [N] int64, the first index of each
+    row's maximum, or -1 for a row whose maximum is not finite (a NaN, a +inf, all -inf)."""
+    _expect_shape("logits", logits, "N, V", (None, None))
+    best, index = torch.max(logits, dim=-1)
+    return torch.where(torch.isfinite(best), index, -1)

@@ -276,3 +276,19 @@ def test_without_the_library_an_engine_runs_the_references():
                           timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().endswith("3")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_argmax_takes_the_first_maximum_and_refuses_rows_that_are_not_finite(dtype):
+    logits = rand(7, 1000, seed=1, dtype=dtype)
+    logits[1, 17] = logits[1, 900] = 50.0  # a tie: the first
+    logits[2, 999] = 60.0  # in the tail past the last whole vector
+    logits[3, 5] = math.nan
+    logits[4, 400] = math.inf
+    logits[5] = -math.inf
+    logits[6, 0] = 70.0
+    got = cpu.argmax_rows(logits)
+    assert got.tolist() == ref.argmax_rows(logits).tolist()
+    assert got.tolist()[1:] == [17, 999, -1, -1, -1, 0]
+    narrow = rand(3, 5, seed=2, dtype=dtype)  # shorter than a vector
+    assert cpu.argmax_rows(narrow).tolist() == narrow.float().argmax(-1).tolist()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+import kernels
 from workers.errors import SequenceFault
 from workers.sequence import Sequence, TokenLogprob
 
@@ -31,10 +32,9 @@ class Sampler:
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, TokenLogprob | None] | SequenceFault]:
         """logits: [N, vocab] fp32, one row per sequence in `seqs`; one result per row."""
         if all(s.params.temperature == 0 and s.params.logprobs is None for s in seqs):  # argmax on the device
-            best, argmax = torch.max(logits, dim=-1)
             # a row with a NaN or an infinity has its maximum there: it reads back as -1, and the
             # step's one read of the device is these ids
-            ids = torch.where(torch.isfinite(best), argmax, -1).tolist()
+            ids = kernels.argmax_rows(logits).tolist()
             if min(ids, default=0) >= 0:
                 return [(t, None) for t in ids]
         finite = torch.isfinite(logits).all(dim=-1).tolist()
