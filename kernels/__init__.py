@@ -151,8 +151,8 @@ def paged_attention_prefill(query: Tensor, k_cache: Tensor, v_cache: Tensor, pag
                             cu_seqlens_q: Tensor, seq_lens: Tensor, scale: float,
                             plan: VarlenPlan | None = None) -> Tensor:
     """See `reference.paged_attention_prefill`."""
-    return _backend(query).paged_attention_prefill(query, k_cache, v_cache, page_table, cu_seqlens_q,
-                                                   seq_lens, scale, plan)
+    return _backend(query, native=True).paged_attention_prefill(query, k_cache, v_cache, page_table, cu_seqlens_q,
+                                                                seq_lens, scale, plan)
 
 
 def paged_attention_decode(query: Tensor, k_cache: Tensor, v_cache: Tensor, page_table: Tensor,

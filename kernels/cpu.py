@@ -3,8 +3,8 @@ kernel (kernels/csrc), with the same signatures, checks and results (to rounding
 runs token by token here, chunk by chunk there).
 
 Which ops: the Gated DeltaNet's conv and delta rule, varlen (prefill) and per slot (decode),
-decode attention over paged K/V, the row-wise ops of `reference_fused`, and greedy sampling's
-argmax: the ops whose torch form is a chain of small tensors' ops, where a
+attention over paged K/V (decode; prefill in bf16 at a head dim of 64 with AMX), the row-wise ops
+of `reference_fused`, and greedy sampling's argmax: the ops whose torch form is a chain of small tensors' ops, where a
 fused loop keeps its data in cache. Each is a launcher over `torch.ops.cairn_cpu.<op>`, built by
 `kernels.cpu_build`; `kernels` sends CPU tensors here only once that library is loaded.
 The kernels' own notes (what runs on a thread, the math) open their C++ sources.
@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from kernels import reference
 from kernels.reference import _check_delta, _check_paged, _expect, _expect_dtype, _expect_shape
 from kernels.reference_varlen import _check_slots, _plan
 from kernels.varlen_plan import VarlenPlan
@@ -74,6 +75,32 @@ def causal_conv1d_update_slots(x: Tensor, weight: Tensor, conv_pool: Tensor, sta
     """See `reference_varlen.causal_conv1d_update_slots`."""
     _check_conv(x, weight, conv_pool, state_slots, None)
     return _ops.conv_update(x, weight, conv_pool, state_slots)
+
+
+_amx: list[bool] = []  # whether the tile unit runs here (asked once)
+
+
+def paged_attention_prefill(query: Tensor, k_cache: Tensor, v_cache: Tensor, page_table: Tensor,
+                            cu_seqlens_q: Tensor, seq_lens: Tensor, scale: float,
+                            plan: VarlenPlan | None = None) -> Tensor:
+    """See `reference.paged_attention_prefill`. The C++ kernel takes bf16 with a head dim of 64 on
+    a CPU with AMX (kernels/csrc/attention_prefill.cpp); anything else runs the reference (torch's
+    flash kernel)."""
+    if not _amx:
+        _amx.append(bool(_ops.amx_available()))
+    if not (_amx[0] and query.dtype == k_cache.dtype == torch.bfloat16 and query.shape[-1] == 64
+            and query.stride(-1) == 1 and k_cache.stride(-1) == 1):
+        return reference.paged_attention_prefill(query, k_cache, v_cache, page_table, cu_seqlens_q, seq_lens, scale,
+                                                 plan)
+    batch, _ = _check_paged(query, k_cache, v_cache, page_table, seq_lens)
+    _expect_shape("cu_seqlens_q", cu_seqlens_q, "B+1", (batch + 1,))
+    cu = plan.cu if plan is not None else cu_seqlens_q.tolist()
+    lens = seq_lens.tolist()
+    _expect(cu[0] == 0 and cu[-1] == query.shape[0], f"cu_seqlens_q from 0 to T = {query.shape[0]}", cu)
+    for b in range(batch):
+        _expect(0 <= cu[b + 1] - cu[b] <= lens[b] <= page_table.shape[1] * k_cache.shape[1],
+                f"0 <= q_len <= seq_len <= max_pages * page_size for sequence {b}", (cu[b + 1] - cu[b], lens[b]))
+    return _ops.attention_prefill(query, k_cache, v_cache, page_table, cu, seq_lens, scale)
 
 
 def paged_attention_decode(query: Tensor, k_cache: Tensor, v_cache: Tensor, page_table: Tensor,

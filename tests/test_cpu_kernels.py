@@ -171,6 +171,45 @@ def test_decode_attention_over_strided_pages_equals_the_reference(group, head_di
     torch.testing.assert_close(out.float(), want.float(), **tol)
 
 
+def amx() -> bool:
+    return cpu_build.library() and bool(torch.ops.cairn_cpu.amx_available())
+
+
+@pytest.mark.skipif(not amx(), reason="no AMX tile unit on this CPU: prefill attention runs torch's flash kernel")
+@pytest.mark.parametrize("new, cached, group", [([37], [0], 4), ([16, 5, 0, 100], [0, 33, 9, 70], 4),
+                                                ([1], [500], 2), ([300], [1000], 1), ([65, 64], [63, 1], 8)])
+def test_prefill_attention_on_the_tile_unit_equals_the_reference(new, cached, group):
+    """bf16 at a head dim of 64: within the reference's own distance to fp32 attention."""
+    h_kv, page_size, d = 2, 16, 64
+    totals = [n + c for n, c in zip(new, cached)]
+    width = max(-(-t // page_size) for t in totals)
+    arena = torch.full((len(new) * width + 3, 2, 2, page_size, h_kv, d), math.nan, dtype=torch.bfloat16)
+    k_cache, v_cache = arena[:, 1, 0], arena[:, 1, 1]  # strided pages, as the engine's arena
+    table = torch.randperm(arena.shape[0])[:len(new) * width].reshape(len(new), width).to(torch.int32)
+    for b, total in enumerate(totals):
+        for p in range(total):
+            page = table[b, p // page_size]
+            k_cache[page, p % page_size] = rand(h_kv, d, seed=1000 * b + p, dtype=torch.bfloat16)
+            v_cache[page, p % page_size] = rand(h_kv, d, seed=1000 * b + p + 500, dtype=torch.bfloat16)
+    q = rand(sum(new), h_kv * group, d, seed=7, dtype=torch.bfloat16)
+    cu = torch.tensor([0] + torch.tensor(new).cumsum(0).tolist(), dtype=torch.int32)
+    lens = torch.tensor(totals, dtype=torch.int32)
+    got = cpu.paged_attention_prefill(q, k_cache, v_cache, table, cu, lens, 0.125)
+    exact = ref.paged_attention_prefill(q.float(), k_cache.float(), v_cache.float(), table, cu, lens, 0.125)
+    theirs = ref.paged_attention_prefill(q, k_cache, v_cache, table, cu, lens, 0.125)
+    assert got.dtype == torch.bfloat16 and not got.isnan().any()
+    bound = (theirs.float() - exact).abs().max().item()
+    assert (got.float() - exact).abs().max().item() <= 1.5 * bound + 1e-3
+
+
+def test_prefill_attention_at_other_head_dims_runs_the_reference():
+    q, k_cache = rand(5, 2, 32, dtype=torch.bfloat16), rand(2, 16, 1, 32, dtype=torch.bfloat16)
+    table, cu, lens = torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([0, 5], dtype=torch.int32), \
+        torch.tensor([20], dtype=torch.int32)
+    assert torch.equal(cpu.paged_attention_prefill(q, k_cache, k_cache, table, cu, lens, 0.2),
+                       ref.paged_attention_prefill(q, k_cache, k_cache, table, cu, lens, 0.2))
+
+
 def test_decode_attention_refuses_lengths_past_the_page_table():
     k_cache = torch.zeros(4, 16, 1, 8)
     with pytest.raises(ValueError, match="seq_lens"):
@@ -292,3 +331,51 @@ def test_greedy_argmax_takes_the_first_maximum_and_refuses_rows_that_are_not_fin
     assert got.tolist()[1:] == [17, 999, -1, -1, -1, 0]
     narrow = rand(3, 5, seed=2, dtype=dtype)  # shorter than a vector
     assert cpu.argmax_rows(narrow).tolist() == narrow.float().argmax(-1).tolist()
+
+
+# ---------------------------------------------------------------- the engine at serving shapes
+
+
+@pytest.fixture(scope="module")
+def serving_shaped(tmp_path_factory):
+    """A Qwen3.5 checkpoint in bf16 with head dims of 64: the shapes whose kernels take the fast
+    paths (the tile unit's prefill attention, the delta rule's vector recurrence)."""
+    from conftest import Q35_TEXT, QWEN3_5_CHECKPOINTS, build_hf_checkpoint
+
+    rope = dict(Q35_TEXT["rope_parameters"], mrope_section=[4, 2, 2])
+    QWEN3_5_CHECKPOINTS["q35_head64"] = ("Qwen3_5ForCausalLM", "Qwen3_5TextConfig", dict(
+        Q35_TEXT, head_dim=64, num_attention_heads=4, num_key_value_heads=2, linear_key_head_dim=64,
+        linear_value_head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4, rope_parameters=rope))
+    return build_hf_checkpoint(tmp_path_factory.mktemp("head64"), "q35_head64", dtype=torch.bfloat16)
+
+
+def test_the_engine_in_bf16_at_serving_shapes_tracks_transformers_in_bf16(serving_shaped):
+    from conftest import hf_reference_model
+
+    from workers import Engine
+
+    engine = Engine.from_pretrained(serving_shaped, dtype="bfloat16", max_num_batched_tokens=64)  # chunked
+    ids = torch.randint(0, engine.config.vocab_size, (150,), generator=torch.Generator().manual_seed(1)).tolist()
+    got = engine.prompt_logits(ids)
+    with torch.inference_mode():
+        want = hf_reference_model(serving_shaped).to(torch.bfloat16)(torch.tensor([ids])).logits[0].float()
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    assert (got - want).abs().max().item() <= 2 * 2 ** -8 * want.abs().max().item()  # two bf16 roundings
+
+
+def test_a_resumed_prompt_at_serving_shapes_answers_as_a_cold_one(serving_shaped):
+    from workers import Engine, SamplingParams
+
+    gen = torch.Generator().manual_seed(2)
+    first = torch.randint(0, 200, (133,), generator=gen).tolist()
+    second = first + torch.randint(0, 200, (50,), generator=gen).tolist()  # the next turn
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=2)
+    warm = Engine.from_pretrained(serving_shaped, dtype="bfloat16", max_num_batched_tokens=64)
+    warm.generate([first], params)
+    resumed = warm.generate([second], params)[0]
+    cold = Engine.from_pretrained(serving_shaped, dtype="bfloat16", max_num_batched_tokens=64).generate(
+        [second], params)[0]
+    assert resumed.cached_tokens > 0
+    assert resumed.token_ids == cold.token_ids
+    torch.testing.assert_close(torch.tensor([lp.logprob for lp in resumed.logprobs]),
+                               torch.tensor([lp.logprob for lp in cold.logprobs]), atol=0.02, rtol=0)

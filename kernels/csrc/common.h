@@ -31,9 +31,23 @@ inline vec16 vload(const float* p) { return *reinterpret_cast<const vec16u*>(p);
 inline void vstore(float* p, vec16 v) { *reinterpret_cast<vec16u*>(p) = v; }
 inline vec16 vsplat(float x) { return vec16{} + x; }
 inline float vsum(vec16 v) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_add_ps(reinterpret_cast<__m512>(v));
+#else
   float s = 0.f;
   for (int i = 0; i < kLanes; ++i) s += v[i];
   return s;
+#endif
+}
+
+inline float vmax(vec16 v) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_max_ps(reinterpret_cast<__m512>(v));
+#else
+  float m = v[0];
+  for (int i = 1; i < kLanes; ++i) m = v[i] > m ? v[i] : m;
+  return m;
+#endif
 }
 
 // bf16 <-> fp32 as integer ops on the bits, which vectorise (c10's conversions do not, well):
@@ -223,6 +237,21 @@ inline vec16 vexp(vec16 x) {  // exp_approx, a vector at a time
   const vec16 s1 = reinterpret_cast<vec16>((half + 127) << 23), s2 = reinterpret_cast<vec16>((ni - half + 127) << 23);
   const vec16 out = p * s1 * s2;
   return x != x ? x : (x < lo ? vec16{} : out);
+#endif
+}
+
+// exp(x) to about 1e-4 relative (2^f by a cubic on [-1/2, 1/2]), for values rounded to bf16
+// next (whose own rounding is 4e-3): attention's probabilities. 0 for -inf, as exp.
+inline vec16 vexp_coarse(vec16 x) {
+#if defined(__AVX512F__)
+  const vec16 t = (x < -150.f ? vsplat(-150.f) : x) * 1.44269504088896341f;
+  const vec16 n = reinterpret_cast<vec16>(_mm512_roundscale_ps(reinterpret_cast<__m512>(t),
+                                                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  const vec16 f = t - n;
+  const vec16 p = 1.0f + f * (0.69314718f + f * (0.24022650f + f * (0.05550411f + f * 0.00961813f)));
+  return reinterpret_cast<vec16>(_mm512_scalef_ps(reinterpret_cast<__m512>(p), reinterpret_cast<__m512>(n)));
+#else
+  return vexp(x);
 #endif
 }
 
