@@ -204,27 +204,23 @@ def delta_gates(a: Tensor, b: Tensor, A_log: Tensor, dt_bias: Tensor) -> tuple[T
     return g, beta
 
 
+def _pairwise(kernel, names: tuple[str, str], a: Tensor, b: Tensor) -> Tensor:
+    """y = kernel(a, b) elementwise over rows [T, N] (a program per row and 1024 columns)."""
+    _expect_shape(names[0], a, "T, N", (None, None))
+    _expect_shape(names[1], b, "T, N", tuple(a.shape))
+    a, b = tc.unit_last(a), tc.unit_last(b)
+    t, n = a.shape
+    y = tc.empty(t, n, dtype=a.dtype, device=a.device)
+    if t:
+        kernel[(t, triton.cdiv(n, 1024))](a, b, y, a.stride(0), b.stride(0), n, BLOCK=1024, num_warps=4)
+    return y
+
+
 def sigmoid_gate(x: Tensor, gate: Tensor) -> Tensor:
     """See `reference_fused.sigmoid_gate`."""
-    _expect_shape("x", x, "T, N", (None, None))
-    _expect_shape("gate", gate, "T, N", tuple(x.shape))
-    x, gate = tc.unit_last(x), tc.unit_last(gate)
-    t, n = x.shape
-    y = tc.empty(t, n, dtype=x.dtype, device=x.device)
-    if t:
-        _sigmoid_gate_kernel[(t, triton.cdiv(n, 1024))](x, gate, y, x.stride(0), gate.stride(0), n, BLOCK=1024,
-                                                         num_warps=4)
-    return y
+    return _pairwise(_sigmoid_gate_kernel, ("x", "gate"), x, gate)
 
 
 def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
     """See `reference_fused.silu_mul`."""
-    _expect_shape("gate", gate, "T, N", (None, None))
-    _expect_shape("up", up, "T, N", tuple(gate.shape))
-    gate, up = tc.unit_last(gate), tc.unit_last(up)
-    t, n = gate.shape
-    y = tc.empty(t, n, dtype=gate.dtype, device=gate.device)
-    if t:
-        _silu_mul_kernel[(t, triton.cdiv(n, 1024))](gate, up, y, gate.stride(0), up.stride(0), n, BLOCK=1024,
-                                                     num_warps=4)
-    return y
+    return _pairwise(_silu_mul_kernel, ("gate", "up"), gate, up)

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from triton.runtime.interpreter import InterpretedFunction
 
 import kernels
-from kernels import reference, reference_varlen, triton_common
+from kernels import reference, reference_fused, reference_varlen, triton_common
 from kernels import triton_attention as attention
 from kernels import triton_conv as conv
 from kernels import triton_delta_recurrent as recurrent
@@ -348,8 +348,10 @@ def test_cuda_tensors_dispatch_to_triton_unless_the_reference_is_forced(monkeypa
     monkeypatch.setattr(triton_common, "INTERPRETED", False)  # as in a process running compiled Triton
     cuda_like = SimpleNamespace(is_cuda=True)
     monkeypatch.delenv("CAIRN_KERNELS", raising=False)
-    assert kernels._backend(torch.zeros(1)) is reference
-    assert kernels._varlen_backend(torch.zeros(1)) is reference_varlen
+    from kernels import cpu, cpu_build
+
+    assert kernels._backend(torch.zeros(1)) is reference  # CPU tensors: the C++ kernels where an op has one
+    assert kernels._varlen_backend(torch.zeros(1)) is (cpu if cpu_build.library() else reference_varlen)
     assert kernels._backend(cuda_like) is gpu and kernels._varlen_backend(cuda_like) is gpu
     monkeypatch.setenv("CAIRN_KERNELS", "reference")
     assert kernels._backend(cuda_like) is reference
@@ -381,13 +383,16 @@ def test_the_engine_running_the_triton_kernels_gives_the_reference_paths_tokens(
     from workers import Engine, SamplingParams
 
     triton_ops = SimpleNamespace(**{name: getattr(module, name) for module in (attention, conv, delta, recurrent, state)
-                                    for name in dir(module) if not name.startswith("_")})
+                                    for name in dir(module) if not name.startswith("_")},
+                                 argmax_rows=reference.argmax_rows)  # torch's own on a GPU too
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     gen = torch.Generator().manual_seed(0)
     first = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in (150, 37, 1)]
     results = []
-    for backend in (reference, triton_ops):
-        monkeypatch.setattr(kernels, "_backend", lambda tensor, backend=backend: backend)
+    for backend, varlen in ((reference, reference_varlen), (triton_ops, triton_ops)):
+        monkeypatch.setattr(kernels, "_backend", lambda tensor, native=False, backend=backend: backend)
+        monkeypatch.setattr(kernels, "_varlen_backend", lambda tensor, varlen=varlen: varlen)
+        monkeypatch.setattr(kernels, "_fused_backend", lambda tensor: reference_fused)
         engine = Engine.from_pretrained(tiny_model_dir, device="cpu", page_size=16, num_pages=96, max_num_seqs=3,
                                         max_num_batched_tokens=96)
         turn1 = engine.generate(first, params)

@@ -125,18 +125,24 @@ inline float pow2i(int32_t n) {  // 2^n for -126 <= n <= 127
   return out;
 }
 
-inline float exp_approx(float x) {
-  const float lo = -87.33654475055310f, hi = 88.8f;
-  const float c = x < lo ? lo : (x > hi ? hi : x);
-  const float n = std::nearbyint(c * 1.44269504088896341f);
-  const float r = (c - n * 0.693359375f) - n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
+// exp(n ln 2 + r) / 2^n for |r| <= ln 2 / 2: Cephes' polynomial, for a float or a vector of them.
+template <typename V>
+inline V exp_reduced(V c, V n) {
+  const V r = (c - n * 0.693359375f) - n * -2.12194440e-4f;
+  V p = r * 0.f + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
+  return p * r * r + r + 1.0f;
+}
+
+inline float exp_approx(float x) {
+  const float lo = -87.33654475055310f, hi = 88.8f;
+  const float c = x < lo ? lo : (x > hi ? hi : x);
+  const float n = std::nearbyint(c * 1.44269504088896341f);
+  const float p = exp_reduced(c, n);
   const int32_t half = static_cast<int32_t>(n) / 2;
   const float out = p * pow2i(half) * pow2i(static_cast<int32_t>(n) - half);
   return x != x ? x : (x < lo ? 0.f : out);
@@ -222,14 +228,7 @@ inline vec16 vexp(vec16 x) {  // exp_approx, a vector at a time
   vec16 n;
   for (int i = 0; i < kLanes; ++i) n[i] = std::nearbyint(c[i] * 1.44269504088896341f);
 #endif
-  const vec16 r = (c - n * 0.693359375f) - n * -2.12194440e-4f;
-  vec16 p = vsplat(1.9875691500e-4f);
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
+  const vec16 p = exp_reduced(c, n);
 #if defined(__AVX512F__)
   return reinterpret_cast<vec16>(_mm512_scalef_ps(reinterpret_cast<__m512>(p), reinterpret_cast<__m512>(n)));
 #else
