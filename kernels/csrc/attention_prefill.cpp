@@ -106,10 +106,11 @@ void run_item(const Item& it, const Packed& p, const uint16_t* q, int64_t qs0, i
   alignas(64) float sbufs[2][kRows * kKeys];
   alignas(64) uint16_t pbuf[kRows * kKeys];
   alignas(64) float obuf[kRows * kDim];
-  float m[kRows], l[kRows];
+  float m[kRows];
+  vec16 lsum[kRows];  // each row's sum of probabilities, in 16 lanes
   int64_t limit[kRows];  // the last key each row sees
   for (int r = 0; r < kRows; ++r) {
-    m[r] = -std::numeric_limits<float>::infinity(), l[r] = 0.f;
+    m[r] = -std::numeric_limits<float>::infinity(), lsum[r] = vec16{};
     limit[r] = r < rows ? cached + it.first + r : -1;
   }
   for (int r = 0; r < kRows; ++r) {
@@ -149,26 +150,31 @@ void run_item(const Item& it, const Packed& p, const uint16_t* q, int64_t qs0, i
     float grow[kRows];
     const vec16 minus = vsplat(-std::numeric_limits<float>::infinity());
     for (int r = 0; r < kRows; ++r) {
-      vec16 s0 = vload(sbuf + r * kKeys) * scale, s1 = vload(sbuf + r * kKeys + 16) * scale;
+      // scores unscaled here (scale > 0 keeps their order); m[r] is in the same units
+      vec16 s0 = vload(sbuf + r * kKeys), s1 = vload(sbuf + r * kKeys + 16);
       if (masked) {
         const vec16 first = vsplat(static_cast<float>(kb * kKeys - limit[r]));  // key - limit, as floats
         s0 = first + lane > 0.f ? minus : s0;
         s1 = first + lane + 16.f > 0.f ? minus : s1;
       }
-      const float top = vmax(s0 > s1 ? s0 : s1);
       grow[r] = 1.f;
-      if (top > m[r] + kLazy || (m[r] == -std::numeric_limits<float>::infinity() && top > m[r])) {
-        if (l[r] > 0.f) {
-          grow[r] = std::exp(m[r] - top);
-          rescale = true;
+      const vec16 both = s0 > s1 ? s0 : s1;
+      const vec16 bound = vsplat(m[r] + kLazy / scale);  // -inf until the row has a maximum
+      if (__builtin_expect(vmax(both > bound ? both : bound) > bound[0] || m[r] == -INFINITY, 0)) {
+        const float top = vmax(both);
+        if (top > -INFINITY && (top > m[r] + kLazy / scale || m[r] == -INFINITY)) {
+          if (m[r] > -INFINITY) {
+            grow[r] = std::exp((m[r] - top) * scale);
+            rescale = true;
+          }
+          m[r] = top;
         }
-        m[r] = top;
       }
-      const vec16 mr = vsplat(m[r] == -std::numeric_limits<float>::infinity() ? 0.f : m[r]);
-      const vec16 r0 = vround<c10::BFloat16>(vexp_coarse(s0 - mr)), r1 = vround<c10::BFloat16>(vexp_coarse(s1 - mr));
-      l[r] = l[r] * grow[r] + vsum(r0 + r1);  // P as P V reads it: rounded to bf16
-      vstore_from_f32(reinterpret_cast<c10::BFloat16*>(pbuf + r * kKeys), r0);
-      vstore_from_f32(reinterpret_cast<c10::BFloat16*>(pbuf + r * kKeys + 16), r1);
+      const vec16 shift = vsplat(m[r] == -INFINITY ? 0.f : -m[r] * scale), sv = vsplat(scale);
+      const vec16 p0 = vexp_coarse(s0 * sv + shift), p1 = vexp_coarse(s1 * sv + shift);
+      lsum[r] = lsum[r] * grow[r] + (p0 + p1);
+      vstore_from_f32(reinterpret_cast<c10::BFloat16*>(pbuf + r * kKeys), p0);
+      vstore_from_f32(reinterpret_cast<c10::BFloat16*>(pbuf + r * kKeys + 16), p1);
     }
     if (rescale) {  // O's rows that outgrew their maximum, scaled: out of the tiles and back
       _tile_stored(2, obuf, kDim * 4);
@@ -200,7 +206,7 @@ void run_item(const Item& it, const Packed& p, const uint16_t* q, int64_t qs0, i
   _tile_stored(5, obuf + 48, kDim * 4);
   _tile_release();
   for (int r = 0; r < rows; ++r) {
-    const float inv = 1.f / l[r];
+    const float inv = 1.f / vsum(lsum[r]);
     c10::BFloat16* dst = reinterpret_cast<c10::BFloat16*>(out + (row0 + it.first + r) * os0 + it.hq * os1);
     for (int t = 0; t < 4; ++t) vstore_from_f32(dst + 16 * t, vload(obuf + r * kDim + 16 * t) * inv);
   }
