@@ -141,7 +141,7 @@ def main() -> None:
 
     model_dir = demo_model_dir(size, args.arch)
     engine = Engine.from_pretrained(model_dir, max_num_seqs=max(args.concurrency, args.short, 1),
-                                    max_num_batched_tokens=2048)
+                                    max_num_batched_tokens=2048, warm_up=True)  # as a server's: compiled at load
     hf = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     prompts = make_prompts(args.concurrency, args.prompt_len, engine.spec.vocab_size)
     n, new = args.concurrency, args.new_tokens
