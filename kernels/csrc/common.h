@@ -29,7 +29,9 @@ typedef float vec16u __attribute__((vector_size(64), aligned(4)));
 
 inline vec16 vload(const float* p) { return *reinterpret_cast<const vec16u*>(p); }
 inline void vstore(float* p, vec16 v) { *reinterpret_cast<vec16u*>(p) = v; }
-inline vec16 vsplat(float x) { return vec16{} + x; }
+inline vec16 vsplat(float x) {  // a broadcast (`vec16{} + x` adds 0.f first: -0 + 0 is +0)
+  return vec16{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
+}
 inline float vsum(vec16 v) {
 #if defined(__AVX512F__)
   return _mm512_reduce_add_ps(reinterpret_cast<__m512>(v));
