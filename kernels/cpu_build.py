@@ -6,7 +6,8 @@ environment turns them off), having warned once with the reason: the CPU path th
 torch references (kernels.reference*). `build_error()` says why it is off.
 - The sources compile with torch's extension builder (`torch.utils.cpp_extension.load`, ninja),
   `-O3 -march=native` and OpenMP (torch's own runtime at run time: `at::parallel_for` shares
-  torch's intra-op threads), into $CAIRN_HOME/kernels/<name> (default ~/.cache/cairn). About
+  torch's intra-op threads), into $CAIRN_KERNEL_CACHE/<name> (default ~/.cache/cairn-kernels: a
+  machine's build, apart from $CAIRN_HOME's models, which tests point elsewhere). About
   20 s the first time; after that the built library is loaded directly (`torch.ops.load_library`,
   milliseconds: importing the builder alone costs about 80 ms), the builder called only if that
   fails. The engine's runner loads it when it is made (`kernels.load_native`), so neither the
@@ -71,8 +72,7 @@ def build_error() -> str | None:
 
 
 def build_directory(name: str) -> Path:
-    home = Path(os.environ.get("CAIRN_HOME") or Path.home() / ".cache" / "cairn")
-    return home / "kernels" / name
+    return Path(os.environ.get("CAIRN_KERNEL_CACHE") or Path.home() / ".cache" / "cairn-kernels") / name
 
 
 def _load() -> bool:
