@@ -67,7 +67,8 @@ def wrong_types():
         "model": [5, None, ["tiny"], {"id": "tiny"}], "temperature": ["hot", True, [1], {}],
         "top_p": ["x", False], "top_k": [1.5, "5", True], "seed": [1.5, "7", True],
         "stop": [5, [5], {"a": 1}, [None], True], "n": ["2", 2.0, True, None], "stream": ["yes", 1, None],
-        "stream_options": ["x", [1]], "presence_penalty": ["x"], "frequency_penalty": ["x", None],
+        "stream_options": ["x", [1]], "presence_penalty": ["x", True], "frequency_penalty": ["x"],
+        "min_p": ["x", True], "repetition_penalty": ["x", [1]], "min_tokens": ["5", 1.5, True],
         "logit_bias": [[1], {"1": "x"}, "x"], "user": [5], "cache_salt": [5, ["a"]], "ignore_eos": ["x", 0],
         "stop_token_ids": ["1", [1.5], ["1"], 5, [True]], "max_tokens": ["5", 1.5, True],
         "max_completion_tokens": ["5", 1.5], "logprobs": ["yes", 1], "top_logprobs": ["2", 1.5],
@@ -107,7 +108,8 @@ def out_of_range():
     for field, values in {"temperature": [-0.1, 2.5, 1e308], "top_p": [0, 1.1, -1], "top_k": [-2],
                           "seed": [-1, 2 ** 64, 10 ** 100], "n": [0, 17, 10 ** 9], "max_tokens": [0, -1, 10 ** 30, 5000],
                           "max_completion_tokens": [0, 10 ** 20], "top_logprobs": [21, -1],
-                          "presence_penalty": [0.5], "frequency_penalty": [-2.0]}.items():
+                          "presence_penalty": [2.5, -2.01], "frequency_penalty": [2.1, -3.0],
+                          "repetition_penalty": [0, -1, 2.5], "min_p": [-0.1, 1.5], "min_tokens": [-1]}.items():
         for v in values:
             extra = {"logprobs": True} if field == "top_logprobs" else {}
             yield case(f"chat {field}={v!r}", chat(**{field: v}, **extra), 400, field)
@@ -157,8 +159,17 @@ def limits():
     yield case("9 stop token ids", chat(stop_token_ids=list(range(9))), 400, "stop_token_ids",
                code="limit_exceeded")
     yield case("a million stop token ids", chat(stop_token_ids=[1] * 40000), 400, "stop_token_ids")
-    yield case("8 logit_bias entries: unsupported", chat(logit_bias={str(i): 1 for i in range(8)}), 400,
-               "logit_bias", code="unsupported")
+    yield case("8 logit_bias entries (at max_logit_bias)", chat(logit_bias={str(i): 1 for i in range(8)}), 200)
+    for bias in [{"1": 100.5}, {"1": -101}, {"x": 1}, {"-1": 1}, {"512": 1}, {"1" * 5000: 1}, {" 1": 1}]:
+        yield case(f"logit_bias {str(bias)[:30]}", chat(logit_bias=bias), 400, "logit_bias")
+    yield case("logit_bias at its bounds", chat(logit_bias={"1": 100, "2": -100}), 200)
+    yield case("min_tokens over max_tokens", chat(max_tokens=2, min_tokens=3), 400, "min_tokens")
+    yield case("min_tokens over max_completion_tokens", chat(max_completion_tokens=2, min_tokens=3), 400,
+               "min_tokens")
+    yield case("min_tokens at max_tokens", chat(max_tokens=2, min_tokens=2), 200)
+    yield case("completion min_tokens over max_tokens", comp(max_tokens=2, min_tokens=3), 400, "min_tokens", P)
+    yield case("every penalty at its bound", chat(presence_penalty=2, frequency_penalty=-2, repetition_penalty=2,
+                                                  min_p=1, top_k=5), 200)
     yield case("9 logit_bias entries: over the limit first", chat(logit_bias={str(i): 1 for i in range(9)}), 400,
                "logit_bias", code="limit_exceeded")
     yield case("4 prompts (at max_prompts)", comp(prompt=["a", "b", "c", "d"]), 200, path=P)
@@ -397,8 +408,10 @@ def test_each_default_limit_serves_its_value_and_refuses_one_more(scripted, limi
 
 
 def test_the_default_logit_bias_and_text_limits(scripted):
-    bias = {str(i): 1 for i in range(D.max_logit_bias)}
-    assert_error_shape(scripted.post(C, json=chat(logit_bias=bias)), 400, "logit_bias", "unsupported")
+    bias = {str(i): 1 for i in range(D.max_logit_bias)}  # more ids than the vocabulary: counted first
+    r = scripted.post(C, json=chat(logit_bias=bias))
+    assert_error_shape(r, 400, "logit_bias")
+    assert r.json()["error"]["code"] != "limit_exceeded" and "token ids" in r.json()["error"]["message"]
     assert_error_shape(scripted.post(C, json=chat(logit_bias={**bias, "x": 1})), 400, "logit_bias", "limit_exceeded")
     over = chat(messages=msg(content="x" * (D.max_text_chars - 1)), stop="xy")
     assert_error_shape(scripted.post(C, json=over), 413, "messages", "limit_exceeded")
@@ -421,8 +434,10 @@ COMMON = {
     "seed": st.integers(-5, 2 ** 70) | JSON, "stop": TEXT | st.lists(TEXT, max_size=20) | JSON,
     "n": st.integers(-1, 20) | JSON, "stream": st.booleans() | JSON,
     "stream_options": st.fixed_dictionaries({"include_usage": st.booleans() | JSON}) | JSON,
-    "presence_penalty": st.floats(-2, 2) | JSON, "logit_bias": st.dictionaries(st.text(max_size=4), st.floats(-5, 5),
+    "presence_penalty": st.floats(-2, 2) | JSON, "logit_bias": st.dictionaries(st.text(max_size=4) | st.integers(0, 600).map(str), st.floats(-120, 120),
                                                                                   max_size=3) | JSON,
+    "frequency_penalty": st.floats(-3, 3) | JSON, "repetition_penalty": st.floats(-1, 3) | JSON,
+    "min_p": st.floats(-0.5, 1.5) | JSON, "min_tokens": st.integers(-2, 20) | JSON,
     "cache_salt": TEXT | JSON, "ignore_eos": st.booleans() | JSON,
     "stop_token_ids": st.lists(st.integers(-2, 2 ** 65), max_size=300) | JSON, "user": TEXT | JSON,
 }

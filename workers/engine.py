@@ -140,7 +140,7 @@ class Engine:
         if rank_workers is not None:
             rank_workers.wait_ready(layout.num_blocks, timeout_s=max(120.0, options.collective_timeout_s))
             self.runner = TensorParallelRunner(self.runner, rank_workers)
-        self.sampler = Sampler(options.seed)
+        self.sampler = Sampler(options.seed, self.scheduler.eos_token_ids)
         self.events = EventStream(worker_id)
         self.stats = EngineStats()
         self._requests: dict[str, Sequence] = {}
@@ -220,6 +220,8 @@ class Engine:
             raise RequestRejected(f"prompt token ids must be integers in [0, {spec.vocab_size})", "prompt")
         if any(t >= spec.vocab_size for t in params.stop_token_ids):
             raise RequestRejected(f"stop_token_ids must be in [0, {spec.vocab_size})", "stop_token_ids")
+        if any(t >= spec.vocab_size for t, _ in params.logit_bias):
+            raise RequestRejected(f"logit_bias token ids must be in [0, {spec.vocab_size})", "logit_bias")
         if len(prompt) >= spec.max_model_len:
             raise RequestRejected(f"prompt has {len(prompt)} tokens; this model allows at most "
                                   f"{spec.max_model_len - 1} (max_model_len {spec.max_model_len} minus one to "

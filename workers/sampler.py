@@ -1,81 +1,368 @@
-"""Turns the logits of one step into one token per sampling sequence.
+"""Turns the logits of one step into one token per sampling sequence, batched on their device.
 
-Greedy rows (temperature 0 or top_k 1) take the argmax, batched. Other rows apply temperature,
-then top-k, then top-p (the smallest set of most likely tokens whose probability reaches p; the
-most likely token always stays), and draw with a generator seeded from (seed, output index), so
-a seeded request gives the same tokens alone, batched, chunked or preempted. Requests without a
-seed draw from the engine's own generator. A temperature so small that the scaled logits
-overflow is greedy (what such a temperature means).
+Contract (`Sampler.sample`): one result per row, and the only read of the device is the sampled
+ids (with the logprobs asked, in the same copy). No Python runs per row on the logits: the host
+builds each row's parameters into a few arrays (one upload, pinned and non-blocking on CUDA),
+and every step below is a batched op over the rows that need it.
 
-Logprobs, when asked, are log_softmax of the raw logits (before temperature and filters), for
-the chosen token and the `logprobs` most likely alternatives.
+1. Logprobs, when asked, are log_softmax of the raw logits (before anything below), for the
+   chosen token and the `logprobs` most likely alternatives.
+2. The logits change, in vLLM's order: `logit_bias` is added; while a row has fewer than
+   `min_tokens` outputs its EOS and stop ids are masked; the penalties apply from the row's token
+   counts on the device (workers.token_counts): `repetition_penalty` over prompt and output
+   tokens, then `frequency_penalty` x count and `presence_penalty` over output tokens.
+3. Greedy rows (temperature 0 or top_k 1) take the argmax of the changed logits.
+4. Sampled rows: w = exp((x - max) / temperature), the weights of the distribution (never
+   normalised). A temperature so small that max / temperature overflows is greedy (what such a
+   temperature means). Then, each only where some row asks for it:
+   - min-p keeps w >= min_p (the most likely token has w = 1);
+   - top-k keeps exactly k tokens (one `topk` over the batch at its largest k; ties broken as
+     `topk` breaks them); a row with top-k takes its top-p from those k sorted weights;
+   - top-p keeps the tokens whose strictly likelier tokens hold less than p of the mass (the
+     smallest set reaching p; the most likely token always stays), found without a sort: a
+     two-level radix select over the weights' float bits (65,536 buckets of the high bits, then
+     32,768 of the low bits inside the boundary bucket), so tokens of exactly equal weight at
+     the boundary are kept together.
+   - The draw is an inverse CDF with one uniform per row, in two levels (blocks of 1,024 tokens,
+     then within the block), so no cumulative sum spans the vocabulary. The uniform comes from a
+     counter-based hash (SplitMix64) of (seed, output index) on the device: a seeded request
+     draws the same tokens alone, batched, chunked or preempted, and successive indices are
+     independent draws. A request without a seed gets a fresh key from the engine's generator
+     each step.
 
-Faults stay in their row: a row whose logits are not finite, or whose draw fails, yields a
-`SequenceFault` in its place; every other row is sampled as if it were alone.
+Faults stay in their row: a row whose logits are not finite, or whose parameters cannot be
+prepared, yields a `SequenceFault` in its place; every other row is sampled as if it were alone.
 """
 
 from __future__ import annotations
 
+import logging
+
+import numpy as np
 import torch
 
 import kernels
 from workers.errors import SequenceFault
 from workers.sequence import Sequence, TokenLogprob
+from workers.token_counts import TokenCounts
 
-_SEED_STRIDE = 1_000_003  # mixes (seed, output index) into one generator seed
+log = logging.getLogger(__name__)
+
+_BLOCK = 1024  # tokens per block of the two-level draw
+_GOLDEN = 0x9E3779B97F4A7C15 - 2**64  # SplitMix64's increment, as an int64
+_MIX1, _MIX2 = 0xBF58476D1CE4E5B9 - 2**64, 0x94D049BB133111EB - 2**64
+_HIGH_BITS, _LOW_BITS = 16, 15  # the radix select's two levels over a positive float's 31 bits
+
+
+def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """SplitMix64's finaliser over int64 tensors (multiplications wrap)."""
+    x = (x ^ _shr(x, 30)) * _MIX1
+    x = (x ^ _shr(x, 27)) * _MIX2
+    return x ^ _shr(x, 31)
+
+
+def uniforms(keys: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """One uniform in [0, 1) per row, a function of (key, index) only: fp32 with 24 random bits."""
+    h = _mix(_mix(keys) + (index + 1) * _GOLDEN)
+    return _shr(h, 40).to(torch.float32) * 2.0 ** -24
+
+
+def nucleus(w: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keep-mask [n, V] of top-p over non-negative weights w [n, V] fp32 (any scale), top_p [n]:
+    a token stays when the tokens of strictly larger weight hold less than top_p of the row's
+    mass. Radix select over the float bits (monotone for non-negative floats): the bucket of the
+    high 15 bits where the mass from the top first reaches top_p, then the same inside it over
+    the low 16 bits; that gives the boundary's exact bit pattern, and a token stays when its bits
+    are at least that (so every tie of the boundary value stays)."""
+    n, vocab = w.shape
+    bits = w.view(torch.int32) & 0x7FFFFFFF  # a NaN's sign bit (an overflowed row, discarded) never indexes
+    target = (top_p * w.sum(-1))[:, None]
+    rows = torch.arange(n, device=w.device, dtype=torch.int32)[:, None]
+
+    def boundary(keys: torch.Tensor, buckets: int, above: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The bucket (of `buckets` per row; a key of `buckets` is ignored) where the mass from
+        the top, plus `above`, first reaches the target; and the mass of the buckets above it."""
+        table = torch.zeros(n * (buckets + 1), dtype=w.dtype, device=w.device)
+        table.index_add_(0, (keys + rows * (buckets + 1)).view(-1), w.reshape(-1))
+        table = table.view(n, buckets + 1)[:, :buckets]
+        total = table.sum(-1, keepdim=True) + above
+        from_top = total - table.cumsum(-1) + table  # mass in buckets >= b, plus above
+        b = ((from_top >= target).sum(-1, keepdim=True) - 1).clamp_(min=0)
+        return b, from_top.gather(1, b) - table.gather(1, b)
+
+    b_high, above = boundary(bits >> 16, 1 << 15, torch.zeros(n, 1, dtype=w.dtype, device=w.device))
+    low = torch.where((bits >> 16) == b_high, bits & 0xFFFF, 1 << 16)
+    b_low, _ = boundary(low, 1 << 16, above)
+    return bits >= ((b_high << 16) | b_low).to(torch.int32)
+
+
+def _draw(w: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse CDF over weights w [n, V] with one uniform per row: the block of _BLOCK tokens (the
+    last one may be shorter) whose cumulative mass first exceeds u x total, then the token inside
+    it. A token of weight 0 is never drawn."""
+    n, vocab = w.shape
+    whole = vocab // _BLOCK
+    sums = [w[:, :whole * _BLOCK].view(n, whole, _BLOCK).sum(-1)] if whole else []
+    if vocab > whole * _BLOCK:
+        sums.append(w[:, whole * _BLOCK:].sum(-1, keepdim=True))
+    cum = torch.cat(sums, dim=1).cumsum(-1)  # [n, blocks]
+    target = u[:, None] * cum[:, -1:]
+    j = torch.searchsorted(cum, target, right=True).clamp_(max=cum.shape[1] - 1)
+    before = torch.where(j > 0, cum.gather(1, (j - 1).clamp(min=0)), 0.0)
+    at = j * _BLOCK + torch.arange(_BLOCK, device=w.device)[None, :]  # [n, _BLOCK]
+    inner = torch.where(at < vocab, w.gather(1, at.clamp(max=vocab - 1)), 0.0).cumsum(-1)
+    rest = torch.minimum(target - before, torch.nextafter(inner[:, -1:], torch.zeros_like(inner[:, -1:])))
+    t = torch.searchsorted(inner, rest.clamp_(min=0), right=True).clamp_(max=_BLOCK - 1)
+    return (j[:, 0] * _BLOCK + t[:, 0]).clamp_(max=vocab - 1)
+
+
+class _Rows:
+    """The host's arrays of one step's rows that took part (faulted ones left out)."""
+
+    def __init__(self):
+        self.pos: list[int] = []  # row in the step
+        self.temperature: list[float] = []  # 0: greedy
+        self.top_k: list[int] = []  # 0: off
+        self.top_p: list[float] = []
+        self.min_p: list[float] = []
+        self.seed: list[int] = []  # -1: unseeded
+        self.index: list[int] = []
+        self.logprobs: list[int] = []  # -1: not asked
+        self.penalised: list[int] = []  # positions (in these rows) with penalties
+        self.penalties: list[tuple[float, float, float]] = []  # (repetition, frequency, presence)
+        self.seqs: list[Sequence] = []
+        self.bias: list[tuple[int, int, float]] = []  # (position, token, bias)
+        self.masked: list[tuple[int, int]] = []  # (position, token): EOS and stop ids under min_tokens
 
 
 class Sampler:
-    def __init__(self, seed: int = 0):
+    def __init__(self, seed: int = 0, eos_token_ids: frozenset[int] | tuple[int, ...] = ()):
         self._generator = torch.Generator().manual_seed(seed)
+        self.eos = tuple(sorted(eos_token_ids))
+        self.counts: TokenCounts | None = None  # made for the first penalised row
+        self._staging: list[torch.Tensor | None] = [None, None]  # pinned upload buffers on CUDA
 
+    @torch.inference_mode()
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, TokenLogprob | None] | SequenceFault]:
         """logits: [N, vocab] fp32, one row per sequence in `seqs`; one result per row."""
-        if all(s.params.temperature == 0 and s.params.logprobs is None for s in seqs):  # argmax on the device
+        if all(self._plain_greedy(s) for s in seqs):  # argmax on the device
             # a row with a NaN or an infinity has its maximum there: it reads back as -1, and the
             # step's one read of the device is these ids
             ids = kernels.argmax_rows(logits).tolist()
             if min(ids, default=0) >= 0:
                 return [(t, None) for t in ids]
-        finite = torch.isfinite(logits).all(dim=-1).tolist()
-        logits = logits.float().cpu()
-        tokens = torch.argmax(logits, dim=-1).tolist()
-        out: list[tuple[int, TokenLogprob | None] | SequenceFault] = []
-        for row, seq in enumerate(seqs):
-            if not finite[row]:
-                out.append(SequenceFault("the model's logits for this request were not finite"))
-                continue
+        vocab = logits.shape[-1]
+        out: list[tuple[int, TokenLogprob | None] | SequenceFault | None] = [None] * len(seqs)
+        rows = self._rows(seqs, vocab, out)
+        if rows.pos:
             try:
-                token = tokens[row] if seq.params.greedy else self._draw(logits[row], seq)
-                k = seq.params.logprobs
-                out.append((token, None if k is None else self._logprob(logits[row], token, k)))
-            except Exception as e:  # this row's sampling only: the others go on
-                out.append(SequenceFault(f"sampling failed: {type(e).__name__}"))
-        return out
+                results = self._sample_rows(logits, rows)
+            except Exception as e:  # a batched op failed: the rows it held fail, the engine goes on
+                log.exception("sampling %d row(s) failed", len(rows.pos))
+                results = [SequenceFault(f"sampling failed: {type(e).__name__}")] * len(rows.pos)
+            for i, result in zip(rows.pos, results):
+                out[i] = result
+        return out  # type: ignore[return-value]
+
+    @torch.inference_mode()
+    def adjusted_logits(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """The logits after step 2 (bias, min_tokens, penalties), one row per sequence, on a copy:
+        what greedy rows take the argmax of and sampled rows scale. For tests and benchmarks."""
+        rows = self._rows(seqs, logits.shape[-1], [None] * len(seqs))
+        if len(rows.pos) < len(seqs):
+            raise ValueError("a row's sampling parameters could not be prepared")
+        return self._sample_rows(logits.clone(), rows, adjusted_only=True)
+
+    def _rows(self, seqs: list[Sequence], vocab: int, out: list) -> _Rows:
+        """Every row's parameters; a row that cannot be prepared gets its fault in `out`."""
+        rows = _Rows()
+        for i, seq in enumerate(seqs):
+            try:
+                self._row_params(rows, seq, vocab)
+                rows.pos.append(i)
+            except Exception as e:  # this row's preparation only: the others go on
+                out[i] = SequenceFault(f"sampling failed: {type(e).__name__}")
+        return rows
 
     @staticmethod
-    def _logprob(row: torch.Tensor, token: int, k: int) -> TokenLogprob:
-        lp = torch.log_softmax(row, dim=-1)
-        top_vals, top_ids = torch.topk(lp, k) if k else (torch.empty(0), torch.empty(0, dtype=torch.long))
-        return TokenLogprob(token, float(lp[token]), list(zip(top_ids.tolist(), top_vals.tolist())))
-
-    def _draw(self, row: torch.Tensor, seq: Sequence) -> int:
+    def _plain_greedy(seq: Sequence) -> bool:
         p = seq.params
-        scaled = row / p.temperature
-        if not bool(torch.isfinite(scaled).all()):  # so cold it overflows: that temperature means greedy
-            return int(torch.argmax(row))
-        if p.top_k > 0 and p.top_k < scaled.numel():
-            kth = torch.topk(scaled, p.top_k).values[-1]
-            scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-        probs = torch.softmax(scaled, dim=-1)
-        if p.top_p < 1.0:
-            sorted_probs, order = torch.sort(probs, descending=True)
-            before = torch.cumsum(sorted_probs, dim=0) - sorted_probs  # mass of strictly likelier tokens
-            drop = before >= p.top_p
-            drop[0] = False
-            probs = probs.scatter(0, order[drop], 0.0)
-        if p.seed is not None:
-            gen = torch.Generator().manual_seed((p.seed * _SEED_STRIDE + len(seq.output_token_ids)) % 2**63)
-        else:
-            gen = self._generator
-        return int(torch.multinomial(probs, 1, generator=gen))
+        return (p.greedy and p.logprobs is None and not p.logit_bias and not p.penalised
+                and len(seq.output_token_ids) >= p.min_tokens)
+
+    def _row_params(self, rows: _Rows, seq: Sequence, vocab: int) -> None:
+        """Appends one row's parameters to `rows`, or raises (that row alone faults, and nothing
+        of it is appended)."""
+        p, at = seq.params, len(rows.seqs)
+        n_out = len(seq.output_token_ids)
+        if any(token >= vocab for token, _ in p.logit_bias):
+            raise ValueError("a logit_bias token is outside the vocabulary")
+        masked = []
+        if n_out < p.min_tokens:
+            stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos))
+            masked = [(at, t) for t in sorted(stops) if t < vocab]
+        rows.temperature.append(0.0 if p.greedy else float(p.temperature))
+        rows.top_k.append(p.top_k if 0 < p.top_k < vocab else 0)
+        rows.top_p.append(float(p.top_p))
+        rows.min_p.append(float(p.min_p))
+        rows.seed.append(-1 if p.seed is None else p.seed)
+        rows.index.append(n_out)
+        rows.logprobs.append(-1 if p.logprobs is None else p.logprobs)
+        if p.penalised:
+            rows.penalised.append(at)
+            rows.penalties.append((p.repetition_penalty, p.frequency_penalty, p.presence_penalty))
+        rows.bias.extend((at, token, bias) for token, bias in p.logit_bias)
+        rows.masked.extend(masked)
+        rows.seqs.append(seq)
+
+    def _upload(self, device: torch.device, ints: list[np.ndarray], floats: list[np.ndarray]):
+        """The host arrays on the device in one copy (pinned and non-blocking on CUDA)."""
+        parts = [a.astype(np.int64).view(np.uint8) for a in ints] + [a.astype(np.float32).view(np.uint8) for a in floats]
+        host = torch.from_numpy(np.concatenate(parts) if parts else np.zeros(0, np.uint8))
+        if device.type == "cuda":
+            self._staging = self._staging[::-1]
+            if self._staging[0] is None or self._staging[0].numel() < host.numel():
+                self._staging[0] = torch.empty(2 * host.numel(), dtype=torch.uint8, pin_memory=True)
+            pinned = self._staging[0][:host.numel()]
+            pinned.copy_(host)
+            host = pinned.to(device, non_blocking=True)
+        out, at = [], 0
+        for a, dtype in [(a, torch.int64) for a in ints] + [(a, torch.float32) for a in floats]:
+            size = a.size * 8 if dtype == torch.int64 else a.size * 4
+            out.append(host[at:at + size].view(dtype))
+            at += size
+        return out
+
+    def _sample_rows(self, logits: torch.Tensor, rows: _Rows, adjusted_only: bool = False):
+        n, vocab, device = len(rows.pos), logits.shape[-1], logits.device
+        temperature = np.array(rows.temperature, np.float32)
+        sampled = np.flatnonzero(temperature > 0)
+        unseeded = np.array(rows.seed) < 0
+        keys = np.array(rows.seed, np.int64)
+        if unseeded.any():  # a fresh key each step, from the engine's generator
+            keys[unseeded] = torch.randint(0, 2**62, (int(unseeded.sum()),), generator=self._generator).numpy()
+        asked = np.flatnonzero(np.array(rows.logprobs) >= 0)
+        k_top = int(max((rows.logprobs[i] for i in asked), default=0))
+        counts_rows = []
+        if rows.penalised:
+            if self.counts is None:
+                self.counts = TokenCounts(vocab, device)
+            counts_rows = self.counts.rows([rows.seqs[i] for i in rows.penalised])
+        bias = np.array(rows.bias, np.float64).reshape(-1, 3)
+        masked = np.array(rows.masked, np.int64).reshape(-1, 2)
+        pen = np.array(rows.penalties, np.float32).reshape(-1, 3)
+        (pos, samp, key, index, top_k, asked_t, pen_pos, pen_rows, bias_at, masked_at,
+         temp, top_p, min_p, bias_val, pen_val) = self._upload(device, [
+            np.array(rows.pos), sampled, keys[sampled], np.array(rows.index)[sampled],
+            np.array(rows.top_k)[sampled], asked, np.array(rows.penalised), np.array(counts_rows),
+            bias[:, :2].astype(np.int64).reshape(-1), masked.reshape(-1)],
+            [temperature[sampled], np.array(rows.top_p, np.float32)[sampled],
+             np.array(rows.min_p, np.float32)[sampled], bias[:, 2].astype(np.float32), pen.reshape(-1)])
+
+        x = logits.float()
+        if n < logits.shape[0]:  # some rows faulted before: the others, compacted
+            x = x.index_select(0, pos)
+        finite = torch.isfinite(x.sum(-1))  # a NaN or an infinity anywhere in the row
+        logprobs = torch.log_softmax(x.index_select(0, asked_t), dim=-1) if len(asked) else None
+
+        if len(bias):
+            b = bias_at.view(-1, 2)
+            x.index_put_((b[:, 0], b[:, 1]), bias_val, accumulate=True)
+        if len(masked):
+            m = masked_at.view(-1, 2)
+            x.index_put_((m[:, 0], m[:, 1]), torch.tensor(float("-inf"), device=device))
+        if rows.penalised:
+            self._penalise(x, pen_pos, pen_rows, pen_val.view(-1, 3))
+        if adjusted_only:
+            return x
+        best, ids = torch.max(x, dim=-1)
+        if len(sampled):
+            drawn, overflow = self._sample_weights(
+                x, samp, best, temp, top_k, top_p, min_p, [rows.top_k[i] for i in sampled],
+                [rows.top_p[i] for i in sampled], [rows.min_p[i] for i in sampled], uniforms(key, index))
+            ids = ids.index_copy(0, samp, torch.where(overflow, ids.index_select(0, samp), drawn))
+        ids = torch.where(finite, ids, -1)
+        if rows.penalised:
+            self.counts.add(pen_rows, ids.index_select(0, pen_pos))
+        if logprobs is None:
+            return [(t, None) if t >= 0 else self._not_finite() for t in ids.tolist()]
+        chosen = logprobs.gather(1, ids.index_select(0, asked_t).clamp(min=0)[:, None])[:, 0]
+        top_vals, top_ids = torch.topk(logprobs, k_top, dim=-1) if k_top else (logprobs[:, :0], logprobs[:, :0].long())
+        # one read: ids, chosen logprobs, alternatives (token ids are exact in fp64)
+        host = torch.cat((ids.double(), chosen.double(), top_vals.double().reshape(-1),
+                          top_ids.double().reshape(-1))).tolist()
+        id_list, chosen_list = [int(t) for t in host[:n]], host[n:n + len(asked)]
+        vals, alts = host[n + len(asked):n + len(asked) * (1 + k_top)], host[n + len(asked) * (1 + k_top):]
+        results: list = []
+        where = {int(r): j for j, r in enumerate(asked)}
+        for r, t in enumerate(id_list):
+            if t < 0:
+                results.append(self._not_finite())
+                continue
+            j = where.get(r)
+            if j is None:
+                results.append((t, None))
+                continue
+            k = rows.logprobs[r]
+            pairs = [(int(alts[j * k_top + c]), vals[j * k_top + c]) for c in range(k)]
+            results.append((t, TokenLogprob(t, chosen_list[j], pairs)))
+        return results
+
+    @staticmethod
+    def _not_finite() -> SequenceFault:
+        return SequenceFault("the model's logits for this request were not finite")
+
+    def _penalise(self, x: torch.Tensor, at: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
+        """vLLM's penalties on rows `at` of x, from their token-count rows."""
+        counts = self.counts.counts.index_select(0, rows)
+        seen = counts > 0
+        sub = x.index_select(0, at)
+        repetition, frequency, presence = (values[:, i:i + 1] for i in range(3))
+        sub = torch.where(seen | self.counts.prompt.index_select(0, rows),
+                          torch.where(sub > 0, sub / repetition, sub * repetition), sub)
+        sub = sub - frequency * counts - presence * seen
+        x.index_copy_(0, at, sub)
+
+    @staticmethod
+    def _sample_weights(x, samp, best, temp, top_k, top_p, min_p, k_host, p_host, min_p_host, u
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draws one token for each row `samp` of the changed logits x (see the module's step 4);
+        also which of them overflowed (greedy)."""
+        ns = len(k_host)
+        inv = (1.0 / temp)[:, None]
+        peak = best.index_select(0, samp)[:, None]
+        rows = x if ns == x.shape[0] else x.index_select(0, samp)
+        w = torch.addcmul(-peak * inv, rows, inv).exp_()
+        overflow = ~torch.isfinite(peak[:, 0] * inv[:, 0])
+        if any(v > 0 for v in min_p_host):
+            w.masked_fill_(w < min_p[:, None], 0.0)
+        with_k = [i for i, k in enumerate(k_host) if k > 0]
+        if with_k:
+            at = torch.tensor(with_k, device=x.device) if len(with_k) < ns else None
+            sub = w if at is None else w.index_select(0, at)
+            k = top_k if at is None else top_k.index_select(0, at)
+            vals, idx = torch.topk(sub, max(k_host[i] for i in with_k), dim=-1)
+            vals = vals * (torch.arange(vals.shape[1], device=x.device)[None, :] < k[:, None])
+            p = top_p if at is None else top_p.index_select(0, at)
+            before = vals.cumsum(-1) - vals  # top-p inside the k, already sorted
+            vals = torch.where((before < p[:, None] * vals.sum(-1, keepdim=True)) | (p[:, None] >= 1), vals, 0.0)
+            kept = torch.zeros_like(sub).scatter_(1, idx, vals)
+            if at is None:
+                w.copy_(kept)
+            else:
+                w.index_copy_(0, at, kept)
+        with_p = [i for i, (k, p) in enumerate(zip(k_host, p_host)) if k == 0 and p < 1.0]
+        if with_p:
+            at = torch.tensor(with_p, device=x.device) if len(with_p) < ns else None
+            sub = w if at is None else w.index_select(0, at)
+            keep = nucleus(sub, top_p if at is None else top_p.index_select(0, at))
+            if at is None:
+                w.mul_(keep)
+            else:
+                w.index_copy_(0, at, sub * keep)
+        return _draw(w, u), overflow

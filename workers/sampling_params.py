@@ -3,7 +3,16 @@
 Contract: a `SamplingParams` that exists is valid — construction checks every field and raises
 `RequestRejected` (a `ValueError`) whose `param` is the field and whose message gives its allowed
 range, so a bad value never reaches a step.
-`temperature == 0` (or `top_k == 1`) means greedy. `top_k` of 0 or -1 disables top-k.
+`temperature == 0` (or `top_k == 1`) means greedy. `top_k` of 0 or -1 disables top-k; `min_p`
+keeps the tokens whose probability is at least `min_p` times the most likely one's.
+Penalties and biases change the logits before temperature and the filters, with vLLM's and
+OpenAI's semantics: `presence_penalty` subtracts its value from every token already in the
+output, `frequency_penalty` its value times how often it is there (both in [-2, 2]);
+`repetition_penalty` divides the positive logits (multiplies the negative ones) of every token in
+the prompt or the output (in (0, 2]; 1 = off); `logit_bias` adds a value in [-100, 100] to a token
+id's logit (the engine checks the ids against its vocabulary); `min_tokens` masks the EOS and stop
+ids until that many tokens are out (at most `max_tokens`). Greedy rows take the argmax of the
+changed logits.
 `logprobs = k` returns, for each generated token, its log-probability under the model's raw
 distribution (before temperature/top-p/top-k) and the k most likely alternatives.
 A `seed` makes sampling reproducible, also across preemption and batching: the random draw for
@@ -18,6 +27,8 @@ from workers.errors import RequestRejected
 
 MAX_LOGPROBS = 20
 MAX_SEED = 2**63 - 1
+MAX_LOGIT_BIAS = 100.0
+MAX_PENALTY = 2.0
 
 
 @dataclass(frozen=True)
@@ -30,6 +41,12 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     logprobs: int | None = None
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)  # (token id, bias), ids distinct
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         def check(ok: bool, name: str, allowed: str) -> None:
@@ -55,7 +72,28 @@ class SamplingParams:
         check(isinstance(stops, (list, tuple)) and all(is_int(t) and t >= 0 for t in stops),
               "stop_token_ids", "a list of non-negative integers")
         object.__setattr__(self, "stop_token_ids", tuple(stops))
+        check(is_num(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", "in [0, 1]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            check(is_num(getattr(self, name)) and -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY, name,
+                  f"in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]")
+        check(is_num(self.repetition_penalty) and 0.0 < self.repetition_penalty <= MAX_PENALTY,
+              "repetition_penalty", f"in (0, {MAX_PENALTY:g}]")
+        bias = self.logit_bias
+        bias = tuple(bias.items()) if isinstance(bias, dict) else bias
+        check(isinstance(bias, (list, tuple)) and all(
+            isinstance(e, (list, tuple)) and len(e) == 2 and is_int(e[0]) and e[0] >= 0 and is_num(e[1])
+            and -MAX_LOGIT_BIAS <= e[1] <= MAX_LOGIT_BIAS for e in bias)
+            and len({e[0] for e in bias}) == len(bias),
+            "logit_bias", f"distinct non-negative token ids with biases in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+        object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in bias))
+        check(is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
+              "an integer in [0, max_tokens]")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def penalised(self) -> bool:
+        """Whether the logits depend on the tokens seen so far (a row of token counts)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0

@@ -6,8 +6,10 @@ a wrong type is a 400 naming the field. Ranges the engine owns (temperature, top
 are checked once, by `SamplingParams`; the ones only the API knows are checked here, and so are
 the size limits (`limits.APILimits`, from the validation context `{"limits": ...}`, else the
 defaults): a list over its limit is refused before its items are validated. Fields we
-accept but cannot honour (penalties, logit_bias, JSON modes, forced tool calls, suffix) are
-refused by the serving layer with a 400 naming them, never silently dropped.
+accept but cannot honour (JSON modes, forced tool calls, suffix) are refused by the serving layer
+with a 400 naming them, never silently dropped. Sampling takes OpenAI's fields and vLLM's
+extensions (`top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `stop_token_ids`,
+`ignore_eos`); `logit_bias` keys are token ids, as strings.
 
 Tools: a definition is `{"type": "function", "function": {"name", "description"?, "parameters"?,
 "strict"?}}` with OpenAI's name rule (1 to 64 of `A-Z a-z 0-9 _ -`) and `parameters` a JSON
@@ -223,9 +225,18 @@ class SamplingFields(_Request):
     n: int = Field(1, ge=1, le=MAX_N, description=f"choices to generate, 1..{MAX_N}")
     stream: bool = Field(False, description="server-sent events instead of one JSON body")
     stream_options: StreamOptions | None = Field(None, description="streaming extras (include_usage)")
-    presence_penalty: float = Field(0.0, description="not supported: must be 0")
-    frequency_penalty: float = Field(0.0, description="not supported: must be 0")
-    logit_bias: dict[str, float] | None = Field(None, description="not supported: must be empty")
+    min_p: float | None = Field(None, description="keep tokens at least min_p times as likely as the most "
+                                                  "likely one, in [0, 1]")
+    presence_penalty: float | None = Field(None, description="subtracted from tokens already in the output, "
+                                                             "in [-2, 2]")
+    frequency_penalty: float | None = Field(None, description="times each output token's count, subtracted "
+                                                              "from its logit, in [-2, 2]")
+    repetition_penalty: float | None = Field(None, description="divides positive (multiplies negative) logits "
+                                                               "of prompt and output tokens, in (0, 2]; 1 = off")
+    logit_bias: dict[str, float] | None = Field(None, description="token id (a string) -> bias in [-100, 100], "
+                                                                  "added to its logit")
+    min_tokens: int | None = Field(None, description="tokens to generate before EOS or a stop id may end the "
+                                                     "choice, at most max_tokens")
     user: str | None = Field(None, description="end-user id (not used)")
     cache_salt: str | None = Field(None, max_length=1024,
                                    description="requests with different salts never share cached pages")

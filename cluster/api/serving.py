@@ -70,11 +70,18 @@ class Serving:
         if req.model != self.model_name:
             raise APIError(404, f"model {req.model!r} does not exist; this server serves {self.model_name!r}",
                            "model", "model_not_found")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(req, name) != 0:
-                raise bad_request(f"{name} is not supported (must be 0)", name, "unsupported")
-        if req.logit_bias:
-            raise bad_request("logit_bias is not supported", "logit_bias", "unsupported")
+        self.logit_bias(req)
+
+    def logit_bias(self, req: SamplingFields) -> tuple[tuple[int, float], ...]:
+        """`logit_bias` as (token id, bias) pairs; a key that is not a token id of this model is
+        a 400 naming it (the biases' range is `SamplingParams`')."""
+        vocab, out = self.client.spec.vocab_size, []
+        for key, bias in (req.logit_bias or {}).items():
+            token = int(key) if key.isascii() and key.isdigit() and len(key) <= 10 else -1
+            if not 0 <= token < vocab:
+                raise bad_request(f"logit_bias keys must be token ids in [0, {vocab}), got {key!r}", "logit_bias")
+            out.append((token, bias))
+        return tuple(out)
 
     def max_tokens(self, req: SamplingFields, n_prompt: int, prompt_param: str) -> int:
         limit = self.client.spec.max_model_len
@@ -94,7 +101,7 @@ class Serving:
 
     def sampling(self, req: SamplingFields, max_tokens: int, logprobs: int | None,
                  names: dict[str, str]) -> list[SamplingParams]:
-        out = []
+        out, bias = [], self.logit_bias(req)
         for i in range(req.n):
             seed = req.seed
             if seed is not None and 0 <= seed <= MAX_SEED:  # out of range: SamplingParams says so
@@ -103,7 +110,11 @@ class Serving:
                 out.append(SamplingParams(
                     max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
                     top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0, seed=seed,
-                    stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos, logprobs=logprobs))
+                    stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos, logprobs=logprobs,
+                    min_p=req.min_p or 0.0, presence_penalty=req.presence_penalty or 0.0,
+                    frequency_penalty=req.frequency_penalty or 0.0,
+                    repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                    logit_bias=bias, min_tokens=req.min_tokens or 0))
             except RequestRejected as e:  # names the field: the API may call it otherwise
                 param = names.get(e.param, e.param)
                 message = param + e.message[len(e.param):] if e.message.startswith(e.param) else e.message
