@@ -113,7 +113,7 @@ CORPUS = [  # (name, path, body: dict | bytes | str | generator factory, headers
     ("top_logprobs without logprobs", C, chat(top_logprobs=2), None, 400, "top_logprobs"),
     ("presence penalty out of range", C, chat(presence_penalty=2.5), None, 400, "presence_penalty"),
     ("logit bias out of range", C, chat(logit_bias={"1": 150}), None, 400, "logit_bias"),
-    ("json mode", C, chat(response_format={"type": "json_object"}), None, 400, "response_format"),
+    ("unknown response format", C, chat(response_format={"type": "yaml"}), None, 400, "response_format.type"),
     ("forced tool call", C, chat(tool_choice="required"), None, 400, "tool_choice"),
     ("stream a string", C, chat(stream="yes"), None, 400, "stream"),
     ("include_usage a string", C, chat(stream=True, stream_options={"include_usage": "x"}), None, 400,

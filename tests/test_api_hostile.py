@@ -272,7 +272,7 @@ def malformed():
     yield case("continue a user message", chat(continue_final_message=True), 400, "continue_final_message")
     yield case("forced tool call", chat(tool_choice={"type": "function", "function": {"name": "f"}}), 400,
                "tool_choice")
-    yield case("json schema", chat(response_format={"type": "json_schema"}), 400, "response_format")
+    yield case("json schema", chat(response_format={"type": "json_schema"}), 400, "response_format.json_schema")
     yield case("completion suffix", comp(suffix="x"), 400, "suffix", P)
     yield case("completion best_of 3", comp(best_of=3), 400, "best_of", P)
     yield case("completion echo with logprobs", comp(echo=True, logprobs=1), 400, "echo", P)

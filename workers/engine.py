@@ -31,6 +31,7 @@ from workers.arena import ArenaLayout
 from workers.device_budget import graph_reserve_bytes, sized
 from workers.checkpoint_policy import CheckpointPolicy
 from workers.errors import EngineBroken, RequestRejected, SequenceFault
+from workers.grammar import Grammars
 from workers.model import HybridForCausalLM, ModelConfig, load_model, read_model_config
 from workers.model.sharding import shard_config
 from workers.options import EngineOptions
@@ -164,6 +165,7 @@ class Engine:
             opts = sized(opts, device, reserve=reserve)  # memory_utilization: what the weights and graphs left
             engine = cls(model, opts, fingerprint=model_fingerprint(model_dir), worker_id=worker_id,
                          eos_token_ids=generation_eos_ids(Path(model_dir)))
+            engine.use_tokenizer(Path(model_dir))
             if opts.warm_up:
                 engine.warm_up()
             return engine
@@ -176,12 +178,19 @@ class Engine:
             model = load_rank_model(model_dir, opts, 0, address)
             opts = sized(opts, next(model.parameters()).device, model.group)  # the same on every rank
             engine = cls(model, opts, rank_workers=workers, **meta)
+            engine.use_tokenizer(Path(model_dir))
             if opts.warm_up:
                 engine.warm_up()
             return engine
         except BaseException:
             workers.close()
             raise
+
+    def use_tokenizer(self, model_dir: Path) -> None:
+        """Structured outputs from the tokenizer in `model_dir` (loaded in the background; an
+        engine without one refuses requests with a grammar)."""
+        self.sampler.grammars = Grammars.for_model(model_dir, self.spec.vocab_size,
+                                                   tuple(sorted(self.scheduler.eos_token_ids)))
 
     def warm_up(self) -> float:
         """Compiles, before any request, the kernels a step's shapes would compile during one: on
@@ -242,6 +251,11 @@ class Engine:
             raise RequestRejected(f"page_hashes must be {whole} hashes of {DIGEST_BYTES} bytes, one per whole page",
                                   "page_hashes")
         hints = tuple(sorted({int(h) for h in checkpoint_hints or () if 0 < int(h) < len(prompt)}))
+        if params.grammar is not None:
+            if self.sampler.grammars is None:
+                raise RequestRejected("this engine has no tokenizer to compile grammars with", "grammar")
+            if any(not 0 <= t < spec.vocab_size for t in params.grammar.think or ()):
+                raise RequestRejected(f"a grammar's think tags must be token ids in [0, {spec.vocab_size})", "grammar")
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._requests:
             raise RequestRejected(f"request_id {request_id!r} is already in use", "request_id")
@@ -251,6 +265,8 @@ class Engine:
             self.cache.adopt_hashes(seq, page_hashes)
         self._requests[request_id] = seq
         self.scheduler.add(seq)
+        if params.grammar is not None:
+            self.sampler.grammars.prepare(params.grammar)  # compiles while the prompt computes
         self.stats.prompt_tokens += len(prompt)
         return request_id
 

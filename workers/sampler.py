@@ -10,7 +10,10 @@ and every step below is a batched op over the rows that need it.
 2. The logits change, in vLLM's order: `logit_bias` is added; while a row has fewer than
    `min_tokens` outputs its EOS and stop ids are masked; the penalties apply from the row's token
    counts on the device (workers.token_counts): `repetition_penalty` over prompt and output
-   tokens, then `frequency_penalty` x count and `presence_penalty` over output tokens.
+   tokens, then `frequency_penalty` x count and `presence_penalty` over output tokens; a row
+   with a grammar (structured outputs, workers.grammar) keeps only the tokens its grammar allows
+   next: the host fills a packed bitmask per such row (`Grammars.mask`), which goes up with the
+   row parameters and is unpacked on the device.
 3. Greedy rows (temperature 0 or top_k 1) take the argmax of the changed logits.
 4. Sampled rows: w = exp((x - max) / temperature), the weights of the distribution (never
    normalised). A temperature so small that max / temperature overflows is greedy (what such a
@@ -31,7 +34,7 @@ and every step below is a batched op over the rows that need it.
      each step.
 
 Faults stay in their row: a row whose logits are not finite, or whose parameters cannot be
-prepared, yields a `SequenceFault` in its place; every other row is sampled as if it were alone.
+prepared (its grammar's mask included), yields a `SequenceFault` in its place; every other row is sampled as if it were alone.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ import torch
 
 import kernels
 from workers.errors import SequenceFault
+from workers.grammar import Grammars
 from workers.sequence import Sequence, TokenLogprob
 from workers.token_counts import TokenCounts
 
@@ -101,6 +105,14 @@ def nucleus(w: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     return bits >= ((b_high << 16) | b_low).to(torch.int32)
 
 
+def unpack_bitmask(words: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Packed allowed-token words [n, W] int32 (bit j of word i: token 32 i + j) as a bool
+    mask [n, vocab]."""
+    shifts = torch.arange(32, device=words.device, dtype=torch.int32)
+    bits = (words[:, :, None] >> shifts) & 1  # an arithmetic shift: the & keeps the one bit
+    return bits.view(words.shape[0], -1)[:, :vocab].bool()
+
+
 def _draw(w: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Inverse CDF over weights w [n, V] with one uniform per row: the block of _BLOCK tokens (the
     last one may be shorter) whose cumulative mass first exceeds u x total, then the token inside
@@ -138,6 +150,8 @@ class _Rows:
         self.seqs: list[Sequence] = []
         self.bias: list[tuple[int, int, float]] = []  # (position, token, bias)
         self.masked: list[tuple[int, int]] = []  # (position, token): EOS and stop ids under min_tokens
+        self.constrained: list[int] = []  # positions with a grammar's mask
+        self.masks: list[np.ndarray] = []  # their allowed tokens, int32 words
 
 
 class Sampler:
@@ -146,6 +160,7 @@ class Sampler:
         self.eos = tuple(sorted(eos_token_ids))
         self.counts: TokenCounts | None = None  # made for the first penalised row
         self._staging: list[torch.Tensor | None] = [None, None]  # pinned upload buffers on CUDA
+        self.grammars: Grammars | None = None  # the engine's, for rows with a grammar
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, TokenLogprob | None] | SequenceFault]:
@@ -192,7 +207,7 @@ class Sampler:
     @staticmethod
     def _plain_greedy(seq: Sequence) -> bool:
         p = seq.params
-        return (p.greedy and p.logprobs is None and not p.logit_bias and not p.penalised
+        return (p.greedy and p.logprobs is None and not p.logit_bias and not p.penalised and p.grammar is None
                 and len(seq.output_token_ids) >= p.min_tokens)
 
     def _row_params(self, rows: _Rows, seq: Sequence, vocab: int) -> None:
@@ -203,6 +218,11 @@ class Sampler:
         if any(token >= vocab for token, _ in p.logit_bias):
             raise ValueError("a logit_bias token is outside the vocabulary")
         masked = []
+        mask: np.ndarray | None = None
+        if p.grammar is not None:
+            if self.grammars is None:
+                raise ValueError("this engine has no tokenizer to compile grammars with")
+            mask = self.grammars.mask(seq)
         if n_out < p.min_tokens:
             stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos))
             masked = [(at, t) for t in sorted(stops) if t < vocab]
@@ -218,11 +238,17 @@ class Sampler:
             rows.penalties.append((p.repetition_penalty, p.frequency_penalty, p.presence_penalty))
         rows.bias.extend((at, token, bias) for token, bias in p.logit_bias)
         rows.masked.extend(masked)
+        if mask is not None:
+            rows.constrained.append(at)
+            rows.masks.append(mask)
         rows.seqs.append(seq)
 
-    def _upload(self, device: torch.device, ints: list[np.ndarray], floats: list[np.ndarray]):
-        """The host arrays on the device in one copy (pinned and non-blocking on CUDA)."""
+    def _upload(self, device: torch.device, ints: list[np.ndarray], floats: list[np.ndarray],
+                words: np.ndarray):
+        """The host arrays on the device in one copy (pinned and non-blocking on CUDA): int64s,
+        float32s, then int32 `words` (last, so every view stays aligned)."""
         parts = [a.astype(np.int64).view(np.uint8) for a in ints] + [a.astype(np.float32).view(np.uint8) for a in floats]
+        parts.append(np.ascontiguousarray(words, np.int32).reshape(-1).view(np.uint8))
         host = torch.from_numpy(np.concatenate(parts) if parts else np.zeros(0, np.uint8))
         if device.type == "cuda":
             self._staging = self._staging[::-1]
@@ -236,6 +262,7 @@ class Sampler:
             size = a.size * 8 if dtype == torch.int64 else a.size * 4
             out.append(host[at:at + size].view(dtype))
             at += size
+        out.append(host[at:].view(torch.int32).view(words.shape))
         return out
 
     def _sample_rows(self, logits: torch.Tensor, rows: _Rows, adjusted_only: bool = False):
@@ -256,13 +283,14 @@ class Sampler:
         bias = np.array(rows.bias, np.float64).reshape(-1, 3)
         masked = np.array(rows.masked, np.int64).reshape(-1, 2)
         pen = np.array(rows.penalties, np.float32).reshape(-1, 3)
-        (pos, samp, key, index, top_k, asked_t, pen_pos, pen_rows, bias_at, masked_at,
-         temp, top_p, min_p, bias_val, pen_val) = self._upload(device, [
+        (pos, samp, key, index, top_k, asked_t, pen_pos, pen_rows, bias_at, masked_at, cons_at,
+         temp, top_p, min_p, bias_val, pen_val, words) = self._upload(device, [
             np.array(rows.pos), sampled, keys[sampled], np.array(rows.index)[sampled],
             np.array(rows.top_k)[sampled], asked, np.array(rows.penalised), np.array(counts_rows),
-            bias[:, :2].astype(np.int64).reshape(-1), masked.reshape(-1)],
+            bias[:, :2].astype(np.int64).reshape(-1), masked.reshape(-1), np.array(rows.constrained)],
             [temperature[sampled], np.array(rows.top_p, np.float32)[sampled],
-             np.array(rows.min_p, np.float32)[sampled], bias[:, 2].astype(np.float32), pen.reshape(-1)])
+             np.array(rows.min_p, np.float32)[sampled], bias[:, 2].astype(np.float32), pen.reshape(-1)],
+            np.stack(rows.masks) if rows.masks else np.zeros((0, 0), np.int32))
 
         x = logits.float()
         if n < logits.shape[0]:  # some rows faulted before: the others, compacted
@@ -278,6 +306,12 @@ class Sampler:
             x.index_put_((m[:, 0], m[:, 1]), torch.tensor(float("-inf"), device=device))
         if rows.penalised:
             self._penalise(x, pen_pos, pen_rows, pen_val.view(-1, 3))
+        if rows.constrained:
+            allowed = unpack_bitmask(words, vocab)
+            if len(rows.constrained) == n:
+                x.masked_fill_(~allowed, float("-inf"))
+            else:
+                x.index_copy_(0, cons_at, x.index_select(0, cons_at).masked_fill_(~allowed, float("-inf")))
         if adjusted_only:
             return x
         best, ids = torch.max(x, dim=-1)

@@ -15,6 +15,8 @@ ids until that many tokens are out (at most `max_tokens`). Greedy rows take the 
 changed logits.
 `logprobs = k` returns, for each generated token, its log-probability under the model's raw
 distribution (before temperature/top-p/top-k) and the k most likely alternatives.
+`grammar` (a `workers.grammar.Grammar`) constrains the output to a grammar: structured outputs
+and forced tool calls; greedy and sampled rows alike choose among the tokens it allows.
 A `seed` makes sampling reproducible, also across preemption and batching: the random draw for
 output token i depends only on (seed, i).
 """
@@ -24,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from workers.errors import RequestRejected
+from workers.grammar import Grammar
 
 MAX_LOGPROBS = 20
 MAX_SEED = 2**63 - 1
@@ -47,6 +50,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)  # (token id, bias), ids distinct
     min_tokens: int = 0
+    grammar: Grammar | None = None
 
     def __post_init__(self) -> None:
         def check(ok: bool, name: str, allowed: str) -> None:
@@ -88,6 +92,7 @@ class SamplingParams:
         object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in bias))
         check(is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
               "an integer in [0, max_tokens]")
+        check(self.grammar is None or isinstance(self.grammar, Grammar), "grammar", "None or a workers.grammar.Grammar")
 
     @property
     def greedy(self) -> bool:

@@ -60,6 +60,7 @@ class Sequence:
     queue_s: float | None = None  # seconds from added_at to its first admission
     paused: bool = False  # its reader is behind: while running, it is not scheduled (Engine.pause)
     cache: SequenceCache = field(default_factory=SequenceCache)
+    grammar_state: object = None  # its place in its grammar (workers.grammar), from its first sampled step
 
     def __post_init__(self) -> None:
         if not self.token_ids:

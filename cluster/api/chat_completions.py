@@ -5,9 +5,12 @@ Each choice's text is split into `reasoning_content` (what the model wrote insid
 `tools` (and `tool_choice` not none), the calls the model writes in its content become
 `tool_calls` in its format (`tool_calls`, `tool_call_formats`), content is null when nothing else
 is left, and finish_reason is "tool_calls". `tool_choice` none hides the tools from the template
-and parses nothing; auto is the default; required and a named function are refused (400, after
-checking the name is among `tools`): nothing here can constrain the output to a call.
-`parallel_tool_calls: false` keeps only the first call.
+and parses nothing; auto is the default; required (one call or more) and a named function (one
+call to it; a name not among `tools` is a 400) constrain the output to calls in the family's
+format whose arguments match the tools' schemas, and tools with `strict: true` constrain every
+call made to them (`tool_grammar`). `parallel_tool_calls: false` keeps only the first call, and
+a constrained output makes only one. `response_format` and `structured_outputs` constrain the
+content (`structured`); one source of constraint per request.
 Streaming sends a role delta per choice first, then content / reasoning / tool-call deltas with
 their tokens' logprobs, each choice's finish_reason, a usage chunk when
 `stream_options.include_usage` asks for it, and `[DONE]`. A fault after the stream started is
@@ -32,9 +35,11 @@ from cluster.api.responses import (ChatChoice, ChatChunkChoice, ChatCompletion, 
                                ChatLogprobs, ChatMessageOut, TokenLogprob, TopLogprob, Usage)
 from cluster.api.serving import CLIENT_CLOSED_REQUEST, Prepared, Serving
 from cluster.api.sse import SSEResponse
+from cluster.api.structured import response_format_grammar, structured_outputs_grammar
 from cluster.api.tenants import Caller
 from cluster.api.tokenizer import TextTokenizer
 from cluster.api.tool_calls import ToolCallParser
+from cluster.api.tool_grammar import tool_grammar
 
 
 def chat_logprobs(tokenizer: TextTokenizer, placed: list[PlacedLogprob]) -> ChatLogprobs:
@@ -60,13 +65,16 @@ class ChatCompletions:
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
         check_tools(req)
-        if req.response_format is not None and req.response_format.get("type", "text") != "text":
-            raise bad_request("only response_format {type: text} is supported", "response_format", "unsupported")
+        constraint = one_constraint([response_format_grammar(req.response_format),
+                                     structured_outputs_grammar(req.structured_outputs), self._tool_grammar(req)])
+        if constraint is not None:
+            await s.grammars.check(*constraint, client_gone, caller.tenant_id)
         prompt = await s.pool.run(lambda stop: s.prompts.chat(req, stop), client_gone, caller.tenant_id)
         name, _ = req.requested_max_tokens()
         max_tokens = s.max_tokens(req, len(prompt.ids), "messages")
+        grammar = None if constraint is None else s.grammars.grammar(constraint[1], prompt, s.reasoning_model)
         params = s.sampling(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
-                           {"max_tokens": name, "logprobs": "top_logprobs"})
+                           {"max_tokens": name, "logprobs": "top_logprobs"}, grammar)
         choices = [Choice(i, s.tokenizer, prompt.ids, req.stop_strings(),
                           ReasoningParser(prompt.opens_think) if s.reasoning_model else None,
                           self._tool_parser(req))
@@ -88,6 +96,25 @@ class ChatCompletions:
                        logprobs=chat_logprobs(s.tokenizer, c.logprobs) if req.logprobs else None)
             for c in choices])
         return JSONResponse(body.model_dump(mode="json"))
+
+    def _tool_grammar(self, req: ChatCompletionRequest) -> tuple[str, str] | None:
+        """(field, grammar) of forced or strict tool calls, or None."""
+        choice = req.tool_choice
+        forced = choice == "required" or isinstance(choice, NamedToolChoice)
+        strict = any(t.function.strict for t in req.tools or ())
+        if not req.tools or choice == "none" or not (forced or strict):
+            return None
+        fmt, field = self.serving.tool_format, "tool_choice" if forced else "tools"
+        if fmt not in ("qwen3_json", "qwen3_xml"):
+            raise bad_request("this model has no tool-call format to constrain calls to", field, "unsupported")
+        import llguidance
+
+        tools = {t.function.name: (t.function.parameters, bool(t.function.strict)) for t in req.tools}
+        mode = "named" if isinstance(choice, NamedToolChoice) else "required" if forced else "auto"
+        text = tool_grammar(fmt, tools, mode, parallel=req.parallel_tool_calls is not False,
+                            name=choice.function.name if isinstance(choice, NamedToolChoice) else None,
+                            tag_tokens=self.serving.grammars.tag_tokens)
+        return field, llguidance.LLMatcher.grammar_from_lark(text)
 
     def _tool_parser(self, req: ChatCompletionRequest) -> ToolCallParser | None:
         fmt = self.serving.tool_format
@@ -126,8 +153,18 @@ class ChatCompletions:
                         (lambda usage: chunk([], usage)) if include_usage else None, caller)
 
 
+def one_constraint(found: list[tuple[str, str] | None]) -> tuple[str, str] | None:
+    """The request's one (field, grammar); a second source is a 400 naming it."""
+    given = [c for c in found if c is not None]
+    if len(given) > 1:
+        raise bad_request(f"a request takes one constraint on its output; this one also has {given[0][0]}",
+                          given[1][0])
+    return given[0] if given else None
+
+
 def check_tools(req: ChatCompletionRequest) -> None:
-    """400s for tools the request cannot have: a function defined twice, a forced call."""
+    """400s for tools the request cannot have: a function defined twice, a call forced to a
+    function not among them."""
     names: set[str] = set()
     for i, tool in enumerate(req.tools or ()):
         if tool.function.name in names:
@@ -137,7 +174,5 @@ def check_tools(req: ChatCompletionRequest) -> None:
     if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
         raise bad_request(f"tool_choice names function {choice.function.name!r}, which is not among tools",
                           "tool_choice")
-    if choice == "required" or isinstance(choice, NamedToolChoice):
-        raise bad_request("forcing a tool call (tool_choice required or a named function) is not supported: "
-                          "this server cannot constrain the output to a call; use tool_choice auto",
-                          "tool_choice", "unsupported")
+    if choice == "required" and not req.tools:
+        raise bad_request("tool_choice required needs tools", "tool_choice")

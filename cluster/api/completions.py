@@ -3,7 +3,8 @@
 Choice `k * n + i` is the i-th of n choices for prompt k. `echo` puts the prompt's text in
 front of each choice (and shifts `text_offset` by its length); echo with logprobs would need
 the prompt's logprobs and is refused. Logprobs come in the legacy shape: tokens,
-token_logprobs, top_logprobs (one dict per token) and text_offset.
+token_logprobs, top_logprobs (one dict per token) and text_offset. vLLM's `structured_outputs`
+constrains each choice (`structured`; raw prompts have no thinking to leave free).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from cluster.api.protocol import CompletionRequest
 from cluster.api.responses import Completion, CompletionChoice, CompletionLogprobs, Usage
 from cluster.api.serving import CLIENT_CLOSED_REQUEST, Prepared, Serving
 from cluster.api.sse import SSEResponse
+from cluster.api.structured import structured_outputs_grammar
 from cluster.api.tenants import Caller
 from cluster.api.tokenizer import TextTokenizer
 
@@ -50,7 +52,12 @@ class Completions:
             raise bad_request("echo with logprobs is not supported", "echo", "unsupported")
         prompts = await s.pool.run(lambda stop: s.prompts.completion(req, stop), client_gone, caller.tenant_id)
         max_tokens = min(s.max_tokens(req, len(p.ids), "prompt") for p in prompts)
-        params = s.sampling(req, max_tokens, req.logprobs, {})
+        constraint = structured_outputs_grammar(req.structured_outputs)
+        grammar = None
+        if constraint is not None:
+            await s.grammars.check(*constraint, client_gone, caller.tenant_id)
+            grammar = s.grammars.grammar(constraint[1], None, reasoning_model=False)
+        params = s.sampling(req, max_tokens, req.logprobs, {}, grammar)
         choices = [Choice(k * req.n + i, s.tokenizer, p.ids, req.stop_strings())
                    for k, p in enumerate(prompts) for i in range(req.n)]
         echoes = [self._echo(req, p) for p in prompts for _ in range(req.n)]

@@ -19,7 +19,8 @@ tokenizer: message contents and their parts, reasoning, names, tool call ids and
 (keys too), tool definitions, chat_template_kwargs values, text prompts and stop strings.
 Token-id prompts are bounded by the model's context length, checked before they are hashed.
 `prepare_threads`, `prepare_threads_per_tenant` and `prepare_wait_s` size the pool that renders
-and tokenizes (`prep_pool`).
+and tokenizes (`prep_pool`); `grammar_threads`, `grammar_compile_s` and `max_grammar_chars`
+bound grammar compiles (`structured`).
 """
 
 from __future__ import annotations
@@ -68,6 +69,14 @@ class APILimits(BaseModel):
         "of those, the most one tenant holds at once (with keys); default: half, at least one"))
     prepare_wait_s: float = Field(5.0, gt=0, description=(
         "longest a request waits for a thread before a 503 with Retry-After (the server is busy)"))
+
+    max_grammar_chars: int = Field(262_144, ge=1, description=(
+        "characters of one request's compiled grammar (structured outputs, forced tool calls; "
+        "400): what one compile may be asked to read"))
+    grammar_compile_s: float = Field(5.0, gt=0, description=(
+        "longest a grammar may take to compile before the request gets a 400"))
+    grammar_threads: int = Field(2, ge=1, description=(
+        "threads that compile grammars, apart from those that render prompts"))
 
     def check_count(self, limit: str, count: int, what: str) -> None:
         """Raises the limit error if `count` exceeds the limit named `limit`."""

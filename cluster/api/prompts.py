@@ -38,7 +38,8 @@ from cluster.api.tokenizer import TextTokenizer
 @dataclass
 class Prepared:
     """One prompt ready for the engine: token ids, the text and messages they came from,
-    checkpoint hints (token positions), and whether its generation prompt opened <think>."""
+    checkpoint hints (token positions), and whether its generation prompt opened <think> or
+    closed it (an empty thinking block: the model answers at once)."""
 
     ids: list[int]
     text: str | None
@@ -46,6 +47,7 @@ class Prepared:
     messages: list[dict[str, Any]] | None = None
     opens_think: bool = False
     public_tokens: int = 0  # a public system prompt's tokens at the start, which every tenant shares
+    closes_think: bool = False
 
 
 class Prompts:
@@ -96,6 +98,7 @@ class Prompts:
         check(stop)
         gen_start = starts[-1] if starts else 0
         opens = self.reasoning_model and ReasoningParser.prompt_opens_think(text[gen_start:])
+        closes = self.reasoning_model and not opens and "</think>" in text[gen_start:]
         if masking is not None and masking.used:
             unmasked = masking.unmask(text)
             text, starts = unmasked.text, [unmasked.real_offset(c) for c in starts]
@@ -106,7 +109,7 @@ class Prompts:
             ids, ends = self.tokenizer.encode_with_ends(text)
         public = self._public_prefix(messages, text)
         return Prepared(ids, text, self.tokenizer.token_positions(ends, starts), messages, opens,
-                        self.tokenizer.token_positions(ends, [public])[0] if public else 0)
+                        self.tokenizer.token_positions(ends, [public])[0] if public else 0, closes)
 
     def _fits_before_rendering(self, req: ChatCompletionRequest) -> None:
         """What the template surely renders, over the limit, is refused before it is rendered: the

@@ -6,8 +6,9 @@ a wrong type is a 400 naming the field. Ranges the engine owns (temperature, top
 are checked once, by `SamplingParams`; the ones only the API knows are checked here, and so are
 the size limits (`limits.APILimits`, from the validation context `{"limits": ...}`, else the
 defaults): a list over its limit is refused before its items are validated. Fields we
-accept but cannot honour (JSON modes, forced tool calls, suffix) are refused by the serving layer
-with a 400 naming them, never silently dropped. Sampling takes OpenAI's fields and vLLM's
+accept but cannot honour (suffix) are refused by the serving layer with a 400 naming them, never
+silently dropped. Structured outputs (`response_format`, vLLM's `structured_outputs`, forced and
+strict tool calls) are read and checked by `cluster.api.structured`. Sampling takes OpenAI's fields and vLLM's
 extensions (`top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `stop_token_ids`,
 `ignore_eos`); `logit_bias` keys are token ids, as strings.
 
@@ -120,7 +121,7 @@ class FunctionDefinition(_Request):
     name: str = Field(description="1 to 64 characters of A-Z, a-z, 0-9, _ and -")
     description: str | None = Field(None, description="what the function does, for the model")
     parameters: dict[str, Any] | None = Field(None, description="its arguments as a JSON Schema object")
-    strict: bool | None = Field(None, description="passed to the template (no constrained decoding here)")
+    strict: bool | None = Field(None, description="true: calls to it are constrained to its parameters' schema")
 
     @field_validator("name")
     @classmethod
@@ -242,6 +243,8 @@ class SamplingFields(_Request):
                                    description="requests with different salts never share cached pages")
     ignore_eos: bool = Field(False, description="keep generating past end-of-sequence tokens")
     stop_token_ids: list[int] | None = Field(None, description="token ids that end a choice")
+    structured_outputs: dict[str, Any] | None = Field(None, description=(
+        "vLLM's constraint: one of json (a schema), regex, choice, grammar (Lark or GBNF), json_object"))
 
     def stop_strings(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -275,11 +278,12 @@ class ChatCompletionRequest(SamplingFields):
                                      description="alternatives per token (needs logprobs=true)")
     tools: list[Tool] | None = Field(None, description="functions the model may call, passed to the chat template")
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
-        None, description="none (the template sees no tools) or auto (the default with tools); forcing a "
-                          "call (required, or a named function) is refused: nothing constrains the output")
+        None, description="none (the template sees no tools), auto (the default with tools), required (one "
+                          "call or more), or a named function (one call to it); forced calls match the schemas")
     parallel_tool_calls: bool | None = Field(
         None, description="false: only the model's first call is returned (default: all of them)")
-    response_format: dict[str, Any] | None = Field(None, description="only {type: text} is supported")
+    response_format: dict[str, Any] | None = Field(None, description="{type: text}, {type: json_object} or "
+                                                                      "{type: json_schema, json_schema: {name, schema}}")
     chat_template_kwargs: dict[str, Any] | None = Field(
         None, description="extra template variables, such as enable_thinking")
     add_generation_prompt: bool = Field(True, description="end the prompt with the assistant turn's opening")

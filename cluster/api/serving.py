@@ -38,10 +38,12 @@ from cluster.api.prompts import Prepared, Prompts
 from cluster.api.protocol import SamplingFields
 from cluster.api.quotas import Admission, TenantQuotas
 from cluster.api.responses import DONE, Usage
+from cluster.api.structured import GrammarCompiler
 from cluster.api.tenants import Caller
 from cluster.api.tokenizer import TextTokenizer
 from cluster.api.tool_call_formats import resolve_format
 from workers import MAX_SEED, RequestRejected, SamplingParams
+from workers.grammar import Grammar
 
 __all__ = ["CLIENT_CLOSED_REQUEST", "Prepared", "Serving"]
 
@@ -64,6 +66,7 @@ class Serving:
         self.reasoning_model = self.prompts.reasoning_model
         self.tool_format = resolve_format(tool_call_parser, template.source if template is not None else None)
         self.pool = PrepPool(limits.prepare_threads, limits.prepare_wait_s, limits.prepare_threads_per_tenant)
+        self.grammars = GrammarCompiler(tokenizer, client.spec.vocab_size, limits)
 
     # ---- checks shared by both endpoints -------------------------------------------------------
     def check_common(self, req: SamplingFields) -> None:
@@ -100,7 +103,7 @@ class Serving:
         return asked
 
     def sampling(self, req: SamplingFields, max_tokens: int, logprobs: int | None,
-                 names: dict[str, str]) -> list[SamplingParams]:
+                 names: dict[str, str], grammar: Grammar | None = None) -> list[SamplingParams]:
         out, bias = [], self.logit_bias(req)
         for i in range(req.n):
             seed = req.seed
@@ -114,7 +117,7 @@ class Serving:
                     min_p=req.min_p or 0.0, presence_penalty=req.presence_penalty or 0.0,
                     frequency_penalty=req.frequency_penalty or 0.0,
                     repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-                    logit_bias=bias, min_tokens=req.min_tokens or 0))
+                    logit_bias=bias, min_tokens=req.min_tokens or 0, grammar=grammar))
             except RequestRejected as e:  # names the field: the API may call it otherwise
                 param = names.get(e.param, e.param)
                 message = param + e.message[len(e.param):] if e.message.startswith(e.param) else e.message
