@@ -10,7 +10,11 @@ rows; printed as such). The batched sampler is timed on every row, the minimum o
 
 Logits: a Zipf-like head, logit = -1.2 ln(rank) plus N(0, 0.5) noise, in a random order per row
 (a trained model's distributions are peaked like this; top-p 0.95 keeps a few thousand tokens).
-Penalised rows carry 64 output tokens. Goal on CPU: the batched sampler at 256 rows >= 10x
+Penalised rows carry 64 output tokens. The JSON-schema setting (temperature 0.7 with a grammar,
+workers.grammar) needs a tokenizer of the vocabulary: the peer model's (Qwen2's, 151,936; written by
+benchmarks/peers_setup.sh under $CAIRN_PEERS), else it is skipped with the reason; both paths
+compute the mask with the same llguidance matcher (the per-row one unpacks and applies it row by
+row). Goal on CPU: the batched sampler at 256 rows >= 10x
 faster than the per-row path for every setting, except where that path is already under 1 ms.
 Not a test: nothing here asserts.
 
@@ -20,6 +24,7 @@ Usage: python3 benchmarks/sampling.py [--quick]   (--quick: 64 rows, the smaller
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -29,7 +34,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from workers import SamplingParams  # noqa: E402
-from workers.sampler import Sampler  # noqa: E402
+from workers.grammar import Grammar, Grammars, LLGuidance  # noqa: E402
+from workers.sampler import Sampler, unpack_bitmask  # noqa: E402
 from workers.sequence import Sequence  # noqa: E402
 
 SETTINGS = {
@@ -42,6 +48,20 @@ SETTINGS = {
     "penalties": dict(temperature=0.7, presence_penalty=1.5, frequency_penalty=0.3, repetition_penalty=1.1),
 }
 BASELINE_ROWS = 8
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                                           "tags": {"type": "array", "items": {"type": "string"}}},
+          "required": ["name", "age"]}
+
+
+def json_grammars(vocab: int) -> tuple[Grammars | None, str]:
+    """Grammars over a tokenizer of `vocab` tokens, or None and why."""
+    path = Path(os.environ.get("CAIRN_PEERS") or Path.home() / ".cache" / "cairn-peers") / "peer-bench" / "tokenizer.json"
+    if vocab != 151936 or not path.exists():
+        return None, f"no tokenizer of {vocab} tokens here" + ("" if vocab != 151936 else " (peers_setup.sh)")
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(path))
+    return Grammars(LLGuidance(tok.to_str(), vocab, (tok.token_to_id("<|im_end|>"),)), vocab), ""
 
 
 def zipf_logits(rows: int, vocab: int, seed: int = 0) -> torch.Tensor:
@@ -80,6 +100,9 @@ def per_row(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
             seen_any[torch.tensor(seq.prompt_token_ids)] = True
             row = torch.where(seen_any, torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty),
                               row) - p.frequency_penalty * counts - p.presence_penalty * seen
+        if p.grammar is not None:
+            words = torch.from_numpy(seq.grammar_words)[None]
+            row = row.masked_fill(~unpack_bitmask(words, row.numel())[0], float("-inf"))
         if p.greedy:
             out.append(int(torch.argmax(row)))
             continue
@@ -130,7 +153,33 @@ def main() -> None:
                 baseline = timed(lambda: per_row(logits[:few], seqs[:few]), 1) * rows / few
                 print(f"{vocab:>7} {rows:>5} {name:<22} {baseline * 1e3:>11.1f} {batched * 1e3:>11.1f} "
                       f"{baseline / max(batched, 1e-9):>8.1f}x", flush=True)
-            print(f"{vocab:>7} {rows:>5} {'json-schema bitmask':<22} {'not built yet (structured outputs)':>33}")
+            json_bitmask(vocab, rows, logits)
+
+
+def json_bitmask(vocab: int, rows: int, logits: torch.Tensor) -> None:
+    import llguidance
+
+    grammars, why = json_grammars(vocab)
+    if grammars is None:
+        print(f"{vocab:>7} {rows:>5} {'json-schema bitmask':<22} skipped: {why}")
+        return
+    grammar = Grammar(llguidance.LLMatcher.grammar_from_json_schema(SCHEMA))
+    grammars.prepare(grammar).result()
+    seqs = sequences(rows, SamplingParams(max_tokens=512, temperature=0.7, grammar=grammar), vocab)
+    sampler = Sampler(0)
+    sampler.grammars = grammars
+    sampler.sample(logits.clone(), seqs)
+    batched = timed(lambda: sampler.sample(logits.clone(), seqs), 3) - timed(lambda: logits.clone(), 3)
+    few = min(rows, BASELINE_ROWS)
+
+    def baseline() -> None:
+        for s in seqs[:few]:  # the same matcher fills the mask; the loop applies it row by row
+            s.grammar_words = grammars.mask(s)
+        per_row(logits[:few], seqs[:few])
+
+    base = timed(baseline, 1) * rows / few
+    print(f"{vocab:>7} {rows:>5} {'json-schema bitmask':<22} {base * 1e3:>11.1f} {batched * 1e3:>11.1f} "
+          f"{base / max(batched, 1e-9):>8.1f}x", flush=True)
 
 
 if __name__ == "__main__":
