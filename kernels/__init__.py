@@ -8,7 +8,8 @@ Each op asks `_backend` which module implements it for the tensors it was given:
   `kernels.reference` (fp32 torch: the rest of the CPU path, and the oracle every kernel, C++ or
   Triton, is tested against), `kernels.reference_varlen` (its varlen and slot forms),
   `kernels.reference_moe` (the mixture of experts) and `kernels.reference_fused` (the norms,
-  rotary and gates a GPU runs as one launch each, `kernels.triton_fused`);
+  rotary and gates a GPU runs as one launch each, `kernels.triton_fused`) and
+  `kernels.reference_sample` (sampling's draw, which CUDA runs as batched torch ops too);
 - `CAIRN_KERNELS=reference` in the environment (read at every call) or `force_reference(True)`
   sends every tensor to the references, CUDA's and the CPU's alike, for debugging a suspected
   kernel.
@@ -33,7 +34,7 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
-from kernels import reference, reference_fused, reference_moe, reference_varlen
+from kernels import reference, reference_fused, reference_moe, reference_sample, reference_varlen
 from kernels.reference_moe import SharedExpert
 from kernels.varlen_plan import VarlenPlan
 
@@ -60,6 +61,9 @@ __all__ = [
     "sigmoid_gate",
     "silu_mul",
     "argmax_rows",
+    "sample_rows",
+    "penalise_rows",
+    "mask_rows",
     "VarlenPlan",
     "force_reference",
     "load_native",
@@ -269,3 +273,27 @@ def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
 def argmax_rows(logits: Tensor) -> Tensor:
     """See `reference.argmax_rows`."""
     return _backend(logits, native=True).argmax_rows(logits)
+
+
+def mask_rows(x: Tensor, at: Tensor, words: Tensor) -> None:
+    """See `reference_sample.mask_rows`."""
+    if _uses_native(x) and x.dtype == torch.float32 and x.stride(1) == 1:
+        importlib.import_module("kernels.cpu").mask_rows(x, at, words)
+    else:
+        reference_sample.mask_rows(x, at, words)
+
+
+def penalise_rows(x: Tensor, at: Tensor, rows: Tensor, counts: Tensor, prompt: Tensor, values: Tensor) -> None:
+    """See `reference_sample.penalise_rows`."""
+    if _uses_native(x) and x.dtype == torch.float32 and x.stride(1) == 1:
+        importlib.import_module("kernels.cpu").penalise_rows(x, at, rows, counts, prompt, values)
+    else:
+        reference_sample.penalise_rows(x, at, rows, counts, prompt, values)
+
+
+def sample_rows(x: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor, u: Tensor,
+                host: tuple[list[int], list[float], list[float]] | None = None) -> Tensor:
+    """See `reference_sample.sample_rows` (CUDA runs it too: batched torch ops on the device)."""
+    if _uses_native(x):
+        return importlib.import_module("kernels.cpu").sample_rows(x, temperature, top_k, top_p, min_p, u)
+    return reference_sample.sample_rows(x, temperature, top_k, top_p, min_p, u, host)

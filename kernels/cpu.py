@@ -165,3 +165,24 @@ def argmax_rows(logits: Tensor) -> Tensor:
     """See `reference.argmax_rows`."""
     _expect_shape("logits", logits, "N, V", (None, None))
     return _ops.argmax_rows(logits)
+
+
+def mask_rows(x: Tensor, at: Tensor, words: Tensor) -> None:
+    """See `reference_sample.mask_rows`."""
+    _expect_shape("x", x, "N, V", (None, None))
+    _ops.mask_rows(x, at, words)
+
+
+def penalise_rows(x: Tensor, at: Tensor, rows: Tensor, counts: Tensor, prompt: Tensor, values: Tensor) -> None:
+    """See `reference_sample.penalise_rows`."""
+    _expect_shape("x", x, "N, V", (None, None))
+    _ops.penalise_rows(x, at, rows, counts, prompt, values)
+
+
+def sample_rows(x: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor, u: Tensor) -> Tensor:
+    """See `reference_sample.sample_rows`; ties at a top-k boundary go to the lowest indices, and
+    sums run in another order (the kept set may differ from the reference's by a token whose
+    weight sits at the boundary within rounding)."""
+    _expect_shape("x", x, "N, V", (None, None))
+    return _ops.sample_rows(x.float().contiguous(), temperature.contiguous(), top_k.contiguous(),
+                            top_p.contiguous(), min_p.contiguous(), u.contiguous())

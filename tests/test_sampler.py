@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from workers import Engine, SamplingParams
-from workers.sampler import Sampler, nucleus, uniforms
+from kernels.reference_sample import nucleus
+from workers.sampler import Sampler, uniforms
 from workers.sequence import Sequence, Status
 
 EOS = 3

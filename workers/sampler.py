@@ -15,26 +15,18 @@ and every step below is a batched op over the rows that need it.
    next: the host fills a packed bitmask per such row (`Grammars.mask`), which goes up with the
    row parameters and is unpacked on the device.
 3. Greedy rows (temperature 0 or top_k 1) take the argmax of the changed logits.
-4. Sampled rows: w = exp((x - max) / temperature), the weights of the distribution (never
-   normalised). A temperature so small that max / temperature overflows is greedy (what such a
-   temperature means). Then, each only where some row asks for it:
-   - min-p keeps w >= min_p (the most likely token has w = 1);
-   - top-k keeps exactly k tokens (one `topk` over the batch at its largest k; ties broken as
-     `topk` breaks them); a row with top-k takes its top-p from those k sorted weights;
-   - top-p keeps the tokens whose strictly likelier tokens hold less than p of the mass (the
-     smallest set reaching p; the most likely token always stays), found without a sort: a
-     two-level radix select over the weights' float bits (65,536 buckets of the high bits, then
-     32,768 of the low bits inside the boundary bucket), so tokens of exactly equal weight at
-     the boundary are kept together.
-   - The draw is an inverse CDF with one uniform per row, in two levels (blocks of 1,024 tokens,
-     then within the block), so no cumulative sum spans the vocabulary. The uniform comes from a
-     counter-based hash (SplitMix64) of (seed, output index) on the device: a seeded request
-     draws the same tokens alone, batched, chunked or preempted, and successive indices are
-     independent draws. A request without a seed gets a fresh key from the engine's generator
-     each step.
+4. Sampled rows draw with `kernels.sample_rows` (its rules in kernels.reference_sample:
+   temperature, then min-p, top-k and top-p each only where a row asks, by radix selects over
+   the weights' float bits instead of sorts; an overflowing temperature is greedy). On CPU it is
+   one C++ pass per row (kernels/csrc/sample.cpp), on CUDA batched torch ops.
+   The draw takes one uniform per row, from a counter-based hash (SplitMix64) of (seed, output
+   index) on the device: a seeded request draws the same tokens alone, batched, chunked or preempted, and successive indices are
+   independent draws. A request without a seed gets a fresh key from the engine's generator
+   each step.
 
 Faults stay in their row: a row whose logits are not finite, or whose parameters cannot be
-prepared (its grammar's mask included), yields a `SequenceFault` in its place; every other row is sampled as if it were alone.
+prepared (its grammar's mask included), yields a `SequenceFault` in its place; every other row
+is sampled as if it were alone.
 """
 
 from __future__ import annotations
@@ -52,10 +44,8 @@ from workers.token_counts import TokenCounts
 
 log = logging.getLogger(__name__)
 
-_BLOCK = 1024  # tokens per block of the two-level draw
 _GOLDEN = 0x9E3779B97F4A7C15 - 2**64  # SplitMix64's increment, as an int64
 _MIX1, _MIX2 = 0xBF58476D1CE4E5B9 - 2**64, 0x94D049BB133111EB - 2**64
-_HIGH_BITS, _LOW_BITS = 16, 15  # the radix select's two levels over a positive float's 31 bits
 
 
 def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
@@ -74,63 +64,6 @@ def uniforms(keys: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """One uniform in [0, 1) per row, a function of (key, index) only: fp32 with 24 random bits."""
     h = _mix(_mix(keys) + (index + 1) * _GOLDEN)
     return _shr(h, 40).to(torch.float32) * 2.0 ** -24
-
-
-def nucleus(w: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Keep-mask [n, V] of top-p over non-negative weights w [n, V] fp32 (any scale), top_p [n]:
-    a token stays when the tokens of strictly larger weight hold less than top_p of the row's
-    mass. Radix select over the float bits (monotone for non-negative floats): the bucket of the
-    high 15 bits where the mass from the top first reaches top_p, then the same inside it over
-    the low 16 bits; that gives the boundary's exact bit pattern, and a token stays when its bits
-    are at least that (so every tie of the boundary value stays)."""
-    n, vocab = w.shape
-    bits = w.view(torch.int32) & 0x7FFFFFFF  # a NaN's sign bit (an overflowed row, discarded) never indexes
-    target = (top_p * w.sum(-1))[:, None]
-    rows = torch.arange(n, device=w.device, dtype=torch.int32)[:, None]
-
-    def boundary(keys: torch.Tensor, buckets: int, above: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The bucket (of `buckets` per row; a key of `buckets` is ignored) where the mass from
-        the top, plus `above`, first reaches the target; and the mass of the buckets above it."""
-        table = torch.zeros(n * (buckets + 1), dtype=w.dtype, device=w.device)
-        table.index_add_(0, (keys + rows * (buckets + 1)).view(-1), w.reshape(-1))
-        table = table.view(n, buckets + 1)[:, :buckets]
-        total = table.sum(-1, keepdim=True) + above
-        from_top = total - table.cumsum(-1) + table  # mass in buckets >= b, plus above
-        b = ((from_top >= target).sum(-1, keepdim=True) - 1).clamp_(min=0)
-        return b, from_top.gather(1, b) - table.gather(1, b)
-
-    b_high, above = boundary(bits >> 16, 1 << 15, torch.zeros(n, 1, dtype=w.dtype, device=w.device))
-    low = torch.where((bits >> 16) == b_high, bits & 0xFFFF, 1 << 16)
-    b_low, _ = boundary(low, 1 << 16, above)
-    return bits >= ((b_high << 16) | b_low).to(torch.int32)
-
-
-def unpack_bitmask(words: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Packed allowed-token words [n, W] int32 (bit j of word i: token 32 i + j) as a bool
-    mask [n, vocab]."""
-    shifts = torch.arange(32, device=words.device, dtype=torch.int32)
-    bits = (words[:, :, None] >> shifts) & 1  # an arithmetic shift: the & keeps the one bit
-    return bits.view(words.shape[0], -1)[:, :vocab].bool()
-
-
-def _draw(w: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Inverse CDF over weights w [n, V] with one uniform per row: the block of _BLOCK tokens (the
-    last one may be shorter) whose cumulative mass first exceeds u x total, then the token inside
-    it. A token of weight 0 is never drawn."""
-    n, vocab = w.shape
-    whole = vocab // _BLOCK
-    sums = [w[:, :whole * _BLOCK].view(n, whole, _BLOCK).sum(-1)] if whole else []
-    if vocab > whole * _BLOCK:
-        sums.append(w[:, whole * _BLOCK:].sum(-1, keepdim=True))
-    cum = torch.cat(sums, dim=1).cumsum(-1)  # [n, blocks]
-    target = u[:, None] * cum[:, -1:]
-    j = torch.searchsorted(cum, target, right=True).clamp_(max=cum.shape[1] - 1)
-    before = torch.where(j > 0, cum.gather(1, (j - 1).clamp(min=0)), 0.0)
-    at = j * _BLOCK + torch.arange(_BLOCK, device=w.device)[None, :]  # [n, _BLOCK]
-    inner = torch.where(at < vocab, w.gather(1, at.clamp(max=vocab - 1)), 0.0).cumsum(-1)
-    rest = torch.minimum(target - before, torch.nextafter(inner[:, -1:], torch.zeros_like(inner[:, -1:])))
-    t = torch.searchsorted(inner, rest.clamp_(min=0), right=True).clamp_(max=_BLOCK - 1)
-    return (j[:, 0] * _BLOCK + t[:, 0]).clamp_(max=vocab - 1)
 
 
 class _Rows:
@@ -307,19 +240,19 @@ class Sampler:
         if rows.penalised:
             self._penalise(x, pen_pos, pen_rows, pen_val.view(-1, 3))
         if rows.constrained:
-            allowed = unpack_bitmask(words, vocab)
-            if len(rows.constrained) == n:
-                x.masked_fill_(~allowed, float("-inf"))
-            else:
-                x.index_copy_(0, cons_at, x.index_select(0, cons_at).masked_fill_(~allowed, float("-inf")))
+            kernels.mask_rows(x, cons_at, words)
         if adjusted_only:
             return x
-        best, ids = torch.max(x, dim=-1)
+        if len(sampled) < n:  # greedy rows
+            ids = torch.max(x, dim=-1)[1]
+        else:
+            ids = torch.zeros(n, dtype=torch.long, device=device)
         if len(sampled):
-            drawn, overflow = self._sample_weights(
-                x, samp, best, temp, top_k, top_p, min_p, [rows.top_k[i] for i in sampled],
-                [rows.top_p[i] for i in sampled], [rows.min_p[i] for i in sampled], uniforms(key, index))
-            ids = ids.index_copy(0, samp, torch.where(overflow, ids.index_select(0, samp), drawn))
+            drawn = kernels.sample_rows(
+                x if len(sampled) == n else x.index_select(0, samp), temp, top_k, top_p, min_p, uniforms(key, index),
+                host=([rows.top_k[i] for i in sampled], [rows.top_p[i] for i in sampled],
+                      [rows.min_p[i] for i in sampled]))
+            ids = ids.index_copy(0, samp, drawn)
         ids = torch.where(finite, ids, -1)
         if rows.penalised:
             self.counts.add(pen_rows, ids.index_select(0, pen_pos))
@@ -353,50 +286,4 @@ class Sampler:
 
     def _penalise(self, x: torch.Tensor, at: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
         """vLLM's penalties on rows `at` of x, from their token-count rows."""
-        counts = self.counts.counts.index_select(0, rows)
-        seen = counts > 0
-        sub = x.index_select(0, at)
-        repetition, frequency, presence = (values[:, i:i + 1] for i in range(3))
-        sub = torch.where(seen | self.counts.prompt.index_select(0, rows),
-                          torch.where(sub > 0, sub / repetition, sub * repetition), sub)
-        sub = sub - frequency * counts - presence * seen
-        x.index_copy_(0, at, sub)
-
-    @staticmethod
-    def _sample_weights(x, samp, best, temp, top_k, top_p, min_p, k_host, p_host, min_p_host, u
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Draws one token for each row `samp` of the changed logits x (see the module's step 4);
-        also which of them overflowed (greedy)."""
-        ns = len(k_host)
-        inv = (1.0 / temp)[:, None]
-        peak = best.index_select(0, samp)[:, None]
-        rows = x if ns == x.shape[0] else x.index_select(0, samp)
-        w = torch.addcmul(-peak * inv, rows, inv).exp_()
-        overflow = ~torch.isfinite(peak[:, 0] * inv[:, 0])
-        if any(v > 0 for v in min_p_host):
-            w.masked_fill_(w < min_p[:, None], 0.0)
-        with_k = [i for i, k in enumerate(k_host) if k > 0]
-        if with_k:
-            at = torch.tensor(with_k, device=x.device) if len(with_k) < ns else None
-            sub = w if at is None else w.index_select(0, at)
-            k = top_k if at is None else top_k.index_select(0, at)
-            vals, idx = torch.topk(sub, max(k_host[i] for i in with_k), dim=-1)
-            vals = vals * (torch.arange(vals.shape[1], device=x.device)[None, :] < k[:, None])
-            p = top_p if at is None else top_p.index_select(0, at)
-            before = vals.cumsum(-1) - vals  # top-p inside the k, already sorted
-            vals = torch.where((before < p[:, None] * vals.sum(-1, keepdim=True)) | (p[:, None] >= 1), vals, 0.0)
-            kept = torch.zeros_like(sub).scatter_(1, idx, vals)
-            if at is None:
-                w.copy_(kept)
-            else:
-                w.index_copy_(0, at, kept)
-        with_p = [i for i, (k, p) in enumerate(zip(k_host, p_host)) if k == 0 and p < 1.0]
-        if with_p:
-            at = torch.tensor(with_p, device=x.device) if len(with_p) < ns else None
-            sub = w if at is None else w.index_select(0, at)
-            keep = nucleus(sub, top_p if at is None else top_p.index_select(0, at))
-            if at is None:
-                w.mul_(keep)
-            else:
-                w.index_copy_(0, at, sub * keep)
-        return _draw(w, u), overflow
+        kernels.penalise_rows(x, at, rows, self.counts.counts, self.counts.prompt, values)
