@@ -79,31 +79,33 @@ def calls_of(message):
     return [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls or ()]
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_forced_tool_calls_validate_against_their_schema(client, stream):
+def test_forced_tool_calls_validate_and_stream_their_arguments_token_by_token(client):
+    fragments_per_call = []
     for choice, names in [("required", {"get_weather", "get_time"}),
                           ({"type": "function", "function": {"name": "get_time"}}, {"get_time"})]:
         for seed in range(3):
             fields = dict(tools=[WEATHER, TIME], tool_choice=choice, temperature=1.0, seed=seed, max_tokens=300)
-            if not stream:
-                r = chat(client, **fields)
-                finish, calls = r.choices[0].finish_reason, calls_of(r.choices[0].message)
-            else:
-                finish, calls, parts = None, [], {}
-                for chunk in chat(client, stream=True, **fields):
-                    for c in chunk.choices:
-                        finish = c.finish_reason or finish
-                        for d in c.delta.tool_calls or ():
-                            part = parts.setdefault(d.index, ["", ""])
-                            part[0] += (d.function.name or "") if d.function else ""
-                            part[1] += (d.function.arguments or "") if d.function else ""
-                calls = [(name, json.loads(args)) for name, args in parts.values()]
-            assert finish == "tool_calls" and calls, (choice, seed)
-            for name, arguments in calls:
+            r = chat(client, **fields)
+            assert r.choices[0].finish_reason == "tool_calls", (choice, seed)
+            whole = [(c.function.name, c.function.arguments) for c in r.choices[0].message.tool_calls]
+            finish, parts = None, {}
+            for chunk in chat(client, stream=True, **fields):
+                for c in chunk.choices:
+                    finish = c.finish_reason or finish
+                    for d in c.delta.tool_calls or ():
+                        part = parts.setdefault(d.index, ["", []])
+                        part[0] += (d.function.name or "") if d.function else ""
+                        if d.function and d.function.arguments:
+                            part[1].append(d.function.arguments)
+            streamed = [(name, "".join(frags)) for name, frags in parts.values()]
+            assert finish == "tool_calls" and streamed == whole, (choice, seed)  # the same seed, the same calls
+            fragments_per_call += [len(frags) for _, frags in parts.values()]
+            for name, arguments in whole:
                 assert name in names
-                jsonschema.validate(arguments, SCHEMAS[name])
+                jsonschema.validate(json.loads(arguments), SCHEMAS[name])
             if isinstance(choice, dict):
-                assert len(calls) == 1
+                assert len(whole) == 1
+    assert max(fragments_per_call) > 3  # arguments arrive as they are written, not in one piece
 
 
 def test_parallel_tool_calls_false_makes_one_call(client):

@@ -168,6 +168,56 @@ def test_max_calls_keeps_the_first_call():
     assert parse("qwen3_json", text, max_calls=1) == ("\n\nDone.", [("get_weather", {"city": "Oslo"})])
 
 
+STREAMED = [  # (format, model output: text, calls and text, as a tool grammar allows)
+    ("qwen3_json", "Checking. " + json_call("get_weather", {"city": "Oslo, by the fjord", "days": 3}) + "\n"
+     + json_call("get_time", {})),
+    ("qwen3_xml", "Checking.\n" + xml_call("get_weather", {"city": "Oslo\n\"north\"", "days": "3",
+                                                           "hours": "[9, 12]", "note": "a long note, word by word"})
+     + "\n" + xml_call("get_time", {})),
+]
+
+
+@pytest.mark.parametrize("fmt,text", STREAMED)
+@pytest.mark.parametrize("size", [1, 2, 5])
+def test_constrained_calls_stream_their_arguments_as_written(fmt, text, size):
+    """Fed a few characters at a time (tokens), a call is announced once its name is written and
+    its arguments grow fragment by fragment; the fragments concatenate to the call's arguments,
+    which are those the whole-call parser gives (XML) or the model's own text (JSON)."""
+    parser = ToolCallParser(fmt, SCHEMAS, stream_arguments=True)
+    content, items = "", []
+    for at in range(0, len(text), size):
+        c, _ = parser.push(text[at:at + size])
+        content += c
+        items += parser.take_deltas()
+    content += parser.flush()
+    items += parser.take_deltas()
+    whole = ToolCallParser(fmt, SCHEMAS)
+    want_content, _ = whole.push(text)
+    assert content == want_content + whole.flush() == "Checking."
+    assert [c.name for c in parser.calls] == [c.name for c in whole.calls] == ["get_weather", "get_time"]
+    for index, (streamed, parsed) in enumerate(zip(parser.calls, whole.calls)):
+        mine = [i for i in items if i["index"] == index]
+        assert mine[0] == {"index": index, "id": streamed.id, "type": "function",
+                           "function": {"name": streamed.name, "arguments": ""}}
+        fragments = [i["function"]["arguments"] for i in mine[1:]]
+        assert "".join(fragments) == streamed.arguments
+        assert json.loads(streamed.arguments) == json.loads(parsed.arguments)
+        if fmt == "qwen3_xml":
+            assert streamed.arguments == parsed.arguments
+        if index == 0:  # a string argument arrives piece by piece (a whole call would be one fragment)
+            assert len(fragments) >= 12 // size
+
+
+def test_a_streamed_call_cut_off_keeps_what_it_wrote():
+    parser = ToolCallParser("qwen3_xml", SCHEMAS, stream_arguments=True)
+    parser.push("<tool_call>\n<function=get_weather>\n<parameter=city>\nOs")
+    head = parser.take_deltas()
+    assert head[0]["function"]["name"] == "get_weather"
+    assert parser.flush() == ""
+    assert "".join(i["function"]["arguments"] for i in head[1:] + parser.take_deltas()) == parser.calls[0].arguments
+    assert parser.calls[0].arguments.startswith('{"city": "Os')
+
+
 def test_values_follow_their_schema_type_and_untyped_ones_try_json():
     assert typed_value("007", {"type": "string"}) == "007"
     assert typed_value("7", {"type": "integer"}) == 7 and typed_value("7.5", {"type": "integer"}) == "7.5"

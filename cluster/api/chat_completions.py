@@ -101,8 +101,7 @@ class ChatCompletions:
         """(field, grammar) of forced or strict tool calls, or None."""
         choice = req.tool_choice
         forced = choice == "required" or isinstance(choice, NamedToolChoice)
-        strict = any(t.function.strict for t in req.tools or ())
-        if not req.tools or choice == "none" or not (forced or strict):
+        if not tools_constrained(req):
             return None
         fmt, field = self.serving.tool_format, "tool_choice" if forced else "tools"
         if fmt not in ("qwen3_json", "qwen3_xml"):
@@ -121,7 +120,8 @@ class ChatCompletions:
         if not req.tools or req.tool_choice == "none" or fmt == "none":
             return None
         return ToolCallParser(fmt, {t.function.name: t.function.parameters or {} for t in req.tools},
-                              max_calls=1 if req.parallel_tool_calls is False else None)
+                              max_calls=1 if req.parallel_tool_calls is False else None,
+                              stream_arguments=tools_constrained(req))
 
     def _stream(self, req: ChatCompletionRequest, completion_id: str, request_id: str, prompt: Prepared,
                 fan: Fanout, first: tuple, choices: list[Choice], arrived: float,
@@ -137,7 +137,7 @@ class ChatCompletions:
             for c in choices:
                 yield chunk([ChatChunkChoice(index=c.index, delta=ChatDelta(role="assistant", content=""))])
             async for c, d in s.drive(fan, first, choices, arrived, caller):
-                calls = [item for index, call in d.tool_calls for item in call.deltas(index)]
+                calls = d.tool_calls
                 deltas = [ChatDelta(content=d.content or None, reasoning_content=d.reasoning or None,
                                     tool_calls=calls[:1] or None)]
                 deltas += [ChatDelta(tool_calls=[item]) for item in calls[1:]]  # one tool-call item per chunk
@@ -151,6 +151,13 @@ class ChatCompletions:
         include_usage = req.stream_options is not None and req.stream_options.include_usage
         return s.stream(request_id, fan, events(), [prompt], choices, arrived,
                         (lambda usage: chunk([], usage)) if include_usage else None, caller)
+
+
+def tools_constrained(req: ChatCompletionRequest) -> bool:
+    """Whether the request's tool calls are constrained: forced, or to strict tools."""
+    forced = req.tool_choice == "required" or isinstance(req.tool_choice, NamedToolChoice)
+    strict = any(t.function.strict for t in req.tools or ())
+    return bool(req.tools) and req.tool_choice != "none" and (forced or strict)
 
 
 def one_constraint(found: list[tuple[str, str] | None]) -> tuple[str, str] | None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from cluster.api.reasoning import ReasoningParser
 from cluster.api.stop_strings import StopMatcher
@@ -37,7 +38,7 @@ class Delta:
     reasoning: str = ""
     content: str = ""
     logprobs: list[PlacedLogprob] = field(default_factory=list)
-    tool_calls: list[tuple[int, FoundCall]] = field(default_factory=list)  # (index in the choice, call)
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)  # streamed items (ToolCallParser.take_deltas)
     finish_reason: str | None = None
 
     def __bool__(self) -> bool:
@@ -93,11 +94,11 @@ class Choice:
                 r, c = self._reasoning.flush()
                 delta.reasoning, delta.content = delta.reasoning + r, delta.content + c
         if self._tools is not None:
-            delta.content, calls = self._tools.push(delta.content)
+            delta.content, _ = self._tools.push(delta.content)
             if delta.finish_reason:
                 delta.content += self._tools.flush()
-            delta.tool_calls = [(len(self.tool_calls) + k, call) for k, call in enumerate(calls)]
-            self.tool_calls += calls
+            delta.tool_calls = self._tools.take_deltas()
+            self.tool_calls = list(self._tools.calls)
         if delta.finish_reason == "stop" and self.tool_calls:
             delta.finish_reason = "tool_calls"
         self.finish_reason = delta.finish_reason
