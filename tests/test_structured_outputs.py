@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import jsonschema
 import llguidance
@@ -42,14 +43,18 @@ def run(engine, requests):
     """[(prompt ids, params)] -> outputs in order, each (token ids, finish reason); fails if the
     engine does not finish them within a bounded number of steps."""
     ids = [engine.add_request(p, sp) for p, sp in requests]
-    done = {}
-    for _ in range(20 * MAX_TOKENS):
+    done, steps, deadline = {}, 0, time.monotonic() + 120
+    while steps < 20 * MAX_TOKENS and time.monotonic() < deadline:
+        if not engine.has_runnable():  # held while a grammar compiles in the background
+            time.sleep(0.002)
+            continue
+        steps += 1
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = (list(out.token_ids or ()), out.finish_reason)
-        if len(done) == len(ids):
+        if all(i in done for i in ids):
             return [done[i] for i in ids]
-    raise AssertionError(f"{len(ids) - len(done)} requests did not finish")
+    raise AssertionError(f"{sum(i not in done for i in ids)} requests did not finish")
 
 
 def text_of(tok, ids):
@@ -222,3 +227,46 @@ def test_the_matcher_follows_its_sequence_back_and_forth(engine, tok):
     assert allowed() <= {"<|im_end|>", "<|endoftext|>"}
     del seq.token_ids[-2:]  # as if a preemption dropped the last two
     assert "b" in allowed() and "c" not in allowed()
+
+
+def test_a_slow_grammar_holds_its_own_request_and_no_other(engine, tok):
+    """While a grammar compiles, its sequence is held; other requests step on."""
+    import threading
+
+    grammars: Grammars = engine.sampler.grammars
+    backend, gate = grammars._backend_now(), threading.Event()
+
+    class Slow:
+        def compile(self, text):
+            gate.wait(30)
+            return backend.compile(text)
+
+    grammars._backend = Slow()
+    try:
+        grammar = Grammar(llguidance.LLMatcher.grammar_from_regex("slow[0-9]"))
+        slow = engine.add_request(tok.encode("wait").ids, SamplingParams(max_tokens=8, grammar=grammar))
+        free = engine.add_request(tok.encode("go").ids, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+        dropped = engine.add_request(tok.encode("never").ids, SamplingParams(max_tokens=8, grammar=grammar))
+        assert engine.abort(dropped).finish_reason == "abort"  # a held request aborts like any other
+        outputs = {}
+        for _ in range(20):
+            for out in engine.step():
+                outputs.setdefault(out.request_id, []).append(out)
+            if any(o.finished for o in outputs.get(free, [])):
+                break
+        assert any(o.finished for o in outputs[free]) and slow not in outputs  # it waited, alone
+        assert dropped not in outputs
+        assert not engine.has_runnable() and engine.has_unfinished()  # held: nothing to step for
+        woken = threading.Event()
+        engine.on_runnable = woken.set
+        gate.set()
+        assert woken.wait(30)  # the compile's end wakes whoever steps the engine
+        for _ in range(200):
+            finished = [o for o in engine.step() if o.request_id == slow and o.finished]
+            if finished:
+                assert text_of(tok, finished[0].token_ids) in {f"slow{d}" for d in range(10)}
+                break
+        else:
+            raise AssertionError("the held request never finished")
+    finally:
+        grammars._backend, engine.on_runnable = backend, None

@@ -89,7 +89,9 @@ class AsyncEngine:
     def _ensure_loop(self) -> None:
         if self._loop_task is None or self._loop_task.done():
             self._wake = asyncio.Event()
-            self._loop_task = asyncio.get_running_loop().create_task(self._run())
+            loop, wake = asyncio.get_running_loop(), self._wake
+            self.engine.on_runnable = lambda: loop.call_soon_threadsafe(wake.set)  # a grammar compiled
+            self._loop_task = loop.create_task(self._run())
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
                        request_id: str | None = None, *, hash_root: bytes | None = None,

@@ -19,6 +19,7 @@ import itertools
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -40,7 +41,7 @@ from workers.runner import ModelRunner
 from workers.sampler import Sampler
 from workers.sampling_params import SamplingParams
 from workers.scheduler import Scheduler, Segment, StepPlan
-from workers.sequence import Sequence, TokenLogprob
+from workers.sequence import Sequence, Status, TokenLogprob
 from workers.spec import EngineSpec
 from workers.tp_runner import RankWorkers, TensorParallelRunner, free_address, load_rank_model
 
@@ -149,6 +150,8 @@ class Engine:
         self.broken: str | None = None  # why the engine can run nothing more (EngineBroken)
         self.fetch_counts = dict(fetches=0, fetched_pages=0, fetched_bytes=0, exported_bytes=0)
         self.fetch_fallbacks: dict[str, int] = {}
+        self.on_runnable: Callable[[], None] | None = None  # called from other threads when held work may run
+        self._compiling: list[Sequence] = []  # held back until their grammars compile
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, **options: object) -> "Engine":
@@ -264,26 +267,47 @@ class Engine:
         if page_hashes:
             self.cache.adopt_hashes(seq, page_hashes)
         self._requests[request_id] = seq
-        self.scheduler.add(seq)
-        if params.grammar is not None:
-            self.sampler.grammars.prepare(params.grammar)  # compiles while the prompt computes
+        compiled = None if params.grammar is None else self.sampler.grammars.prepare(params.grammar)
+        if compiled is not None and not compiled.done():  # held back while its grammar compiles, in the
+            seq.grammar_pending = True                       # background: a slow grammar stalls no other
+            self._compiling.append(seq)
+            compiled.add_done_callback(lambda _: self._grammar_compiled(seq))
+        else:
+            self.scheduler.add(seq)
         self.stats.prompt_tokens += len(prompt)
         return request_id
+
+    def _grammar_compiled(self, seq: Sequence) -> None:
+        """On the compiling thread: the sequence may be scheduled at the next step (a compile that
+        failed faults it at its first sample); wakes whoever steps the engine (`on_runnable`)."""
+        seq.grammar_pending = False
+        if self.on_runnable is not None:
+            self.on_runnable()
+
+    def _release_compiled(self) -> None:
+        """Sequences whose grammars compiled join the scheduler's queue."""
+        for seq in [s for s in self._compiling if not s.grammar_pending]:
+            self._compiling.remove(seq)
+            if seq.status is not Status.FINISHED:
+                self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Ends a request and frees what it holds; returns its final output (None if unknown)."""
         seq = self._requests.pop(request_id, None)
         if seq is None:
             return None
+        if seq in self._compiling:
+            self._compiling.remove(seq)
         self.scheduler.finish(seq, "abort")
         return self._output(seq, [], [])
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self._compiling)
 
     def has_runnable(self) -> bool:
-        """A step would compute something now (every unfinished request may be paused)."""
-        return self.scheduler.has_runnable_work()
+        """A step would compute something now (every unfinished request may be paused, or held
+        while its grammar compiles)."""
+        return self.scheduler.has_runnable_work() or any(not s.grammar_pending for s in self._compiling)
 
     def pause(self, request_id: str, paused: bool = True) -> None:
         """Stops (or, with `paused` False, resumes) computing a request whose reader is behind:
@@ -299,6 +323,8 @@ class Engine:
         request alone (finish_reason "error", `error` says why); a failed forward pass fails the
         requests of that step, never those waiting. `EngineBroken` (a tensor-parallel rank lost)
         is raised: the engine is done, and `broken` says why."""
+        if self._compiling:
+            self._release_compiled()
         plan = self.scheduler.schedule()
         outputs = []
         if plan:

@@ -11,7 +11,8 @@ Contract:
   thinks, every token is allowed but the end-of-sequence ones: a constrained output never ends
   inside its thinking, so what it answers always matches.
 - `Grammars` (one per engine, from the model's tokenizer): `prepare(grammar)` compiles in a
-  background thread (compiled grammars are kept by a hash of their text, the newest
+  background thread (the engine holds a request back until its grammar compiled: a slow grammar
+  stalls no other request) (compiled grammars are kept by a hash of their text, the newest
   `CACHED_GRAMMARS`; each request matches with a copy); `mask(seq)` returns the sequence's allowed
   next tokens as a packed bitmask (int32 words, bit j of word i is token 32 i + j). The sequence's matcher is first brought up to its output: the tokens accepted
   since the last step are consumed, and tokens the sequence no longer holds (a preemption that
