@@ -403,10 +403,12 @@ def test_tool_choice_none_hides_the_tools_and_a_none_parser_returns_calls_as_tex
 
 
 def test_a_malformed_call_streams_as_content_and_completions_never_parse(servers, tok):
+    """Calls parsed as written (the content is constrained instead, so the tool calls are not:
+    the scripted engine writes what a model could): a malformed one stays content."""
     fake, urls = servers
     bad = "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Oslo\"\n</tool_call>"
     fake.script = byte_tokens(tok, bad)
-    choice, chunks = both_ways(urls["qwen3"], tools=TOOLS)
+    choice, chunks = both_ways(urls["qwen3"], tools=TOOLS, response_format={"type": "json_object"})
     assert choice.message.content == bad and not choice.message.tool_calls and choice.finish_reason == "stop"
     assert streamed_calls(chunks) == (bad, [], "stop")
     fake.script = tok.encode(CALL).ids

@@ -270,3 +270,13 @@ def test_a_slow_grammar_holds_its_own_request_and_no_other(engine, tok):
             raise AssertionError("the held request never finished")
     finally:
         grammars._backend, engine.on_runnable = backend, None
+
+
+def test_ignore_eos_goes_on_past_the_grammars_end_freely(engine, tok):
+    grammar = Grammar(llguidance.LLMatcher.grammar_from_lark('start: "yes" | "no"'))
+    eos = tok.token_to_id("<|im_end|>")
+    (ids, reason), = run(engine, [(tok.encode("Answer.").ids,
+                                   SamplingParams(max_tokens=12, temperature=1.0, seed=3, grammar=grammar,
+                                                  ignore_eos=True))])
+    assert reason == "length" and len(ids) == 12 and eos in ids  # the answer, its end, then free tokens
+    assert text_of(tok, ids[:ids.index(eos)]) in ("yes", "no")

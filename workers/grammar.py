@@ -9,7 +9,8 @@ Contract:
   grammar constrains what follows, as vLLM does for its reasoning parsers. At the first token
   of a model that may think, the start tag is allowed beside what the grammar allows. While it
   thinks, every token is allowed but the end-of-sequence ones: a constrained output never ends
-  inside its thinking, so what it answers always matches.
+  inside its thinking, so what it answers always matches. Output past the grammar's end (an
+  end-of-sequence token that `ignore_eos` went past) is free.
 - `Grammars` (one per engine, from the model's tokenizer): `prepare(grammar)` compiles in a
   background thread (the engine holds a request back until its grammar compiled: a slow grammar
   stalls no other request) (compiled grammars are kept by a hash of their text, the newest
@@ -134,13 +135,16 @@ class _State:
         self.start: int | None = None  # output index where the grammar begins (None: still thinking)
         self.scanned = 0               # output tokens searched for the end tag
         self.consumed = 0              # output tokens from `start` the matcher holds
+        self.ended = False             # an end-of-sequence token went by (ignore_eos): the rest is free
 
 
 class Grammars:
     def __init__(self, backend: Backend | Future, vocab_size: int, eos_token_ids: tuple[int, ...] = ()):
         self._backend = backend
         self.words = -(-vocab_size // 32)
-        self._thinking = np.full(self.words, -1, np.int32)  # every token but the end ones
+        self._eos = frozenset(eos_token_ids)
+        self._free = np.full(self.words, -1, np.int32)  # every token
+        self._thinking = self._free.copy()  # every token but the end ones
         for t in eos_token_ids:
             self._thinking.view(np.uint32)[t // 32] &= ~np.uint32(1 << (t % 32))
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="cairn-grammar")
@@ -207,11 +211,17 @@ class Grammars:
                     return self._thinking.copy()
         if state.start is not None:
             held = len(out) - state.start
-            if held < state.consumed:
-                state.matcher.rollback(state.consumed - held)
-            else:
-                state.matcher.consume(out[state.start + state.consumed:])
-            state.consumed = held
+            if held < state.consumed or (state.ended and held <= state.consumed):  # tokens dropped
+                state.matcher.rollback(state.consumed - min(held, state.consumed))
+                state.consumed, state.ended = min(held, state.consumed), False
+            if not state.ended:
+                new = out[state.start + state.consumed:]
+                end = next((i for i, t in enumerate(new) if t in self._eos), None)
+                state.matcher.consume(new if end is None else new[:end])
+                state.consumed += len(new) if end is None else end  # the matcher holds what precedes an end
+                state.ended = end is not None
+            if state.ended:
+                return self._free.copy()
         words = np.zeros(self.words, np.int32)
         state.matcher.fill(words)
         if opening:

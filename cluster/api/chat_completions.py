@@ -8,7 +8,10 @@ is left, and finish_reason is "tool_calls". `tool_choice` none hides the tools f
 and parses nothing; auto is the default; required (one call or more) and a named function (one
 call to it; a name not among `tools` is a 400) constrain the output to calls in the family's
 format whose arguments match the tools' schemas, and tools with `strict: true` constrain every
-call made to them (`tool_grammar`). `parallel_tool_calls: false` keeps only the first call, and
+call made to them (`tool_grammar`). With auto, every call is kept well formed (any JSON object
+as arguments for a tool that is not strict), so that calls stream their arguments as written,
+unless `response_format` or `structured_outputs` constrains the content instead (then calls are
+parsed as written, and given out whole once they parse). `parallel_tool_calls: false` keeps only the first call, and
 a constrained output makes only one. `response_format` and `structured_outputs` constrain the
 content (`structured`); one source of constraint per request.
 Streaming sends a role delta per choice first, then content / reasoning / tool-call deltas with
@@ -39,7 +42,7 @@ from cluster.api.structured import response_format_grammar, structured_outputs_g
 from cluster.api.tenants import Caller
 from cluster.api.tokenizer import TextTokenizer
 from cluster.api.tool_calls import ToolCallParser
-from cluster.api.tool_grammar import tool_grammar
+from cluster.api.tool_grammar import CONSTRAINED_FORMATS, tool_grammar
 
 
 def chat_logprobs(tokenizer: TextTokenizer, placed: list[PlacedLogprob]) -> ChatLogprobs:
@@ -65,8 +68,9 @@ class ChatCompletions:
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
         check_tools(req)
-        constraint = one_constraint([response_format_grammar(req.response_format),
-                                     structured_outputs_grammar(req.structured_outputs), self._tool_grammar(req)])
+        content = [response_format_grammar(req.response_format), structured_outputs_grammar(req.structured_outputs)]
+        tool_constraint = self._tool_grammar(req, content_constrained=any(content))
+        constraint = one_constraint(content + [tool_constraint])
         if constraint is not None:
             await s.grammars.check(*constraint, client_gone, caller.tenant_id)
         prompt = await s.pool.run(lambda stop: s.prompts.chat(req, stop), client_gone, caller.tenant_id)
@@ -77,7 +81,7 @@ class ChatCompletions:
                            {"max_tokens": name, "logprobs": "top_logprobs"}, grammar)
         choices = [Choice(i, s.tokenizer, prompt.ids, req.stop_strings(),
                           ReasoningParser(prompt.opens_think) if s.reasoning_model else None,
-                          self._tool_parser(req))
+                          self._tool_parser(req, stream_arguments=tool_constraint is not None))
                    for i in range(req.n)]
         fan, first = await s.start(request_id, req, [prompt], params, caller, "messages", "n", arrived)
         completion_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -97,31 +101,39 @@ class ChatCompletions:
             for c in choices])
         return JSONResponse(body.model_dump(mode="json"))
 
-    def _tool_grammar(self, req: ChatCompletionRequest) -> tuple[str, str] | None:
-        """(field, grammar) of forced or strict tool calls, or None."""
-        choice = req.tool_choice
+    def _tool_grammar(self, req: ChatCompletionRequest, content_constrained: bool) -> tuple[str, str] | None:
+        """(field, grammar) of the request's tool calls, or None: forced calls and calls to strict
+        tools match their schemas; with tool_choice auto every call is at least well formed (so
+        that its arguments can stream), unless response_format or structured_outputs constrains
+        the content instead."""
+        choice, fmt = req.tool_choice, self.serving.tool_format
         forced = choice == "required" or isinstance(choice, NamedToolChoice)
-        if not tools_constrained(req):
+        strict = any(t.function.strict for t in req.tools or ())
+        if not req.tools or choice == "none":
             return None
-        fmt, field = self.serving.tool_format, "tool_choice" if forced else "tools"
-        if fmt not in ("qwen3_json", "qwen3_xml"):
-            raise bad_request("this model has no tool-call format to constrain calls to", field, "unsupported")
+        field = "tool_choice" if forced else "tools"
+        if fmt not in CONSTRAINED_FORMATS:
+            if forced or strict:
+                raise bad_request("this model has no tool-call format to constrain calls to", field, "unsupported")
+            return None
+        if not (forced or strict) and content_constrained:
+            return None
         import llguidance
 
         tools = {t.function.name: (t.function.parameters, bool(t.function.strict)) for t in req.tools}
         mode = "named" if isinstance(choice, NamedToolChoice) else "required" if forced else "auto"
         text = tool_grammar(fmt, tools, mode, parallel=req.parallel_tool_calls is not False,
                             name=choice.function.name if isinstance(choice, NamedToolChoice) else None,
-                            tag_tokens=self.serving.grammars.tag_tokens)
+                            tag_ids=self.serving.grammars.tag_ids)
         return field, llguidance.LLMatcher.grammar_from_lark(text)
 
-    def _tool_parser(self, req: ChatCompletionRequest) -> ToolCallParser | None:
+    def _tool_parser(self, req: ChatCompletionRequest, stream_arguments: bool) -> ToolCallParser | None:
         fmt = self.serving.tool_format
         if not req.tools or req.tool_choice == "none" or fmt == "none":
             return None
         return ToolCallParser(fmt, {t.function.name: t.function.parameters or {} for t in req.tools},
                               max_calls=1 if req.parallel_tool_calls is False else None,
-                              stream_arguments=tools_constrained(req))
+                              stream_arguments=stream_arguments)
 
     def _stream(self, req: ChatCompletionRequest, completion_id: str, request_id: str, prompt: Prepared,
                 fan: Fanout, first: tuple, choices: list[Choice], arrived: float,
@@ -151,13 +163,6 @@ class ChatCompletions:
         include_usage = req.stream_options is not None and req.stream_options.include_usage
         return s.stream(request_id, fan, events(), [prompt], choices, arrived,
                         (lambda usage: chunk([], usage)) if include_usage else None, caller)
-
-
-def tools_constrained(req: ChatCompletionRequest) -> bool:
-    """Whether the request's tool calls are constrained: forced, or to strict tools."""
-    forced = req.tool_choice == "required" or isinstance(req.tool_choice, NamedToolChoice)
-    strict = any(t.function.strict for t in req.tools or ())
-    return bool(req.tools) and req.tool_choice != "none" and (forced or strict)
 
 
 def one_constraint(found: list[tuple[str, str] | None]) -> tuple[str, str] | None:

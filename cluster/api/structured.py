@@ -8,8 +8,9 @@ Sources, at most one per request (a second is a 400 naming it):
 - vLLM's `structured_outputs`: exactly one of `json` (a schema, or its text), `regex`, `choice`
   (a list of strings), `grammar` (Lark; GBNF or EBNF converted) or `json_object: true`, with
   `disable_any_whitespace` and `disable_additional_properties`; an unknown key is a 400 naming it;
-- tool calls (chat only): `tool_choice` required or a named function, or tools with
-  `strict: true` (`tool_grammar`, in the model family's call format).
+- tool calls (chat only): `tool_choice` required or a named function, tools with `strict: true`,
+  and with auto any call kept well formed (`tool_grammar`, in the model family's call format;
+  `chat_completions` decides).
 Whitespace in JSON is free (as vLLM's default) unless `disable_any_whitespace`.
 
 A regex is too hard when its bounded repeats, expanded, spell out over `MAX_REGEX_POSITIONS`
@@ -187,7 +188,8 @@ class GrammarCompiler:
         self._checked: OrderedDict[str, str] = OrderedDict()  # hash -> "" (compiles) or the error
         ids = tokenizer.tokenizer.token_to_id
         self.think = (ids("<think>"), ids("</think>")) if tokenizer.has_tokens("<think>", "</think>") else None
-        self.tag_tokens = tokenizer.has_tokens("<tool_call>", "</tool_call>")
+        self.tag_ids = (ids("<tool_call>"), ids("</tool_call>")) if tokenizer.has_tokens("<tool_call>", "</tool_call>") \
+            else None
 
     def _tokenizer(self):
         with self._ll_lock:

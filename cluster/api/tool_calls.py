@@ -10,18 +10,18 @@ hands each body to its model family's format (`tool_call_formats`). Rules:
   that then fails to parse. Streaming sends it as two deltas: `index`, `id`, `type` and
   `function.name` with empty arguments, then `index` and the arguments in one fragment; the
   fragments concatenate to the non-streamed arguments.
-- With `stream_arguments` (the output is constrained to well-formed calls: forced or strict
-  tools, `tool_grammar`), a call is announced as soon as its function's name is written, and its
+- With `stream_arguments` (the output is constrained to well-formed calls by `tool_grammar`:
+  every request with tools unless its content is constrained instead), a call is announced as soon as its function's name is written, and its
   arguments follow in fragments as the model writes them (`tool_arguments.OpenCall`), so a client
   sees a long argument grow token by token. A call cut off by the choice's end (its length)
   keeps the arguments written so far, streamed or not.
-`take_deltas()` returns the streamed `tool_calls` items since the last call to it.
 - Text that could be the start of `<tool_call>` is held back until the next piece decides it;
   trailing whitespace of the content is held until more content follows. When the choice ends,
   held whitespace is dropped if it made calls (content is null when there is nothing else) and
   given out if not: without calls the content is the text as generated.
 - `max_calls` (1 for `parallel_tool_calls: false`) keeps the first calls and drops later ones.
-Each call gets a fresh id, `call_` and 24 hex digits.
+Each call gets a fresh id, `call_` and 24 hex digits. `take_deltas()` returns the streamed
+`tool_calls` items since the last call to it; `calls` holds the calls kept so far.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The grammar of a model family's tool calls (Lark, with llguidance's inline `%json`), for forced
-and strict calls.
+"""The grammar of a model family's tool calls (Lark, with llguidance's inline `%json`): forced and
+strict calls match their schemas, and any call is well formed (so that its arguments can stream).
 
 `tool_grammar(fmt, tools, mode, parallel)`: `tools` maps each offered function's name to
 (parameters schema, strict). The modes:
@@ -12,9 +12,9 @@ client forcing a call parses). Calls are written as each family's template write
 `tool_call_formats`): `qwen3_json` a JSON object `{"name", "arguments"}` in a `<tool_call>`
 block; `qwen3_xml` a `<function=NAME>` block with one `<parameter=P>` block per argument, in the
 schema's order, required ones always there, a string's value as text without `</parameter>`
-(within its schema's pattern or length bounds), any other type's as JSON of its schema. Calls are separated by one newline. With `tag_tokens`
-(the tokenizer has `<tool_call>` and `</tool_call>` as tokens of their own, as Qwen's do) the
-tags are those tokens, which is how the model writes them; else their text.
+(within its schema's pattern or length bounds), any other type's as JSON of its schema. Calls are separated by one newline. With `tag_ids`
+(the ids of `<tool_call>` and `</tool_call>` where the tokenizer has them as tokens of their own,
+as Qwen's do) the tags are those tokens, which is how the model writes them; else their text.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from typing import Any
 
 START, END = "<tool_call>", "</tool_call>"
+CONSTRAINED_FORMATS = ("qwen3_json", "qwen3_xml")  # the formats a grammar can hold calls to
 _TEXT = r"/(.|\n)+/ & ~/(.|\n)*<tool_call>(.|\n)*/"           # text with no call in it
 # a string parameter's text and its closing tag (the lexer is greedy: a value that stopped
 # before a closing tag could not be told from one that goes on, so the tag is part of it)
@@ -90,7 +91,7 @@ def _xml_call(name: str, schema: Any, terminals: list[str]) -> str:
 
 
 def tool_grammar(fmt: str, tools: Mapping[str, tuple[Any, bool]], mode: str, parallel: bool = True,
-                 name: str | None = None, tag_tokens: bool = False) -> str:
+                 name: str | None = None, tag_ids: tuple[int, int] | None = None) -> str:
     """The Lark grammar (see the module's docstring); raises ValueError for a format it cannot
     constrain."""
     write = {"qwen3_json": _json_call, "qwen3_xml": _xml_call}.get(fmt)
@@ -110,5 +111,6 @@ def tool_grammar(fmt: str, tools: Mapping[str, tuple[Any, bool]], mode: str, par
         lines.insert(0, "start: call (\"\\n\" call)*" if parallel and mode == "required" else "start: call")
     if fmt == "qwen3_xml":
         lines += [f"XML_VALUE: {_XML_VALUE}"] + terminals
-    lines += [f"tag_start: {START if tag_tokens else _literal(START)}", f"tag_end: {END if tag_tokens else _literal(END)}"]
+    start, end = (f"<[{tag_ids[0]}]>", f"<[{tag_ids[1]}]>") if tag_ids else (_literal(START), _literal(END))
+    lines += [f"tag_start: {start}", f"tag_end: {end}"]
     return "\n".join(lines) + "\n"
