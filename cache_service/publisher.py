@@ -78,13 +78,6 @@ class EventPublisher:
         self._idle.clear()
         self._wake.set()
 
-    def request_snapshot(self) -> None:
-        """Sends a full snapshot soon (as if the index had asked)."""
-        self._start()
-        self._need_snapshot = True
-        self._idle.clear()
-        self._wake.set()
-
     async def flush(self, timeout_s: float | None = None) -> bool:
         """Waits until everything published so far was delivered; False on timeout."""
         if self._task is None:

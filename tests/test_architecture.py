@@ -78,3 +78,15 @@ def test_routing_imports_nothing_of_the_cluster_around_it():
             {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
         bad = {m for m in modules if m.split(".")[0] == "cluster" and not m.startswith("cluster.routing")}
         assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
+
+
+def test_routing_and_plan_making_load_no_torch():
+    """`workers/__init__` is lazy: the routing package, the scoring it shares with the index, and
+    the engine's plain modules load without torch (a router replica never pays for it)."""
+    modules = [f"cluster.routing.{p.stem}" for p in sorted((ROOT / "cluster" / "routing").glob("*.py"))
+               if p.stem != "__init__"] + ["cache_service.scoring", "workers.sampling_params", "workers.sequence",
+                                           "workers.scheduler", "workers.checkpoint_policy", "workers"]
+    probe = f"import sys\nfor m in {modules!r}: __import__(m)\nprint('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.stdout.strip() == "False", f"importing {modules} loads torch"

@@ -4,17 +4,36 @@ Public surface: `Engine` (synchronous, batch `generate`), `AsyncEngine` (streams
 request, abortable), `EngineSpec` (the facts a deployment shares), `SamplingParams`,
 `RequestOutput` and `TokenLogprob`, the errors `RequestRejected` and `EngineError`,
 `ModelSource` (a checkpoint directory or a Hugging Face id) and `demo_model_dir`. No Ray here.
+
+Imported lazily (PEP 562): `from workers import Engine` loads the engine, and with it torch, but
+importing a plain module (`workers.spec`, `workers.sampling_params`) loads only that module, so
+code that makes plans and routes (`cluster.routing`, the ingress's request models) stays free of
+torch.
 """
 
-from workers.async_engine import AsyncEngine
-from workers.demo import demo_model_dir
-from workers.engine import Engine, RequestOutput
-from workers.errors import EngineError, RequestRejected
-from workers.model_source import ModelNotFound, ModelSource
-from workers.options import EngineOptions
-from workers.sampling_params import MAX_SEED, SamplingParams
-from workers.sequence import TokenLogprob
-from workers.spec import EngineSpec
+from __future__ import annotations
 
-__all__ = ["MAX_SEED", "AsyncEngine", "Engine", "EngineError", "EngineOptions", "EngineSpec", "ModelNotFound",
-           "ModelSource", "RequestOutput", "RequestRejected", "SamplingParams", "TokenLogprob", "demo_model_dir"]
+import importlib
+from typing import Any
+
+_WHERE = {
+    "AsyncEngine": "workers.async_engine", "demo_model_dir": "workers.demo", "Engine": "workers.engine",
+    "RequestOutput": "workers.engine", "EngineError": "workers.errors", "RequestRejected": "workers.errors",
+    "ModelNotFound": "workers.model_source", "ModelSource": "workers.model_source",
+    "EngineOptions": "workers.options", "MAX_SEED": "workers.sampling_params",
+    "SamplingParams": "workers.sampling_params", "TokenLogprob": "workers.sequence", "EngineSpec": "workers.spec",
+}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'workers' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_WHERE))

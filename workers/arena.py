@@ -216,11 +216,6 @@ class Arena:
                 self._block(g)
         return taken
 
-    def free_blocks_outside(self, group: int) -> int:
-        """Free blocks not in `group`."""
-        inside = sum(self._free[b] for b in self.pages_of_group(group))
-        return self._num_free - inside
-
     def pages_in(self, group: int) -> int:
         """Blocks of `group` holding pages."""
         return self._pages_in[group]

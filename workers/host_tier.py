@@ -2,8 +2,8 @@
 
 Plain Python, no tensors: the runner owns the host memory (`workers.runner`: one buffer of
 `num_blocks` blocks of the device arena's block size, pinned on CUDA, a separate pool on CPU) and
-copies blocks as the prefix cache's `BlockCopy` list says; this module decides which host block
-holds what, and what leaves when room is needed.
+copies blocks as the prefix cache's block copies say (`take_block_copies`); this module decides
+which host block holds what, and what leaves when room is needed.
 
 - A page takes one host block; a checkpoint takes `slot_blocks` host blocks, any ones (on the
   host a state need not be contiguous: it is copied block by block into a device slot).
@@ -28,9 +28,9 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from workers.cache_budget import CHECKPOINT, PAGE
 from workers.checkpoint_store import Checkpoint
 
-PAGE, CHECKPOINT = "page", "checkpoint"
 
 
 @dataclass(slots=True)

@@ -108,9 +108,6 @@ class PagePool:
     def hash_of(self, page: int) -> bytes | None:
         return self._hash_of.get(page)
 
-    def parent_of(self, page_hash: bytes) -> bytes | None:
-        return self._parent.get(page_hash)
-
     def register(self, page: int, page_hash: bytes, parent: bytes | None,
                  tokens: tuple[int, ...] | None = None, root: bytes = b"") -> bool:
         """Names a held, full page by its chain hash (with its `tokens` and the hash `root` of

@@ -30,23 +30,12 @@ from __future__ import annotations
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from cache_service.scoring import ZERO, WorkerScore, resume_at_token
 from cluster.routing.config import RoutingConfig
 
 Score = WorkerScore  # what the index answers for a replica: its hit, state and how much is on the device
-
-
-class RoutingRequest(Protocol):
-    """What the router reads from the engine deployment call's first argument.
-    page_hashes: one per whole prompt page (cache_service.hashing), None or [] for none.
-    num_prompt_tokens: prompt length in tokens (else len(prompt_token_ids) is used).
-    prompt / messages: the text, read only by the ray_prefix policy."""
-    page_hashes: list[bytes] | None
-    num_prompt_tokens: int
-    prompt: str | None
-    messages: list | None
 
 
 def prompt_tokens(request: Any, page_size: int) -> int:

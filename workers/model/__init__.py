@@ -1,11 +1,32 @@
 """The hybrid models cairn runs: one normalised config, shared layers over a varlen paged batch,
-a family per published architecture (workers.model.registry), and the loader."""
+a family per published architecture (workers.model.registry), and the loader.
 
-from workers.model.batch import ForwardBatch
-from workers.model.config import CheckpointError, ModelConfig
-from workers.model.hybrid import HybridForCausalLM, ModelCaches
-from workers.model.loader import load_model
-from workers.model.registry import FAMILIES, config_from_dict, read_model_config, supported_model_types
+Imported lazily (PEP 562), as `workers` is: `workers.model.config` (what plans and the arena
+read) loads without the layers, and so without torch."""
 
-__all__ = ["CheckpointError", "FAMILIES", "ForwardBatch", "HybridForCausalLM", "ModelCaches", "ModelConfig",
-           "config_from_dict", "load_model", "read_model_config", "supported_model_types"]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_WHERE = {
+    "ForwardBatch": "workers.model.batch", "CheckpointError": "workers.model.config",
+    "ModelConfig": "workers.model.config", "HybridForCausalLM": "workers.model.hybrid",
+    "ModelCaches": "workers.model.hybrid", "load_model": "workers.model.loader", "FAMILIES": "workers.model.registry",
+    "config_from_dict": "workers.model.registry", "read_model_config": "workers.model.registry",
+    "supported_model_types": "workers.model.registry",
+}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'workers.model' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_WHERE))
