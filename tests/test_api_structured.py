@@ -150,3 +150,36 @@ def test_a_bad_constraint_is_a_400_naming_the_field_and_changes_nothing(client, 
     assert e.value.body["param"] == param, e.value.body
     r = chat(client, extra_body={"structured_outputs": {"choice": ["fine"]}})
     assert r.choices[0].message.content == "fine"
+
+
+def test_tool_grammars_compile_for_a_tokenizer_whose_tags_sit_past_its_count(tmp_path):
+    """Qwen's tokenizers count fewer tokens than their highest added id (<tool_call> is 151657 in a
+    tokenizer of 151,652): the ingress's grammar check must take every id the model can emit."""
+    import asyncio
+
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    from cluster.api.limits import DEFAULT_LIMITS
+    from cluster.api.structured import GrammarCompiler
+    from cluster.api.tokenizer import TextTokenizer
+    from cluster.api.tool_grammar import tool_grammar
+
+    vocab = {chr(c): i for i, c in enumerate(range(32, 127))}
+    tags = ["<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>"]
+    vocab.update({t: 200 + 3 * i for i, t in enumerate(tags)})  # ids past the count, with gaps, as Qwen's
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="~"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(tags[0], special=True)])
+    tok.add_tokens(tags[1:])
+    text = TextTokenizer(tok)
+    assert text.tokenizer.get_vocab_size() < 212 and text.tokenizer.token_to_id("</tool_call>") == 212
+    compiler = GrammarCompiler(text, 100, DEFAULT_LIMITS)  # a model vocabulary smaller still
+    grammar = tool_grammar("qwen3_json", {"f": ({"type": "object"}, False)}, "auto", tag_ids=compiler.tag_ids)
+
+    async def never() -> None:
+        await asyncio.Event().wait()
+
+    import llguidance
+
+    asyncio.run(compiler.check("tools", llguidance.LLMatcher.grammar_from_lark(grammar), never))

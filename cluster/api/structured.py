@@ -196,7 +196,12 @@ class GrammarCompiler:
             if self._ll is None:
                 import llguidance
 
-                self._ll = llguidance.LLTokenizer(self._text_tokenizer.tokenizer.to_str())
+                tok = self._text_tokenizer.tokenizer
+                # the ids the model can emit: its vocabulary, and every added token (Qwen's tool-call
+                # tags sit past the tokenizer's own count, which would leave them out of range)
+                n_vocab = max(self.vocab_size, tok.get_vocab_size(with_added_tokens=True),
+                              1 + max(tok.get_added_tokens_decoder(), default=0))
+                self._ll = llguidance.LLTokenizer(tok.to_str(), n_vocab=n_vocab)
             return self._ll
 
     def _validate(self, text: str) -> str:
