@@ -186,6 +186,9 @@ class GrammarCompiler:
         self._ll_lock = threading.Lock()
         self.pool = PrepPool(limits.grammar_threads, limits.prepare_wait_s)
         self._checked: OrderedDict[str, str] = OrderedDict()  # hash -> "" (compiles) or the error
+        # llguidance's view of the tokenizer takes about a second at 150k tokens: built now, in the
+        # background, not by the first request that needs it
+        threading.Thread(target=self._tokenizer, name="cairn-grammar-tokenizer", daemon=True).start()
         ids = tokenizer.tokenizer.token_to_id
         self.think = (ids("<think>"), ids("</think>")) if tokenizer.has_tokens("<think>", "</think>") else None
         self.tag_ids = (ids("<tool_call>"), ids("</tool_call>")) if tokenizer.has_tokens("<tool_call>", "</tool_call>") \
