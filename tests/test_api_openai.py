@@ -4,6 +4,7 @@ n > 1; and, through a scripted engine, reasoning split from content, multi-byte 
 split across tokens, and the API key."""
 
 import asyncio
+import json
 
 import httpx
 import openai
@@ -381,3 +382,19 @@ def test_a_completion_without_max_tokens_or_with_null_generates_openais_default_
     chat = httpx.post(plain.url + "/v1/chat/completions", timeout=30, json={
         "model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": None})
     assert chat.json()["usage"]["completion_tokens"] == 70, "chat's null: what the context leaves, as OpenAI"
+
+
+def test_a_stream_of_text_with_unicode_line_separators_reads_line_by_line(scripted, tok):
+    """JSON leaves U+0085, U+2028 and U+2029 raw, and Python's line readers (httpx's aiter_lines,
+    str.splitlines) break lines there: each event must stay one line, whatever the model writes."""
+    fake, plain, _, _ = scripted
+    text = "a\x85b\u2028c\u2029d"
+    fake.script = byte_tokens(tok, text)
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 40, "stream": True}
+    got = ""
+    with httpx.stream("POST", plain.url + "/v1/chat/completions", json=body, timeout=30) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                for choice in json.loads(line[6:])["choices"]:
+                    got += choice["delta"].get("content") or ""
+    assert got == text

@@ -160,8 +160,14 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+# characters JSON leaves raw that common line readers split on (Python's str.splitlines, which
+# httpx's `aiter_lines` uses; U+2028/9 in JavaScript): escaped, one event stays one line
+_LINE_BREAKING = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def _sse(body: dict) -> str:
-    return f"data: {json.dumps(body, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    text = json.dumps(body, ensure_ascii=False, separators=(',', ':')).translate(_LINE_BREAKING)
+    return f"data: {text}\n\n"
 
 
 DONE = "data: [DONE]\n\n"
