@@ -13,8 +13,7 @@ torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from workers.lazy import lazy_exports
 
 _WHERE = {
     "AsyncEngine": "workers.async_engine", "demo_model_dir": "workers.demo", "Engine": "workers.engine",
@@ -26,14 +25,4 @@ _WHERE = {
 __all__ = sorted(_WHERE)
 
 
-def __getattr__(name: str) -> Any:
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module 'workers' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_WHERE))
+__getattr__, __dir__ = lazy_exports(__name__, _WHERE)

@@ -110,6 +110,18 @@ class ToolCallParser:
             self.calls.append(FoundCall(self._open.name, self._open.arguments, self._open_id))
         self._open, self._open_id, self._fed = None, "", 0
 
+    def _text_before_call(self, content: list[str]) -> int:
+        """Moves the text before the next opening tag to `content`; the tag's index in `_buf`, or
+        -1 (then only a possible start of the tag stays held in `_buf`)."""
+        start = self._buf.find(START)
+        if start < 0:
+            keep = len(self._buf) - partial_tag_len(self._buf, START)
+            content.append(self._buf[:keep])
+            self._buf = self._buf[keep:]
+            return -1
+        content.append(self._buf[:start])
+        return start
+
     def push(self, text: str) -> tuple[str, list[FoundCall]]:
         """(content, calls) that `text` adds: the calls completed by it."""
         if self._stream_arguments:
@@ -119,13 +131,9 @@ class ToolCallParser:
         calls: list[FoundCall] = []
         while True:
             if not self._in_block:
-                start = self._buf.find(START)
+                start = self._text_before_call(content)
                 if start < 0:
-                    keep = len(self._buf) - partial_tag_len(self._buf, START)
-                    content.append(self._buf[:keep])
-                    self._buf = self._buf[keep:]
                     break
-                content.append(self._buf[:start])
                 self._buf, self._in_block, self._scanned = self._buf[start:], True, len(START)
             since = max(len(START), self._scanned - len(END))
             end = self._buf.find(END, since)
@@ -157,13 +165,9 @@ class ToolCallParser:
         before = len(self.calls)
         while True:
             if self._open is None:
-                start = self._buf.find(START)
+                start = self._text_before_call(content)
                 if start < 0:
-                    keep = len(self._buf) - partial_tag_len(self._buf, START)
-                    content.append(self._buf[:keep])
-                    self._buf = self._buf[keep:]
                     break
-                content.append(self._buf[:start])
                 self._buf = self._buf[start + len(START):]
                 self._open, self._fed = OpenCall(self._fmt, self._tools), 0
             end = self._buf.find(END)

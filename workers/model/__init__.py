@@ -6,8 +6,7 @@ read) loads without the layers, and so without torch."""
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from workers.lazy import lazy_exports
 
 _WHERE = {
     "ForwardBatch": "workers.model.batch", "CheckpointError": "workers.model.config",
@@ -19,14 +18,4 @@ _WHERE = {
 __all__ = sorted(_WHERE)
 
 
-def __getattr__(name: str) -> Any:
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module 'workers.model' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_WHERE))
+__getattr__, __dir__ = lazy_exports(__name__, _WHERE)
