@@ -27,7 +27,7 @@ Writes benchmarks/out/multiturn.png (hit tokens per turn). Not a test: nothing i
 The host tier (`--device-budget F --host-budget H`): the `cairn` policy with memory to spare
 measures what the cache needs (its arena bytes once every round ran, nothing ever evicted); then
 it runs with a device budget of F times that, without a host tier and with one of H times the
-device budget (workers.host_tier). Printed for each: hit tokens / oracle, tokens computed (prompt
+device budget (workers.cache.host_tier). Printed for each: hit tokens / oracle, tokens computed (prompt
 tokens recomputed, preemptions' recomputation included, and decodes), the last turn's median
 TTFT, and what moved between the tiers. Goal: >= 0.97 of the oracle with the tier.
 

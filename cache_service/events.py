@@ -12,7 +12,7 @@ The contract with the index (`cache_service.index.CacheIndex`):
 - A worker that (re)starts opens its stream with a snapshot (an empty one is just AllCleared), so
   an index that knew an earlier life of the same worker id forgets it.
 
-Media (design rule 8, and the host tier of `workers.host_tier`): a worker keeps what it holds
+Media (design rule 8, and the host tier of `workers.cache.host_tier`): a worker keeps what it holds
 on its device or, demoted there, in its host memory. A page or state is resident on a worker in
 exactly one medium; `PagesStored` / `StateStored` name it (`DEVICE` or `HOST`), and storing one
 that is already resident in the other medium moves it there (a demotion or a promotion).

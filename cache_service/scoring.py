@@ -8,7 +8,7 @@ checkpoint at or under that run, and the worker resumes at
                                                                or hit_pages (attention only)
 
 so the last prompt token is always computed (its logits pick the first output token). The
-prefix cache resumes there (`workers.prefix_cache`), the index and its mirrors score with
+prefix cache resumes there (`workers.cache.prefix_cache`), the index and its mirrors score with
 `walk_scores`, and the router turns a score into a resume point with `resume_at_token`.
 
 Media (`cache_service.events`): a hit counts pages in either medium. A score also says how much

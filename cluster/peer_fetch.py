@@ -2,7 +2,7 @@
 
 The router names, on each request it routes, the replica resuming it deepest and how deep
 (`GenerateRequest.fetch_from`: a hint, whichever replica takes the request). A receiving replica
-that resumes less deep (`workers.cache_transfer.plan_fetch`) pulls what it lacks before the
+that resumes less deep (`workers.cache.transfer.plan_fetch`) pulls what it lacks before the
 request enters its engine:
 - the ask is an `ExportRequest` through the engine deployment's own handle, which the router
   sends to exactly the replica it names (`target_worker`); the holder copies the pages and the

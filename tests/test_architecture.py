@@ -7,10 +7,10 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PLAN_MAKING = ["workers/scheduler.py", "workers/prefix_cache.py", "workers/page_pool.py", "workers/arena.py",
-               "workers/cache_budget.py", "workers/checkpoint_store.py", "workers/checkpoint_policy.py",
-               "workers/sequence.py", "workers/sequence_cache.py", "workers/sampling_params.py",
-               "workers/options.py", "workers/spec.py"]
+PLAN_MAKING = sorted({p.relative_to(ROOT).as_posix() for p in (ROOT / "workers" / "cache").glob("*.py")}
+                     - {"workers/cache/device_budget.py"}) + \
+    ["workers/scheduler.py", "workers/plan.py", "workers/sequence.py", "workers/sampling_params.py",
+     "workers/options.py", "workers/spec.py", "workers/tenant_queue.py"]
 
 
 def imported_roots(path: Path) -> set[str]:
@@ -85,7 +85,7 @@ def test_routing_and_plan_making_load_no_torch():
     the engine's plain modules load without torch (a router replica never pays for it)."""
     modules = [f"cluster.routing.{p.stem}" for p in sorted((ROOT / "cluster" / "routing").glob("*.py"))
                if p.stem != "__init__"] + ["cache_service.scoring", "workers.sampling_params", "workers.sequence",
-                                           "workers.scheduler", "workers.checkpoint_policy", "workers"]
+                                           "workers.scheduler", "workers.cache.checkpoint_policy", "workers"]
     probe = f"import sys\nfor m in {modules!r}: __import__(m)\nprint('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})

@@ -190,13 +190,13 @@ def test_an_empty_snapshot_is_just_all_cleared():
 def test_events_nobody_drains_are_bounded_and_the_next_drain_is_a_snapshot(tiny_model_dir, monkeypatch):
     from cache_service.index import CacheIndex
     from workers import Engine, SamplingParams
-    from workers.prefix_cache import PrefixCache
+    from workers.cache.event_queue import EventQueue
 
-    monkeypatch.setattr(PrefixCache, "MAX_QUEUED_EVENTS", 8)
+    monkeypatch.setattr(EventQueue, "MAX_QUEUED", 8)
     engine = Engine.from_pretrained(tiny_model_dir, num_pages=256)
     engine.drain_events()  # the introduction
     engine.generate([list(range(20 + i, 80 + i)) for i in range(6)], SamplingParams(max_tokens=2))
-    assert len(engine.cache._events) <= 8, "an engine nobody drains does not grow"
+    assert len(engine.cache.events) <= 8, "an engine nobody drains does not grow"
     batch = engine.drain_events()
     assert batch.is_snapshot, "events were dropped: the index must be told everything again"
     pages, states = engine.cache.snapshot()

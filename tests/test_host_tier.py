@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from conftest import assert_same_output
 from workers import Engine, SamplingParams
-from workers.tier_cost import TierCost
+from workers.cache.tier_cost import TierCost
 
 PS = 16
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=1)

@@ -18,10 +18,10 @@ import pytest
 from cache_service.events import EventStream
 from cache_service.hashing import root_hash
 from cache_service.index import CacheIndex
-from workers.arena import ArenaLayout
-from workers.checkpoint_policy import CheckpointPolicy
-from workers.cache_placement import COPY, DEMOTE, MOVE
-from workers.prefix_cache import PrefixCache
+from workers.cache.arena import ArenaLayout
+from workers.cache.checkpoint_policy import CheckpointPolicy
+from workers.plan import COPY, DEMOTE, MOVE
+from workers.cache.prefix_cache import PrefixCache
 from workers.sampling_params import SamplingParams
 from workers.sequence import Sequence
 

@@ -182,7 +182,7 @@ def test_memory_utilization_sizes_each_ranks_arena_from_the_least_free_device(mo
     CUDA's free-memory query is faked per rank; the ranks are threads over a real gloo group."""
     import threading
 
-    from workers.device_budget import arena_bytes, sized
+    from workers.cache.device_budget import arena_bytes, sized
     from workers.options import EngineOptions
     from workers.tp_group import TPGroup
     from workers.tp_runner import free_address

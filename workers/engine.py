@@ -1,7 +1,7 @@
 """The engine: requests in, tokens out, one step at a time. No Ray, no asyncio.
 
 `Engine.from_pretrained(dir, **options)` loads a checkpoint (see workers.model.loader) and lays
-out the cache's arena from `EngineOptions` (workers.arena). `add_request` validates a prompt and
+out the cache's arena from `EngineOptions` (workers.cache.arena). `add_request` validates a prompt and
 queues it; `step` is the loop's body: the scheduler plans, the runner runs the model once, the
 sampler picks tokens, the scheduler applies the step (`postprocess`), and a `RequestOutput` comes
 back for every request that produced a token or finished; `generate` runs a batch to completion.
@@ -27,20 +27,21 @@ import torch
 
 from cache_service.events import EventBatch, EventStream
 from cache_service.hashing import DIGEST_BYTES, model_fingerprint
-from workers import cache_transfer
-from workers.arena import ArenaLayout
-from workers.device_budget import graph_reserve_bytes, sized
-from workers.checkpoint_policy import CheckpointPolicy
+from workers.cache import transfer
+from workers.cache.arena import ArenaLayout
+from workers.cache.device_budget import graph_reserve_bytes, sized
+from workers.cache.checkpoint_policy import CheckpointPolicy
 from workers.errors import EngineBroken, RequestRejected, SequenceFault
 from workers.grammar import Grammars
 from workers.model import HybridForCausalLM, ModelConfig, load_model, read_model_config
 from workers.model.sharding import shard_config
 from workers.options import EngineOptions
-from workers.prefix_cache import Match, PrefixCache
+from workers.cache.prefix_cache import Match, PrefixCache
 from workers.runner import ModelRunner
 from workers.sampler import Sampler
 from workers.sampling_params import SamplingParams
-from workers.scheduler import Scheduler, Segment, StepPlan
+from workers.plan import BlockCopy, Segment, StepPlan
+from workers.scheduler import Scheduler
 from workers.sequence import Sequence, Status, TokenLogprob
 from workers.spec import EngineSpec
 from workers.tp_runner import RankWorkers, TensorParallelRunner, free_address, load_rank_model
@@ -462,15 +463,19 @@ class Engine:
         host_pages, host_states = self.cache.host_snapshot()
         return frozenset(h for h, _ in host_pages), frozenset(host_states)
 
-    # ---- fetching a resume point from a peer (workers.cache_transfer) -------------------------
+    # ---- fetching a resume point from a peer (workers.cache.transfer) -------------------------
     def fetch_plan(self, page_hashes: list[bytes], num_tokens: int, depth: int):
         """What to ask a peer resuming this prompt at `depth` pages for (None: nothing)."""
-        return cache_transfer.plan_fetch(self, page_hashes, num_tokens, depth)
+        if self.options.tensor_parallel_size > 1:
+            return None  # not built under tensor parallelism (workers.cache.transfer)
+        return transfer.plan_fetch(self.cache, page_hashes, num_tokens, depth)
 
     def export_resume(self, page_hashes: list[bytes], first: int, depth: int):
         """A copy of pages [first, depth) of the chain and the checkpoint at `depth`, for a peer;
         None if they are no longer all here."""
-        out = cache_transfer.export_resume(self, page_hashes, first, depth)
+        if self.options.tensor_parallel_size > 1:
+            return None
+        out = transfer.export_resume(self.cache, self._block_io, page_hashes, first, depth)
         if out is not None:
             self.fetch_counts["exported_bytes"] += out.nbytes
         return out
@@ -480,7 +485,8 @@ class Engine:
         counted as a fallback, by reason (`refused`: nothing imported; `no_checkpoint_slot`: the
         pages came, the checkpoint found no state slot), and not as a fetch: the request
         recomputes from the deepest resume point it has here."""
-        pages, missing = cache_transfer.import_resume(self, export, page_hashes, first)
+        pages, missing = (0, "refused") if self.options.tensor_parallel_size > 1 else \
+            transfer.import_resume(self.cache, self._block_io, export, page_hashes, first)
         if missing is not None:
             self.count_fetch_fallback(missing)
         elif pages or export.checkpoint is not None:
@@ -494,7 +500,11 @@ class Engine:
         request recomputes; `reason` labels the counter."""
         self.fetch_fallbacks[reason] = self.fetch_fallbacks.get(reason, 0) + 1
 
-    def flush_block_copies(self, extra: list[tuple[str, int, int]] = (), staging=None) -> None:
+    @property
+    def _block_io(self) -> transfer.BlockIO:
+        return transfer.BlockIO(self.runner.read_blocks, self.flush_block_copies)
+
+    def flush_block_copies(self, extra: list[BlockCopy] = (), staging=None) -> None:
         """Makes the block copies the cache queued (then `extra`, reading `staging`) now,
         between steps, instead of before the next step."""
         copies = self.cache.take_block_copies() + list(extra)

@@ -16,7 +16,7 @@ from workers.precision import DTYPE_NAMES
 @dataclass(frozen=True)
 class EngineOptions:
     page_size: int = 16                       # tokens per KV page
-    num_pages: int | None = None              # cap on KV pages; alone, it also sizes the arena (workers.arena)
+    num_pages: int | None = None              # cap on KV pages; alone, it also sizes the arena (workers.cache.arena)
     cache_memory_bytes: int | None = None     # the arena: pages, running states, checkpoints (256 MiB default)
     max_checkpoints: int | None = None        # cap on checkpoints; None = as many as the arena pays
     cache_policy: str = "cairn"               # cairn | exact | all | interval | end_branch
@@ -28,10 +28,10 @@ class EngineOptions:
     dtype: str = "auto"                       # float32 | bfloat16 | float16 | auto (workers.precision)
     device: str = "auto"                      # cpu | cuda | cuda:N | auto (cuda when present)
     seed: int = 0                             # randomness of requests that carry no seed
-    memory_utilization: float | None = None   # CUDA: size the arena from what the device has left (workers.device_budget)
+    memory_utilization: float | None = None   # CUDA: size the arena from what the device has left (workers.cache.device_budget)
     tensor_parallel_size: int = 1             # devices (ranks) one engine spans (workers.tp_runner)
     collective_timeout_s: float = 60.0        # the longest a rank waits on the others in a step
-    host_cache_bytes: int = 0                 # host tier: what the device evicts is kept here (0: off; workers.host_tier)
+    host_cache_bytes: int = 0                 # host tier: what the device evicts is kept here (0: off; workers.cache.host_tier)
     enforce_eager: bool | None = None         # no decode graphs (None: graphs on CUDA, eager on CPU; workers.decode_graphs)
     warm_up: bool = False                     # compile every kernel shape at load (Engine.warm_up); servers turn it on
 

@@ -1,7 +1,7 @@
 """Turns a `StepPlan` into tensors, runs the model, returns the logits of sampling rows.
 
 The runner owns the cache's memory: one arena tensor of `ArenaLayout.arena_bytes` bytes
-(workers.arena), over which it lays every cache tensor as a view, so the engine never holds more
+(workers.cache.arena), over which it lays every cache tensor as a view, so the engine never holds more
 than the budget it was given:
 - block p (a KV page) holds [L_attn, 2, page_size, H_kv, D] in the model's dtype; attention layer
   l reads K as `kv[l][0]` = [num_blocks, page_size, H_kv, D], its pages strided by a block;
@@ -16,7 +16,7 @@ before anything else in the step, in the order queued. On CUDA the promotions go
 of their own after the rest: a step waits for them only when one of its segments reads them
 (`promotions_for_now`), else the next step does, so a request the scheduler starts a step later
 has its copies overlap the other sequences' step. Their measured rate feeds the cache's cost rule
-(`workers.tier_cost`).
+(`workers.cache.tier_cost`).
 Page and slot ids come from the prefix cache; the runner never decides who holds what. It keeps
 the page table (one row of page ids per running sequence, rows assigned by the cache) across
 steps and applies the plan's `page_table_writes` to it, so a step's cost does not grow with its
@@ -34,15 +34,15 @@ import torch
 
 import kernels
 from kernels.varlen_plan import VarlenPlan
-from workers.arena import ArenaLayout
-from workers.cache_placement import COPY, DEMOTE, IMPORT, MOVE, PROMOTE
+from workers.cache.arena import ArenaLayout
+from workers.plan import COPY, DEMOTE, IMPORT, MOVE, PROMOTE, BlockCopy
 from workers import heap
 from workers.decode_graphs import DecodeGraphs
 from workers.model import ForwardBatch, HybridForCausalLM, ModelCaches
 from workers.model.batch import plan_arrays
 from workers.model import packed_linear
 from workers.model.packed_linear import pack_linears
-from workers.scheduler import StepPlan
+from workers.plan import StepPlan
 
 
 @dataclass
@@ -63,11 +63,11 @@ class StepWork:
     checkpoint_rows: np.ndarray  # see workers.model.batch
     checkpoint_targets: np.ndarray
     checkpoint_states: np.ndarray
-    block_copies: list[tuple[str, int, int]] = field(default_factory=list)
+    block_copies: list[BlockCopy] = field(default_factory=list)
     restores: list[tuple[int, int]] = field(default_factory=list)
     fresh_state_slots: list[int] = field(default_factory=list)
     snapshots: list[tuple[int, int]] = field(default_factory=list)
-    host_snapshots: list[tuple[int, list[int]]] = field(default_factory=list)
+    host_snapshots: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)
     promotions_for_now: bool = True  # this step's segments read what its promotions bring back
 
     def arrays(self) -> dict[str, np.ndarray]:

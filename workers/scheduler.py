@@ -43,83 +43,17 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 
 from cache_service.events import HOST
-from workers.checkpoint_policy import BRANCH, EVERY, CheckpointPolicy
+from workers.cache.checkpoint_policy import BRANCH, EVERY, CheckpointPolicy
 from workers.errors import SequenceFault
 from workers.options import EngineOptions
-from workers.prefix_cache import Match, PageTableWrite, PrefixCache
+from workers.cache.prefix_cache import Match, PrefixCache
+from workers.plan import Commit, HostSlot, Segment, StepPlan
 from workers.sequence import Sequence, Status, TokenLogprob
 from workers.tenant_queue import TenantQueue, fair_shares, slot_share
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class Segment:
-    seq: Sequence
-    start: int  # tokens computed before this step
-    num_tokens: int  # tokens computed in this step
-    ckpt_slots: dict[int, list[int]] = field(default_factory=dict)  # offset inside -> slots to fill
-
-    @property
-    def end(self) -> int:
-        return self.start + self.num_tokens
-
-    @property
-    def samples(self) -> bool:
-        return self.end == self.seq.num_tokens
-
-
-@dataclass
-class Commit:
-    seq: Sequence
-    slot: int
-    position: int  # tokens the state has seen (a page boundary, or inside a page: sub-page)
-    kinds: set[str]
-
-
-@dataclass
-class StepPlan:
-    decodes: list[Segment] = field(default_factory=list)
-    prefills: list[Segment] = field(default_factory=list)
-    fresh_state_slots: list[int] = field(default_factory=list)  # zero these before the step
-    restores: list[tuple[int, int]] = field(default_factory=list)  # (checkpoint slot, seq slot), before
-    snapshots: list[tuple[int, int]] = field(default_factory=list)  # (seq slot, checkpoint slot), after
-    host_snapshots: list[tuple[int, list[int]]] = field(default_factory=list)  # (seq slot, host blocks), after
-    commits: list[Commit] = field(default_factory=list)  # checkpoints to store after the step
-    preempted: list[Sequence] = field(default_factory=list)
-    page_table_writes: list[PageTableWrite] = field(default_factory=list)  # apply before the step
-    block_copies: list[tuple[str, int, int]] = field(default_factory=list)  # (kind, from, to), first of all
-    promotions_for_now: bool = False  # a segment of this step reads what this step promotes from the host
-
-    @property
-    def segments(self) -> list[Segment]:
-        return self.decodes + self.prefills
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.segments)
-
-    def drop(self, seq: Sequence, state_slot: int | None, checkpoint_slots: set[int]) -> None:
-        """Removes everything of `seq` from this plan (it failed while the plan was made):
-        its segment, and the copies into or out of its state slot or its checkpoint slots."""
-        self.decodes = [s for s in self.decodes if s.seq is not seq]
-        self.prefills = [s for s in self.prefills if s.seq is not seq]
-        self.commits = [c for c in self.commits if c.seq is not seq]
-        touched = checkpoint_slots | ({state_slot} if state_slot is not None else set())
-        self.restores = [(a, b) for a, b in self.restores if b not in touched]
-        self.snapshots = [(a, b) for a, b in self.snapshots if a not in touched and b not in touched]
-        self.host_snapshots = [(a, b) for a, b in self.host_snapshots if a not in touched]
-        self.fresh_state_slots = [slot for slot in self.fresh_state_slots if slot not in touched]
-
-    def sampling_sequences(self) -> list[Sequence]:
-        """The sequences whose segment reaches their last token: they sample, in plan order."""
-        return [s.seq for s in self.decodes + self.prefills if s.start + s.num_tokens == len(s.seq.token_ids)]
-
-    def __bool__(self) -> bool:
-        return bool(self.decodes or self.prefills)
 
 
 class Scheduler:
@@ -376,7 +310,7 @@ class Scheduler:
                 slot = cache.take_host_checkpoint_slot()  # to the host tier, copied from the sequence's slot after the step
                 if slot is not None:
                     seg.num_tokens = pos - seg.start  # so the segment ends at this boundary
-                    plan.host_snapshots.append((seq.cache.state_slot, cache.host_blocks_of(slot)))
+                    plan.host_snapshots.append((seq.cache.state_slot, slot.blocks))
                     plan.commits.append(Commit(seq, slot, pos, admitted))
                     return  # later positions (and the finish capture) wait for the next step
             if slot is not None:
@@ -387,8 +321,8 @@ class Scheduler:
             return
         offset = last * ps - seg.start
         slot = cache.finish_capture(seq, last, at_end=offset == seg.num_tokens)
-        if slot is not None and slot < 0:  # a host slot: copied from the sequence's slot after the step
-            plan.host_snapshots.append((seq.cache.state_slot, cache.host_blocks_of(slot)))
+        if isinstance(slot, HostSlot):  # copied from the sequence's slot after the step
+            plan.host_snapshots.append((seq.cache.state_slot, slot.blocks))
         elif slot is not None:
             self._attach(plan, seg, offset, slot)
 

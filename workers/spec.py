@@ -11,7 +11,7 @@
   recurrent state (every linear layer's conv and delta-rule state; 0 without recurrent layers)
   take on one device, in the dtype the engine runs in (`workers.precision.run_dtype`). Under tensor
   parallelism, on one rank: each rank holds its heads' share (`workers.model.sharding`) and
-  copies it over its own link. The arena's sizes (`workers.arena`): a state slot adds at most
+  copies it over its own link. The arena's sizes (`workers.cache.arena`): a state slot adds at most
   15 bytes of alignment. The router prices copying them back from host memory with them.
 
 The engine, the ingress (through either engine client) and the router's config all read this
@@ -27,7 +27,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from cache_service.hashing import branch_root, fingerprint, model_fingerprint, page_hashes, root_hash
-from workers.arena import DTYPE_BYTES, conv_state_bytes, page_bytes, ssm_state_bytes
+from workers.cache.arena import DTYPE_BYTES, conv_state_bytes, page_bytes, ssm_state_bytes
 from workers.model.config import ModelConfig
 from workers.model.registry import read_model_config
 from workers.model.sharding import shard_config

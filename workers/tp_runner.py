@@ -37,7 +37,7 @@ import torch
 from workers.errors import EngineBroken
 from workers.options import EngineOptions
 from workers.runner import ModelRunner, StepWork
-from workers.scheduler import StepPlan
+from workers.plan import StepPlan
 
 log = logging.getLogger(__name__)
 
@@ -84,8 +84,8 @@ def build_rank_runner(model_dir: str | Path, options: EngineOptions, rank: int, 
     """A rank above 0: its shard, its arena laid out as rank 0's engine lays out its own (the
     same options, sized the same way, as many page-table rows), and the runner over it; with the
     arena's block count, which must equal rank 0's."""
-    from workers.arena import ArenaLayout
-    from workers.device_budget import sized
+    from workers.cache.arena import ArenaLayout
+    from workers.cache.device_budget import sized
 
     model = load_rank_model(model_dir, options, rank, address, device)
     device = next(model.parameters()).device

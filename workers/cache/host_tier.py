@@ -28,8 +28,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from workers.cache_budget import CHECKPOINT, PAGE
-from workers.checkpoint_store import Checkpoint
+from workers.cache.cache_budget import CHECKPOINT, PAGE
+from workers.cache.checkpoint_store import Checkpoint
 
 
 

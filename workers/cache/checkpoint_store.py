@@ -4,7 +4,7 @@ A checkpoint is the full recurrent state (every linear layer's conv and delta-ru
 a position of a chain: at a page boundary, the page named by its chain hash; inside a page (a
 sub-page checkpoint, where a template diverges), its `floor` page plus the `tail` tokens after
 it, keyed by the hash those tokens would have as the next page (`cache_service.hashing`). Its
-slot comes from the arena like a running sequence's (`workers.arena`); the runner copies the
+slot comes from the arena like a running sequence's (`workers.cache.arena`); the runner copies the
 data. Plain Python.
 
 Slots are `pending` (taken for a checkpoint, being written, not yet usable) or `stored` under a

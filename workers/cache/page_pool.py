@@ -1,6 +1,6 @@
 """Attention KV pages: who holds them (reference counts) and what they are named (chain hashes).
 
-Plain Python, no tensors: the runner owns the KV tensors, the arena (`workers.arena`) decides
+Plain Python, no tensors: the runner owns the KV tensors, the arena (`workers.cache.arena`) decides
 which block a new page takes; this pool keeps the rest. A page is held by reference count. A
 whole page can be registered under its chain hash (cache_service.hashing) with its parent's
 hash; when its last holder releases it, a registered page stays cached for reuse, an
@@ -94,6 +94,11 @@ class PagePool:
 
     def is_held(self, page: int) -> bool:
         return page in self._refs
+
+    def is_held_hash(self, page_hash: bytes) -> bool:
+        """Whether the page named `page_hash` is resident and held by a sequence."""
+        page = self.page_of(page_hash)
+        return page is not None and self.is_held(page)
 
     def held_pages(self) -> set[int]:
         return set(self._refs)

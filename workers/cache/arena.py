@@ -14,7 +14,7 @@ the last whole group first, since no slot can use them), slots the empty group w
 id, so pages and states grow toward each other. A group is "blocked" while it holds a held page
 or a slot that may not be evicted (a running state, a pending or pinned checkpoint); a slot can
 be had only from an empty group or by evicting everything in an unblocked one. The prefix cache
-decides what to evict (`workers.cache_budget`) and tells the arena what is held; the arena
+decides what to evict (`workers.cache.cache_budget`) and tells the arena what is held; the arena
 answers where, and counts.
 
 A model without recurrent layers has no state bytes: its slots are ids that index nothing
@@ -61,7 +61,7 @@ class ArenaLayout:
     max_pages: int | None = None        # cap on resident pages (held + cached); None: the arena's
     max_checkpoints: int | None = None  # cap on checkpoints (pending + stored); None: the arena's
     virtual_slots: int = 0       # slot ids of a model without recurrent layers
-    host_blocks: int = 0         # blocks of the host tier (workers.host_tier), same size; 0: none
+    host_blocks: int = 0         # blocks of the host tier (workers.cache.host_tier), same size; 0: none
 
     def __post_init__(self) -> None:
         if self.block_bytes < 1 or self.num_blocks < 1:

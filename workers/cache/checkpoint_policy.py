@@ -2,7 +2,7 @@
 
 Positions are token positions (a state after p tokens); under the `cairn` policy the first four
 kinds below ask for their exact position, a sub-page checkpoint when it falls inside a page
-(`workers.checkpoint_store`), so that a prompt diverging there resumes at the divergence; the
+(`workers.cache.checkpoint_store`), so that a prompt diverging there resumes at the divergence; the
 baselines round them down to page boundaries (page j ends at token j * page_size). Kinds:
 - `tail`: n - tail_guard of every prompt (the thinking-drop divergence lies a few tokens before
   the previous prompt's end, as in templates whose generation prompt opens a think block);

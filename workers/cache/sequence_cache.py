@@ -1,7 +1,7 @@
 """What the prefix cache keeps for one sequence: the pages and state slot it holds, its page-hash
 chain, where it resumed, and the checkpoints it is to leave behind.
 
-Written only by `workers.prefix_cache.PrefixCache`; the scheduler and the runner read it. Units:
+Written only by `workers.cache.prefix_cache.PrefixCache`; the scheduler and the runner read it. Units:
 pages (page j covers tokens [j * page_size, (j + 1) * page_size)).
 - `page_ids`: one per started page, in order; `state_slot`: the slot its recurrent state lives in
   and `row`: its row of the runner's page table (both None while it holds nothing).
@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from workers.plan import Slot
+
 
 @dataclass
 class SequenceCache:
@@ -30,6 +32,6 @@ class SequenceCache:
     register_stopped: bool = False
     resumed_from: tuple[bytes, int] | None = None
     checkpoint_targets: dict[int, set[str]] = field(default_factory=dict)
-    finish_slot: int | None = None
+    finish_slot: Slot | None = None
     finish_page: int | None = None
     finish_admitted: bool | None = None
