@@ -41,16 +41,16 @@ from typing import Any
 from ray import serve
 
 from cache_service.publisher import EventPublisher
-from cluster.api.engine_client import GenerateRequest
 from cluster.api.metrics import engine_families
 from cluster.metrics_export import ENGINE_EXPORT_INTERVAL_S, RayMetricsMirror
-from cluster.peer_fetch import ExportRequest, PeerFetch
+from cluster.peer_fetch import PeerFetch
 from cluster.routing.config import RoutingConfig
 from cluster.routing.cost import routing_stats
 from cluster.routing.index_handle import IndexHandle
 from cluster.routing.router import replica_worker_id
 from cluster.tp_ranks import RayRankWorkers
 from workers import EngineSpec
+from workers.request import ExportRequest, GenerateRequest
 
 log = logging.getLogger(__name__)
 DRAIN_INTERVAL_S = 0.05
@@ -103,10 +103,7 @@ class EngineReplica:
             await asyncio.sleep(DRAIN_INTERVAL_S)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Any]:
-        await self.fetch.before(request)  # the resume point another replica holds, if the router named one
-        async for out in self.engine.generate(
-                request.prompt_token_ids, request.params, request.request_id, hash_root=request.hash_root,
-                page_hashes=request.page_hashes, checkpoint_hints=request.checkpoint_hints, tenant=request.tenant):
+        async for out in self.engine.stream(request, self.fetch):  # fetch: what another replica holds deeper
             yield out
 
     async def export_resume(self, ask: ExportRequest):

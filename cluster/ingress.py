@@ -46,7 +46,6 @@ from ray import serve
 from ray.exceptions import RayActorError
 from ray.serve.handle import DeploymentHandle
 
-from cluster.api.engine_client import GenerateRequest
 from cluster.api.http_limits import HTTPLimits
 from cluster.api.limits import APILimits
 from cluster.api.metrics import engine_families
@@ -56,6 +55,7 @@ from cluster.metrics_export import INGRESS_EXPORT_INTERVAL_S, RayMetricsMirror
 from cluster.routing.registry import mirror_summaries, prefill_done, router_counts
 from workers import EngineSpec, ModelSource
 from workers.errors import EngineBroken
+from workers.request import GenerateRequest
 
 log = logging.getLogger(__name__)
 READY_TIMEOUT_S = 2.0  # how long GET /ready waits for an engine replica to answer

@@ -53,7 +53,7 @@ def test_an_engine_stream_stops_being_read_once_its_reader_is_a_buffer_behind():
 
 
 def _request(request_id: str):
-    from cluster.api.engine_client import GenerateRequest
+    from workers.request import GenerateRequest
     from workers import SamplingParams
 
     return GenerateRequest(request_id, [1, 2, 3], SamplingParams(max_tokens=4))

@@ -301,7 +301,7 @@ def test_an_engine_replica_resolves_the_id_on_its_own_node(hf_hub, monkeypatch):
         await replica.__init__(f"{REPO}@v2", {"num_pages": 32, "max_num_seqs": 2}, {}, spec)
         try:
             assert replica.engine.spec == spec, "the replica loaded the v2 snapshot from this node's cache"
-            from cluster.api.engine_client import GenerateRequest
+            from workers.request import GenerateRequest
 
             request = GenerateRequest(request_id="r", prompt_token_ids=[3, 4, 5],
                                       params=SamplingParams(max_tokens=2, temperature=0))

@@ -10,10 +10,10 @@ import pytest
 import torch
 from ray.exceptions import ActorDiedError
 
-from cluster.api.engine_client import GenerateRequest
-from conftest import assert_same_output
 from cluster.peer_fetch import PeerFetch
+from conftest import assert_same_output
 from workers import AsyncEngine, SamplingParams
+from workers.request import FetchHint, GenerateRequest
 
 PS = 16
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=1)
@@ -48,10 +48,8 @@ def prompt(n, seed, vocab=400):
 async def run(engine, tokens, salt=None, fetch=None, hint=None):
     root = engine.spec.hash_root(salt)
     request = GenerateRequest("r", tokens, GREEDY, hash_root=root, page_hashes=engine.spec.page_hashes(tokens, root),
-                              fetch_from=hint)
-    if fetch is not None:
-        await fetch.before(request)
-    outs = [out async for out in engine.generate(tokens, GREEDY, hash_root=root, page_hashes=request.page_hashes)]
+                              fetch=None if hint is None else FetchHint(*hint))
+    outs = [out async for out in engine.stream(request, fetch)]
     return outs[-1]
 
 
@@ -70,22 +68,22 @@ async def scenario(tiny_model_dir, fault):
         assert cold.cached_tokens == 0
         assert_same_output(got, cold)
         assert peers.asked == 1, "asked once, never retried: the request ran once"
-        return got, await receiver.metrics(), await holder.metrics()
+        return got, depth, await receiver.metrics(), await holder.metrics()
     finally:
         await holder.close()
         await receiver.close()
 
 
 def test_a_fetched_resume_point_is_used_and_counted(tiny_model_dir):
-    got, metrics, holder = asyncio.run(scenario(tiny_model_dir, None))
-    assert got.cached_tokens >= 6 * PS
+    got, depth, metrics, holder = asyncio.run(scenario(tiny_model_dir, None))
+    assert got.cached_tokens == depth * PS, "resumed exactly where the holder's checkpoint is"
     assert metrics["fetches_total"] == 1 and metrics["fetched_pages_total"] >= 6
     assert holder["exported_bytes_total"] == metrics["fetched_bytes_total"] > 0
 
 
 @pytest.mark.parametrize("fault, reason", [("died", "holder_failed"), ("hangs", "timeout"), ("evicted", "evicted")])
 def test_a_holder_that_fails_mid_fetch_costs_a_recomputation_counted_by_reason(tiny_model_dir, fault, reason):
-    got, metrics, _ = asyncio.run(scenario(tiny_model_dir, fault))
+    got, _, metrics, _ = asyncio.run(scenario(tiny_model_dir, fault))
     assert got.cached_tokens == 0
     assert metrics["fetch_fallbacks_total:" + reason] == 1 and metrics["fetches_total"] == 0
 
@@ -103,3 +101,33 @@ def test_no_fetch_for_a_hint_naming_this_replica_or_a_shallower_holder(tiny_mode
         finally:
             await engine.close()
     assert asyncio.run(go()) == 0
+
+
+def test_a_request_waits_outside_the_scheduler_while_its_fetch_runs_and_a_cancel_frees_it(tiny_model_dir):
+    async def go():
+        engine = AsyncEngine.from_pretrained(tiny_model_dir, cache_policy="all", num_pages=256, worker_id="me")
+        try:
+            started = asyncio.Event()
+
+            async def hangs(request, plan):
+                started.set()
+                await asyncio.sleep(30)
+            tokens = prompt(4 * PS + 1, seed=5)
+            root = engine.spec.hash_root()
+            request = GenerateRequest("held", tokens, GREEDY, hash_root=root,
+                                      page_hashes=engine.spec.page_hashes(tokens, root), fetch=FetchHint("other", 4))
+            task = asyncio.create_task(anext(engine.stream(request, hangs)))
+            await asyncio.wait_for(started.wait(), 5)
+            held = await engine.call(lambda e: (e.has_unfinished(), e.has_runnable(), e.scheduler.has_work()))
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            after = await engine.call(lambda e: e.has_unfinished())
+            out = await run(engine, tokens)  # the engine goes on serving
+            return held, after, out
+        finally:
+            await engine.close()
+    held, after, out = asyncio.run(go())
+    assert held == (True, False, False), "held by the engine, outside the scheduler, nothing to step"
+    assert after is False, "a cancel while fetching leaves nothing behind"
+    assert out.finished and len(out.token_ids) == GREEDY.max_tokens

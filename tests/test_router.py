@@ -3,8 +3,8 @@ fails because the index does. Plain ranking first (no Ray), then the Ray Serve a
 Serve's own fake replicas (no Ray session)."""
 
 import asyncio
+import itertools
 import random
-from dataclasses import dataclass, field
 
 import pytest
 
@@ -15,6 +15,7 @@ from cluster.routing.cost import (ReplicaLoad, host_copy_tokens, rank_replicas, 
 from cluster.routing.predicted import PredictedHolders
 from cluster.routing.ranker import AffinityRanker
 from cluster.routing.router import replica_worker_id
+from workers.request import FetchHint, GenerateRequest
 
 PAGE = 16
 PAGE_BYTES, STATE_BYTES = 2 << 20, 64 << 20  # a large hybrid model's page and state, in bytes
@@ -24,17 +25,18 @@ CFG = RoutingConfig(page_size=PAGE, hybrid_model=True, page_bytes=PAGE_BYTES, st
 H = [bytes([i]) * 16 for i in range(200)]
 
 
-@dataclass
-class Request:
-    page_hashes: list[bytes] | None
-    num_prompt_tokens: int
-    prompt: str | None = "hello"
-    messages: list | None = None
-    prompt_token_ids: list[int] = field(default_factory=list)
+_ids = itertools.count()
 
 
-def request(pages: int, extra_tokens: int = 5) -> Request:
-    return Request(H[:pages], pages * PAGE + extra_tokens)
+def routed(page_hashes: list[bytes] | None, num_prompt_tokens: int, prompt: str | None = "hello",
+           messages: list | None = None) -> GenerateRequest:
+    """A request as the ingress makes it, with `num_prompt_tokens` tokens and these page hashes."""
+    return GenerateRequest(f"req-{next(_ids)}", [0] * num_prompt_tokens, prompt=prompt, messages=messages,
+                           page_hashes=None if page_hashes is None else list(page_hashes))
+
+
+def request(pages: int, extra_tokens: int = 5) -> GenerateRequest:
+    return routed(H[:pages], pages * PAGE + extra_tokens)
 
 
 def rank(scores, loads=None, n=1000, config=CFG, replicas=("a", "b", "c"), seed=0):
@@ -143,8 +145,8 @@ def test_the_ranker_reads_the_actors_scores_with_their_media_and_an_older_actors
 
         async def older(hashes):
             return {"a": (40, 30)}
-        return (await ranker.rank("r1", request(40), {"a": {}, "b": {}, "c": {}}, index),
-                await ranker.rank("r2", request(40), {"a": {}, "b": {}}, older))
+        return ((await ranker.rank("r1", request(40), {"a": {}, "b": {}, "c": {}}, index)).order,
+                (await ranker.rank("r2", request(40), {"a": {}, "b": {}}, older)).order)
 
     media, pairs = asyncio.run(main())
     assert media == ["b", "a", "c"] and pairs[0] == "a"
@@ -174,14 +176,15 @@ def test_with_fetch_load_moves_a_conversation_off_its_busy_holder_and_the_reques
 
     async def main(config):
         ranker = AffinityRanker(config, rng=random.Random(0))
-        req = Request(H[:40], 40 * PAGE + 5)
-        req.fetch_from = None
+        req = routed(H[:40], 40 * PAGE + 5)
+        before = repr(req)
 
         async def index(hashes):
             return {"a": (40, 30), "b": (10, 5)}
-        await ranker.rank("r", req, {"a": {}, "b": {}, "c": {}}, index)
-        return req.fetch_from
-    assert asyncio.run(main(fetch)) == ("a", 30)
+        ranking = await ranker.rank("r", req, {"a": {}, "b": {}, "c": {}}, index)
+        assert repr(req) == before, "the ranker reads the request, never writes it"
+        return ranking.fetch
+    assert asyncio.run(main(fetch)) == FetchHint("a", 30)
     assert asyncio.run(main(CFG)) is None, "fetch off: no hint"
 
 
@@ -259,21 +262,19 @@ def test_a_replica_that_resumed_a_prompt_deep_is_not_taken_to_hold_a_state_at_a_
     async def main():
         ranker = AffinityRanker(CFG.model_copy(update=dict(fetch=True)), clock=Clock(), rng=random.Random(0))
         replicas = {"a": {}, "b": {}}
-        hot = Request(H[:22], 22 * PAGE + 5)
+        hot = routed(H[:22], 22 * PAGE + 5)
         hot.checkpoint_hints = [15 * PAGE + 3, 21 * PAGE + 2]
-        hot.fetch_from = None
 
         async def index(hashes):  # a holds the hot prompt, with states at 15 and 20
             shared = next((k for k in range(len(hashes), 0, -1) if hashes[:k] == H[:k]), 0)
             deepest = max((j for j in (15, 20) if j <= shared), default=0)
             return {"a": WorkerScore(min(shared, 22), deepest)} if shared else {}
         ranker.loads["a"] = ReplicaLoad(requests=8, tokens=0)  # a is busy: the hot prompt goes to b
-        order = await ranker.rank("hot", hot, replicas, index)
-        assert order[0] == "b" and hot.fetch_from == ("a", 20)
+        ranking = await ranker.rank("hot", hot, replicas, index)
+        assert ranking.order[0] == "b" and ranking.fetch == FetchHint("a", 20)
         ranker.on_routed("hot", "b", hot)
         ranker.loads["a"] = ReplicaLoad(requests=1, tokens=0)
-        parting = Request(H[:16] + H[60:66], 22 * PAGE + 5)  # shares 16 pages, parts inside page 17
-        parting.fetch_from = None
+        parting = routed(H[:16] + H[60:66], 22 * PAGE + 5)  # shares 16 pages, parts inside page 17
         scores = await ranker._scores(parting.page_hashes, index)
         return scores
 
@@ -304,15 +305,15 @@ def test_a_burst_sharing_a_new_prefix_sticks_together_until_the_prediction_expir
         clock = Clock()
         ranker = AffinityRanker(CFG, clock=clock, rng=random.Random(0))
         replicas = {r: {} for r in "abc"}
-        first = await ranker.rank("r0", request(60), replicas, no_index)
+        first = (await ranker.rank("r0", request(60), replicas, no_index)).order
         ranker.on_routed("r0", first[0], request(60))
         followers = []
         for i in range(1, 4):  # the index knows nothing yet: events have not arrived
-            order = await ranker.rank(f"r{i}", request(60), replicas, no_index)
+            order = (await ranker.rank(f"r{i}", request(60), replicas, no_index)).order
             ranker.on_routed(f"r{i}", order[0], request(60))
             followers.append(order[0])
         clock.now += 2.5  # the index answers (it knows nothing): only fresh predictions count
-        later = await ranker.rank("r9", request(60), replicas, no_index)
+        later = (await ranker.rank("r9", request(60), replicas, no_index)).order
         return first[0], followers, later[0]
 
     first, followers, later = asyncio.run(main())
@@ -327,8 +328,8 @@ def test_when_the_index_cannot_answer_the_router_remembers_where_it_sent_each_co
         replicas = {r: {} for r in "abc"}
         homes = {}
         for conv in range(3):  # three conversations, spread by load
-            turn = Request(H[50 * conv:50 * conv + 20], 20 * PAGE + 5)
-            order = await ranker.rank(f"c{conv}", turn, replicas, no_index)
+            turn = routed(H[50 * conv:50 * conv + 20], 20 * PAGE + 5)
+            order = (await ranker.rank(f"c{conv}", turn, replicas, no_index)).order
             ranker.on_routed(f"c{conv}", order[0], turn)
             homes[conv] = order[0]
         clock.now += 30  # long after the fresh predictions: the next turns arrive with the index down
@@ -337,14 +338,14 @@ def test_when_the_index_cannot_answer_the_router_remembers_where_it_sent_each_co
             raise ConnectionError("index actor restarting")
         down_order = {}
         for conv in range(3):
-            turn = Request(H[50 * conv:50 * conv + 30], 30 * PAGE + 5)
-            down_order[conv] = (await ranker.rank(f"c{conv}-2", turn, replicas, down))[0]
+            turn = routed(H[50 * conv:50 * conv + 30], 30 * PAGE + 5)
+            down_order[conv] = ((await ranker.rank(f"c{conv}-2", turn, replicas, down)).order)[0]
         counts = dict(ranker.counts)
         for conv in range(3):
             ranker.on_completed(f"c{conv}", homes[conv])
         clock.now += 10  # the breaker has closed, the ranked turns no longer count as tentative load
         ranker.loads[homes[0]] = ReplicaLoad(tokens=2)  # a hair more load at the remembered home
-        up_order = await ranker.rank("c0-3", Request(H[:30], 30 * PAGE + 5), replicas, no_index)
+        up_order = (await ranker.rank("c0-3", routed(H[:30], 30 * PAGE + 5), replicas, no_index)).order
         return homes, down_order, up_order, counts
 
     homes, down_order, up_order, counts = asyncio.run(main())
@@ -359,12 +360,12 @@ def test_with_the_memory_off_a_down_index_still_leaves_the_fresh_predictions():
         ranker = AffinityRanker(CFG.model_copy(update=dict(fallback_memory_s=0, fallback_memory_pages=0)),
                                 rng=random.Random(0))
         replicas = {r: {} for r in "abc"}
-        first = (await ranker.rank("r0", request(40), replicas, no_index))[0]
+        first = ((await ranker.rank("r0", request(40), replicas, no_index)).order)[0]
         ranker.on_routed("r0", first, request(40))
 
         async def down(hashes):
             raise ConnectionError("index actor restarting")
-        return first, (await ranker.rank("r1", request(40), replicas, down))[0]
+        return first, ((await ranker.rank("r1", request(40), replicas, down)).order)[0]
 
     first, second = asyncio.run(main())
     assert second == first, "the prompt just sent there still counts as held there"
@@ -384,8 +385,9 @@ def test_the_ranker_spreads_a_burst_frees_finished_prefill_and_keeps_turns_when_
         raise ConnectionError("index actor restarting")
 
     async def main():
-        burst = [Request(chains[i][:30], 490) for i in range(3)]
-        orders = await asyncio.gather(*(ranker.rank(f"r{i}", r, replicas, slow_index) for i, r in enumerate(burst)))
+        burst = [routed(chains[i][:30], 490) for i in range(3)]
+        orders = [r.order for r in await asyncio.gather(*(ranker.rank(f"r{i}", r, replicas, slow_index)
+                                                          for i, r in enumerate(burst)))]
         assert sorted(order[0] for order in orders) == ["a", "b", "c"], "a burst ranked at once spreads"
         for i, (r, order) in enumerate(zip(burst, orders)):
             r.request_id = f"r{i}"
@@ -397,8 +399,8 @@ def test_the_ranker_spreads_a_burst_frees_finished_prefill_and_keeps_turns_when_
         for i, order in enumerate(orders):
             ranker.on_completed(f"r{i}", order[0])
         assert ranker.loads[holder] == ReplicaLoad()
-        ranker.on_routed("busy", holder, Request([], 300))  # the holder is the busiest now
-        order = await ranker.rank("r0-turn2", Request(chains[0], 500), replicas, down)  # extends r0's prompt
+        ranker.on_routed("busy", holder, routed([], 300))  # the holder is the busiest now
+        order = (await ranker.rank("r0-turn2", routed(chains[0], 500), replicas, down)).order  # extends r0's prompt
         assert order[0] == holder, "the index is down: the router's own prediction keeps the turn"
     asyncio.run(main())
 
@@ -433,7 +435,7 @@ def test_an_index_that_is_slow_or_down_leaves_routing_by_load_and_is_counted(fai
             raise ConnectionError("index actor died")
         loop = asyncio.get_running_loop()
         start = loop.time()
-        order = await ranker.rank("r1", request(60), {"a": {}, "b": {}}, index)
+        order = (await ranker.rank("r1", request(60), {"a": {}, "b": {}}, index)).order
         return order, loop.time() - start, fallbacks, ranker.counts
 
     order, elapsed, fallbacks, counts = asyncio.run(main())
@@ -452,7 +454,7 @@ def test_a_request_without_page_hashes_is_ranked_by_load_without_asking_the_inde
         async def index(hashes):
             asked.append(hashes)
             return {}
-        return await ranker.rank("r1", Request(None, 10), {"a": {}, "b": {}}, index), asked, ranker.counts
+        return (await ranker.rank("r1", routed(None, 10), {"a": {}, "b": {}}, index)).order, asked, ranker.counts
 
     order, asked, counts = asyncio.run(main())
     assert order == ["b", "a"] and asked == [] and counts["index_fallbacks"] == 0
@@ -543,6 +545,28 @@ def pending(req, request_id="req-1"):
 
     return PendingRequest(args=[req], kwargs={}, metadata=RequestMetadata(request_id=request_id,
                                                                           internal_request_id=request_id))
+
+
+def test_with_fetch_the_serve_router_sends_the_hint_on_a_copy_and_routes_a_peers_ask_to_its_target():
+    from workers.request import ExportRequest
+
+    async def main():
+        replicas = fake_replicas(3)
+        ids = [replica_worker_id(r.replica_id) for r in replicas]
+        router = make_router(config=CFG.model_copy(update=dict(fetch=True)), scores={ids[2]: (60, 50)})
+        router.update_replicas(replicas)
+        original = request(60)
+        pr = pending(original)
+        await router.choose_replicas(replicas, pr)
+        sent = pr.args[0]
+        assert original.fetch is None, "the caller's request is not written"
+        assert sent.fetch == FetchHint(ids[2], 50) and sent.prompt_token_ids == original.prompt_token_ids
+        ask = ExportRequest(ids[1], original.page_hashes, 0, 50)
+        ranks = await router.choose_replicas(replicas, pending(ask, "req-ask"))
+        assert ranks == [[replicas[1]]], "a peer's ask goes to the replica it names, and nowhere else"
+        gone = ExportRequest("no-such-replica", original.page_hashes, 0, 50)
+        assert await router.choose_replicas(replicas, pending(gone, "req-gone")) == []
+    asyncio.run(main())
 
 
 def test_the_serve_router_ranks_replicas_by_the_index_and_routes_to_the_best():
@@ -662,9 +686,9 @@ def test_the_ray_prefix_router_reads_the_prompt_when_messages_is_none():
     async def texts():  # a PendingRequest makes a future: it needs a running loop
         router = RayPrefixRouter(deployment_id=DeploymentID(name="engine", app_name="app"),
                                  handle_source=DeploymentHandleSource.UNKNOWN)
-        completion = Request(H[:1], 20, prompt="once upon a time", messages=None)
-        chat = Request(H[:1], 20, prompt="rendered", messages=[{"role": "user", "content": "hi there"}])
-        nothing = Request(None, 0, prompt=None)
+        completion = routed(H[:1], 20, prompt="once upon a time", messages=None)
+        chat = routed(H[:1], 20, prompt="rendered", messages=[{"role": "user", "content": "hi there"}])
+        nothing = routed(None, 0, prompt=None)
         return [router._extract_text_from_request(pending(r)) for r in (completion, chat, nothing)]
 
     assert asyncio.run(texts()) == ["once upon a time", "hi there", None]

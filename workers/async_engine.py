@@ -31,17 +31,23 @@ import asyncio
 import functools
 import itertools
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from cache_service.events import EventBatch
+from workers.cache.transfer import FetchPlan, ResumeExport
 from workers.engine import Engine, RequestOutput
 from workers.errors import EngineBroken, EngineError, RequestRejected
 from workers.sampling_params import SamplingParams
+from workers.request import ExportRequest, GenerateRequest
 from workers.spec import EngineSpec
 
 log = logging.getLogger(__name__)
+
+# pulls a held request's resume point from the holder its hint names (cluster.peer_fetch):
+# the export, or why there is none (a fallback reason), or None when nothing was asked
+Fetcher = Callable[[GenerateRequest, FetchPlan], Awaitable[ResumeExport | str | None]]
 
 
 class AsyncEngine:
@@ -93,26 +99,44 @@ class AsyncEngine:
             self.engine.on_runnable = lambda: loop.call_soon_threadsafe(wake.set)  # a grammar compiled
             self._loop_task = loop.create_task(self._run())
 
-    async def generate(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
-                       request_id: str | None = None, *, hash_root: bytes | None = None,
-                       page_hashes: list[bytes] | None = None, checkpoint_hints: list[int] | None = None,
-                       tenant: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Streams outputs of one request; raises `RequestRejected` at once for a request the
-        engine refuses. Keyword arguments as for `Engine.add_request`."""
-        self._ensure_loop()
+    def generate(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
+                 request_id: str | None = None, *, hash_root: bytes | None = None,
+                 page_hashes: list[bytes] | None = None, checkpoint_hints: list[int] | None = None,
+                 tenant: str | None = None) -> AsyncIterator[RequestOutput]:
+        """`stream` of a `GenerateRequest` built from these fields (an id made up when None)."""
         request_id = request_id if request_id is not None else f"async-{next(self._ids)}"
+        return self.stream(GenerateRequest(request_id, list(prompt_token_ids), params or SamplingParams(),
+                                           hash_root=hash_root, page_hashes=page_hashes,
+                                           checkpoint_hints=list(checkpoint_hints or ()), tenant=tenant))
+
+    async def stream(self, request: GenerateRequest, fetcher: Fetcher | None = None) -> AsyncIterator[RequestOutput]:
+        """Streams outputs of one request; raises `RequestRejected` at once for a request the
+        engine refuses (`Engine.add`). With a `fetcher` and a fetch hint the engine takes up
+        (`Engine.add` returns a plan), the request waits in the engine while the fetcher pulls
+        the holder's export, which is delivered to the engine's thread with the request's next
+        step (`Engine.deliver_fetch`): one crossing for the request, none for the fetch."""
+        self._ensure_loop()
+        request_id = request.request_id
         if request_id in self._queues:  # refused before anything is touched: the running one goes on
             raise RequestRejected(f"request_id {request_id!r} is already in use", "request_id")
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
-        add = functools.partial(self.engine.add_request, prompt_token_ids, params, request_id,
-                                hash_root=hash_root, page_hashes=page_hashes, checkpoint_hints=checkpoint_hints,
-                                tenant=tenant)
         try:
-            await self._call(add)
+            plan = await self._call(self.engine.add, request, fetcher is not None)
         except BaseException:
             self._queues.pop(request_id, None)
             raise
+        if plan is not None:
+            try:
+                export = await fetcher(request, plan)
+            except asyncio.CancelledError:
+                self._queues.pop(request_id, None)
+                await asyncio.shield(self._call(self.engine.abort, request_id))
+                raise
+            except Exception as e:  # a fetcher's fault: the request recomputes
+                log.warning("fetching %s's resume point failed: %r", request_id, e)
+                export = "holder_failed"
+            self.engine.deliver_fetch(request_id, export)
         self._wake.set()
         finished = False
         try:
@@ -150,6 +174,10 @@ class AsyncEngine:
     async def cache_contents(self) -> tuple[frozenset[bytes], frozenset[bytes]]:
         """`Engine.cache_contents()`, on the engine thread."""
         return await self._call(self.engine.cache_contents)
+
+    async def export_resume(self, ask: ExportRequest) -> ResumeExport | None:
+        """`Engine.export_resume` for a peer's ask, on the engine thread, between steps."""
+        return await self._call(self.engine.export_resume, ask.page_hashes, ask.first, ask.depth)
 
     async def call(self, fn, *args):
         """Runs `fn(engine, *args)` on the engine thread, between steps (tests, admin)."""

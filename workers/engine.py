@@ -19,6 +19,7 @@ import itertools
 import json
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -29,18 +30,20 @@ from cache_service.events import EventBatch, EventStream
 from cache_service.hashing import DIGEST_BYTES, model_fingerprint
 from workers.cache import transfer
 from workers.cache.arena import ArenaLayout
-from workers.cache.device_budget import graph_reserve_bytes, sized
 from workers.cache.checkpoint_policy import CheckpointPolicy
+from workers.cache.device_budget import graph_reserve_bytes, sized
+from workers.cache.prefix_cache import Match, PrefixCache
+from workers.cache.transfer import FetchPlan, ResumeExport
 from workers.errors import EngineBroken, RequestRejected, SequenceFault
 from workers.grammar import Grammars
 from workers.model import HybridForCausalLM, ModelConfig, load_model, read_model_config
 from workers.model.sharding import shard_config
 from workers.options import EngineOptions
-from workers.cache.prefix_cache import Match, PrefixCache
+from workers.plan import BlockCopy, Segment, StepPlan
+from workers.request import GenerateRequest
 from workers.runner import ModelRunner
 from workers.sampler import Sampler
 from workers.sampling_params import SamplingParams
-from workers.plan import BlockCopy, Segment, StepPlan
 from workers.scheduler import Scheduler
 from workers.sequence import Sequence, Status, TokenLogprob
 from workers.spec import EngineSpec
@@ -152,7 +155,9 @@ class Engine:
         self.fetch_counts = dict(fetches=0, fetched_pages=0, fetched_bytes=0, exported_bytes=0)
         self.fetch_fallbacks: dict[str, int] = {}
         self.on_runnable: Callable[[], None] | None = None  # called from other threads when held work may run
-        self._compiling: list[Sequence] = []  # held back until their grammars compile
+        self._held: list[Sequence] = []  # held back until their grammars compile and their fetches arrive
+        self._fetching: dict[str, FetchPlan] = {}  # held requests' fetches under way, by request id
+        self._deliveries: deque[tuple[str, ResumeExport | str | None]] = deque()  # arrived (deliver_fetch)
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, **options: object) -> "Engine":
@@ -217,15 +222,29 @@ class Engine:
                     request_id: str | None = None, *, hash_root: bytes | None = None,
                     page_hashes: list[bytes] | None = None, checkpoint_hints: list[int] | None = None,
                     tenant: str | None = None) -> str:
-        """Queues a prompt; raises `RequestRejected` naming the field at fault. `hash_root`
+        """`add` of a `GenerateRequest` built from these fields (an id made up when None);
+        returns the request id."""
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        self.add(GenerateRequest(request_id, list(prompt_token_ids), params or SamplingParams(),
+                                 hash_root=hash_root, page_hashes=page_hashes,
+                                 checkpoint_hints=list(checkpoint_hints or ()), tenant=tenant))
+        return request_id
+
+    def add(self, request: GenerateRequest, fetch: bool = False) -> FetchPlan | None:
+        """Queues a request; raises `RequestRejected` naming the field at fault. Its `hash_root`
         (`spec.hash_root(cache_salt)`, default: no salt) roots its page hashes; `page_hashes`
         (from the ingress, under that root) save hashing here; `checkpoint_hints` are token
         positions (message starts) where a state checkpoint may pay off; `tenant` is who asked
-        (None: one tenant for all), whom the scheduler shares sequence slots among."""
+        (None: one tenant for all), whom the scheduler shares sequence slots among.
+
+        With `fetch` (the caller can pull from a peer) and a `request.fetch` hint naming another
+        replica that resumes deeper than this one, returns what to ask the holder for
+        (`workers.cache.transfer.FetchPlan`): the request is then held out of the scheduler
+        until `deliver_fetch` brings the export (or the reason there is none)."""
         if self.broken is not None:
             raise EngineBroken(self.broken)
-        params = params or SamplingParams()
-        prompt = list(prompt_token_ids)
+        params, request_id = request.params, request.request_id
+        prompt = list(request.prompt_token_ids)
         spec = self.spec
         if not prompt:
             raise RequestRejected("prompt must hold at least one token", "prompt")
@@ -245,6 +264,7 @@ class Engine:
             raise RequestRejected(f"request needs {pages} KV pages for {total} tokens; the cache holds "
                                   f"{min(layout.page_capacity, layout.num_blocks - layout.slot_blocks)} beside "
                                   f"its state", "prompt")
+        hash_root, page_hashes = request.hash_root, request.page_hashes
         if hash_root is None:
             hash_root = spec.hash_root()
         elif not isinstance(hash_root, bytes) or len(hash_root) != DIGEST_BYTES:
@@ -254,29 +274,61 @@ class Engine:
                 isinstance(h, bytes) and len(h) == DIGEST_BYTES for h in page_hashes)):
             raise RequestRejected(f"page_hashes must be {whole} hashes of {DIGEST_BYTES} bytes, one per whole page",
                                   "page_hashes")
-        hints = tuple(sorted({int(h) for h in checkpoint_hints or () if 0 < int(h) < len(prompt)}))
+        hints = tuple(sorted({int(h) for h in request.checkpoint_hints or () if 0 < int(h) < len(prompt)}))
         if params.grammar is not None:
             if self.sampler.grammars is None:
                 raise RequestRejected("this engine has no tokenizer to compile grammars with", "grammar")
             if any(not 0 <= t < spec.vocab_size for t in params.grammar.think or ()):
                 raise RequestRejected(f"a grammar's think tags must be token ids in [0, {spec.vocab_size})", "grammar")
-        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._requests:
             raise RequestRejected(f"request_id {request_id!r} is already in use", "request_id")
         seq = Sequence(request_id, prompt, params, hash_root=hash_root, hints=hints, max_total_tokens=total,
-                       tenant=tenant)
+                       tenant=request.tenant)
         if page_hashes:
             self.cache.adopt_hashes(seq, page_hashes)
         self._requests[request_id] = seq
+        hint = request.fetch
+        plan = None
+        if fetch and hint is not None and hint.holder != self.worker_id and page_hashes:
+            plan = self.fetch_plan(page_hashes, len(prompt), hint.depth)
+        if plan is not None:  # held until the holder's export is delivered
+            seq.fetch_pending = True
+            self._fetching[request_id] = plan
         compiled = None if params.grammar is None else self.sampler.grammars.prepare(params.grammar)
         if compiled is not None and not compiled.done():  # held back while its grammar compiles, in the
             seq.grammar_pending = True                       # background: a slow grammar stalls no other
-            self._compiling.append(seq)
             compiled.add_done_callback(lambda _: self._grammar_compiled(seq))
+        if seq.grammar_pending or seq.fetch_pending:
+            self._held.append(seq)
         else:
             self.scheduler.add(seq)
         self.stats.prompt_tokens += len(prompt)
-        return request_id
+        return plan
+
+    def deliver_fetch(self, request_id: str, export: ResumeExport | str | None) -> None:
+        """What a peer fetch for a held request brought (`add`): the holder's export, or why
+        there is none (a fallback reason: "timeout", "holder_failed", "evicted"; None: nothing
+        was asked). Safe from any thread: it is adopted at the start of the next step, before
+        the request is scheduled, so fetching and admitting cross to the engine's thread once."""
+        self._deliveries.append((request_id, export))
+        if self.on_runnable is not None:
+            self.on_runnable()
+
+    def _adopt_deliveries(self) -> None:
+        while self._deliveries:
+            request_id, export = self._deliveries.popleft()
+            seq, plan = self._requests.get(request_id), self._fetching.pop(request_id, None)
+            if seq is None or plan is None:
+                continue  # aborted meanwhile
+            seq.fetch_pending = False
+            try:
+                if isinstance(export, str):
+                    self.count_fetch_fallback(export)
+                elif export is not None:
+                    self.import_resume(export, seq.cache.page_hashes, plan.first)
+            except Exception:  # a broken export must not fail the request: it recomputes
+                log.exception("adopting a fetched resume point for %s failed", request_id)
+                self.count_fetch_fallback("refused")
 
     def _grammar_compiled(self, seq: Sequence) -> None:
         """On the compiling thread: the sequence may be scheduled at the next step (a compile that
@@ -285,10 +337,10 @@ class Engine:
         if self.on_runnable is not None:
             self.on_runnable()
 
-    def _release_compiled(self) -> None:
-        """Sequences whose grammars compiled join the scheduler's queue."""
-        for seq in [s for s in self._compiling if not s.grammar_pending]:
-            self._compiling.remove(seq)
+    def _release_held(self) -> None:
+        """Held sequences whose grammars compiled and whose fetches arrived join the scheduler's queue."""
+        for seq in [s for s in self._held if not (s.grammar_pending or s.fetch_pending)]:
+            self._held.remove(seq)
             if seq.status is not Status.FINISHED:
                 self.scheduler.add(seq)
 
@@ -297,18 +349,20 @@ class Engine:
         seq = self._requests.pop(request_id, None)
         if seq is None:
             return None
-        if seq in self._compiling:
-            self._compiling.remove(seq)
+        if seq in self._held:
+            self._held.remove(seq)
+            self._fetching.pop(request_id, None)
         self.scheduler.finish(seq, "abort")
         return self._output(seq, [], [])
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or bool(self._compiling)
+        return self.scheduler.has_work() or bool(self._held)
 
     def has_runnable(self) -> bool:
         """A step would compute something now (every unfinished request may be paused, or held
-        while its grammar compiles)."""
-        return self.scheduler.has_runnable_work() or any(not s.grammar_pending for s in self._compiling)
+        while its grammar compiles or its fetch is under way)."""
+        return self.scheduler.has_runnable_work() or bool(self._deliveries) or \
+            any(not (s.grammar_pending or s.fetch_pending) for s in self._held)
 
     def pause(self, request_id: str, paused: bool = True) -> None:
         """Stops (or, with `paused` False, resumes) computing a request whose reader is behind:
@@ -324,8 +378,10 @@ class Engine:
         request alone (finish_reason "error", `error` says why); a failed forward pass fails the
         requests of that step, never those waiting. `EngineBroken` (a tensor-parallel rank lost)
         is raised: the engine is done, and `broken` says why."""
-        if self._compiling:
-            self._release_compiled()
+        if self._deliveries:
+            self._adopt_deliveries()
+        if self._held:
+            self._release_held()
         plan = self.scheduler.schedule()
         outputs = []
         if plan:

@@ -61,6 +61,7 @@ class Sequence:
     paused: bool = False  # its reader is behind: while running, it is not scheduled (Engine.pause)
     cache: SequenceCache = field(default_factory=SequenceCache)
     grammar_state: object = None  # its place in its grammar (workers.grammar), from its first sampled step
+    fetch_pending: bool = False  # a peer fetch for it is under way: the engine holds it back until it arrives
     grammar_pending: bool = False  # its grammar is still compiling: the engine holds it back until it is
 
     def __post_init__(self) -> None:

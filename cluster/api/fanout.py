@@ -20,9 +20,10 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
-from cluster.api.engine_client import EngineClient, GenerateRequest
+from cluster.api.engine_client import EngineClient
 from cluster.api.quotas import Admission
 from workers import RequestOutput
+from workers.request import GenerateRequest
 
 _DONE = object()
 

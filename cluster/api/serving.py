@@ -28,7 +28,7 @@ from typing import Any
 
 from cluster.api.chat_template import ChatTemplate
 from cluster.api.choice import Choice, Delta
-from cluster.api.engine_client import EngineClient, GenerateRequest
+from cluster.api.engine_client import EngineClient
 from cluster.api.errors import CLIENT_CLOSED_REQUEST, APIError, bad_request, fault, request_timed_out
 from cluster.api.fanout import Fanout
 from cluster.api.limits import DEFAULT_LIMITS, APILimits
@@ -44,6 +44,7 @@ from cluster.api.tokenizer import TextTokenizer
 from cluster.api.tool_call_formats import resolve_format
 from workers import MAX_SEED, RequestRejected, SamplingParams
 from workers.grammar import Grammar
+from workers.request import GenerateRequest
 
 __all__ = ["CLIENT_CLOSED_REQUEST", "Prepared", "Serving"]
 

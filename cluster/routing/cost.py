@@ -38,18 +38,6 @@ from cluster.routing.config import RoutingConfig
 Score = WorkerScore  # what the index answers for a replica: its hit, state and how much is on the device
 
 
-def prompt_tokens(request: Any, page_size: int) -> int:
-    """The request's prompt length in tokens: `num_prompt_tokens`, else its token ids, else
-    whole pages of its page hashes."""
-    n = getattr(request, "num_prompt_tokens", None)
-    if isinstance(n, int):
-        return n
-    ids = getattr(request, "prompt_token_ids", None)
-    if ids is not None:
-        return len(ids)
-    return len(getattr(request, "page_hashes", None) or ()) * page_size
-
-
 def routing_stats(engine_metrics: Mapping[str, float], max_num_seqs: int) -> dict[str, float]:
     """What an engine replica's record_routing_stats() returns, from `Engine.metrics()`: pages
     held by running requests and state slots in use (one per running sequence), with totals."""

@@ -32,13 +32,15 @@ import random
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from cache_service.scoring import ZERO, WorkerScore
 from cluster.routing.config import RoutingConfig
-from cluster.routing.cost import (ReplicaLoad, Score, deepest_holder, prefill_tokens, prompt_tokens, rank_replicas,
-                                  reported_load, resume_pages)
+from cluster.routing.cost import (ReplicaLoad, Score, deepest_holder, prefill_tokens, rank_replicas, reported_load,
+                                  resume_pages)
 from cluster.routing.predicted import PredictedHolders
+from workers.request import FetchHint, GenerateRequest
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +49,12 @@ logger = logging.getLogger(__name__)
 # (hit_pages, state_pages) pairs are all on the device)
 IndexAnswer = Mapping[str, Score | tuple]
 ScoreFn = Callable[[list[bytes]], Awaitable[IndexAnswer] | IndexAnswer]
+
+
+@dataclass(frozen=True)
+class Ranking:
+    order: list[str]  # replica ids, best first
+    fetch: FetchHint | None = None  # the deepest holder (routing config `fetch`), for whichever takes it
 
 
 class IndexUnavailable(RuntimeError):
@@ -82,24 +90,24 @@ class AffinityRanker:
                            index_unavailable=0)
         self.gauges: Callable[[], dict[str, float]] = lambda: {}  # set by the adapter (its mirror's)
 
-    async def rank(self, request_id: str, request: Any, replicas: Mapping[str, Mapping[str, Any] | None],
-                   score: ScoreFn) -> list[str]:
-        """Replica ids best first, for the request; `replicas` maps each candidate to its
-        reported routing stats."""
+    async def rank(self, request_id: str, request: GenerateRequest, replicas: Mapping[str, Mapping[str, Any] | None],
+                   score: ScoreFn) -> Ranking:
+        """Replica ids best first, for the request, and (routing config `fetch`) the replica
+        resuming it deepest, which whichever replica takes it may pull from; `replicas` maps each
+        candidate to its reported routing stats. The request is read, never written."""
         cfg, self.counts["ranked"] = self.config, self.counts["ranked"] + 1
-        hashes = list(getattr(request, "page_hashes", None) or ())
-        n = prompt_tokens(request, cfg.page_size)
+        hashes = list(request.page_hashes or ())
+        n = request.num_prompt_tokens
         self._tentative.pop(request_id, None)  # ranked again (a retry): its earlier pick no longer stands
         scores = await self._scores(hashes, score) if hashes else {}
         loads = {r: reported_load(self._own_load(r), stats) for r, stats in replicas.items()}
         order = rank_replicas(list(replicas), scores, loads, cfg, n, self._rng)
-        fetched = None  # (holder, pages) another replica may pull
-        if cfg.fetch and hasattr(request, "fetch_from"):  # whichever replica takes it may pull from there
+        fetch = None  # whichever replica takes it may pull from there
+        if cfg.fetch:
             deepest = deepest_holder({r: s for r, s in scores.items() if r in replicas}, cfg)
-            fetched = (deepest[0], resume_pages(deepest[1], cfg)) if deepest is not None else None
-            request.fetch_from = fetched
+            fetch = FetchHint(deepest[0], resume_pages(deepest[1], cfg)) if deepest is not None else None
         prefill = {r: prefill_tokens(scores.get(r, ZERO), n, cfg) for r in replicas}
-        resumes = {r: max(resume_pages(scores.get(r, ZERO), cfg), fetched[1] if fetched and fetched[0] != r else 0)
+        resumes = {r: max(resume_pages(scores.get(r, ZERO), cfg), fetch.depth if fetch and fetch.holder != r else 0)
                    for r in replicas}
         self._prefill[request_id] = prefill
         self._resume[request_id] = resumes
@@ -109,7 +117,7 @@ class AffinityRanker:
             self._resume.popitem(last=False)
         if order:
             self._tentative[request_id] = (order[0], prefill[order[0]], self._clock() + self.TENTATIVE_TTL_S)
-        return order
+        return Ranking(order, fetch)
 
     def _own_load(self, replica: str) -> ReplicaLoad | None:
         """This router's in-flight load on the replica, requests ranked there first but not yet
@@ -171,29 +179,27 @@ class AffinityRanker:
         if self._on_fallback is not None:
             self._on_fallback(reason)
 
-    def on_routed(self, request_id: str, replica: str, request: Any) -> None:
+    def on_routed(self, request_id: str, replica: str, request: GenerateRequest) -> None:
         self._tentative.pop(request_id, None)
-        prefill = self._prefill.pop(request_id, {}).get(replica, prompt_tokens(request, self.config.page_size))
+        prefill = self._prefill.pop(request_id, {}).get(replica, request.num_prompt_tokens)
         resumed = self._resume.pop(request_id, {}).get(replica, 0)
         if (replica, request_id) in self._in_flight:
             return
         self.counts["routed"] += 1
         self._in_flight[(replica, request_id)] = prefill
-        engine_id = getattr(request, "request_id", None)
-        if isinstance(engine_id, str):
-            self._engine_ids[engine_id] = (replica, request_id)
+        self._engine_ids[request.request_id] = (replica, request_id)
         load = self.loads.setdefault(replica, ReplicaLoad())
         load.requests += 1
         load.tokens += prefill
-        self.predicted.record(replica, getattr(request, "page_hashes", None) or (),
+        self.predicted.record(replica, request.page_hashes or (),
                               self._states_left(request, resumed) if self.config.hybrid_model else None)
 
-    def _states_left(self, request: Any, resumed_pages: int) -> list[int]:
+    def _states_left(self, request: GenerateRequest, resumed_pages: int) -> list[int]:
         """Depths (pages) where a hybrid model's engine leaves states computing `request` from
         `resumed_pages` on: its message starts (the checkpoint hints, rounded down to a page) and
         the last boundary before its end, past where it resumed."""
-        ps, n = self.config.page_size, prompt_tokens(request, self.config.page_size)
-        depths = {h // ps for h in getattr(request, "checkpoint_hints", None) or ()} | {(n - 1) // ps}
+        ps, n = self.config.page_size, request.num_prompt_tokens
+        depths = {h // ps for h in request.checkpoint_hints} | {(n - 1) // ps}
         return [j for j in depths if j > resumed_pages]
 
     def on_completed(self, request_id: str, replica: str) -> None:

@@ -25,6 +25,7 @@ reads is reached through `register_router`, a function of a module imported by r
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Awaitable
@@ -38,6 +39,7 @@ from cluster.routing.config import RoutingConfig
 from cluster.routing.index_handle import IndexHandle
 from cluster.routing.ranker import AffinityRanker, IndexAnswer, IndexUnavailable
 from cluster.routing.registry import register_router
+from workers.request import ExportRequest, GenerateRequest
 
 logger = logging.getLogger(__name__)
 
@@ -150,9 +152,8 @@ class CacheAffinityRouter(RequestRouter):
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         request = pending_request.args[0] if pending_request is not None and pending_request.args else None
-        target = getattr(request, "target_worker", None)
-        if target is not None:  # a peer's fetch (cluster.peer_fetch): that replica, or none
-            match = [r for r in candidate_replicas if replica_worker_id(r.replica_id) == target]
+        if isinstance(request, ExportRequest):  # a peer's fetch (cluster.peer_fetch): that replica, or none
+            match = [r for r in candidate_replicas if replica_worker_id(r.replica_id) == request.target_worker]
             return [match] if match else []
         if pending_request is not None:
             pending_request.routing_context.should_backoff = True  # back off when every rank is full
@@ -161,12 +162,18 @@ class CacheAffinityRouter(RequestRouter):
             return []
         by_id = {replica_worker_id(r.replica_id): r for r in candidate_replicas}
         request_id = pending_request.metadata.internal_request_id if pending_request is not None else ""
-        order = await self.ranker.rank(request_id, request, {w: r.routing_stats for w, r in by_id.items()}, self._score)
-        return [[by_id[w]] for w in order]  # singleton ranks: Serve tries them strictly in order
+        if not isinstance(request, GenerateRequest):  # not ours to rank (a health probe, a test): by load
+            request = GenerateRequest(request_id, [])
+        ranking = await self.ranker.rank(request_id, request, {w: r.routing_stats for w, r in by_id.items()},
+                                         self._score)
+        if ranking.fetch is not None and pending_request is not None:  # sent along with a copy: the
+            pending_request.args[0] = dataclasses.replace(request, fetch=ranking.fetch)  # request stays as it was
+        return [[by_id[w]] for w in ranking.order]  # singleton ranks: Serve tries them strictly in order
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         request = pending_request.args[0] if pending_request.args else None
-        self.ranker.on_routed(pending_request.metadata.internal_request_id, replica_worker_id(replica_id), request)
+        if isinstance(request, GenerateRequest):  # (a peer's ExportRequest is not load to count)
+            self.ranker.on_routed(pending_request.metadata.internal_request_id, replica_worker_id(replica_id), request)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         self.ranker.on_completed(internal_request_id, replica_worker_id(replica_id))
