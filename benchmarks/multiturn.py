@@ -57,6 +57,7 @@ from plotting import pyplot, save  # noqa: E402  (benchmarks/plotting.py)
 from traces import AGENT_TOOLS, MULTITURN_WORDS, Oracle, sentence, tool_round  # noqa: E402  (benchmarks/traces.py)
 from workers import Engine, SamplingParams  # noqa: E402
 from workers.demo import demo_model_dir  # noqa: E402
+from workers.metrics import EngineMetrics  # noqa: E402
 
 POLICIES = ["exact", "all", "interval", "end_branch", "cairn"]
 
@@ -82,7 +83,7 @@ class Result:
     state_peak: int = 0
     seconds: float = 0.0
     computed: int = 0  # tokens the engine computed (prefill, recomputation, decode)
-    metrics: dict = field(default_factory=dict)  # the engine's, at the end
+    metrics: EngineMetrics | None = None  # the engine's, at the end
 
 
 class Client:
@@ -175,7 +176,7 @@ def replay(engine: Engine, rounds: list[list[Request]], policy: str) -> Result:
             res.ttft.setdefault(r.turn, []).append(first[rid])
         engine.check()
     res.seconds = time.perf_counter() - start
-    res.checkpoints = int(engine.metrics()["checkpoints_stored_total"])
+    res.checkpoints = int(engine.metrics().checkpoints_stored_total)
     res.state_peak = engine.cache.stats.state_bytes_peak
     res.computed = engine.stats.computed_tokens
     res.metrics = engine.metrics()
@@ -207,9 +208,9 @@ def tier_report(workload: str, model_dir: Path, rounds: list[list[Request]], eng
     for name, r in runs:
         hit, oracle, m = sum(r.hit.values()), sum(r.oracle.values()), r.metrics
         print(f"{name:20s} {hit:8d} {oracle:8d} {hit / max(oracle, 1):6.3f} {r.computed:9d} "
-              f"{statistics.median(r.ttft[turns]):10.3f}s {int(m['pages_promoted_total']):9d} "
-              f"{int(m['checkpoints_from_host_total']):9d} {m['bytes_to_host_total'] / 2**20:11.1f} "
-              f"{m['bytes_to_device_total'] / 2**20:9.1f} {int(m['checkpoints_without_slot_total']):7d}")
+              f"{statistics.median(r.ttft[turns]):10.3f}s {m.pages_promoted_total:9d} "
+              f"{m.checkpoints_from_host_total:9d} {m.bytes_to_host_total / 2**20:11.1f} "
+              f"{m.bytes_to_device_total / 2**20:9.1f} {m.checkpoints_without_slot_total:7d}")
     without, with_tier = runs[1][1], runs[2][1]
     ratio = sum(with_tier.hit.values()) / max(sum(with_tier.oracle.values()), 1)
     print(f"with the tier: {ratio:.3f} of the oracle (goal >= 0.97), "

@@ -396,7 +396,7 @@ def plot(results: list[Result]) -> None:
 
 def fetched_bytes(handle) -> int:
     """Bytes the replicas have pulled from their peers so far."""
-    return int(sum(m.get("fetched_bytes_total", 0) for m in handle.broadcast("metrics").results(timeout_s=60)))
+    return int(sum(m.fetched_bytes_total for m in handle.broadcast("metrics").results(timeout_s=60)))
 
 
 def wait_running(names: list[str], timeout_s: float = 600) -> None:
@@ -489,7 +489,7 @@ def main() -> None:
                   flush=True)
             for policy in group:
                 handle = serve.get_deployment_handle("Engine", app_name=f"bench-{policy}")
-                replicas = sorted(m["worker_id"] for m in handle.broadcast("metrics").results(timeout_s=60))
+                replicas = sorted(m.worker_id for m in handle.broadcast("metrics").results(timeout_s=60))
                 asyncio.run(warm_up(base_url, f"/{policy}", 2 * args.replicas))
                 for name, trace in traces.items():
                     ray.get(stats.take.remote(policy))

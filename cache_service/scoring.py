@@ -7,9 +7,12 @@ checkpoint at or under that run, and the worker resumes at
     resume_at_token = min(pages * page_size, n - 1),  pages = state_pages (recurrent model)
                                                                or hit_pages (attention only)
 
-so the last prompt token is always computed (its logits pick the first output token). The
-prefix cache resumes there (`workers.cache.prefix_cache`), the index and its mirrors score with
-`walk_scores`, and the router turns a score into a resume point with `resume_at_token`.
+so the last prompt token is always computed (its logits pick the first output token). Two
+helpers name the rule's halves, and every other module calls them rather than writing them
+again: `resume_pages` (which of the two counts) and `last_resumable_token` (the n - 1 cap),
+with `last_resumable_page` for callers that count in pages. The prefix cache resumes there
+(`workers.cache.lookup`), the index and its mirrors score with `walk_scores`, and the router
+turns a score into a resume point with `resume_at_token`.
 
 Media (`cache_service.events`): a hit counts pages in either medium. A score also says how much
 of it is on the worker's device (`device_pages`, the longest run of the prompt's pages there) and
@@ -43,11 +46,27 @@ class WorkerScore:
 ZERO = WorkerScore(0, 0)
 
 
+def resume_pages(hit_pages: int, state_pages: int, recurrent: bool) -> int:
+    """How deep (pages) a worker holding (hit_pages, state_pages) of a prompt resumes, before the
+    cap: a recurrent model needs a state there, an attention-only one its pages."""
+    return state_pages if recurrent else hit_pages
+
+
+def last_resumable_token(num_prompt_tokens: int) -> int:
+    """The deepest resume point of a prompt: its last token is always computed."""
+    return max(0, num_prompt_tokens - 1)
+
+
+def last_resumable_page(num_prompt_tokens: int, page_size: int) -> int:
+    """The deepest whole page a prompt can resume at (`last_resumable_token` in pages)."""
+    return last_resumable_token(num_prompt_tokens) // page_size
+
+
 def resume_at_token(hit_pages: int, state_pages: int, num_prompt_tokens: int, page_size: int,
                     recurrent: bool) -> int:
     """Tokens a worker holding (hit_pages, state_pages) of a prompt skips: the resume point."""
-    pages = state_pages if recurrent else hit_pages
-    return max(0, min(pages * page_size, num_prompt_tokens - 1))
+    pages = resume_pages(hit_pages, state_pages, recurrent)
+    return max(0, min(pages * page_size, last_resumable_token(num_prompt_tokens)))
 
 
 def walk_scores(masks: Iterable[tuple[int, int, int, int]], trusted: int, bits: dict[str, int]

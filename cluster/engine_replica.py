@@ -33,6 +33,7 @@ It touches the engine only through `AsyncEngine`'s public methods.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import logging
 from collections.abc import AsyncIterator
@@ -50,6 +51,7 @@ from cluster.routing.index_handle import IndexHandle
 from cluster.routing.router import replica_worker_id
 from cluster.tp_ranks import RayRankWorkers
 from workers import EngineSpec
+from workers.metrics import EngineMetrics
 from workers.request import ExportRequest, GenerateRequest
 
 log = logging.getLogger(__name__)
@@ -82,7 +84,7 @@ class EngineReplica:
         await self.index.get()  # found, or created, before the first request
         self.publisher = EventPublisher(self.worker_id, self.index, snapshot=self.engine.snapshot_events)
         self.fetch = PeerFetch(self.worker_id, self.engine, cfg.fetch_timeout_s)
-        self._metrics: dict[str, float] = {}
+        self._metrics = EngineMetrics()
         self._mirror, self._exported_at = RayMetricsMirror(), 0.0
         self._drain = asyncio.get_running_loop().create_task(self._drain_loop())
 
@@ -122,8 +124,8 @@ class EngineReplica:
         """The ingress's readiness probe (GET /ready): this replica exists and answers."""
         return True
 
-    async def metrics(self) -> dict[str, float]:
-        return dict(await self.engine.metrics(), worker_id=self.worker_id)  # type: ignore[arg-type]
+    async def metrics(self) -> EngineMetrics:
+        return dataclasses.replace(await self.engine.metrics(), worker_id=self.worker_id)
 
     async def cache_contents(self) -> tuple[str, frozenset[bytes], frozenset[bytes]]:
         """(worker id, page hashes, state page hashes) resident now: what the index should hold

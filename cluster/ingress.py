@@ -48,13 +48,13 @@ from ray.serve.handle import DeploymentHandle
 
 from cluster.api.http_limits import HTTPLimits
 from cluster.api.limits import APILimits
-from cluster.api.metrics import engine_families
 from cluster.api.quotas import TenantLimits
 from cluster.api.tenants import Tenants
 from cluster.metrics_export import INGRESS_EXPORT_INTERVAL_S, RayMetricsMirror
 from cluster.routing.registry import mirror_summaries, prefill_done, router_counts
 from workers import EngineSpec, ModelSource
 from workers.errors import EngineBroken
+from workers.metrics import EngineMetrics
 from workers.request import GenerateRequest
 
 log = logging.getLogger(__name__)
@@ -118,9 +118,10 @@ class HandleEngineClient:
         stream.cancel()
         return True
 
-    async def metrics(self) -> dict[str, float]:
-        """One replica's engine metrics, and this process's router counters."""
-        return {**await self.handle.metrics.remote(), **router_counts()}
+    async def metrics(self) -> EngineMetrics:
+        """One replica's engine metrics (this process's router counters are the app's
+        `APIMetrics.router_sources`)."""
+        return await self.handle.metrics.remote()
 
     def num_waiting(self) -> int:
         return len(self._streams)
@@ -185,6 +186,7 @@ class Ingress:
                         special_tokens_in_content=self.special_tokens_in_content,
                         public_system_prompts=self.public_system_prompts, tool_call_parser=self.tool_call_parser)
         self._api_metrics = app.state.metrics
+        self._api_metrics.router_sources.append(router_counts)  # this process's routers, on /metrics
         app.add_middleware(ReplicaHeader)
         return app
 
@@ -205,7 +207,7 @@ class Ingress:
             await asyncio.sleep(INGRESS_EXPORT_INTERVAL_S)
             try:
                 if self._api_metrics is not None:
-                    self._mirror.export([*self._api_metrics.registry.collect(), *engine_families(router_counts())])
+                    self._mirror.export(list(self._api_metrics.registry.collect()))  # the routers' included
             except Exception:  # never let reporting take the replica down
                 log.exception("metrics export failed")
 

@@ -288,13 +288,14 @@ def fetch(app: App) -> dict:
         finally:
             for r in streams:
                 r.close()
-    metrics = {m["worker_id"]: m for m in app.engine.broadcast("metrics").results(timeout_s=30)}
+    metrics = {m.worker_id: m for m in app.engine.broadcast("metrics").results(timeout_s=30)}
     keep = ("fetches_total", "fetched_pages_total", "fetched_bytes_total", "exported_bytes_total", "cached_tokens",
             "checkpoints_evicted_total", "checkpoints_without_slot_total")
     routed = {r: rose(before.get(r, {}), counts) for r, counts in routed_by_ingress(app).items()}
     return {"engines": engines, "holder": holder,
             "placed": placed, "shared": shared, "cold": cold,
-            "metrics": {w: {k: v for k, v in m.items() if k in keep or k.startswith("fetch_fallbacks_total")}
+            "metrics": {w: {**{k: getattr(m, k) for k in keep},
+                            **{f"fetch_fallbacks_total:{why}": n for why, n in m.fetch_fallbacks_total.items()}}
                         for w, m in metrics.items()}, "routed_meanwhile": routed}
 
 

@@ -13,6 +13,7 @@ from cluster.api.engine_client import LocalEngineClient
 from cluster.api.metrics import engine_families
 from cluster.api.server import BackgroundServer
 from workers import AsyncEngine
+from workers.metrics import EngineMetrics
 
 MODEL = "tiny"
 MESSAGES = [{"role": "user", "content": "Count the stones in the old wall by the river, twice. " * 3}]
@@ -78,9 +79,10 @@ def test_two_apps_in_one_process_count_apart(tiny_model_dir, engine):
 
 
 def test_engine_and_router_keys_become_families_of_their_own():
-    families = {f.name: f for f in engine_families({
-        "pages_held": 3, "pages_evicted_total": 7, "checkpoint_hits_total:tail": 2, "checkpoint_hits_total:hint": 1,
-        "router_index_fallbacks_total": 4, "router_index_mirror_pages": 9, "worker_id": "replica-1"})}
+    engine = EngineMetrics(pages_held=3, pages_evicted_total=7, checkpoint_hits_total={"tail": 2, "hint": 1},
+                           worker_id="replica-1")
+    families = {f.name: f for f in engine_families(engine, {"router_index_fallbacks_total": 4,
+                                                            "router_index_mirror_pages": 9})}
     assert families["cairn_engine_pages_held"].type == "gauge"
     assert families["cairn_engine_pages_evicted"].type == "counter"
     assert {s.labels["kind"]: s.value for s in families["cairn_engine_checkpoint_hits"].samples} == \
@@ -88,3 +90,4 @@ def test_engine_and_router_keys_become_families_of_their_own():
     assert families["cairn_router_index_fallbacks"].samples[0].name == "cairn_router_index_fallbacks_total"
     assert families["cairn_router_index_mirror_pages"].type == "gauge"
     assert families["cairn_engine_info"].samples[0].labels == {"worker_id": "replica-1"}
+    assert "cairn_engine_host_copy_bytes_per_s" not in families, "a rate not yet measured is not reported as 0"

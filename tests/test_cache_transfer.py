@@ -87,7 +87,7 @@ def test_a_request_resumed_from_a_fetched_resume_point_computes_what_a_cold_one_
 def test_the_randomized_test_above_did_fetch(pair):
     _, receiver = pair
     m = receiver.metrics()
-    assert m["fetches_total"] > 0 and m["fetched_pages_total"] > 0 and m["fetched_bytes_total"] > 0
+    assert m.fetches_total > 0 and m.fetched_pages_total > 0 and m.fetched_bytes_total > 0
 
 
 def test_a_fetched_resume_point_counts_as_cached_and_the_index_learns_it(tiny_model_dir):
@@ -105,7 +105,7 @@ def test_a_fetched_resume_point_counts_as_cached_and_the_index_learns_it(tiny_mo
     want = run(holder, turn2)
     assert got.cached_tokens == want.cached_tokens >= 6 * PS
     assert_same_output(got, want)
-    assert receiver.metrics()["fetches_total"] == 1
+    assert receiver.metrics().fetches_total == 1
 
 
 def test_a_fetched_checkpoint_no_slot_can_be_had_for_is_counted_and_the_request_computes_what_cold_computes(
@@ -119,8 +119,8 @@ def test_a_fetched_checkpoint_no_slot_can_be_had_for_is_counted_and_the_request_
     monkeypatch.setattr(receiver.cache, "take_checkpoint_slot", lambda: None)
     assert fetch(receiver, holder, tokens + [3]) > 0, "the pages came"
     monkeypatch.undo()
-    assert receiver.metrics()["fetch_fallbacks_total:no_checkpoint_slot"] == 1
-    assert receiver.metrics()["fetches_total"] == 0, "a fallback, not a fetch"
+    assert receiver.metrics().fetch_fallbacks_total["no_checkpoint_slot"] == 1
+    assert receiver.metrics().fetches_total == 0, "a fallback, not a fetch"
     out = run(receiver, tokens + [3])
     assert out.cached_tokens == 0
     assert_same_output(out, run(holder, tokens + [3], salt="cold"))
@@ -138,7 +138,7 @@ def test_a_holder_that_evicted_meanwhile_gives_nothing_and_the_request_recompute
     out = run(receiver, tokens + [3])
     assert out.cached_tokens == 0
     assert_same_output(out, run(holder, tokens + [3], salt="cold"))
-    assert receiver.metrics()["fetch_fallbacks_total:evicted"] == 1
+    assert receiver.metrics().fetch_fallbacks_total["evicted"] == 1
 
 
 def test_a_fetch_never_crosses_a_cache_salt(tiny_model_dir):
@@ -152,7 +152,7 @@ def test_a_fetch_never_crosses_a_cache_salt(tiny_model_dir):
     # tenant b asks for its own chain at the depth the router saw for tenant a's: nothing matches
     assert fetch(receiver, holder, tokens, salt="tenant-b", depth=depth) == 0
     assert run(receiver, tokens, salt="tenant-b").cached_tokens == 0
-    assert receiver.metrics()["fetch_fallbacks_total:evicted"] == 1
+    assert receiver.metrics().fetch_fallbacks_total["evicted"] == 1
 
 
 def test_a_holder_exports_what_its_host_tier_keeps(tiny_model_dir):

@@ -242,20 +242,20 @@ def test_local_yaml_builds_two_cpu_replicas_of_the_demo_model_with_the_in_memory
         == "qwen3_next"
 
 
-def test_routing_takes_page_size_hybrid_model_and_sizes_from_the_engines_and_refuses_others():
+def test_routing_takes_page_size_recurrent_and_sizes_from_the_engines_and_refuses_others():
     from workers import EngineSpec
 
     _, (model_dir, _, routing, spec) = engine_of(app_builder({"engine_options": {"page_size": 8}}))
     assert spec == EngineSpec.from_model_dir(model_dir, __import__("workers").EngineOptions(page_size=8))
-    assert (routing["page_size"], routing["hybrid_model"]) == (8, True) == (spec.page_size, spec.recurrent)
+    assert (routing["page_size"], routing["recurrent"]) == (8, True) == (spec.page_size, spec.recurrent)
     assert (routing["page_bytes"], routing["state_bytes"]) == (spec.page_bytes, spec.state_bytes)
     assert spec.page_bytes > 0 and spec.state_bytes > 0
     ingress_spec = app_builder({"engine_options": {"page_size": 8}})._bound_deployment.init_args[2]
     assert ingress_spec == spec, "the ingress hashes with the engines' spec"
     with pytest.raises(ValueError, match="routing page_size is 16 but the engines' is 8"):
         app_builder({"engine_options": {"page_size": 8}, "routing": {"page_size": 16}})
-    with pytest.raises(ValueError, match="routing hybrid_model is False but the engines' is True"):
-        app_builder({"routing": {"hybrid_model": False}})
+    with pytest.raises(ValueError, match="routing recurrent is False but the engines' is True"):
+        app_builder({"routing": {"recurrent": False}})
     with pytest.raises(ValueError, match=f"routing page_bytes is 1 but the engines' is {spec.page_bytes}"):
         app_builder({"engine_options": {"page_size": 8}, "routing": {"page_bytes": 1}})
     with pytest.raises(ValueError, match="routing state_bytes is 0 but the engines' is"):
@@ -409,7 +409,7 @@ def test_the_grafana_dashboard_reads_only_metrics_cairn_exports(tiny_model_dir):
         assert c.post("/v1/completions", json={"model": "tiny", "prompt": "cairn " * 40, "max_tokens": 2}).status_code == 200
         text = c.get("/metrics").text
     exported = {s.name for f in text_string_to_metric_families(text) for s in f.samples}
-    exported |= {f"cairn_router_{name}_total" for name in AffinityRanker(RoutingConfig(page_size=16, hybrid_model=True, page_bytes=8192,
+    exported |= {f"cairn_router_{name}_total" for name in AffinityRanker(RoutingConfig(page_size=16, recurrent=True, page_bytes=8192,
                                                                                   state_bytes=16896)).counts}
     panels = dashboard_metrics()
     for title, names in panels.items():

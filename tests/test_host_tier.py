@@ -85,12 +85,12 @@ def test_a_later_turn_resumes_from_the_host_where_a_device_only_cache_lost_it(ti
     assert got.cached_tokens == want.cached_tokens > 0, "the host tier kept it"
     assert_same_output(got, want)
     m = engine.metrics()
-    assert m["pages_demoted_total"] > 0 and m["pages_promoted_total"] > 0
-    assert m["checkpoints_demoted_total"] > 0 and m["checkpoints_from_host_total"] > 0
-    assert m["tier_hit_tokens_total:host"] == got.cached_tokens
-    assert m["bytes_to_device_total"] == (m["pages_promoted_total"] + 3 * m["checkpoints_from_host_total"]) * BLOCK
-    assert m["bytes_to_host_total"] >= m["pages_demoted_total"] * BLOCK
-    assert 0 < m["host_cache_used_bytes"] <= m["host_cache_budget_bytes"] == 4000 * BLOCK
+    assert m.pages_demoted_total > 0 and m.pages_promoted_total > 0
+    assert m.checkpoints_demoted_total > 0 and m.checkpoints_from_host_total > 0
+    assert m.tier_hit_tokens_total["host"] == got.cached_tokens
+    assert m.bytes_to_device_total == (m.pages_promoted_total + 3 * m.checkpoints_from_host_total) * BLOCK
+    assert m.bytes_to_host_total >= m.pages_demoted_total * BLOCK
+    assert 0 < m.host_cache_used_bytes <= m.host_cache_budget_bytes == 4000 * BLOCK
 
 
 def test_a_copy_slower_than_recomputing_is_declined(tiny_model_dir):
@@ -100,7 +100,7 @@ def test_a_copy_slower_than_recomputing_is_declined(tiny_model_dir):
         engine._observe_rates = lambda plan, seconds: None  # keep the rates as set
         return engine
     engine, out = conversation(slow_bus)
-    assert engine.metrics()["pages_promoted_total"] == 0 and engine.metrics()["checkpoints_from_host_total"] == 0
+    assert engine.metrics().pages_promoted_total == 0 and engine.metrics().checkpoints_from_host_total == 0
     _, fast = conversation(lambda: tiered(tiny_model_dir))
     assert out.cached_tokens < fast.cached_tokens
     assert_same_output(out, fast)
@@ -118,10 +118,10 @@ def test_the_cost_rule_weighs_copy_time_against_prefill_time():
 
 def test_clearing_the_cache_empties_the_host_tier_too(tiny_model_dir):
     engine, _ = conversation(lambda: tiered(tiny_model_dir))
-    assert engine.metrics()["host_cache_used_bytes"] > 0
+    assert engine.metrics().host_cache_used_bytes > 0
     engine.clear_cache()
     engine.check()
-    assert engine.metrics()["host_cache_used_bytes"] == 0 and engine.host_contents() == (frozenset(), frozenset())
+    assert engine.metrics().host_cache_used_bytes == 0 and engine.host_contents() == (frozenset(), frozenset())
 
 
 @pytest.mark.parametrize("value", [-1, 1.5, "1", True])
@@ -153,7 +153,7 @@ def test_the_index_replaying_the_engines_events_knows_the_medium_of_everything_a
             assert index.contents("w") == engine.cache_contents()
             assert index.host_contents("w") == engine.host_contents()
             seen_host = max(seen_host, len(engine.host_contents()[0]))
-        seen_back = engine.metrics()["pages_promoted_total"]
+        seen_back = engine.metrics().pages_promoted_total
     assert seen_host > 0 and seen_back > 0
 
 
@@ -200,6 +200,6 @@ def test_a_request_resumed_from_the_host_while_others_run_starts_a_step_later_an
     overlapped, got = run(True, cache_memory_bytes=30 * BLOCK, host_cache_bytes=2000 * BLOCK)
     _, in_step = run(False, cache_memory_bytes=30 * BLOCK, host_cache_bytes=2000 * BLOCK)
     _, roomy = run(False, num_pages=512)
-    assert overlapped.metrics()["promotions_overlapped_total"] > 0
+    assert overlapped.metrics().promotions_overlapped_total > 0
     assert [t for t, _ in got] == [t for t, _ in in_step] == [t for t, _ in roomy]
     assert [c for _, c in got] == [c for _, c in in_step] and sum(c for _, c in got) > 0

@@ -292,21 +292,16 @@ def test_a_publisher_feeds_the_successor_of_an_actor_killed_for_good(actor_name)
 
 @pytest.mark.parametrize("index_mode", ["mirror", "remote"])
 def test_a_serve_deployment_routes_to_the_replica_the_index_names(actor_name, index_mode):
-    from dataclasses import dataclass
-
     from ray import serve
 
     from cluster.routing.router import replica_worker_id
+    from workers.request import GenerateRequest
 
-    @dataclass
-    class Request:
-        page_hashes: list
-        num_prompt_tokens: int
-        prompt: str = "hi"
-        messages: list | None = None
+    def request_of(page_hashes: list, num_prompt_tokens: int) -> GenerateRequest:
+        return GenerateRequest("r", [0] * num_prompt_tokens, prompt="hi", page_hashes=page_hashes)
 
     config = RoutingConfig(index_actor_name=actor_name, index_mode=index_mode, index_timeout_ms=2000,
-                           predicted_holder_ttl_s=0, routing_stats_period_s=0.5, page_size=16, hybrid_model=True,
+                           predicted_holder_ttl_s=0, routing_stats_period_s=0.5, page_size=16, recurrent=True,
                            page_bytes=8192, state_bytes=16896)
     index = index_actor(actor_name, num_cpus=0.01)
 
@@ -327,13 +322,13 @@ def test_a_serve_deployment_routes_to_the_replica_the_index_names(actor_name, in
         handle = serve.run(Engine.bind(), name="routing-app", route_prefix=None)
         replicas, deadline = set(), time.monotonic() + 30
         while len(replicas) < 2:  # the handle may learn of the second replica a moment after the first
-            replicas.add(handle.remote(Request([], 8)).result(timeout_s=30))
+            replicas.add(handle.remote(request_of([], 8)).result(timeout_s=30))
             assert time.monotonic() < deadline, f"routed by load, requests never reached a second replica: {replicas}"
         assert all(r.startswith("SERVE_REPLICA::routing-app#Engine#") for r in replicas)
         target = sorted(replicas)[0]
         events = EventStream(target)
         ray.get(index.apply.remote(events.batch([PagesStored(tuple(H[:30]), None), StateStored(H[29])]).encode()))
-        hot = Request(H[:30], 30 * 16 + 3)
+        hot = request_of(H[:30], 30 * 16 + 3)
         streak, deadline = 0, time.monotonic() + 30
         while streak < 3:  # the first requests may beat the router's lookup of the index: routed by load
             streak = streak + 1 if handle.remote(hot).result(timeout_s=30) == target else 0

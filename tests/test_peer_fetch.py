@@ -77,15 +77,15 @@ async def scenario(tiny_model_dir, fault):
 def test_a_fetched_resume_point_is_used_and_counted(tiny_model_dir):
     got, depth, metrics, holder = asyncio.run(scenario(tiny_model_dir, None))
     assert got.cached_tokens == depth * PS, "resumed exactly where the holder's checkpoint is"
-    assert metrics["fetches_total"] == 1 and metrics["fetched_pages_total"] >= 6
-    assert holder["exported_bytes_total"] == metrics["fetched_bytes_total"] > 0
+    assert metrics.fetches_total == 1 and metrics.fetched_pages_total >= 6
+    assert holder.exported_bytes_total == metrics.fetched_bytes_total > 0
 
 
 @pytest.mark.parametrize("fault, reason", [("died", "holder_failed"), ("hangs", "timeout"), ("evicted", "evicted")])
 def test_a_holder_that_fails_mid_fetch_costs_a_recomputation_counted_by_reason(tiny_model_dir, fault, reason):
     got, _, metrics, _ = asyncio.run(scenario(tiny_model_dir, fault))
     assert got.cached_tokens == 0
-    assert metrics["fetch_fallbacks_total:" + reason] == 1 and metrics["fetches_total"] == 0
+    assert metrics.fetch_fallbacks_total[reason] == 1 and metrics.fetches_total == 0
 
 
 def test_no_fetch_for_a_hint_naming_this_replica_or_a_shallower_holder(tiny_model_dir):

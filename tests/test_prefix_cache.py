@@ -80,7 +80,7 @@ def prompt(n, seed, vocab=200):
 def test_divergence_inside_page_k_resumes_at_the_divergence_attention_only(hf_checkpoint):
     """The 7 tokens of page 3 before the divergence come from a's page 3, copied into b's own."""
     engine = Engine.from_pretrained(hf_checkpoint("attention_only"), num_pages=64)
-    assert not engine.config.has_recurrent_layers
+    assert not engine.config.recurrent
     a = prompt(6 * PS + 5, seed=1)
     engine.generate([a], GREEDY)
     b = list(a)
@@ -306,10 +306,10 @@ def test_each_checkpoint_kind_earns_its_keep(tiny_model_dir, workload, pays, idl
     # checkpoints for 3 conversations asking for up to five kinds a turn.
     engine = Engine.from_pretrained(tiny_model_dir, num_pages=1024, max_num_seqs=4, max_checkpoints=8)
     m = run_conversations(engine, workload, turns=20, convs=3)
-    assert m[f"checkpoint_hits_total:{pays}"] >= 45
+    assert m.checkpoint_hits_total[pays] >= 45
     for kind in idle:
-        assert m[f"checkpoint_hits_total:{kind}"] == 0
-        assert m[f"checkpoints_admitted_total:{kind}"] <= 24
+        assert m.checkpoint_hits_total[kind] == 0
+        assert m.checkpoints_admitted_total[kind] <= 24
 
 
 @pytest.mark.parametrize("policy", ["cairn", "all"])

@@ -15,11 +15,12 @@ from cluster.routing.cost import (ReplicaLoad, host_copy_tokens, rank_replicas, 
 from cluster.routing.predicted import PredictedHolders
 from cluster.routing.ranker import AffinityRanker
 from cluster.routing.router import replica_worker_id
+from workers.metrics import EngineMetrics
 from workers.request import FetchHint, GenerateRequest
 
 PAGE = 16
 PAGE_BYTES, STATE_BYTES = 2 << 20, 64 << 20  # a large hybrid model's page and state, in bytes
-CFG = RoutingConfig(page_size=PAGE, hybrid_model=True, page_bytes=PAGE_BYTES, state_bytes=STATE_BYTES,
+CFG = RoutingConfig(page_size=PAGE, recurrent=True, page_bytes=PAGE_BYTES, state_bytes=STATE_BYTES,
                     load_weight=0.5, request_load_tokens=256, occupancy_load_tokens=2048,
                     spill_limit=4, predicted_holder_ttl_s=2.0, index_mode="remote", index_timeout_ms=50)
 H = [bytes([i]) * 16 for i in range(200)]
@@ -47,7 +48,7 @@ def rank(scores, loads=None, n=1000, config=CFG, replicas=("a", "b", "c"), seed=
 
 # ---- the resume point (design rule 4) --------------------------------------------------------
 
-def test_a_hybrid_model_resumes_at_its_deepest_state_and_an_attention_model_at_its_page_hit():
+def test_a_recurrent_resumes_at_its_deepest_state_and_an_attention_model_at_its_page_hit():
     assert resume_at_token(10, 6, 1000, PAGE, recurrent=True) == 96
     assert resume_at_token(10, 6, 1000, PAGE, recurrent=False) == 160
     assert resume_at_token(10, 0, 1000, PAGE, recurrent=True) == 0
@@ -65,10 +66,10 @@ def test_the_deepest_resume_point_wins():
     assert rank({"a": (40, 10), "b": (50, 30), "c": (60, 0)}) == ["b", "a", "c"]
 
 
-def test_pages_without_a_usable_state_score_as_a_miss_for_a_hybrid_model():
+def test_pages_without_a_usable_state_score_as_a_miss_for_a_recurrent():
     busy_a = {"a": ReplicaLoad(tokens=2)}  # a hair more load on the replica with the pages
     assert rank({"a": (60, 0)}, busy_a, replicas=("a", "b")) == ["b", "a"]
-    attention = CFG.model_copy(update=dict(hybrid_model=False))
+    attention = CFG.model_copy(update=dict(recurrent=False))
     assert rank({"a": (60, 0)}, busy_a, replicas=("a", "b"), config=attention) == ["a", "b"]
 
 
@@ -99,8 +100,26 @@ def test_reported_stats_count_load_the_router_did_not_send():
 
 
 def test_routing_stats_come_from_engine_metrics():
-    stats = routing_stats(dict(running_requests=2, waiting_requests=1, pages_held=30, pages_total=120), max_num_seqs=8)
+    stats = routing_stats(EngineMetrics(running_requests=2, waiting_requests=1, pages_held=30, pages_total=120),
+                          max_num_seqs=8)
     assert reported_load(None, stats) == ReplicaLoad(0, 0, 3, 0.25)
+    measured = routing_stats(EngineMetrics(host_copy_bytes_per_s=5e9, prefill_tokens_per_s=2000.0), max_num_seqs=8)
+    load = reported_load(None, measured)
+    assert (load.host_copy_bytes_per_s, load.prefill_tokens_per_s) == (5e9, 2000.0)
+    assert reported_load(None, {"host_copy_bytes_per_s": "x", "prefill_tokens_per_s": -1}) == ReplicaLoad(), \
+        "malformed rates count as unmeasured"
+
+
+def test_a_host_copy_is_priced_at_the_rates_the_replica_measured_and_at_the_configs_until_then():
+    on_host = WorkerScore(40, 30, 10, True)  # pages 10..29 and the state come back from the host
+    copy_bytes = 20 * PAGE_BYTES + STATE_BYTES
+    assert host_copy_tokens(on_host, CFG) == \
+        pytest.approx(copy_bytes / CFG.host_bandwidth_bytes_per_s * CFG.prefill_tokens_per_s), "not yet measured"
+    measured = ReplicaLoad(host_copy_bytes_per_s=1e9, prefill_tokens_per_s=500.0)
+    assert host_copy_tokens(on_host, CFG, measured) == pytest.approx(copy_bytes / 1e9 * 500.0)
+    slow_link = {"a": ReplicaLoad(host_copy_bytes_per_s=1e8)}  # 1.3 s of copying: more than recomputing
+    assert rank({"a": (40, 30, 10, True), "b": (10, 10)}, replicas=("a", "b"))[0] == "a"
+    assert rank({"a": (40, 30, 10, True), "b": (10, 10)}, loads=slow_link, replicas=("a", "b"))[0] == "b"
 
 
 def test_a_replica_past_the_spill_limit_ranks_after_all_others_whatever_its_cache():
@@ -123,7 +142,7 @@ def test_a_hit_on_the_host_costs_exactly_its_copy_time_in_tokens_more_than_the_s
     assert replica_cost(on_host, load, CFG, n) - replica_cost(on_device, load, CFG, n) == \
         pytest.approx(copy_s * CFG.prefill_tokens_per_s)
     assert host_copy_tokens(WorkerScore(40, 30, 30, False), CFG) == 0, "pages past the resume point cost nothing"
-    attention = CFG.model_copy(update=dict(hybrid_model=False))  # resumes at its page hit, needs no state
+    attention = CFG.model_copy(update=dict(recurrent=False))  # resumes at its page hit, needs no state
     assert host_copy_tokens(on_host, attention) == \
         pytest.approx(30 * PAGE_BYTES / CFG.host_bandwidth_bytes_per_s * CFG.prefill_tokens_per_s)
 
@@ -244,7 +263,7 @@ def test_predicted_depths_equal_the_deepest_unexpired_record_of_each_replica(see
         assert held.pages(ask, age) == {r: (depth, depth) for r, depth in want.items()}
 
 
-def test_a_hybrid_models_predicted_state_is_where_the_request_leaves_one_not_where_a_prompt_parts_from_it():
+def test_a_recurrents_predicted_state_is_where_the_request_leaves_one_not_where_a_prompt_parts_from_it():
     clock = Clock()
     held = PredictedHolders(keep_s=10.0, clock=clock)
     held.record("a", H[:20], state_pages=[12, 19, 20, 0, 99])  # 0 and 99: no such depth
@@ -373,7 +392,7 @@ def test_with_the_memory_off_a_down_index_still_leaves_the_fresh_predictions():
 
 def test_the_ranker_spreads_a_burst_frees_finished_prefill_and_keeps_turns_when_the_index_fails():
     chains = [[bytes([i, k]) * 8 for k in range(31)] for i in range(3)]  # page hashes name their prefix
-    ranker = AffinityRanker(RoutingConfig(predicted_holder_ttl_s=30, page_size=16, hybrid_model=True,
+    ranker = AffinityRanker(RoutingConfig(predicted_holder_ttl_s=30, page_size=16, recurrent=True,
                                           page_bytes=PAGE_BYTES, state_bytes=STATE_BYTES), rng=random.Random(0))
     replicas = {"a": {}, "b": {}, "c": {}}
 

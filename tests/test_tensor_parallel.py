@@ -225,12 +225,12 @@ def test_with_a_host_tier_every_rank_demotes_and_promotes_its_own_slice_in_step(
     one = Engine.from_pretrained(path, **sized(1))
     expected = converse(one)
     m = one.metrics()
-    assert m["pages_demoted_total"] > 0 and m["pages_promoted_total"] > 0 and any(c for _, c in expected[3:])
+    assert m.pages_demoted_total > 0 and m.pages_promoted_total > 0 and any(c for _, c in expected[3:])
     engine = Engine.from_pretrained(path, tensor_parallel_size=2, **sized(2))
     try:
         assert engine.layout.num_blocks == one.layout.num_blocks and engine.layout.host_blocks == 400
         assert converse(engine) == expected
-        assert engine.metrics()["pages_promoted_total"] == m["pages_promoted_total"]
+        assert engine.metrics().pages_promoted_total == m.pages_promoted_total
     finally:
         engine.close()
 

@@ -331,7 +331,7 @@ def test_the_host_tier_on_cuda_overlaps_its_promotions_and_gives_the_cpu_paths_t
             seen += [(o.token_ids, o.cached_tokens) for o in outs]
             convs = [c + o.token_ids + [7, 8] for c, o in zip(convs, outs)]
         results[device] = seen
-        assert engine.metrics()["promotions_overlapped_total"] > 0
+        assert engine.metrics().promotions_overlapped_total > 0
         engine.check()
     assert results["cuda"] == results["cpu"]
 

@@ -39,6 +39,7 @@ from cache_service.events import EventBatch
 from workers.cache.transfer import FetchPlan, ResumeExport
 from workers.engine import Engine, RequestOutput
 from workers.errors import EngineBroken, EngineError, RequestRejected
+from workers.metrics import EngineMetrics
 from workers.sampling_params import SamplingParams
 from workers.request import ExportRequest, GenerateRequest
 from workers.spec import EngineSpec
@@ -159,7 +160,7 @@ class AsyncEngine:
             if not finished:
                 await asyncio.shield(self._call(self.engine.abort, request_id))
 
-    async def metrics(self) -> dict[str, float]:
+    async def metrics(self) -> EngineMetrics:
         """`Engine.metrics()`, read on the engine thread (never mid-step)."""
         return await self._call(self.engine.metrics)
 

@@ -36,6 +36,7 @@ from workers.cache.prefix_cache import Match, PrefixCache
 from workers.cache.transfer import FetchPlan, ResumeExport
 from workers.errors import EngineBroken, RequestRejected, SequenceFault
 from workers.grammar import Grammars
+from workers.metrics import EngineMetrics
 from workers.model import HybridForCausalLM, ModelConfig, load_model, read_model_config
 from workers.model.sharding import shard_config
 from workers.options import EngineOptions
@@ -123,7 +124,7 @@ class Engine:
         rows = options.max_num_seqs + 1  # running sequences, and one scored by prompt_logits
         # Events are queued once something drains them (the cluster's replica does; the first
         # drain is a snapshot): an engine used alone, or served in-process, keeps none.
-        self.cache = PrefixCache(layout, self.policy, options.page_size, recurrent=cfg.has_recurrent_layers,
+        self.cache = PrefixCache(layout, self.policy, options.page_size, recurrent=cfg.recurrent,
                                  max_rows=rows, record_events=False)
         self.scheduler = Scheduler(options, self.cache, self.policy, frozenset(cfg.eos_token_ids) | eos_token_ids)
         self.runner = ModelRunner(model, layout, options.page_size, rows)
@@ -571,56 +572,41 @@ class Engine:
         """Drops every cached page and checkpoint no running request holds."""
         self.cache.clear()
 
-    def metrics(self) -> dict[str, float]:
-        """Counters and gauges for /metrics and routing: tokens (prompt, cached, computed,
-        generated), pages and checkpoint state in use, the cache's bytes, checkpoints by kind."""
-        cache, stats = self.cache, self.cache.stats
-        out: dict[str, float] = {
-            "steps": self.stats.steps,
-            "prompt_tokens": self.stats.prompt_tokens,
-            "cached_tokens": self.stats.cached_tokens,
-            "computed_tokens": self.stats.computed_tokens,
-            "generated_tokens": self.stats.generated_tokens,
-            "preemptions": self.stats.preemptions,
-            "running_requests": len(self.scheduler.running),
-            "waiting_requests": len(self.scheduler.waiting),
-            "pages_total": self.layout.page_capacity,
-            "pages_held": cache.pages.num_held,
-            "pages_cached": cache.pages.num_cached,
-            "checkpoints_stored": cache.checkpoints.num_stored,
-            "state_bytes": cache.checkpoint_bytes,
-            "cache_used_bytes": cache.used_bytes,
-            "cache_budget_bytes": cache.budget_bytes,
-            "pages_evicted_total": stats.pages_evicted,
-            "checkpoints_stored_total": stats.checkpoints_stored,
-            "checkpoints_used_total": stats.checkpoints_used,
-            "checkpoints_evicted_total": stats.checkpoints_evicted,
-            "checkpoints_without_slot_total": stats.checkpoints_without_slot,
-            "checkpoints_to_host_total": stats.checkpoints_to_host,
-            "promotions_overlapped_total": self.scheduler.overlapped_promotions,
-            "host_cache_budget_bytes": self.layout.host_blocks * self.layout.block_bytes,
-            "host_cache_used_bytes": cache.host.used_blocks * self.layout.block_bytes,
-            "host_pages": len(cache.host.pages),
-            "host_checkpoints": len(cache.host.checkpoints),
-            "pages_demoted_total": stats.pages_demoted,
-            "checkpoints_demoted_total": stats.checkpoints_demoted,
-            "pages_promoted_total": stats.pages_promoted,
-            "checkpoints_from_host_total": stats.checkpoints_from_host,
-            "host_pages_evicted_total": cache.host.pages_evicted,
-            "host_checkpoints_evicted_total": cache.host.checkpoints_evicted,
-            "bytes_to_host_total": stats.bytes_to_host,
-            "bytes_to_device_total": stats.bytes_to_device,
-        }
-        for key, value in self.fetch_counts.items():
-            out[f"{key}_total"] = value
-        for reason, value in self.fetch_fallbacks.items():
-            out[f"fetch_fallbacks_total:{reason}"] = value
-        for tier in ("device", "host"):
-            out[f"tier_hit_tokens_total:{tier}"] = self.scheduler.hit_tokens_by_tier.get(tier, 0)
-        for kind, rec in self.policy.summary().items():
-            out[f"checkpoints_admitted_total:{kind}"] = rec["admitted"]
-            out[f"checkpoint_hits_total:{kind}"] = rec["hits"]
-        return out
+    def metrics(self) -> EngineMetrics:
+        """Counters and gauges for /metrics and routing (`workers.metrics`): tokens (prompt,
+        cached, computed, generated), pages and checkpoint state in use, the cache's bytes and
+        tiers, fetches, checkpoints by kind, and the measured host-copy and prefill rates."""
+        cache, stats, cost = self.cache, self.cache.stats, self.cache.tier_cost
+        policy = self.policy.summary()
+        return EngineMetrics(
+            steps=self.stats.steps, prompt_tokens=self.stats.prompt_tokens, cached_tokens=self.stats.cached_tokens,
+            computed_tokens=self.stats.computed_tokens, generated_tokens=self.stats.generated_tokens,
+            preemptions=self.stats.preemptions, running_requests=len(self.scheduler.running),
+            waiting_requests=len(self.scheduler.waiting),
+            pages_total=self.layout.page_capacity, pages_held=cache.pages.num_held, pages_cached=cache.pages.num_cached,
+            checkpoints_stored=cache.checkpoints.num_stored, state_bytes=cache.checkpoint_bytes,
+            cache_used_bytes=cache.used_bytes, cache_budget_bytes=cache.budget_bytes,
+            pages_evicted_total=stats.pages_evicted, checkpoints_stored_total=stats.checkpoints_stored,
+            checkpoints_used_total=stats.checkpoints_used, checkpoints_evicted_total=stats.checkpoints_evicted,
+            checkpoints_without_slot_total=stats.checkpoints_without_slot,
+            checkpoints_to_host_total=stats.checkpoints_to_host,
+            promotions_overlapped_total=self.scheduler.overlapped_promotions,
+            host_cache_budget_bytes=self.layout.host_blocks * self.layout.block_bytes,
+            host_cache_used_bytes=cache.host.used_blocks * self.layout.block_bytes,
+            host_pages=len(cache.host.pages), host_checkpoints=len(cache.host.checkpoints),
+            pages_demoted_total=stats.pages_demoted, checkpoints_demoted_total=stats.checkpoints_demoted,
+            pages_promoted_total=stats.pages_promoted, checkpoints_from_host_total=stats.checkpoints_from_host,
+            host_pages_evicted_total=cache.host.pages_evicted,
+            host_checkpoints_evicted_total=cache.host.checkpoints_evicted,
+            bytes_to_host_total=stats.bytes_to_host, bytes_to_device_total=stats.bytes_to_device,
+            fetches_total=self.fetch_counts["fetches"], fetched_pages_total=self.fetch_counts["fetched_pages"],
+            fetched_bytes_total=self.fetch_counts["fetched_bytes"],
+            exported_bytes_total=self.fetch_counts["exported_bytes"],
+            fetch_fallbacks_total=dict(self.fetch_fallbacks),
+            tier_hit_tokens_total={tier: self.scheduler.hit_tokens_by_tier.get(tier, 0) for tier in ("device", "host")},
+            checkpoints_admitted_total={kind: rec["admitted"] for kind, rec in policy.items()},
+            checkpoint_hits_total={kind: rec["hits"] for kind, rec in policy.items()},
+            host_copy_bytes_per_s=cost.bandwidth, prefill_tokens_per_s=cost.prefill_rate)
 
     def check(self) -> None:
         """Integrity check for idle moments and tests: the cache's pools, arena and LRU agree."""

@@ -54,10 +54,10 @@ class EngineSpec:
             model_fingerprint = fingerprint({f.name: getattr(cfg, f.name) for f in fields(cfg) if f.compare})
         limit = cfg.max_position_embeddings
         dtype_bytes = DTYPE_BYTES[run_dtype(options, cfg.torch_dtype)]
-        state = conv_state_bytes(cfg, dtype_bytes) + ssm_state_bytes(cfg) if cfg.has_recurrent_layers else 0
+        state = conv_state_bytes(cfg, dtype_bytes) + ssm_state_bytes(cfg) if cfg.recurrent else 0
         return cls(fingerprint=model_fingerprint, page_size=options.page_size,
                    max_model_len=min(options.max_model_len or limit, limit),
-                   recurrent=cfg.has_recurrent_layers, vocab_size=cfg.vocab_size,
+                   recurrent=cfg.recurrent, vocab_size=cfg.vocab_size,
                    page_bytes=page_bytes(cfg, options.page_size, dtype_bytes), state_bytes=state)
 
     @classmethod

@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator
 from typing import Protocol
 
 from workers import AsyncEngine, EngineSpec, RequestOutput
+from workers.metrics import EngineMetrics
 from workers.request import GenerateRequest
 
 
@@ -30,8 +31,8 @@ class EngineClient(Protocol):
 
     async def abort(self, request_id: str) -> bool: ...
 
-    async def metrics(self) -> dict[str, float]:
-        """Engine counters and gauges (see `workers.Engine.metrics`)."""
+    async def metrics(self) -> EngineMetrics:
+        """Engine counters and gauges (`workers.metrics.EngineMetrics`)."""
         ...
 
     def num_waiting(self) -> int:
@@ -66,7 +67,7 @@ class LocalEngineClient:
     async def abort(self, request_id: str) -> bool:
         return await self.engine.abort(request_id)
 
-    async def metrics(self) -> dict[str, float]:
+    async def metrics(self) -> EngineMetrics:
         return await self.engine.metrics()
 
     def num_waiting(self) -> int:

@@ -9,24 +9,27 @@ tokens by kind, and the seconds each engine request waited in its engine's queue
 timed by `TimedClient`, which wraps the app's engine client: the gap between two outputs of one
 engine request, per token they carry.
 
-The engine's own counters and gauges (`workers.Engine.metrics`: pages held and cached,
+The engine's own counters and gauges (`workers.metrics.EngineMetrics`: pages held and cached,
 checkpoints stored, state bytes, queues...) are written as `cairn_engine_*`, and the request
-router's (keys `router_*`) as `cairn_router_*`, by `engine_families`: a key `name:kind` becomes
-`name{kind="..."}`, a key ending in `_total` a counter, any other a gauge, and text values (a
-replica's worker_id) labels of `cairn_engine_info`. The cluster exports the same families to
-Ray's metrics (`cluster.metrics_export`), one series per replica.
+routers' counters (`router_sources`, keys `router_*`: the ingress adds its routers') as
+`cairn_router_*`, by `engine_families`: a labelled family becomes `name{kind="..."}`, a name
+ending in `_total` a counter, any other a gauge, and the replica's worker_id the label of
+`cairn_engine_info`. The cluster exports the same families to Ray's metrics
+(`cluster.metrics_export`), one series per replica.
 """
 
 from __future__ import annotations
 
 import re
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
+
+from workers.metrics import EngineMetrics
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 INTER_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
@@ -63,9 +66,10 @@ class APIMetrics:
         self.tenant_queue = Histogram("cairn_tenant_queue_seconds", "Seconds an engine request waited in its "
                                       "engine's queue before it first ran, by tenant.", ("tenant",),
                                       buckets=LATENCY_BUCKETS, registry=r)
-        self._engine: Mapping[str, Any] = {}
+        self._engine: EngineMetrics | None = None
+        self.router_sources: list[Callable[[], Mapping[str, float]]] = []  # the ingress's routers' counters
         self._tokens = [0, 0]  # prompt, cached: the hit ratio's (a counter's value is not public)
-        r.register(_EngineCollector(lambda: self._engine))
+        r.register(_EngineCollector(self))
 
     def count_request(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint, str(status)).inc()
@@ -96,47 +100,48 @@ class APIMetrics:
         prompt, cached = self._tokens
         return cached / prompt if prompt else 0.0
 
-    def render(self, engine_metrics: Mapping[str, Any]) -> bytes:
+    def render(self, engine_metrics: EngineMetrics | None) -> bytes:
         """The whole exposition, with `engine_metrics` (an `EngineClient.metrics()`) as
-        `cairn_engine_*` and `cairn_router_*`."""
+        `cairn_engine_*` and the routers' counters as `cairn_router_*`."""
         self._engine = engine_metrics
         try:
             return generate_latest(self.registry)
         finally:
-            self._engine = {}
+            self._engine = None
 
 
-def engine_families(engine_metrics: Mapping[str, Any]) -> list[Metric]:
-    """`workers.Engine.metrics()` (and router counts) as Prometheus families (module doc)."""
+def engine_families(engine: EngineMetrics | None = None, router: Mapping[str, float] | None = None) -> list[Metric]:
+    """An engine's metrics and routers' counters as Prometheus families (module doc)."""
     families: dict[str, Metric] = {}
-    info = {k: str(v) for k, v in sorted(engine_metrics.items()) if not isinstance(v, (int, float))}
-    if info:  # text values (the replica's worker_id): labels of one info gauge
-        families["info"] = GaugeMetricFamily("cairn_engine_info", "Engine identity (text values of "
-                                             "workers.Engine.metrics).", labels=sorted(info))
-        families["info"].add_metric([info[k] for k in sorted(info)], 1)
-    for key, value in sorted(engine_metrics.items()):
-        if key in info:
-            continue
-        base, _, kind = key.partition(":")
-        prefix = "cairn_" if base.startswith("router_") else "cairn_engine_"
-        name = prefix + re.sub(r"[^a-zA-Z0-9_]", "_", base)
+    if engine is not None and engine.worker_id is not None:
+        families["info"] = GaugeMetricFamily("cairn_engine_info", "Engine identity (workers.metrics.EngineMetrics).",
+                                             labels=["worker_id"])
+        families["info"].add_metric([engine.worker_id], 1)
+    samples = list(engine.samples()) if engine is not None else []
+    samples += [(key, None, value) for key, value in sorted((router or {}).items())]
+    for key, kind, value in samples:
+        prefix = "cairn_" if key.startswith("router_") else "cairn_engine_"
+        name = prefix + re.sub(r"[^a-zA-Z0-9_]", "_", key)
         family = families.get(name)
         if family is None:
             source = "Router counter (cluster.routing.ranker.AffinityRanker.counts)" \
-                if name.startswith("cairn_router_") else "Engine metric (workers.Engine.metrics)"
-            labels = ["kind"] if kind else []
+                if name.startswith("cairn_router_") else "Engine metric (workers.metrics.EngineMetrics)"
+            labels = ["kind"] if kind is not None else []
             family = families[name] = CounterMetricFamily(name, f"{source}.", labels=labels) \
                 if name.endswith("_total") else GaugeMetricFamily(name, f"{source}.", labels=labels)
-        family.add_metric([kind] if kind else [], float(value))
+        family.add_metric([kind] if kind is not None else [], float(value))
     return list(families.values())
 
 
 class _EngineCollector:
-    def __init__(self, snapshot: Any):
-        self.snapshot = snapshot
+    def __init__(self, metrics: APIMetrics):
+        self.metrics = metrics
 
     def collect(self) -> list[Metric]:
-        return engine_families(self.snapshot())
+        router: dict[str, float] = {}
+        for source in self.metrics.router_sources:
+            router.update(source())
+        return engine_families(self.metrics._engine, router)
 
 
 class TimedClient:

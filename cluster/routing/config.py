@@ -10,7 +10,7 @@ Policies (`policy`):
   request's `.prompt` / `.messages`, imported from ray.llm without the ray[llm] extra);
   `ray_prefix_options` go to its `initialize_state`.
 Unknown keys are refused, so a misspelt field fails loudly instead of silently defaulting.
-`page_size`, `hybrid_model`, `page_bytes` and `state_bytes` are the engines' (`for_engines`),
+`page_size`, `recurrent`, `page_bytes` and `state_bytes` are the engines' (`for_engines`),
 never guessed.
 
 A router class path names the module that defines the class (`cluster.routing.router`), never a
@@ -86,7 +86,7 @@ class RoutingConfig(BaseModel):
         "roughly 150 bytes each; at least 10,000 are kept for the fresh predictions).")
     page_size: int | None = Field(
         None, ge=1, description="Tokens per KV page (the page hashes' unit). " + FROM_ENGINES)
-    hybrid_model: bool | None = Field(
+    recurrent: bool | None = Field(
         None, description="The model has recurrent layers: a replica resumes at its deepest state "
         "checkpoint, pages beyond it are recomputed; false: at its page hit (attention only). " + FROM_ENGINES)
     page_bytes: int | None = Field(
@@ -97,11 +97,13 @@ class RoutingConfig(BaseModel):
         "checkpoint back from host memory copies; 0 without recurrent layers. " + FROM_ENGINES)
     host_bandwidth_bytes_per_s: float = Field(
         20e9, gt=0, description="Bytes per second a replica copies from its host memory back to its device "
-        "(PCIe-class; each rank over its own link): a hit on the host costs the copy time, not nothing.")
+        "(PCIe-class; each rank over its own link): a hit on the host costs the copy time, not nothing. Used "
+        "only until the replica reports the bandwidth its engine measured (routing stats).")
     prefill_tokens_per_s: float = Field(
         10_000.0, gt=0, description="Prefill tokens per second a replica computes. It converts the seconds of "
         "copying host pages and a host state back to the device into tokens of cost, the unit of every other "
-        "term: a copy slower than recomputing those tokens loses to a replica that recomputes them.")
+        "term: a copy slower than recomputing those tokens loses to a replica that recomputes them. Used only "
+        "until the replica reports the prefill rate its engine measured (routing stats).")
     fetch: bool = Field(
         False, description="Move and fetch: a replica resuming a request less deep than another one pulls the "
         "pages and checkpoint it lacks from that holder (cluster.peer_fetch) instead of recomputing them, and "
@@ -145,10 +147,10 @@ class RoutingConfig(BaseModel):
             raise ValueError(f"{path}: invalid routing config: {problems}") from None
 
     def for_engines(self, spec: Any) -> RoutingConfig:
-        """This config with the engines' `page_size`, `hybrid_model`, `page_bytes` and
+        """This config with the engines' `page_size`, `recurrent`, `page_bytes` and
         `state_bytes` (from their `workers.EngineSpec`); a value set here that differs is a
         ValueError naming both."""
-        engines = {"page_size": spec.page_size, "hybrid_model": spec.recurrent, "page_bytes": spec.page_bytes,
+        engines = {"page_size": spec.page_size, "recurrent": spec.recurrent, "page_bytes": spec.page_bytes,
                    "state_bytes": spec.state_bytes}
         for name, value in engines.items():
             mine = getattr(self, name)

@@ -35,7 +35,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from cache_service.scoring import ZERO, WorkerScore
+from cache_service.scoring import ZERO, WorkerScore, last_resumable_page
 from cluster.routing.config import RoutingConfig
 from cluster.routing.cost import (ReplicaLoad, Score, deepest_holder, prefill_tokens, rank_replicas, reported_load,
                                   resume_pages)
@@ -72,8 +72,8 @@ class AffinityRanker:
 
     def __init__(self, config: RoutingConfig, clock: Callable[[], float] = time.monotonic,
                  rng: random.Random | None = None, on_fallback: Callable[[str], None] | None = None):
-        if None in (config.page_size, config.hybrid_model, config.page_bytes, config.state_bytes):
-            raise ValueError("the routing config lacks the engines' page_size, hybrid_model, page_bytes and "
+        if None in (config.page_size, config.recurrent, config.page_bytes, config.state_bytes):
+            raise ValueError("the routing config lacks the engines' page_size, recurrent, page_bytes and "
                              "state_bytes: use RoutingConfig.for_engines(spec) (build_application does)")
         self.config, self._clock, self._rng, self._on_fallback = config, clock, rng or random.Random(), on_fallback
         self.predicted = PredictedHolders(max(config.predicted_holder_ttl_s, config.fallback_memory_s), clock,
@@ -137,13 +137,13 @@ class AffinityRanker:
         `predicted_holder_ttl_s`); if the index cannot answer, everything the router remembers
         sending (`fallback_memory_s`) stands in for it."""
         scores = await self._index_scores(hashes, score)
-        cfg, hybrid = self.config, self.config.hybrid_model
+        cfg, recurrent = self.config, self.config.recurrent
         max_age = cfg.predicted_holder_ttl_s if scores is not None else \
             max(cfg.predicted_holder_ttl_s, cfg.fallback_memory_s)
         scores = scores or {}
-        for replica, (pages, states) in self.predicted.pages(hashes, max_age, hybrid).items():  # on the device
+        for replica, (pages, states) in self.predicted.pages(hashes, max_age, recurrent).items():  # on the device
             scores[replica] = max(scores.get(replica, ZERO), WorkerScore(pages, states),
-                                  key=lambda s: (s.state_pages if hybrid else s.hit_pages, s.device_pages))
+                                  key=lambda s: (resume_pages(s, cfg), s.device_pages))
         return scores
 
     async def _index_scores(self, hashes: list[bytes], score: ScoreFn) -> dict[str, Score] | None:
@@ -192,14 +192,14 @@ class AffinityRanker:
         load.requests += 1
         load.tokens += prefill
         self.predicted.record(replica, request.page_hashes or (),
-                              self._states_left(request, resumed) if self.config.hybrid_model else None)
+                              self._states_left(request, resumed) if self.config.recurrent else None)
 
     def _states_left(self, request: GenerateRequest, resumed_pages: int) -> list[int]:
         """Depths (pages) where a hybrid model's engine leaves states computing `request` from
         `resumed_pages` on: its message starts (the checkpoint hints, rounded down to a page) and
         the last boundary before its end, past where it resumed."""
         ps, n = self.config.page_size, request.num_prompt_tokens
-        depths = {h // ps for h in request.checkpoint_hints} | {(n - 1) // ps}
+        depths = {h // ps for h in request.checkpoint_hints} | {last_resumable_page(n, ps)}
         return [j for j in depths if j > resumed_pages]
 
     def on_completed(self, request_id: str, replica: str) -> None:

@@ -92,7 +92,7 @@ class ArenaLayout:
         block = page_bytes(cfg, options.page_size, dtype_bytes)
         conv = conv_state_bytes(cfg, dtype_bytes)
         ssm_offset = -(-conv // STATE_ALIGN) * STATE_ALIGN
-        slot = ssm_offset + ssm_state_bytes(cfg) if cfg.has_recurrent_layers else 0
+        slot = ssm_offset + ssm_state_bytes(cfg) if cfg.recurrent else 0
         slot_blocks = -(-slot // block)
         ckpts = options.max_checkpoints
         if options.cache_memory_bytes is None and options.num_pages is not None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from cache_service.events import DEVICE, HOST
 from cache_service.hashing import next_page_hash
-from cache_service.scoring import resume_at_token
+from cache_service.scoring import last_resumable_page, last_resumable_token, resume_at_token
 from workers.cache.arena import ArenaLayout
 from workers.cache.checkpoint_store import Checkpoint, CheckpointStore
 from workers.cache.host_tier import HostTier
@@ -68,6 +68,7 @@ class Lookup:
 
     def match(self, seq: Sequence) -> Match:
         n, ps = seq.num_tokens, self.page_size
+        cap = last_resumable_token(n)  # the last prompt token is always computed
         hashes = extend_hashes(seq, n // ps, ps)
         h = self.device_run(hashes, n // ps)
         source, shared = self._partial_page(seq, hashes, h)  # a cached page sharing page h's head
@@ -77,7 +78,7 @@ class Lookup:
             while top < n // ps and hashes[top] in host.pages:
                 top += 1
         if not self.recurrent:
-            r = min(kv, n - 1) if shared else resume_at_token(h, h, n, ps, recurrent=False)
+            r = min(kv, cap) if shared else resume_at_token(h, h, n, ps, recurrent=False)
             m = Match(h, h, r, None, copy_from=source if r > h * ps else None, kv_tokens=kv)
             if top > h:
                 deeper = Match(top, top, resume_at_token(top, top, n, ps, recurrent=False), None,
@@ -87,9 +88,9 @@ class Lookup:
             return m
         best = Match(h, 0, 0, None, kv_tokens=kv)  # cold
         best_cost = self.resume_cost(best, n)
-        for j in range(min(top, (n - 1) // ps), 0, -1):
+        for j in range(min(top, last_resumable_page(n, ps)), 0, -1):
             if j <= h:  # a sub-page checkpoint inside page j: deeper than the boundary's, on the device
-                sub = self.sub_page_resume(seq, hashes[j - 1], min(n - 1, kv if j == h else (j + 1) * ps))
+                sub = self.sub_page_resume(seq, hashes[j - 1], min(cap, kv if j == h else (j + 1) * ps))
                 if sub is not None:
                     m = Match(h, j, sub.position(ps), sub,
                               copy_from=source if sub.position(ps) > h * ps else None, kv_tokens=kv)

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from cache_service.events import PagesStored
+from cache_service.scoring import last_resumable_page
 from workers.cache.prefix_cache import PrefixCache
 from workers.plan import IMPORT, BlockCopy
 
@@ -70,7 +71,7 @@ class ResumeExport:
 
 def plan_fetch(cache: PrefixCache, page_hashes: list[bytes], num_tokens: int, depth: int) -> FetchPlan | None:
     """What the receiver asks a holder resuming at `depth` pages for (module doc)."""
-    depth = min(depth, len(page_hashes), (num_tokens - 1) // cache.page_size)
+    depth = min(depth, len(page_hashes), last_resumable_page(num_tokens, cache.page_size))
     if depth <= 0:
         return None
     first = min(cache.device_run(page_hashes), depth)

@@ -98,7 +98,7 @@ class ModelConfig:
         return [i for i, t in enumerate(self.layer_types) if t == FULL]
 
     @property
-    def has_recurrent_layers(self) -> bool:
+    def recurrent(self) -> bool:
         return bool(self.linear_layers)
 
     @property

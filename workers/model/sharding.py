@@ -63,7 +63,7 @@ def shard_config(cfg: ModelConfig, world: int) -> ModelConfig:
     if kv % world and world % kv:
         raise ValueError(f"tensor_parallel_size {world} and num_key_value_heads ({kv}): one must divide the other")
     changes = dict(num_attention_heads=cfg.num_attention_heads // world, num_key_value_heads=max(1, kv // world))
-    if cfg.has_recurrent_layers:
+    if cfg.recurrent:
         _divides(world, cfg.linear_num_key_heads, "linear_num_key_heads")
         changes.update(linear_num_key_heads=cfg.linear_num_key_heads // world,
                        linear_num_value_heads=cfg.linear_num_value_heads // world)
