@@ -153,7 +153,7 @@ def build_app(policy: str, args, model_dir: Path):
                                           routing_stats_period_s=args.stats_period))
     routing = routing.for_engines(EngineSpec.from_model_dir(model_dir))  # what the timed router is given
     app = build_application(model_dir, args.replicas, routing=routing, num_cpus=args.num_cpus,
-                            num_gpus=args.num_gpus, served_model_name=MODEL)
+                            num_gpus=args.num_gpus, api=dict(served_model_name=MODEL))
     ingress = app._bound_deployment
     engine = ingress.init_args[0]._bound_deployment
     timed = engine.options(request_router_config=RequestRouterConfig(

@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout
 
 import httpx  # noqa: E402
 
-from cluster.api import build_app  # noqa: E402
+from cluster.api import APIOptions, build_app  # noqa: E402
 from cluster.api.engine_client import LocalEngineClient  # noqa: E402
 from cluster.api.server import BackgroundServer  # noqa: E402
 from cluster.api.tenants import Tenants  # noqa: E402
@@ -140,9 +140,9 @@ def main() -> None:
     args.tries = args.tries or (2 if args.quick else 5)
     model_dir = demo_model_dir(args.size or ("tiny" if args.quick else "bench"))
     engine = AsyncEngine.from_pretrained(model_dir, max_num_seqs=64)
-    keyed = build_app(LocalEngineClient(engine), model_dir, MODEL,
+    keyed = build_app(LocalEngineClient(engine), model_dir, APIOptions(served_model_name=MODEL),
                       tenants=Tenants.load(["alice:key-alice", "bob:key-bob"]))
-    open_app = build_app(LocalEngineClient(engine), model_dir, MODEL)
+    open_app = build_app(LocalEngineClient(engine), model_dir, APIOptions(served_model_name=MODEL))
     rows = []
     with BackgroundServer(keyed) as two, BackgroundServer(open_app) as one:
         base, _ = bob_latency(two.url, BOB, args.tries)

@@ -40,8 +40,7 @@ from typing import Any
 from ray import serve
 
 from cluster.api.http_limits import HTTPLimits
-from cluster.api.limits import APILimits
-from cluster.api.tool_call_formats import resolve_format
+from cluster.api.options import APIOptions
 from cluster.engine_replica import EngineReplica
 from cluster.ingress import Ingress
 from cluster.routing.config import RoutingConfig
@@ -50,14 +49,10 @@ from cluster.routing.config import RoutingConfig
 def build_application(model_dir: str | Path | None = None, replicas: int = 2, *,
                       engine_options: dict[str, Any] | None = None, routing: RoutingConfig | None = None,
                       num_cpus: float = 0.5, num_gpus: float = 0, ingress_replicas: int = 1,
-                      served_model_name: str | None = None, api_key: str | None = None,
+                      api: APIOptions | dict[str, Any] | None = None, api_key: str | None = None,
                       api_keys: list[str] | None = None, api_keys_file: str | None = None,
                       metrics_key: str | None = None, api_key_digests: list[str] | None = None,
-                      metrics_key_digest: str | None = None, tenant_limits: dict[str, Any] | None = None,
-                      shared_cache_tenants: bool = False,
-                      http_limits: dict[str, Any] | None = None, max_body_bytes: int | None = None,
-                      api_limits: dict[str, Any] | None = None, special_tokens_in_content: bool = False,
-                      public_system_prompts: list[str] | None = None, tool_call_parser: str = "auto",
+                      metrics_key_digest: str | None = None,
                       autoscaling: dict[str, Any] | None = None, max_ongoing_requests: int | None = None,
                       ingress_max_ongoing_requests: int = 1024, ingress_max_replicas_per_node: int | None = None,
                       health_check_period_s: float | None = None,
@@ -68,28 +63,28 @@ def build_application(model_dir: str | Path | None = None, replicas: int = 2, *,
     `health_check_period_s` (Serve's default: 10) is how often the controller checks a replica,
     hence how soon it replaces one that died. `ingress_max_replicas_per_node` (Serve's
     max_replicas_per_node; None: no bound) spreads the ingress replicas over nodes: each node's
-    proxy prefers an ingress replica on its own node. Keys, tenants, HTTP limits, per-request
-    limits and the special-token opt-out and the tool-call parser go to the ingress
-    (`cluster.ingress.Ingress`; `cluster.api.http_limits.HTTPLimits` and
-    `cluster.api.limits.APILimits` as dicts). Keys (`api_key`: one key of the tenant "default";
+    proxy prefers an ingress replica on its own node. `api` (`cluster.api.options.APIOptions`,
+    or its fields as a dict) goes whole to the ingress (`cluster.ingress.Ingress`), validated
+    here, at deploy, not in every replica. Keys (`api_key`: one key of the tenant "default";
     `api_keys`: `[TENANT:]KEY` values; `metrics_key`) reach the ingress only as digests, beside
     any `api_key_digests` and `metrics_key_digest` given (`cluster.api.tenants`): Serve logs
-    what it deploys. `tenant_limits`: every tenant's quotas (`cluster.api.quotas.TenantLimits`)."""
+    what it deploys."""
     from workers import EngineOptions, EngineSpec, ModelSource, demo_model_dir
     from workers.model import read_model_config
     from workers.precision import choose_dtype
 
-    from cluster.api.quotas import TenantLimits
     from cluster.api.tenants import Tenants, key_digest
 
-    check_ingress_limits(http_limits or {})
-    APILimits.model_validate(api_limits or {})  # refused here, at deploy, not in every replica
-    TenantLimits.model_validate(tenant_limits or {})
+    api = api if isinstance(api, APIOptions) else APIOptions.model_validate(api or {})
+    check_ingress_limits(api.http_limits)
+    for name, instead in (("request_timeout_s", "Serve's http_options.request_timeout_s"),
+                          ("echo_request_id", "Serve's proxy, which echoes X-Request-Id itself")):
+        if name in api.model_fields_set:
+            raise ValueError(f"{name}: behind Serve's proxy it is {instead}")
     digests = [*Tenants.load([*([f"default:{api_key}"] if api_key else []), *(api_keys or [])], environ={},
                              api_key_digests=api_key_digests or ()).digests()]
     if metrics_key:
         metrics_key_digest = key_digest(metrics_key)
-    resolve_format(tool_call_parser, None)
     source = ModelSource.parse(model_dir or demo_model_dir("tiny"))
     local_dir = source.local_dir()
     source = source.pinned(local_dir)  # every node loads the snapshot the spec was read from
@@ -123,42 +118,42 @@ def build_application(model_dir: str | Path | None = None, replicas: int = 2, *,
     ingress = serve.deployment(serve.ingress()(Ingress), name="Ingress", num_replicas=ingress_replicas,
                                max_ongoing_requests=ingress_max_ongoing_requests,
                                ray_actor_options=dict(num_cpus=min(num_cpus, 0.25)), **ingress_extra)
-    return ingress.bind(engine, str(source), spec, served_model_name, api_key_digests=digests or None,
-                        api_keys_file=api_keys_file, metrics_key_digest=metrics_key_digest,
-                        tenant_limits=tenant_limits, shared_cache_tenants=shared_cache_tenants, http_limits=http_limits,
-                        max_body_bytes=max_body_bytes, api_limits=api_limits,
-                        special_tokens_in_content=special_tokens_in_content,
-                        public_system_prompts=public_system_prompts, tool_call_parser=tool_call_parser)
+    return ingress.bind(engine, str(source), spec, api.model_dump(mode="json", exclude_defaults=True),
+                        api_key_digests=digests or None, api_keys_file=api_keys_file,
+                        metrics_key_digest=metrics_key_digest)
 
 
-def check_ingress_limits(http_limits: dict[str, Any]) -> None:
-    """Refuses, at deploy rather than in every replica, limits the ingress cannot enforce: behind
-    Serve's proxy the connection is the proxy's (`cluster.api.http_limits`)."""
-    HTTPLimits.model_validate(http_limits)
-    if "keep_alive_timeout_s" in http_limits:
+def check_ingress_limits(http_limits: HTTPLimits) -> None:
+    """Refuses, at deploy rather than in every replica, limits set that the ingress cannot
+    enforce: behind Serve's proxy the connection is the proxy's (`cluster.api.http_limits`)."""
+    given = http_limits.model_fields_set
+    if "keep_alive_timeout_s" in given:
         raise ValueError("http_limits.keep_alive_timeout_s: behind Serve's proxy, set http_options.keep_alive_timeout_s")
-    if "header_timeout_s" in http_limits:
+    if "header_timeout_s" in given:
         raise ValueError("http_limits.header_timeout_s: Serve's proxy has no header timeout to set (its "
                          "http_options.request_timeout_s bounds a whole request)")
-    if "stream_stall_timeout_s" in http_limits:
+    if "stream_stall_timeout_s" in given:
         raise ValueError("http_limits.stream_stall_timeout_s: behind Serve's proxy the ingress cannot see a client "
                          "that stops reading (the proxy buffers its stream); http_options.request_timeout_s bounds it")
+
+
+API_KEYS = tuple(APIOptions.model_fields)  # a config's keys that are the API's options
 
 
 def app_builder(args: dict[str, Any]):
     """`import_path: cluster.app:app_builder` for `serve run` / `serve deploy`. Keys: model_dir
     (a directory or a Hugging Face id; null: the demo model), replicas, engine_options, routing
     (a dict, or a path to a routing YAML: absolute, relative to the working directory, or to this
-    repository), num_cpus, num_gpus,
-    ingress_replicas, served_model_name, api_key, api_keys, api_keys_file, metrics_key, api_key_digests,
-    metrics_key_digest, tenant_limits, shared_cache_tenants, public_system_prompts, http_limits,
-    max_body_bytes, api_limits,
-    special_tokens_in_content, tool_call_parser,
-    autoscaling, max_ongoing_requests,
-    ingress_max_ongoing_requests, ingress_max_replicas_per_node, health_check_period_s,
-    graceful_shutdown_timeout_s, graceful_shutdown_wait_loop_s. Unknown keys are an error. Serve
-    logs these arguments: give keys in a config as `api_key_digests` / `metrics_key_digest` or in
-    an `api_keys_file`, never as `api_keys` (`cairn serve --api-key` sends digests)."""
+    repository), num_cpus, num_gpus, ingress_replicas, the API's options
+    (`cluster.api.options.APIOptions`: served_model_name, max_body_bytes, api_limits,
+    http_limits, tenant_limits, shared_cache_tenants, public_system_prompts,
+    special_tokens_in_content, tool_call_parser, ...; gathered into one `api`), api_key, api_keys,
+    api_keys_file, metrics_key, api_key_digests, metrics_key_digest, autoscaling,
+    max_ongoing_requests, ingress_max_ongoing_requests, ingress_max_replicas_per_node,
+    health_check_period_s, graceful_shutdown_timeout_s, graceful_shutdown_wait_loop_s. Unknown
+    keys are an error. Serve logs these arguments: give keys in a config as `api_key_digests` /
+    `metrics_key_digest` or in an `api_keys_file`, never as `api_keys` (`cairn serve --api-key`
+    sends digests)."""
     args = dict(args or {})
     routing = args.pop("routing", None)
     if isinstance(routing, str):
@@ -168,4 +163,6 @@ def app_builder(args: dict[str, Any]):
         routing = RoutingConfig.from_yaml(path)
     elif isinstance(routing, dict):
         routing = RoutingConfig.model_validate(routing)
-    return build_application(args.pop("model_dir", None), args.pop("replicas", 2), routing=routing, **args)
+    api = {key: args.pop(key) for key in API_KEYS if key in args}
+    return build_application(args.pop("model_dir", None), args.pop("replicas", 2), routing=routing,
+                             api=APIOptions.model_validate(api), **args)

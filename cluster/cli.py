@@ -194,19 +194,25 @@ def _serve(args: argparse.Namespace) -> int:
                       if value is not None}
     if args.replicas == 1 and not args.address and not args.config:
         from cluster.api.http_limits import HTTPLimits
+        from cluster.api.limits import APILimits
+        from cluster.api.options import APIOptions
+        from cluster.api.quotas import TenantLimits
         from cluster.api.server import serve_in_process
         from cluster.api.tenants import Tenants
-        from cluster.api.limits import APILimits
-        from cluster.api.quotas import TenantLimits
         from cluster.deploy import api_limit_flags, http_limit_flags, public_prompt_flags, tenant_limit_flags
         from workers import ModelSource
 
         try:
             tenants = Tenants.load(args.api_key, args.api_keys_file)
-            limits = HTTPLimits(**http_limit_flags(args, in_process=True))
-            api_limits = APILimits(**api_limit_flags(args))
-            tenant_limits = TenantLimits(**tenant_limit_flags(args))
-            public_prompts = public_prompt_flags(args)
+            options = APIOptions(
+                served_model_name=args.served_model_name,
+                http_limits=HTTPLimits(**http_limit_flags(args, in_process=True)),
+                api_limits=APILimits(**api_limit_flags(args)), tenant_limits=TenantLimits(**tenant_limit_flags(args)),
+                shared_cache_tenants=bool(args.shared_cache_tenants),
+                special_tokens_in_content=bool(args.special_tokens_in_content),
+                public_system_prompts=tuple(public_prompt_flags(args)),
+                tool_call_parser=args.tool_call_parser or "auto", request_timeout_s=args.request_timeout,
+                **({"max_body_bytes": args.max_body_bytes} if args.max_body_bytes else {}))
             model = None
             if args.model:  # resolved now, so an id that resolves to nothing fails before the engine loads
                 source = ModelSource.parse(args.model)
@@ -216,12 +222,8 @@ def _serve(args: argparse.Namespace) -> int:
             return 2
         host, port = args.host or "127.0.0.1", args.port or 8000
         print(f"cairn: one in-process engine on http://{host}:{port}/v1 (Ctrl-C to stop)", flush=True)
-        serve_in_process(model, host=host, port=port, tenants=tenants, metrics_key=args.metrics_key,
-                         shared_cache_tenants=bool(args.shared_cache_tenants), http_limits=limits,
-                         max_body_bytes=args.max_body_bytes, served_model_name=args.served_model_name,
-                         limits=api_limits, special_tokens_in_content=bool(args.special_tokens_in_content),
-                         public_system_prompts=public_prompts, tool_call_parser=args.tool_call_parser or "auto",
-                         tenant_limits=tenant_limits, request_timeout_s=args.request_timeout, **engine_options)
+        serve_in_process(model, options, host=host, port=port, tenants=tenants, metrics_key=args.metrics_key,
+                         **engine_options)
         return 0
     from cluster.deploy import serve_forever
 

@@ -26,7 +26,7 @@
   mirrors of the index, so every ingress's mirror can be compared with the others and with the
   index actor (`CacheIndexActor.digest`), and the request timeout it enforces.
 - The operator's end-to-end limit (Serve's `http_options.request_timeout_s`, read from Serve's
-  controller when the replica starts) is enforced by the app too (`build_app(request_timeout_s)`):
+  controller when the replica starts) is enforced by the app too (`APIOptions.request_timeout_s`):
   Serve's proxy obeys a client's `x-request-timeout-seconds` header, which would lift it.
 """
 
@@ -46,9 +46,7 @@ from ray import serve
 from ray.exceptions import RayActorError
 from ray.serve.handle import DeploymentHandle
 
-from cluster.api.http_limits import HTTPLimits
-from cluster.api.limits import APILimits
-from cluster.api.quotas import TenantLimits
+from cluster.api.options import APIOptions
 from cluster.api.tenants import Tenants
 from cluster.metrics_export import INGRESS_EXPORT_INTERVAL_S, RayMetricsMirror
 from cluster.routing.registry import mirror_summaries, prefill_done, router_counts
@@ -140,31 +138,25 @@ class HandleEngineClient:
 class Ingress:
     """The HTTP front: `cluster.api.build_app` over the engine deployment's handle. `model` (a
     directory or a Hugging Face id, resolved on this replica's node for its tokenizer and chat
-    template) names the model for clients unless `served_model_name` does. Keys arrive as
-    digests (`api_key_digests`, `metrics_key_digest`: `cluster.api.tenants`), never as keys, since
-    Serve logs a deployment's arguments; `api_keys_file` (read on this replica's node) adds
-    tenants; none of them: CAIRN_API_KEY in the replica's environment, else no keys.
-    `tenant_limits`: every tenant's quotas (`cluster.api.quotas.TenantLimits` as a dict)."""
+    template) names the model for clients unless `api.served_model_name` does; `api` is the
+    app's `cluster.api.options.APIOptions` as a dict. Keys arrive as digests (`api_key_digests`,
+    `metrics_key_digest`: `cluster.api.tenants`), never as keys, since Serve logs a deployment's
+    arguments; `api_keys_file` (read on this replica's node) adds tenants; none of them:
+    CAIRN_API_KEY in the replica's environment, else no keys."""
 
-    async def __init__(self, engine: DeploymentHandle, model: str, spec: EngineSpec,
-                       served_model_name: str | None = None, *, api_key_digests: list[str] | None = None,
-                       api_keys_file: str | None = None, metrics_key_digest: str | None = None,
-                       tenant_limits: dict[str, Any] | None = None, shared_cache_tenants: bool = False,
-                       http_limits: dict[str, Any] | None = None, max_body_bytes: int | None = None,
-                       api_limits: dict[str, Any] | None = None, special_tokens_in_content: bool = False,
-                       public_system_prompts: list[str] | None = None, tool_call_parser: str = "auto"):
+    async def __init__(self, engine: DeploymentHandle, model: str, spec: EngineSpec, api: dict[str, Any] | None = None,
+                       *, api_key_digests: list[str] | None = None, api_keys_file: str | None = None,
+                       metrics_key_digest: str | None = None):
         source = ModelSource.parse(model)
-        self.model_dir, self.served_model_name = source.local_dir(), served_model_name or source.served_name
+        options = APIOptions.model_validate(api or {})
+        self.model_dir = source.local_dir()
+        # Serve's proxy sets X-Request-Id on the way in (the app adopts it) and echoes it itself; the
+        # request timeout is Serve's own (the app enforces it too, as a 408)
+        self.options = options.model_copy(update=dict(
+            served_model_name=options.served_model_name or source.served_name, echo_request_id=False,
+            request_timeout_s=await serve_request_timeout()))
         self.tenants = Tenants.load(keys_file=api_keys_file, api_key_digests=api_key_digests or ())
-        self.metrics_key_digest, self.shared_cache_tenants = metrics_key_digest, shared_cache_tenants
-        self.tenant_limits = TenantLimits.model_validate(tenant_limits or {})
-        self.request_timeout_s = await serve_request_timeout()
-        self.http_limits = HTTPLimits.model_validate(http_limits or {})
-        self.max_body_bytes = max_body_bytes
-        self.api_limits = APILimits.model_validate(api_limits or {})
-        self.special_tokens_in_content = special_tokens_in_content
-        self.public_system_prompts = list(public_system_prompts or ())
-        self.tool_call_parser = tool_call_parser
+        self.metrics_key_digest = metrics_key_digest
         # options() starts the handle's router now (Serve would start it at the first call): its
         # index mirror follows the index from before this replica takes traffic, where a router
         # started by a request would route this replica's first requests by load alone
@@ -174,17 +166,10 @@ class Ingress:
         self._export = asyncio.get_running_loop().create_task(self._export_loop())
 
     def __serve_build_asgi_app__(self):
-        from cluster.api import DEFAULT_MAX_BODY_BYTES, build_app
+        from cluster.api import build_app
 
-        # Serve's proxy sets X-Request-Id on the way in (the app adopts it) and echoes it itself
-        app = build_app(self.client, self.model_dir, self.served_model_name, echo_request_id=False,
-                        max_body_bytes=self.max_body_bytes or DEFAULT_MAX_BODY_BYTES, tenants=self.tenants,
-                        metrics_key_digest=self.metrics_key_digest, tenant_limits=self.tenant_limits,
-                        request_timeout_s=self.request_timeout_s,
-                        shared_cache_tenants=self.shared_cache_tenants,
-                        http_limits=self.http_limits, limits=self.api_limits,
-                        special_tokens_in_content=self.special_tokens_in_content,
-                        public_system_prompts=self.public_system_prompts, tool_call_parser=self.tool_call_parser)
+        app = build_app(self.client, self.model_dir, self.options, tenants=self.tenants,
+                        metrics_key_digest=self.metrics_key_digest)
         self._api_metrics = app.state.metrics
         self._api_metrics.router_sources.append(router_counts)  # this process's routers, on /metrics
         app.add_middleware(ReplicaHeader)
@@ -199,7 +184,7 @@ class Ingress:
         tests, never on the request path."""
         return dict(replica=serve.get_replica_context().replica_id.to_full_id_str(),
                     node=ray.get_runtime_context().get_node_id(), routers=await mirror_summaries(),
-                    request_timeout_s=self.request_timeout_s)
+                    request_timeout_s=self.options.request_timeout_s)
 
     async def _export_loop(self) -> None:
         """Copies this replica's API metrics and router counters to Ray's metrics export."""

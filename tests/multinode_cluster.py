@@ -108,7 +108,7 @@ class App:
         """Deploys the app with `routing` (again: every replica is replaced, on the GPU nodes free)."""
         self.routing = routing
         serve.run(build_application(self.model_dir, replicas=2, num_cpus=0.5, num_gpus=1, routing=routing,
-                                    served_model_name=MODEL, health_check_period_s=1.0,
+                                    api=dict(served_model_name=MODEL), health_check_period_s=1.0,
                                     ingress_replicas=self.INGRESS_REPLICAS, ingress_max_replicas_per_node=1),
                   name="cairn", route_prefix="/")
 

@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from cluster.api import build_app
+from cluster.api import APIOptions, build_app
 from cluster.api.engine_client import LocalEngineClient
 from cluster.api.server import BackgroundServer
 from workers import AsyncEngine, EngineSpec
@@ -30,7 +30,8 @@ def engine(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, engine):
-    app = build_app(LocalEngineClient(engine), tiny_model_dir, MODEL, api_key=KEY, max_body_bytes=LIMIT)
+    app = build_app(LocalEngineClient(engine), tiny_model_dir,
+                    APIOptions(served_model_name=MODEL, max_body_bytes=LIMIT), api_key=KEY)
     with BackgroundServer(app) as s:
         yield s
 
@@ -259,7 +260,7 @@ class FaultyClient:
 @pytest.fixture(scope="module")
 def faulty(tiny_model_dir):
     fake = FaultyClient()
-    with BackgroundServer(build_app(fake, tiny_model_dir, MODEL, max_waiting=10)) as s, \
+    with BackgroundServer(build_app(fake, tiny_model_dir, APIOptions(served_model_name=MODEL, max_waiting=10))) as s, \
             httpx.Client(base_url=s.url, timeout=30) as c:
         yield fake, c
 

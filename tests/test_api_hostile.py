@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cluster.api import APILimits, build_app
+from cluster.api import APILimits, APIOptions, build_app
 from cluster.api.engine_client import LocalEngineClient
 from cluster.api.server import BackgroundServer
 from workers import AsyncEngine
@@ -332,8 +332,10 @@ def engine(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def http(tiny_model_dir, engine):
-    app = build_app(LocalEngineClient(engine), tiny_model_dir, MODEL, api_key=KEY, max_body_bytes=BODY_LIMIT,
-                    max_waiting=MAX_WAITING, limits=LIMITS)
+    app = build_app(LocalEngineClient(engine), tiny_model_dir,
+                    APIOptions(served_model_name=MODEL, max_body_bytes=BODY_LIMIT, max_waiting=MAX_WAITING,
+                               api_limits=LIMITS),
+                    api_key=KEY)
     with BackgroundServer(app) as s, httpx.Client(base_url=s.url, timeout=60) as c:
         yield c
 
@@ -384,7 +386,7 @@ def test_a_limit_error_names_the_limit_and_the_value(http):
 # ---- the defaults, on a scripted engine --------------------------------------------------------
 @pytest.fixture(scope="module")
 def scripted(tiny_model_dir):
-    with TestClient(build_app(OneTokenClient(), tiny_model_dir, MODEL)) as c:
+    with TestClient(build_app(OneTokenClient(), tiny_model_dir, APIOptions(served_model_name=MODEL))) as c:
         yield c
 
 

@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from cluster.api import build_app
+from cluster.api import APIOptions, build_app
 from cluster.api.http_limits import HTTPLimits
 from cluster.api.server import BackgroundServer
 from conftest import OneTokenClient
@@ -24,7 +24,8 @@ CHAT = b"/v1/chat/completions"
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    with BackgroundServer(build_app(OneTokenClient(max_model_len=4096), tiny_model_dir, "tiny", http_limits=LIMITS), limits=LIMITS) as s:
+    with BackgroundServer(build_app(OneTokenClient(max_model_len=4096), tiny_model_dir,
+                                    APIOptions(served_model_name="tiny", http_limits=LIMITS)), limits=LIMITS) as s:
         yield s
 
 
@@ -176,7 +177,8 @@ def test_a_request_that_is_not_http_is_a_400_in_openai_shape(server):
 def test_the_app_refuses_headers_over_its_limit_when_the_server_in_front_lets_them_through(tiny_model_dir):
     """Behind Serve's proxy, which reads headers of any size, the ingress app is what answers."""
     roomy = HTTPLimits(max_header_bytes=1 << 20)
-    app = build_app(OneTokenClient(max_model_len=4096), tiny_model_dir, "tiny", http_limits=HTTPLimits(max_header_bytes=4096))
+    app = build_app(OneTokenClient(max_model_len=4096), tiny_model_dir,
+                    APIOptions(served_model_name="tiny", http_limits=HTTPLimits(max_header_bytes=4096)))
     with BackgroundServer(app, limits=roomy) as s, connect(s) as sock:
         sock.sendall(get(extra=b"X-Big: " + b"a" * 8000 + b"\r\n"))
         status, headers, body = read_response(sock)
@@ -208,7 +210,7 @@ def test_the_operators_request_timeout_ends_a_request_whatever_timeout_header_it
                 self.closed += 1
 
     slow = Slow()
-    app = build_app(slow, tiny_model_dir, "tiny", request_timeout_s=1.0)
+    app = build_app(slow, tiny_model_dir, APIOptions(served_model_name="tiny", request_timeout_s=1.0))
     body = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 500}
     lifted = {"x-request-timeout-seconds": "1000", "x-request-disconnect-disabled": "?1"}
     with BackgroundServer(app) as s, httpx.Client(base_url=s.url, timeout=30) as http:

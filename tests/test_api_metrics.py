@@ -8,7 +8,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster.api import build_app
+from cluster.api import APIOptions, build_app
 from cluster.api.engine_client import LocalEngineClient
 from cluster.api.metrics import engine_families
 from cluster.api.server import BackgroundServer
@@ -39,7 +39,8 @@ def value(families: dict, sample: str, **labels) -> float:
 
 
 def test_metrics_parse_and_count_requests_tokens_and_latencies(tiny_model_dir, engine):
-    with BackgroundServer(build_app(LocalEngineClient(engine), tiny_model_dir, MODEL)) as s:
+    with BackgroundServer(build_app(LocalEngineClient(engine), tiny_model_dir,
+                                    APIOptions(served_model_name=MODEL))) as s:
         client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=60)
         for _ in range(2):
             client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0,
@@ -69,8 +70,10 @@ def test_metrics_parse_and_count_requests_tokens_and_latencies(tiny_model_dir, e
 
 
 def test_two_apps_in_one_process_count_apart(tiny_model_dir, engine):
-    with BackgroundServer(build_app(LocalEngineClient(engine), tiny_model_dir, MODEL)) as a, \
-            BackgroundServer(build_app(LocalEngineClient(engine), tiny_model_dir, MODEL)) as b:
+    with BackgroundServer(build_app(LocalEngineClient(engine), tiny_model_dir,
+                                    APIOptions(served_model_name=MODEL))) as a, \
+            BackgroundServer(build_app(LocalEngineClient(engine), tiny_model_dir,
+                                       APIOptions(served_model_name=MODEL))) as b:
         for _ in range(3):
             assert httpx.get(a.url + "/health").status_code == 200
         assert value(scrape(a.url), "cairn_requests_total", endpoint="/health", status="200") == 3

@@ -14,7 +14,7 @@ import pytest
 
 from tokenizers import Tokenizer
 
-from cluster.api import build_app
+from cluster.api import APIOptions, build_app
 from cluster.api.chat_template import ChatTemplate
 from cluster.api.engine_client import LocalEngineClient
 from cluster.api.server import BackgroundServer
@@ -47,7 +47,8 @@ def converse(model_dir, echo_reasoning: bool):
     engine = AsyncEngine.from_pretrained(model_dir, num_pages=1024)
     template, tok = ChatTemplate.from_dir(model_dir), Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     shared = []  # tokens each turn's prompt shares with the previous one's
-    with BackgroundServer(build_app(LocalEngineClient(engine), model_dir, MODEL)) as server:
+    with BackgroundServer(build_app(LocalEngineClient(engine), model_dir,
+                                    APIOptions(served_model_name=MODEL))) as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
         messages = [{"role": "system", "content": "You are a patient guide to stone cairns. " * 5}]
         prompts, cached, reasoning = [], [], []

@@ -11,7 +11,7 @@ import openai
 import pytest
 from tokenizers import Tokenizer
 
-from cluster.api import build_app
+from cluster.api import APIOptions, build_app
 from cluster.api.chat_template import ChatTemplate
 from cluster.api.engine_client import LocalEngineClient
 from cluster.api.server import BackgroundServer
@@ -31,7 +31,8 @@ def engine(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, engine):
-    with BackgroundServer(build_app(LocalEngineClient(engine), tiny_model_dir, MODEL)) as s:
+    with BackgroundServer(build_app(LocalEngineClient(engine), tiny_model_dir,
+                                    APIOptions(served_model_name=MODEL))) as s:
         yield s
 
 
@@ -232,8 +233,9 @@ def thinking_dir(tiny_model_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def scripted(tiny_model_dir, thinking_dir):
     fake = ScriptedClient()
-    with background_apps(build_app(fake, tiny_model_dir, MODEL), build_app(fake, thinking_dir, MODEL),
-                         build_app(fake, tiny_model_dir, MODEL, api_key="sekrit")) as (plain, thinking, locked):
+    named = APIOptions(served_model_name=MODEL)
+    with background_apps(build_app(fake, tiny_model_dir, named), build_app(fake, thinking_dir, named),
+                         build_app(fake, tiny_model_dir, named, api_key="sekrit")) as (plain, thinking, locked):
         yield fake, plain, thinking, locked
 
 
@@ -355,7 +357,7 @@ def test_the_api_key_can_come_from_the_environment(tiny_model_dir, monkeypatch):
     from fastapi.testclient import TestClient
 
     monkeypatch.setenv("CAIRN_API_KEY", "from-env")
-    with TestClient(build_app(ScriptedClient(), tiny_model_dir, MODEL)) as c:
+    with TestClient(build_app(ScriptedClient(), tiny_model_dir, APIOptions(served_model_name=MODEL))) as c:
         assert c.get("/v1/models").status_code == 401
         assert c.get("/v1/models", headers={"Authorization": "Bearer from-env"}).status_code == 200
 

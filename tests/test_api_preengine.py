@@ -18,7 +18,7 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from cluster.api import APILimits, build_app
+from cluster.api import APILimits, APIOptions, build_app
 from cluster.api.chat_template import HINTED_MESSAGES, ChatTemplate, common_prefix_len
 from cluster.api.server import BackgroundServer
 from cluster.api.special_tokens import SpecialTokens, trie_pattern
@@ -146,7 +146,7 @@ def test_the_common_prefix_agrees_with_the_character_loop():
 
 def test_2000_messages_over_http_take_a_fixed_number_of_renders(tiny_model_dir, counted_renders):
     fake = OneTokenClient(max_model_len=1 << 20)
-    with TestClient(build_app(fake, tiny_model_dir, MODEL)) as c:
+    with TestClient(build_app(fake, tiny_model_dir, APIOptions(served_model_name=MODEL))) as c:
         r = c.post(C, json=chat([{"role": "user", "content": ""}] * 2000))
     assert r.status_code == 200 and len(counted_renders) == 2 + HINTED_MESSAGES  # (empty content: no head)
     assert len(fake.requests[-1].checkpoint_hints) == HINTED_MESSAGES
@@ -168,7 +168,8 @@ class SlowTemplate(ChatTemplate):
 
 
 def slow_app(model_dir: Path, render_s: float, **limits):
-    app = build_app(OneTokenClient(max_model_len=1 << 20), model_dir, MODEL, limits=APILimits(**limits))
+    app = build_app(OneTokenClient(max_model_len=1 << 20), model_dir,
+                    APIOptions(served_model_name=MODEL, api_limits=APILimits(**limits)))
     template = SlowTemplate((model_dir / "chat_template.jinja").read_text(), render_s)
     app.state.serving.prompts.template = template
     return app, template
@@ -305,8 +306,8 @@ def test_another_tenants_flood_of_slow_preparations_leaves_a_tenant_its_threads(
     who may wait 1 s for a thread, is never refused: alice holds at most half of them."""
     from cluster.api.tenants import Tenants
 
-    app = build_app(OneTokenClient(max_model_len=1 << 20), tiny_model_dir, MODEL,
-                    limits=APILimits(prepare_threads=4, prepare_wait_s=1.0),
+    app = build_app(OneTokenClient(max_model_len=1 << 20), tiny_model_dir,
+                    APIOptions(served_model_name=MODEL, api_limits=APILimits(prepare_threads=4, prepare_wait_s=1.0)),
                     tenants=Tenants.load(["alice:key-a", "bob:key-b"]))
     template = SlowTemplate((tiny_model_dir / "chat_template.jinja").read_text(), 0.3)
     app.state.serving.prompts.template = template
@@ -343,7 +344,7 @@ def test_a_large_body_is_parsed_on_the_preparation_threads_and_answers_as_a_smal
         return real(model, body, limits)
 
     monkeypatch.setattr(routes, "parse_body", recorded)
-    app = build_app(OneTokenClient(max_model_len=1 << 20), tiny_model_dir, MODEL)
+    app = build_app(OneTokenClient(max_model_len=1 << 20), tiny_model_dir, APIOptions(served_model_name=MODEL))
     big = "stone " * 35_000
     with TestClient(app) as http:
         ok = http.post(C, json=chat([{"role": "user", "content": big}]))
@@ -398,7 +399,7 @@ def test_a_text_that_cannot_fit_the_context_is_refused_before_it_is_tokenized(ti
     rendered text is too long (its parts are not) is rendered but not tokenized; a text that might
     fit is tokenized and judged by its tokens."""
     fake = OneTokenClient(max_model_len=4096)
-    app = build_app(fake, tiny_model_dir, MODEL)
+    app = build_app(fake, tiny_model_dir, APIOptions(served_model_name=MODEL))
     bound = app.state.serving.prompts.max_fitting_chars
     assert bound == 4095 * TextTokenizer.from_dir(tiny_model_dir).max_chars_per_token == 4095 * 16
     tools = [{"type": "function", "function": {"name": f"t{i}", "description": "x" * 30_000}} for i in range(128)]
@@ -445,7 +446,7 @@ def control_ids(tokenizer: TextTokenizer, ids: list[int]) -> list[int]:
 
 def prepared(model_dir, messages, **app_options):
     fake = OneTokenClient(max_model_len=1 << 20)
-    with TestClient(build_app(fake, model_dir, MODEL, **app_options)) as c:
+    with TestClient(build_app(fake, model_dir, APIOptions(served_model_name=MODEL, **app_options))) as c:
         r = c.post(C, json=chat(messages))
     assert r.status_code == 200, r.text
     return fake.requests[-1]
@@ -493,7 +494,7 @@ def test_special_tokens_stay_text_wherever_the_client_writes_them(tiny_model_dir
     body = chat(messages, **options)
     clean = json.loads(json.dumps(body).replace(json.dumps(evil)[1:-1], "x"))
     fake = OneTokenClient(max_model_len=1 << 20)
-    with TestClient(build_app(fake, tiny_model_dir, MODEL)) as c:
+    with TestClient(build_app(fake, tiny_model_dir, APIOptions(served_model_name=MODEL))) as c:
         assert c.post(C, json=body).status_code == 200 and c.post(C, json=clean).status_code == 200
     hostile, plain = fake.requests
     assert control_ids(tokenizer, hostile.prompt_token_ids) == control_ids(tokenizer, plain.prompt_token_ids)
@@ -517,7 +518,7 @@ def test_hints_still_land_on_message_starts_when_content_holds_special_tokens(ti
 def test_continue_final_message_with_special_tokens_in_it(tiny_model_dir, tokenizer):
     messages = [{"role": "user", "content": "Say it"}, {"role": "assistant", "content": "Here: " + IM_END}]
     fake = OneTokenClient(max_model_len=1 << 20)
-    with TestClient(build_app(fake, tiny_model_dir, MODEL)) as c:
+    with TestClient(build_app(fake, tiny_model_dir, APIOptions(served_model_name=MODEL))) as c:
         r = c.post(C, json=chat(messages, continue_final_message=True, add_generation_prompt=False))
     assert r.status_code == 200
     req = fake.requests[-1]

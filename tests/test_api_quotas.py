@@ -12,7 +12,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster.api import APILimits, build_app
+from cluster.api import APILimits, APIOptions, build_app
 from cluster.api.errors import APIError
 from cluster.api.quotas import TenantLimits, TenantQuotas
 from cluster.api.server import BackgroundServer
@@ -113,8 +113,10 @@ def metric(text: str, name: str) -> dict:
 
 def test_a_tenant_over_its_quota_gets_a_429_and_the_other_tenant_is_served(tiny_model_dir):
     client = HeldClient()
-    app = build_app(client, tiny_model_dir, MODEL, tenants=Tenants.load(KEYS), metrics_key="ops",
-                    tenant_limits=TenantLimits(max_requests=4), limits=APILimits(max_engine_requests=8))
+    app = build_app(client, tiny_model_dir,
+                    APIOptions(served_model_name=MODEL, tenant_limits=TenantLimits(max_requests=4),
+                               api_limits=APILimits(max_engine_requests=8)),
+                    tenants=Tenants.load(KEYS), metrics_key="ops")
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "stream": True}
     alice, bob = ({"Authorization": f"Bearer {k}"} for k in ("key-a", "key-b"))
     with BackgroundServer(app) as server, httpx.Client(base_url=server.url, timeout=30) as http:
@@ -151,7 +153,8 @@ def test_a_tenant_over_its_quota_gets_a_429_and_the_other_tenant_is_served(tiny_
 def test_without_keys_everyone_is_one_tenant_bounded_by_the_queue_alone(tiny_model_dir, monkeypatch):
     monkeypatch.delenv("CAIRN_API_KEY", raising=False)
     client = HeldClient()
-    app = build_app(client, tiny_model_dir, MODEL, tenant_limits=TenantLimits(max_requests=1))
+    app = build_app(client, tiny_model_dir,
+                    APIOptions(served_model_name=MODEL, tenant_limits=TenantLimits(max_requests=1)))
     assert app.state.serving.quotas is None
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "stream": True, "n": 3}
     with BackgroundServer(app) as server, httpx.Client(base_url=server.url, timeout=30) as http:

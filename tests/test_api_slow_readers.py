@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from cluster.api import build_app
+from cluster.api import APIOptions, build_app
 from cluster.api.engine_client import LocalEngineClient
 from cluster.api.fanout import Fanout
 from cluster.api.http_limits import HTTPLimits
@@ -86,7 +86,7 @@ def closed_by_server(s: socket.socket, timeout_s: float) -> bool:
 def test_streams_whose_clients_stop_reading_end_after_the_stall_timeout_and_free_their_sequences(tiny_model_dir):
     engine = AsyncEngine.from_pretrained(tiny_model_dir, max_num_seqs=64)
     limits = HTTPLimits(stream_stall_timeout_s=2.0)
-    app = build_app(LocalEngineClient(engine), tiny_model_dir, MODEL, http_limits=limits)
+    app = build_app(LocalEngineClient(engine), tiny_model_dir, APIOptions(served_model_name=MODEL, http_limits=limits))
     body = {"model": MODEL, "stream": True, "n": 16, "max_tokens": 2000, "ignore_eos": True, "logprobs": True,
             "top_logprobs": 20, "messages": [{"role": "user", "content": "Which stones hold best when wet?"}]}
     core = engine.engine

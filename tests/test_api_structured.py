@@ -12,7 +12,7 @@ import jsonschema
 import openai
 import pytest
 
-from cluster.api import build_app
+from cluster.api import APIOptions, build_app
 from cluster.api.engine_client import LocalEngineClient
 from cluster.api.server import BackgroundServer
 from workers import AsyncEngine
@@ -38,7 +38,7 @@ SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER,
 def client(request, demo_model):
     model = demo_model(request.param)
     engine = AsyncEngine.from_pretrained(model, num_pages=512, max_num_seqs=16)
-    with BackgroundServer(build_app(LocalEngineClient(engine), model, MODEL)) as server:
+    with BackgroundServer(build_app(LocalEngineClient(engine), model, APIOptions(served_model_name=MODEL))) as server:
         yield openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
 
 

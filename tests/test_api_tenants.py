@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from cluster.api import build_app
+from cluster.api import APIOptions, build_app
 from cluster.api.engine_client import LocalEngineClient
 from cluster.api.server import BackgroundServer
 from cluster.api.tenants import Tenants, bare_tenant_id, read_keys_file
@@ -30,9 +30,11 @@ def engine(tiny_model_dir):
 @pytest.fixture(scope="module")
 def servers(tiny_model_dir, engine):
     client = LocalEngineClient(engine)
-    apart = build_app(client, tiny_model_dir, MODEL, tenants=Tenants.load(KEYS))
-    shared = build_app(client, tiny_model_dir, MODEL, tenants=Tenants.load(KEYS), shared_cache_tenants=True)
-    operated = build_app(client, tiny_model_dir, MODEL, tenants=Tenants.load(KEYS), metrics_key="ops-key")
+    apart = build_app(client, tiny_model_dir, APIOptions(served_model_name=MODEL), tenants=Tenants.load(KEYS))
+    shared = build_app(client, tiny_model_dir, APIOptions(served_model_name=MODEL, shared_cache_tenants=True),
+                       tenants=Tenants.load(KEYS))
+    operated = build_app(client, tiny_model_dir, APIOptions(served_model_name=MODEL), tenants=Tenants.load(KEYS),
+                         metrics_key="ops-key")
     with BackgroundServer(apart) as a, BackgroundServer(shared) as s, BackgroundServer(operated) as o:
         yield a, s, o
 
@@ -89,7 +91,8 @@ def test_a_metrics_key_is_the_only_key_to_metrics_and_also_opens_openapi(servers
 
 def test_without_keys_everything_is_open(tiny_model_dir, engine, monkeypatch):
     monkeypatch.delenv("CAIRN_API_KEY", raising=False)
-    with BackgroundServer(build_app(LocalEngineClient(engine), tiny_model_dir, MODEL)) as s:
+    with BackgroundServer(build_app(LocalEngineClient(engine), tiny_model_dir,
+                                    APIOptions(served_model_name=MODEL))) as s:
         for path in ("/metrics", "/openapi.json", "/v1/models", "/health"):
             assert httpx.get(s.url + path).status_code == 200, path
 
@@ -99,7 +102,7 @@ def test_cairn_api_key_is_one_key_of_the_tenant_default_even_with_a_colon(tiny_m
 
     monkeypatch.setenv("CAIRN_API_KEY", "env:key")
     assert Tenants.load().tenant_of("env:key") == "default"
-    with TestClient(build_app(LocalEngineClient(engine), tiny_model_dir, MODEL)) as c:
+    with TestClient(build_app(LocalEngineClient(engine), tiny_model_dir, APIOptions(served_model_name=MODEL))) as c:
         assert c.get("/v1/models").status_code == 401
         assert c.get("/v1/models", headers={"Authorization": "Bearer env:key"}).status_code == 200
     assert Tenants.load(["x:y"]).tenant_of("env:key") is None, "keys given otherwise replace the environment's"
@@ -129,7 +132,8 @@ def test_each_bare_key_is_a_tenant_of_its_own_named_without_the_key(tiny_model_d
     assert len(tenants.ids) == 2 and not any("secret" in t for t in tenants.ids)
     assert all(t.startswith("key-") and len(t) == 16 for t in tenants.ids)
     assert bare_tenant_id("first-secret-key") == bare_tenant_id("first-secret-key"), "stable across restarts"
-    with BackgroundServer(build_app(LocalEngineClient(engine), tiny_model_dir, MODEL, tenants=tenants)) as s:
+    with BackgroundServer(build_app(LocalEngineClient(engine), tiny_model_dir, APIOptions(served_model_name=MODEL),
+                                    tenants=tenants)) as s:
         assert cached(s, "first-secret-key", "bare") == 0
         assert cached(s, "second-secret-key", "bare") == 0, "the other bare key is another tenant"
         assert cached(s, "first-secret-key", "bare") > 0
@@ -167,7 +171,8 @@ def test_the_tenant_roots_the_page_hashes_the_engine_receives(tiny_model_dir, sh
     from fastapi.testclient import TestClient
 
     fake = OneTokenClient(max_model_len=4096)
-    app = build_app(fake, tiny_model_dir, MODEL, tenants=Tenants.load(KEYS), shared_cache_tenants=shared)
+    app = build_app(fake, tiny_model_dir, APIOptions(served_model_name=MODEL, shared_cache_tenants=shared),
+                    tenants=Tenants.load(KEYS))
     body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 1, "cache_salt": "s"}
     with TestClient(app) as c:
         for key in ("key-a", "key-b"):
@@ -187,8 +192,8 @@ def test_a_public_system_prompt_is_shared_by_every_tenant_and_nothing_after_it_i
     """With `public_system_prompts`, the whole pages of that system message are hashed under the
     shared root: bob's chat opening with it resumes from alice's pages of it, but not one token
     further, even where his next words are alice's; another system prompt shares nothing."""
-    app = build_app(LocalEngineClient(engine), tiny_model_dir, MODEL, tenants=Tenants.load(KEYS),
-                    public_system_prompts=[PUBLIC])
+    app = build_app(LocalEngineClient(engine), tiny_model_dir,
+                    APIOptions(served_model_name=MODEL, public_system_prompts=[PUBLIC]), tenants=Tenants.load(KEYS))
     spec = engine.spec
 
     def chat(server, key, system, user, salt=None):

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
-from cluster.api import build_app
+from cluster.api import APIOptions, build_app
 from cluster.api.chat_template import ChatTemplate
 from cluster.api.engine_client import LocalEngineClient
 from cluster.api.server import BackgroundServer
@@ -269,8 +269,10 @@ def xml_model_dir(tiny_model_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def servers(tiny_model_dir, xml_model_dir):
     fake = ScriptedClient()
-    with background_apps(build_app(fake, tiny_model_dir, MODEL), build_app(fake, xml_model_dir, MODEL),
-                         build_app(fake, tiny_model_dir, MODEL, tool_call_parser="none")) as (qwen3, qwen35, raw):
+    named = APIOptions(served_model_name=MODEL)
+    with background_apps(build_app(fake, tiny_model_dir, named), build_app(fake, xml_model_dir, named),
+                         build_app(fake, tiny_model_dir, APIOptions(served_model_name=MODEL, tool_call_parser="none"))
+                         ) as (qwen3, qwen35, raw):
         yield fake, {"qwen3": qwen3.url, "qwen3.5": qwen35.url, "none": raw.url}
 
 
@@ -380,7 +382,7 @@ def test_the_qwen35_demo_models_template_gets_xml_parsing_and_argument_mappings(
     history = ASK + [{"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function",
                       "function": {"name": "get_weather", "arguments": "{\"city\": \"Oslo\", \"days\": 2}"}}]},
                      {"role": "tool", "tool_call_id": "call_1", "content": "3C, snow"}]
-    with BackgroundServer(build_app(fake, model_dir, MODEL)) as server:
+    with BackgroundServer(build_app(fake, model_dir, APIOptions(served_model_name=MODEL))) as server:
         choice, chunks = both_ways(server.url, tools=TOOLS, messages=history)
     assert "<parameter=city>\nOslo\n</parameter>\n<parameter=days>\n2\n</parameter>" in fake.requests[-1].prompt
     [call] = choice.message.tool_calls
@@ -455,7 +457,7 @@ CALL_HISTORY = [  # (an assistant turn's tool call, the field the 400 names)
 
 @pytest.fixture(scope="module")
 def api(tiny_model_dir):
-    with TestClient(build_app(OneTokenClient(), tiny_model_dir, MODEL)) as c:
+    with TestClient(build_app(OneTokenClient(), tiny_model_dir, APIOptions(served_model_name=MODEL))) as c:
         yield c
 
 
@@ -496,7 +498,8 @@ def test_what_openai_accepts_is_accepted(api):
 def test_ten_tool_rounds_each_hit_the_previous_prompt_but_at_most_a_page(tiny_model_dir):
     engine = AsyncEngine.from_pretrained(tiny_model_dir, num_pages=1024)
     page_size = engine.spec.page_size
-    with BackgroundServer(build_app(LocalEngineClient(engine), tiny_model_dir, MODEL)) as server:
+    with BackgroundServer(build_app(LocalEngineClient(engine), tiny_model_dir,
+                                    APIOptions(served_model_name=MODEL))) as server:
         client = client_of(server.url)
         messages = [{"role": "system", "content": "You plan hikes to stone cairns and check the weather first."},
                     {"role": "user", "content": "Plan ten stops along the ridge, checking each one's weather."}]

@@ -227,8 +227,8 @@ def cluster(ray_session, tiny_model_dir):
 
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port, "request_timeout_s": REQUEST_TIMEOUT_S})
-    serve.run(build_application(tiny_model_dir, replicas=3, num_cpus=0.25, routing=ROUTING, served_model_name=MODEL,
-                                health_check_period_s=1.0),
+    serve.run(build_application(tiny_model_dir, replicas=3, num_cpus=0.25, routing=ROUTING,
+                                api=dict(served_model_name=MODEL), health_check_period_s=1.0),
               name="cairn", route_prefix="/")
     yield Cluster(f"http://127.0.0.1:{port}", serve.get_deployment_handle("Engine", app_name="cairn"))
     serve.shutdown()
@@ -579,7 +579,8 @@ def test_behind_serves_proxy_the_ingress_refuses_big_headers_and_closes_a_stalle
     from ray import serve
 
     limits = {"max_header_bytes": 4096, "body_timeout_s": 2.0}
-    serve.run(build_application(tiny_model_dir, replicas=1, num_cpus=0.25, served_model_name=MODEL, http_limits=limits,
+    serve.run(build_application(tiny_model_dir, replicas=1, num_cpus=0.25,
+                                api=dict(served_model_name=MODEL, http_limits=limits),
                                 routing=RoutingConfig(index_actor_name=INDEX + "-limits")),
               name="limits", route_prefix="/limits")
     host, port = cluster.url.removeprefix("http://").split(":")

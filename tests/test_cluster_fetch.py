@@ -32,7 +32,8 @@ def app(ray_session, tiny_model_dir):
 
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_application(tiny_model_dir, replicas=2, num_cpus=0.25, routing=ROUTING, served_model_name=MODEL),
+    serve.run(build_application(tiny_model_dir, replicas=2, num_cpus=0.25, routing=ROUTING,
+                                api=dict(served_model_name=MODEL)),
               name="cairn-fetch", route_prefix="/")
     yield (f"http://127.0.0.1:{port}", serve.get_deployment_handle("Engine", app_name="cairn-fetch"),
            serve.get_deployment_handle("Ingress", app_name="cairn-fetch"))

@@ -83,8 +83,9 @@ def app(ray_session, tiny_model_dir, redis_server):
     routing = RoutingConfig(index_actor_name=INDEX, index_timeout_ms=500, routing_stats_period_s=0.5,
                             redis_url=redis_server.url, namespace=f"chaos-{uuid.uuid4().hex[:6]}")
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_application(tiny_model_dir, replicas=2, num_cpus=0.25, routing=routing, served_model_name=MODEL,
-                                health_check_period_s=1.0, api_keys=[f"{t}:{k}" for t, k in KEYS.items()]),
+    serve.run(build_application(tiny_model_dir, replicas=2, num_cpus=0.25, routing=routing,
+                                api=dict(served_model_name=MODEL), health_check_period_s=1.0,
+                                api_keys=[f"{t}:{k}" for t, k in KEYS.items()]),
               name="chaos", route_prefix="/")
     yield f"http://127.0.0.1:{port}", serve.get_deployment_handle("Engine", app_name="chaos")
     serve.shutdown()

@@ -18,6 +18,9 @@ pytest.importorskip("ray")
 from ray.serve.schema import ServeDeploySchema  # noqa: E402
 
 from cluster import deploy  # noqa: E402
+from cluster.api.http_limits import HTTPLimits  # noqa: E402
+from cluster.api.limits import APILimits  # noqa: E402
+from cluster.api.options import APIOptions  # noqa: E402
 from cluster.api.tenants import Tenants, key_digest  # noqa: E402
 from cluster.app import app_builder  # noqa: E402
 from cluster.cli import build_parser  # noqa: E402
@@ -64,7 +67,7 @@ def test_serve_yaml_is_a_serve_deploy_config_whose_app_builds_gpu_engine_replica
     for deployment in (engine, ingress):  # a replica scaled down or replaced finishes its streams
         assert deployment._deployment_config.graceful_shutdown_timeout_s == args["graceful_shutdown_timeout_s"] \
             >= config.http_options.request_timeout_s
-    assert ingress.init_kwargs["http_limits"] == args["http_limits"]
+    assert APIOptions.model_validate(ingress.init_args[3]).http_limits == HTTPLimits(**args["http_limits"])
     assert config.http_options.keep_alive_timeout_s == 90
 
 
@@ -128,14 +131,18 @@ def test_the_ingress_refuses_limits_that_belong_to_servess_proxy():
         app_builder({"http_limits": {"header_timeout_s": 5}})
     with pytest.raises(ValueError, match="max_header_bytes"):
         app_builder({"http_limits": {"max_header_bytes": -1}})
+    with pytest.raises(ValueError, match="http_options.request_timeout_s"):
+        app_builder({"request_timeout_s": 5})
     ingress = app_builder({"http_limits": {"body_timeout_s": 5}, "api_keys": ["a:k"], "metrics_key": "m",
                            "shared_cache_tenants": True, "max_body_bytes": 1024})._bound_deployment
     assert ingress.init_kwargs == dict(api_key_digests=[f"a:{key_digest('k')}"], api_keys_file=None,
-                                       metrics_key_digest=key_digest("m"), tenant_limits=None,
-                                       shared_cache_tenants=True, http_limits={"body_timeout_s": 5},
-                                       max_body_bytes=1024, api_limits=None, special_tokens_in_content=False,
-                                       public_system_prompts=None, tool_call_parser="auto")
-    assert "k" not in ingress.init_args and "m" not in ingress.init_args, "keys reach the ingress as digests"
+                                       metrics_key_digest=key_digest("m"))
+    api = ingress.init_args[3]
+    assert APIOptions.model_validate(api) == APIOptions(shared_cache_tenants=True, max_body_bytes=1024,
+                                                        http_limits=HTTPLimits(body_timeout_s=5)), \
+        "the API's options reach the ingress whole, as one APIOptions"
+    assert not {"k", "m"} & {v for v in (*ingress.init_args[1:], *api.values()) if isinstance(v, str)}, \
+        "keys reach the ingress as digests"
 
 
 def test_app_builder_takes_routing_as_a_path_and_refuses_unknown_keys():
@@ -371,7 +378,7 @@ def test_key_tenant_and_limit_flags_go_to_the_app_and_the_proxy(tmp_path):
     assert out["http_options"]["keep_alive_timeout_s"] == 7 and out["http_options"]["request_timeout_s"] == 120
     ServeDeploySchema.model_validate(out)
     ingress = app_builder(args)._bound_deployment
-    assert ingress.init_kwargs["http_limits"] == args["http_limits"]
+    assert APIOptions.model_validate(ingress.init_args[3]).http_limits == HTTPLimits(**args["http_limits"])
     with pytest.raises(ValueError, match="no header timeout"):
         deploy.apply_overrides(load("local.yaml"), serve_args(["--header-timeout", "5"]))
     with pytest.raises(ValueError, match="whole seconds"):
@@ -401,11 +408,12 @@ def test_the_grafana_dashboard_reads_only_metrics_cairn_exports(tiny_model_dir):
 
     from cluster.api import build_app
     from cluster.api.engine_client import LocalEngineClient
+    from cluster.api.options import APIOptions
     from cluster.routing.ranker import AffinityRanker
     from workers import AsyncEngine
 
     engine = AsyncEngine.from_pretrained(tiny_model_dir, num_pages=64, max_num_seqs=2)
-    with TestClient(build_app(LocalEngineClient(engine), tiny_model_dir, "tiny")) as c:
+    with TestClient(build_app(LocalEngineClient(engine), tiny_model_dir, APIOptions(served_model_name="tiny"))) as c:
         assert c.post("/v1/completions", json={"model": "tiny", "prompt": "cairn " * 40, "max_tokens": 2}).status_code == 200
         text = c.get("/metrics").text
     exported = {s.name for f in text_string_to_metric_families(text) for s in f.samples}
@@ -444,8 +452,8 @@ def test_request_limit_and_special_token_flags_reach_the_ingress_and_bad_ones_fa
     assert args["api_limits"] == {"max_messages": 512, "prepare_wait_s": 2.5}
     assert args["special_tokens_in_content"] is True
     ingress = app_builder(args)._bound_deployment
-    assert ingress.init_kwargs["api_limits"] == {"max_messages": 512, "prepare_wait_s": 2.5}
-    assert ingress.init_kwargs["special_tokens_in_content"] is True
+    api = APIOptions.model_validate(ingress.init_args[3])
+    assert api.api_limits == APILimits(max_messages=512, prepare_wait_s=2.5) and api.special_tokens_in_content
     with pytest.raises(ValueError, match="max_mesages"):
         deploy.apply_overrides(load("local.yaml"), serve_args(["--api-limit", "max_mesages=5"]))
     with pytest.raises(ValueError):
@@ -459,7 +467,8 @@ def test_the_tool_call_parser_flag_reaches_the_ingress_and_a_wrong_name_fails_at
     assert CLI_CHOICES == TOOL_CALL_PARSERS  # the CLI spells them out so that --help imports nothing
     args = deploy.apply_overrides(load("local.yaml"), serve_args(["--tool-call-parser", "qwen3_xml"]))
     assert args["applications"][0]["args"]["tool_call_parser"] == "qwen3_xml"
-    assert app_builder(args["applications"][0]["args"])._bound_deployment.init_kwargs["tool_call_parser"] == "qwen3_xml"
+    ingress = app_builder(args["applications"][0]["args"])._bound_deployment
+    assert APIOptions.model_validate(ingress.init_args[3]).tool_call_parser == "qwen3_xml"
     assert "tool_call_parser" not in deploy.apply_overrides(load("local.yaml"), serve_args([]))["applications"][0]["args"]
     with pytest.raises(ValueError, match="tool_call_parser"):
         app_builder({"tool_call_parser": "hermes"})

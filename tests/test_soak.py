@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from cluster.api import build_app
+from cluster.api import APIOptions, build_app
 from cluster.api.engine_client import LocalEngineClient
 from cluster.api.http_limits import HTTPLimits
 from cluster.api.server import BackgroundServer
@@ -146,7 +146,8 @@ def soak(model_dir: Path, results) -> None:
         # a small arena, full from the first round on: what the cache keeps is at its steady state
         engine = AsyncEngine.from_pretrained(model_dir, max_num_seqs=64, cache_memory_bytes=4 << 20)
         limits = HTTPLimits(stream_stall_timeout_s=STALL_S, keep_alive_timeout_s=0.5)  # idle ones close at once
-        app = build_app(LocalEngineClient(engine), model_dir, MODEL, max_waiting=STREAMS, http_limits=limits)
+        app = build_app(LocalEngineClient(engine), model_dir,
+                        APIOptions(served_model_name=MODEL, max_waiting=STREAMS, http_limits=limits))
         allocated, objects, rss = [], [], []
         tracemalloc.start(4)  # frames kept per allocation: enough to see cairn's code, cheap enough to soak
         try:

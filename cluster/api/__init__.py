@@ -2,7 +2,8 @@
 (`engine_client.LocalEngineClient`, `server.serve_in_process`) and is the Ray Serve ingress
 (`cluster.app`), knowing engines only through `engine_client.EngineClient`.
 
-Reading order: `routes` (build_app: the endpoints), `protocol` (request models) and `responses`
+Reading order: `routes` (build_app: the endpoints), `options` (`APIOptions`: everything the app
+is told but the keys), `protocol` (request models) and `responses`
 (response models), `serving` (what both generation endpoints share: prompts, sampling,
 admission, running, streaming, counting), `chat_completions` and `completions`, then the
 pieces they use: `limits` (what one request may ask, checked while its body is parsed),
@@ -13,6 +14,7 @@ reasoning via `reasoning`, tool calls via `tool_calls` and `tool_call_formats`, 
 """
 
 from cluster.api.limits import APILimits
-from cluster.api.routes import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING, build_app
+from cluster.api.options import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING, APIOptions
+from cluster.api.routes import build_app
 
-__all__ = ["DEFAULT_MAX_BODY_BYTES", "DEFAULT_MAX_WAITING", "APILimits", "build_app"]
+__all__ = ["DEFAULT_MAX_BODY_BYTES", "DEFAULT_MAX_WAITING", "APILimits", "APIOptions", "build_app"]

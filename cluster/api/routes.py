@@ -22,7 +22,6 @@ limit is enforced.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import TypeVar
 
@@ -36,19 +35,17 @@ from cluster.api.chat_template import ChatTemplate, TemplateError
 from cluster.api.completions import Completions
 from cluster.api.engine_client import EngineClient
 from cluster.api.errors import APIError, bad_request, from_validation, install_error_handlers
-from cluster.api.http_limits import HTTPLimits
 from cluster.api.limits import DEFAULT_LIMITS, APILimits
 from cluster.api.metrics import CONTENT_TYPE, APIMetrics, TimedClient
 from cluster.api.middleware import RequestGuard
+from cluster.api.options import APIOptions
 from cluster.api.protocol import ChatCompletionRequest, CompletionRequest
 from cluster.api.responses import ModelCard, ModelList
 from cluster.api.serving import Serving
-from cluster.api.quotas import TenantLimits, TenantQuotas
+from cluster.api.quotas import TenantQuotas
 from cluster.api.tenants import DEFAULT_TENANT, Caller, Tenants
 from cluster.api.tokenizer import TextTokenizer
 
-DEFAULT_MAX_BODY_BYTES = 8 << 20
-DEFAULT_MAX_WAITING = 256
 PARSE_ON_LOOP_BYTES = 64 << 10  # bodies below this are parsed on the event loop (well under a millisecond)
 ENDPOINTS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/ready",
                        "/metrics", "/openapi.json"})
@@ -108,32 +105,15 @@ def _key_check(*allowed: Tenants):
     return check
 
 
-def build_app(client: EngineClient, model_dir: str | Path, served_model_name: str | None = None,
-              api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-              max_waiting: int = DEFAULT_MAX_WAITING, echo_request_id: bool = True, *,
-              limits: APILimits | None = None, special_tokens_in_content: bool = False,
-              http_limits: HTTPLimits | None = None, tenants: Tenants | None = None,
-              metrics_key: str | None = None, shared_cache_tenants: bool = False,
-              public_system_prompts: Sequence[str] = (), tool_call_parser: str = "auto",
-              metrics_key_digest: str | None = None, tenant_limits: TenantLimits | None = None,
-              request_timeout_s: float | None = None) -> FastAPI:
-    """The API over `client`; the tokenizer and chat template come from `model_dir`.
-    `echo_request_id`: answer with an X-Request-Id header (off behind Ray Serve's proxy, which
-    sends its own). `limits`: what one request may ask before the engine (`cluster.api.limits`).
-    `special_tokens_in_content`: let special-token strings in messages become control tokens
-    (off by default: `cluster.api.special_tokens`). Keys (`cluster.api.tenants`): `api_key` is
-    one key of the tenant "default", `tenants` any number (give one or the other; neither:
-    CAIRN_API_KEY, else no keys); `metrics_key` (or its `metrics_key_digest`,
-    `tenants.key_digest`) alone opens /metrics; `tenant_limits`: every tenant's quotas
-    (`cluster.api.quotas`; a keys file may give a tenant its own), kept only with keys;
-    `request_timeout_s`: the longest a request may run from its arrival (a 408; None: no limit);
-    `shared_cache_tenants`
-    roots every tenant's pages together; `public_system_prompts`: system prompts whose pages
-    every tenant shares when a chat opens with one (the rest stays the tenant's own). `http_limits`: the body deadline and the header limit
-    the app enforces (the server enforces the rest, `cluster.api.connection`). `tool_call_parser`:
-    how the model writes tool calls (`cluster.api.tool_call_formats`: auto, qwen3_json, qwen3_xml,
-    none); a name it does not know is a ValueError here."""
-    limits = limits or DEFAULT_LIMITS
+def build_app(client: EngineClient, model_dir: str | Path, options: APIOptions | None = None, *,
+              tenants: Tenants | None = None, api_key: str | None = None, metrics_key: str | None = None,
+              metrics_key_digest: str | None = None) -> FastAPI:
+    """The API over `client`; the tokenizer and chat template come from `model_dir`; everything
+    else it is told is `options` (`cluster.api.options.APIOptions`). Keys (`cluster.api.tenants`):
+    `api_key` is one key of the tenant "default", `tenants` any number (give one or the other;
+    neither: CAIRN_API_KEY, else no keys); `metrics_key` (or its `metrics_key_digest`,
+    `tenants.key_digest`) alone opens /metrics."""
+    options = options or APIOptions()
     if api_key is not None and tenants is not None:
         raise ValueError("give api_key or tenants, not both")
     tenants = Tenants([(DEFAULT_TENANT, api_key)]) if api_key is not None else tenants or Tenants.load()
@@ -141,8 +121,8 @@ def build_app(client: EngineClient, model_dir: str | Path, served_model_name: st
                            [("metrics", metrics_key_digest)] if metrics_key_digest else [])
     operators = metrics_keys or tenants  # who may read /metrics (everyone's traffic)
     readers = (tenants, metrics_keys) if tenants else ()  # /openapi.json: whoever may call /v1, and operators
-    http_limits = http_limits or HTTPLimits()
-    name = served_model_name or Path(model_dir).name
+    http_limits = options.http_limits
+    name = options.served_model_name or Path(model_dir).name
     try:
         template: ChatTemplate | None = ChatTemplate.from_dir(model_dir)
     except TemplateError:
@@ -150,18 +130,17 @@ def build_app(client: EngineClient, model_dir: str | Path, served_model_name: st
     metrics = APIMetrics()
     quotas = None
     if tenants:  # without keys everyone is one tenant, bounded by the server's queue alone
-        defaults = tenant_limits or TenantLimits()
+        defaults = options.tenant_limits
         quotas = TenantQuotas(defaults, {t: defaults.merged(v) for t, v in tenants.limits.items()}, metrics)
-    serving = Serving(TimedClient(client, metrics), TextTokenizer.from_dir(model_dir), template, name, max_waiting,
-                      metrics, limits, special_tokens_in_content, public_system_prompts, tool_call_parser, quotas,
-                      http_limits.stream_stall_timeout_s, request_timeout_s)
+    serving = Serving(TimedClient(client, metrics), TextTokenizer.from_dir(model_dir), template, name, options, metrics,
+                      quotas)
     chat, completions = ChatCompletions(serving), Completions(serving)
 
     app = FastAPI(title="cairn", summary="OpenAI-compatible API for hybrid LLMs with prefix caching",
                   docs_url=None, redoc_url=None, openapi_url=None)  # /openapi.json: below, behind a key
     install_error_handlers(app)
-    app.add_middleware(RequestGuard, max_body_bytes=max_body_bytes, count=metrics.count_request,
-                       endpoints=ENDPOINTS, echo_request_id=echo_request_id,
+    app.add_middleware(RequestGuard, max_body_bytes=options.max_body_bytes, count=metrics.count_request,
+                       endpoints=ENDPOINTS, echo_request_id=options.echo_request_id,
                        max_header_bytes=http_limits.max_header_bytes, body_timeout_s=http_limits.body_timeout_s)
     app.state.serving, app.state.metrics = serving, metrics  # metrics: what a cluster exports
 
@@ -183,7 +162,7 @@ def build_app(client: EngineClient, model_dir: str | Path, served_model_name: st
     async def openapi() -> JSONResponse:
         return JSONResponse(app.openapi())
 
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(_tenant_check(tenants, shared_cache_tenants))])
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(_tenant_check(tenants, options.shared_cache_tenants))])
 
     @v1.get("/models")
     async def models() -> JSONResponse:
@@ -202,8 +181,8 @@ def build_app(client: EngineClient, model_dir: str | Path, served_model_name: st
         share of them, so a tenant's flood of large bodies does not hold the event loop."""
         body = await request.body()
         if len(body) < PARSE_ON_LOOP_BYTES:
-            return parse_body(model, body, limits)
-        return await serving.pool.run(lambda stop: parse_body(model, body, limits), lambda: _client_gone(request),
+            return parse_body(model, body, options.api_limits)
+        return await serving.pool.run(lambda stop: parse_body(model, body, options.api_limits), lambda: _client_gone(request),
                                       request.state.caller.tenant_id)
 
     @v1.post("/chat/completions")

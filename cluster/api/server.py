@@ -11,47 +11,36 @@ from __future__ import annotations
 import asyncio
 import gc
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from cluster.api.limits import APILimits
-    from cluster.api.quotas import TenantLimits
 
 from cluster.api.connection import uvicorn_config
 from cluster.api.http_limits import HTTPLimits
+from cluster.api.options import APIOptions
 from cluster.api.tenants import Tenants
 
 
-def serve_in_process(model_dir: str | Path | None = None, host: str = "127.0.0.1", port: int = 8000,
-                     api_key: str | None = None, served_model_name: str | None = None,
-                     max_body_bytes: int | None = None, max_waiting: int | None = None,
-                     limits: APILimits | None = None, special_tokens_in_content: bool = False,
-                     http_limits: HTTPLimits | None = None, tenants: Tenants | None = None,
-                     metrics_key: str | None = None, shared_cache_tenants: bool = False,
-                     public_system_prompts: list[str] | None = None, tool_call_parser: str = "auto",
-                     tenant_limits: TenantLimits | None = None, request_timeout_s: float | None = None,
+def serve_in_process(model_dir: str | Path | None = None, options: APIOptions | None = None, *,
+                     host: str = "127.0.0.1", port: int = 8000, tenants: Tenants | None = None,
+                     api_key: str | None = None, metrics_key: str | None = None,
                      **engine_options: object) -> None:
     """Serves until interrupted. `model_dir` is a directory or a Hugging Face id (`org/name[@revision]`,
-    `workers.ModelSource`; its name for clients unless `served_model_name` says otherwise); None
-    serves the tiny demo model. The other arguments are `build_app`'s."""
+    `workers.ModelSource`; its name for clients unless `options.served_model_name` says otherwise);
+    None serves the tiny demo model. `options` and the keys are `build_app`'s."""
     import uvicorn
 
-    from cluster.api import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING, build_app
+    from cluster.api import build_app
     from cluster.api.engine_client import LocalEngineClient
     from workers import AsyncEngine, ModelSource, demo_model_dir
 
+    options = options or APIOptions()
     source = ModelSource.parse(model_dir if model_dir is not None else demo_model_dir("tiny"))
-    model_dir, served_model_name = source.local_dir(), served_model_name or source.served_name
+    model_dir = source.local_dir()
+    options = options.model_copy(update=dict(served_model_name=options.served_model_name or source.served_name))
     engine = AsyncEngine.from_pretrained(model_dir, **{"warm_up": True, **engine_options})  # compiled before serving
     gc.collect()
     gc.freeze()  # this process serves one engine: its long-lived objects need no cyclic scans (as a replica)
-    app = build_app(LocalEngineClient(engine), model_dir, served_model_name, api_key,
-                    max_body_bytes=max_body_bytes or DEFAULT_MAX_BODY_BYTES,
-                    max_waiting=max_waiting or DEFAULT_MAX_WAITING, limits=limits,
-                    special_tokens_in_content=special_tokens_in_content, http_limits=http_limits, tenants=tenants,
-                    metrics_key=metrics_key, shared_cache_tenants=shared_cache_tenants,
-                    public_system_prompts=public_system_prompts or (), tool_call_parser=tool_call_parser,
-                    tenant_limits=tenant_limits, request_timeout_s=request_timeout_s)
+    app = build_app(LocalEngineClient(engine), model_dir, options, tenants=tenants, api_key=api_key,
+                    metrics_key=metrics_key)
+    http_limits = options.http_limits
 
     async def main() -> None:
         server = uvicorn.Server(uvicorn_config(app, http_limits, host=host, port=port, log_level="info"))

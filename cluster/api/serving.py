@@ -23,7 +23,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from cluster.api.chat_template import ChatTemplate
@@ -31,8 +31,8 @@ from cluster.api.choice import Choice, Delta
 from cluster.api.engine_client import EngineClient
 from cluster.api.errors import CLIENT_CLOSED_REQUEST, APIError, bad_request, fault, request_timed_out
 from cluster.api.fanout import Fanout
-from cluster.api.limits import DEFAULT_LIMITS, APILimits
 from cluster.api.metrics import APIMetrics
+from cluster.api.options import APIOptions
 from cluster.api.prep_pool import PrepPool
 from cluster.api.prompts import Prepared, Prompts
 from cluster.api.protocol import SamplingFields
@@ -53,19 +53,17 @@ log = logging.getLogger("cluster.api")
 
 class Serving:
     def __init__(self, client: EngineClient, tokenizer: TextTokenizer, template: ChatTemplate | None,
-                 model_name: str, max_waiting: int, metrics: APIMetrics, limits: APILimits = DEFAULT_LIMITS,
-                 special_tokens_in_content: bool = False, public_system_prompts: Sequence[str] = (),
-                 tool_call_parser: str = "auto", quotas: TenantQuotas | None = None,
-                 stream_stall_timeout_s: float | None = None, request_timeout_s: float | None = None):
+                 model_name: str, options: APIOptions, metrics: APIMetrics, quotas: TenantQuotas | None = None):
         self.client, self.tokenizer = client, tokenizer
-        self.stream_stall_timeout_s = stream_stall_timeout_s  # SSEResponse's
-        self.request_timeout_s = request_timeout_s  # from arrival to the last output; None: no limit
-        self.model_name, self.max_waiting, self.metrics = model_name, max_waiting, metrics
-        self.limits, self.quotas = limits, quotas
-        self.prompts = Prompts(tokenizer, template, client.spec.vocab_size, special_tokens_in_content,
-                               public_system_prompts, client.spec.max_model_len)
+        self.stream_stall_timeout_s = options.http_limits.stream_stall_timeout_s  # SSEResponse's
+        self.request_timeout_s = options.request_timeout_s  # from arrival to the last output; None: no limit
+        self.model_name, self.max_waiting, self.metrics = model_name, options.max_waiting, metrics
+        self.limits, self.quotas = options.api_limits, quotas
+        self.prompts = Prompts(tokenizer, template, client.spec.vocab_size, options.special_tokens_in_content,
+                               options.public_system_prompts, client.spec.max_model_len)
         self.reasoning_model = self.prompts.reasoning_model
-        self.tool_format = resolve_format(tool_call_parser, template.source if template is not None else None)
+        self.tool_format = resolve_format(options.tool_call_parser, template.source if template is not None else None)
+        limits = options.api_limits
         self.pool = PrepPool(limits.prepare_threads, limits.prepare_wait_s, limits.prepare_threads_per_tenant)
         self.grammars = GrammarCompiler(tokenizer, client.spec.vocab_size, limits)
 

@@ -14,7 +14,7 @@ reaches the engine has the real strings, and message offsets are mapped back to 
 
 A request with no special-token string in its text is tokenized exactly as before. Added tokens
 that are not special (`<think>`, `<tool_call>`) are left alone: templates and parsers read them as
-text. `build_app(..., special_tokens_in_content=True)` turns all of this off.
+text. `APIOptions(special_tokens_in_content=True)` turns all of this off.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ The formats, as each family's chat template teaches the model to write a call:
   a parameter the schema does not type is JSON if it parses as JSON, else text.
 - `none`: no parsing.
 `detect_format` reads the template's source: one that writes `<function=` is qwen3_xml, one that
-writes `<tool_call>` is qwen3_json, any other none. `tool_call_parser` (`build_app`, `cairn serve
+writes `<tool_call>` is qwen3_json, any other none. `tool_call_parser` (`APIOptions`, `cairn serve
 --tool-call-parser`) is `auto` (that detection), a format's name, or `none`.
 
 A body is a call only if it parses and names a function the request offered; anything else is
