@@ -81,8 +81,9 @@ def test_routing_imports_nothing_of_the_cluster_around_it():
 
 
 def test_routing_and_plan_making_load_no_torch():
-    """`workers/__init__` is lazy: the routing package, the scoring it shares with the index, and
-    the engine's plain modules load without torch (a router replica never pays for it)."""
+    """`workers/__init__` is lazy: the routing package, the scoring it shares with the index, the
+    request and the spec, and the engine's plain modules load without torch (a router replica, and
+    the deploy step reading a checkpoint's config, never pay for it)."""
     modules = [f"cluster.routing.{p.stem}" for p in sorted((ROOT / "cluster" / "routing").glob("*.py"))
                if p.stem != "__init__"] + ["cache_service.scoring", "workers.sampling_params", "workers.sequence",
                                            "workers.scheduler", "workers.cache.checkpoint_policy", "workers"]

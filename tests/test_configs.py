@@ -276,7 +276,7 @@ def test_the_spec_sizes_a_page_and_a_state_as_one_device_of_the_engine_holds_the
     one rank under tensor parallelism, in the engine's dtype."""
     from workers import EngineOptions, EngineSpec
     from workers.cache.arena import ArenaLayout
-    from workers.model.registry import read_model_config
+    from workers.model.model_types import read_model_config
     from workers.model.sharding import shard_config
 
     cfg = read_model_config(tiny_model_dir / "config.json")

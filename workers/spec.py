@@ -29,7 +29,7 @@ from pathlib import Path
 from cache_service.hashing import branch_root, fingerprint, model_fingerprint, page_hashes, root_hash
 from workers.cache.arena import DTYPE_BYTES, conv_state_bytes, page_bytes, ssm_state_bytes
 from workers.model.config import ModelConfig
-from workers.model.registry import read_model_config
+from workers.model.model_types import read_model_config
 from workers.model.sharding import shard_config
 from workers.options import EngineOptions
 from workers.precision import run_dtype

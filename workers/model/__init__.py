@@ -12,8 +12,8 @@ _WHERE = {
     "ForwardBatch": "workers.model.batch", "CheckpointError": "workers.model.config",
     "ModelConfig": "workers.model.config", "HybridForCausalLM": "workers.model.hybrid",
     "ModelCaches": "workers.model.hybrid", "load_model": "workers.model.loader", "FAMILIES": "workers.model.registry",
-    "config_from_dict": "workers.model.registry", "read_model_config": "workers.model.registry",
-    "supported_model_types": "workers.model.registry",
+    "config_from_dict": "workers.model.model_types", "read_model_config": "workers.model.model_types",
+    "supported_model_types": "workers.model.model_types",
 }
 __all__ = sorted(_WHERE)
 

@@ -3,9 +3,10 @@ workers.model.registry, and the prefix cache, the pools and the router need no c
 
 A family provides:
 - `model_types`: the `config.json` `model_type` values it reads (a vision-language wrapper and
-  its text-only config are both listed when both are published);
+  its text-only config are both listed when both are published), and
 - `read_config(raw, source)`: that `config.json` as a `ModelConfig` (workers.model.config), every
   field accounted for, anything it cannot run refused with a `CheckpointError` naming the field;
+  both are its line in workers.model.model_types, which reads configs without torch;
 - `model_class`: a `HybridForCausalLM` subclass (workers.model.hybrid) whose recurrent layer keeps
   its state in the slot-indexed pools (`ModelConfig.conv_state_shape`, `ssm_state_shape`);
 - `tensor_name(name)`: a checkpoint tensor's name in the model, or None for a tensor that is
@@ -23,13 +24,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from workers.model.config import ModelConfig
+from workers.model.model_types import FAMILY_CONFIGS
 
 
 @dataclass(frozen=True)
 class Family:
-    name: str
-    model_types: tuple[str, ...]
-    read_config: Callable[[dict[str, Any], str], ModelConfig]
+    name: str  # its key in workers.model.model_types.FAMILY_CONFIGS: its model types and config reader
     model_class: type  # a workers.model.hybrid.HybridForCausalLM subclass
     tensor_name: Callable[[str], str | None]
     shard_rules: Mapping[str, Callable] = field(default_factory=dict)  # suffix -> workers.model.sharding.Rule
+
+    @property
+    def model_types(self) -> tuple[str, ...]:
+        return FAMILY_CONFIGS[self.name][0]
+
+    @property
+    def read_config(self) -> Callable[[dict[str, Any], str], ModelConfig]:
+        return FAMILY_CONFIGS[self.name][1]

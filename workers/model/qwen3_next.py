@@ -10,12 +10,10 @@ likewise [b | a]); the MLP is dense or sparse per layer (`decoder_sparse_step`,
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
 
-from workers.model.config import BOOKKEEPING, ConfigReader, ModelConfig, read_hybrid_fields
+from workers.model.config import ModelConfig
 from workers.model.family import Family
 from workers.model.gated_deltanet import GatedDeltaNet
 from workers.model.hybrid import HybridForCausalLM
@@ -42,29 +40,6 @@ class Qwen3NextForCausalLM(HybridForCausalLM):
     delta_net = Qwen3NextGatedDeltaNet
 
 
-def read_config(raw: dict[str, Any], source: str) -> ModelConfig:
-    r = ConfigReader(raw, source)
-    r.ignore(*BOOKKEEPING)
-    cfg = ModelConfig(
-        **read_hybrid_fields(r),
-        model_type="qwen3_next",
-        intermediate_size=r.need("intermediate_size"),
-        tie_word_embeddings=bool(r.opt("tie_word_embeddings", False)),
-        num_experts=r.opt_int("num_experts", 0),
-        num_experts_per_tok=r.opt_int("num_experts_per_tok", 0),
-        moe_intermediate_size=r.opt_int("moe_intermediate_size", 0),
-        shared_expert_intermediate_size=r.opt_int("shared_expert_intermediate_size", 0),
-        decoder_sparse_step=r.opt("decoder_sparse_step", 1),
-        norm_topk_prob=bool(r.opt("norm_topk_prob", True)),
-        mlp_only_layers=tuple(r.opt("mlp_only_layers", ())),
-        torch_dtype=str(r.opt("dtype", r.opt("torch_dtype", "float32"))),
-        source=source,
-    )
-    cfg.check(r.bad)
-    r.warn_unread()
-    return cfg
-
-
 def tensor_name(name: str) -> str | None:
     return None if name.startswith("mtp.") else name
 
@@ -81,5 +56,4 @@ SHARD_RULES = {
     "linear_attn.in_proj_ba.weight": scaled_rows(lambda c: c.linear_num_key_heads, lambda c: 2 * _ratio(c)),
 }
 
-FAMILY = Family(name="qwen3_next", model_types=("qwen3_next",), read_config=read_config,
-                model_class=Qwen3NextForCausalLM, tensor_name=tensor_name, shard_rules=SHARD_RULES)
+FAMILY = Family(name="qwen3_next", model_class=Qwen3NextForCausalLM, tensor_name=tensor_name, shard_rules=SHARD_RULES)
