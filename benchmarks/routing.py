@@ -36,7 +36,7 @@ nothing is asserted (tests/test_readme_commands.py runs --quick to see that it r
 Usage: python3 benchmarks/routing.py [--quick] [--replicas 4] [--convs 32] [--turns 6] [--model DIR]
   --quick: 2 replicas, 4 conversations, 2 turns, a 600-token hot prefix, the tiny demo model, and
   cairn's router (fetch off and on) beside pow2 only, deployed at once (about a minute on a 2-core
-  machine; tests/test_router.py builds every policy's application). Without it the policies are deployed one
+  machine; tests/routing/ builds every policy's application). Without it the policies are deployed one
   after another (4 replicas each: on GPUs pass --num-gpus 1 and a --model).
 """
 

@@ -22,7 +22,7 @@ one GPU's limit for that rank's share (tensor-parallel engines run eager today: 
 meant for them, it is printed for comparison). On a CUDA machine, `--measure` also times the step of a
 full-size engine with random weights beside the projection (see gpu_check.sh).
 
-This file computes no timing assertion; tests/test_step_syncs.py asserts the sync counts.
+This file computes no timing assertion; tests/workers/test_step_syncs.py asserts the sync counts.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ from workers.cache.checkpoint_policy import CheckpointPolicy
 from workers.cache.device_budget import graph_reserve_bytes, sized
 from workers.cache.prefix_cache import Match, PrefixCache
 from workers.cache.transfer import FetchPlan, ResumeExport
-from workers.errors import EngineBroken, RequestRejected, SequenceFault
+from workers.errors import EngineBroken, EngineError, RequestRejected, SequenceFault
 from workers.grammar import Grammars
 from workers.metrics import EngineMetrics
 from workers.model import HybridForCausalLM, ModelConfig, load_model, read_model_config
@@ -463,6 +463,12 @@ class Engine:
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, per)]
         final: dict[str, RequestOutput] = {}
         while len(final) < len(ids):
+            if not self.has_runnable():
+                if any(s.grammar_pending for s in self._held):  # a grammar still compiles
+                    time.sleep(0.001)
+                    continue
+                lost = [i for i in ids if i not in final]
+                raise EngineError(f"requests {lost} can never finish: the engine has nothing to run")
             for out in self.step():
                 if out.finished:
                     final[out.request_id] = out

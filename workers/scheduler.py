@@ -144,7 +144,8 @@ class Scheduler:
                     counts[seq.tenant] = counts.get(seq.tenant, 0) + 1
         if self.cache.recurrent:  # after admission: it may add branch targets to running ones
             for seg in plan.decodes + plan.prefills:
-                if seg.start // ps != (seg.start + seg.num_tokens) // ps:  # only boundaries crossed are saved
+                targets = seg.seq.cache.checkpoint_targets  # a boundary crossed, or a target inside a page
+                if seg.start // ps != seg.end // ps or any(seg.start < p <= seg.end for p in targets):
                     try:
                         self._plan_checkpoints(plan, seg)
                     except Exception as e:

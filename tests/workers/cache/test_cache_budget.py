@@ -1,0 +1,139 @@
+"""What leaves first (`workers.cache.cache_budget`, design rule 7): eviction follows the least
+recently used order of what running sequences released, checked against an LRU model over
+random prompts; a conversation's old resume point goes cold once it moves on, unless later
+prompts part there; asking whether an admission fits changes nothing."""
+
+import random
+from collections import OrderedDict
+
+import pytest
+
+from cache_service.events import PagesRemoved
+from cache_service.hashing import root_hash
+from workers.cache.checkpoint_policy import CheckpointPolicy
+from workers.cache.prefix_cache import PrefixCache
+from tests.support.cache_harness import PS, Harness, layout, run_prompt
+from workers.sampling_params import SamplingParams
+from workers.sequence import Sequence
+
+
+def test_a_resume_point_goes_cold_once_its_conversation_stores_a_deeper_checkpoint():
+    harness = Harness(random.Random(0), num_pages=100, ckpt_slots=3, blocks=1000)
+    turn1 = [1] * (2 * PS) + [2]
+    other = [3] * (2 * PS) + [2]
+    run_prompt(harness, turn1, checkpoint_at=(2,))
+    run_prompt(harness, other, checkpoint_at=(2,))  # older than turn1's? no: newer
+    turn2 = turn1 + [4] * (2 * PS)
+    run_prompt(harness, turn2, checkpoint_at=(4,))  # resumes from depth 2, stores depth 4
+    # Slots are full (3); the next checkpoint evicts the coldest: turn1's old resume point,
+    # even though `other`'s was used less recently.
+    run_prompt(harness, [5] * (2 * PS) + [1], checkpoint_at=(2,))
+    cache = harness.cache
+    h1 = Sequence("a", turn1, SamplingParams(max_tokens=1), hash_root=harness.root)
+    h2 = Sequence("b", other, SamplingParams(max_tokens=1), hash_root=harness.root)
+    assert cache.match(h1).state_pages == 0
+    assert cache.match(h2).state_pages == 2
+
+
+def test_a_prompts_end_where_later_prompts_part_stays_warm_while_its_conversation_goes_on():
+    # An agent's query: its first request ends at depth 2; every tool round after it resumes
+    # deeper, and the template's hints name depth 2 (the next query parts there, where the
+    # rounds' thinking is dropped). The rounds' own ends go cold as the conversation moves on;
+    # depth 2 does not, though the rounds pass it, while another conversation's end, unused
+    # since, is evicted before it.
+    harness = Harness(random.Random(0), num_pages=100, ckpt_slots=4, blocks=1000)
+    end = frozenset({"tail", "prompt_end"})
+    query = [1] * (2 * PS) + [2]
+    run_prompt(harness, query, checkpoint_at=(2,), kinds=end)
+    run_prompt(harness, [3] * (2 * PS) + [2], checkpoint_at=(2,), kinds=end)  # another conversation
+    round1 = query[:2 * PS] + [4] * (2 * PS) + [2]
+    run_prompt(harness, round1, checkpoint_at=(4,), kinds=end, hints=(2 * PS,))  # resumes at depth 2
+    round2 = round1[:4 * PS] + [5] * (2 * PS) + [2]
+    run_prompt(harness, round2, checkpoint_at=(6,), kinds=end, hints=(2 * PS,))  # at 4, passing 2
+    for k in range(2):  # two more checkpoints evict two: round 1's end, then the other conversation's
+        run_prompt(harness, [6 + k] * (2 * PS) + [1], checkpoint_at=(2,), kinds=end)
+    cache = harness.cache
+    next_query = Sequence("q", query[:2 * PS] + [9] * PS, SamplingParams(max_tokens=1), hash_root=harness.root)
+    other = Sequence("o", [3] * (2 * PS) + [9], SamplingParams(max_tokens=1), hash_root=harness.root)
+    assert cache.match(next_query).state_pages == 2
+    assert cache.match(other).state_pages == 0
+    assert cache.match(Sequence("r", round1[:4 * PS] + [9], SamplingParams(max_tokens=1),
+                                hash_root=harness.root)).state_pages == 2  # round 1's end is gone
+
+
+def test_an_admission_that_does_not_fit_holds_nothing_and_keeps_the_lru_order():
+    harness = Harness(random.Random(0), num_pages=None, ckpt_slots=2, blocks=12)
+    for tokens in ([1] * (2 * PS), [2] * (2 * PS)):
+        run_prompt(harness, tokens + [5])
+    cache = harness.cache
+    big = [1] * (2 * PS) + [9] * (8 * PS)  # its two cached hit pages become held: 10 blocks left for 8 + a slot
+    seq = Sequence("big", big, SamplingParams(max_tokens=1), hash_root=harness.root)
+    m = cache.match(seq)
+    before = harness.lru_picture()
+    assert m.hit_pages == 2 and not cache.can_admit(seq, m, len(big) - m.resume_token)
+    assert harness.lru_picture() == before and seq.cache.page_ids == [] and seq.cache.state_slot is None
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_eviction_follows_an_lru_model_of_what_sequences_released(seed):
+    """Random prompts, many sharing prefixes, one at a time through an attention-only cache capped
+    at 12 pages. The model: a page becomes evictable when the sequence holding it ends (a chain is
+    released tail first, so its head is the newest), stops being so when a prompt hits it, and is
+    just used when a prompt copies the head of it (a partly shared page).
+    Every eviction takes the model's least recently released page, with every cached page under
+    it, and nothing else."""
+    rng = random.Random(seed)
+    cache = PrefixCache(layout(num_pages=12, ckpt_slots=0, blocks=200, recurrent=False), CheckpointPolicy("all"), PS,
+                        recurrent=False)
+    root = root_hash("model", PS, None)
+    lru: OrderedDict[bytes, None] = OrderedDict()  # evictable pages, least recently released first
+    parent: dict[bytes, bytes | None] = {}
+    history: list[list[int]] = []
+    evictions = 0
+    for i in range(400):
+        if history and rng.random() < 0.7:
+            base = rng.choice(history)
+            tokens = base[:rng.randint(0, len(base))] + [rng.randint(0, 3) for _ in range(rng.randint(1, 12))]
+        else:
+            tokens = [rng.randint(0, 3) for _ in range(rng.randint(1, 24))]
+        history.append(tokens)
+        seq = Sequence(f"s{i}", tokens, SamplingParams(max_tokens=1), hash_root=root)
+        m = cache.match(seq)
+        hits = seq.cache.page_hashes[:m.hit_pages]
+        if not cache.can_admit(seq, m, len(tokens) - m.resume_token):
+            continue
+        copied = cache.pages.hash_of(m.copy_from) if m.copy_from is not None else None  # a partly shared page
+        for h in hits + [copied] * (copied is not None):  # held again (the copied one while it is read)
+            lru.pop(h, None)
+        cache.admit(seq, m, len(tokens) - m.resume_token)
+        for event in cache.drain_events():
+            if isinstance(event, PagesRemoved):
+                gone = set(event.hashes)
+                top = [h for h in gone if parent[h] not in gone]
+                assert top == [next(iter(lru))], "the least recently released page goes first"
+                under = {h for h in lru if any(a == top[0] for a in ancestors(h, parent))}
+                assert gone == {top[0]} | under, "with every cached page under it, and nothing else"
+                for h in gone:
+                    del lru[h]
+                evictions += 1
+        if copied is not None:  # read for its head, then released: just used
+            lru[copied] = None
+        seq.num_computed = len(tokens)
+        cache.register_pages(seq)
+        chain = seq.cache.page_hashes[:len(tokens) // PS]
+        for j, h in enumerate(chain):
+            parent[h] = chain[j - 1] if j else None
+        cache.end_pass()
+        cache.release(seq)  # tail first: the chain's head is the most recently released
+        for h in reversed(chain):
+            lru[h] = None
+            lru.move_to_end(h)
+        cache.drain_events()
+        cache.check()
+    assert evictions > 20
+
+
+def ancestors(page_hash: bytes, parent: dict[bytes, bytes | None]):
+    while parent.get(page_hash) is not None:
+        page_hash = parent[page_hash]
+        yield page_hash
