@@ -1,8 +1,11 @@
-"""Every command README.md shows works as written, or names the check that runs it.
+"""Every command the README and its docs pages show works as written, or names its check.
 
-The commands are read from the README's bash blocks (a trailing backslash joins lines, comments
-are dropped). CHECKS says how each is checked; a command the README gains without an entry, or
-an entry the README no longer shows, fails the first test. Benchmarks run as written plus
+The commands are read from the bash blocks of README.md, docs/serving.md and docs/operations.md
+(DOCS; a trailing backslash joins lines, comments are dropped), wherever each now lives. CHECKS
+says how each is checked; a command a page gains without an entry, or an entry no page shows any
+longer, fails the first test. The README's Python blocks run too: its first screen's chat,
+against `cairn serve --replicas 1`, must print exactly the cached_tokens the README shows after
+it, and its engine example must run on a checkpoint. Benchmarks run as written plus
 `--quick` (each has one), from the repository root, with this checkout first on the import path,
 a fresh CAIRN_HOME that holds the tiny demo model, and CAIRN_BENCH_OUT in a temporary folder, so
 a real run's plots are never overwritten. They take two to three and a half minutes together on
@@ -25,9 +28,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import free_port
+from tests.support.ray_checks import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
+DOCS = ("README.md", "docs/serving.md", "docs/operations.md")  # where the commands may live
 README = (ROOT / "README.md").read_text()
 
 
@@ -50,28 +54,32 @@ CURL = ("curl -s http://127.0.0.1:8000/v1/chat/completions -H 'content-type: app
 SERVE_TEST = "def test_cairn_serve_deploys_local_yaml_when_no_config_is_given("
 
 CHECKS: dict[str, object] = {
-    # .ci/run, what CI runs, is this setup and this test command; `cairn serve` reading
-    # configs/local.yaml is tests/test_configs.py's, and what it deploys is tests/test_cluster.py's.
+    # README.md: the two commands. .ci/run, what CI runs, is this setup and this test command;
+    # `cairn serve` reading configs/local.yaml is tests/cluster/test_configs.py's, and what it
+    # deploys is tests/ray/test_cluster.py's. The chat after them: test_the_chat_example_prints_....
     "bash .ci/setup && cairn serve": Elsewhere(((".ci/run", "bash .ci/setup"),
-                                                ("tests/test_configs.py", SERVE_TEST))),
+                                                ("tests/cluster/test_configs.py", SERVE_TEST))),
     "bash .ci/setup && python3 -m pytest -q": Elsewhere(((".ci/run", "bash .ci/setup\npython3 -m pytest -q"),)),
+    # docs/serving.md: the first request
     CURL: "test_the_curl_example_gets_an_answer_with_its_cached_tokens",
-    # A real `ray up` needs a cloud: what it reads is checked by Ray's own schemas, and by a check that
-    # no node dials another's loopback (tests/test_configs.py).
-    "ray up configs/cluster.yaml": Elsewhere((("tests/test_configs.py", "def test_cluster_yaml_passes_rays_autoscaler"),
-                                              ("tests/test_configs.py", "def test_nothing_in_a_cluster_config_dials"))),
+    # README.md: the cluster guide. A real `ray up` needs a cloud: what it reads is checked by Ray's
+    # own schemas, and by a check that no node dials another's loopback (tests/cluster/test_configs.py).
+    "ray up configs/cluster.yaml": Elsewhere((("tests/cluster/test_configs.py", "def test_cluster_yaml_passes_rays_autoscaler"),
+                                              ("tests/cluster/test_configs.py", "def test_nothing_in_a_cluster_config_dials"))),
     "ray exec configs/cluster.yaml 'cd ~/cairn && serve deploy configs/serve.yaml'": Elsewhere(
-        (("tests/test_configs.py", "def test_serve_yaml_is_a_serve_deploy_config"),)),
+        (("tests/cluster/test_configs.py", "def test_serve_yaml_is_a_serve_deploy_config"),)),
     "ray exec configs/cluster.yaml 'serve status'": Elsewhere((("configs/cluster.yaml", "cluster_name: cairn"),)),
     "ray get-head-ip configs/cluster.yaml": Elsewhere((("configs/serve.yaml", "port: 8000"),)),
     "ray down configs/cluster.yaml": Elsewhere((("configs/cluster.yaml", "cluster_name: cairn"),)),
+    # docs/operations.md: a demo model of another family, written then served
+    "cairn demo-model /tmp/cairn-qwen3_5 --arch qwen3_5_moe": "test_the_qwen3_5_demo_model_is_written_then_served",
+    "cairn serve --model /tmp/cairn-qwen3_5": "test_the_qwen3_5_demo_model_is_written_then_served",
+    # docs/operations.md: the benchmarks
     "python3 benchmarks/throughput.py": Quick("ratio cairn 4 concurrent / transformers static batch:",
                                               "throughput.png"),
     "python3 benchmarks/multiturn.py": Quick("cairn hit tokens / best baseline", "multiturn.png"),
     "python3 benchmarks/multiturn.py --arch qwen3_5": Quick("model: tiny qwen3_5 demo", "multiturn.png"),
     "python3 benchmarks/multiturn.py --device-budget 0.25 --host-budget 4": Quick("with the tier:"),
-    "cairn demo-model /tmp/cairn-qwen3_5 --arch qwen3_5_moe": "test_the_qwen3_5_demo_model_is_written_then_served",
-    "cairn serve --model /tmp/cairn-qwen3_5": "test_the_qwen3_5_demo_model_is_written_then_served",
     "python3 benchmarks/routing.py --quick": Quick("cache_affinity vs pow2", "routing.png"),
     "python3 benchmarks/index_scoring.py": Quick("prompt through the actor: p50"),
     "python3 benchmarks/overhead.py": Quick("x goal"),
@@ -85,8 +93,8 @@ CHECKS: dict[str, object] = {
     "python3 benchmarks/peers.py --budget 0.25": Elsewhere((("benchmarks/peers.py", "args.budget * working_set_bytes"),)),
     "python3 benchmarks/peers.py --cluster": Elsewhere((("benchmarks/peers.py", "CLUSTER_BUILDERS if args.cluster"),
                                                         ("benchmarks/peer_proxy.py", "x-peer-backend"))),
-    # tests/test_step_syncs.py runs it (its counts are what that test asserts)
-    "python3 benchmarks/step_cost.py": Elsewhere((("tests/test_step_syncs.py", '"benchmarks/step_cost.py", "--json"'),)),
+    # tests/workers/test_step_syncs.py runs it (its counts are what that test asserts)
+    "python3 benchmarks/step_cost.py": Elsewhere((("tests/workers/test_step_syncs.py", '"benchmarks/step_cost.py", "--json"'),)),
     "python3 benchmarks/kernel_speed.py": "test_kernel_speed_without_cuda_exits_saying_it_needs_a_cuda_device",
     "bash benchmarks/gpu_check.sh": "test_gpu_check_without_a_gpu_exits_saying_so",
 }
@@ -104,7 +112,8 @@ def strip_comment(line: str) -> str:
     return line
 
 
-def readme_commands(text: str) -> list[str]:
+def doc_commands(text: str) -> list[str]:
+    """The commands of one page's bash blocks."""
     commands, pending = [], ""
     for block in re.findall(r"^```bash\n(.*?)^```", text, re.S | re.M):
         for line in block.splitlines():
@@ -116,6 +125,15 @@ def readme_commands(text: str) -> list[str]:
                 commands.append(pending + line)
             pending = ""
     return commands
+
+
+def shown_commands() -> list[str]:
+    """Every command the pages of DOCS show, in their order."""
+    return [c for doc in DOCS for c in doc_commands((ROOT / doc).read_text())]
+
+
+def python_blocks(text: str) -> list[str]:
+    return re.findall(r"^```python\n(.*?)^```", text, re.S | re.M)
 
 
 @pytest.fixture(scope="module")
@@ -140,13 +158,18 @@ def tail(proc: subprocess.CompletedProcess) -> str:
     return f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-3000:]}"
 
 
-def test_every_command_the_readme_shows_is_checked_here():
-    shown = readme_commands(README)
-    assert len(shown) == len(set(shown))
+def test_the_command_reader_joins_lines_and_drops_comments():
+    text = "```bash\nls -a \\\n  /tmp   # where\n# a note\necho '#x'\n```\n```python\nprint()\n```\n"
+    assert doc_commands(text) == ["ls -a /tmp", "echo '#x'"]
+
+
+def test_every_command_the_readme_and_docs_show_is_checked_here():
+    shown = shown_commands()
+    assert len(shown) == len(set(shown)), "a command is shown twice: show it on one page, link to it from the others"
     unchecked = [c for c in shown if c not in CHECKS]
-    assert not unchecked, f"README.md shows commands no test checks; add each to CHECKS: {unchecked}"
+    assert not unchecked, f"{', '.join(DOCS)} show commands no test checks; add each to CHECKS: {unchecked}"
     stale = [c for c in CHECKS if c not in shown]
-    assert not stale, f"CHECKS holds commands README.md no longer shows: {stale}"
+    assert not stale, f"CHECKS holds commands none of {', '.join(DOCS)} shows any longer: {stale}"
     for command, check in CHECKS.items():
         if isinstance(check, str):
             assert callable(globals().get(check)), f"{command!r} names {check}, which is not a test here"
@@ -217,7 +240,7 @@ def serve_one_engine(env: dict[str, str], *args: str) -> tuple[subprocess.Popen,
 
 
 def test_the_curl_example_gets_an_answer_with_its_cached_tokens(env):
-    """The README's request, sent to `cairn serve --replicas 1` (one engine, no Ray) on a free port."""
+    """docs/serving.md's request, sent to `cairn serve --replicas 1` (one engine, no Ray) on a free port."""
     server, port = serve_one_engine(env)
     try:
         proc = run(CURL.replace("127.0.0.1:8000", f"127.0.0.1:{port}"), env, timeout=60)
@@ -232,10 +255,10 @@ def test_the_curl_example_gets_an_answer_with_its_cached_tokens(env):
 
 
 def test_the_qwen3_5_demo_model_is_written_then_served(env, tmp_path):
-    """The README's two commands, into a temporary folder; served as `cairn serve --replicas 1`
-    (a cluster serving the same model is tests/test_cluster.py's)."""
+    """docs/operations.md's two commands, into a temporary folder; served as `cairn serve --replicas 1`
+    (a cluster serving the same model is tests/ray/test_cluster.py's)."""
     out = tmp_path / "cairn-qwen3_5"
-    (write,) = [c for c in readme_commands(README) if c.startswith("cairn demo-model /tmp/cairn-qwen3_5")]
+    (write,) = [c for c in shown_commands() if c.startswith("cairn demo-model /tmp/cairn-qwen3_5")]
     proc = run(write.replace("/tmp/cairn-qwen3_5", str(out)).replace("cairn ", f"{sys.executable} -m cluster.cli ", 1),
                env, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == str(out), tail(proc)
@@ -256,9 +279,39 @@ def test_the_qwen3_5_demo_model_is_written_then_served(env, tmp_path):
 
 
 def test_the_python_example_runs_on_a_checkpoint(env, tiny_model_dir):
-    (code,) = re.findall(r"^```python\n(.*?)^```", README, re.S | re.M)
+    (code,) = [block for block in python_blocks(README) if "from workers import Engine" in block]
     assert '"path/to/checkpoint"' in code
     proc = subprocess.run([sys.executable, "-c", code.replace("path/to/checkpoint", str(tiny_model_dir))],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, tail(proc)
     assert re.fullmatch(r"\[\d+(, \d+)*\] 0 (length|stop)\n", proc.stdout), tail(proc)  # ids, cached, reason
+
+
+CHAT = re.compile(r"^```python\n(from openai import OpenAI\n.*?)^```\n\n```text\n(.*?)^```\n", re.S | re.M)
+TURN = re.compile(r"^turn (\d+): prompt_tokens (\d+), cached_tokens (\d+)$", re.M)
+
+
+def test_the_chat_example_prints_the_cached_tokens_the_readme_shows(env):
+    """The README's first screen: its five-turn chat through the `openai` client, run as written
+    against `cairn serve --replicas 1` (one engine, no Ray; `cairn serve`'s two replicas keep a
+    conversation on one, as tests/ray/test_cluster.py checks) in float32, prints exactly the block
+    shown after it, whose cached_tokens start at 0, grow every turn and reach the previous prompt."""
+    (match,) = CHAT.finditer(README)
+    code, shown = match.groups()
+    assert README[:match.end()].count("\n") <= 50, "the chat and what it printed are on the README's first screen"
+    assert code.count('"http://127.0.0.1:8000/v1"') == 1 and 'model="demo-tiny"' in code
+    assert "prompt_tokens_details.cached_tokens" in code
+    turns = [tuple(map(int, m)) for m in TURN.findall(shown)]
+    assert [n for n, _, _ in turns] == [1, 2, 3, 4, 5] and len(shown.splitlines()) == 5, shown
+    cached = [c for _, _, c in turns]
+    assert cached[0] == 0 and all(a < b for a, b in zip(cached, cached[1:])), f"cached_tokens grow: {cached}"
+    assert all(c >= prompt for (_, prompt, _), (_, _, c) in zip(turns, turns[1:])), turns
+    server, port = serve_one_engine(dict(env, CAIRN_DTYPE="float32"))
+    try:
+        proc = subprocess.run([sys.executable, "-c", code.replace("127.0.0.1:8000", f"127.0.0.1:{port}")],
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+        assert proc.returncode == 0, tail(proc)
+        assert proc.stdout == shown, f"README.md shows\n{shown}but the chat printed\n{proc.stdout}"
+    finally:
+        server.terminate()
+        server.wait(timeout=30)

@@ -14,6 +14,7 @@ from cluster.api import APIOptions, build_app
 from cluster.api.engine_client import LocalEngineClient
 from cluster.api.server import BackgroundServer
 from workers import AsyncEngine, EngineSpec
+from workers.metrics import EngineMetrics
 
 MODEL, KEY = "tiny", "k3y"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -248,7 +249,7 @@ class FaultyClient:
         return False
 
     async def metrics(self):
-        return {}
+        return EngineMetrics()
 
     def num_waiting(self):
         return self.waiting

@@ -4,6 +4,7 @@ check what reaches the engine, and `background_apps` to serve several apps at on
 from __future__ import annotations
 
 from contextlib import ExitStack, contextmanager
+from workers.metrics import EngineMetrics
 
 
 
@@ -28,7 +29,7 @@ class OneTokenClient:
         return False
 
     async def metrics(self):
-        return {}
+        return EngineMetrics()
 
     def num_waiting(self):
         return 0
