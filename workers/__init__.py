@@ -17,7 +17,7 @@ from workers.lazy import lazy_exports
 
 _WHERE = {
     "AsyncEngine": "workers.async_engine", "demo_model_dir": "workers.demo", "Engine": "workers.engine",
-    "RequestOutput": "workers.engine", "EngineError": "workers.errors", "RequestRejected": "workers.errors",
+    "RequestOutput": "workers.output", "EngineError": "workers.errors", "RequestRejected": "workers.errors",
     "ModelNotFound": "workers.model_source", "ModelSource": "workers.model_source",
     "EngineOptions": "workers.options", "MAX_SEED": "workers.sampling_params",
     "SamplingParams": "workers.sampling_params", "TokenLogprob": "workers.sequence", "EngineSpec": "workers.spec",

@@ -37,9 +37,10 @@ from pathlib import Path
 
 from cache_service.events import EventBatch
 from workers.cache.transfer import FetchPlan, ResumeExport
-from workers.engine import Engine, RequestOutput
+from workers.engine import Engine
 from workers.errors import EngineBroken, EngineError, RequestRejected
 from workers.metrics import EngineMetrics
+from workers.output import RequestOutput
 from workers.sampling_params import SamplingParams
 from workers.request import ExportRequest, GenerateRequest
 from workers.spec import EngineSpec
@@ -177,8 +178,8 @@ class AsyncEngine:
         return await self._call(self.engine.cache_contents)
 
     async def export_resume(self, ask: ExportRequest) -> ResumeExport | None:
-        """`Engine.export_resume` for a peer's ask, on the engine thread, between steps."""
-        return await self._call(self.engine.export_resume, ask.page_hashes, ask.first, ask.depth)
+        """`PeerFetches.export` for a peer's ask, on the engine thread, between steps."""
+        return await self._call(self.engine.fetches.export, ask.page_hashes, ask.first, ask.depth)
 
     async def call(self, fn, *args):
         """Runs `fn(engine, *args)` on the engine thread, between steps (tests, admin)."""

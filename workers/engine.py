@@ -1,12 +1,15 @@
 """The engine: requests in, tokens out, one step at a time. No Ray, no asyncio.
 
 `Engine.from_pretrained(dir, **options)` loads a checkpoint (see workers.model.loader) and lays
-out the cache's arena from `EngineOptions` (workers.cache.arena). `add_request` validates a prompt and
-queues it; `step` is the loop's body: the scheduler plans, the runner runs the model once, the
-sampler picks tokens, the scheduler applies the step (`postprocess`), and a `RequestOutput` comes
-back for every request that produced a token or finished; `generate` runs a batch to completion.
-A request that can never fit (prompt beyond `max_model_len`, more pages than the arena holds
-beside a state) is refused with `RequestRejected` at `add_request`, never halfway through.
+out the cache's arena from `EngineOptions` (workers.cache.arena). `add` checks a request
+(`workers.request_check`: one that can never fit, a prompt beyond `max_model_len` or more pages
+than the arena holds beside a state, is refused with `RequestRejected` there, never halfway
+through) and queues it, or holds it while its grammar compiles or its resume point is fetched
+from a peer (`workers.peer_fetches`); `add_request` is `add` from loose fields. `step` is the
+loop's body: the scheduler plans, the runner runs the model once, the sampler picks tokens, the
+scheduler applies the step (`postprocess`), and a `RequestOutput` (`workers.output`) comes back
+for every request that produced a token or finished; `generate` runs a batch to completion, and
+says at once which requests can never finish if the engine has nothing left to run.
 
 Stops: EOS ids from config.json and generation_config.json (unless `ignore_eos`),
 `stop_token_ids`, `max_tokens`, or the model's length (`finish_reason` "stop" / "length";
@@ -19,15 +22,14 @@ import itertools
 import json
 import logging
 import time
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from cache_service.events import EventBatch, EventStream
-from cache_service.hashing import DIGEST_BYTES, model_fingerprint
+from cache_service.hashing import model_fingerprint
 from workers.cache import transfer
 from workers.cache.arena import ArenaLayout
 from workers.cache.checkpoint_policy import CheckpointPolicy
@@ -35,6 +37,8 @@ from workers.cache.device_budget import graph_reserve_bytes, sized
 from workers.cache.prefix_cache import Match, PrefixCache
 from workers.cache.transfer import FetchPlan, ResumeExport
 from workers.errors import EngineBroken, EngineError, RequestRejected, SequenceFault
+from workers.output import EngineStats, RequestOutput
+from workers.peer_fetches import PeerFetches
 from workers.grammar import Grammars
 from workers.metrics import EngineMetrics
 from workers.model import HybridForCausalLM, ModelConfig, load_model, read_model_config
@@ -42,6 +46,7 @@ from workers.model.sharding import shard_config
 from workers.options import EngineOptions
 from workers.plan import BlockCopy, Segment, StepPlan
 from workers.request import GenerateRequest
+from workers.request_check import check
 from workers.runner import ModelRunner
 from workers.sampler import Sampler
 from workers.sampling_params import SamplingParams
@@ -51,39 +56,6 @@ from workers.spec import EngineSpec
 from workers.tp_runner import RankWorkers, TensorParallelRunner, free_address, load_rank_model
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class RequestOutput:
-    """What one step produced for one request: its new tokens, and on the last output (finished)
-    every output token. Small on purpose: a step's outputs cross a process boundary (Ray) once per
-    token, so nothing in them grows with the sequence except on the finished one."""
-    request_id: str
-    new_token_ids: list[int]  # output tokens produced by this step
-    new_logprobs: list[TokenLogprob] | None  # one per new token, when asked
-    num_output_tokens: int  # output tokens so far, these included
-    cached_tokens: int
-    finish_reason: str | None = None
-    num_preemptions: int = 0
-    worker_id: str = "local"  # the engine that produced it (its cache index worker id)
-    token_ids: list[int] | None = None  # every output token: on the finished output only
-    logprobs: list[TokenLogprob] | None = None  # every output token's, when asked: finished only
-    error: str | None = None  # finish_reason "error": what failed, for the client
-    queue_s: float | None = None  # seconds from add_request to its first admission: on its first token's output
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-@dataclass
-class EngineStats:
-    steps: int = 0
-    prompt_tokens: int = 0
-    computed_tokens: int = 0
-    generated_tokens: int = 0
-    cached_tokens: int = 0
-    preemptions: int = 0
 
 
 def generation_eos_ids(model_dir: Path) -> frozenset[int]:
@@ -153,12 +125,11 @@ class Engine:
         self._requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self.broken: str | None = None  # why the engine can run nothing more (EngineBroken)
-        self.fetch_counts = dict(fetches=0, fetched_pages=0, fetched_bytes=0, exported_bytes=0)
-        self.fetch_fallbacks: dict[str, int] = {}
+        self.fetches = PeerFetches(self.cache, lambda: transfer.BlockIO(self.runner.read_blocks,
+                                                                         self.flush_block_copies),
+                                   options.tensor_parallel_size > 1)
         self.on_runnable: Callable[[], None] | None = None  # called from other threads when held work may run
         self._held: list[Sequence] = []  # held back until their grammars compile and their fetches arrive
-        self._fetching: dict[str, FetchPlan] = {}  # held requests' fetches under way, by request id
-        self._deliveries: deque[tuple[str, ResumeExport | str | None]] = deque()  # arrived (deliver_fetch)
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, **options: object) -> "Engine":
@@ -245,56 +216,20 @@ class Engine:
         if self.broken is not None:
             raise EngineBroken(self.broken)
         params, request_id = request.params, request.request_id
-        prompt = list(request.prompt_token_ids)
-        spec = self.spec
-        if not prompt:
-            raise RequestRejected("prompt must hold at least one token", "prompt")
-        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < spec.vocab_size for t in prompt):
-            raise RequestRejected(f"prompt token ids must be integers in [0, {spec.vocab_size})", "prompt")
-        if any(t >= spec.vocab_size for t in params.stop_token_ids):
-            raise RequestRejected(f"stop_token_ids must be in [0, {spec.vocab_size})", "stop_token_ids")
-        if any(t >= spec.vocab_size for t, _ in params.logit_bias):
-            raise RequestRejected(f"logit_bias token ids must be in [0, {spec.vocab_size})", "logit_bias")
-        if len(prompt) >= spec.max_model_len:
-            raise RequestRejected(f"prompt has {len(prompt)} tokens; this model allows at most "
-                                  f"{spec.max_model_len - 1} (max_model_len {spec.max_model_len} minus one to "
-                                  f"generate)", "prompt")
-        total = min(len(prompt) + params.max_tokens, spec.max_model_len)
-        pages, layout = self.cache.pages_for_tokens(total), self.layout
-        if pages > layout.page_capacity or pages + layout.slot_blocks > layout.num_blocks:
-            raise RequestRejected(f"request needs {pages} KV pages for {total} tokens; the cache holds "
-                                  f"{min(layout.page_capacity, layout.num_blocks - layout.slot_blocks)} beside "
-                                  f"its state", "prompt")
-        hash_root, page_hashes = request.hash_root, request.page_hashes
-        if hash_root is None:
-            hash_root = spec.hash_root()
-        elif not isinstance(hash_root, bytes) or len(hash_root) != DIGEST_BYTES:
-            raise RequestRejected(f"hash_root must be {DIGEST_BYTES} bytes (EngineSpec.hash_root)", "hash_root")
-        whole = len(prompt) // spec.page_size
-        if page_hashes is not None and (len(page_hashes) != whole or not all(
-                isinstance(h, bytes) and len(h) == DIGEST_BYTES for h in page_hashes)):
-            raise RequestRejected(f"page_hashes must be {whole} hashes of {DIGEST_BYTES} bytes, one per whole page",
-                                  "page_hashes")
-        hints = tuple(sorted({int(h) for h in request.checkpoint_hints or () if 0 < int(h) < len(prompt)}))
-        if params.grammar is not None:
-            if self.sampler.grammars is None:
-                raise RequestRejected("this engine has no tokenizer to compile grammars with", "grammar")
-            if any(not 0 <= t < spec.vocab_size for t in params.grammar.think or ()):
-                raise RequestRejected(f"a grammar's think tags must be token ids in [0, {spec.vocab_size})", "grammar")
+        checked = check(request, self.spec, self.layout, self.sampler.grammars is not None)
         if request_id in self._requests:
             raise RequestRejected(f"request_id {request_id!r} is already in use", "request_id")
-        seq = Sequence(request_id, prompt, params, hash_root=hash_root, hints=hints, max_total_tokens=total,
-                       tenant=request.tenant)
-        if page_hashes:
-            self.cache.adopt_hashes(seq, page_hashes)
+        seq = Sequence(request_id, checked.prompt, params, hash_root=checked.hash_root, hints=checked.hints,
+                       max_total_tokens=checked.total_tokens, tenant=request.tenant)
+        if request.page_hashes:
+            self.cache.adopt_hashes(seq, request.page_hashes)
         self._requests[request_id] = seq
-        hint = request.fetch
-        plan = None
-        if fetch and hint is not None and hint.holder != self.worker_id and page_hashes:
-            plan = self.fetch_plan(page_hashes, len(prompt), hint.depth)
+        hint, plan = request.fetch, None
+        if fetch and hint is not None and hint.holder != self.worker_id and request.page_hashes:
+            plan = self.fetches.plan(request.page_hashes, len(checked.prompt), hint.depth)
         if plan is not None:  # held until the holder's export is delivered
             seq.fetch_pending = True
-            self._fetching[request_id] = plan
+            self.fetches.hold(request_id, plan)
         compiled = None if params.grammar is None else self.sampler.grammars.prepare(params.grammar)
         if compiled is not None and not compiled.done():  # held back while its grammar compiles, in the
             seq.grammar_pending = True                       # background: a slow grammar stalls no other
@@ -303,7 +238,7 @@ class Engine:
             self._held.append(seq)
         else:
             self.scheduler.add(seq)
-        self.stats.prompt_tokens += len(prompt)
+        self.stats.prompt_tokens += len(checked.prompt)
         return plan
 
     def deliver_fetch(self, request_id: str, export: ResumeExport | str | None) -> None:
@@ -311,25 +246,9 @@ class Engine:
         there is none (a fallback reason: "timeout", "holder_failed", "evicted"; None: nothing
         was asked). Safe from any thread: it is adopted at the start of the next step, before
         the request is scheduled, so fetching and admitting cross to the engine's thread once."""
-        self._deliveries.append((request_id, export))
+        self.fetches.deliver(request_id, export)
         if self.on_runnable is not None:
             self.on_runnable()
-
-    def _adopt_deliveries(self) -> None:
-        while self._deliveries:
-            request_id, export = self._deliveries.popleft()
-            seq, plan = self._requests.get(request_id), self._fetching.pop(request_id, None)
-            if seq is None or plan is None:
-                continue  # aborted meanwhile
-            seq.fetch_pending = False
-            try:
-                if isinstance(export, str):
-                    self.count_fetch_fallback(export)
-                elif export is not None:
-                    self.import_resume(export, seq.cache.page_hashes, plan.first)
-            except Exception:  # a broken export must not fail the request: it recomputes
-                log.exception("adopting a fetched resume point for %s failed", request_id)
-                self.count_fetch_fallback("refused")
 
     def _grammar_compiled(self, seq: Sequence) -> None:
         """On the compiling thread: the sequence may be scheduled at the next step (a compile that
@@ -352,7 +271,7 @@ class Engine:
             return None
         if seq in self._held:
             self._held.remove(seq)
-            self._fetching.pop(request_id, None)
+            self.fetches.drop(request_id)
         self.scheduler.finish(seq, "abort")
         return self._output(seq, [], [])
 
@@ -362,7 +281,7 @@ class Engine:
     def has_runnable(self) -> bool:
         """A step would compute something now (every unfinished request may be paused, or held
         while its grammar compiles or its fetch is under way)."""
-        return self.scheduler.has_runnable_work() or bool(self._deliveries) or \
+        return self.scheduler.has_runnable_work() or self.fetches.has_deliveries or \
             any(not (s.grammar_pending or s.fetch_pending) for s in self._held)
 
     def pause(self, request_id: str, paused: bool = True) -> None:
@@ -379,8 +298,8 @@ class Engine:
         request alone (finish_reason "error", `error` says why); a failed forward pass fails the
         requests of that step, never those waiting. `EngineBroken` (a tensor-parallel rank lost)
         is raised: the engine is done, and `broken` says why."""
-        if self._deliveries:
-            self._adopt_deliveries()
+        if self.fetches.has_deliveries:
+            self.fetches.adopt(self._requests)
         if self._held:
             self._release_held()
         plan = self.scheduler.schedule()
@@ -526,47 +445,6 @@ class Engine:
         host_pages, host_states = self.cache.host_snapshot()
         return frozenset(h for h, _ in host_pages), frozenset(host_states)
 
-    # ---- fetching a resume point from a peer (workers.cache.transfer) -------------------------
-    def fetch_plan(self, page_hashes: list[bytes], num_tokens: int, depth: int):
-        """What to ask a peer resuming this prompt at `depth` pages for (None: nothing)."""
-        if self.options.tensor_parallel_size > 1:
-            return None  # not built under tensor parallelism (workers.cache.transfer)
-        return transfer.plan_fetch(self.cache, page_hashes, num_tokens, depth)
-
-    def export_resume(self, page_hashes: list[bytes], first: int, depth: int):
-        """A copy of pages [first, depth) of the chain and the checkpoint at `depth`, for a peer;
-        None if they are no longer all here."""
-        if self.options.tensor_parallel_size > 1:
-            return None
-        out = transfer.export_resume(self.cache, self._block_io, page_hashes, first, depth)
-        if out is not None:
-            self.fetch_counts["exported_bytes"] += out.nbytes
-        return out
-
-    def import_resume(self, export, page_hashes: list[bytes], first: int) -> int:
-        """Adopts a peer's export (pages imported). An import the request cannot resume from is
-        counted as a fallback, by reason (`refused`: nothing imported; `no_checkpoint_slot`: the
-        pages came, the checkpoint found no state slot), and not as a fetch: the request
-        recomputes from the deepest resume point it has here."""
-        pages, missing = (0, "refused") if self.options.tensor_parallel_size > 1 else \
-            transfer.import_resume(self.cache, self._block_io, export, page_hashes, first)
-        if missing is not None:
-            self.count_fetch_fallback(missing)
-        elif pages or export.checkpoint is not None:
-            self.fetch_counts["fetches"] += 1
-            self.fetch_counts["fetched_pages"] += pages
-            self.fetch_counts["fetched_bytes"] += export.nbytes
-        return pages
-
-    def count_fetch_fallback(self, reason: str) -> None:
-        """A fetch that did not happen (the holder evicted it, died, timed out, refused): the
-        request recomputes; `reason` labels the counter."""
-        self.fetch_fallbacks[reason] = self.fetch_fallbacks.get(reason, 0) + 1
-
-    @property
-    def _block_io(self) -> transfer.BlockIO:
-        return transfer.BlockIO(self.runner.read_blocks, self.flush_block_copies)
-
     def flush_block_copies(self, extra: list[BlockCopy] = (), staging=None) -> None:
         """Makes the block copies the cache queued (then `extra`, reading `staging`) now,
         between steps, instead of before the next step."""
@@ -582,37 +460,7 @@ class Engine:
         """Counters and gauges for /metrics and routing (`workers.metrics`): tokens (prompt,
         cached, computed, generated), pages and checkpoint state in use, the cache's bytes and
         tiers, fetches, checkpoints by kind, and the measured host-copy and prefill rates."""
-        cache, stats, cost = self.cache, self.cache.stats, self.cache.tier_cost
-        policy = self.policy.summary()
-        return EngineMetrics(
-            steps=self.stats.steps, prompt_tokens=self.stats.prompt_tokens, cached_tokens=self.stats.cached_tokens,
-            computed_tokens=self.stats.computed_tokens, generated_tokens=self.stats.generated_tokens,
-            preemptions=self.stats.preemptions, running_requests=len(self.scheduler.running),
-            waiting_requests=len(self.scheduler.waiting),
-            pages_total=self.layout.page_capacity, pages_held=cache.pages.num_held, pages_cached=cache.pages.num_cached,
-            checkpoints_stored=cache.checkpoints.num_stored, state_bytes=cache.checkpoint_bytes,
-            cache_used_bytes=cache.used_bytes, cache_budget_bytes=cache.budget_bytes,
-            pages_evicted_total=stats.pages_evicted, checkpoints_stored_total=stats.checkpoints_stored,
-            checkpoints_used_total=stats.checkpoints_used, checkpoints_evicted_total=stats.checkpoints_evicted,
-            checkpoints_without_slot_total=stats.checkpoints_without_slot,
-            checkpoints_to_host_total=stats.checkpoints_to_host,
-            promotions_overlapped_total=self.scheduler.overlapped_promotions,
-            host_cache_budget_bytes=self.layout.host_blocks * self.layout.block_bytes,
-            host_cache_used_bytes=cache.host.used_blocks * self.layout.block_bytes,
-            host_pages=len(cache.host.pages), host_checkpoints=len(cache.host.checkpoints),
-            pages_demoted_total=stats.pages_demoted, checkpoints_demoted_total=stats.checkpoints_demoted,
-            pages_promoted_total=stats.pages_promoted, checkpoints_from_host_total=stats.checkpoints_from_host,
-            host_pages_evicted_total=cache.host.pages_evicted,
-            host_checkpoints_evicted_total=cache.host.checkpoints_evicted,
-            bytes_to_host_total=stats.bytes_to_host, bytes_to_device_total=stats.bytes_to_device,
-            fetches_total=self.fetch_counts["fetches"], fetched_pages_total=self.fetch_counts["fetched_pages"],
-            fetched_bytes_total=self.fetch_counts["fetched_bytes"],
-            exported_bytes_total=self.fetch_counts["exported_bytes"],
-            fetch_fallbacks_total=dict(self.fetch_fallbacks),
-            tier_hit_tokens_total={tier: self.scheduler.hit_tokens_by_tier.get(tier, 0) for tier in ("device", "host")},
-            checkpoints_admitted_total={kind: rec["admitted"] for kind, rec in policy.items()},
-            checkpoint_hits_total={kind: rec["hits"] for kind, rec in policy.items()},
-            host_copy_bytes_per_s=cost.bandwidth, prefill_tokens_per_s=cost.prefill_rate)
+        return EngineMetrics.of(self)
 
     def check(self) -> None:
         """Integrity check for idle moments and tests: the cache's pools, arena and LRU agree."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 LABELLED = ("fetch_fallbacks_total", "tier_hit_tokens_total", "checkpoints_admitted_total", "checkpoint_hits_total")
 MEASURED = ("host_copy_bytes_per_s", "prefill_tokens_per_s")
@@ -73,6 +74,40 @@ class EngineMetrics:
     host_copy_bytes_per_s: float | None = None
     prefill_tokens_per_s: float | None = None
     worker_id: str | None = None  # stamped by the replica that reports it
+
+    @classmethod
+    def of(cls, engine: Any) -> EngineMetrics:
+        """A `workers.engine.Engine`'s numbers now (on its thread, between steps)."""
+        cache, stats, totals, fetches = engine.cache, engine.cache.stats, engine.stats, engine.fetches
+        layout, scheduler, cost, policy = engine.layout, engine.scheduler, engine.cache.tier_cost, engine.policy.summary()
+        return cls(
+            steps=totals.steps, prompt_tokens=totals.prompt_tokens, cached_tokens=totals.cached_tokens,
+            computed_tokens=totals.computed_tokens, generated_tokens=totals.generated_tokens,
+            preemptions=totals.preemptions, running_requests=len(scheduler.running),
+            waiting_requests=len(scheduler.waiting),
+            pages_total=layout.page_capacity, pages_held=cache.pages.num_held, pages_cached=cache.pages.num_cached,
+            checkpoints_stored=cache.checkpoints.num_stored, state_bytes=cache.checkpoint_bytes,
+            cache_used_bytes=cache.used_bytes, cache_budget_bytes=cache.budget_bytes,
+            pages_evicted_total=stats.pages_evicted, checkpoints_stored_total=stats.checkpoints_stored,
+            checkpoints_used_total=stats.checkpoints_used, checkpoints_evicted_total=stats.checkpoints_evicted,
+            checkpoints_without_slot_total=stats.checkpoints_without_slot,
+            checkpoints_to_host_total=stats.checkpoints_to_host,
+            promotions_overlapped_total=scheduler.overlapped_promotions,
+            host_cache_budget_bytes=layout.host_blocks * layout.block_bytes,
+            host_cache_used_bytes=cache.host.used_blocks * layout.block_bytes,
+            host_pages=len(cache.host.pages), host_checkpoints=len(cache.host.checkpoints),
+            pages_demoted_total=stats.pages_demoted, checkpoints_demoted_total=stats.checkpoints_demoted,
+            pages_promoted_total=stats.pages_promoted, checkpoints_from_host_total=stats.checkpoints_from_host,
+            host_pages_evicted_total=cache.host.pages_evicted,
+            host_checkpoints_evicted_total=cache.host.checkpoints_evicted,
+            bytes_to_host_total=stats.bytes_to_host, bytes_to_device_total=stats.bytes_to_device,
+            fetches_total=fetches.counts["fetches"], fetched_pages_total=fetches.counts["fetched_pages"],
+            fetched_bytes_total=fetches.counts["fetched_bytes"], exported_bytes_total=fetches.counts["exported_bytes"],
+            fetch_fallbacks_total=dict(fetches.fallbacks),
+            tier_hit_tokens_total={tier: scheduler.hit_tokens_by_tier.get(tier, 0) for tier in ("device", "host")},
+            checkpoints_admitted_total={kind: rec["admitted"] for kind, rec in policy.items()},
+            checkpoint_hits_total={kind: rec["hits"] for kind, rec in policy.items()},
+            host_copy_bytes_per_s=cost.bandwidth, prefill_tokens_per_s=cost.prefill_rate)
 
     def samples(self) -> Iterator[tuple[str, str | None, float]]:
         """Every number, as (name, kind label or None, value); unmeasured rates are left out."""

@@ -31,7 +31,7 @@ checkpoints committed, sampled tokens appended, and sequences that stop (EOS, a 
 
 Admission never livelocks: when nothing runs, the head of the queue is admitted cold (no hit
 pages held, no checkpoint pinned) if its deepest resume point does not fit, since a cold start
-always fits an idle cache (`add_request` refused what could never fit).
+always fits an idle cache (`Engine.add` refused what could never fit).
 
 Faults stay with their sequence: an exception in one sequence's admission, page reservation,
 sample, stop check or cache operation fails that sequence alone (`fail`: finish_reason "error",

@@ -39,14 +39,14 @@ def fetch(receiver, holder, tokens, salt=None, depth=None):
     hashes = receiver.spec.page_hashes(tokens, receiver.spec.hash_root(salt))
     if depth is None:
         depth = depth_on(holder, tokens, hashes)
-    plan = receiver.fetch_plan(hashes, len(tokens), depth)
+    plan = receiver.fetches.plan(hashes, len(tokens), depth)
     if plan is None:
         return None
-    export = holder.export_resume(hashes, plan.first, plan.depth)
+    export = holder.fetches.export(hashes, plan.first, plan.depth)
     if export is None:
-        receiver.count_fetch_fallback("evicted")
+        receiver.fetches.count_fallback("evicted")
         return 0
-    return receiver.import_resume(export, hashes, plan.first)
+    return receiver.fetches.import_(export, hashes, plan.first)
 
 
 @pytest.fixture(scope="module", params=["roomy", "tight"])
