@@ -154,8 +154,12 @@ def ray_hf_home(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def ray_session(ray_hf_home):
-    """One local Ray for the whole run (ray.init costs seconds and a gigabyte)."""
+    """One local Ray for the whole run (ray.init costs seconds and a gigabyte). A Ray an earlier
+    test left running (an in-process deploy) is shut down first, so the order tests run in does
+    not matter."""
     ray = pytest.importorskip("ray")
+    if ray.is_initialized():
+        ray.shutdown()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="cairn-tests",
              object_store_memory=80 * 1024 * 1024,
              runtime_env={"env_vars": {"HF_HOME": str(ray_hf_home), "HF_HUB_OFFLINE": "1"}})

@@ -9,7 +9,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PLAN_MAKING = sorted({p.relative_to(ROOT).as_posix() for p in (ROOT / "workers" / "cache").glob("*.py")}
                      - {"workers/cache/device_budget.py"}) + \
-    ["workers/scheduler.py", "workers/plan.py", "workers/sequence.py", "workers/sampling_params.py",
+    ["workers/scheduler.py", "workers/plan.py", "workers/slot.py", "workers/sequence.py", "workers/sequence_cache.py",
+     "workers/sampling_params.py",
      "workers/options.py", "workers/spec.py", "workers/tenant_queue.py"]
 
 

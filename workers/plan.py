@@ -8,15 +8,16 @@ runner carries it out, the scheduler's `postprocess` reads it back. Plain data, 
   swapped in), applied before the step.
 - `BlockCopy`: one arena block copied before the step (`kind` says between which tiers; the
   runner makes them in order, first of all).
-- `HostSlot`: a pending checkpoint written straight to host blocks (no device slot could be
-  had): where a device checkpoint slot is an int, a host one is this, so no id's sign means
-  anything.
+- `Commit.slot` and checkpoint slots are `workers.slot.Slot`s: a device slot (an int) or a
+  `HostSlot` (host blocks), so no id's sign means anything.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
+
+from workers.slot import Slot
 
 if TYPE_CHECKING:
     from workers.sequence import Sequence
@@ -34,20 +35,6 @@ class BlockCopy(NamedTuple):
     kind: str  # one of COPY_KINDS
     src: int  # block (or staging row, for IMPORT) read
     dst: int  # block written
-
-
-@dataclass(frozen=True)
-class HostSlot:
-    """A pending checkpoint on host blocks: the state is copied there from the sequence's slot
-    after the step (`StepPlan.host_snapshots`)."""
-    id: int  # unique among the cache's pending host slots
-    blocks: tuple[int, ...]  # the host blocks, slot_blocks of them
-
-    def __repr__(self) -> str:
-        return f"HostSlot({self.id})"
-
-
-Slot = int | HostSlot  # a checkpoint slot: a device arena slot, or host blocks
 
 
 @dataclass(slots=True)

@@ -46,11 +46,12 @@ import time
 
 from cache_service.events import HOST
 from workers.cache.checkpoint_policy import BRANCH, EVERY, CheckpointPolicy
+from workers.cache.prefix_cache import Match, PrefixCache
 from workers.errors import SequenceFault
 from workers.options import EngineOptions
-from workers.cache.prefix_cache import Match, PrefixCache
-from workers.plan import Commit, HostSlot, Segment, StepPlan
+from workers.plan import Commit, Segment, StepPlan
 from workers.sequence import Sequence, Status, TokenLogprob
+from workers.slot import HostSlot
 from workers.tenant_queue import TenantQueue, fair_shares, slot_share
 
 log = logging.getLogger(__name__)

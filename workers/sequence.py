@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 
 from workers.sampling_params import SamplingParams
-from workers.cache.sequence_cache import SequenceCache
+from workers.sequence_cache import SequenceCache
 
 _arrival = itertools.count()
 

@@ -323,7 +323,7 @@ def test_the_ingress_metrics_parse_as_prometheus_text_and_count_the_routing(clus
     info = families["cairn_engine_info"].samples[0].labels
     assert info["worker_id"] in cluster.replicas(), "the engine metrics name the replica that answered"
     assert value["cairn_prompt_tokens"] > 0, "the chat's prompt is counted"
-    assert value["cairn_engine_pages_total"] > 0 and "cairn_engine_pages_cached" in value
+    assert value["cairn_engine_cache_budget_bytes"] > 0 and "cairn_engine_pages_cached" in value
 
 
 def sse_events(http, path: str, body: dict) -> list:

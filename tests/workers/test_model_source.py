@@ -26,9 +26,9 @@ from tests.support.checkpoints import HUB_MAIN as MAIN, HUB_REPO as REPO, HUB_V2
 from tests.support.fake_clients import OneTokenClient
 from tests.support.ray_checks import free_port
 from workers import EngineOptions, EngineSpec, ModelNotFound, ModelSource, SamplingParams
-from tests.support.paths import REPO
+from tests.support.paths import REPO as CHECKOUT
 
-ROOT = REPO
+ROOT = CHECKOUT
 
 def snapshot_of(cache: Path, commit: str) -> Path:
     return cache / f"models--{REPO.replace('/', '--')}" / "snapshots" / commit

@@ -3,10 +3,10 @@
 `PrefixCache` (`prefix_cache.py`) is the one object the engine and the scheduler talk to;
 every other file here is one of its parts, owned by it as a component (no base classes). The
 files, each owning one thing, in the one-way order they import each other (a file imports only
-those above it; `workers.plan` and `workers.sequence` are the only other engine modules used):
+those above it). Of the rest of the engine it uses only what lies below it: the model's config
+and the options (to size the arena), the step plan's types (`workers.plan`, `workers.slot`) and
+the sequence with what it holds in the cache (`workers.sequence`, `workers.sequence_cache`):
 
-- `sequence_cache.py`: what one sequence holds in the cache (pages, state slot, page-table
-  row, hash chain, checkpoint targets, finish capture).
 - `device_budget.py`: how much of the device's free memory the arena takes.
 - `arena.py`: the one pool of equal blocks that pages and state slots share (`ArenaLayout`).
 - `page_pool.py`: pages by hash, their parents and reference counts.
@@ -21,6 +21,7 @@ those above it; `workers.plan` and `workers.sequence` are the only other engine 
 - `placement.py`: where things go and what leaves when room is needed: holding, taking,
   eviction, demotion, promotion, emptying a group; queues the `workers.plan.BlockCopy`s.
 - `checkpoint_slots.py`: checkpoint slots taken before a step, stored or dropped after it.
+- `integrity.py`: the check that the parts agree (idle moments, tests).
 - `prefix_cache.py`: the cache itself: admission, growth, registration, ending, snapshots.
 - `transfer.py`: a resume point exported to and imported from a peer, over a `PrefixCache`
   and the runner's block I/O (`BlockIO`).

@@ -26,8 +26,8 @@ from workers.cache.lookup import extend_hashes
 from workers.cache.page_pool import PagePool
 from workers.cache.placement import Placement
 from workers.cache.stats import CacheStats
-from workers.plan import HostSlot, Slot
 from workers.sequence import Sequence
+from workers.slot import HostSlot, Slot
 
 
 class CheckpointSlots:

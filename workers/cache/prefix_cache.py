@@ -39,6 +39,7 @@ and drained by the engine.
 from __future__ import annotations
 
 from cache_service.events import AllCleared, PagesStored, StateStored
+from workers.cache import integrity
 from workers.cache.arena import Arena, ArenaLayout
 from workers.cache.cache_budget import CacheBudget
 from workers.cache.checkpoint_policy import END, END_KINDS, CheckpointPolicy
@@ -51,8 +52,9 @@ from workers.cache.page_pool import PagePool
 from workers.cache.placement import Placement
 from workers.cache.stats import CacheStats
 from workers.cache.tier_cost import TierCost
-from workers.plan import COPY, PROMOTE, BlockCopy, HostSlot, PageTableWrite, Slot
+from workers.plan import COPY, PROMOTE, BlockCopy, PageTableWrite
 from workers.sequence import Sequence
+from workers.slot import HostSlot, Slot
 
 
 class PrefixCache:
@@ -440,23 +442,11 @@ class PrefixCache:
         """Arena bytes of checkpoints, pending and stored."""
         return self.slots.bytes
 
+    @property
+    def running_slots(self) -> frozenset[int]:
+        """State slots held by admitted sequences."""
+        return frozenset(self._running_slots)
+
     def check(self) -> None:
-        """Integrity: pools, arena and LRU agree (mini-sglang's idle check)."""
-        self.pages.check()
-        self.checkpoints.check()
-        stored = {h: self.checkpoints.get(h).slot for h in self.checkpoints.hashes()}
-        pending = self.checkpoints.slots() - set(stored.values())
-        pinned = {slot for h, slot in stored.items() if not self.budget.has_checkpoint(h)}
-        if self.slot_blocks:
-            self.arena.check(self.pages.held_pages(), self.pages.resident_pages(),
-                             self._running_slots | pending | pinned)
-        unplaced = [h for h in self.pages.cached_hashes() if not self.budget.has_place(h)]
-        if unplaced:
-            raise AssertionError(f"{len(unplaced)} cached pages have no place in the LRU")
-        if self.budget.num_checkpoints + len(pinned) != self.checkpoints.num_stored:
-            raise AssertionError(f"evictable checkpoints {self.budget.num_checkpoints} + pinned {len(pinned)} "
-                                 f"!= stored {self.checkpoints.num_stored}")
-        self.host.check(lambda h: self.pages.page_of(h) is not None)
-        both = set(self.host.checkpoints) & set(self.checkpoints.hashes())
-        if both:
-            raise AssertionError(f"{len(both)} checkpoints are on the device and the host at once")
+        """Integrity: pools, arena and LRU agree (`workers.cache.integrity`)."""
+        integrity.check(self)

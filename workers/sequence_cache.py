@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from workers.plan import Slot
+from workers.slot import Slot
 
 
 @dataclass
