@@ -19,7 +19,6 @@ Stops: EOS ids from config.json and generation_config.json (unless `ignore_eos`)
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -29,11 +28,10 @@ from pathlib import Path
 import torch
 
 from cache_service.events import EventBatch, EventStream
-from cache_service.hashing import model_fingerprint
 from workers.cache import transfer
 from workers.cache.arena import ArenaLayout
 from workers.cache.checkpoint_policy import CheckpointPolicy
-from workers.cache.device_budget import graph_reserve_bytes, sized
+from workers.cache.device_budget import graph_reserve_bytes
 from workers.cache.prefix_cache import Match, PrefixCache
 from workers.cache.transfer import FetchPlan, ResumeExport
 from workers.errors import EngineBroken, EngineError, RequestRejected, SequenceFault
@@ -41,8 +39,7 @@ from workers.output import EngineStats, RequestOutput
 from workers.peer_fetches import PeerFetches
 from workers.grammar import Grammars
 from workers.metrics import EngineMetrics
-from workers.model import HybridForCausalLM, ModelConfig, load_model, read_model_config
-from workers.model.sharding import shard_config
+from workers.model import HybridForCausalLM, ModelConfig
 from workers.options import EngineOptions
 from workers.plan import BlockCopy, Segment, StepPlan
 from workers.request import GenerateRequest
@@ -53,25 +50,9 @@ from workers.sampling_params import SamplingParams
 from workers.scheduler import Scheduler
 from workers.sequence import Sequence, Status, TokenLogprob
 from workers.spec import EngineSpec
-from workers.tp_runner import RankWorkers, TensorParallelRunner, free_address, load_rank_model
+from workers.tp_runner import TensorParallelRunner
 
 log = logging.getLogger(__name__)
-
-
-def generation_eos_ids(model_dir: Path) -> frozenset[int]:
-    """EOS ids listed in generation_config.json (chat models end turns on more than one id)."""
-    try:
-        eos = json.loads((model_dir / "generation_config.json").read_text()).get("eos_token_id")
-    except (FileNotFoundError, json.JSONDecodeError, AttributeError):
-        return frozenset()
-    ids = eos if isinstance(eos, list) else [eos]
-    return frozenset(i for i in ids if isinstance(i, int) and not isinstance(i, bool))
-
-
-def _pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 class Engine:
@@ -133,39 +114,12 @@ class Engine:
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, **options: object) -> "Engine":
-        """With `tensor_parallel_size` N > 1, this process is rank 0 and starts ranks 1..N-1
+        """An engine over the checkpoint in `model_dir` (`workers.loading`). With
+        `tensor_parallel_size` N > 1, this process is rank 0 and starts ranks 1..N-1
         (workers.tp_runner); each loads only its shard."""
-        worker_id = str(options.pop("worker_id", "local"))
-        start_ranks = options.pop("start_ranks", RankWorkers.start)  # how ranks 1..N-1 start (a Ray
-        opts = EngineOptions.from_kwargs(**options)                   # replica: cluster.tp_ranks)
-        if opts.tensor_parallel_size == 1:
-            model = load_model(model_dir, dtype=opts.dtype, device=_pick_device(opts.device))
-            device = next(model.parameters()).device
-            graphs = device.type == "cuda" and not opts.enforce_eager
-            reserve = graph_reserve_bytes(model.config, opts.max_num_seqs) if graphs else 0
-            opts = sized(opts, device, reserve=reserve)  # memory_utilization: what the weights and graphs left
-            engine = cls(model, opts, fingerprint=model_fingerprint(model_dir), worker_id=worker_id,
-                         eos_token_ids=generation_eos_ids(Path(model_dir)))
-            engine.use_tokenizer(Path(model_dir))
-            if opts.warm_up:
-                engine.warm_up()
-            return engine
-        shard_config(read_model_config(Path(model_dir) / "config.json"), opts.tensor_parallel_size)  # fits?
-        meta = dict(fingerprint=model_fingerprint(model_dir), worker_id=worker_id,
-                    eos_token_ids=generation_eos_ids(Path(model_dir)))
-        address = free_address()
-        workers = start_ranks(model_dir, opts, address)
-        try:
-            model = load_rank_model(model_dir, opts, 0, address)
-            opts = sized(opts, next(model.parameters()).device, model.group)  # the same on every rank
-            engine = cls(model, opts, rank_workers=workers, **meta)
-            engine.use_tokenizer(Path(model_dir))
-            if opts.warm_up:
-                engine.warm_up()
-            return engine
-        except BaseException:
-            workers.close()
-            raise
+        from workers.loading import load_engine
+
+        return load_engine(cls, model_dir, **options)
 
     def use_tokenizer(self, model_dir: Path) -> None:
         """Structured outputs from the tokenizer in `model_dir` (loaded in the background; an

@@ -27,83 +27,19 @@ slot.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 import kernels
 from kernels.varlen_plan import VarlenPlan
-from workers.cache.arena import ArenaLayout
-from workers.plan import COPY, DEMOTE, IMPORT, MOVE, PROMOTE, BlockCopy
 from workers import heap
+from workers.cache.arena import ArenaLayout
 from workers.decode_graphs import DecodeGraphs
-from workers.model import ForwardBatch, HybridForCausalLM, ModelCaches
-from workers.model.batch import plan_arrays
-from workers.model import packed_linear
+from workers.model import HybridForCausalLM, ModelCaches, packed_linear
 from workers.model.packed_linear import pack_linears
-from workers.plan import StepPlan
-
-
-@dataclass
-class StepWork:
-    """One step as plain host data: what `ModelRunner.run` needs, and all a tensor-parallel
-    rank is sent (workers.tp_runner). Arrays are numpy; `ModelRunner` puts every one of them on
-    the device in one copy (`upload`)."""
-    input_ids: np.ndarray
-    positions: np.ndarray
-    cu_seqlens: np.ndarray
-    seq_lens: np.ndarray
-    page_table: np.ndarray
-    slot_mapping: np.ndarray
-    state_slots: np.ndarray
-    num_decodes: int
-    logits_indices: np.ndarray
-    prefill: VarlenPlan  # the prefill segments' boundaries (from 0) and checkpoint positions
-    checkpoint_rows: np.ndarray  # see workers.model.batch
-    checkpoint_targets: np.ndarray
-    checkpoint_states: np.ndarray
-    block_copies: list[BlockCopy] = field(default_factory=list)
-    restores: list[tuple[int, int]] = field(default_factory=list)
-    fresh_state_slots: list[int] = field(default_factory=list)
-    snapshots: list[tuple[int, int]] = field(default_factory=list)
-    host_snapshots: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)
-    promotions_for_now: bool = True  # this step's segments read what its promotions bring back
-
-    def arrays(self) -> dict[str, np.ndarray]:
-        """Every per-step array the device reads, by name: the batch's, the prefill plan's tables
-        (`prefill.<name>`), and the slot copies made around the forward."""
-        restores, snapshots = np.array(self.restores, np.int64).reshape(-1, 2), np.array(self.snapshots,
-                                                                                          np.int64).reshape(-1, 2)
-        out = dict(input_ids=self.input_ids, positions=self.positions, cu_seqlens=self.cu_seqlens,
-                   seq_lens=self.seq_lens, page_table=self.page_table, slot_mapping=self.slot_mapping,
-                   state_slots=self.state_slots, logits_indices=self.logits_indices,
-                   checkpoint_rows=self.checkpoint_rows, checkpoint_targets=self.checkpoint_targets,
-                   checkpoint_states=self.checkpoint_states, restore_src=restores[:, 0], restore_dst=restores[:, 1],
-                   snapshot_src=snapshots[:, 0], snapshot_dst=snapshots[:, 1],
-                   fresh_state_slots=np.array(self.fresh_state_slots, np.int64))
-        out.update(plan_arrays(self.prefill))
-        return out
-
-    def batch(self, tensors: dict[str, torch.Tensor]) -> ForwardBatch:
-        """The forward's view of this step, over its uploaded arrays."""
-        return ForwardBatch.over(tensors, self.num_decodes, self.prefill)
-
-
-def _checkpoint_tables(prefills, plan: VarlenPlan, width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Where each checkpoint of the step's prefill segments takes its states from (see
-    workers.model.batch): its conv window's K-1 source rows, its slot, its saved delta-rule state."""
-    rows, targets, states, saved = [], [], [], 0
-    n = len(prefills)
-    for i, seg in enumerate(prefills):
-        for off in plan.positions[i]:
-            window = [n * width + plan.cu[i] + p if p >= 0 else (i + 1) * width + p for p in range(off - width, off)]
-            for slot in seg.ckpt_slots[off]:
-                rows.append(window)
-                targets.append(slot)
-                states.append(saved)
-            saved += 1
-    return (np.array(rows, np.int64).reshape(-1, width), np.array(targets, np.int64), np.array(states, np.int64))
+from workers.plan import COPY, DEMOTE, IMPORT, MOVE, PROMOTE, StepPlan
+from workers.step_work import StepWork, checkpoint_tables
 
 
 class ModelRunner:
@@ -403,7 +339,7 @@ class ModelRunner:
         max_pages = int((ends.max() + ps - 1) // ps)
         prefill = VarlenPlan.build((cu[nd:] - cu[nd]).tolist(), [sorted(seg.ckpt_slots) for seg in prefills],
                                    self.cfg.num_attention_heads // self.cfg.num_key_value_heads)
-        ck_rows, ck_targets, ck_states = _checkpoint_tables(prefills, prefill, self.cfg.linear_conv_kernel_dim - 1)
+        ck_rows, ck_targets, ck_states = checkpoint_tables(prefills, prefill, self.cfg.linear_conv_kernel_dim - 1)
         return StepWork(
             input_ids=np.array(ids, dtype=np.int64), positions=pos.astype(np.int64, copy=False), cu_seqlens=cu,
             seq_lens=ends.astype(np.int32), page_table=table[rows, :max_pages], slot_mapping=slot_mapping,

@@ -52,7 +52,7 @@ from workers.options import EngineOptions
 from workers.plan import Commit, Segment, StepPlan
 from workers.sequence import Sequence, Status, TokenLogprob
 from workers.slot import HostSlot
-from workers.tenant_queue import TenantQueue, fair_shares, slot_share
+from workers.tenant_queue import TenantQueue, fair_order, running_by_tenant, share_among_tenants
 
 log = logging.getLogger(__name__)
 
@@ -91,8 +91,10 @@ class Scheduler:
         plan = StepPlan()
         budget = self.options.max_num_batched_tokens
         ps, running, decodes, prefills = self.page_size, self.running, plan.decodes, plan.prefills
-        left = self._share_among_tenants()  # tokens each tenant may take this step; None: one tenant
-        order = list(running) if left is None else self._fair_order()
+        # tokens each tenant may take this step (None: one tenant at work)
+        left = share_among_tenants(running, self.waiting, self.options.max_num_seqs, budget,
+                                   self._preempt_for_fairness)
+        order = list(running) if left is None else fair_order(running)
         i = 0
         while i < len(order) and budget > 0:
             seq = order[i]
@@ -126,7 +128,7 @@ class Scheduler:
             i += 1
         if self.waiting and budget > 0 and not plan.preempted:
             inflight = self._inflight_pages()
-            counts = self._running_by_tenant() if left is not None else {}
+            counts = running_by_tenant(running) if left is not None else {}
             while self.waiting and budget > 0 and len(running) < self.options.max_num_seqs:
                 seq = self.waiting.head(counts, left)
                 if seq is None:  # every tenant with waiting work has spent its share
@@ -158,55 +160,6 @@ class Scheduler:
         return plan
 
     # ---- tenants ---------------------------------------------------------------------------------
-    def _running_by_tenant(self) -> dict[str | None, int]:
-        counts: dict[str | None, int] = {}
-        for seq in self.running:
-            counts[seq.tenant] = counts.get(seq.tenant, 0) + 1
-        return counts
-
-    def _share_among_tenants(self) -> dict[str | None, int] | None:
-        """With more than one tenant at work: first, when every sequence slot is taken, each
-        tenant with waiting work below its share of the slots takes one from the tenant most
-        above its share (its newest sequence is preempted); then the step's token budget is
-        split max-min fairly by what each tenant could compute now. None with one tenant."""
-        running, waiting, options = self.running, self.waiting, self.options
-        tenants = {seq.tenant for seq in running}
-        tenants.update(waiting.tenants())
-        if len(tenants) <= 1:
-            return None
-        counts = self._running_by_tenant()
-        if waiting and len(running) >= options.max_num_seqs:
-            share = slot_share(len(tenants), options.max_num_seqs)
-            for needy in sorted((t for t in waiting.tenants() if counts.get(t, 0) < share),
-                                key=lambda t: counts.get(t, 0)):
-                rich = max(counts, key=counts.__getitem__)
-                if counts[rich] <= share:
-                    break
-                victim = next(seq for seq in reversed(running) if seq.tenant == rich)
-                self._preempt(victim)
-                self.num_fair_preemptions += 1
-                counts[rich] -= 1
-        budget = options.max_num_batched_tokens
-        demands: dict[str | None, int] = {}
-        for seq in running:
-            if not seq.paused:
-                demands[seq.tenant] = demands.get(seq.tenant, 0) + min(seq.num_uncomputed, budget)
-        free = options.max_num_seqs - len(running)
-        if free > 0:
-            for tenant, queue in waiting.by_tenant().items():
-                ask = sum(seq.num_uncomputed for _, seq in zip(range(free), queue))
-                demands[tenant] = demands.get(tenant, 0) + ask
-        return fair_shares({t: min(d, budget) for t, d in demands.items()}, budget)
-
-    def _fair_order(self) -> list[Sequence]:
-        """Running sequences, tenants taking turns, each tenant's oldest first: its last is the
-        newest sequence of the tenant running the most, the first a page shortage preempts."""
-        by_tenant: dict[str | None, list[Sequence]] = {}
-        for seq in self.running:
-            by_tenant.setdefault(seq.tenant, []).append(seq)
-        queues = list(by_tenant.values())
-        return [q[k] for k in range(max(map(len, queues), default=0)) for q in queues if k < len(q)]
-
     def _inflight_pages(self) -> dict[bytes, Sequence]:
         """Whole prompt pages running sequences compute from this step on, by hash."""
         inflight: dict[bytes, Sequence] = {}
@@ -382,6 +335,10 @@ class Scheduler:
         return out
 
     # ---- ending ----------------------------------------------------------------------------------
+    def _preempt_for_fairness(self, seq: Sequence) -> None:
+        self._preempt(seq)
+        self.num_fair_preemptions += 1
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.cache.release(seq)

@@ -11,13 +11,16 @@ must not starve each other, so the scheduler asks here whose turn it is:
   tenant asking less than an equal share gets what it asks, the rest is split among the others.
 - `slot_share(tenants, max_num_seqs)` is the sequence slots each tenant with work is owed; the
   scheduler preempts, one a step, the newest sequence of a tenant above it for a tenant below it.
+- `share_among_tenants(...)` is a step's sharing, with more than one tenant at work: the slots
+  first (the preemptions above), then the step's tokens by `fair_shares`; `fair_order(running)`
+  serves running sequences with tenants taking turns.
 Plain Python over sequences; no torch.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 from workers.sequence import Sequence
 
@@ -99,3 +102,52 @@ def fair_shares(demands: Mapping[str | None, int], budget: int) -> dict[str | No
 def slot_share(tenants: int, max_num_seqs: int) -> int:
     """Sequence slots each of `tenants` tenants with work is owed (at least one)."""
     return max(1, max_num_seqs // max(1, tenants))
+
+
+def running_by_tenant(running: Iterable[Sequence]) -> dict[str | None, int]:
+    counts: dict[str | None, int] = {}
+    for seq in running:
+        counts[seq.tenant] = counts.get(seq.tenant, 0) + 1
+    return counts
+
+
+def share_among_tenants(running: list[Sequence], waiting: TenantQueue, max_num_seqs: int, budget: int,
+                        preempt: Callable[[Sequence], None]) -> dict[str | None, int] | None:
+    """With more than one tenant at work: first, when every sequence slot is taken, each tenant
+    with waiting work below its share of the slots takes one from the tenant most above its share
+    (its newest sequence is preempted, by `preempt`); then the step's token `budget` is split
+    max-min fairly by what each tenant could compute now. None with one tenant."""
+    tenants = {seq.tenant for seq in running}
+    tenants.update(waiting.tenants())
+    if len(tenants) <= 1:
+        return None
+    counts = running_by_tenant(running)
+    if waiting and len(running) >= max_num_seqs:
+        share = slot_share(len(tenants), max_num_seqs)
+        for needy in sorted((t for t in waiting.tenants() if counts.get(t, 0) < share),
+                            key=lambda t: counts.get(t, 0)):
+            rich = max(counts, key=counts.__getitem__)
+            if counts[rich] <= share:
+                break
+            preempt(next(seq for seq in reversed(running) if seq.tenant == rich))
+            counts[rich] -= 1
+    demands: dict[str | None, int] = {}
+    for seq in running:
+        if not seq.paused:
+            demands[seq.tenant] = demands.get(seq.tenant, 0) + min(seq.num_uncomputed, budget)
+    free = max_num_seqs - len(running)
+    if free > 0:
+        for tenant, queue in waiting.by_tenant().items():
+            ask = sum(seq.num_uncomputed for _, seq in zip(range(free), queue))
+            demands[tenant] = demands.get(tenant, 0) + ask
+    return fair_shares({t: min(d, budget) for t, d in demands.items()}, budget)
+
+
+def fair_order(running: list[Sequence]) -> list[Sequence]:
+    """Running sequences, tenants taking turns, each tenant's oldest first: its last is the newest
+    sequence of the tenant running the most, the first a page shortage preempts."""
+    by_tenant: dict[str | None, list[Sequence]] = {}
+    for seq in running:
+        by_tenant.setdefault(seq.tenant, []).append(seq)
+    queues = list(by_tenant.values())
+    return [q[k] for k in range(max(map(len, queues), default=0)) for q in queues if k < len(q)]

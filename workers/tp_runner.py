@@ -36,7 +36,8 @@ import torch
 
 from workers.errors import EngineBroken
 from workers.options import EngineOptions
-from workers.runner import ModelRunner, StepWork
+from workers.runner import ModelRunner
+from workers.step_work import StepWork
 from workers.plan import StepPlan
 
 log = logging.getLogger(__name__)

@@ -44,7 +44,7 @@ from workers.cache.arena import Arena, ArenaLayout
 from workers.cache.cache_budget import CacheBudget
 from workers.cache.checkpoint_policy import END, END_KINDS, CheckpointPolicy
 from workers.cache.checkpoint_slots import CheckpointSlots
-from workers.cache.checkpoint_store import Checkpoint, CheckpointStore
+from workers.cache.checkpoint_store import CheckpointStore
 from workers.cache.event_queue import EventQueue
 from workers.cache.host_tier import HostTier
 from workers.cache.lookup import Lookup, Match, extend_hashes
@@ -378,29 +378,6 @@ class PrefixCache:
         self.events.restart([AllCleared(), *(PagesStored((page_hash,), parent) for page_hash, parent in
                                              self.pages.registered()),
                              *(StateStored(h) for h in self.checkpoints.state_pages())])
-
-    # ---- what a peer fetch reads (workers.cache.transfer) -----------------------------------------
-    def has_checkpoint_at(self, page_hash: bytes) -> bool:
-        """Whether a whole-page checkpoint after page `page_hash` is here, on either tier."""
-        return self.checkpoints.get(page_hash) is not None or page_hash in self.host.checkpoints
-
-    def page_blocks(self, hashes: list[bytes]) -> tuple[list[int], list[int]] | None:
-        """Where the pages of `hashes` (a run of one chain) are: (device pages of its device
-        run, host blocks of the rest); None if any is on neither tier."""
-        on_device = self.device_run(hashes)
-        if any(h not in self.host.pages for h in hashes[on_device:]):
-            return None
-        return self.pages.pages_of(hashes[:on_device]), [self.host.pages[h].block for h in hashes[on_device:]]
-
-    def checkpoint_blocks(self, page_hash: bytes) -> tuple[Checkpoint, list[int], bool] | None:
-        """The whole-page checkpoint after page `page_hash`: (it, its blocks, whether they are
-        host blocks); None if neither tier has one."""
-        ckpt = self.checkpoints.get(page_hash)
-        if ckpt is not None:
-            return ckpt, list(self.arena.pages_of_group(ckpt.slot)), False
-        if page_hash in self.host.checkpoints:
-            return self.host.checkpoints[page_hash], self.host.blocks_of(page_hash), True
-        return None
 
     # ---- reporting --------------------------------------------------------------------------
     def drain_events(self) -> list:

@@ -35,6 +35,7 @@ import numpy as np
 
 from cache_service.events import PagesStored
 from cache_service.scoring import last_resumable_page
+from workers.cache.checkpoint_store import Checkpoint
 from workers.cache.prefix_cache import PrefixCache
 from workers.plan import IMPORT, BlockCopy
 
@@ -75,7 +76,9 @@ def plan_fetch(cache: PrefixCache, page_hashes: list[bytes], num_tokens: int, de
     if depth <= 0:
         return None
     first = min(cache.device_run(page_hashes), depth)
-    if first == depth and (cache.has_checkpoint_at(page_hashes[depth - 1]) or not cache.recurrent):
+    tail = page_hashes[depth - 1]
+    local = cache.checkpoints.get(tail) is not None or tail in cache.host.checkpoints  # on either tier
+    if first == depth and (local or not cache.recurrent):
         return None
     return FetchPlan(first, depth)
 
@@ -87,14 +90,14 @@ def export_resume(cache: PrefixCache, io: BlockIO, page_hashes: list[bytes], fir
         return None
     io.copy([], None)  # a block read here must hold what the cache says it holds
     wanted = page_hashes[first:depth]
-    found = cache.page_blocks(wanted)
+    found = _page_blocks(cache, wanted)
     if found is None:
         return None  # evicted since the router looked
     device_pages, host_blocks = found
     rows = [io.read(device_pages), io.read(host_blocks, host=True)]
     ckpt, blocks = None, None
     if cache.recurrent and depth:
-        found_ckpt = cache.checkpoint_blocks(page_hashes[depth - 1])
+        found_ckpt = _checkpoint_blocks(cache, page_hashes[depth - 1])
         if found_ckpt is None:
             return None
         ckpt, ckpt_blocks, on_host = found_ckpt
@@ -102,6 +105,26 @@ def export_resume(cache: PrefixCache, io: BlockIO, page_hashes: list[bytes], fir
     return ResumeExport(tuple(wanted), np.concatenate(rows), blocks,
                         tuple(sorted(ckpt.kinds)) if ckpt is not None else (),
                         ckpt.exact_tail if ckpt is not None else None, cache.layout.block_bytes)
+
+
+def _page_blocks(cache: PrefixCache, hashes: list[bytes]) -> tuple[list[int], list[int]] | None:
+    """Where the pages of `hashes` (a run of one chain) are: (device pages of its device run,
+    host blocks of the rest); None if any is on neither tier."""
+    on_device = cache.device_run(hashes)
+    if any(h not in cache.host.pages for h in hashes[on_device:]):
+        return None
+    return cache.pages.pages_of(hashes[:on_device]), [cache.host.pages[h].block for h in hashes[on_device:]]
+
+
+def _checkpoint_blocks(cache: PrefixCache, page_hash: bytes) -> tuple[Checkpoint, list[int], bool] | None:
+    """The whole-page checkpoint after page `page_hash`: (it, its blocks, whether they are host
+    blocks); None if neither tier has one."""
+    ckpt = cache.checkpoints.get(page_hash)
+    if ckpt is not None:
+        return ckpt, list(cache.arena.pages_of_group(ckpt.slot)), False
+    if page_hash in cache.host.checkpoints:
+        return cache.host.checkpoints[page_hash], cache.host.blocks_of(page_hash), True
+    return None
 
 
 def import_resume(cache: PrefixCache, io: BlockIO, export: ResumeExport, page_hashes: list[bytes],
