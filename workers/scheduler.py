@@ -146,9 +146,10 @@ class Scheduler:
                     left[seq.tenant] -= admitted
                     counts[seq.tenant] = counts.get(seq.tenant, 0) + 1
         if self.cache.recurrent:  # after admission: it may add branch targets to running ones
-            for seg in plan.decodes + plan.prefills:
-                targets = seg.seq.cache.checkpoint_targets  # a boundary crossed, or a target inside a page
-                if seg.start // ps != seg.end // ps or any(seg.start < p <= seg.end for p in targets):
+            for seg in plan.decodes + plan.prefills:  # a boundary crossed, or a target inside a page (in the prompt)
+                start, end = seg.start, seg.start + seg.num_tokens
+                if start // ps != end // ps or (end <= len(seg.seq.prompt_token_ids) and
+                                                any(start < p <= end for p in seg.seq.cache.checkpoint_targets)):
                     try:
                         self._plan_checkpoints(plan, seg)
                     except Exception as e:
