@@ -43,7 +43,7 @@ from workers import Engine, EngineOptions, SamplingParams  # noqa: E402
 from workers.cache.arena import page_bytes  # noqa: E402
 from workers.model.config import ModelConfig  # noqa: E402
 from workers.cache.prefix_cache import PrefixCache  # noqa: E402
-from workers.runner import ModelRunner  # noqa: E402
+from workers.execution.runner import ModelRunner  # noqa: E402
 from workers.sampler import Sampler  # noqa: E402
 from workers.scheduler import Scheduler  # noqa: E402
 

@@ -3,14 +3,14 @@ placement group.
 
 Contract: `RayRankWorkers.start(model_dir, options, address)` is what the engine replica hands
 the engine (`Engine.from_pretrained(start_ranks=...)`) in place of the local processes of
-`workers.tp_runner.RankWorkers`, with the same methods (`wait_ready`, `send`, `report`, `close`).
+`workers.execution.tp_runner.RankWorkers`, with the same methods (`wait_ready`, `send`, `report`, `close`).
 Rank r runs in bundle r of the placement group the replica itself runs in (Serve creates it from
 the deployment's `placement_group_bundles`, `STRICT_PACK`: one node, so the ranks meet rank 0 on
 loopback), with that bundle's CPUs and GPU; each is named `cairn-tp-rank-<engine>-<rank>`.
 Each rank actor builds its shard, arena and runner exactly as a local rank process does
-(`workers.tp_runner.build_rank_runner`), then runs the `StepWork`s it is sent
+(`workers.execution.tp_runner.build_rank_runner`), then runs the `StepWork`s it is sent
 in order (one caller, one sequential actor: Ray keeps the order). A rank actor that dies makes
-rank 0's collectives time out, which breaks the engine (`workers.tp_runner.RankFailure`); the
+rank 0's collectives time out, which breaks the engine (`workers.execution.tp_runner.RankFailure`); the
 replica then fails its health check. `close()` kills the rank actors.
 """
 
@@ -26,7 +26,7 @@ from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from workers.options import EngineOptions
-from workers.tp_runner import RankFailure
+from workers.execution.tp_runner import RankFailure
 
 log = logging.getLogger(__name__)
 RANK_ACTOR_PREFIX = "cairn-tp-rank-"  # + engine + "-" + rank: named, so operators (and tests) find them
@@ -39,7 +39,7 @@ class RankActor:
     def __init__(self, model_dir: str, options: EngineOptions, rank: int, address: str):
         import torch
 
-        from workers.tp_runner import build_rank_runner
+        from workers.execution.tp_runner import build_rank_runner
 
         torch.set_num_threads(1)
         device = torch.device("cuda") if ray.get_gpu_ids() else torch.device("cpu")  # its bundle's GPU

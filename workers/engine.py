@@ -44,13 +44,13 @@ from workers.options import EngineOptions
 from workers.plan import BlockCopy, Segment, StepPlan
 from workers.request import GenerateRequest
 from workers.request_check import check
-from workers.runner import ModelRunner
+from workers.execution.runner import ModelRunner
 from workers.sampler import Sampler
 from workers.sampling_params import SamplingParams
 from workers.scheduler import Scheduler
 from workers.sequence import Sequence, Status, TokenLogprob
 from workers.spec import EngineSpec
-from workers.tp_runner import TensorParallelRunner
+from workers.execution.tp_runner import TensorParallelRunner
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ class Engine:
                  fingerprint: str | None = None, worker_id: str = "local",
                  eos_token_ids: frozenset[int] = frozenset(), rank_workers=None):
         """`model`: the whole model, or rank 0's shard of it with `rank_workers`
-        (workers.tp_runner.RankWorkers) running the other ranks' shards."""
+        (workers.execution.tp_runner.RankWorkers) running the other ranks' shards."""
         dtype = next(model.parameters()).dtype
         # The engine runs in its model's dtype, which its options (and its spec) then name.
         self.options = options = replace(options or EngineOptions(), dtype=str(dtype).removeprefix("torch."))
@@ -116,7 +116,7 @@ class Engine:
     def from_pretrained(cls, model_dir: str | Path, **options: object) -> "Engine":
         """An engine over the checkpoint in `model_dir` (`workers.loading`). With
         `tensor_parallel_size` N > 1, this process is rank 0 and starts ranks 1..N-1
-        (workers.tp_runner); each loads only its shard."""
+        (workers.execution.tp_runner); each loads only its shard."""
         from workers.loading import load_engine
 
         return load_engine(cls, model_dir, **options)

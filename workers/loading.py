@@ -1,5 +1,5 @@
 """Building an engine from a checkpoint directory (`Engine.from_pretrained`): the model on one
-device, or rank 0's shard with ranks 1..N-1 started beside it (`workers.tp_runner`); the arena
+device, or rank 0's shard with ranks 1..N-1 started beside it (`workers.execution.tp_runner`); the arena
 sized to what the weights (and decode graphs) left on the device (`workers.cache.device_budget`);
 the EOS ids generation_config.json adds; the tokenizer for structured outputs; a warm-up when
 asked."""
@@ -16,7 +16,7 @@ from workers.cache.device_budget import graph_reserve_bytes, sized
 from workers.model import load_model, read_model_config
 from workers.model.sharding import shard_config
 from workers.options import EngineOptions
-from workers.tp_runner import RankWorkers, free_address, load_rank_model
+from workers.execution.tp_runner import RankWorkers, free_address, load_rank_model
 
 
 def generation_eos_ids(model_dir: Path) -> frozenset[int]:

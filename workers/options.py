@@ -29,10 +29,10 @@ class EngineOptions:
     device: str = "auto"                      # cpu | cuda | cuda:N | auto (cuda when present)
     seed: int = 0                             # randomness of requests that carry no seed
     memory_utilization: float | None = None   # CUDA: size the arena from what the device has left (workers.cache.device_budget)
-    tensor_parallel_size: int = 1             # devices (ranks) one engine spans (workers.tp_runner)
+    tensor_parallel_size: int = 1             # devices (ranks) one engine spans (workers.execution.tp_runner)
     collective_timeout_s: float = 60.0        # the longest a rank waits on the others in a step
     host_cache_bytes: int = 0                 # host tier: what the device evicts is kept here (0: off; workers.cache.host_tier)
-    enforce_eager: bool | None = None         # no decode graphs (None: graphs on CUDA, eager on CPU; workers.decode_graphs)
+    enforce_eager: bool | None = None         # no decode graphs (None: graphs on CUDA, eager on CPU; workers.execution.decode_graphs)
     warm_up: bool = False                     # compile every kernel shape at load (Engine.warm_up); servers turn it on
 
     def __post_init__(self) -> None:

@@ -71,7 +71,7 @@ class Scheduler:
         self.hit_tokens_by_tier: dict[str, int] = {}  # device: resumed from the device alone; host: with host copies
         # A request whose resume point is copied back from the host starts a step later when other
         # sequences run in this one, so the copy overlaps their step (the engine sets it on CUDA,
-        # where the copies run on a stream of their own: workers.runner).
+        # where the copies run on a stream of their own: workers.execution.runner).
         self.overlap_promotions = False
         self.overlapped_promotions = 0
         self._failed: list[Sequence] = []

@@ -10,7 +10,7 @@ import torch
 
 from kernels import reference_varlen
 from workers import Engine, SamplingParams
-from workers.decode_graphs import buckets
+from workers.execution.decode_graphs import buckets
 
 
 def prompts(lengths, vocab=211, seed=0):

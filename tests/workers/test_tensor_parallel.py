@@ -18,7 +18,7 @@ from workers.errors import EngineBroken
 from workers.model import read_model_config
 from workers.model.registry import family_for
 from workers.model.sharding import Shard, shard_config
-from workers.tp_runner import RankFailure
+from workers.execution.tp_runner import RankFailure
 from tests.support.paths import REPO
 
 KINDS = ["tp_next_moe", "tp_q35", "tp_q35_moe_vl"]
@@ -185,8 +185,8 @@ def test_memory_utilization_sizes_each_ranks_arena_from_the_least_free_device(mo
 
     from workers.cache.device_budget import arena_bytes, sized
     from workers.options import EngineOptions
-    from workers.tp_group import TPGroup
-    from workers.tp_runner import free_address
+    from workers.execution.tp_group import TPGroup
+    from workers.execution.tp_runner import free_address
 
     gib = 2**30
     assert arena_bytes(free=100 * gib, total=141 * gib, utilization=0.9) == int(100 * gib - 0.1 * 141 * gib)

@@ -6,7 +6,7 @@ comes out of one arena of `num_blocks` equal blocks of `block_bytes`:
 - a recurrent-state slot (every linear layer's conv and delta-rule state) takes `slot_blocks`
   consecutive blocks, aligned: slot g is blocks [g * slot_blocks, (g + 1) * slot_blocks), the
   "group" g. Running sequences' states and checkpoints are both slots, from this one allocator.
-The runner lays tensors over the arena accordingly (`workers.runner`); this module is the plain
+The runner lays tensors over the arena accordingly (`workers.execution.runner`); this module is the plain
 Python side: sizes (`ArenaLayout`) and placement (`Arena`), no tensors.
 
 Placement keeps groups whole for slots: pages take the free block with the lowest id (blocks past

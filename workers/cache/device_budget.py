@@ -9,7 +9,7 @@ else `options` unchanged. Tensor-parallel ranks call it at the same point of the
 loading their shards, and take the minimum over the ranks (one all-reduce): every rank lays out
 the same arena, as their shared page and slot ids need, and no device is asked for more than it
 has. Activations of a step come out of the (1 - utilization) share; so does what decode graphs
-hold (workers.decode_graphs), except that its estimate, `graph_reserve_bytes`, is taken from the
+hold (workers.execution.decode_graphs), except that its estimate, `graph_reserve_bytes`, is taken from the
 arena's share first (`reserve`): captured after the arena, they must not find the device full.
 The engine logs the estimate beside what capture measured.
 """

@@ -1,6 +1,6 @@
 """The host tier: what the device cache evicts, kept in host memory instead of dropped.
 
-Plain Python, no tensors: the runner owns the host memory (`workers.runner`: one buffer of
+Plain Python, no tensors: the runner owns the host memory (`workers.execution.runner`: one buffer of
 `num_blocks` blocks of the device arena's block size, pinned on CUDA, a separate pool on CPU) and
 copies blocks as the prefix cache's block copies say (`take_block_copies`); this module decides
 which host block holds what, and what leaves when room is needed.

@@ -76,7 +76,7 @@ class Placement:
         out of the host tier on `blocks`) back to device blocks, held by `seq`; queues their
         copies. The host blocks are freed only when the pass ends (`end_pass`), so no demotion
         queued in this pass lands on them: on CUDA the promotions run on a copy stream of their
-        own, after the pass's other copies, and may still be reading them (workers.runner)."""
+        own, after the pass's other copies, and may still be reading them (workers.execution.runner)."""
         first = len(seq.cache.page_ids)
         parent = seq.cache.page_hashes[first - 1] if first else None
         pages = self.take_pages(len(hashes))

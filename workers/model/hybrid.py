@@ -41,7 +41,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, linear_rank: int, attention_rank: int,
                  delta_net: type[GatedDeltaNet], group=None):
         super().__init__()
-        self.group = group  # workers.tp_group.TPGroup, or None on one device
+        self.group = group  # workers.execution.tp_group.TPGroup, or None on one device
         self.is_attention = cfg.layer_types[layer] == FULL
         self.cache_rank = attention_rank if self.is_attention else linear_rank
         if self.is_attention:

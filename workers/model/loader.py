@@ -118,7 +118,7 @@ def _our_name(name: str) -> str:
 def load_model(model_dir: str | Path, dtype: str | torch.dtype | None = None,
                device: str | torch.device = "cpu", shard: Shard = Shard(), group=None) -> HybridForCausalLM:
     """The checkpoint's model; with a `shard` of more than one rank, that rank's part of it,
-    reading only that part from disk, its collectives over `group` (workers.tp_group.TPGroup)."""
+    reading only that part from disk, its collectives over `group` (workers.execution.tp_group.TPGroup)."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise CheckpointError(f"{model_dir}: not a directory")

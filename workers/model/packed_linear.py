@@ -27,7 +27,7 @@ Contract:
   first request instead of during it (a first 6,000-token prompt paid about 200 ms of compiles on
   the peer model, served). Returns how many products it ran.
 Packing is the CPU's eager path only: CUDA models never take it, and the step census
-(`workers.step_census`), which counts a GPU's work on CPU tensors, sees one op a linear either way.
+(`workers.execution.step_census`), which counts a GPU's work on CPU tensors, sees one op a linear either way.
 """
 
 from __future__ import annotations

@@ -180,7 +180,7 @@ def test_a_checkpoint_that_finds_no_device_slot_goes_straight_to_the_host(tiny_m
 
 
 def test_a_request_resumed_from_the_host_while_others_run_starts_a_step_later_and_computes_the_same(tiny_model_dir):
-    """What CUDA does to overlap a promotion with other sequences' step (workers.runner's copy
+    """What CUDA does to overlap a promotion with other sequences' step (workers.execution.runner's copy
     stream), on the CPU path: the request's first segment waits one step; nothing else changes."""
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     start = [prompt(100 + 9 * i, seed=20 + i) for i in range(4)]

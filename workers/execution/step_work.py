@@ -1,5 +1,5 @@
-"""One step as plain host data (`StepWork`): what `workers.runner.ModelRunner.run` needs, and all
-a tensor-parallel rank is sent (`workers.tp_runner`). Arrays are numpy; the runner puts every one
+"""One step as plain host data (`StepWork`): what `workers.execution.runner.ModelRunner.run` needs, and all
+a tensor-parallel rank is sent (`workers.execution.tp_runner`). Arrays are numpy; the runner puts every one
 of them on the device in one copy. `checkpoint_tables` lays out where each checkpoint of the
 step's prefill segments takes its states from (see workers.model.batch)."""
 
@@ -19,7 +19,7 @@ from workers.plan import BlockCopy
 @dataclass
 class StepWork:
     """One step as plain host data: what `ModelRunner.run` needs, and all a tensor-parallel
-    rank is sent (workers.tp_runner). Arrays are numpy; `ModelRunner` puts every one of them on
+    rank is sent (workers.execution.tp_runner). Arrays are numpy; `ModelRunner` puts every one of them on
     the device in one copy (`upload`)."""
     input_ids: np.ndarray
     positions: np.ndarray

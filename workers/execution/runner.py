@@ -35,11 +35,11 @@ import kernels
 from kernels.varlen_plan import VarlenPlan
 from workers import heap
 from workers.cache.arena import ArenaLayout
-from workers.decode_graphs import DecodeGraphs
+from workers.execution.decode_graphs import DecodeGraphs
 from workers.model import HybridForCausalLM, ModelCaches, packed_linear
 from workers.model.packed_linear import pack_linears
 from workers.plan import COPY, DEMOTE, IMPORT, MOVE, PROMOTE, StepPlan
-from workers.step_work import StepWork, checkpoint_tables
+from workers.execution.step_work import StepWork, checkpoint_tables
 
 
 class ModelRunner:
@@ -269,7 +269,7 @@ class ModelRunner:
         return out
 
     def use_decode_graphs(self, max_num_seqs: int, width: int, capture: bool) -> None:
-        """Decode-only steps run at fixed batch sizes over fixed buffers (workers.decode_graphs),
+        """Decode-only steps run at fixed batch sizes over fixed buffers (workers.execution.decode_graphs),
         replaying CUDA graphs when `capture` (made here, now: after the arena, before any step)."""
         self.graphs = DecodeGraphs(self, max_num_seqs, width, capture)
         self.graphs.capture()

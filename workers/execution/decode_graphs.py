@@ -42,7 +42,7 @@ def buckets(max_num_seqs: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, runner, max_num_seqs: int, width: int, capture: bool):
-        """runner: the workers.runner.ModelRunner whose model and caches the steps run on;
+        """runner: the workers.execution.runner.ModelRunner whose model and caches the steps run on;
         width: page-table columns (pages of the longest sequence)."""
         self.runner = runner
         self.sizes = buckets(max_num_seqs)

@@ -8,7 +8,7 @@ Contract:
   and its recurrent heads of the same page and slot ids), and then runs whatever `StepWork` rank
   0 sends, in order, until told to stop.
 - `TensorParallelRunner(runner, workers)` is rank 0's runner: `execute(plan)` turns the plan into
-  a `StepWork` once (workers.runner), sends it to every rank, and runs it on its own shard. The
+  a `StepWork` once (workers.execution.runner), sends it to every rank, and runs it on its own shard. The
   model's collectives keep the ranks in step; rank 0 gets the full vocabulary's logits and
   samples. The scheduler, the prefix cache and the cache events exist on rank 0 only.
 - Start: rank 0 waits until every rank's process has started (said so over its pipe) before it
@@ -36,8 +36,8 @@ import torch
 
 from workers.errors import EngineBroken
 from workers.options import EngineOptions
-from workers.runner import ModelRunner
-from workers.step_work import StepWork
+from workers.execution.runner import ModelRunner
+from workers.execution.step_work import StepWork
 from workers.plan import StepPlan
 
 log = logging.getLogger(__name__)
@@ -71,7 +71,7 @@ def load_rank_model(model_dir: str | Path, options: EngineOptions, rank: int, ad
     others' group at `address`."""
     from workers.model import load_model
     from workers.model.sharding import Shard
-    from workers.tp_group import TPGroup
+    from workers.execution.tp_group import TPGroup
 
     world, device = options.tensor_parallel_size, device or rank_device(options, rank)
     if device.type == "cuda":

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the repository
 _OWN = str(ROOT)
 _ME = str(Path(__file__).resolve())
 aten = torch.ops.aten
@@ -49,9 +49,9 @@ _SIZED_BY_DATA = {aten.nonzero.default, aten._unique2.default, aten.unique_dim.d
 
 # (file under the project, function) -> phase, innermost first
 PHASES = (("workers/model/hybrid.py", "forward", "forward"),
-          ("workers/runner.py", "upload", "upload"),
+          ("workers/execution/runner.py", "upload", "upload"),
           ("workers/sampler.py", None, "sample"),
-          ("workers/runner.py", "run", "copies"))
+          ("workers/execution/runner.py", "run", "copies"))
 
 
 @dataclass
