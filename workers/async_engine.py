@@ -128,20 +128,16 @@ class AsyncEngine:
         except BaseException:
             self._queues.pop(request_id, None)
             raise
-        if plan is not None:
-            try:
-                export = await fetcher(request, plan)
-            except asyncio.CancelledError:
-                self._queues.pop(request_id, None)
-                await asyncio.shield(self._call(self.engine.abort, request_id))
-                raise
-            except Exception as e:  # a fetcher's fault: the request recomputes
-                log.warning("fetching %s's resume point failed: %r", request_id, e)
-                export = "holder_failed"
-            self.engine.deliver_fetch(request_id, export)
-        self._wake.set()
         finished = False
-        try:
+        try:  # from here on, a caller that goes away (cancelled) aborts the request: `finally`
+            if plan is not None:
+                try:
+                    export = await fetcher(request, plan)
+                except Exception as e:  # a fetcher's fault: the request recomputes
+                    log.warning("fetching %s's resume point failed: %r", request_id, e)
+                    export = "holder_failed"
+                self.engine.deliver_fetch(request_id, export)
+            self._wake.set()
             while True:
                 item = await queue.get()
                 if request_id in self._paused and queue.qsize() <= self.RESUME_BUFFERED:

@@ -54,6 +54,7 @@ class Placement:
             self.unhold(page)
 
     def room_for_pages(self, n: int) -> bool:
+        """Whether `n` device blocks for pages can be had now, evicting as needed, under the cap."""
         return self.arena.num_free_blocks + self.budget.evictable_blocks >= n and \
             self.under_page_cap(self.pages.num_held + n)
 

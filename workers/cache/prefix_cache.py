@@ -233,8 +233,7 @@ class PrefixCache:
     # ---- growth -------------------------------------------------------------------------------
     def can_grow(self, seq: Sequence, upto_tokens: int) -> bool:
         need = self.pages_for_tokens(upto_tokens) - len(seq.cache.page_ids)
-        return need <= 0 or (self.arena.num_free_blocks + self.budget.evictable_blocks >= need
-                             and self.placement.under_page_cap(self.pages.num_held + need))
+        return need <= 0 or self.placement.room_for_pages(need)
 
     def grow(self, seq: Sequence, upto_tokens: int) -> None:
         """Pages for `seq`'s tokens up to `upto_tokens`; the caller checked `can_grow`."""
@@ -269,7 +268,7 @@ class PrefixCache:
     def finish_capture(self, seq: Sequence, page: int, at_end: bool = True) -> Slot | None:
         """The slot to take `seq`'s state after page `page` into, the last boundary it crossed
         (None: not captured); it is stored as a finish checkpoint when `seq` finishes. With no
-        device slot to be had, a host one (negative) when the boundary ends the step's segment
+        device slot to be had, a `HostSlot` when the boundary ends the step's segment
         (`at_end`: the state is copied from the sequence's slot after the step)."""
         c, kind = seq.cache, self.policy.captures_finish
         if kind is None:
