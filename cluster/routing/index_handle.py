@@ -12,6 +12,10 @@ both hold one. Its rules:
   for good (`ActorDiedError`: killed with no restart) is forgotten and its successor looked up at
   once, which creates it if no one has yet; the call that met the dead actor still fails, and its
   caller treats that as it treats any failure (the publisher resends, the router falls back).
+- A successor that dies before it ever answered (its creation failed: say its Redis is down) is
+  not replaced at once: the next lookup waits `retry_s`, doubling with each such death up to
+  MAX_RETRY_S. Replacing it at once would start an actor process a second, from every replica
+  and router, for as long as the cause lasts.
 - Without a connected Ray (a unit test) there is no index, unless `actor` or `find` is given:
   nothing here starts Ray.
 A handle serves one event loop: the loop of its first lookup.
@@ -36,6 +40,7 @@ logger = logging.getLogger(__name__)
 
 class IndexHandle:
     RETRY_S = 5.0
+    MAX_RETRY_S = 60.0
 
     def __init__(self, config: RoutingConfig, *, actor: Any = None, find: Callable[[], Any] | None = None,
                  retry_s: float = RETRY_S):
@@ -45,6 +50,8 @@ class IndexHandle:
         self._lookup: asyncio.Task | None = None
         self._retry_at = float("-inf")
         self._error: Exception | None = None  # why the last lookup failed
+        self._answered = actor is not None  # the actor held answered a call (one given is vouched for)
+        self._stillborn = 0  # actors in a row that died before answering
 
     def current(self) -> Any | None:
         """The actor handle, or None while it is not found; then a lookup starts in the
@@ -70,10 +77,13 @@ class IndexHandle:
         the actor is forgotten, its successor looked up, and the error raised."""
         actor = await self.get()
         try:
-            return await getattr(actor, method).remote(*args)
-        except ActorDiedError:
-            self.lost(actor)
+            answer = await getattr(actor, method).remote(*args)
+        except ActorDiedError as e:
+            self.lost(actor, e)
             raise
+        if actor is self._actor:
+            self._answered, self._stillborn = True, 0
+        return answer
 
     def call_nowait(self, method: str, *args: Any) -> bool:
         """Sends the call without awaiting its answer; False if no actor is known (nothing sent)."""
@@ -83,12 +93,19 @@ class IndexHandle:
         getattr(actor, method).remote(*args)
         return True
 
-    def lost(self, actor: Any) -> None:
+    def lost(self, actor: Any, why: Exception | None = None) -> None:
         """`actor` died for good: forget it, unless a successor took its place already, and look
-        the successor up now."""
-        if self._actor is actor:
-            self._actor, self._retry_at = None, float("-inf")
-            self._start_lookup()
+        the successor up: now, or after the delay if it died before it ever answered."""
+        if self._actor is not actor:
+            return
+        self._actor, self._retry_at = None, float("-inf")
+        if not self._answered:
+            self._stillborn += 1
+            delay = min(self.MAX_RETRY_S, self._retry_s * 2 ** (self._stillborn - 1))
+            self._error, self._retry_at = why, time.monotonic() + delay
+            logger.warning("cache index actor %s died before it answered (%d in a row; %s); looking again in "
+                           "%.0f s", self.config.index_actor_name, self._stillborn, _first_line(why), delay)
+        self._start_lookup()
 
     def _start_lookup(self) -> asyncio.Task | None:
         if self._lookup is None and self._actor is None and time.monotonic() >= self._retry_at \
@@ -103,7 +120,7 @@ class IndexHandle:
     async def _look_up(self) -> None:
         try:
             self._actor = await asyncio.to_thread(self._find or self._find_in_ray)
-            self._error = None
+            self._error, self._answered = None, False
         except Exception as e:
             self._error, self._retry_at = e, time.monotonic() + self._retry_s
             logger.warning("cache index actor %s not found (%s); trying again in %.0f s",
@@ -117,3 +134,7 @@ class IndexHandle:
         cfg = self.config
         return index_actor(cfg.index_actor_name, cfg.index_actor_namespace, cfg.redis_url, cfg.namespace,
                            cfg.index_max_pages)
+
+
+def _first_line(error: Exception | None) -> str:
+    return str(error).strip().splitlines()[0] if error is not None and str(error).strip() else repr(error)

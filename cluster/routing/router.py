@@ -185,10 +185,20 @@ class CacheAffinityRouter(RequestRouter):
         self.index.call_nowait("drop_worker", worker)  # fire and forget: its cache died with it
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        """Serve's new replica set (on the router's loop). With none (the app deleted, or
+        scaled to zero; also before the first replica is up) there is nothing to route: the
+        router stops following the index, so a handle kept in a long-lived process does not
+        poll, or create, an index no one uses. A router that was following starts again when
+        replicas come back, before their first request."""
         gone = set(self._replicas) - {r.replica_id for r in replicas}
         super().update_replicas(replicas)
         for replica_id in gone:
             self.ranker.forget(replica_worker_id(replica_id))
+        if not replicas and self._mirror_sync is not None:
+            self._mirror_sync.cancel()
+            self._mirror_sync = None
+        elif replicas and self._registered and self._mirror_sync is None and self.mirror is not None:
+            self._start()
 
 
 def _ray_prefix_router() -> type:

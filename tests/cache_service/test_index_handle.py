@@ -127,6 +127,42 @@ def test_an_actor_that_died_for_good_is_replaced_by_its_successor():
     assert successor is not None and successor.name == answer == "second"
 
 
+def test_successors_that_die_before_answering_are_replaced_after_a_doubling_delay():
+    """A successor whose creation fails (its Redis is down) dies at its first call. Replacing it
+    at once would start an actor process per call; the handle waits, longer each time, and goes
+    back to replacing at once after one answered."""
+    async def main():
+        finds = []
+
+        def find():
+            finds.append(time.monotonic())
+            actor = FakeActor(f"actor-{len(finds)}")
+            actor.dead = len(finds) in (2, 3, 4)  # the successors 2..4 never come up
+            return actor
+        handle = IndexHandle(CFG, find=find, retry_s=0.25)
+        assert await handle.call("score", []) == "actor-1"
+        handle.current().dead = True  # killed for good after it answered
+        errors = []
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline:
+            try:
+                if await handle.call("score", []) == "actor-5":
+                    break
+            except (ActorDiedError, IndexUnavailable) as e:
+                errors.append(type(e).__name__)
+            await asyncio.sleep(0.01)
+        return finds, errors
+
+    finds, errors = asyncio.run(main())
+    assert len(finds) == 5, f"one lookup per successor, not one per call: {len(finds)}"
+    gaps = [b - a for a, b in zip(finds, finds[1:])]
+    assert gaps[0] < 0.25, "an actor that had answered is replaced at once"
+    assert gaps[1] >= 0.25 and gaps[2] >= 0.5 and gaps[3] >= 1.0, \
+        f"0.25, 0.5, 1 s after each successor that never answered: {gaps}"
+    assert errors.count("ActorDiedError") == 4 and "IndexUnavailable" in errors, \
+        "meanwhile a call fails at once, without a lookup"
+
+
 def test_a_fire_and_forget_call_is_sent_only_to_a_known_actor():
     async def main():
         actor = FakeActor("a")

@@ -173,6 +173,42 @@ def test_the_serve_router_in_mirror_mode_scores_from_its_copy_of_the_index_feed(
     assert stale["index_fallbacks"] == stale["index_unavailable"] == 1
 
 
+def test_a_router_left_without_replicas_stops_following_the_index_until_replicas_come_back():
+    """The app deleted or scaled to zero (Serve sends an empty replica set): a handle kept in a
+    long-lived process must not poll, or re-create, an index no one uses any more; scaled up
+    again, the router follows the index before the first request, as the ingress's does."""
+    calls = []
+
+    class CountingFeed:
+        class feed:
+            @staticmethod
+            async def remote(epoch, cursor, wait_s):
+                calls.append(epoch)
+                await asyncio.sleep(0.01)
+                raise TimeoutError("no answer")
+
+    async def main():
+        replicas = fake_replicas(2)
+        router = make_router(config=CFG.model_copy(update=dict(index_mode="mirror")), index=CountingFeed())
+        router.update_replicas(replicas)
+        await asyncio.sleep(0.3)
+        following = len(calls)
+        sync = router._mirror_sync
+        router.update_replicas([])
+        await asyncio.sleep(0)
+        stopped = sync.cancelled() or sync.done()
+        before = len(calls)
+        await asyncio.sleep(0.5)
+        idle = len(calls) - before
+        router.update_replicas(replicas)  # scaled up from zero
+        await asyncio.sleep(0.3)
+        return following, stopped, idle, len(calls) - before, router.ranker.counts["ranked"]
+    following, stopped, idle, resumed, ranked = asyncio.run(main())
+    assert following >= 1 and stopped, "with no replica left the feed's task ends"
+    assert idle == 0, "no index call while the router has no replica"
+    assert resumed >= 1 and ranked == 0, "replicas back: it follows the index again, before any request"
+
+
 def test_an_index_actor_without_a_change_feed_turns_the_router_to_asking_it_per_request():
     async def main():
         replicas = fake_replicas(2)
