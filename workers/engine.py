@@ -48,7 +48,7 @@ from workers.execution.runner import ModelRunner
 from workers.sampler import Sampler
 from workers.sampling_params import SamplingParams
 from workers.scheduler import Scheduler
-from workers.sequence import Sequence, Status, TokenLogprob
+from workers.sequence import Sequence, Status
 from workers.spec import EngineSpec
 from workers.execution.tp_runner import TensorParallelRunner
 
@@ -227,7 +227,7 @@ class Engine:
             self._held.remove(seq)
             self.fetches.drop(request_id)
         self.scheduler.finish(seq, "abort")
-        return self._output(seq, [], [])
+        return RequestOutput.of(seq, [], [], self.worker_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or bool(self._held)
@@ -278,7 +278,7 @@ class Engine:
                 self._observe_rates(plan, time.perf_counter() - began)
         for seq in self.scheduler.take_failed():
             self._requests.pop(seq.request_id, None)
-            outputs.append(self._output(seq, [], []))
+            outputs.append(RequestOutput.of(seq, [], [], self.worker_id))
         return outputs
 
     def _observe_rates(self, plan: StepPlan, seconds: float) -> None:
@@ -300,7 +300,7 @@ class Engine:
         for seq, token, logprob in self.scheduler.postprocess(plan, sampling, sampled):
             if seq.finish_reason is not None:
                 self._requests.pop(seq.request_id, None)
-                outputs.append(self._output(seq, [token], [logprob] if logprob else []))
+                outputs.append(RequestOutput.of(seq, [token], [logprob] if logprob else [], worker))
             else:  # the common case, inline: one small object per request and step
                 n_out = len(seq.token_ids) - len(seq.prompt_token_ids)
                 outputs.append(RequestOutput(
@@ -314,18 +314,6 @@ class Engine:
         stats.preemptions = self.scheduler.num_preemptions
         stats.cached_tokens = self.scheduler.hit_tokens
         return outputs
-
-    def _output(self, seq: Sequence, new: list[int], new_logprobs: list[TokenLogprob]) -> RequestOutput:
-        asked = seq.params.logprobs is not None
-        n_out = len(seq.token_ids) - len(seq.prompt_token_ids)
-        out = RequestOutput(seq.request_id, new, new_logprobs if asked else None, n_out, seq.cached_tokens,
-                            seq.finish_reason, seq.num_preemptions, self.worker_id,
-                            queue_s=seq.queue_s if n_out == 1 and new else None)
-        if seq.finish_reason is not None:
-            out.token_ids = seq.output_token_ids
-            out.logprobs = list(seq.logprobs) if asked else None
-            out.error = seq.error
-        return out
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
                  ) -> list[RequestOutput]:

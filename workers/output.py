@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from workers.sequence import TokenLogprob
+from workers.sequence import Sequence, TokenLogprob
 
 
 @dataclass(slots=True)
@@ -29,6 +29,20 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @classmethod
+    def of(cls, seq: Sequence, new: list[int], new_logprobs: list[TokenLogprob], worker_id: str) -> RequestOutput:
+        """`seq`'s output for a step that produced `new` (maybe none: an abort, an error); a
+        finished sequence's carries every output token, and its error."""
+        asked = seq.params.logprobs is not None
+        n_out = len(seq.token_ids) - len(seq.prompt_token_ids)
+        out = cls(seq.request_id, new, new_logprobs if asked else None, n_out, seq.cached_tokens,
+                  seq.finish_reason, seq.num_preemptions, worker_id, queue_s=seq.queue_s if n_out == 1 and new else None)
+        if seq.finish_reason is not None:
+            out.token_ids = seq.output_token_ids
+            out.logprobs = list(seq.logprobs) if asked else None
+            out.error = seq.error
+        return out
 
 
 @dataclass

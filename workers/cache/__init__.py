@@ -19,8 +19,9 @@ the sequence with what it holds in the cache (`workers.sequence`, `workers.seque
 - `stats.py`: the cache's counters.
 - `lookup.py`: where a prompt resumes (`match`, rule 4) and what that costs (`Match`).
 - `placement.py`: where things go and what leaves when room is needed: holding, taking,
-  eviction, demotion, promotion, emptying a group; queues the `workers.plan.BlockCopy`s.
-- `checkpoint_slots.py`: checkpoint slots taken before a step, stored or dropped after it.
+  eviction, demotion, promotion, emptying a group, clearing; queues the `workers.plan.BlockCopy`s.
+- `checkpoint_slots.py`: checkpoint slots taken before a step (the finish capture among them),
+  stored or dropped after it.
 - `integrity.py`: the check that the parts agree (idle moments, tests).
 - `prefix_cache.py`: the cache itself: admission, growth, registration, ending, snapshots.
 - `transfer.py`: a resume point exported to and imported from a peer, over a `PrefixCache`

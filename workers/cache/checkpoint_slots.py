@@ -5,6 +5,8 @@
   when it cannot); `take`: a pending device slot, evicting to make room (None: none can be had);
   `take_host`: with a host tier, when no device slot can be had, a `workers.plan.HostSlot` the
   state is copied to after the step;
+- `finish_capture`: the slot a sequence's state is taken into at the last page boundary it
+  crossed, stored as its finish checkpoint when it finishes (the policy's `captures_finish`);
 - `commit`: the written state becomes `seq`'s checkpoint after `position` tokens: at a page
   boundary, keyed by that page; inside a page (a device slot only), a sub-page one on the page
   before it. Refused (dropped) when its page is gone or it is already stored. A request that
@@ -98,6 +100,29 @@ class CheckpointSlots:
         """Gives back `slot` if it is still a pending checkpoint (a commit that failed midway)."""
         if slot in self._host_pending or (isinstance(slot, int) and self.checkpoints.is_pending(slot)):
             self.drop_pending(slot)
+
+    def finish_capture(self, seq: Sequence, page: int, at_end: bool = True) -> Slot | None:
+        """The slot to take `seq`'s state after page `page` into, the last boundary it crossed
+        (None: not captured); it is stored as a finish checkpoint when `seq` finishes. With no
+        device slot to be had, a `HostSlot` when the boundary ends the step's segment
+        (`at_end`: the state is copied from the sequence's slot after the step)."""
+        c, kind = seq.cache, self.policy.captures_finish
+        if kind is None:
+            return None
+        if c.finish_admitted is None:
+            room = self.room()
+            wasted = not room and self.policy.reply_rewritten(seq.num_prompt_tokens, seq.hints)
+            c.finish_admitted = not wasted and bool(self.policy.admit({kind}, room=room))
+        if not c.finish_admitted:
+            return None
+        if c.finish_slot is None:
+            c.finish_slot = self.take()
+            if c.finish_slot is None and at_end and self.host:
+                c.finish_slot = self.take_host()
+        if c.finish_slot is None or (isinstance(c.finish_slot, HostSlot) and not at_end):
+            return None
+        c.finish_page = page
+        return c.finish_slot
 
     def commit(self, seq: Sequence, slot: Slot, position: int, kinds: set[str],
                exact_tail: tuple[int, ...] | None = None) -> bool:

@@ -11,6 +11,7 @@ stats) at construction. It:
   can make room for all of it, and otherwise dropped, taking what the tier holds under it
   along; sub-page checkpoints stay on the device: evicted, they are dropped;
 - promotes host pages back to device blocks for an admission;
+- clears: drops everything no running sequence holds, and the host tier (operators, tests);
 - takes blocks for, and names, pages imported from a peer (`workers.cache.transfer`).
 Every copy this implies is queued as a `workers.plan.BlockCopy` (`take_block_copies`) for the
 runner to make before the next step, in order; every change of residency is an event.
@@ -18,7 +19,7 @@ runner to make before the next step, in order; every change of residency is an e
 
 from __future__ import annotations
 
-from cache_service.events import DEVICE, HOST, PagesRemoved, PagesStored, StateRemoved, StateStored
+from cache_service.events import DEVICE, HOST, AllCleared, PagesRemoved, PagesStored, StateRemoved, StateStored
 from workers.cache.arena import Arena, ArenaLayout
 from workers.cache.cache_budget import CHECKPOINT, CacheBudget
 from workers.cache.checkpoint_store import Checkpoint, CheckpointStore
@@ -39,7 +40,7 @@ class Placement:
         self.copies: list[BlockCopy] = []  # queued for the runner, in order
         self.pinned: list[bytes] = []  # checkpoints an admission of this pass resumes from
         self.host_released: list[int] = []  # host blocks promoted out of in this pass: free at its end
-        self.dropping = False  # PrefixCache.clear: what is evicted is dropped, not demoted
+        self.dropping = False  # clear(): what is evicted is dropped, not demoted
 
     # ---- imports from a peer (workers.cache.transfer) -------------------------------------------
     def hold_chain(self, hashes: list[bytes]) -> list[int]:
@@ -211,6 +212,20 @@ class Placement:
         return copies
 
     # ---- eviction ---------------------------------------------------------------------------
+    def clear(self) -> None:
+        """Drops everything not held by a running sequence, and the host tier; announces the
+        result as a fresh picture (AllCleared, then what remains)."""
+        self.dropping = True
+        try:
+            while self.budget.coldest() is not None:
+                self.evict_coldest()
+        finally:
+            self.dropping = False
+        self.host.clear()
+        self.events.restart([AllCleared(), *(PagesStored((page_hash,), parent) for page_hash, parent in
+                                             self.pages.registered()),
+                             *(StateStored(h) for h in self.checkpoints.state_pages())])
+
     def evict_coldest(self) -> None:
         kind, item = self.budget.coldest()
         self.evict_checkpoint(item) if kind == CHECKPOINT else self.evict_page(self.pages.page_of(item))

@@ -38,7 +38,7 @@ and drained by the engine.
 
 from __future__ import annotations
 
-from cache_service.events import AllCleared, PagesStored, StateStored
+from cache_service.events import PagesStored
 from workers.cache import integrity
 from workers.cache.arena import Arena, ArenaLayout
 from workers.cache.cache_budget import CacheBudget
@@ -266,27 +266,9 @@ class PrefixCache:
         return self.placement.take_block_copies()
 
     def finish_capture(self, seq: Sequence, page: int, at_end: bool = True) -> Slot | None:
-        """The slot to take `seq`'s state after page `page` into, the last boundary it crossed
-        (None: not captured); it is stored as a finish checkpoint when `seq` finishes. With no
-        device slot to be had, a `HostSlot` when the boundary ends the step's segment
-        (`at_end`: the state is copied from the sequence's slot after the step)."""
-        c, kind = seq.cache, self.policy.captures_finish
-        if kind is None:
-            return None
-        if c.finish_admitted is None:
-            room = self.checkpoint_room()
-            wasted = not room and self.policy.reply_rewritten(seq.num_prompt_tokens, seq.hints)
-            c.finish_admitted = not wasted and bool(self.policy.admit({kind}, room=room))
-        if not c.finish_admitted:
-            return None
-        if c.finish_slot is None:
-            c.finish_slot = self.take_checkpoint_slot()
-            if c.finish_slot is None and at_end and self.host:
-                c.finish_slot = self.take_host_checkpoint_slot()
-        if c.finish_slot is None or (isinstance(c.finish_slot, HostSlot) and not at_end):
-            return None
-        c.finish_page = page
-        return c.finish_slot
+        """The slot to take `seq`'s state after page `page` into, kept as a finish checkpoint
+        when `seq` finishes (`CheckpointSlots.finish_capture`)."""
+        return self.slots.finish_capture(seq, page, at_end)
 
     def commit_checkpoint(self, seq: Sequence, slot: Slot, position: int, kinds: set[str],
                           exact_tail: tuple[int, ...] | None = None) -> bool:
@@ -365,18 +347,9 @@ class PrefixCache:
         return True
 
     def clear(self) -> None:
-        """Drops everything not held by a running sequence, and the host tier; announces the
-        result as a fresh picture (AllCleared, then what remains)."""
-        self.placement.dropping = True
-        try:
-            while self.budget.coldest() is not None:
-                self.placement.evict_coldest()
-        finally:
-            self.placement.dropping = False
-        self.host.clear()
-        self.events.restart([AllCleared(), *(PagesStored((page_hash,), parent) for page_hash, parent in
-                                             self.pages.registered()),
-                             *(StateStored(h) for h in self.checkpoints.state_pages())])
+        """Drops everything not held by a running sequence, and the host tier
+        (`Placement.clear`: the result is announced as a fresh picture)."""
+        self.placement.clear()
 
     # ---- reporting --------------------------------------------------------------------------
     def drain_events(self) -> list:
