@@ -29,6 +29,7 @@ import pytest
 import torch
 
 from tests.support.ray_checks import free_port
+from tests.support.readme_chat import readme_chat, run_readme_chat
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ("README.md", "docs/serving.md", "docs/operations.md")  # where the commands may live
@@ -287,19 +288,17 @@ def test_the_python_example_runs_on_a_checkpoint(env, tiny_model_dir):
     assert re.fullmatch(r"\[\d+(, \d+)*\] 0 (length|stop)\n", proc.stdout), tail(proc)  # ids, cached, reason
 
 
-CHAT = re.compile(r"^```python\n(from openai import OpenAI\n.*?)^```\n\n```text\n(.*?)^```\n", re.S | re.M)
 TURN = re.compile(r"^turn (\d+): prompt_tokens (\d+), cached_tokens (\d+)$", re.M)
 
 
 def test_the_chat_example_prints_the_cached_tokens_the_readme_shows(env):
     """The README's first screen: its five-turn chat through the `openai` client, run as written
-    against `cairn serve --replicas 1` (one engine, no Ray; `cairn serve`'s two replicas keep a
-    conversation on one, as tests/ray/test_cluster.py checks) in float32, prints exactly the block
+    against `cairn serve --replicas 1` (one engine, no Ray; tests/ray/test_cluster.py runs it
+    against `cairn serve`'s two replicas) in float32, prints exactly the block
     shown after it, whose cached_tokens start at 0, grow every turn and reach the previous prompt."""
-    (match,) = CHAT.finditer(README)
-    code, shown = match.groups()
-    assert README[:match.end()].count("\n") <= 50, "the chat and what it printed are on the README's first screen"
-    assert code.count('"http://127.0.0.1:8000/v1"') == 1 and 'model="demo-tiny"' in code
+    code, shown, ends_at_line = readme_chat()
+    assert ends_at_line <= 50, "the chat and what it printed are on the README's first screen"
+    assert 'model="demo-tiny"' in code
     assert "prompt_tokens_details.cached_tokens" in code
     turns = [tuple(map(int, m)) for m in TURN.findall(shown)]
     assert [n for n, _, _ in turns] == [1, 2, 3, 4, 5] and len(shown.splitlines()) == 5, shown
@@ -308,8 +307,7 @@ def test_the_chat_example_prints_the_cached_tokens_the_readme_shows(env):
     assert all(c >= prompt for (_, prompt, _), (_, _, c) in zip(turns, turns[1:])), turns
     server, port = serve_one_engine(dict(env, CAIRN_DTYPE="float32"))
     try:
-        proc = subprocess.run([sys.executable, "-c", code.replace("127.0.0.1:8000", f"127.0.0.1:{port}")],
-                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+        proc = run_readme_chat(f"http://127.0.0.1:{port}/v1", env)
         assert proc.returncode == 0, tail(proc)
         assert proc.stdout == shown, f"README.md shows\n{shown}but the chat printed\n{proc.stdout}"
     finally:

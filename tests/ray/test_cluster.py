@@ -56,6 +56,7 @@ from cluster.app import build_application  # noqa: E402
 from cluster.ingress import REPLICA_HEADER  # noqa: E402
 from cluster.routing.config import RoutingConfig  # noqa: E402
 from tests.support.paths import REPO
+from tests.support.readme_chat import readme_chat, run_readme_chat
 
 MODEL = "tiny"
 PAGE_SIZE, TAIL_GUARD = 16, 8  # workers.EngineOptions defaults, which the app uses
@@ -129,7 +130,8 @@ KEYS = {"tenant": "sk-alice-4c1f9e2b7d", "bare": "sk-bare-9a0d3e6f51", "metrics"
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads the process tree from /proc")
 def test_cairn_serve_starts_its_own_ray_serves_the_api_and_stops_cleanly_on_ctrl_c(tmp_path):
     """With keys given on the command line, none of them appears in cairn serve's output or in
-    any file of its Ray session (Serve logs an application's arguments: keys travel as digests)."""
+    any file of its Ray session (Serve logs an application's arguments: keys travel as digests).
+    The README's chat, run against it, prints what the README shows (measured on one engine)."""
     port, log_path = free_port(), tmp_path / "serve.log"
     ray_tmp = Path(tempfile.mkdtemp(prefix="cairn-ray-", dir="/tmp"))  # short: Ray's socket paths are bounded
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
@@ -164,6 +166,10 @@ def test_cairn_serve_starts_its_own_ray_serves_the_api_and_stops_cleanly_on_ctrl
             assert completion.usage.prompt_tokens_details.cached_tokens == 0
             assert replica.startswith("SERVE_REPLICA::cairn#Engine#")
         assert len({replica for _, replica in answers}) == 2, "configs/local.yaml: 2 engine replicas"
+        _, shown, _ = readme_chat()  # the README's chat: two replicas print what one engine prints
+        printed = run_readme_chat(base + "/v1", env, api_key=KEYS["tenant"])
+        assert printed.returncode == 0 and printed.stdout == shown, \
+            f"README.md shows\n{shown}but behind two replicas the chat printed\n{printed.stdout}{printed.stderr[-2000:]}"
 
         tree = descendants(proc.pid)
         assert len(tree) > 3, "Ray's processes run under cairn serve (a local Ray it started)"
