@@ -139,11 +139,11 @@ def test_successors_that_die_before_answering_are_replaced_after_a_doubling_dela
             actor = FakeActor(f"actor-{len(finds)}")
             actor.dead = len(finds) in (2, 3, 4)  # the successors 2..4 never come up
             return actor
-        handle = IndexHandle(CFG, find=find, retry_s=0.25)
+        handle = IndexHandle(CFG, find=find, retry_s=0.5)
         assert await handle.call("score", []) == "actor-1"
         handle.current().dead = True  # killed for good after it answered
         errors = []
-        deadline = time.monotonic() + 5.0
+        deadline = time.monotonic() + 10.0
         while time.monotonic() < deadline:
             try:
                 if await handle.call("score", []) == "actor-5":
@@ -156,9 +156,9 @@ def test_successors_that_die_before_answering_are_replaced_after_a_doubling_dela
     finds, errors = asyncio.run(main())
     assert len(finds) == 5, f"one lookup per successor, not one per call: {len(finds)}"
     gaps = [b - a for a, b in zip(finds, finds[1:])]
-    assert gaps[0] < 0.25, "an actor that had answered is replaced at once"
-    assert gaps[1] >= 0.25 and gaps[2] >= 0.5 and gaps[3] >= 1.0, \
-        f"0.25, 0.5, 1 s after each successor that never answered: {gaps}"
+    assert gaps[0] < 0.5, "an actor that had answered is replaced at once"
+    assert gaps[1] >= 0.5 and gaps[2] >= 1.0 and gaps[3] >= 2.0, \
+        f"0.5, 1, 2 s after each successor that never answered: {gaps}"
     assert errors.count("ActorDiedError") == 4 and "IndexUnavailable" in errors, \
         "meanwhile a call fails at once, without a lookup"
 
