@@ -38,7 +38,7 @@ from workers.cache.arena import ArenaLayout
 from workers.execution.decode_graphs import DecodeGraphs
 from workers.model import HybridForCausalLM, ModelCaches, packed_linear
 from workers.model.packed_linear import pack_linears
-from workers.plan import COPY, DEMOTE, IMPORT, MOVE, PROMOTE, StepPlan
+from workers.plan import COPY, DEMOTE, IMPORT, MOVE, PROMOTE, BlockCopy, StepPlan
 from workers.execution.step_work import StepWork, checkpoint_tables
 
 
@@ -125,7 +125,7 @@ class ModelRunner:
             kernels.copy_state_slots(states, tensors["snapshot_src"], tensors["snapshot_dst"])
         if work.host_snapshots:  # checkpoints that found no device slot: straight to the host tier
             k = self.slot_blocks
-            self._copy_blocks([(DEMOTE, b, h) for slot, blocks in work.host_snapshots
+            self._copy_blocks([BlockCopy(DEMOTE, b, h) for slot, blocks in work.host_snapshots
                                for b, h in zip(range(slot * k, (slot + 1) * k), blocks)])
         return logits
 
@@ -134,31 +134,31 @@ class ModelRunner:
             torch.cuda.current_stream(self.device).wait_event(self._promoted)
             self._promoted = None
 
-    def _copy_blocks(self, copies: list[tuple[str, int, int]], staging: torch.Tensor | None = None) -> None:
+    def _copy_blocks(self, copies: list[BlockCopy], staging: torch.Tensor | None = None) -> None:
         """Makes the cache's block copies in order: each run of one kind at once when no copy in
         it reads a block an earlier one wrote, else one by one. IMPORT copies read rows of
         `staging` (blocks fetched from a peer). On CUDA, the promotions go last, on the copy
         stream, after everything else queued (the cache frees the host blocks they read only at
         the pass's end, and the blocks they write are held by their requests: nothing else in
         the list touches them); `_promoted` marks when they are in."""
-        if self._copy_stream is not None and any(c[0] == PROMOTE for c in copies):
-            self._copy_blocks([c for c in copies if c[0] != PROMOTE], staging)
-            promotions = [c for c in copies if c[0] == PROMOTE]
+        if self._copy_stream is not None and any(c.kind == PROMOTE for c in copies):
+            self._copy_blocks([c for c in copies if c.kind != PROMOTE], staging)
+            promotions = [c for c in copies if c.kind == PROMOTE]
             self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self._copy_stream):
-                self._copy_run(PROMOTE, [c[1] for c in promotions], [c[2] for c in promotions])
+                self._copy_run(PROMOTE, [c.src for c in promotions], [c.dst for c in promotions])
             self._promoted = torch.cuda.Event()
             self._promoted.record(self._copy_stream)
             return
         start = 0
         while start < len(copies):
-            kind, end = copies[start][0], start + 1
-            while end < len(copies) and copies[end][0] == kind:
+            kind, end = copies[start].kind, start + 1
+            while end < len(copies) and copies[end].kind == kind:
                 end += 1
-            self._copy_run(kind, [c[1] for c in copies[start:end]], [c[2] for c in copies[start:end]], staging)
+            self._copy_run(kind, [c.src for c in copies[start:end]], [c.dst for c in copies[start:end]], staging)
             start = end
 
-    def apply_copies(self, copies: list[tuple[str, int, int]], staging=None) -> None:
+    def apply_copies(self, copies: list[BlockCopy], staging=None) -> None:
         """Block copies outside a step (an import, or an export's flush), `staging` a numpy
         array of rows for IMPORT copies."""
         self._wait_for_promotions()
