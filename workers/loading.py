@@ -37,34 +37,32 @@ def _pick_device(name: str) -> torch.device:
 
 def load_engine(cls: type, model_dir: str | Path, **options: object):
     """An engine of class `cls` (`workers.engine.Engine`) over the checkpoint in `model_dir`."""
+    path = Path(model_dir)
     worker_id = str(options.pop("worker_id", "local"))
     start_ranks = options.pop("start_ranks", RankWorkers.start)  # how ranks 1..N-1 start (a Ray
     opts = EngineOptions.from_kwargs(**options)                   # replica: cluster.tp_ranks)
+    workers = None
     if opts.tensor_parallel_size == 1:
         model = load_model(model_dir, dtype=opts.dtype, device=_pick_device(opts.device))
         device = next(model.parameters()).device
         graphs = device.type == "cuda" and not opts.enforce_eager
         reserve = graph_reserve_bytes(model.config, opts.max_num_seqs) if graphs else 0
         opts = sized(opts, device, reserve=reserve)  # memory_utilization: what the weights and graphs left
-        engine = cls(model, opts, fingerprint=model_fingerprint(model_dir), worker_id=worker_id,
-                     eos_token_ids=generation_eos_ids(Path(model_dir)))
-        engine.use_tokenizer(Path(model_dir))
-        if opts.warm_up:
-            engine.warm_up()
-        return engine
-    shard_config(read_model_config(Path(model_dir) / "config.json"), opts.tensor_parallel_size)  # fits?
-    meta = dict(fingerprint=model_fingerprint(model_dir), worker_id=worker_id,
-                eos_token_ids=generation_eos_ids(Path(model_dir)))
-    address = free_address()
-    workers = start_ranks(model_dir, opts, address)
+    else:
+        shard_config(read_model_config(path / "config.json"), opts.tensor_parallel_size)  # fits?
+        address = free_address()
+        workers = start_ranks(model_dir, opts, address)
     try:
-        model = load_rank_model(model_dir, opts, 0, address)
-        opts = sized(opts, next(model.parameters()).device, model.group)  # the same on every rank
-        engine = cls(model, opts, rank_workers=workers, **meta)
-        engine.use_tokenizer(Path(model_dir))
+        if workers is not None:
+            model = load_rank_model(model_dir, opts, 0, address)
+            opts = sized(opts, next(model.parameters()).device, model.group)  # the same on every rank
+        engine = cls(model, opts, fingerprint=model_fingerprint(model_dir), worker_id=worker_id,
+                     eos_token_ids=generation_eos_ids(path), rank_workers=workers)
+        engine.use_tokenizer(path)
         if opts.warm_up:
             engine.warm_up()
         return engine
     except BaseException:
-        workers.close()
+        if workers is not None:
+            workers.close()
         raise
