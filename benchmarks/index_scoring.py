@@ -36,7 +36,7 @@ WORKERS, PROMPT_PAGES, RUN_PAGES, BATCH_EVENTS, SCORES = 16, 2048, 16, 64, 200
 def event_batches(total_pages: int) -> tuple[list[bytes], int, list[bytes]]:
     """(encoded batches, events in them, the prompt's page hashes): worker w holds the prompt's
     first (w + 1) / 16 of its pages, then chains of its own, total_pages / 16 pages in all."""
-    from cache_service.events import EventStream, PagesStored, StateStored
+    from cairn.cache_service.events import EventStream, PagesStored, StateStored
 
     workers, prompt_pages = WORKERS, PROMPT_PAGES
     rng = random.Random(0)
@@ -67,7 +67,7 @@ def event_batches(total_pages: int) -> tuple[list[bytes], int, list[bytes]]:
 
 
 def in_process(batches: list[bytes], events: int, prompt: list[bytes], max_pages: int) -> None:
-    from cache_service.index import CacheIndex
+    from cairn.cache_service.index import CacheIndex
 
     workers, prompt_pages, runs = WORKERS, len(prompt), SCORES
     index = CacheIndex(max_pages=max_pages)
@@ -92,7 +92,7 @@ def in_process(batches: list[bytes], events: int, prompt: list[bytes], max_pages
 
 
 def through_actor(batches: list[bytes], events: int, prompt: list[bytes], total_pages: int, max_pages: int) -> None:
-    from cache_service.actor import index_actor
+    from cairn.cache_service.actor import index_actor
 
     workers, prompt_pages, runs = WORKERS, len(prompt), SCORES
     handle = index_actor("cairn-bench-index-alone", NAMESPACE, max_pages=max_pages)

@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from kernels import reference, reference_varlen  # noqa: E402
+from cairn.kernels import reference, reference_varlen  # noqa: E402
 
 PEAKS = {"H200": (4.8e12, 989e12), "H100": (3.35e12, 989e12), "A100": (2.0e12, 312e12)}  # bytes/s, bf16 FLOP/s
 
@@ -195,7 +195,7 @@ def main() -> None:
     if OPTS.check:
         from types import SimpleNamespace
 
-        from kernels import triton_attention, triton_conv, triton_delta_recurrent, triton_delta_rule, triton_state
+        from cairn.kernels import triton_attention, triton_conv, triton_delta_recurrent, triton_delta_rule, triton_state
 
         modules = (triton_attention, triton_conv, triton_delta_recurrent, triton_delta_rule, triton_state)
         ops = SimpleNamespace(**{n: getattr(m, n) for m in modules for n in dir(m) if not n.startswith("_")})
@@ -205,7 +205,7 @@ def main() -> None:
         if not torch.cuda.is_available():
             sys.exit("benchmarks/kernel_speed.py times GPU kernels and needs a CUDA device; "
                      "on a CPU, run it with --check to exercise the script at tiny shapes.")
-        from kernels import gpu as ops
+        from cairn.kernels import gpu as ops
 
         dev, dt, small, name = "cuda", torch.bfloat16, False, torch.cuda.get_device_name()
         bw, flop = next((p for key, p in PEAKS.items() if key in name), (float("nan"), float("nan")))

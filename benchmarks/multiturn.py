@@ -27,7 +27,7 @@ Writes benchmarks/out/multiturn.png (hit tokens per turn). Not a test: nothing i
 The host tier (`--device-budget F --host-budget H`): the `cairn` policy with memory to spare
 measures what the cache needs (its arena bytes once every round ran, nothing ever evicted); then
 it runs with a device budget of F times that, without a host tier and with one of H times the
-device budget (workers.cache.host_tier). Printed for each: hit tokens / oracle, tokens computed (prompt
+device budget (cairn.workers.cache.host_tier). Printed for each: hit tokens / oracle, tokens computed (prompt
 tokens recomputed, preemptions' recomputation included, and decodes), the last turn's median
 TTFT, and what moved between the tiers. Goal: >= 0.97 of the oracle with the tier.
 
@@ -52,12 +52,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout
 import torch  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 
-from cluster.api.chat_template import ChatTemplate  # noqa: E402
+from cairn.cluster.api.chat_template import ChatTemplate  # noqa: E402
 from plotting import pyplot, save  # noqa: E402  (benchmarks/plotting.py)
 from traces import AGENT_TOOLS, MULTITURN_WORDS, Oracle, sentence, tool_round  # noqa: E402  (benchmarks/traces.py)
-from workers import Engine, SamplingParams  # noqa: E402
-from workers.demo import demo_model_dir  # noqa: E402
-from workers.metrics import EngineMetrics  # noqa: E402
+from cairn.workers import Engine, SamplingParams  # noqa: E402
+from cairn.workers.demo import demo_model_dir  # noqa: E402
+from cairn.workers.metrics import EngineMetrics  # noqa: E402
 
 POLICIES = ["exact", "all", "interval", "end_branch", "cairn"]
 

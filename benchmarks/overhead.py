@@ -39,13 +39,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from workers import Engine, EngineOptions, SamplingParams  # noqa: E402
-from workers.cache.arena import page_bytes  # noqa: E402
-from workers.model.config import ModelConfig  # noqa: E402
-from workers.cache.prefix_cache import PrefixCache  # noqa: E402
-from workers.execution.runner import ModelRunner  # noqa: E402
-from workers.sampler import Sampler  # noqa: E402
-from workers.scheduler import Scheduler  # noqa: E402
+from cairn.workers import Engine, EngineOptions, SamplingParams  # noqa: E402
+from cairn.workers.cache.arena import page_bytes  # noqa: E402
+from cairn.workers.model.config import ModelConfig  # noqa: E402
+from cairn.workers.cache.prefix_cache import PrefixCache  # noqa: E402
+from cairn.workers.execution.runner import ModelRunner  # noqa: E402
+from cairn.workers.sampler import Sampler  # noqa: E402
+from cairn.workers.scheduler import Scheduler  # noqa: E402
 
 CONFIG = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
                      num_attention_heads=2, num_key_value_heads=1, head_dim=8,

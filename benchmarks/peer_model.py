@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tokenizers import Tokenizer, models, normalizers  # noqa: E402
 
-from workers.demo.tokenizer import add_control_tokens, byte_level_bpe  # noqa: E402
+from cairn.workers.demo.tokenizer import add_control_tokens, byte_level_bpe  # noqa: E402
 
 PEERS = Path(os.environ.get("CAIRN_PEERS") or Path.home() / ".cache" / "cairn-peers")
 NAME = "peer-bench"
@@ -69,7 +69,7 @@ def qwen2_tokenizer(llama_dir: Path) -> Tokenizer:
 
 
 def write_peer_model(out_dir: Path, llama_dir: Path) -> tuple[Path, Path]:
-    from workers.demo.checkpoint import write_demo_model
+    from cairn.workers.demo.checkpoint import write_demo_model
 
     if not (out_dir / "model.safetensors").exists():
         write_demo_model(out_dir, size="bench", arch="qwen3_5", tokenizer=qwen2_tokenizer(llama_dir),

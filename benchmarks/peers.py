@@ -87,7 +87,7 @@ from percentiles import pct  # noqa: E402
 from plotting import pyplot, save, OUT  # noqa: E402
 from traces import AGENT_TOOLS, WORDS, Oracle, sentence  # noqa: E402
 
-REPLICA_HEADER = "x-cairn-replica"  # cluster.ingress.REPLICA_HEADER (importing it would import Ray)
+REPLICA_HEADER = "x-cairn-replica"  # cairn.cluster.ingress.REPLICA_HEADER (importing it would import Ray)
 PEERS = Path(os.environ.get("CAIRN_PEERS") or Path.home() / ".cache" / "cairn-peers")
 MODEL = "demo"
 TRACES = ("thinking-drop", "agent", "shared-system", "edits", "interleaved")
@@ -184,9 +184,9 @@ def free_port() -> int:
 
 
 def cairn(model_dir: Path, cache_bytes: int, replicas: int = 1, fetch: bool = False) -> System:
-    argv = [sys.executable, "-m", "cluster.cli", "serve", "--replicas", str(replicas), "--model", str(model_dir),
+    argv = [sys.executable, "-m", "cairn.cluster.cli", "serve", "--replicas", str(replicas), "--model", str(model_dir),
             "--served-model-name", MODEL, "--dtype", "bfloat16", "--cache-memory-bytes", str(cache_bytes)]
-    if fetch:  # move and fetch: a replica pulls the resume point another holds (cluster.peer_fetch)
+    if fetch:  # move and fetch: a replica pulls the resume point another holds (cairn.cluster.peer_fetch)
         OUT.mkdir(parents=True, exist_ok=True)
         routing = OUT / "peers-routing-fetch.yaml"
         routing.write_text("policy: cache_affinity\nfetch: true\n")
@@ -229,7 +229,7 @@ def llama(model_dir: Path, cache_bytes: int) -> System:
     # Under a budget, all that llama-server keeps counts against it, as all cairn keeps does: the
     # slots' K/V (-c tokens in all), each slot's state and its context checkpoints (a state each),
     # and what is left for the RAM prompt cache.
-    from workers import EngineOptions, EngineSpec
+    from cairn.workers import EngineOptions, EngineSpec
 
     spec = EngineSpec.from_model_dir(model_dir, EngineOptions(dtype="bfloat16"))
     context, checkpoints = LLAMA_SLOTS * 2048, 2
@@ -550,7 +550,7 @@ def print_trace(name: str, rows: dict[str, dict]) -> None:
 def working_set_bytes(traces: list[Trace], renderer: Renderer, model_dir: Path) -> int:
     """Distinct prompt tokens' K/V plus one recurrent state per conversation, in the engine's
     bf16 sizes (cairn's spec: the same model for every system)."""
-    from workers import EngineOptions, EngineSpec
+    from cairn.workers import EngineOptions, EngineSpec
 
     spec = EngineSpec.from_model_dir(model_dir, EngineOptions(dtype="bfloat16"))
     oracle, distinct, convs = Oracle(page_tokens=1), 0, 0
@@ -605,7 +605,7 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="checkpoint directory (default: the peer model, see above)")
     parser.add_argument("--max-tokens", type=int, default=None, help="tokens each turn generates (16; --quick 8)")
     args = parser.parse_args()
-    from workers.demo.checkpoint import demo_model_dir
+    from cairn.workers.demo.checkpoint import demo_model_dir
 
     peer_model = PEERS / "peer-bench"
     model_dir = (Path(args.model) if args.model else demo_model_dir("tiny", "qwen3_5") if args.quick

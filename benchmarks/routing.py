@@ -1,10 +1,10 @@
 """Routing policies side by side on a real local Ray Serve cluster.
 
-The Serve application of `cluster.app` (HTTP ingress + engine replicas), one per policy:
+The Serve application of `cairn.cluster.app` (HTTP ingress + engine replicas), one per policy:
 `cache_affinity` (cairn's router over the cache index), `pow2` (Serve's default), `round_robin`,
 `ray_prefix` (Ray Serve LLM's PrefixCacheAffinityRouter), and `cache_affinity_fetch`: cairn's
 router with move and fetch on (routing `fetch`: a replica resuming less deep than the holder
-pulls the resume point from it, cluster.peer_fetch). Every policy replays the same three
+pulls the resume point from it, cairn.cluster.peer_fetch). Every policy replays the same three
 traces of concurrent multi-turn chats through HTTP (streamed, the answer echoed back,
 each turn sent a think time after the previous answer, greedy decoding):
 - shared-system: every conversation opens with the same system prompt;
@@ -64,8 +64,8 @@ import ray  # noqa: E402
 
 logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
 
-from cluster.routing.router import CacheAffinityRouter  # noqa: E402
-from workers import EngineSpec  # noqa: E402
+from cairn.cluster.routing.router import CacheAffinityRouter  # noqa: E402
+from cairn.workers import EngineSpec  # noqa: E402
 from percentiles import pct  # noqa: E402  (benchmarks/percentiles.py)
 from plotting import OUT, pyplot, save  # noqa: E402  (benchmarks/plotting.py)
 from traces import Oracle, sentence, text_of_tokens  # noqa: E402  (benchmarks/traces.py)
@@ -117,10 +117,10 @@ def _base_router(policy: str) -> type:
     from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
     from ray.serve.experimental.round_robin_router import RoundRobinRouter
 
-    import cluster.routing.router
+    import cairn.cluster.routing.router
 
     return {"cache_affinity": CacheAffinityRouter, FETCH: CacheAffinityRouter, "pow2": PowerOfTwoChoicesRequestRouter,
-            "round_robin": RoundRobinRouter, "ray_prefix": cluster.routing.router.RayPrefixRouter}[policy]
+            "round_robin": RoundRobinRouter, "ray_prefix": cairn.cluster.routing.router.RayPrefixRouter}[policy]
 
 
 TIMED = {}
@@ -141,11 +141,11 @@ class RouteStats:
 
 
 def build_app(policy: str, args, model_dir: Path):
-    """cluster.app's application for `policy`, its router class wrapped with the stopwatch."""
+    """cairn.cluster.app's application for `policy`, its router class wrapped with the stopwatch."""
     from ray.serve.config import RequestRouterConfig
 
-    from cluster.app import build_application
-    from cluster.routing.config import RoutingConfig
+    from cairn.cluster.app import build_application
+    from cairn.cluster.routing.config import RoutingConfig
 
     base = RoutingConfig.from_yaml(args.routing) if args.routing else RoutingConfig()
     routing = base.model_copy(update=dict(policy="cache_affinity" if policy == FETCH else policy,
@@ -207,7 +207,7 @@ class Req:
 
 
 async def converse(http, url: str, conv_id: int, conv: Conversation, salt: str, args, render, out: list[Req]):
-    from cluster.ingress import REPLICA_HEADER
+    from cairn.cluster.ingress import REPLICA_HEADER
 
     messages = [{"role": "system", "content": conv.system}]
     await asyncio.sleep(conv.start_s)
@@ -431,7 +431,7 @@ def main() -> None:
     parser.add_argument("--num-cpus", type=float, default=0.5, help="per engine replica")
     parser.add_argument("--num-gpus", type=float, default=0, help="per engine replica")
     parser.add_argument("--stats-period", type=float, default=0.5, help="routing stats period, seconds")
-    parser.add_argument("--routing", default=None, help="a routing YAML (configs/routing.yaml) whose settings "
+    parser.add_argument("--routing", default=None, help="a routing YAML (cairn/configs/routing.yaml) whose settings "
                                                         "every policy's deployment starts from")
     parser.add_argument("--policies", default=None, help=f"default {','.join(POLICIES)}; --quick: {','.join(QUICK_POLICIES)}")
     parser.add_argument("--traces", default=",".join(TRACES))
@@ -448,9 +448,9 @@ def main() -> None:
     from ray import serve
     from ray.serve.api import RunTarget
 
-    from cluster.api.chat_template import ChatTemplate
-    from cluster.api.tokenizer import TextTokenizer
-    from workers.demo import demo_model_dir
+    from cairn.cluster.api.chat_template import ChatTemplate
+    from cairn.cluster.api.tokenizer import TextTokenizer
+    from cairn.workers.demo import demo_model_dir
 
     model_dir = Path(args.model) if args.model else demo_model_dir("tiny" if args.quick else "bench", args.arch)
     tokenizer, template = TextTokenizer.from_dir(model_dir), ChatTemplate.from_dir(model_dir)

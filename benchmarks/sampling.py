@@ -1,4 +1,4 @@
-"""Per-step sampling time: the batched sampler (workers/sampler.py) against a per-row sampler,
+"""Per-step sampling time: the batched sampler (cairn/workers/sampler.py) against a per-row sampler,
 measured in the same run, at 1, 64 and 256 rows and vocabularies of 151,936 (Qwen3-Next) and
 248,320 (Qwen3.5).
 
@@ -11,7 +11,7 @@ rows; printed as such). The batched sampler is timed on every row, the minimum o
 Logits: a Zipf-like head, logit = -1.2 ln(rank) plus N(0, 0.5) noise, in a random order per row
 (a trained model's distributions are peaked like this; top-p 0.95 keeps a few thousand tokens).
 Penalised rows carry 64 output tokens. The JSON-schema setting (temperature 0.7 with a grammar,
-workers.grammar) needs a tokenizer of the vocabulary: the peer model's (Qwen2's, 151,936; written by
+cairn.workers.grammar) needs a tokenizer of the vocabulary: the peer model's (Qwen2's, 151,936; written by
 benchmarks/peers_setup.sh under $CAIRN_PEERS), else it is skipped with the reason; both paths
 compute the mask with the same llguidance matcher (the per-row one unpacks and applies it row by
 row). Goal on CPU: the batched sampler at 256 rows >= 10x
@@ -33,11 +33,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from workers import SamplingParams  # noqa: E402
-from workers.grammar import Grammar, Grammars, LLGuidance  # noqa: E402
-from kernels.reference_sample import unpack_bitmask  # noqa: E402
-from workers.sampler import Sampler  # noqa: E402
-from workers.sequence import Sequence  # noqa: E402
+from cairn.workers import SamplingParams  # noqa: E402
+from cairn.workers.grammar import Grammar, Grammars, LLGuidance  # noqa: E402
+from cairn.kernels.reference_sample import unpack_bitmask  # noqa: E402
+from cairn.workers.sampler import Sampler  # noqa: E402
+from cairn.workers.sequence import Sequence  # noqa: E402
 
 SETTINGS = {
     "greedy": dict(temperature=0.0),

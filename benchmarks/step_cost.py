@@ -6,7 +6,7 @@ projected onto a named GPU against that step's bandwidth and FLOP limit.
 For each model shape (real layer count, layer pattern, head counts, experts and top-k; tiny widths,
 so it runs on CPU) and each step (decode at 1, 64 and 256 running sequences, one 4k-token prefill,
 16 x 256-token prefills, a mixed step of 64 decodes and a 512-token prefill), an engine is brought to
-the step with real CPU steps, and the step itself runs under `workers.execution.step_census.Census`: the
+the step with real CPU steps, and the step itself runs under `cairn.workers.execution.step_census.Census`: the
 scheduler, the runner, the model with every kernel's Triton launcher (launch stubbed) and the
 sampler, exactly as on CUDA. It prints kernel launches, host syncs, uploads and aten ops per
 step, by phase and per layer kind, the ten busiest call sites, and the projection:
@@ -15,7 +15,7 @@ step, by phase and per layer kind, the ten busiest call sites, and the projectio
                                                          fp32 states, 4k of context per sequence)
     projected = max(limit, launches x launch cost) + syncs x sync cost
 
-Decode rows also print the projection with decode graphs (workers.execution.decode_graphs): the forward's
+Decode rows also print the projection with decode graphs (cairn.workers.execution.decode_graphs): the forward's
 launches become one replay and a microsecond each on the device, the step's other launches stay
 eager. A tensor-parallel shape counts one rank (its `shard_config`, collectives as launches) against
 one GPU's limit for that rank's share (tensor-parallel engines run eager today: no graph column is
@@ -41,13 +41,13 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from workers.engine import Engine  # noqa: E402
-from workers.model.config import FULL, LINEAR, ModelConfig  # noqa: E402
-from workers.model.registry import family_named  # noqa: E402
-from workers.model.sharding import Shard, shard_config  # noqa: E402
-from workers.options import EngineOptions  # noqa: E402
-from workers.sampling_params import SamplingParams  # noqa: E402
-from workers.execution.step_census import Census, CensusGroup, Tally  # noqa: E402
+from cairn.workers.engine import Engine  # noqa: E402
+from cairn.workers.model.config import FULL, LINEAR, ModelConfig  # noqa: E402
+from cairn.workers.model.registry import family_named  # noqa: E402
+from cairn.workers.model.sharding import Shard, shard_config  # noqa: E402
+from cairn.workers.options import EngineOptions  # noqa: E402
+from cairn.workers.sampling_params import SamplingParams  # noqa: E402
+from cairn.workers.execution.step_census import Census, CensusGroup, Tally  # noqa: E402
 
 CONTEXT = 4096  # tokens of context each decoding sequence is assumed to hold (the limit's K/V reads)
 

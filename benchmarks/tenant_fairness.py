@@ -36,12 +36,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout
 
 import httpx  # noqa: E402
 
-from cluster.api import APIOptions, build_app  # noqa: E402
-from cluster.api.engine_client import LocalEngineClient  # noqa: E402
-from cluster.api.server import BackgroundServer  # noqa: E402
-from cluster.api.tenants import Tenants  # noqa: E402
-from workers import AsyncEngine  # noqa: E402
-from workers.demo import demo_model_dir  # noqa: E402
+from cairn.cluster.api import APIOptions, build_app  # noqa: E402
+from cairn.cluster.api.engine_client import LocalEngineClient  # noqa: E402
+from cairn.cluster.api.server import BackgroundServer  # noqa: E402
+from cairn.cluster.api.tenants import Tenants  # noqa: E402
+from cairn.workers import AsyncEngine  # noqa: E402
+from cairn.workers.demo import demo_model_dir  # noqa: E402
 
 MODEL = "demo"
 ALICE, BOB = {"Authorization": "Bearer key-alice"}, {"Authorization": "Bearer key-bob"}

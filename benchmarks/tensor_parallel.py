@@ -4,7 +4,7 @@ Workload: the `bench` demo model of `--arch` (8 query heads over 2 K/V heads, 4 
 splits 1, 2 and 4 ways), `--seqs` concurrent requests of `--prompt-len` random tokens, greedy,
 `--new-tokens` each.
 
-Printed, for TP 1, 2 and 4 (from rank 0's collective counters, `workers.execution.tp_group.Counters`):
+Printed, for TP 1, 2 and 4 (from rank 0's collective counters, `cairn.workers.execution.tp_group.Counters`):
 - collectives per decode step and the bytes each rank puts into its all-reduces per decode
   token, against the goal the design sets: one all-reduce of the hidden state after every
   mixer and every MLP, i.e. 2 x layers x hidden x dtype bytes per token, which a ring all-reduce
@@ -33,8 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout
 
 import torch  # noqa: E402
 
-from workers import Engine, SamplingParams  # noqa: E402
-from workers.demo import demo_model_dir  # noqa: E402
+from cairn.workers import Engine, SamplingParams  # noqa: E402
+from cairn.workers.demo import demo_model_dir  # noqa: E402
 
 
 def run(model_dir: Path, tp: int, prompts: list[list[int]], new_tokens: int) -> dict[str, float]:

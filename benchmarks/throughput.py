@@ -40,9 +40,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout
 
 import torch  # noqa: E402
 
-from workers import Engine, SamplingParams  # noqa: E402
+from cairn.workers import Engine, SamplingParams  # noqa: E402
 from plotting import pyplot, save  # noqa: E402  (benchmarks/plotting.py)
-from workers.demo import demo_model_dir  # noqa: E402
+from cairn.workers.demo import demo_model_dir  # noqa: E402
 
 
 def make_prompts(n: int, length: int, vocab: int) -> list[list[int]]:
@@ -68,8 +68,7 @@ def cairn_run(engine: Engine, prompts: list[list[int]], new_tokens: int) -> floa
 @contextlib.contextmanager
 def per_segment_prefill():
     """The engine's varlen prefill ops, called once per segment (the pre-batching launch pattern)."""
-    import kernels
-
+    from cairn import kernels
     originals = {name: getattr(kernels, name) for name in ("causal_conv1d_varlen", "chunk_gated_delta_rule_varlen")}
 
     def split(name):

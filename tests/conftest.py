@@ -45,7 +45,7 @@ def hf_checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
-    from workers.demo import write_demo_model
+    from cairn.workers.demo import write_demo_model
 
     return write_demo_model(tmp_path_factory.mktemp("demo-tiny"), size="tiny", seed=0)
 
@@ -53,7 +53,7 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def demo_model(tmp_path_factory):
     """`demo_model(arch)`: the tiny demo checkpoint of that architecture, written once a session."""
-    from workers.demo import write_demo_model
+    from cairn.workers.demo import write_demo_model
 
     made: dict[str, Path] = {}
 
@@ -85,9 +85,9 @@ def hf_hub(tmp_path, tiny_model_dir, monkeypatch) -> Path:
 
 @pytest.fixture
 def loader_reads(monkeypatch) -> dict[str, list[str]]:
-    """Records what workers.model.loader reads from safetensors files: {"whole": tensor names
+    """Records what cairn.workers.model.loader reads from safetensors files: {"whole": tensor names
     read whole (`get_tensor`), "sliced": names read in slices (`get_slice`)}."""
-    import workers.model.loader as loader
+    import cairn.workers.model.loader as loader
 
     reads: dict[str, list[str]] = {"whole": [], "sliced": []}
     real_open = loader.safe_open

@@ -1,26 +1,46 @@
-"""The folders are the architecture: dependencies point one way, plan-making touches no tensor."""
+"""The folders are the architecture: dependencies point one way, plan-making touches no tensor,
+and everything imports cairn through its one namespace."""
 
 import ast
+import re
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PLAN_MAKING = sorted({p.relative_to(ROOT).as_posix() for p in (ROOT / "workers" / "cache").glob("*.py")}
-                     - {"workers/cache/device_budget.py"}) + \
-    ["workers/scheduler.py", "workers/plan.py", "workers/slot.py", "workers/sequence.py", "workers/sequence_cache.py",
-     "workers/sampling_params.py",
-     "workers/options.py", "workers/spec.py", "workers/tenant_queue.py"]
+PKG = ROOT / "cairn"
+ROOMS = ("cluster", "workers", "cache_service", "kernels", "configs")  # cairn's subpackages
+PLAN_MAKING = sorted({p.relative_to(ROOT).as_posix() for p in (PKG / "workers" / "cache").glob("*.py")}
+                     - {"cairn/workers/cache/device_budget.py"}) + \
+    ["cairn/workers/scheduler.py", "cairn/workers/plan.py", "cairn/workers/slot.py", "cairn/workers/sequence.py",
+     "cairn/workers/sequence_cache.py", "cairn/workers/sampling_params.py", "cairn/workers/options.py",
+     "cairn/workers/spec.py", "cairn/workers/tenant_queue.py"]
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every module `path` imports, absolute (`from cairn import kernels` is cairn.kernels)."""
+    modules = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            modules |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            modules.add(node.module)
+            if node.module == "cairn":
+                modules |= {f"cairn.{a.name}" for a in node.names}
+        elif isinstance(node, ast.ImportFrom):  # relative: resolved against the file's own package
+            package = path.relative_to(ROOT).with_suffix("").parts[:-node.level]
+            modules.add(".".join(package + ((node.module,) if node.module else ())))
+    return modules
 
 
 def imported_roots(path: Path) -> set[str]:
+    """The top-level names `path` imports, with cairn's rooms by their room name (`cairn.workers.x`
+    is "workers")."""
     roots = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            roots |= {a.name.split(".")[0] for a in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            roots.add(node.module.split(".")[0])
+    for module in imported_modules(path):
+        parts = module.split(".")
+        roots.add(parts[1] if parts[0] == "cairn" and len(parts) > 1 else parts[0])
     return roots
 
 
@@ -33,37 +53,35 @@ def test_dependencies_point_one_way():
     allowed = {"kernels": set(), "cache_service": {"cache_service"}, "workers": {"workers", "kernels", "cache_service"}}
     ours = {"cluster", "workers", "cache_service", "kernels"}
     for package, may_import in allowed.items():
-        for path in (ROOT / package).rglob("*.py"):
+        for path in (PKG / package).rglob("*.py"):
             bad = (imported_roots(path) & ours) - may_import - {package}
             assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
 
 
 def test_only_the_index_actor_imports_ray_below_cluster():
     for package in ("workers", "cache_service", "kernels"):
-        for path in (ROOT / package).rglob("*.py"):
-            if path.relative_to(ROOT).as_posix() == "cache_service/actor.py":
+        for path in (PKG / package).rglob("*.py"):
+            if path.relative_to(ROOT).as_posix() == "cairn/cache_service/actor.py":
                 continue
             assert "ray" not in imported_roots(path), path.relative_to(ROOT)
 
 
 def test_the_http_api_runs_without_ray_or_the_serve_layer():
-    for path in (ROOT / "cluster" / "api").rglob("*.py"):
-        tree = ast.parse(path.read_text())
-        modules = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names} | \
-            {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    for path in (PKG / "cluster" / "api").rglob("*.py"):
+        modules = imported_modules(path)
         bad = {m for m in modules if m.split(".")[0] == "ray" or
-               (m.startswith("cluster.") and not m.startswith("cluster.api"))}
+               (f"{m}.".startswith("cairn.cluster.") and not m.startswith("cairn.cluster.api"))}
         assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
 
 
-ROUTING_DECISIONS = ["cluster/routing/cost.py", "cluster/routing/predicted.py", "cluster/routing/ranker.py",
-                     "cluster/routing/registry.py"]
+ROUTING_DECISIONS = ["cairn/cluster/routing/cost.py", "cairn/cluster/routing/predicted.py", "cairn/cluster/routing/ranker.py",
+                     "cairn/cluster/routing/registry.py"]
 
 
 def test_the_routing_decisions_and_the_event_publisher_run_without_ray():
     for rel in ROUTING_DECISIONS:
         assert "ray" not in imported_roots(ROOT / rel), rel
-    modules = [rel.removesuffix(".py").replace("/", ".") for rel in ROUTING_DECISIONS] + ["cache_service.publisher"]
+    modules = [rel.removesuffix(".py").replace("/", ".") for rel in ROUTING_DECISIONS] + ["cairn.cache_service.publisher"]
     probe = (f"import sys\nfor m in {modules!r}: __import__(m)\n"
              "print(sorted(m for m in sys.modules if m.split('.')[0] == 'ray'))")
     out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True,
@@ -72,23 +90,71 @@ def test_the_routing_decisions_and_the_event_publisher_run_without_ray():
 
 
 def test_routing_imports_nothing_of_the_cluster_around_it():
-    """cluster.app, the deployments and the CLI use routing, never the other way round."""
-    for path in (ROOT / "cluster" / "routing").rglob("*.py"):
-        tree = ast.parse(path.read_text())
-        modules = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names} | \
-            {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
-        bad = {m for m in modules if m.split(".")[0] == "cluster" and not m.startswith("cluster.routing")}
+    """cairn.cluster.app, the deployments and the CLI use routing, never the other way round."""
+    for path in (PKG / "cluster" / "routing").rglob("*.py"):
+        modules = imported_modules(path)
+        bad = {m for m in modules if m.startswith("cairn.cluster") and not m.startswith("cairn.cluster.routing")}
         assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
 
 
 def test_routing_and_plan_making_load_no_torch():
-    """`workers/__init__` is lazy: the routing package, the scoring it shares with the index, the
+    """`cairn.workers` is lazy: the routing package, the scoring it shares with the index, the
     request and the spec, and the engine's plain modules load without torch (a router replica, and
     the deploy step reading a checkpoint's config, never pay for it)."""
-    modules = [f"cluster.routing.{p.stem}" for p in sorted((ROOT / "cluster" / "routing").glob("*.py"))
-               if p.stem != "__init__"] + ["cache_service.scoring", "workers.sampling_params", "workers.sequence",
-                                           "workers.scheduler", "workers.cache.checkpoint_policy", "workers"]
+    modules = [f"cairn.cluster.routing.{p.stem}" for p in sorted((PKG / "cluster" / "routing").glob("*.py"))
+               if p.stem != "__init__"] + ["cairn.cache_service.scoring", "cairn.workers.sampling_params", "cairn.workers.sequence",
+                                           "cairn.workers.scheduler", "cairn.workers.cache.checkpoint_policy", "cairn.workers"]
     probe = f"import sys\nfor m in {modules!r}: __import__(m)\nprint('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.stdout.strip() == "False", f"importing {modules} loads torch"
+
+
+BARE = "|".join(ROOMS)
+# a bare room named where Python resolves it: an import line (also inside code written for a
+# subprocess), a `-m` command line, a Serve config's import_path or a router class path
+BARE_REFERENCE = re.compile(rf"(?:^|[\s;\"'(\\n])(?:from\s+(?:{BARE})[\s.]|(?<!cairn )import\s+(?:[\w.]+\s*,\s*)*(?:{BARE})\b"
+                            rf"|-m\s+(?:{BARE})\.|import_path:\s*(?:{BARE})\.|[\"'](?:{BARE})(?:\.\w+)+:\w)",
+                            re.MULTILINE)
+TEXT_SUFFIXES = {".py", ".sh", ".yaml", ".yml", ".toml", ".md", ".json", ".cfg", ".txt", ""}
+
+
+def tree_files():
+    skip = {".git", "__pycache__", ".pytest_cache", ".hypothesis", "build", "dist", ".venv", ".whl", "out"}
+    for path in sorted(ROOT.rglob("*")):
+        parts = set(path.relative_to(ROOT).parts)
+        if path.is_file() and not parts & skip and not any(p.endswith(".egg-info") for p in parts) \
+                and path.suffix in TEXT_SUFFIXES and path != Path(__file__).resolve():
+            yield path
+
+
+def test_everything_imports_cairn_through_its_namespace():
+    """Issue 37: a bare `kernels` found Hugging Face's package first. No module of cairn, its tests
+    or its benchmarks imports a room by its bare name (relative imports resolve under cairn)."""
+    for folder in ("cairn", "tests", "benchmarks"):
+        for path in (ROOT / folder).rglob("*.py"):
+            bare = {m for m in imported_modules(path) if m.split(".")[0] in ROOMS}
+            assert not bare, f"{path.relative_to(ROOT)} imports {bare}: import cairn.{sorted(bare)[0]}"
+
+
+def test_nothing_in_the_tree_names_a_bare_room_where_python_resolves_it():
+    """Code written for a subprocess, `-m` command lines, configs' import paths, router class
+    paths, the docs' examples: every one names `cairn.<room>`."""
+    found = []
+    for path in tree_files():
+        text = path.read_text(errors="replace")
+        found += [f"{path.relative_to(ROOT)}:{text[:m.start()].count(chr(10)) + 1}: {m.group().strip()}"
+                  for m in BARE_REFERENCE.finditer(text)]
+    assert not found, "bare room names where Python resolves them:\n" + "\n".join(found)
+
+
+def test_the_bare_reference_reader_finds_what_it_is_for():
+    for text in ("import kernels", "from workers.engine import Engine", "x = 1; import cluster",
+                 '"import warnings, kernels, torch\\n"',
+                 "python3 -m cluster.cli serve", "import_path: cluster.app:app_builder",
+                 '"cluster.routing.router:CacheAffinityRouter"', 'code = "from configs import x"'):
+        assert BARE_REFERENCE.search(text), text
+    for text in ("from cairn import kernels", "import cairn.workers", "from cairn.workers import Engine",
+                 "python3 -m cairn.cluster.cli", "import_path: cairn.cluster.app:app_builder",
+                 "the workers import nothing", "ray.get(actor.workers.remote())"):
+        assert not BARE_REFERENCE.search(text), text

@@ -6,7 +6,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "ARCHITECTURE.md"
-CITING = ("cluster", "workers", "cache_service", "kernels", "benchmarks", "tests")
+CITING = ("cairn", "benchmarks", "tests")
 ROOT_FILE_SUFFIXES = (".py", ".md", ".toml", ".yaml", ".yml", ".sh")
 
 # "design rule 4", "rule 7", "rules 2-8", "rules 2–8", "rules 1, 4 and 5"

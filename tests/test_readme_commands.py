@@ -20,6 +20,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.support.foreign_shell import cairn_script, foreign_shell, shadowed_imports
 from tests.support.ray_checks import free_port
 from tests.support.readme_chat import readme_chat, run_readme_chat
 
@@ -55,23 +57,25 @@ CURL = ("curl -s http://127.0.0.1:8000/v1/chat/completions -H 'content-type: app
 SERVE_TEST = "def test_cairn_serve_deploys_local_yaml_when_no_config_is_given("
 
 CHECKS: dict[str, object] = {
-    # README.md: the two commands. .ci/run, what CI runs, is this setup and this test command;
-    # `cairn serve` reading configs/local.yaml is tests/cluster/test_configs.py's, and what it
+    # README.md: the two commands. .ci/run, what CI runs, is this setup, the serve command from
+    # outside the checkout (.ci/serve_check) and this test command;
+    # `cairn serve` reading cairn/configs/local.yaml is tests/cluster/test_configs.py's, and what it
     # deploys is tests/ray/test_cluster.py's. The chat after them: test_the_chat_example_prints_....
-    "bash .ci/setup && cairn serve": Elsewhere(((".ci/run", "bash .ci/setup"),
+    "bash .ci/setup && cairn serve": Elsewhere(((".ci/run", "bash .ci/setup\nbash .ci/serve_check"),
+                                                (".ci/serve_check", "cairn serve >"),
                                                 ("tests/cluster/test_configs.py", SERVE_TEST))),
-    "bash .ci/setup && python3 -m pytest -q": Elsewhere(((".ci/run", "bash .ci/setup\npython3 -m pytest -q"),)),
+    "bash .ci/setup && python3 -m pytest -q": Elsewhere(((".ci/run", "bash .ci/serve_check\npython3 -m pytest -q"),)),
     # docs/serving.md: the first request
     CURL: "test_the_curl_example_gets_an_answer_with_its_cached_tokens",
     # README.md: the cluster guide. A real `ray up` needs a cloud: what it reads is checked by Ray's
     # own schemas, and by a check that no node dials another's loopback (tests/cluster/test_configs.py).
-    "ray up configs/cluster.yaml": Elsewhere((("tests/cluster/test_configs.py", "def test_cluster_yaml_passes_rays_autoscaler"),
+    "ray up cairn/configs/cluster.yaml": Elsewhere((("tests/cluster/test_configs.py", "def test_cluster_yaml_passes_rays_autoscaler"),
                                               ("tests/cluster/test_configs.py", "def test_nothing_in_a_cluster_config_dials"))),
-    "ray exec configs/cluster.yaml 'cd ~/cairn && serve deploy configs/serve.yaml'": Elsewhere(
+    "ray exec cairn/configs/cluster.yaml 'cd ~/cairn && serve deploy cairn/configs/serve.yaml'": Elsewhere(
         (("tests/cluster/test_configs.py", "def test_serve_yaml_is_a_serve_deploy_config"),)),
-    "ray exec configs/cluster.yaml 'serve status'": Elsewhere((("configs/cluster.yaml", "cluster_name: cairn"),)),
-    "ray get-head-ip configs/cluster.yaml": Elsewhere((("configs/serve.yaml", "port: 8000"),)),
-    "ray down configs/cluster.yaml": Elsewhere((("configs/cluster.yaml", "cluster_name: cairn"),)),
+    "ray exec cairn/configs/cluster.yaml 'serve status'": Elsewhere((("cairn/configs/cluster.yaml", "cluster_name: cairn"),)),
+    "ray get-head-ip cairn/configs/cluster.yaml": Elsewhere((("cairn/configs/serve.yaml", "port: 8000"),)),
+    "ray down cairn/configs/cluster.yaml": Elsewhere((("cairn/configs/cluster.yaml", "cluster_name: cairn"),)),
     # docs/operations.md: a demo model of another family, written then served
     "cairn demo-model /tmp/cairn-qwen3_5 --arch qwen3_5_moe": "test_the_qwen3_5_demo_model_is_written_then_served",
     "cairn serve --model /tmp/cairn-qwen3_5": "test_the_qwen3_5_demo_model_is_written_then_served",
@@ -219,11 +223,13 @@ def test_gpu_check_without_a_gpu_exits_saying_so(env):
 
 
 def serve_one_engine(env: dict[str, str], *args: str) -> tuple[subprocess.Popen, int]:
-    """`cairn serve --replicas 1 ARGS` (one engine, no Ray) on a free port, once /health answers."""
-    port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", *args, "--replicas", "1",
-                               "--port", str(port)],
-                              cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    """`cairn serve --replicas 1 ARGS` (one engine, no Ray) on a free port, once /health answers:
+    the console script, from a folder outside the checkout where other distributions' `kernels`,
+    `workers`, ... come first on the path (tests/support/foreign_shell.py), none of which it imports."""
+    port, shell = free_port(), Path(tempfile.mkdtemp(prefix="shell-", dir=env["CAIRN_HOME"]))
+    server = subprocess.Popen([cairn_script(), "serve", *args, "--replicas", "1", "--port", str(port)],
+                              cwd=shell, env=foreign_shell(shell, env), stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     while True:
         if server.poll() is not None:
@@ -231,6 +237,7 @@ def serve_one_engine(env: dict[str, str], *args: str) -> tuple[subprocess.Popen,
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
                 if response.status == 200:
+                    assert shadowed_imports(shell) == [], f"cairn serve imported {shadowed_imports(shell)}"
                     return server, port
         except OSError:
             pass
@@ -260,7 +267,7 @@ def test_the_qwen3_5_demo_model_is_written_then_served(env, tmp_path):
     (a cluster serving the same model is tests/ray/test_cluster.py's)."""
     out = tmp_path / "cairn-qwen3_5"
     (write,) = [c for c in shown_commands() if c.startswith("cairn demo-model /tmp/cairn-qwen3_5")]
-    proc = run(write.replace("/tmp/cairn-qwen3_5", str(out)).replace("cairn ", f"{sys.executable} -m cluster.cli ", 1),
+    proc = run(write.replace("/tmp/cairn-qwen3_5", str(out)).replace("cairn ", f"{cairn_script()} ", 1),
                env, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == str(out), tail(proc)
     server, port = serve_one_engine(env, "--model", str(out))
@@ -280,7 +287,7 @@ def test_the_qwen3_5_demo_model_is_written_then_served(env, tmp_path):
 
 
 def test_the_python_example_runs_on_a_checkpoint(env, tiny_model_dir):
-    (code,) = [block for block in python_blocks(README) if "from workers import Engine" in block]
+    (code,) = [block for block in python_blocks(README) if "from cairn.workers import Engine" in block]
     assert '"path/to/checkpoint"' in code
     proc = subprocess.run([sys.executable, "-c", code.replace("path/to/checkpoint", str(tiny_model_dir))],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)

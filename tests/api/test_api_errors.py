@@ -10,11 +10,11 @@ import time
 import httpx
 import pytest
 
-from cluster.api import APIOptions, build_app
-from cluster.api.engine_client import LocalEngineClient
-from cluster.api.server import BackgroundServer
-from workers import AsyncEngine, EngineSpec
-from workers.metrics import EngineMetrics
+from cairn.cluster.api import APIOptions, build_app
+from cairn.cluster.api.engine_client import LocalEngineClient
+from cairn.cluster.api.server import BackgroundServer
+from cairn.workers import AsyncEngine, EngineSpec
+from cairn.workers.metrics import EngineMetrics
 
 MODEL, KEY = "tiny", "k3y"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -234,8 +234,8 @@ class FaultyClient:
         self.waiting, self.fail_after, self.broken, self.engines_up = 0, None, False, True
 
     async def generate(self, request):
-        from workers import EngineError, RequestOutput
-        from workers.errors import EngineBroken
+        from cairn.workers import EngineError, RequestOutput
+        from cairn.workers.errors import EngineBroken
 
         for i in range(3):
             if self.fail_after == i:
@@ -361,7 +361,7 @@ def test_a_reused_request_id_is_only_a_label_and_touches_no_other_request(server
 def test_a_detokenization_fault_ends_that_stream_alone(server, engine, monkeypatch):
     """A fault turning one request's tokens into text fails that request (an error event, then
     [DONE]) while a stream beside it runs to its end; the engine gets the pages back."""
-    from cluster.api import tokenizer as tokenizer_module
+    from cairn.cluster.api import tokenizer as tokenizer_module
 
     victim_prompt = "Stones and zebras " * 4 + "quagga"
     push = tokenizer_module.Detokenizer.push

@@ -13,10 +13,10 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cluster.api import APILimits, APIOptions, build_app
-from cluster.api.engine_client import LocalEngineClient
-from cluster.api.server import BackgroundServer
-from workers import AsyncEngine
+from cairn.cluster.api import APILimits, APIOptions, build_app
+from cairn.cluster.api.engine_client import LocalEngineClient
+from cairn.cluster.api.server import BackgroundServer
+from cairn.workers import AsyncEngine
 from tests.support.fake_clients import OneTokenClient
 
 MODEL, KEY = "tiny", "k3y"

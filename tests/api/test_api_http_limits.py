@@ -1,5 +1,5 @@
 """What one connection may cost the server, over raw sockets against a real uvicorn
-(`BackgroundServer`, `cluster.api.connection`): headers over the limit are a 431 and a closed
+(`BackgroundServer`, `cairn.cluster.api.connection`): headers over the limit are a 431 and a closed
 connection; a request whose headers or body stall is closed within its deadline (a 408 when part
 of it had arrived); a connection that never speaks, or idles between requests, is closed after its
 timeout; a normal request, and a second one on the same connection, still work. Every refusal is
@@ -13,9 +13,9 @@ import time
 import httpx
 import pytest
 
-from cluster.api import APIOptions, build_app
-from cluster.api.http_limits import HTTPLimits
-from cluster.api.server import BackgroundServer
+from cairn.cluster.api import APIOptions, build_app
+from cairn.cluster.api.http_limits import HTTPLimits
+from cairn.cluster.api.server import BackgroundServer
 from tests.support.fake_clients import OneTokenClient
 
 LIMITS = HTTPLimits(max_header_bytes=4096, header_timeout_s=1.0, body_timeout_s=1.0, keep_alive_timeout_s=1.0)
@@ -194,7 +194,7 @@ def test_the_operators_request_timeout_ends_a_request_whatever_timeout_header_it
     response, an error event and [DONE] in a stream, and the engine stream is closed either way."""
     import asyncio
 
-    from workers import RequestOutput
+    from cairn.workers import RequestOutput
 
     class Slow(OneTokenClient):
         def __init__(self):

@@ -14,11 +14,11 @@ import pytest
 
 from tokenizers import Tokenizer
 
-from cluster.api import APIOptions, build_app
-from cluster.api.chat_template import ChatTemplate
-from cluster.api.engine_client import LocalEngineClient
-from cluster.api.server import BackgroundServer
-from workers import AsyncEngine
+from cairn.cluster.api import APIOptions, build_app
+from cairn.cluster.api.chat_template import ChatTemplate
+from cairn.cluster.api.engine_client import LocalEngineClient
+from cairn.cluster.api.server import BackgroundServer
+from cairn.workers import AsyncEngine
 
 MODEL, TURNS = "tiny", 4
 QUESTIONS = ["How do I build a cairn that lasts through the winter storms on the ridge?",

@@ -11,13 +11,13 @@ import openai
 import pytest
 from tokenizers import Tokenizer
 
-from cluster.api import APIOptions, build_app
-from cluster.api.chat_template import ChatTemplate
-from cluster.api.engine_client import LocalEngineClient
-from cluster.api.server import BackgroundServer
+from cairn.cluster.api import APIOptions, build_app
+from cairn.cluster.api.chat_template import ChatTemplate
+from cairn.cluster.api.engine_client import LocalEngineClient
+from cairn.cluster.api.server import BackgroundServer
 from tests.support.checkpoints import byte_tokens, with_template
 from tests.support.fake_clients import ScriptedClient, background_apps
-from workers import AsyncEngine
+from cairn.workers import AsyncEngine
 
 MODEL = "tiny"
 GREEDY = dict(temperature=0, max_tokens=12, extra_body={"ignore_eos": True})

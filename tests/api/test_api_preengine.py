@@ -18,11 +18,11 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from cluster.api import APILimits, APIOptions, build_app
-from cluster.api.chat_template import HINTED_MESSAGES, ChatTemplate, common_prefix_len
-from cluster.api.server import BackgroundServer
-from cluster.api.special_tokens import SpecialTokens, trie_pattern
-from cluster.api.tokenizer import TextTokenizer
+from cairn.cluster.api import APILimits, APIOptions, build_app
+from cairn.cluster.api.chat_template import HINTED_MESSAGES, ChatTemplate, common_prefix_len
+from cairn.cluster.api.server import BackgroundServer
+from cairn.cluster.api.special_tokens import SpecialTokens, trie_pattern
+from cairn.cluster.api.tokenizer import TextTokenizer
 from tests.support.fake_clients import OneTokenClient
 
 MODEL = "tiny"
@@ -225,8 +225,8 @@ def test_a_request_that_waits_too_long_for_a_thread_is_503_with_retry_after(tiny
 def test_the_pool_hands_back_every_thread_whatever_becomes_of_its_requests():
     """One thread: a waiter whose client leaves, a waiter cancelled from outside, a waiter that
     times out and a running job whose client leaves all give the thread back; the next job runs."""
-    from cluster.api.errors import APIError
-    from cluster.api.prep_pool import PrepPool, check
+    from cairn.cluster.api.errors import APIError
+    from cairn.cluster.api.prep_pool import PrepPool, check
 
     async def main():
         pool = PrepPool(threads=1, wait_s=0.3)
@@ -268,7 +268,7 @@ def test_a_tenant_holds_its_share_of_the_threads_and_the_next_free_one_goes_to_t
     """Three threads, two a tenant: alice's third job waits while bob's runs; when one of hers
     ends, the thread goes to carol (holding none) before bob's second (holding one), though
     bob's asked first."""
-    from cluster.api.prep_pool import PrepPool
+    from cairn.cluster.api.prep_pool import PrepPool
 
     async def main():
         pool = PrepPool(threads=3, wait_s=5, per_tenant=2)
@@ -304,7 +304,7 @@ def test_a_tenant_holds_its_share_of_the_threads_and_the_next_free_one_goes_to_t
 def test_another_tenants_flood_of_slow_preparations_leaves_a_tenant_its_threads(tiny_model_dir):
     """Alice keeps six requests whose preparation takes 2.7 s each in flight on 4 threads; bob,
     who may wait 1 s for a thread, is never refused: alice holds at most half of them."""
-    from cluster.api.tenants import Tenants
+    from cairn.cluster.api.tenants import Tenants
 
     app = build_app(OneTokenClient(max_model_len=1 << 20), tiny_model_dir,
                     APIOptions(served_model_name=MODEL, api_limits=APILimits(prepare_threads=4, prepare_wait_s=1.0)),
@@ -334,7 +334,7 @@ def test_another_tenants_flood_of_slow_preparations_leaves_a_tenant_its_threads(
 def test_a_large_body_is_parsed_on_the_preparation_threads_and_answers_as_a_small_one(tiny_model_dir, monkeypatch):
     """A 200 KiB body is parsed off the event loop (a flood of them holds threads, not the loop),
     and answers exactly as on the loop: 200 when valid, a 400 naming the field when not."""
-    from cluster.api import routes
+    from cairn.cluster.api import routes
 
     threads = []
     real = routes.parse_body
@@ -358,7 +358,7 @@ def test_a_large_body_is_parsed_on_the_preparation_threads_and_answers_as_a_smal
 
 
 def test_without_keys_one_tenant_may_take_every_thread():
-    from cluster.api.prep_pool import PrepPool
+    from cairn.cluster.api.prep_pool import PrepPool
 
     async def main():
         pool, running, gate = PrepPool(threads=3, wait_s=5), [], threading.Event()

@@ -1,4 +1,4 @@
-"""Tenant quotas (`cluster.api.quotas`): what each tenant may hold of a shared endpoint. A tenant
+"""Tenant quotas (`cairn.cluster.api.quotas`): what each tenant may hold of a shared endpoint. A tenant
 over a limit gets a 429 in OpenAI's shape with Retry-After, and nothing else changes: another
 tenant is served at once, the same tenant again once it has room. One request may not make more
 engine requests than `max_engine_requests` (413). Every outcome is counted by tenant id, never
@@ -12,11 +12,11 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster.api import APILimits, APIOptions, build_app
-from cluster.api.errors import APIError
-from cluster.api.quotas import TenantLimits, TenantQuotas
-from cluster.api.server import BackgroundServer
-from cluster.api.tenants import Tenants
+from cairn.cluster.api import APILimits, APIOptions, build_app
+from cairn.cluster.api.errors import APIError
+from cairn.cluster.api.quotas import TenantLimits, TenantQuotas
+from cairn.cluster.api.server import BackgroundServer
+from cairn.cluster.api.tenants import Tenants
 from tests.support.fake_clients import OneTokenClient
 
 MODEL = "tiny"
@@ -97,7 +97,7 @@ class HeldClient(OneTokenClient):
         self.release = threading.Event()
 
     async def generate(self, request):
-        from workers import RequestOutput
+        from cairn.workers import RequestOutput
 
         self.requests.append(request)
         yield RequestOutput(request.request_id, [5], None, 1, 0, queue_s=0.25)

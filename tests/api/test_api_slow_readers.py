@@ -13,13 +13,13 @@ import time
 import httpx
 import pytest
 
-from cluster.api import APIOptions, build_app
-from cluster.api.engine_client import LocalEngineClient
-from cluster.api.fanout import Fanout
-from cluster.api.http_limits import HTTPLimits
-from cluster.api.server import BackgroundServer
+from cairn.cluster.api import APIOptions, build_app
+from cairn.cluster.api.engine_client import LocalEngineClient
+from cairn.cluster.api.fanout import Fanout
+from cairn.cluster.api.http_limits import HTTPLimits
+from cairn.cluster.api.server import BackgroundServer
 from tests.support.fake_clients import OneTokenClient
-from workers import AsyncEngine, RequestOutput
+from cairn.workers import AsyncEngine, RequestOutput
 
 MODEL = "tiny"
 
@@ -53,8 +53,8 @@ def test_an_engine_stream_stops_being_read_once_its_reader_is_a_buffer_behind():
 
 
 def _request(request_id: str):
-    from workers.request import GenerateRequest
-    from workers import SamplingParams
+    from cairn.workers.request import GenerateRequest
+    from cairn.workers import SamplingParams
 
     return GenerateRequest(request_id, [1, 2, 3], SamplingParams(max_tokens=4))
 

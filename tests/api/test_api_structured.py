@@ -12,10 +12,10 @@ import jsonschema
 import openai
 import pytest
 
-from cluster.api import APIOptions, build_app
-from cluster.api.engine_client import LocalEngineClient
-from cluster.api.server import BackgroundServer
-from workers import AsyncEngine
+from cairn.cluster.api import APIOptions, build_app
+from cairn.cluster.api.engine_client import LocalEngineClient
+from cairn.cluster.api.server import BackgroundServer
+from cairn.workers import AsyncEngine
 
 MODEL = "tiny"
 ASK = [{"role": "user", "content": "Describe a cairn for me."}]
@@ -159,10 +159,10 @@ def test_tool_grammars_compile_for_a_tokenizer_whose_tags_sit_past_its_count(tmp
 
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-    from cluster.api.limits import DEFAULT_LIMITS
-    from cluster.api.structured import GrammarCompiler
-    from cluster.api.tokenizer import TextTokenizer
-    from cluster.api.tool_grammar import tool_grammar
+    from cairn.cluster.api.limits import DEFAULT_LIMITS
+    from cairn.cluster.api.structured import GrammarCompiler
+    from cairn.cluster.api.tokenizer import TextTokenizer
+    from cairn.cluster.api.tool_grammar import tool_grammar
 
     vocab = {chr(c): i for i, c in enumerate(range(32, 127))}
     tags = ["<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>"]

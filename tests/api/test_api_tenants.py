@@ -1,4 +1,4 @@
-"""Tenants at the API edge (`cluster.api.tenants`): each API key names a tenant, and a tenant's
+"""Tenants at the API edge (`cairn.cluster.api.tenants`): each API key names a tenant, and a tenant's
 pages are rooted in its id, so two tenants never share a cached page unless the server is told
 to share; keys come from flags, a keys file or CAIRN_API_KEY and never show up in a message or a
 log; /metrics and /openapi.json need a key (the metrics key, when set, for /metrics), /health
@@ -10,11 +10,11 @@ import httpx
 import openai
 import pytest
 
-from cluster.api import APIOptions, build_app
-from cluster.api.engine_client import LocalEngineClient
-from cluster.api.server import BackgroundServer
-from cluster.api.tenants import Tenants, bare_tenant_id, read_keys_file
-from workers import AsyncEngine
+from cairn.cluster.api import APIOptions, build_app
+from cairn.cluster.api.engine_client import LocalEngineClient
+from cairn.cluster.api.server import BackgroundServer
+from cairn.cluster.api.tenants import Tenants, bare_tenant_id, read_keys_file
+from cairn.workers import AsyncEngine
 from tests.support.fake_clients import OneTokenClient
 
 MODEL = "tiny"

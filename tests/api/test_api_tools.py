@@ -15,15 +15,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
-from cluster.api import APIOptions, build_app
-from cluster.api.chat_template import ChatTemplate
-from cluster.api.engine_client import LocalEngineClient
-from cluster.api.server import BackgroundServer
-from cluster.api.tool_call_formats import detect_format, resolve_format, typed_value
-from cluster.api.tool_calls import ToolCallParser
+from cairn.cluster.api import APIOptions, build_app
+from cairn.cluster.api.chat_template import ChatTemplate
+from cairn.cluster.api.engine_client import LocalEngineClient
+from cairn.cluster.api.server import BackgroundServer
+from cairn.cluster.api.tool_call_formats import detect_format, resolve_format, typed_value
+from cairn.cluster.api.tool_calls import ToolCallParser
 from tests.support.checkpoints import byte_tokens, with_template
 from tests.support.fake_clients import OneTokenClient, ScriptedClient, background_apps
-from workers import AsyncEngine
+from cairn.workers import AsyncEngine
 
 MODEL = "tiny"
 WEATHER = {"type": "function", "function": {

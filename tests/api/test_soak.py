@@ -22,17 +22,17 @@ from pathlib import Path
 import httpx
 import pytest
 
-from cluster.api import APIOptions, build_app
-from cluster.api.engine_client import LocalEngineClient
-from cluster.api.http_limits import HTTPLimits
-from cluster.api.server import BackgroundServer
-from workers import AsyncEngine
+from cairn.cluster.api import APIOptions, build_app
+from cairn.cluster.api.engine_client import LocalEngineClient
+from cairn.cluster.api.http_limits import HTTPLimits
+from cairn.cluster.api.server import BackgroundServer
+from cairn.workers import AsyncEngine
 from tests.support.paths import REPO
 
 MODEL = "tiny"
 STREAMS, ROUNDS = 64, 6
 STALL_S = 2.0  # the stall timeout of the slow-reader phase
-PACKAGES = ("workers", "cluster", "cache_service", "kernels")
+PACKAGES = ("cairn",)
 
 
 def rss_bytes() -> int:

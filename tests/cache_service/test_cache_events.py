@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cache_service.events import (DEVICE, EVENTS_VERSION, HOST, MEDIA, AllCleared, EventBatch, EventDecodeError,
+from cairn.cache_service.events import (DEVICE, EVENTS_VERSION, HOST, MEDIA, AllCleared, EventBatch, EventDecodeError,
                                   EventStream, PagesRemoved, PagesStored, StateRemoved, StateStored)
 
 hashes = st.binary(min_size=16, max_size=16)
@@ -188,9 +188,9 @@ def test_an_empty_snapshot_is_just_all_cleared():
 
 
 def test_events_nobody_drains_are_bounded_and_the_next_drain_is_a_snapshot(tiny_model_dir, monkeypatch):
-    from cache_service.index import CacheIndex
-    from workers import Engine, SamplingParams
-    from workers.cache.event_queue import EventQueue
+    from cairn.cache_service.index import CacheIndex
+    from cairn.workers import Engine, SamplingParams
+    from cairn.workers.cache.event_queue import EventQueue
 
     monkeypatch.setattr(EventQueue, "MAX_QUEUED", 8)
     engine = Engine.from_pretrained(tiny_model_dir, num_pages=256)

@@ -7,11 +7,11 @@ import uuid
 
 import pytest
 
-from cache_service.events import (DEVICE, HOST, AllCleared, EventBatch, EventDecodeError, EventStream,
+from cairn.cache_service.events import (DEVICE, HOST, AllCleared, EventBatch, EventDecodeError, EventStream,
                                   PagesRemoved, PagesStored, StateRemoved, StateStored)
-from cache_service.hashing import next_page_hash, root_hash
-from cache_service.index import CacheIndex
-from cache_service.scoring import WorkerScore, walk_scores
+from cairn.cache_service.hashing import next_page_hash, root_hash
+from cairn.cache_service.index import CacheIndex
+from cairn.cache_service.scoring import WorkerScore, walk_scores
 
 H = [bytes([i]) * 16 for i in range(20)]
 
@@ -41,12 +41,12 @@ class RedisBackend:
         return self.reopen()
 
     def reopen(self) -> CacheIndex:
-        from cache_service.redis_store import RedisStore
+        from cairn.cache_service.redis_store import RedisStore
 
         return CacheIndex(store=RedisStore.from_url(self.url, self.namespace, self.max_pages))
 
     def wipe(self) -> None:
-        from cache_service.redis_store import RedisStore
+        from cairn.cache_service.redis_store import RedisStore
 
         RedisStore.from_url(self.url, self.namespace, writer=False).wipe()
 
@@ -477,7 +477,7 @@ def test_a_new_index_on_the_same_redis_resumes_with_identical_scores_and_seq_num
 
 def test_the_replaced_writer_can_no_longer_write_but_readers_can_still_read(redis_backend):
     backend = redis_backend
-    from cache_service.redis_store import StoreSuperseded
+    from cairn.cache_service.redis_store import StoreSuperseded
 
     old, a = backend.make(), EventStream("a")
     assert old.apply(a.batch([chain(2)]))
@@ -504,13 +504,13 @@ def test_a_redis_that_lost_everything_is_claimed_again_and_workers_it_forgot_res
     assert index.apply(a.snapshot([(h, p) for h, p in zip(H[:4], [None, *H[:3]])], [H[2]]))
     assert index.score(H[:4])["a"] == WorkerScore(4, 3)
     newer = backend.reopen()  # a newer writer still fences this one out
-    from cache_service.redis_store import StoreSuperseded
+    from cairn.cache_service.redis_store import StoreSuperseded
     with pytest.raises(StoreSuperseded):
         index.apply(a.batch([]))
     assert newer.contents("a")[0] == frozenset(H[:4])
 
 
-# ---- scoring with media (cache_service.scoring) ------------------------------------------------
+# ---- scoring with media (cairn.cache_service.scoring) ------------------------------------------------
 
 def test_a_score_made_from_hit_and_state_alone_is_all_on_the_device():
     assert WorkerScore(5, 3) == WorkerScore(5, 3, 5, False)

@@ -9,10 +9,10 @@ import uuid
 
 import pytest
 
-from cache_service.events import DEVICE, HOST, EventStream, PagesRemoved, PagesStored, StateRemoved, StateStored
-from cache_service.feed import ChangeFeed, IndexMirror
-from cache_service.index import CacheIndex
-from cache_service.scoring import ZERO, WorkerScore
+from cairn.cache_service.events import DEVICE, HOST, EventStream, PagesRemoved, PagesStored, StateRemoved, StateStored
+from cairn.cache_service.feed import ChangeFeed, IndexMirror
+from cairn.cache_service.index import CacheIndex
+from cairn.cache_service.scoring import ZERO, WorkerScore
 
 H = [bytes([i, j]) * 8 for i in range(4) for j in range(24)]  # 4 chains of 24 pages
 CHAINS = [H[24 * i:24 * (i + 1)] for i in range(4)]
@@ -24,7 +24,7 @@ def make_index(request):
     if request.param == "memory":
         yield lambda max_pages: CacheIndex(max_pages=max_pages)
         return
-    from cache_service.redis_store import RedisStore
+    from cairn.cache_service.redis_store import RedisStore
 
     url, namespaces = request.getfixturevalue("redis_url"), []
 

@@ -15,9 +15,9 @@ ray = pytest.importorskip("ray")
 
 from ray.exceptions import ActorDiedError  # noqa: E402
 
-from cluster.routing.config import RoutingConfig  # noqa: E402
-from cluster.routing.index_handle import IndexHandle  # noqa: E402
-from cluster.routing.ranker import IndexUnavailable  # noqa: E402
+from cairn.cluster.routing.config import RoutingConfig  # noqa: E402
+from cairn.cluster.routing.index_handle import IndexHandle  # noqa: E402
+from cairn.cluster.routing.ranker import IndexUnavailable  # noqa: E402
 
 CFG = RoutingConfig(index_actor_name="test-index")
 
@@ -175,11 +175,11 @@ def test_a_fire_and_forget_call_is_sent_only_to_a_known_actor():
 
 
 def test_without_ray_and_without_a_lookup_there_is_no_index(monkeypatch):
-    import cache_service.actor
+    from cairn.cache_service import actor
 
     looked_up = []
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
-    monkeypatch.setattr(cache_service.actor, "index_actor", lambda *a, **k: looked_up.append(a))
+    monkeypatch.setattr(actor, "index_actor", lambda *a, **k: looked_up.append(a))
 
     async def main():
         handle = IndexHandle(CFG)

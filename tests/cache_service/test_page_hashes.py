@@ -5,7 +5,7 @@ persisted: changing it means bumping HASH_VERSION and this vector together."""
 
 import hashlib
 
-from cache_service.hashing import HASH_VERSION, page_hashes, root_hash
+from cairn.cache_service.hashing import HASH_VERSION, page_hashes, root_hash
 
 
 def blake(data: bytes) -> bytes:

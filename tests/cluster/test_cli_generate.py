@@ -2,14 +2,14 @@
 
 import os
 import subprocess
-import sys
 
 import pytest
 from tokenizers import Tokenizer
 
-from cluster.api.chat_template import ChatTemplate, TemplateError
+from cairn.cluster.api.chat_template import ChatTemplate, TemplateError
 from tests.support.checkpoints import HUB_REPO
-from workers import Engine, SamplingParams
+from tests.support.foreign_shell import cairn_script, foreign_shell, shadowed_imports
+from cairn.workers import Engine, SamplingParams
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Hi there"}],
@@ -43,9 +43,14 @@ def test_a_template_that_raises_gives_template_error():
 
 
 def run_cli(*args, env_home):
-    env = dict(os.environ, CAIRN_HOME=str(env_home))
-    return subprocess.run([sys.executable, "-m", "cluster.cli", *args], capture_output=True, text=True,
-                          env=env, timeout=120)
+    """The `cairn` console script, run as a user would: from a folder outside the checkout, with
+    other distributions' `kernels`, `workers`, `cluster`, ... first on the path. It must import
+    none of them (issue 37: Hugging Face's `kernels` shadowed cairn's here)."""
+    shell = env_home / "shell"
+    env = foreign_shell(shell, dict(os.environ, CAIRN_HOME=str(env_home)))
+    proc = subprocess.run([cairn_script(), *args], capture_output=True, text=True, env=env, cwd=shell, timeout=120)
+    assert shadowed_imports(shell) == [], f"cairn imported another distribution's {shadowed_imports(shell)}"
+    return proc
 
 
 @pytest.mark.parametrize("by", ["directory", "hugging face id"])

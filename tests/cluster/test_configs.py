@@ -1,6 +1,6 @@
 """configs/: each file is valid by the schema of the tool that reads it (Ray Serve's
 ServeDeploySchema, Ray's autoscaler schema, RoutingConfig), and builds what it says it builds.
-`cairn serve` really reads configs/local.yaml, and flags given on the command line override it.
+`cairn serve` really reads cairn/configs/local.yaml, and flags given on the command line override it.
 No Ray cluster is started here: building a Serve application only binds deployments."""
 
 import argparse
@@ -17,17 +17,17 @@ pytest.importorskip("ray")
 
 from ray.serve.schema import ServeDeploySchema  # noqa: E402
 
-from cluster import deploy  # noqa: E402
-from cluster.api.http_limits import HTTPLimits  # noqa: E402
-from cluster.api.limits import APILimits  # noqa: E402
-from cluster.api.options import APIOptions  # noqa: E402
-from cluster.api.tenants import Tenants, key_digest  # noqa: E402
-from cluster.app import app_builder  # noqa: E402
-from cluster.cli import build_parser  # noqa: E402
-from cluster.routing.config import RoutingConfig  # noqa: E402
+from cairn.cluster import deploy  # noqa: E402
+from cairn.cluster.api.http_limits import HTTPLimits  # noqa: E402
+from cairn.cluster.api.limits import APILimits  # noqa: E402
+from cairn.cluster.api.options import APIOptions  # noqa: E402
+from cairn.cluster.api.tenants import Tenants, key_digest  # noqa: E402
+from cairn.cluster.app import app_builder  # noqa: E402
+from cairn.cluster.cli import build_parser  # noqa: E402
+from cairn.cluster.routing.config import RoutingConfig  # noqa: E402
 from tests.support.paths import REPO
 
-CONFIGS = REPO / "configs"
+CONFIGS = REPO / "cairn" / "configs"
 
 
 def load(name: str) -> dict:
@@ -52,7 +52,7 @@ def serve_args(argv: list[str]) -> argparse.Namespace:
 def test_serve_yaml_is_a_serve_deploy_config_whose_app_builds_gpu_engine_replicas():
     config = ServeDeploySchema.model_validate(load("serve.yaml"))
     (app,) = config.applications
-    assert app.import_path == "cluster.app:app_builder" and app.route_prefix == "/"
+    assert app.import_path == "cairn.cluster.app:app_builder" and app.route_prefix == "/"
     args = app.args
     assert {"model_dir", "autoscaling", "engine_options", "routing", "num_cpus", "num_gpus"} <= args.keys()
     built = app_builder(args)
@@ -93,7 +93,7 @@ def serve_yaml_with_its_hub_example() -> dict:
 def test_serve_yamls_hugging_face_example_is_valid_and_each_node_resolves_in_the_cache_it_names(monkeypatch):
     from ray.runtime_env import RuntimeEnv
 
-    from workers import ModelNotFound, ModelSource
+    from cairn.workers import ModelNotFound, ModelSource
 
     config = ServeDeploySchema.model_validate(serve_yaml_with_its_hub_example())
     (app,) = config.applications
@@ -147,7 +147,7 @@ def test_the_ingress_refuses_limits_that_belong_to_servess_proxy():
 
 
 def test_app_builder_takes_routing_as_a_path_and_refuses_unknown_keys():
-    engine, (_, _, routing, spec) = engine_of(app_builder({"routing": "configs/routing.yaml", "replicas": 3}))
+    engine, (_, _, routing, spec) = engine_of(app_builder({"routing": "cairn/configs/routing.yaml", "replicas": 3}))
     assert RoutingConfig.model_validate(routing) == RoutingConfig.from_yaml(CONFIGS / "routing.yaml").for_engines(spec)
     assert engine.num_replicas == 3
     with pytest.raises(TypeError, match="replica"):
@@ -188,7 +188,7 @@ def test_cluster_yaml_passes_rays_autoscaler_schema_and_sets_up_gpu_workers():
 
 
 def test_the_8gpu_cluster_and_its_serve_config_pass_rays_schemas_and_build_tensor_parallel_replicas(tiny_model_dir):
-    """configs/cluster-8gpu.yaml (Ray's autoscaler schema) and configs/serve-8gpu.yaml
+    """cairn/configs/cluster-8gpu.yaml (Ray's autoscaler schema) and cairn/configs/serve-8gpu.yaml
     (ServeDeploySchema): Qwen3-Next-80B at TP 4 and Qwen3.5-397B at TP 8, each replica a
     STRICT_PACK placement group of one GPU bundle per rank that fits one 8-GPU node. Built here
     with the demo model in place of the hub ids (no hub)."""
@@ -233,7 +233,7 @@ def test_serve_yamls_tensor_parallel_example_builds_a_placement_group_per_replic
 def test_routing_yaml_loads_into_the_routing_config():
     config = RoutingConfig.from_yaml(CONFIGS / "routing.yaml")
     assert config.policy == "cache_affinity" and config.redis_url is None
-    assert config.request_router_config().request_router_class == "cluster.routing.router:CacheAffinityRouter"
+    assert config.request_router_config().request_router_class == "cairn.cluster.routing.router:CacheAffinityRouter"
 
 
 # ---- local.yaml: the default of `cairn serve` ------------------------------------------------
@@ -251,10 +251,10 @@ def test_local_yaml_builds_two_cpu_replicas_of_the_demo_model_with_the_in_memory
 
 
 def test_routing_takes_page_size_recurrent_and_sizes_from_the_engines_and_refuses_others():
-    from workers import EngineSpec
+    from cairn.workers import EngineSpec
 
     _, (model_dir, _, routing, spec) = engine_of(app_builder({"engine_options": {"page_size": 8}}))
-    assert spec == EngineSpec.from_model_dir(model_dir, __import__("workers").EngineOptions(page_size=8))
+    assert spec == EngineSpec.from_model_dir(model_dir, __import__("cairn.workers").workers.EngineOptions(page_size=8))
     assert (routing["page_size"], routing["recurrent"]) == (8, True) == (spec.page_size, spec.recurrent)
     assert (routing["page_bytes"], routing["state_bytes"]) == (spec.page_bytes, spec.state_bytes)
     assert spec.page_bytes > 0 and spec.state_bytes > 0
@@ -275,10 +275,10 @@ def test_routing_takes_page_size_recurrent_and_sizes_from_the_engines_and_refuse
 def test_the_spec_sizes_a_page_and_a_state_as_one_device_of_the_engine_holds_them(tiny_model_dir):
     """What the router prices a copy from host memory with: the arena's page and state sizes, on
     one rank under tensor parallelism, in the engine's dtype."""
-    from workers import EngineOptions, EngineSpec
-    from workers.cache.arena import ArenaLayout
-    from workers.model.model_types import read_model_config
-    from workers.model.sharding import shard_config
+    from cairn.workers import EngineOptions, EngineSpec
+    from cairn.workers.cache.arena import ArenaLayout
+    from cairn.workers.model.model_types import read_model_config
+    from cairn.workers.model.sharding import shard_config
 
     cfg = read_model_config(tiny_model_dir / "config.json")
     for options, dtype_bytes in ((EngineOptions(), 4), (EngineOptions(dtype="bfloat16"), 2),
@@ -307,15 +307,14 @@ def test_the_default_config_is_configs_local_yaml_shipped_as_package_data():
     import tomllib
     from importlib import resources
 
-    import configs
-
+    from cairn import configs
     assert Path(configs.__file__).parent == CONFIGS
-    assert Path(str(deploy.LOCAL_CONFIG)) == Path(str(resources.files("configs") / "local.yaml")) == \
+    assert Path(str(deploy.LOCAL_CONFIG)) == Path(str(resources.files("cairn.configs") / "local.yaml")) == \
         CONFIGS / "local.yaml"
-    setuptools = tomllib.loads((CONFIGS.parent / "pyproject.toml").read_text())["tool"]["setuptools"]
-    assert "configs" in setuptools["packages"]["find"]["include"], "a wheel holds the configs package"
+    setuptools = tomllib.loads((CONFIGS.parents[1] / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert "cairn.*" in setuptools["packages"]["find"]["include"], "a wheel holds the configs package"
     assert "*.yaml" in setuptools["package-data"]["*"], "and its YAML files"
-    assert not hasattr(deploy, "FALLBACK_CONFIG"), "the default is written once, in configs/local.yaml"
+    assert not hasattr(deploy, "FALLBACK_CONFIG"), "the default is written once, in cairn/configs/local.yaml"
 
 
 def test_flags_override_the_config_and_absent_flags_leave_it_alone(tmp_path):
@@ -344,14 +343,14 @@ def test_auto_dtype_is_chosen_once_at_deploy_for_the_engines_devices(monkeypatch
     """Every replica runs (and the spec every router and ingress reads says) one dtype: auto is
     resolved where the app is built, for the device the engines run on (a GPU: the checkpoint's,
     fp32 for the demo model; a CPU: bf16 where it is native); a --dtype given is passed as is."""
-    from workers import precision
+    from cairn.workers import precision
 
     monkeypatch.delenv("CAIRN_DTYPE")
     monkeypatch.setattr(precision, "native_bf16_cpu", lambda: native)
     app = app_builder({"model_dir": str(tiny_model_dir), "replicas": 1, "num_gpus": gpus})
     _, (_, engine_options, _, spec) = engine_of(app)
     assert engine_options["dtype"] == want
-    from workers import EngineOptions, EngineSpec
+    from cairn.workers import EngineOptions, EngineSpec
 
     fp32 = EngineSpec.from_model_dir(tiny_model_dir, EngineOptions(dtype="float32"))
     assert spec.page_bytes * (2 if want == "bfloat16" else 1) == fp32.page_bytes
@@ -401,17 +400,17 @@ def dashboard_metrics() -> dict[str, set[str]]:
 
 
 def test_the_grafana_dashboard_reads_only_metrics_cairn_exports(tiny_model_dir):
-    """Ray exports `ray_` + each name /metrics shows (cluster.metrics_export; tests/ray/test_cluster.py
+    """Ray exports `ray_` + each name /metrics shows (cairn.cluster.metrics_export; tests/ray/test_cluster.py
     checks the dashboard against a real export), so /metrics of a real engine, and the routers'
     counters, are what the panels may name."""
     from fastapi.testclient import TestClient
     from prometheus_client.parser import text_string_to_metric_families
 
-    from cluster.api import build_app
-    from cluster.api.engine_client import LocalEngineClient
-    from cluster.api.options import APIOptions
-    from cluster.routing.ranker import AffinityRanker
-    from workers import AsyncEngine
+    from cairn.cluster.api import build_app
+    from cairn.cluster.api.engine_client import LocalEngineClient
+    from cairn.cluster.api.options import APIOptions
+    from cairn.cluster.routing.ranker import AffinityRanker
+    from cairn.workers import AsyncEngine
 
     engine = AsyncEngine.from_pretrained(tiny_model_dir, num_pages=64, max_num_seqs=2)
     with TestClient(build_app(LocalEngineClient(engine), tiny_model_dir, APIOptions(served_model_name="tiny"))) as c:
@@ -435,7 +434,7 @@ def test_the_grafana_dashboard_reads_only_metrics_cairn_exports(tiny_model_dir):
 
 
 def test_cairn_serve_in_process_refuses_bad_limits_and_bad_keys_before_loading_anything(tmp_path, capsys):
-    from cluster.cli import main
+    from cairn.cluster.cli import main
 
     assert main(["serve", "--replicas", "1", "--stream-stall-timeout", "0"]) == 2
     assert "stream_stall_timeout_s" in capsys.readouterr().err
@@ -462,8 +461,8 @@ def test_request_limit_and_special_token_flags_reach_the_ingress_and_bad_ones_fa
 
 
 def test_the_tool_call_parser_flag_reaches_the_ingress_and_a_wrong_name_fails_at_deploy():
-    from cluster.api.tool_call_formats import TOOL_CALL_PARSERS
-    from cluster.cli import TOOL_CALL_PARSERS as CLI_CHOICES
+    from cairn.cluster.api.tool_call_formats import TOOL_CALL_PARSERS
+    from cairn.cluster.cli import TOOL_CALL_PARSERS as CLI_CHOICES
 
     assert CLI_CHOICES == TOOL_CALL_PARSERS  # the CLI spells them out so that --help imports nothing
     args = deploy.apply_overrides(load("local.yaml"), serve_args(["--tool-call-parser", "qwen3_xml"]))
@@ -496,7 +495,7 @@ def strings(value):
 def test_nothing_in_a_cluster_config_dials_this_machine_for_what_another_node_must_reach(cluster_file, serve_file):
     from urllib.parse import urlsplit
 
-    from cache_service.actor import HEAD_HOST
+    from cairn.cache_service.actor import HEAD_HOST
 
     cluster, serve = load(cluster_file), load(serve_file)
     for text in [*strings(cluster), *strings(serve)]:

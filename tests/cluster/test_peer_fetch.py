@@ -1,4 +1,4 @@
-"""A replica's fetch from the holder its request names (cluster.peer_fetch), with two real
+"""A replica's fetch from the holder its request names (cairn.cluster.peer_fetch), with two real
 engines and the holder's side reached as the deployment handle would reach it: a request resumes
 from the fetched pages and computes what a cold one computes; a holder that died, hangs or
 evicted meanwhile costs a recomputation, counted by reason, and the request is neither lost nor
@@ -10,10 +10,10 @@ import pytest
 import torch
 from ray.exceptions import ActorDiedError
 
-from cluster.peer_fetch import PeerFetch
+from cairn.cluster.peer_fetch import PeerFetch
 from tests.support.chat import assert_same_output
-from workers import AsyncEngine, SamplingParams
-from workers.request import FetchHint, GenerateRequest
+from cairn.workers import AsyncEngine, SamplingParams
+from cairn.workers.request import FetchHint, GenerateRequest
 
 PS = 16
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=1)

@@ -1,4 +1,4 @@
-"""The CPU kernels (kernels/csrc, launched by kernels.cpu) against the torch references they stand
+"""The CPU kernels (cairn/kernels/csrc, launched by cairn.kernels.cpu) against the torch references they stand
 in for, at odd shapes (odd lengths, empty and short segments, head dims off the vector width, more
 value heads than key heads), on the strided pools and pages the engine passes, in fp32 and bf16.
 Pool slots the op must not touch, and the rest of every buffer, start as NaN: a kernel that reads
@@ -18,12 +18,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kernels
-from kernels import cpu, cpu_build
-from kernels import reference as ref
-from kernels import reference_fused as ref_fused
-from kernels import reference_sample as ref_sample
-from kernels import reference_varlen as ref_varlen
+from cairn import kernels
+from cairn.kernels import cpu, cpu_build
+from cairn.kernels import reference as ref
+from cairn.kernels import reference_fused as ref_fused
+from cairn.kernels import reference_sample as ref_sample
+from cairn.kernels import reference_varlen as ref_varlen
 from tests.support.paths import REPO
 
 ROOT = REPO
@@ -304,12 +304,13 @@ def test_cpu_tensors_run_the_kernels_unless_the_references_are_asked_for(monkeyp
 
 
 def test_without_the_library_an_engine_runs_the_references():
-    script = ("import warnings, kernels, torch\n"
-              "from workers import Engine, SamplingParams\n"
-              "from workers.demo import demo_model_dir\n"
+    script = ("import warnings, torch\n"
+              "from cairn import kernels\n"
+              "from cairn.workers import Engine, SamplingParams\n"
+              "from cairn.workers.demo import demo_model_dir\n"
               "e = Engine.from_pretrained(demo_model_dir('tiny', 'qwen3_5'))\n"
               "out = e.generate([[5, 6, 7] * 30], SamplingParams(max_tokens=3, temperature=0))[0]\n"
-              "assert kernels._varlen_backend(torch.zeros(1)).__name__ == 'kernels.reference_varlen'\n"
+              "assert kernels._varlen_backend(torch.zeros(1)).__name__ == 'cairn.kernels.reference_varlen'\n"
               "print(len(out.token_ids))\n")
     env = dict(os.environ, CAIRN_NATIVE_CPU="0")
     done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
@@ -413,7 +414,7 @@ def serving_shaped(tmp_path_factory):
 def test_the_engine_in_bf16_at_serving_shapes_tracks_transformers_in_bf16(serving_shaped):
     from tests.support.checkpoints import hf_reference_model
 
-    from workers import Engine
+    from cairn.workers import Engine
 
     engine = Engine.from_pretrained(serving_shaped, dtype="bfloat16", max_num_batched_tokens=64)  # chunked
     ids = torch.randint(0, engine.config.vocab_size, (150,), generator=torch.Generator().manual_seed(1)).tolist()
@@ -425,7 +426,7 @@ def test_the_engine_in_bf16_at_serving_shapes_tracks_transformers_in_bf16(servin
 
 
 def test_a_resumed_prompt_at_serving_shapes_answers_as_a_cold_one(serving_shaped):
-    from workers import Engine, SamplingParams
+    from cairn.workers import Engine, SamplingParams
 
     gen = torch.Generator().manual_seed(2)
     first = torch.randint(0, 200, (133,), generator=gen).tolist()

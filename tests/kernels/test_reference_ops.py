@@ -17,7 +17,7 @@ from transformers.models.qwen3_next.modeling_qwen3_next import (
     torch_recurrent_gated_delta_rule,
 )
 
-from kernels import (
+from cairn.kernels import (
     causal_conv1d,
     causal_conv1d_update,
     chunk_gated_delta_rule,
@@ -37,8 +37,7 @@ TOL = dict(atol=2e-5, rtol=1e-4)
 def the_references():
     """CPU tensors run the C++ kernels where they have one (tests/kernels/test_cpu_kernels.py holds them to
     these references): here, the references themselves."""
-    import kernels
-
+    from cairn import kernels
     kernels.force_reference(True)
     yield
     kernels.force_reference(False)

@@ -68,9 +68,9 @@ def _main() -> None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from kernels import triton_attention, triton_common, triton_conv, triton_delta_recurrent, triton_delta_rule
-    from kernels import triton_fused, triton_moe, triton_state
-    from kernels.reference_moe import SharedExpert
+    from cairn.kernels import triton_attention, triton_common, triton_conv, triton_delta_recurrent, triton_delta_rule
+    from cairn.kernels import triton_fused, triton_moe, triton_state
+    from cairn.kernels.reference_moe import SharedExpert
 
     assert not triton_common.INTERPRETED
     types = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int32: "i32",

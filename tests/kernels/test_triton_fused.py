@@ -12,9 +12,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from kernels import reference_fused as ref
-from kernels import triton_common
-from kernels import triton_fused as fused
+from cairn.kernels import reference_fused as ref
+from cairn.kernels import triton_common
+from cairn.kernels import triton_fused as fused
 
 pytestmark = pytest.mark.skipif(not triton_common.INTERPRETED,
                                 reason="needs TRITON_INTERPRET=1 before triton is imported (tests/conftest.py sets it)")

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import reference, reference_varlen, triton_common
+from cairn.kernels import reference, reference_varlen, triton_common
 from tests.support.paths import REPO
 
 ROOT = REPO
@@ -55,7 +55,7 @@ def test_gpu_tests_pass_in_a_process_running_compiled_triton():
 
 @pytest.fixture(scope="module")
 def gpu():
-    from kernels import gpu
+    from cairn.kernels import gpu
 
     return gpu
 
@@ -180,7 +180,7 @@ def test_decode_step_and_recurrence_match_the_reference(gpu, dtype):
 def test_fused_moe_matches_the_reference_at_qwen_shapes(dtype, experts, top_k, intermediate):
     """Qwen3-Next/3.5 (E = 512, k = 10) and Qwen3.5-35B-A3B-like (E = 256, k = 8) routing, hidden
     2048, at a decode batch and a prefill."""
-    from kernels import reference_moe, triton_moe
+    from cairn.kernels import reference_moe, triton_moe
 
     gen = torch.Generator().manual_seed(0)
     hidden = 2048
@@ -203,7 +203,7 @@ def test_fused_moe_matches_the_reference_at_qwen_shapes(dtype, experts, top_k, i
 def test_fused_row_ops_match_the_reference_at_qwen_shapes(dtype):
     """Norms at hidden 2048 and 4096 with the residual add, q/k norm with rotary at 16 / 2 heads of
     256 (a quarter rotated), the DeltaNet gates and gated norm at 32 value heads of 128."""
-    from kernels import reference_fused, triton_fused
+    from cairn.kernels import reference_fused, triton_fused
 
     gen = torch.Generator().manual_seed(3)
 
@@ -273,7 +273,7 @@ def test_conv_and_state_copies_match_the_reference(gpu, dtype):
 
 @compiled_only
 def test_the_engine_on_cuda_gives_the_cpu_paths_greedy_tokens(tiny_model_dir):
-    from workers import Engine, SamplingParams
+    from cairn.workers import Engine, SamplingParams
 
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     gen = torch.Generator().manual_seed(0)
@@ -293,7 +293,7 @@ def test_the_engine_on_cuda_gives_the_cpu_paths_greedy_tokens(tiny_model_dir):
 
 @compiled_only
 def test_the_engine_on_cuda_holds_its_weights_and_one_arena_of_its_budget(tiny_model_dir):
-    from workers import Engine, SamplingParams
+    from cairn.workers import Engine, SamplingParams
 
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
@@ -314,7 +314,7 @@ def test_the_engine_on_cuda_holds_its_weights_and_one_arena_of_its_budget(tiny_m
 def test_the_host_tier_on_cuda_overlaps_its_promotions_and_gives_the_cpu_paths_tokens(tiny_model_dir):
     """Pinned host memory, promotions on their own stream while other sequences run: the same
     tokens and cached_tokens as the CPU path, and the overlap happened."""
-    from workers import Engine, SamplingParams
+    from cairn.workers import Engine, SamplingParams
 
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     gen = torch.Generator().manual_seed(1)
@@ -342,7 +342,7 @@ def test_decode_graphs_replay_the_eager_tokens_and_logprobs_at_every_batch_size(
     second turns restore checkpoints and share pages, and a host tier moves blocks between
     steps: replay gives eager's tokens and cached tokens, and its logprobs (a padded batch may
     take another GEMM algorithm: within 1e-4), and capture is accounted."""
-    from workers import Engine, SamplingParams
+    from cairn.workers import Engine, SamplingParams
 
     gen = torch.Generator().manual_seed(2)
     first = [torch.randint(3, 500, (40 + 13 * i,), generator=gen).tolist() for i in range(8)]

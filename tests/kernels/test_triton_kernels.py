@@ -18,13 +18,13 @@ import torch
 import torch.nn.functional as F
 from triton.runtime.interpreter import InterpretedFunction
 
-import kernels
-from kernels import reference, reference_fused, reference_varlen, triton_common
-from kernels import triton_attention as attention
-from kernels import triton_conv as conv
-from kernels import triton_delta_recurrent as recurrent
-from kernels import triton_delta_rule as delta
-from kernels import triton_state as state
+from cairn import kernels
+from cairn.kernels import reference, reference_fused, reference_varlen, triton_common
+from cairn.kernels import triton_attention as attention
+from cairn.kernels import triton_conv as conv
+from cairn.kernels import triton_delta_recurrent as recurrent
+from cairn.kernels import triton_delta_rule as delta
+from cairn.kernels import triton_state as state
 
 OUT_TOL = dict(atol=2e-5, rtol=1e-4)  # outputs: one pass of fp32 math
 STATE_TOL = dict(atol=5e-5, rtol=2e-4)  # recurrent states: error accumulates over the chunks
@@ -343,12 +343,12 @@ def test_invalid_shapes_and_dtypes_are_refused_with_what_was_expected(case):
 
 
 def test_cuda_tensors_dispatch_to_triton_unless_the_reference_is_forced(monkeypatch):
-    gpu = ModuleType("kernels.gpu")  # the real one refuses to load in this interpreted process
-    monkeypatch.setitem(sys.modules, "kernels.gpu", gpu)
+    gpu = ModuleType("cairn.kernels.gpu")  # the real one refuses to load in this interpreted process
+    monkeypatch.setitem(sys.modules, "cairn.kernels.gpu", gpu)
     monkeypatch.setattr(triton_common, "INTERPRETED", False)  # as in a process running compiled Triton
     cuda_like = SimpleNamespace(is_cuda=True)
     monkeypatch.delenv("CAIRN_KERNELS", raising=False)
-    from kernels import cpu, cpu_build
+    from cairn.kernels import cpu, cpu_build
 
     assert kernels._backend(torch.zeros(1)) is reference  # CPU tensors: the C++ kernels where an op has one
     assert kernels._varlen_backend(torch.zeros(1)) is (cpu if cpu_build.library() else reference_varlen)
@@ -372,15 +372,15 @@ def test_cuda_tensors_run_the_reference_with_one_warning_in_an_interpreted_proce
 
 
 def test_the_compiled_backend_refuses_to_load_in_an_interpreted_process(monkeypatch):
-    monkeypatch.delitem(sys.modules, "kernels.gpu", raising=False)
+    monkeypatch.delitem(sys.modules, "cairn.kernels.gpu", raising=False)
     with pytest.raises(ImportError, match="TRITON_INTERPRET"):
-        importlib.import_module("kernels.gpu")
+        importlib.import_module("cairn.kernels.gpu")
 
 
 def test_the_engine_running_the_triton_kernels_gives_the_reference_paths_tokens(monkeypatch, tiny_model_dir):
     """Interpreted kernels behind the real dispatch: the engine's strided views, checkpoints taken
     at page boundaries inside prefill segments, restores and decode steps, all through Triton."""
-    from workers import Engine, SamplingParams
+    from cairn.workers import Engine, SamplingParams
 
     triton_ops = SimpleNamespace(**{name: getattr(module, name) for module in (attention, conv, delta, recurrent, state)
                                     for name in dir(module) if not name.startswith("_")},

@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import kernels
-from kernels import reference_moe, triton_common
-from kernels import triton_moe as moe
+from cairn import kernels
+from cairn.kernels import reference_moe, triton_common
+from cairn.kernels import triton_moe as moe
 
 pytestmark = pytest.mark.skipif(not triton_common.INTERPRETED,
                                 reason="needs TRITON_INTERPRET=1 before triton is imported (tests/conftest.py sets it)")

@@ -1,9 +1,9 @@
 """The cluster on a real local Ray: CPU engine replicas of the tiny demo model behind the HTTP
 ingress, cache-affinity routing over the index actor, driven through the official openai client.
 
-Which replica served a response is read from its `x-cairn-replica` header (cluster.ingress).
+Which replica served a response is read from its `x-cairn-replica` header (cairn.cluster.ingress).
 
-1. `cairn serve --port P` as a subprocess: its own Ray, the default configs/local.yaml (2 CPU
+1. `cairn serve --port P` as a subprocess: its own Ray, the default cairn/configs/local.yaml (2 CPU
    replicas of the demo model), /health and chat answered, Ctrl-C (SIGINT to its process
    group) stops it with status 0 and leaves no process behind. It runs first, before the shared
    Ray session of this module starts, so two Ray instances never run at once here.
@@ -18,7 +18,7 @@ Which replica served a response is read from its `x-cairn-replica` header (clust
    and, on Ctrl-C, deletes only that one.
    The ingress's /metrics, through Serve, parses as Prometheus text and counts the routing; Ray's
    metrics export holds every replica's series under its own replica tag, and every metric
-   configs/grafana-dashboard.json reads.
+   cairn/configs/grafana-dashboard.json reads.
 3. Drain: as `serve deploy` does it, lowering the engine's num_replicas, then replacing its
    replica; streams in flight on a stopping replica finish whole, and it leaves the index itself.
 The router decisions these rely on are tested in plain Python in tests/routing/.
@@ -49,12 +49,13 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 from tests.support.chat import chat_turns, open_chat_stream
+from tests.support.foreign_shell import cairn_script, foreign_shell, shadowed_imports
 from tests.support.ray_checks import LoadThreads, index_converged, kill_index_actor, mirrors_agree, wait_for_log, wait_until
 
-from cache_service.events import EventBatch, PagesStored  # noqa: E402
-from cluster.app import build_application  # noqa: E402
-from cluster.ingress import REPLICA_HEADER  # noqa: E402
-from cluster.routing.config import RoutingConfig  # noqa: E402
+from cairn.cache_service.events import EventBatch, PagesStored  # noqa: E402
+from cairn.cluster.app import build_application  # noqa: E402
+from cairn.cluster.ingress import REPLICA_HEADER  # noqa: E402
+from cairn.cluster.routing.config import RoutingConfig  # noqa: E402
 from tests.support.paths import REPO
 from tests.support.readme_chat import readme_chat, run_readme_chat
 
@@ -131,16 +132,21 @@ KEYS = {"tenant": "sk-alice-4c1f9e2b7d", "bare": "sk-bare-9a0d3e6f51", "metrics"
 def test_cairn_serve_starts_its_own_ray_serves_the_api_and_stops_cleanly_on_ctrl_c(tmp_path):
     """With keys given on the command line, none of them appears in cairn serve's output or in
     any file of its Ray session (Serve logs an application's arguments: keys travel as digests).
-    The README's chat, run against it, prints what the README shows (measured on one engine)."""
+    The README's chat, run against it, prints what the README shows (measured on one engine).
+    Run as a user runs it: the console script, from a folder outside the checkout where other
+    distributions' `kernels`, `workers`, ... come first on the path; no process of it (Ray's
+    workers, the replicas) imports one of them."""
     port, log_path = free_port(), tmp_path / "serve.log"
     ray_tmp = Path(tempfile.mkdtemp(prefix="cairn-ray-", dir="/tmp"))  # short: Ray's socket paths are bounded
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update(RAY_AUTH_MODE="disabled", RAY_TMPDIR=str(ray_tmp))
+    shell = tmp_path / "shell"  # outside the checkout, other distributions' `kernels`, `workers`, ... first
+    env = foreign_shell(shell, env)
     with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", "--port", str(port),
+        proc = subprocess.Popen([cairn_script(), "serve", "--port", str(port),
                                  "--api-key", f"alice:{KEYS['tenant']}", "--api-key", KEYS["bare"],
                                  "--metrics-key", KEYS["metrics"]],
-                                stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp_path, start_new_session=True)
+                                stdout=log, stderr=subprocess.STDOUT, env=env, cwd=shell, start_new_session=True)
     try:
         wait_for_log(proc, log_path, f"serving on http://127.0.0.1:{port}/v1", 150)
         base = f"http://127.0.0.1:{port}"
@@ -150,7 +156,7 @@ def test_cairn_serve_starts_its_own_ray_serves_the_api_and_stops_cleanly_on_ctrl
         assert httpx.get(base + "/v1/models", timeout=30).status_code == 401
         bare = {"Authorization": f"Bearer {KEYS['bare']}"}
         model = httpx.get(base + "/v1/models", timeout=30, headers=bare).json()["data"][0]["id"]
-        assert model == "demo-tiny", "no --model: the demo model (configs/local.yaml)"
+        assert model == "demo-tiny", "no --model: the demo model (cairn/configs/local.yaml)"
         metrics = httpx.get(base + "/metrics", timeout=30, headers={"Authorization": f"Bearer {KEYS['metrics']}"})
         assert metrics.status_code == 200 and httpx.get(base + "/metrics", headers=bare).status_code == 401
         client = openai.OpenAI(base_url=base + "/v1", api_key=KEYS["tenant"], max_retries=0, timeout=60)
@@ -165,7 +171,8 @@ def test_cairn_serve_starts_its_own_ray_serves_the_api_and_stops_cleanly_on_ctrl
             assert completion.choices[0].finish_reason == "length" and completion.usage.completion_tokens == 8
             assert completion.usage.prompt_tokens_details.cached_tokens == 0
             assert replica.startswith("SERVE_REPLICA::cairn#Engine#")
-        assert len({replica for _, replica in answers}) == 2, "configs/local.yaml: 2 engine replicas"
+        assert len({replica for _, replica in answers}) == 2, "cairn/configs/local.yaml: 2 engine replicas"
+        assert shadowed_imports(shell) == [], f"cairn serve, its Ray workers or its replicas imported {shadowed_imports(shell)}"
         _, shown, _ = readme_chat()  # the README's chat: two replicas print what one engine prints
         printed = run_readme_chat(base + "/v1", env, api_key=KEYS["tenant"])
         assert printed.returncode == 0 and printed.stdout == shown, \
@@ -410,7 +417,7 @@ def test_every_replicas_metrics_reach_rays_export_each_under_its_own_replica_tag
     engines = {w.rsplit("#", 1)[1] for w in cluster.replicas()}  # Serve's replica tag ends the worker id
     on_engines = dict(sample="ray_cairn_engine_pages_total", application="cairn", deployment="Engine")
 
-    dashboard = json.loads((REPO / "configs" / "grafana-dashboard.json").read_text())
+    dashboard = json.loads((REPO / "cairn" / "configs" / "grafana-dashboard.json").read_text())
     shown = {n for panel in dashboard["panels"] for t in panel["targets"]
              for n in re.findall(r"\bray_cairn_[a-z0-9_]+\b", t["expr"])}
 
@@ -460,13 +467,13 @@ def test_cairn_serve_address_joins_a_running_cluster_and_takes_down_only_its_own
     from ray import serve
 
     config = {"applications": [{
-        "name": "joined", "route_prefix": "/joined", "import_path": "cluster.app:app_builder",
+        "name": "joined", "route_prefix": "/joined", "import_path": "cairn.cluster.app:app_builder",
         "args": {"replicas": 1, "num_cpus": 0.25, "routing": {"index_actor_name": INDEX + "-joined"}}}]}
     (tmp_path / "joined.yaml").write_text(yaml.safe_dump(config))
     log_path, env = tmp_path / "serve.log", {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     address = ray.get_runtime_context().gcs_address
     with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", "--address", address,
+        proc = subprocess.Popen([sys.executable, "-m", "cairn.cluster.cli", "serve", "--address", address,
                                  "--config", str(tmp_path / "joined.yaml"), "--model", str(tiny_model_dir),
                                  "--served-model-name", MODEL], stdout=log, stderr=subprocess.STDOUT, env=env,
                                 cwd=tmp_path, start_new_session=True)
@@ -683,7 +690,7 @@ def test_a_replica_scaled_down_or_replaced_finishes_its_streams_then_leaves_the_
     args = {"model_dir": str(tiny_model_dir), "replicas": 2, "num_cpus": 0.25, "served_model_name": MODEL,
             "routing": {"index_actor_name": index_name, "index_timeout_ms": 500}, "health_check_period_s": 1.0,
             "graceful_shutdown_timeout_s": 120, "graceful_shutdown_wait_loop_s": 0.5}
-    app = {"name": "drain", "route_prefix": "/drain", "import_path": "cluster.app:app_builder", "args": args}
+    app = {"name": "drain", "route_prefix": "/drain", "import_path": "cairn.cluster.app:app_builder", "args": args}
     url = cluster.url + "/drain"
 
     def deploy(app_config: dict) -> None:
@@ -781,7 +788,7 @@ def test_the_ingress_is_ready_only_once_an_engine_replica_answers(monkeypatch):
     import asyncio
     from types import SimpleNamespace
 
-    from cluster import ingress
+    from cairn.cluster import ingress
 
     monkeypatch.setattr(ingress, "READY_TIMEOUT_S", 0.2)
 

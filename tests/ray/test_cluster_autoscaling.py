@@ -1,7 +1,7 @@
-"""configs/cluster.yaml and configs/serve.yaml autoscaled end to end, on Ray's fake multi-node
+"""cairn/configs/cluster.yaml and cairn/configs/serve.yaml autoscaled end to end, on Ray's fake multi-node
 provider: the autoscaler reads the cluster config (only its provider swapped, its idle timeout
 shortened), "launches" nodes of its declared types as raylets on this machine, and Serve scales
-the engine replicas by their queue (configs/serve.yaml's `autoscaling`, its window shortened).
+the engine replicas by their queue (cairn/configs/serve.yaml's `autoscaling`, its window shortened).
 tests/support/autoscaling_scenario.py runs it once, in a process of its own; each test here judges what
 it observed:
 - the head starts from the config's own start commands (Redis, then `ray start --head` with the
@@ -33,7 +33,7 @@ pytest.importorskip("ray")
 from tests.support.fake_autoscaler import FAKE_HEAD_TYPE, GPU_TYPE, gpu_nodes  # noqa: E402 - tests/ is on the path (conftest)
 from tests.support.paths import REPO, SUPPORT
 
-CLUSTER = yaml.safe_load((REPO / "configs" / "cluster.yaml").read_text())
+CLUSTER = yaml.safe_load((REPO / "cairn" / "configs" / "cluster.yaml").read_text())
 
 
 @pytest.fixture(scope="module")

@@ -16,9 +16,9 @@ httpx = pytest.importorskip("httpx")
 from tests.support.chat import open_chat_stream  # noqa: E402
 from tests.support.ray_checks import free_port, mirrors_agree, wait_until  # noqa: E402
 
-from cluster.app import build_application  # noqa: E402
-from cluster.ingress import REPLICA_HEADER  # noqa: E402
-from cluster.routing.config import RoutingConfig  # noqa: E402
+from cairn.cluster.app import build_application  # noqa: E402
+from cairn.cluster.ingress import REPLICA_HEADER  # noqa: E402
+from cairn.cluster.routing.config import RoutingConfig  # noqa: E402
 
 MODEL = "tiny"
 INDEX = f"cairn-fetch-index-{uuid.uuid4().hex[:6]}"

@@ -26,9 +26,9 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 ray = pytest.importorskip("ray")
 httpx = pytest.importorskip("httpx")
 
-from cluster.app import build_application  # noqa: E402
-from cluster.ingress import REPLICA_HEADER  # noqa: E402
-from cluster.routing.config import RoutingConfig  # noqa: E402
+from cairn.cluster.app import build_application  # noqa: E402
+from cairn.cluster.ingress import REPLICA_HEADER  # noqa: E402
+from cairn.cluster.routing.config import RoutingConfig  # noqa: E402
 from tests.support.ray_checks import free_port  # noqa: E402
 
 MODEL = "tiny"
@@ -162,8 +162,8 @@ def test_the_index_holds_nothing_under_another_tenants_hashes(app, tiny_model_di
     index (what every router mirrors) has alice's pages only under alice's chain."""
     from tokenizers import Tokenizer
 
-    from cluster.api.chat_template import ChatTemplate
-    from workers import EngineSpec
+    from cairn.cluster.api.chat_template import ChatTemplate
+    from cairn.workers import EngineSpec
 
     url, _ = app
     chat = long_chat()

@@ -1,7 +1,7 @@
 """The cluster across nodes, on Ray's own multi-node test utility: a head and worker nodes on this
 machine, each with its own raylet and object store, GPUs counted by Ray but absent (the engines
 run on the CPU). tests/support/multinode_scenarios.py deploys one app (2 engine replicas asking
-`num_gpus: 1`, the index in a real redis-server, Serve's proxy on every node as configs/serve.yaml
+`num_gpus: 1`, the index in a real redis-server, Serve's proxy on every node as cairn/configs/serve.yaml
 has it, each with an ingress replica beside it) and runs its scenarios in a process of its own,
 once for this module; each test here judges what one scenario observed:
 - placement: engine replicas on distinct worker nodes; Serve's controller and the index actor on

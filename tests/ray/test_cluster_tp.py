@@ -32,8 +32,8 @@ QUESTIONS = ["How do I build a cairn that lasts through the winter storms on the
 
 
 def rank_actors() -> dict[str, int]:
-    """Name -> pid of every live rank actor (cluster.tp_ranks names them)."""
-    from cluster.tp_ranks import RANK_ACTOR_PREFIX
+    """Name -> pid of every live rank actor (cairn.cluster.tp_ranks names them)."""
+    from cairn.cluster.tp_ranks import RANK_ACTOR_PREFIX
 
     alive = {}
     for entry in ray.util.list_named_actors(all_namespaces=True):
@@ -55,14 +55,14 @@ def tp_app(ray_session, demo_model, tmp_path_factory):
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     tmp = tmp_path_factory.mktemp("tp-app")
     config = {"applications": [{
-        "name": "tp", "route_prefix": "/tp", "import_path": "cluster.app:app_builder",
+        "name": "tp", "route_prefix": "/tp", "import_path": "cairn.cluster.app:app_builder",
         "args": {"health_check_period_s": 1.0, "engine_options": {"collective_timeout_s": 10, "max_num_seqs": 8},
                  "routing": {"index_actor_name": INDEX}}}]}
     (tmp / "tp.yaml").write_text(yaml.safe_dump(config))
     log_path, env = tmp / "serve.log", {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     address = ray.get_runtime_context().gcs_address
     with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", "--address", address,
+        proc = subprocess.Popen([sys.executable, "-m", "cairn.cluster.cli", "serve", "--address", address,
                                  "--config", str(tmp / "tp.yaml"), "--model", str(demo_model("qwen3_5_moe")),
                                  "--served-model-name", "tp", "--replicas", "2", "--num-cpus", "0.2",
                                  "--tensor-parallel-size", "2"],

@@ -9,15 +9,15 @@ import uuid
 
 import pytest
 
-from cache_service.events import HOST, AllCleared, EventBatch, EventStream, PagesRemoved, PagesStored, StateStored
+from cairn.cache_service.events import HOST, AllCleared, EventBatch, EventStream, PagesRemoved, PagesStored, StateStored
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 ray = pytest.importorskip("ray")
 
-from cache_service.actor import index_actor  # noqa: E402
-from cache_service.publisher import ApplyResult, EventPublisher  # noqa: E402
-from cluster.routing.config import RoutingConfig  # noqa: E402
-from cluster.routing.index_handle import IndexHandle  # noqa: E402
+from cairn.cache_service.actor import index_actor  # noqa: E402
+from cairn.cache_service.publisher import ApplyResult, EventPublisher  # noqa: E402
+from cairn.cluster.routing.config import RoutingConfig  # noqa: E402
+from cairn.cluster.routing.index_handle import IndexHandle  # noqa: E402
 
 H = [bytes([i]) * 16 for i in range(40)]
 
@@ -115,7 +115,7 @@ class FakeIndex:
     to a CacheIndex."""
 
     def __init__(self):
-        from cache_service.index import CacheIndex
+        from cairn.cache_service.index import CacheIndex
 
         self.index, self.calls, self.gate, self.fail = CacheIndex(), [], asyncio.Event(), 0
         self.gate.set()
@@ -294,8 +294,8 @@ def test_a_publisher_feeds_the_successor_of_an_actor_killed_for_good(actor_name)
 def test_a_serve_deployment_routes_to_the_replica_the_index_names(actor_name, index_mode):
     from ray import serve
 
-    from cluster.routing.router import replica_worker_id
-    from workers.request import GenerateRequest
+    from cairn.cluster.routing.router import replica_worker_id
+    from cairn.workers.request import GenerateRequest
 
     def request_of(page_hashes: list, num_prompt_tokens: int) -> GenerateRequest:
         return GenerateRequest("r", [0] * num_prompt_tokens, prompt="hi", page_hashes=page_hashes)
@@ -339,7 +339,7 @@ def test_a_serve_deployment_routes_to_the_replica_the_index_names(actor_name, in
 
 
 def test_ray_head_in_a_redis_url_is_the_head_nodes_address(ray_session):
-    from cache_service.actor import resolve_head
+    from cairn.cache_service.actor import resolve_head
 
     head = next(n["NodeManagerAddress"] for n in ray_session.nodes() if "node:__internal_head__" in n["Resources"])
     assert resolve_head("redis://ray-head:6380/0") == f"redis://{head}:6380/0"

@@ -1,11 +1,11 @@
-"""What a replica costs a request, and the ranking that follows (`cluster.routing.cost`): the
+"""What a replica costs a request, and the ranking that follows (`cairn.cluster.routing.cost`): the
 resume point, load, host copies priced at measured rates, spill, move and fetch. Pure functions."""
 
 import pytest
 
-from cache_service.scoring import WorkerScore, resume_at_token
-from cluster.routing.cost import ReplicaLoad, host_copy_tokens, replica_cost, reported_load, routing_stats
-from workers.metrics import EngineMetrics
+from cairn.cache_service.scoring import WorkerScore, resume_at_token
+from cairn.cluster.routing.cost import ReplicaLoad, host_copy_tokens, replica_cost, reported_load, routing_stats
+from cairn.workers.metrics import EngineMetrics
 from tests.support.routing_cases import CFG, PAGE, PAGE_BYTES, STATE_BYTES, rank
 
 

@@ -1,5 +1,5 @@
-"""The router's state and decisions without Ray (`cluster.routing.ranker`): it reads the index's
-scores, merges predicted holders (`cluster.routing.predicted`), counts in-flight load, never fails
+"""The router's state and decisions without Ray (`cairn.cluster.routing.ranker`): it reads the index's
+scores, merges predicted holders (`cairn.cluster.routing.predicted`), counts in-flight load, never fails
 because the index does, and reads the request without writing it."""
 
 import asyncio
@@ -7,12 +7,12 @@ import random
 
 import pytest
 
-from cache_service.scoring import WorkerScore
-from cluster.routing.config import RoutingConfig
-from cluster.routing.cost import ReplicaLoad
-from cluster.routing.predicted import PredictedHolders
-from cluster.routing.ranker import AffinityRanker
-from workers.request import FetchHint
+from cairn.cache_service.scoring import WorkerScore
+from cairn.cluster.routing.config import RoutingConfig
+from cairn.cluster.routing.cost import ReplicaLoad
+from cairn.cluster.routing.predicted import PredictedHolders
+from cairn.cluster.routing.ranker import AffinityRanker
+from cairn.workers.request import FetchHint
 from tests.support.routing_cases import CFG, H, PAGE, PAGE_BYTES, STATE_BYTES, Clock, rank, request, routed
 
 

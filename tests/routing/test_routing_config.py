@@ -1,14 +1,14 @@
-"""The routing config (`cluster.routing.config`): the shipped YAML loads, a bad one names every bad
+"""The routing config (`cairn.cluster.routing.config`): the shipped YAML loads, a bad one names every bad
 field, every field is described."""
 
 import pytest
 
-from cluster.routing.config import RoutingConfig
+from cairn.cluster.routing.config import RoutingConfig
 from tests.support.paths import REPO
 
 
 def test_the_shipped_routing_yaml_loads_and_names_a_router_for_every_policy(tmp_path):
-    config = RoutingConfig.from_yaml(REPO / "configs" / "routing.yaml")
+    config = RoutingConfig.from_yaml(REPO / "cairn" / "configs" / "routing.yaml")
     assert config == RoutingConfig(), "the shipped file spells out the defaults"
     for policy in ("cache_affinity", "pow2", "round_robin", "ray_prefix"):
         rrc = RoutingConfig(policy=policy).request_router_config()

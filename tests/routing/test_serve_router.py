@@ -1,13 +1,13 @@
-"""The Ray Serve adapter (`cluster.routing.router`), driven by Serve's own fake replicas (no Ray
-session), and the registry the ingress reads its routers through (`cluster.routing.registry`)."""
+"""The Ray Serve adapter (`cairn.cluster.routing.router`), driven by Serve's own fake replicas (no Ray
+session), and the registry the ingress reads its routers through (`cairn.cluster.routing.registry`)."""
 
 import asyncio
 import random
 
-from cluster.routing.cost import ReplicaLoad
-from cluster.routing.ranker import AffinityRanker
-from cluster.routing.router import replica_worker_id
-from workers.request import FetchHint
+from cairn.cluster.routing.cost import ReplicaLoad
+from cairn.cluster.routing.ranker import AffinityRanker
+from cairn.cluster.routing.router import replica_worker_id
+from cairn.workers.request import FetchHint
 from tests.support.routing_cases import CFG, H, Clock, request, routed
 from tests.support.paths import REPO
 
@@ -17,8 +17,8 @@ def make_router(config=CFG, scores=None, delay_s=0.0, index=None):
     after `delay_s` and records dropped workers)."""
     from ray.serve._private.common import DeploymentHandleSource, DeploymentID
 
-    from cluster.routing.index_handle import IndexHandle
-    from cluster.routing.router import CacheAffinityRouter
+    from cairn.cluster.routing.index_handle import IndexHandle
+    from cairn.cluster.routing.router import CacheAffinityRouter
 
     class FakeIndex:
         def __init__(self):
@@ -67,7 +67,7 @@ def pending(req, request_id="req-1"):
 
 
 def test_with_fetch_the_serve_router_sends_the_hint_on_a_copy_and_routes_a_peers_ask_to_its_target():
-    from workers.request import ExportRequest
+    from cairn.workers.request import ExportRequest
 
     async def main():
         replicas = fake_replicas(3)
@@ -135,9 +135,9 @@ def test_the_serve_router_falls_back_to_load_when_the_index_is_slow_and_counts_i
 
 
 def test_the_serve_router_in_mirror_mode_scores_from_its_copy_of_the_index_feed():
-    from cache_service.events import EventStream, PagesStored, StateStored
-    from cache_service.feed import ChangeFeed
-    from cache_service.index import CacheIndex
+    from cairn.cache_service.events import EventStream, PagesStored, StateStored
+    from cairn.cache_service.feed import ChangeFeed
+    from cairn.cache_service.index import CacheIndex
 
     index, feed = CacheIndex(), ChangeFeed(4_000_000)
 
@@ -236,7 +236,7 @@ def test_the_replica_worker_id_is_the_full_serve_replica_id():
 def test_the_ray_prefix_router_reads_the_prompt_when_messages_is_none():
     from ray.serve._private.common import DeploymentHandleSource, DeploymentID
 
-    from cluster.routing.router import RayPrefixRouter
+    from cairn.cluster.routing.router import RayPrefixRouter
 
     async def texts():  # a PendingRequest makes a future: it needs a running loop
         router = RayPrefixRouter(deployment_id=DeploymentID(name="engine", app_name="app"),
@@ -277,7 +277,7 @@ from ray import cloudpickle
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, RequestMetadata
 from ray.serve._private.test_utils import FakeRunningReplica
 from ray.serve.request_router import PendingRequest
-from cluster.routing.registry import mirror_summaries, router_counts
+from cairn.cluster.routing.registry import mirror_summaries, router_counts
 
 cls = cloudpickle.loads(sys.stdin.buffer.read())
 
@@ -303,7 +303,7 @@ asyncio.run(main())
 def test_the_router_class_as_serve_ships_it_reports_to_the_registry_the_ingress_reads():
     """Serve pickles the router's module by value and unpickles the class in the calling process
     (RequestRouterConfig): there the module's globals are copies. The ranker must still reach the
-    one registry the ingress reads (cluster.routing.registry)."""
+    one registry the ingress reads (cairn.cluster.routing.registry)."""
     import json
     import os
     import subprocess
@@ -326,10 +326,10 @@ def test_the_registry_reads_each_router_s_mirror_on_that_router_s_own_loop():
     """Serve runs a handle's router on a loop of its own thread; the ingress asks from its loop."""
     import threading
 
-    from cache_service.events import EventStream, PagesStored
-    from cache_service.feed import ChangeFeed, IndexMirror
-    from cache_service.index import CacheIndex
-    from cluster.routing.registry import mirror_summaries, register_router
+    from cairn.cache_service.events import EventStream, PagesStored
+    from cairn.cache_service.feed import ChangeFeed, IndexMirror
+    from cairn.cache_service.index import CacheIndex
+    from cairn.cluster.routing.registry import mirror_summaries, register_router
 
     index, feed, mirror = CacheIndex(), ChangeFeed(1000), IndexMirror()
     feed.apply(index, batch := EventStream("w").batch([PagesStored((b"p" * 16,), None)]), batch.encode())

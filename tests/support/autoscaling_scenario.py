@@ -1,4 +1,4 @@
-"""configs/cluster.yaml and configs/serve.yaml, autoscaled end to end on Ray's fake multi-node
+"""cairn/configs/cluster.yaml and cairn/configs/serve.yaml, autoscaled end to end on Ray's fake multi-node
 provider (`tests/support/fake_autoscaler.py`), run as a script by tests/ray/test_cluster_autoscaling.py in a
 process of its own:
 
@@ -6,7 +6,7 @@ process of its own:
 
 1. The head starts from the cluster config's own start commands (Redis, `ray start --head` with
    the bootstrap config). The autoscaler launches the `min_workers` GPU worker node.
-2. `cairn serve --address auto --config SERVE_YAML` deploys configs/serve.yaml on it: the demo
+2. `cairn serve --address auto --config SERVE_YAML` deploys cairn/configs/serve.yaml on it: the demo
    model, an arena and an autoscaling window sized for this machine, everything else as written
    (EveryNode proxies, 2 ingress replicas, engines asking `num_cpus: 2, num_gpus: 1`, the index in
    the head's Redis).
@@ -41,7 +41,7 @@ from tests.support.fake_autoscaler import FakeCluster, gpu_nodes, serve_config
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "tiny"
-# what this machine changes in configs/serve.yaml's application (everything else as written)
+# what this machine changes in cairn/configs/serve.yaml's application (everything else as written)
 SERVE_ARGS = {
     "model_dir": None,            # the demo model
     "served_model_name": MODEL,
@@ -120,7 +120,7 @@ class Streams(LoadThreads):
         self.url, self.timeline, self.outcomes = url, timeline, []
 
     def _run(self, k: int) -> None:
-        from cluster.ingress import REPLICA_HEADER
+        from cairn.cluster.ingress import REPLICA_HEADER
 
         with httpx.Client(base_url=self.url, timeout=120) as http:
             i = 0
@@ -146,13 +146,13 @@ class Streams(LoadThreads):
 
 def deploy(cluster: FakeCluster, home: Path) -> tuple[subprocess.Popen, str]:
     """`cairn serve --address auto --config` (as the README says to run it on the head) with
-    configs/serve.yaml adapted to this machine (`SERVE_ARGS`, a free port, the head's Redis port);
+    cairn/configs/serve.yaml adapted to this machine (`SERVE_ARGS`, a free port, the head's Redis port);
     returns the running process and the endpoint, once the app answers."""
     port = free_port()
     serve_yaml = home / "serve.yaml"
-    serve_yaml.write_text(yaml.safe_dump(serve_config(REPO / "configs" / "serve.yaml", port, cluster.redis_port,
+    serve_yaml.write_text(yaml.safe_dump(serve_config(REPO / "cairn" / "configs" / "serve.yaml", port, cluster.redis_port,
                                                       SERVE_ARGS)))
-    server = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", "--address", "auto",
+    server = subprocess.Popen([sys.executable, "-m", "cairn.cluster.cli", "serve", "--address", "auto",
                                "--config", str(serve_yaml)], cwd=home, env=cluster.env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
@@ -170,7 +170,7 @@ def index_stats() -> dict:
     """The cache index actor's stats (its backend) and the node it runs on."""
     import ray
 
-    from cluster.routing.config import RoutingConfig
+    from cairn.cluster.routing.config import RoutingConfig
 
     routing = RoutingConfig()
     actor = ray.get_actor(routing.index_actor_name, namespace=routing.index_actor_namespace)
@@ -183,7 +183,7 @@ def main(workdir: str) -> None:
     (home / "r").mkdir(exist_ok=True)  # Ray's temp folder: short, its socket paths live under it
     env = {"RAY_TMPDIR": str(home / "r"), "RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1",
            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p), **FAST_METRICS}
-    cluster = FakeCluster(REPO / "configs" / "cluster.yaml", home, CLUSTER_OVERRIDES, env)
+    cluster = FakeCluster(REPO / "cairn" / "configs" / "cluster.yaml", home, CLUSTER_OVERRIDES, env)
     timeline, out, server = Timeline(), {}, None
     sampler = Sampler(timeline)
     try:

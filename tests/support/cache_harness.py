@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import random
 
-from cache_service.events import EventStream
-from cache_service.hashing import root_hash
-from cache_service.index import CacheIndex
-from workers.cache.arena import ArenaLayout
-from workers.cache.checkpoint_policy import CheckpointPolicy
-from workers.cache.prefix_cache import PrefixCache
-from workers.plan import COPY, DEMOTE, MOVE
-from workers.sampling_params import SamplingParams
-from workers.sequence import Sequence
+from cairn.cache_service.events import EventStream
+from cairn.cache_service.hashing import root_hash
+from cairn.cache_service.index import CacheIndex
+from cairn.workers.cache.arena import ArenaLayout
+from cairn.workers.cache.checkpoint_policy import CheckpointPolicy
+from cairn.workers.cache.prefix_cache import PrefixCache
+from cairn.workers.plan import COPY, DEMOTE, MOVE
+from cairn.workers.sampling_params import SamplingParams
+from cairn.workers.sequence import Sequence
 
 PS = 4
 BLOCK_BYTES, SLOT_BLOCKS = 10, 3  # a state slot spans three page-sized blocks

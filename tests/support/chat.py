@@ -25,9 +25,9 @@ def open_chat_stream(http, model: str, messages: list[dict], max_tokens: int = 1
 def chat_turns(client, model: str, system: str, questions: list[str]) -> tuple[list[int], list[int], set]:
     """A conversation through the official client, greedy, each answer echoed back with its
     reasoning as a chat app does: (prompt tokens, cached tokens) per turn, and the replicas
-    (`cluster.ingress.REPLICA_HEADER`) that served it. `client` may be a list of clients: turn t
+    (`cairn.cluster.ingress.REPLICA_HEADER`) that served it. `client` may be a list of clients: turn t
     goes through client[t % len(client)]."""
-    from cluster.ingress import REPLICA_HEADER
+    from cairn.cluster.ingress import REPLICA_HEADER
 
     clients = client if isinstance(client, (list, tuple)) else [client]
     messages, prompts, cached, replicas = [{"role": "system", "content": system}], [], [], set()

@@ -1,4 +1,4 @@
-"""configs/cluster.yaml on Ray's fake multi-node provider, for tests/support/autoscaling_scenario.py.
+"""cairn/configs/cluster.yaml on Ray's fake multi-node provider, for tests/support/autoscaling_scenario.py.
 
 Ray's autoscaler has a provider that "launches" a node as one more raylet and object store on this
 machine (`fake_multinode`, enabled by `RAY_FAKE_CLUSTER=1`), with the resources its node type
@@ -36,7 +36,7 @@ import yaml
 from tests.support.ray_checks import free_port
 
 FAKE_HEAD_TYPE = "ray.head.default"   # the head node type the fake provider reports
-GPU_TYPE = "gpu_worker"               # configs/cluster.yaml's GPU worker node type
+GPU_TYPE = "gpu_worker"               # cairn/configs/cluster.yaml's GPU worker node type
 WELL_KNOWN_PORTS = {"gcs": 6379, "redis": 6380, "object_manager": 8076}
 MARKER = "CAIRN_FAKE_CLUSTER"
 
@@ -128,7 +128,7 @@ class FakeCluster:
 
 
 def serve_config(serve_yaml: Path, port: int, redis_port: int, args: dict[str, Any]) -> dict:
-    """configs/serve.yaml for this cluster: its proxy on `port`, its index in the head's Redis on
+    """cairn/configs/serve.yaml for this cluster: its proxy on `port`, its index in the head's Redis on
     `redis_port`, and `args` written over the application's (engine_options and autoscaling merged
     key by key)."""
     config = yaml.safe_load(serve_yaml.read_text())

@@ -4,7 +4,7 @@ check what reaches the engine, and `background_apps` to serve several apps at on
 from __future__ import annotations
 
 from contextlib import ExitStack, contextmanager
-from workers.metrics import EngineMetrics
+from cairn.workers.metrics import EngineMetrics
 
 
 
@@ -13,14 +13,14 @@ class OneTokenClient:
     with one token. For API tests that need the ingress's work, not a model's."""
 
     def __init__(self, max_model_len: int = 1 << 16):
-        from workers import EngineSpec
+        from cairn.workers import EngineSpec
 
         self.spec = EngineSpec(fingerprint="scripted", page_size=16, max_model_len=max_model_len, recurrent=True,
                                vocab_size=512)
         self.requests: list = []
 
     async def generate(self, request):
-        from workers import RequestOutput
+        from cairn.workers import RequestOutput
 
         self.requests.append(request)
         yield RequestOutput(request.request_id, [5], None, 1, 0, token_ids=[5], finish_reason="length")
@@ -49,7 +49,7 @@ class ScriptedClient(OneTokenClient):
     async def generate(self, request):
         import asyncio
 
-        from workers import RequestOutput
+        from cairn.workers import RequestOutput
 
         self.requests.append(request)
         out: list[int] = []
@@ -64,7 +64,7 @@ class ScriptedClient(OneTokenClient):
 @contextmanager
 def background_apps(*apps):
     """A `BackgroundServer` for each ASGI app, in order; all stopped on exit."""
-    from cluster.api.server import BackgroundServer
+    from cairn.cluster.api.server import BackgroundServer
 
     with ExitStack() as stack:
         yield [stack.enter_context(BackgroundServer(app)) for app in apps]

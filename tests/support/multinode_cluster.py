@@ -2,14 +2,14 @@
 
 - `MultiNode`: Ray's own multi-node test utility (`ray.cluster_utils.Cluster`): a head of 2 CPUs
   and worker nodes of 2 CPUs and 1 GPU that Ray counts but no device behind it, each node its own
-  raylet and object store. An engine replica asks `num_gpus: 1`, as configs/serve.yaml does, so it
+  raylet and object store. An engine replica asks `num_gpus: 1`, as cairn/configs/serve.yaml does, so it
   runs on a worker node only (its engine on the CPU); one replica per worker. Each node's Serve
   proxy has a port of its own (`proxy_urls`): the head's is Serve's http_options.port, a worker
   node's is `RAY_SERVE_WORKER_PROXY_HTTP_PORT` in its raylet's environment, which Serve's proxy
   reads in place of http_options.port on every node but the head (on one machine every node's
   proxy would otherwise bind the same port).
 - `App`: the Serve app on it (2 engine replicas, the index in Redis, a proxy on every node that
-  has a replica, as configs/serve.yaml's `proxy_location: EveryNode`, and one ingress replica on
+  has a replica, as cairn/configs/serve.yaml's `proxy_location: EveryNode`, and one ingress replica on
   each of the head and the first two workers: a proxy hands requests to the ingress replica on
   its own node), and what runs where. `url` is the head's proxy.
 - `Load`, `Outcome`: requests sent back to back, each one's status, replica and error kept.
@@ -29,9 +29,9 @@ import ray
 from ray import serve
 from ray.cluster_utils import Cluster
 
-from cluster.app import build_application
-from cluster.ingress import REPLICA_HEADER
-from cluster.routing.config import RoutingConfig
+from cairn.cluster.app import build_application
+from cairn.cluster.ingress import REPLICA_HEADER
+from cairn.cluster.routing.config import RoutingConfig
 from tests.support.chat import open_chat_stream
 from tests.support.ray_checks import LoadThreads, actor_nodes, free_port
 

@@ -25,7 +25,7 @@ import ray
 from ray import serve
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from cluster.ingress import REPLICA_HEADER
+from cairn.cluster.ingress import REPLICA_HEADER
 from tests.support import ray_checks
 from tests.support.chat import chat_turns, open_chat_stream
 from tests.support.ray_checks import actor_nodes, index_converged, wait_until
@@ -40,7 +40,7 @@ QUESTIONS = ["How do I build a cairn that lasts the winter?", "How tall should i
 @ray.remote(num_cpus=0)
 def create_index(name: str, namespace: str) -> None:
     """Creates an index actor from wherever this task runs, as a replica's publisher does."""
-    from cache_service.actor import index_actor
+    from cairn.cache_service.actor import index_actor
 
     ray.get(index_actor(name, namespace).stats.remote())
 

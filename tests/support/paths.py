@@ -5,4 +5,4 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 TESTS = REPO / "tests"
 SUPPORT = TESTS / "support"
-CONFIGS = REPO / "configs"
+CONFIGS = REPO / "cairn" / "configs"

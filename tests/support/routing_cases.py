@@ -7,10 +7,10 @@ from __future__ import annotations
 import itertools
 import random
 
-from cache_service.scoring import WorkerScore
-from cluster.routing.config import RoutingConfig
-from cluster.routing.cost import rank_replicas
-from workers.request import GenerateRequest
+from cairn.cache_service.scoring import WorkerScore
+from cairn.cluster.routing.config import RoutingConfig
+from cairn.cluster.routing.cost import rank_replicas
+from cairn.workers.request import GenerateRequest
 
 
 PAGE = 16

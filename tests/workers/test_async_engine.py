@@ -6,7 +6,7 @@ import asyncio
 import pytest
 import torch
 
-from workers import AsyncEngine, Engine, EngineError, SamplingParams
+from cairn.workers import AsyncEngine, Engine, EngineError, SamplingParams
 
 PARAMS = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import reference_varlen
-from workers import Engine, SamplingParams
-from workers.execution.decode_graphs import buckets
+from cairn.kernels import reference_varlen
+from cairn.workers import Engine, SamplingParams
+from cairn.workers.execution.decode_graphs import buckets
 
 
 def prompts(lengths, vocab=211, seed=0):

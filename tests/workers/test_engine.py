@@ -4,7 +4,7 @@ chunks, alone or batched, with or without preemption; sampling is seeded and val
 import pytest
 import torch
 
-from workers import Engine, SamplingParams
+from cairn.workers import Engine, SamplingParams
 from tests.support.stepping import drain
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
@@ -162,7 +162,7 @@ def test_invalid_prompts_are_rejected_without_touching_the_engine(path):
 
 
 def test_unknown_engine_options_are_rejected():
-    from workers.options import EngineOptions
+    from cairn.workers.options import EngineOptions
 
     with pytest.raises(ValueError, match="unknown engine option"):
         EngineOptions.from_kwargs(page_sise=16)
@@ -174,8 +174,8 @@ def test_auto_dtype_is_bf16_on_a_cpu_with_native_bf16_and_the_engine_names_what_
     """auto picks bf16 where the CPU computes it natively (faster than fp32 there), fp32
     elsewhere, the checkpoint's dtype on CUDA; the engine's options and spec name the dtype it
     runs, and agree with the spec a deploy reads from the directory."""
-    from workers import EngineOptions, EngineSpec, precision
-    from workers.precision import choose_dtype
+    from cairn.workers import EngineOptions, EngineSpec, precision
+    from cairn.workers.precision import choose_dtype
 
     monkeypatch.delenv("CAIRN_DTYPE")
     for native, want in ((True, "bfloat16"), (False, "float32")):

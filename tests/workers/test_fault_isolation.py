@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from workers import AsyncEngine, Engine, RequestRejected, SamplingParams
+from cairn.workers import AsyncEngine, Engine, RequestRejected, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 

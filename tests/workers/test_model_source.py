@@ -25,7 +25,7 @@ import pytest
 from tests.support.checkpoints import HUB_MAIN as MAIN, HUB_REPO as REPO, HUB_V2 as V2
 from tests.support.fake_clients import OneTokenClient
 from tests.support.ray_checks import free_port
-from workers import EngineOptions, EngineSpec, ModelNotFound, ModelSource, SamplingParams
+from cairn.workers import EngineOptions, EngineSpec, ModelNotFound, ModelSource, SamplingParams
 from tests.support.paths import REPO as CHECKOUT
 
 ROOT = CHECKOUT
@@ -149,7 +149,7 @@ def test_only_the_files_the_engine_reads_are_fetched_into_the_cache_the_environm
 
 def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, "-m", "cluster.cli", *args], capture_output=True, text=True, env=env,
+    return subprocess.run([sys.executable, "-m", "cairn.cluster.cli", *args], capture_output=True, text=True, env=env,
                           timeout=timeout)
 
 
@@ -162,7 +162,7 @@ def test_cairn_generate_refuses_an_unknown_id_with_a_message_not_a_traceback(hf_
 
 def test_cairn_serve_in_process_serves_an_id_under_its_name(hf_hub):
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", "--replicas", "1", "--model", REPO,
+    proc = subprocess.Popen([sys.executable, "-m", "cairn.cluster.cli", "serve", "--replicas", "1", "--model", REPO,
                              "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=dict(os.environ, PYTHONPATH=str(ROOT)), start_new_session=True)
     base = f"http://127.0.0.1:{port}"
@@ -192,14 +192,14 @@ def test_cairn_serve_in_process_serves_an_id_under_its_name(hf_hub):
 def test_cairn_serve_refuses_an_unknown_id_before_ray_starts(hf_hub, monkeypatch, capsys):
     import ray
 
-    from cluster.cli import main
+    from cairn.cluster.cli import main
 
     def no_ray(*args, **kwargs):
         raise AssertionError("ray.init was called for a model that resolves to nothing")
 
     monkeypatch.setattr(ray, "init", no_ray)
     for argv in (["serve", "--model", "cairn-org/nothing@v3"],
-                 ["serve", "--model", "cairn-org/nothing", "--config", str(ROOT / "configs" / "serve.yaml")],
+                 ["serve", "--model", "cairn-org/nothing", "--config", str(ROOT / "cairn" / "configs" / "serve.yaml")],
                  ["serve", "--model", "cairn-org/nothing", "--replicas", "1"]):
         assert main(argv) == 2, argv
         err = capsys.readouterr().err
@@ -209,10 +209,10 @@ def test_cairn_serve_refuses_an_unknown_id_before_ray_starts(hf_hub, monkeypatch
 
 
 def test_cairn_serve_resolves_with_the_environment_the_config_gives_its_replicas(hf_hub, tmp_path, monkeypatch):
-    from cluster import deploy
+    from cairn.cluster import deploy
 
     monkeypatch.setenv("HF_HOME", str(tmp_path / "empty"))
-    config = {"applications": [{"name": "a", "import_path": "cluster.app:app_builder", "args": {"model_dir": REPO},
+    config = {"applications": [{"name": "a", "import_path": "cairn.cluster.app:app_builder", "args": {"model_dir": REPO},
                                 "runtime_env": {"env_vars": {"HF_HOME": str(hf_hub.parent)}}}]}
     deploy.resolve_models(config)  # found in the cache the replicas will read
     del config["applications"][0]["runtime_env"]
@@ -225,8 +225,8 @@ def test_cairn_serve_resolves_with_the_environment_the_config_gives_its_replicas
 def test_the_deploy_step_pins_the_id_and_the_ingress_resolves_it_and_serves_it_under_its_name(hf_hub):
     from fastapi.testclient import TestClient
 
-    from cluster.app import app_builder
-    from cluster.ingress import Ingress
+    from cairn.cluster.app import app_builder
+    from cairn.cluster.ingress import Ingress
 
     built = app_builder({"model_dir": REPO})._bound_deployment
     engine_args, ingress_args = built.init_args[0]._bound_deployment.init_args, built.init_args
@@ -277,8 +277,8 @@ def test_the_deploy_step_pins_the_id_and_the_ingress_resolves_it_and_serves_it_u
 def test_an_engine_replica_resolves_the_id_on_its_own_node(hf_hub, monkeypatch):
     import gc
 
-    from cache_service.publisher import ApplyResult
-    from cluster import engine_replica
+    from cairn.cache_service.publisher import ApplyResult
+    from cairn.cluster import engine_replica
 
     class Index:  # the index actor, as far as the publisher asks it
         def __init__(self, cfg):
@@ -304,7 +304,7 @@ def test_an_engine_replica_resolves_the_id_on_its_own_node(hf_hub, monkeypatch):
         await replica.__init__(f"{REPO}@v2", {"num_pages": 32, "max_num_seqs": 2}, {}, spec)
         try:
             assert replica.engine.spec == spec, "the replica loaded the v2 snapshot from this node's cache"
-            from workers.request import GenerateRequest
+            from cairn.workers.request import GenerateRequest
 
             request = GenerateRequest(request_id="r", prompt_token_ids=[3, 4, 5],
                                       params=SamplingParams(max_tokens=2, temperature=0))

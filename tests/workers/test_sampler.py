@@ -6,10 +6,10 @@ an oracle built from a cold engine's prompt logits, through batching and preempt
 import pytest
 import torch
 
-from workers import Engine, SamplingParams
-from kernels.reference_sample import nucleus
-from workers.sampler import Sampler, uniforms
-from workers.sequence import Sequence, Status
+from cairn.workers import Engine, SamplingParams
+from cairn.kernels.reference_sample import nucleus
+from cairn.workers.sampler import Sampler, uniforms
+from cairn.workers.sequence import Sequence, Status
 
 EOS = 3
 

@@ -1,12 +1,12 @@
-"""Tenants share one engine (`workers.scheduler`, `workers.tenant_queue`): a tenant holding every
+"""Tenants share one engine (`cairn.workers.scheduler`, `cairn.workers.tenant_queue`): a tenant holding every
 sequence slot with long streams, or filling every step with long prefills, cannot keep another
 tenant's short request waiting; the preempted sequences still compute what they compute alone;
 with one tenant the schedule is first come, first served. Counted in engine steps, not seconds."""
 
 import pytest
 
-from workers import Engine, SamplingParams
-from workers.tenant_queue import TenantQueue, fair_shares, slot_share
+from cairn.workers import Engine, SamplingParams
+from cairn.workers.tenant_queue import TenantQueue, fair_shares, slot_share
 from tests.support.stepping import drain
 
 LONG = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
@@ -87,7 +87,7 @@ def test_another_tenants_long_prefills_share_each_step_with_a_short_prompt(path)
 
 
 def test_the_queue_admits_the_oldest_of_the_tenant_running_the_fewest():
-    from workers.sequence import Sequence
+    from cairn.workers.sequence import Sequence
 
     queue = TenantQueue()
     seqs = {name: Sequence(name, [1], SHORT, tenant=name[0]) for name in ("a1", "a2", "b1", "c1", "b2")}

@@ -22,9 +22,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
-from workers import Engine, SamplingParams
-from workers.grammar import Grammar, Grammars
-from workers.sequence import Sequence
+from cairn.workers import Engine, SamplingParams
+from cairn.workers.grammar import Grammar, Grammars
+from cairn.workers.sequence import Sequence
 
 MAX_TOKENS = 160
 
@@ -200,7 +200,7 @@ def test_a_grammar_that_does_not_compile_faults_its_row_alone(engine, tok):
 
 
 def test_an_engine_without_a_tokenizer_refuses_a_grammar(engine):
-    from workers.errors import RequestRejected
+    from cairn.workers.errors import RequestRejected
 
     grammars, engine.sampler.grammars = engine.sampler.grammars, None
     try:

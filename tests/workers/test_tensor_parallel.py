@@ -12,13 +12,13 @@ import time
 import pytest
 import torch
 
-import workers.model.loader as loader
-from workers import AsyncEngine, Engine, SamplingParams
-from workers.errors import EngineBroken
-from workers.model import read_model_config
-from workers.model.registry import family_for
-from workers.model.sharding import Shard, shard_config
-from workers.execution.tp_runner import RankFailure
+import cairn.workers.model.loader as loader
+from cairn.workers import AsyncEngine, Engine, SamplingParams
+from cairn.workers.errors import EngineBroken
+from cairn.workers.model import read_model_config
+from cairn.workers.model.registry import family_for
+from cairn.workers.model.sharding import Shard, shard_config
+from cairn.workers.execution.tp_runner import RankFailure
 from tests.support.paths import REPO
 
 KINDS = ["tp_next_moe", "tp_q35", "tp_q35_moe_vl"]
@@ -183,10 +183,10 @@ def test_memory_utilization_sizes_each_ranks_arena_from_the_least_free_device(mo
     CUDA's free-memory query is faked per rank; the ranks are threads over a real gloo group."""
     import threading
 
-    from workers.cache.device_budget import arena_bytes, sized
-    from workers.options import EngineOptions
-    from workers.execution.tp_group import TPGroup
-    from workers.execution.tp_runner import free_address
+    from cairn.workers.cache.device_budget import arena_bytes, sized
+    from cairn.workers.options import EngineOptions
+    from cairn.workers.execution.tp_group import TPGroup
+    from cairn.workers.execution.tp_runner import free_address
 
     gib = 2**30
     assert arena_bytes(free=100 * gib, total=141 * gib, utilization=0.9) == int(100 * gib - 0.1 * 141 * gib)
@@ -215,7 +215,7 @@ def test_memory_utilization_sizes_each_ranks_arena_from_the_least_free_device(mo
 
 
 def test_with_a_host_tier_every_rank_demotes_and_promotes_its_own_slice_in_step(hf_checkpoint):
-    from workers import EngineOptions, EngineSpec
+    from cairn.workers import EngineOptions, EngineSpec
 
     path = hf_checkpoint("tp_q35_moe_vl")
     base = dict(page_size=8, max_num_seqs=3, max_num_batched_tokens=13)
@@ -243,7 +243,7 @@ def test_a_script_without_a_main_guard_fails_at_once_saying_what_to_add(tiny_mod
     import sys
 
     script = tmp_path / "unguarded.py"
-    script.write_text(f"from workers import Engine\nEngine.from_pretrained({str(tiny_model_dir)!r}, "
+    script.write_text(f"from cairn.workers import Engine\nEngine.from_pretrained({str(tiny_model_dir)!r}, "
                       f"tensor_parallel_size=2)\nprint('built')\n")
     root = REPO
     started = time.monotonic()

@@ -1,12 +1,12 @@
-"""The arena (`workers.cache.arena`) as the cache uses it: pages and state slots share one pool of
+"""The arena (`cairn.workers.cache.arena`) as the cache uses it: pages and state slots share one pool of
 blocks in groups; a state slot takes a whole group, and emptying one moves its cached pages
 rather than dropping their chains; a group holding a running sequence's pages is never taken."""
 
 import random
 
 from tests.support.cache_harness import PS, SLOT_BLOCKS, Harness, run_prompt
-from workers.sampling_params import SamplingParams
-from workers.sequence import Sequence
+from cairn.workers.sampling_params import SamplingParams
+from cairn.workers.sequence import Sequence
 
 
 def test_a_group_emptied_for_a_state_slot_moves_its_hot_pages_rather_than_dropping_their_chains():

@@ -1,4 +1,4 @@
-"""What leaves first (`workers.cache.cache_budget`, design rule 7): eviction follows the least
+"""What leaves first (`cairn.workers.cache.cache_budget`, design rule 7): eviction follows the least
 recently used order of what running sequences released, checked against an LRU model over
 random prompts; a conversation's old resume point goes cold once it moves on, unless later
 prompts part there; asking whether an admission fits changes nothing."""
@@ -8,13 +8,13 @@ from collections import OrderedDict
 
 import pytest
 
-from cache_service.events import PagesRemoved
-from cache_service.hashing import root_hash
-from workers.cache.checkpoint_policy import CheckpointPolicy
-from workers.cache.prefix_cache import PrefixCache
+from cairn.cache_service.events import PagesRemoved
+from cairn.cache_service.hashing import root_hash
+from cairn.workers.cache.checkpoint_policy import CheckpointPolicy
+from cairn.workers.cache.prefix_cache import PrefixCache
 from tests.support.cache_harness import PS, Harness, layout, run_prompt
-from workers.sampling_params import SamplingParams
-from workers.sequence import Sequence
+from cairn.workers.sampling_params import SamplingParams
+from cairn.workers.sequence import Sequence
 
 
 def test_a_resume_point_goes_cold_once_its_conversation_stores_a_deeper_checkpoint():

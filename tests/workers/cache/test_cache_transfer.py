@@ -7,10 +7,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cache_service.index import CacheIndex
+from cairn.cache_service.index import CacheIndex
 from tests.support.chat import assert_same_output
-from workers import Engine, SamplingParams
-from workers.sequence import Sequence
+from cairn.workers import Engine, SamplingParams
+from cairn.workers.sequence import Sequence
 from tests.support.stepping import run_alone
 
 PS = 16

@@ -6,7 +6,7 @@ so the next workload that needs it finds its checkpoints. A prompt's targets are
 is worth a state: near positions fold into one, and under pressure only the end, the newest hint
 and branch points are taken.""" 
 
-from workers.cache.checkpoint_policy import BRANCH, HINT, INTERVAL, PROMPT_END, TAIL, CheckpointPolicy
+from cairn.workers.cache.checkpoint_policy import BRANCH, HINT, INTERVAL, PROMPT_END, TAIL, CheckpointPolicy
 
 CONVERSATIONS, SETTLE = 64, 4 * 16  # the engine's settle_after: 4 x max_num_seqs (16 here)
 

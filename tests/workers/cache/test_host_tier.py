@@ -9,8 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.support.chat import assert_same_output
-from workers import Engine, SamplingParams
-from workers.cache.tier_cost import TierCost
+from cairn.workers import Engine, SamplingParams
+from cairn.workers.cache.tier_cost import TierCost
 from tests.support.stepping import drain, run_alone
 
 PS = 16
@@ -133,7 +133,7 @@ def test_the_randomized_test_above_did_resume_from_the_host(tiered_engine):
 
 
 def test_the_index_replaying_the_engines_events_knows_the_medium_of_everything_at_every_step(tiny_model_dir):
-    from cache_service.index import CacheIndex
+    from cairn.cache_service.index import CacheIndex
 
     engine = tiered(tiny_model_dir, worker_id="w")
     index = CacheIndex()
@@ -180,7 +180,7 @@ def test_a_checkpoint_that_finds_no_device_slot_goes_straight_to_the_host(tiny_m
 
 
 def test_a_request_resumed_from_the_host_while_others_run_starts_a_step_later_and_computes_the_same(tiny_model_dir):
-    """What CUDA does to overlap a promotion with other sequences' step (workers.execution.runner's copy
+    """What CUDA does to overlap a promotion with other sequences' step (cairn.workers.execution.runner's copy
     stream), on the CPU path: the request's first segment waits one step; nothing else changes."""
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     start = [prompt(100 + 9 * i, seed=20 + i) for i in range(4)]

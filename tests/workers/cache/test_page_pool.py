@@ -1,11 +1,11 @@
-"""The page pool (`workers.cache.page_pool`): pages by hash with parents and reference counts; a
+"""The page pool (`cairn.workers.cache.page_pool`): pages by hash with parents and reference counts; a
 page is evicted with its cached descendants, so a finished chain goes tail first."""
 
 import random
 
 from tests.support.cache_harness import PS, Harness, run_prompt
-from workers.sampling_params import SamplingParams
-from workers.sequence import Sequence
+from cairn.workers.sampling_params import SamplingParams
+from cairn.workers.sequence import Sequence
 
 
 def test_a_finished_chain_is_evicted_tail_first():

@@ -11,10 +11,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
-from cache_service.hashing import page_hashes, root_hash
-from cache_service.index import CacheIndex
-from cluster.api.chat_template import ChatTemplate
-from workers import Engine, SamplingParams
+from cairn.cache_service.hashing import page_hashes, root_hash
+from cairn.cache_service.index import CacheIndex
+from cairn.cluster.api.chat_template import ChatTemplate
+from cairn.workers import Engine, SamplingParams
 from tests.support.paths import REPO
 from tests.support.stepping import drain, finish, run_alone
 
@@ -216,7 +216,7 @@ def test_a_request_resumed_inside_a_page_computes_what_a_cold_one_computes(warm_
 
 HASH_SCRIPT = """
 import sys
-from cache_service.hashing import page_hashes, root_hash
+from cairn.cache_service.hashing import page_hashes, root_hash
 print(",".join(h.hex() for h in page_hashes(list(range(100)), 16, root_hash("model-x", 16, "salt"))))
 """
 

@@ -16,8 +16,8 @@ import random
 import pytest
 
 from tests.support.cache_harness import Harness, run_prompt
-from workers.sampling_params import SamplingParams
-from workers.sequence import Sequence
+from cairn.workers.sampling_params import SamplingParams
+from cairn.workers.sequence import Sequence
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

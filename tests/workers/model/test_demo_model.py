@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3NextConfig, Qwen3NextForCausalLM
 
-from workers.demo import write_demo_model
+from cairn.workers.demo import write_demo_model
 from tests.support.paths import REPO
 
 # conftest.py sets HF_HUB_OFFLINE=1 before anything imports huggingface_hub: nothing from a hub.
@@ -288,7 +288,7 @@ def test_tool_calls_and_results_render_qwen3_style(tok) -> None:
 def test_cairn_demo_model_command_writes_the_checkpoint_and_prints_its_path(tmp_path: Path) -> None:
     out = tmp_path / "cli"
     result = subprocess.run(
-        [sys.executable, "-m", "cluster.cli", "demo-model", str(out), "--size", "tiny", "--seed", "3"],
+        [sys.executable, "-m", "cairn.cluster.cli", "demo-model", str(out), "--size", "tiny", "--seed", "3"],
         cwd=REPO, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True,
         timeout=120)
     assert result.returncode == 0, result.stderr
@@ -299,7 +299,7 @@ def test_cairn_demo_model_command_writes_the_checkpoint_and_prints_its_path(tmp_
 
 
 def test_cli_module_imports_neither_ray_nor_torch() -> None:
-    code = "import sys, cluster.cli; print(sorted({'ray', 'torch'} & set(sys.modules)))"
+    code = "import sys, cairn.cluster.cli; print(sorted({'ray', 'torch'} & set(sys.modules)))"
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
                             timeout=60)
     assert result.stdout.strip() == "[]", result.stderr

@@ -12,8 +12,8 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from workers import Engine, SamplingParams
-from workers.demo import write_demo_model
+from cairn.workers import Engine, SamplingParams
+from cairn.workers.demo import write_demo_model
 from tests.support.paths import REPO
 
 ARCHS = {"qwen3_5": "Qwen3_5ForCausalLM", "qwen3_5_moe": "Qwen3_5MoeForCausalLM"}
@@ -92,7 +92,7 @@ def test_tool_calls_render_as_qwen3_5_xml(demo) -> None:
 def test_cairn_demo_model_arch_flag_writes_that_architecture(tmp_path: Path) -> None:
     out = tmp_path / "cli"
     result = subprocess.run(
-        [sys.executable, "-m", "cluster.cli", "demo-model", str(out), "--arch", "qwen3_5_moe", "--seed", "3"],
+        [sys.executable, "-m", "cairn.cluster.cli", "demo-model", str(out), "--arch", "qwen3_5_moe", "--seed", "3"],
         cwd=REPO, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     same = write_demo_model(tmp_path / "py", size="tiny", seed=3, arch="qwen3_5_moe")

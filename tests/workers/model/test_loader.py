@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from workers import Engine
-from workers.model import CheckpointError, config_from_dict
+from cairn.workers import Engine
+from cairn.workers.model import CheckpointError, config_from_dict
 
 
 @pytest.fixture

@@ -12,8 +12,8 @@ import torch
 from tests.support.checkpoints import build_hf_checkpoint, hf_reference_model
 from safetensors.torch import load_file, save_file
 
-from workers import Engine
-from workers.model import CheckpointError, config_from_dict, supported_model_types
+from cairn.workers import Engine
+from cairn.workers.model import CheckpointError, config_from_dict, supported_model_types
 
 IDS = [5, 17, 3, 99, 42, 7, 7, 120, 1, 64, 33]
 

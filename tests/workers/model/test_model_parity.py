@@ -9,7 +9,7 @@ import pytest
 import torch
 from tests.support.checkpoints import hf_reference_model as hf_model
 
-from workers import Engine, SamplingParams
+from cairn.workers import Engine, SamplingParams
 
 LENGTHS = [1, 7, 53]  # one token, odd, several pages of 16
 KINDS = ["dense", "moe", "tied", "q35_dense", "q35_dense_vl", "q35_tied", "q35_tied_vl", "q35_moe", "q35_moe_vl"]

@@ -7,8 +7,8 @@ import torch.nn.functional as F
 from tests.support.checkpoints import build_hf_checkpoint, hf_reference_model
 from torch import nn
 
-from workers import Engine, SamplingParams
-from workers.model.packed_linear import PackedLinear, can_pack, pack_linears
+from cairn.workers import Engine, SamplingParams
+from cairn.workers.model.packed_linear import PackedLinear, can_pack, pack_linears
 
 pytestmark = pytest.mark.skipif(not can_pack(torch.device("cpu"), torch.float32), reason="torch built without oneDNN")
 
@@ -70,14 +70,14 @@ def test_the_moe_shared_expert_stays_plain_and_the_engine_answers_as_unpacked(tm
 
 
 def test_row_buckets_are_every_row_count_a_product_runs_at():
-    from workers.model.packed_linear import padded_rows, row_buckets
+    from cairn.workers.model.packed_linear import padded_rows, row_buckets
 
     for most in (1, 2, 255, 256, 257, 2048, 3000):
         assert row_buckets(most) == sorted({padded_rows(n) for n in range(1, most + 1)})
 
 
 def test_warm_up_runs_each_shape_at_each_bucket_and_the_head_at_the_sampled_rows(monkeypatch):
-    from workers.model import packed_linear
+    from cairn.workers.model import packed_linear
 
     class Model(nn.Module):
         def __init__(self):
@@ -98,7 +98,7 @@ def test_warm_up_runs_each_shape_at_each_bucket_and_the_head_at_the_sampled_rows
 
 
 def test_an_engine_warms_up_when_asked_and_answers_the_same(tmp_path):
-    from workers.demo import demo_model_dir
+    from cairn.workers.demo import demo_model_dir
 
     prompt, params = [3, 4, 5] * 20, SamplingParams(max_tokens=4, temperature=0)
     cold = Engine.from_pretrained(demo_model_dir("tiny", "qwen3_5"))

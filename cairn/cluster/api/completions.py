@@ -1,0 +1,108 @@
+"""POST /v1/completions: raw prompts (text or token ids, one or a batch), no template.
+
+Choice `k * n + i` is the i-th of n choices for prompt k. `echo` puts the prompt's text in
+front of each choice (and shifts `text_offset` by its length); echo with logprobs would need
+the prompt's logprobs and is refused. Logprobs come in the legacy shape: tokens,
+token_logprobs, top_logprobs (one dict per token) and text_offset. vLLM's `structured_outputs`
+constrains each choice (`structured`; raw prompts have no thinking to leave free).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncGenerator, Awaitable, Callable
+
+from fastapi.responses import JSONResponse
+from starlette.responses import Response
+
+from cairn.cluster.api.choice import MIN_LOGPROB, Choice, PlacedLogprob
+from cairn.cluster.api.errors import bad_request
+from cairn.cluster.api.fanout import Fanout
+from cairn.cluster.api.protocol import CompletionRequest
+from cairn.cluster.api.responses import Completion, CompletionChoice, CompletionLogprobs, Usage
+from cairn.cluster.api.serving import CLIENT_CLOSED_REQUEST, Prepared, Serving
+from cairn.cluster.api.sse import SSEResponse
+from cairn.cluster.api.structured import structured_outputs_grammar
+from cairn.cluster.api.tenants import Caller
+from cairn.cluster.api.tokenizer import TextTokenizer
+
+
+def completion_logprobs(tokenizer: TextTokenizer, placed: list[PlacedLogprob], base: int) -> CompletionLogprobs:
+    return CompletionLogprobs(
+        tokens=[tokenizer.token_text(p.logprob.token_id) for p in placed],
+        token_logprobs=[max(p.logprob.logprob, MIN_LOGPROB) for p in placed],
+        top_logprobs=[{tokenizer.token_text(t): max(lp, MIN_LOGPROB) for t, lp in p.logprob.top} for p in placed],
+        text_offset=[base + p.text_offset for p in placed])
+
+
+class Completions:
+    def __init__(self, serving: Serving):
+        self.serving = serving
+
+    async def __call__(self, req: CompletionRequest, request_id: str, arrived: float,
+                       client_gone: Callable[[], Awaitable[None]], caller: Caller = Caller()) -> Response:
+        s = self.serving
+        s.check_common(req)
+        if req.suffix:
+            raise bad_request("suffix is not supported", "suffix", "unsupported")
+        if req.best_of is not None and req.best_of != req.n:
+            raise bad_request("best_of is not supported (it may only equal n)", "best_of", "unsupported")
+        if req.echo and req.logprobs is not None:
+            raise bad_request("echo with logprobs is not supported", "echo", "unsupported")
+        prompts = await s.pool.run(lambda stop: s.prompts.completion(req, stop), client_gone, caller.tenant_id)
+        max_tokens = min(s.max_tokens(req, len(p.ids), "prompt") for p in prompts)
+        constraint = structured_outputs_grammar(req.structured_outputs)
+        grammar = None
+        if constraint is not None:
+            await s.grammars.check(*constraint, client_gone, caller.tenant_id)
+            grammar = s.grammars.grammar(constraint[1], None, reasoning_model=False)
+        params = s.sampling(req, max_tokens, req.logprobs, {}, grammar)
+        choices = [Choice(k * req.n + i, s.tokenizer, p.ids, req.stop_strings())
+                   for k, p in enumerate(prompts) for i in range(req.n)]
+        echoes = [self._echo(req, p) for p in prompts for _ in range(req.n)]
+        fan, first = await s.start(request_id, req, prompts, params, caller, "prompt",
+                                   "n" if len(prompts) == 1 else "prompt", arrived)
+        completion_id = f"cmpl-{uuid.uuid4().hex}"
+        if req.stream:
+            return SSEResponse(self._stream(req, completion_id, request_id, prompts, echoes, fan, first, choices,
+                                            arrived, caller), s.stream_stall_timeout_s)
+        if not await s.collect(fan, first, choices, arrived, client_gone, caller):
+            s.record(prompts, choices, arrived, caller)
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        usage = Usage.of(*s.record(prompts, choices, arrived, caller))
+        body = Completion(id=completion_id, model=s.model_name, usage=usage, choices=[
+            CompletionChoice(index=c.index, text=echoes[c.index] + c.content, finish_reason=c.finish_reason,
+                             logprobs=completion_logprobs(s.tokenizer, c.logprobs, len(echoes[c.index]))
+                             if req.logprobs is not None else None)
+            for c in choices])
+        return JSONResponse(body.model_dump(mode="json"))
+
+    def _echo(self, req: CompletionRequest, prompt: Prepared) -> str:
+        if not req.echo:
+            return ""
+        return prompt.text if prompt.text is not None else self.serving.tokenizer.decode(prompt.ids)
+
+    def _stream(self, req: CompletionRequest, completion_id: str, request_id: str, prompts: list[Prepared],
+                echoes: list[str], fan: Fanout, first: tuple, choices: list[Choice], arrived: float,
+                caller: Caller) -> AsyncGenerator[str, None]:
+        s = self.serving
+        created = int(time.time())
+
+        def chunk(parts: list[CompletionChoice], usage: Usage | None = None) -> str:
+            return Completion(id=completion_id, created=created, model=s.model_name, choices=parts,
+                              usage=usage).sse()
+
+        async def events() -> AsyncGenerator[str, None]:
+            for c in choices:
+                if echoes[c.index]:
+                    yield chunk([CompletionChoice(index=c.index, text=echoes[c.index])])
+            async for c, d in s.drive(fan, first, choices, arrived, caller):
+                lp = completion_logprobs(s.tokenizer, d.logprobs, len(echoes[c.index])) \
+                    if req.logprobs is not None else None
+                yield chunk([CompletionChoice(index=c.index, text=d.content, logprobs=lp,
+                                              finish_reason=d.finish_reason)])
+
+        include_usage = req.stream_options is not None and req.stream_options.include_usage
+        return s.stream(request_id, fan, events(), prompts, choices, arrived,
+                        (lambda usage: chunk([], usage)) if include_usage else None, caller)

@@ -1,0 +1,253 @@
+"""The `cairn` command line.
+
+Contract: `main(argv)` parses `argv` (default `sys.argv[1:]`), runs one subcommand and returns
+its exit status (0 on success; argparse exits with 2 on bad usage). Each subcommand imports
+what it needs inside its own function, so `cairn --help` and `cairn demo-model` never import
+Ray or the engine. Output meant for scripts goes to stdout, one value per line.
+
+Subcommands:
+- `demo-model OUT_DIR [--arch qwen3_next|qwen3_5|qwen3_5_moe] [--size tiny|bench] [--seed N]` —
+  write a random-weight checkpoint (see `cairn.workers.demo`) and print the directory written.
+- `generate [--model DIR|ID] --prompt TEXT [--chat] [--max-tokens N] [--temperature T]` — load
+  the checkpoint (default: the tiny demo model) into an in-process engine, print a completion.
+- `serve [--model DIR|ID] [--replicas N] [--address A] [--config YAML] [--routing YAML] ...` —
+  Ray Serve replicas behind the HTTP API (see `cairn.cluster.deploy`): deploys --config, default
+  cairn/configs/local.yaml, with the flags given written over it; `--replicas 1` alone runs one
+  in-process engine.
+
+`--model` takes a checkpoint directory or a Hugging Face id, `org/name[@revision]`
+(`cairn.workers.model_source`): one that resolves to nothing is refused before anything is loaded or
+Ray is started, with status 2 and a message naming the id and the cache looked in.
+"""
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+
+TOOL_CALL_PARSERS = ("auto", "qwen3_json", "qwen3_xml", "none")  # cairn.cluster.api.tool_call_formats' (not imported here)
+
+
+def _add_demo_model(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "demo-model", help="write a random-weight hybrid checkpoint in Hugging Face layout",
+        description="Write a random-weight checkpoint of a supported architecture (config, "
+                    "safetensors, tokenizer with chat template, generation config) into OUT_DIR.",
+    )
+    parser.add_argument("out_dir", metavar="OUT_DIR",
+                        help="directory to write (created if missing)")
+    parser.add_argument("--size", choices=("tiny", "bench"), default="tiny",
+                        help="tiny: for tests (~0.25M params); bench: for CPU benchmarks (~31M)")
+    parser.add_argument("--arch", choices=("qwen3_next", "qwen3_5", "qwen3_5_moe"), default="qwen3_next",
+                        help="qwen3_next: Qwen3-Next; qwen3_5: Qwen3.5/3.6 dense; qwen3_5_moe: Qwen3.5/3.6 MoE")
+    parser.add_argument("--seed", type=int, default=0, help="weight seed (same seed, same bytes)")
+    parser.set_defaults(run=_demo_model)
+
+
+def _demo_model(args: argparse.Namespace) -> int:
+    from cairn.workers.demo import write_demo_model
+
+    print(write_demo_model(args.out_dir, size=args.size, seed=args.seed, arch=args.arch))
+    return 0
+
+
+DTYPE_CHOICES = ("auto", "bfloat16", "float32", "float16")  # cairn.workers.precision's, without importing workers
+DTYPE_HELP = ("weights and activations (auto: the checkpoint's dtype on CUDA; on CPU, bfloat16 where the "
+              "processor computes it natively (AVX512-BF16, AMX), else float32)")
+
+
+def _add_generate(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "generate", help="print one completion from the engine (a debugging aid)",
+        description="Load a checkpoint into the engine in this process and print one completion.")
+    parser.add_argument("--model", help="checkpoint directory or Hugging Face id, org/name[@revision] (default: "
+                                        "the tiny demo model, written to $CAIRN_HOME on first use)")
+    parser.add_argument("--prompt", required=True, help="prompt text")
+    parser.add_argument("--chat", action="store_true",
+                        help="send the prompt as one user message through the model's chat template")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+                        help=DTYPE_HELP)
+    parser.set_defaults(run=_generate)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from tokenizers import Tokenizer
+
+    from cairn.workers import Engine, ModelSource, SamplingParams, demo_model_dir
+
+    try:
+        model_dir = ModelSource.parse(args.model).local_dir() if args.model else demo_model_dir("tiny")
+    except (OSError, ValueError) as e:
+        print(f"cairn generate: {e}", file=sys.stderr)
+        return 2
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    text = args.prompt
+    if args.chat:
+        from cairn.cluster.api.chat_template import ChatTemplate
+
+        text = ChatTemplate.from_dir(model_dir).render([{"role": "user", "content": args.prompt}])
+    engine = Engine.from_pretrained(model_dir, dtype=args.dtype)
+    try:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+        out = engine.generate([tokenizer.encode(text, add_special_tokens=False).ids], params)[0]
+    except ValueError as e:
+        print(f"cairn generate: {e}", file=sys.stderr)
+        return 2
+    print(tokenizer.decode(out.token_ids, skip_special_tokens=False))
+    return 0
+
+
+def _add_serve(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "serve", help="serve the OpenAI-compatible HTTP API (Ray Serve replicas, cache-affinity routing)",
+        description="Start (or join, with --address) Ray, deploy the engine replicas and the HTTP "
+                    "ingress, print the endpoint, serve until Ctrl-C. What is deployed is the Serve "
+                    "config --config (default: cairn/configs/local.yaml, 2 CPU replicas of the demo model "
+                    "on 127.0.0.1:8000); the flags given override it. --replicas 1 without "
+                    "--address/--config runs one engine in this process instead (debugging).")
+    parser.add_argument("--model", help="checkpoint directory or Hugging Face id, org/name[@revision], resolved on "
+                                        "every node (default: the config's; local.yaml: the tiny demo model)")
+    parser.add_argument("--replicas", type=int, default=None, help="engine replicas (local.yaml: 2)")
+    parser.add_argument("--address", default=None, help="join this Ray cluster (e.g. auto) instead of starting one")
+    parser.add_argument("--config", default=None, help="a Serve config YAML (cairn/configs/serve.yaml); "
+                                                       "default: cairn/configs/local.yaml")
+    parser.add_argument("--routing", default=None, help="routing YAML (cairn/configs/routing.yaml)")
+    parser.add_argument("--host", default=None, help="HTTP host (local.yaml: 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=None, help="HTTP port (local.yaml: 8000)")
+    parser.add_argument("--api-key", action="append", default=None, metavar="[TENANT:]KEY",
+                        help="require 'Authorization: Bearer KEY' on /v1, /metrics and /openapi.json; "
+                             "repeat for more tenants; a bare KEY is a tenant of its own, named key-<hash> "
+                             "(default: $CAIRN_API_KEY, the tenant 'default', else none)")
+    parser.add_argument("--api-keys-file", default=None, metavar="PATH",
+                        help="a file of 'TENANT:KEY [NAME=VALUE ...]' lines, the values that tenant's limits "
+                             "(as --tenant-limit); # comments; on a cluster it must exist on the ingress's node")
+    parser.add_argument("--tenant-limit", action="append", default=None, metavar="NAME=VALUE",
+                        help="every tenant's quota of cairn.cluster.api.quotas.TenantLimits (with keys only), e.g. "
+                             "max_requests=64, requests_per_minute=600, tokens_per_minute=200000; repeat for more")
+    parser.add_argument("--metrics-key", default=None, help="the only key that opens /metrics (default: any "
+                                                            "tenant's key)")
+    parser.add_argument("--shared-cache-tenants", action="store_true", default=None,
+                        help="let all tenants share cached pages (default: each tenant its own)")
+    parser.add_argument("--public-system-prompt", action="append", default=None, metavar="FILE",
+                        help="a file holding a system prompt whose pages every tenant shares when a chat "
+                             "opens with it (repeat for more)")
+    parser.add_argument("--max-header-bytes", type=int, default=None, help="request line and headers (32768)")
+    parser.add_argument("--header-timeout", type=float, default=None, metavar="S",
+                        help="seconds to send a request's headers (10; in-process only: Serve's proxy has none)")
+    parser.add_argument("--body-timeout", type=float, default=None, metavar="S",
+                        help="seconds to send a request's body (60)")
+    parser.add_argument("--stream-stall-timeout", type=float, default=None, metavar="S",
+                        help="seconds a streamed response waits for its client to read before it is ended and its "
+                             "sequences freed (30; in-process only)")
+    parser.add_argument("--keep-alive-timeout", type=float, default=None, metavar="S",
+                        help="seconds an idle connection stays open (in-process: 5; Serve: http_options)")
+    parser.add_argument("--request-timeout", type=float, default=None, metavar="S",
+                        help="end-to-end limit per request, from its arrival to its last token (a 408); on Ray, "
+                             "Serve's http_options.request_timeout_s, which the ingress enforces too, so a client's "
+                             "x-request-timeout-seconds header cannot lift it")
+    parser.add_argument("--max-body-bytes", type=int, default=None, help="request body (8 MiB)")
+    parser.add_argument("--api-limit", action="append", default=None, metavar="NAME=VALUE",
+                        help="a per-request limit of cairn.cluster.api.limits.APILimits, e.g. max_messages=512; "
+                             "repeat for more")
+    parser.add_argument("--special-tokens-in-content", action="store_true", default=None,
+                        help="let special-token strings typed in messages become control tokens (off: "
+                             "they are text)")
+    parser.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
+                        help="how the model writes tool calls: auto (read from its chat template), qwen3_json "
+                             "(Qwen3, Qwen3-Next), qwen3_xml (Qwen3.5, Qwen3-Coder), none (return them as text)")
+    parser.add_argument("--served-model-name", default=None,
+                        help="model id clients send (default: the Hugging Face id, or the folder's name)")
+    parser.add_argument("--num-cpus", type=float, default=None, help="CPUs per engine replica (local.yaml: 0.5)")
+    parser.add_argument("--num-gpus", type=float, default=None, help="GPUs per engine replica (1 on GPU nodes)")
+    parser.add_argument("--max-num-seqs", type=int, default=None, help="sequences an engine runs at once (64)")
+    parser.add_argument("--cache-memory-bytes", type=int, default=None)
+    parser.add_argument("--cache-policy", default=None, help="cairn | exact | all | interval | end_branch")
+    parser.add_argument("--memory-utilization", type=float, default=None, metavar="F",
+                        help="CUDA: size the cache from what each GPU has left after the weights, up to this "
+                             "fraction of its memory (instead of --cache-memory-bytes)")
+    parser.add_argument("--host-cache-bytes", type=int, default=None, metavar="BYTES",
+                        help="host tier per replica: what the device cache evicts is kept in host memory (pinned "
+                             "on CUDA) up to this many bytes, and brought back when cheaper than recomputing (0: off)")
+    parser.add_argument("--dtype", default=None, choices=DTYPE_CHOICES,
+                        help=DTYPE_HELP)
+    parser.add_argument("--tensor-parallel-size", type=int, default=None, metavar="N",
+                        help="devices one engine replica spans (1); a replica is then N bundles of --num-cpus and "
+                             "--num-gpus on one node")
+    parser.add_argument("--enforce-eager", action="store_true", default=None,
+                        help="CUDA: run decode steps eagerly instead of replaying CUDA graphs captured at batch "
+                             "sizes 1, 2, 4, 8, 16, ... --max-num-seqs (graphs are the default on CUDA; CPU is "
+                             "always eager)")
+    parser.set_defaults(run=_serve)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    engine_options = {name: value for name, value in (("max_num_seqs", args.max_num_seqs),
+                                                      ("cache_policy", args.cache_policy),
+                                                      ("cache_memory_bytes", args.cache_memory_bytes),
+                                                      ("memory_utilization", args.memory_utilization),
+                                                      ("host_cache_bytes", args.host_cache_bytes),
+                                                      ("tensor_parallel_size", args.tensor_parallel_size),
+                                                      ("dtype", args.dtype),
+                                                      ("enforce_eager", args.enforce_eager))
+                      if value is not None}
+    if args.replicas == 1 and not args.address and not args.config:
+        from cairn.cluster.api.http_limits import HTTPLimits
+        from cairn.cluster.api.limits import APILimits
+        from cairn.cluster.api.options import APIOptions
+        from cairn.cluster.api.quotas import TenantLimits
+        from cairn.cluster.api.server import serve_in_process
+        from cairn.cluster.api.tenants import Tenants
+        from cairn.cluster.deploy import api_limit_flags, http_limit_flags, public_prompt_flags, tenant_limit_flags
+        from cairn.workers import ModelSource
+
+        try:
+            tenants = Tenants.load(args.api_key, args.api_keys_file)
+            options = APIOptions(
+                served_model_name=args.served_model_name,
+                http_limits=HTTPLimits(**http_limit_flags(args, in_process=True)),
+                api_limits=APILimits(**api_limit_flags(args)), tenant_limits=TenantLimits(**tenant_limit_flags(args)),
+                shared_cache_tenants=bool(args.shared_cache_tenants),
+                special_tokens_in_content=bool(args.special_tokens_in_content),
+                public_system_prompts=tuple(public_prompt_flags(args)),
+                tool_call_parser=args.tool_call_parser or "auto", request_timeout_s=args.request_timeout,
+                **({"max_body_bytes": args.max_body_bytes} if args.max_body_bytes else {}))
+            model = None
+            if args.model:  # resolved now, so an id that resolves to nothing fails before the engine loads
+                source = ModelSource.parse(args.model)
+                model = str(source.pinned(source.local_dir()))
+        except (OSError, ValueError) as e:
+            print(f"cairn serve: {e}", file=sys.stderr)
+            return 2
+        host, port = args.host or "127.0.0.1", args.port or 8000
+        print(f"cairn: one in-process engine on http://{host}:{port}/v1 (Ctrl-C to stop)", flush=True)
+        serve_in_process(model, options, host=host, port=port, tenants=tenants, metrics_key=args.metrics_key,
+                         **engine_options)
+        return 0
+    from cairn.cluster.deploy import serve_forever
+
+    return serve_forever(args, engine_options)
+
+
+COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_add_demo_model, _add_generate, _add_serve)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="cairn",
+        description="Serve hybrid LLMs with prefix caching that survives chat templates.",
+    )
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in COMMANDS:
+        add(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,229 @@
+"""The router's state and decisions, without Ray: `AffinityRanker`.
+
+Per request it reads the cache index's scores (through a `ScoreFn` the adapter supplies: a
+local mirror's answer, or an awaited actor call bounded by `index_timeout_ms`), merges in the
+predicted holders (`cairn.cluster.routing.predicted`) and ranks replicas by cost
+(`cairn.cluster.routing.cost`). Rules it keeps:
+- Routing never fails because of the index. An index that is unavailable (not found yet, a stale
+  mirror: `IndexUnavailable`), slow (timeout) or failing (error) is a fallback, counted by
+  reason: the request is ranked by load and by what this router remembers sending where.
+  After `BREAKER_FAILURES` slow or failing answers in a row the index is skipped for
+  `BREAKER_COOLDOWN_S`, so a dead index costs no routing latency.
+- A request counts as in flight on the replica it ranked first from the moment it is ranked
+  until Serve reports where it went (`on_routed`; at most `TENTATIVE_TTL_S`): a burst ranked at
+  once, each awaiting the index, sees the others instead of all taking the same "least loaded"
+  replica.
+- What it routed where stands in for the index until the index hears of it (predicted holders):
+  the pages, and for a hybrid model the states the request leaves past where it resumes there
+  (its message starts and its end), never a state merely where a later prompt parts from it.
+- A request's prefill tokens count as load on its replica until its first output
+  (`on_prefill_done`, called through `cairn.cluster.routing.registry.prefill_done` by the ingress).
+- `counts` (and the adapter's `gauges`) are what the ingress's /metrics exports as
+  `cairn_router_*`.
+Every number is in tokens or requests; the clock and the random source are injectable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import random
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from cairn.cache_service.scoring import ZERO, WorkerScore, last_resumable_page
+from cairn.cluster.routing.config import RoutingConfig
+from cairn.cluster.routing.cost import (ReplicaLoad, Score, deepest_holder, prefill_tokens, rank_replicas, reported_load,
+                                  resume_pages)
+from cairn.cluster.routing.predicted import PredictedHolders
+from cairn.workers.request import FetchHint, GenerateRequest
+
+logger = logging.getLogger(__name__)
+
+# the index's scores for a prompt's page hashes: awaited (remote, with the timeout) or local. A
+# score is a WorkerScore or its fields as a tuple (the actor's answer; an older actor's
+# (hit_pages, state_pages) pairs are all on the device)
+IndexAnswer = Mapping[str, Score | tuple]
+ScoreFn = Callable[[list[bytes]], Awaitable[IndexAnswer] | IndexAnswer]
+
+
+@dataclass(frozen=True)
+class Ranking:
+    order: list[str]  # replica ids, best first
+    fetch: FetchHint | None = None  # the deepest holder (routing config `fetch`), for whichever takes it
+
+
+class IndexUnavailable(RuntimeError):
+    """The index cannot answer now, and nothing slow stands behind that: no handle to its actor
+    (not found yet, or a failed lookup waits to be retried), or the router's mirror is stale."""
+
+
+class AffinityRanker:
+    """One router's in-flight accounting, predicted holders, index reading (timeout, breaker,
+    fallback) and the counters the adapter exports; the rules are the module doc's."""
+
+    BREAKER_FAILURES, BREAKER_COOLDOWN_S = 3, 1.0
+    MIN_PREDICTED_HASHES = 10_000  # the fresh predictions work even with fallback_memory_pages 0
+    TENTATIVE_TTL_S = 5.0  # a ranked request Serve never reports as routed (cancelled) stops counting
+
+    def __init__(self, config: RoutingConfig, clock: Callable[[], float] = time.monotonic,
+                 rng: random.Random | None = None, on_fallback: Callable[[str], None] | None = None):
+        if None in (config.page_size, config.recurrent, config.page_bytes, config.state_bytes):
+            raise ValueError("the routing config lacks the engines' page_size, recurrent, page_bytes and "
+                             "state_bytes: use RoutingConfig.for_engines(spec) (build_application does)")
+        self.config, self._clock, self._rng, self._on_fallback = config, clock, rng or random.Random(), on_fallback
+        self.predicted = PredictedHolders(max(config.predicted_holder_ttl_s, config.fallback_memory_s), clock,
+                                          max(config.fallback_memory_pages, self.MIN_PREDICTED_HASHES))
+        self.loads: dict[str, ReplicaLoad] = {}
+        self._in_flight: dict[tuple[str, str], int] = {}  # (replica, request id) -> prefill tokens left
+        self._engine_ids: dict[str, tuple[str, str]] = {}  # the request's own id -> (replica, request id)
+        self._prefill: OrderedDict[str, dict[str, int]] = OrderedDict()  # request id -> replica -> tokens
+        self._resume: OrderedDict[str, dict[str, int]] = OrderedDict()  # request id -> replica -> resume pages
+        # ranked, not yet routed: request id -> (replica ranked first, its prefill tokens, expiry)
+        self._tentative: OrderedDict[str, tuple[str, int, float]] = OrderedDict()
+        self._failures, self._skip_index_until = 0, float("-inf")
+        self.counts = dict(ranked=0, routed=0, index_fallbacks=0, index_timeouts=0, index_errors=0, index_skipped=0,
+                           index_unavailable=0)
+        self.gauges: Callable[[], dict[str, float]] = lambda: {}  # set by the adapter (its mirror's)
+
+    async def rank(self, request_id: str, request: GenerateRequest, replicas: Mapping[str, Mapping[str, Any] | None],
+                   score: ScoreFn) -> Ranking:
+        """Replica ids best first, for the request, and (routing config `fetch`) the replica
+        resuming it deepest, which whichever replica takes it may pull from; `replicas` maps each
+        candidate to its reported routing stats. The request is read, never written."""
+        cfg, self.counts["ranked"] = self.config, self.counts["ranked"] + 1
+        hashes = list(request.page_hashes or ())
+        n = request.num_prompt_tokens
+        self._tentative.pop(request_id, None)  # ranked again (a retry): its earlier pick no longer stands
+        scores = await self._scores(hashes, score) if hashes else {}
+        loads = {r: reported_load(self._own_load(r), stats) for r, stats in replicas.items()}
+        order = rank_replicas(list(replicas), scores, loads, cfg, n, self._rng)
+        fetch = None  # whichever replica takes it may pull from there
+        if cfg.fetch:
+            deepest = deepest_holder({r: s for r, s in scores.items() if r in replicas}, cfg)
+            fetch = FetchHint(deepest[0], resume_pages(deepest[1], cfg)) if deepest is not None else None
+        prefill = {r: prefill_tokens(scores.get(r, ZERO), n, cfg) for r in replicas}
+        resumes = {r: max(resume_pages(scores.get(r, ZERO), cfg), fetch.depth if fetch and fetch.holder != r else 0)
+                   for r in replicas}
+        self._prefill[request_id] = prefill
+        self._resume[request_id] = resumes
+        while len(self._prefill) > 4096:  # requests cancelled before routing leave entries behind
+            self._prefill.popitem(last=False)
+        while len(self._resume) > 4096:
+            self._resume.popitem(last=False)
+        if order:
+            self._tentative[request_id] = (order[0], prefill[order[0]], self._clock() + self.TENTATIVE_TTL_S)
+        return Ranking(order, fetch)
+
+    def _own_load(self, replica: str) -> ReplicaLoad | None:
+        """This router's in-flight load on the replica, requests ranked there first but not yet
+        routed included."""
+        now = self._clock()
+        while self._tentative and next(iter(self._tentative.values()))[2] <= now:
+            self._tentative.popitem(last=False)
+        base = self.loads.get(replica)
+        pending = [tokens for r, tokens, _ in self._tentative.values() if r == replica]
+        if not pending:
+            return base
+        base = base or ReplicaLoad()
+        return ReplicaLoad(base.requests + len(pending), base.tokens + sum(pending))
+
+    async def _scores(self, hashes: list[bytes], score: ScoreFn) -> dict[str, Score]:
+        """The index's scores merged with the fresh predicted holders (routed within
+        `predicted_holder_ttl_s`); if the index cannot answer, everything the router remembers
+        sending (`fallback_memory_s`) stands in for it."""
+        scores = await self._index_scores(hashes, score)
+        cfg, recurrent = self.config, self.config.recurrent
+        max_age = cfg.predicted_holder_ttl_s if scores is not None else \
+            max(cfg.predicted_holder_ttl_s, cfg.fallback_memory_s)
+        scores = scores or {}
+        for replica, (pages, states) in self.predicted.pages(hashes, max_age, recurrent).items():  # on the device
+            scores[replica] = max(scores.get(replica, ZERO), WorkerScore(pages, states),
+                                  key=lambda s: (resume_pages(s, cfg), s.device_pages))
+        return scores
+
+    async def _index_scores(self, hashes: list[bytes], score: ScoreFn) -> dict[str, Score] | None:
+        """The index's scores; None when it cannot answer (skipped, timed out, failed)."""
+        if self._clock() < self._skip_index_until:
+            self._fallback("skipped")
+            return None
+        try:
+            answer = score(hashes)
+            if inspect.isawaitable(answer):
+                answer = await asyncio.wait_for(answer, self.config.index_timeout_ms / 1000)
+            scores = {w: s if isinstance(s, WorkerScore) else WorkerScore(*s) for w, s in answer.items()}
+        except Exception as e:  # timeout, index unavailable, actor restarting, Redis down, ...
+            if isinstance(e, IndexUnavailable):  # not found yet, or a stale mirror: nothing slow to skip
+                self._fallback("unavailable")
+                return None
+            timeout = isinstance(e, asyncio.TimeoutError)
+            self._fallback("timeout" if timeout else "error")
+            if not timeout:
+                logger.debug("index score failed, routing by load: %r", e)
+            self._failures += 1
+            if self._failures >= self.BREAKER_FAILURES:
+                self._skip_index_until = self._clock() + self.BREAKER_COOLDOWN_S
+                self._failures = self.BREAKER_FAILURES - 1  # one more failure after the cooldown reopens it
+            return None
+        self._failures = 0
+        return scores
+
+    def _fallback(self, reason: str) -> None:
+        self.counts["index_fallbacks"] += 1
+        self.counts[{"timeout": "index_timeouts", "error": "index_errors", "skipped": "index_skipped",
+                     "unavailable": "index_unavailable"}[reason]] += 1
+        if self._on_fallback is not None:
+            self._on_fallback(reason)
+
+    def on_routed(self, request_id: str, replica: str, request: GenerateRequest) -> None:
+        self._tentative.pop(request_id, None)
+        prefill = self._prefill.pop(request_id, {}).get(replica, request.num_prompt_tokens)
+        resumed = self._resume.pop(request_id, {}).get(replica, 0)
+        if (replica, request_id) in self._in_flight:
+            return
+        self.counts["routed"] += 1
+        self._in_flight[(replica, request_id)] = prefill
+        self._engine_ids[request.request_id] = (replica, request_id)
+        load = self.loads.setdefault(replica, ReplicaLoad())
+        load.requests += 1
+        load.tokens += prefill
+        self.predicted.record(replica, request.page_hashes or (),
+                              self._states_left(request, resumed) if self.config.recurrent else None)
+
+    def _states_left(self, request: GenerateRequest, resumed_pages: int) -> list[int]:
+        """Depths (pages) where a hybrid model's engine leaves states computing `request` from
+        `resumed_pages` on: its message starts (the checkpoint hints, rounded down to a page) and
+        the last boundary before its end, past where it resumed."""
+        ps, n = self.config.page_size, request.num_prompt_tokens
+        depths = {h // ps for h in request.checkpoint_hints} | {last_resumable_page(n, ps)}
+        return [j for j in depths if j > resumed_pages]
+
+    def on_completed(self, request_id: str, replica: str) -> None:
+        prefill = self._in_flight.pop((replica, request_id), None)
+        if prefill is not None:
+            load = self.loads[replica]
+            load.requests -= 1
+            load.tokens -= prefill
+        if len(self._engine_ids) > len(self._in_flight) + 4096:  # drop ids of completed requests
+            self._engine_ids = {e: k for e, k in self._engine_ids.items() if k in self._in_flight}
+
+    def on_prefill_done(self, engine_request_id: str) -> None:
+        """The request (by its own id, the routed argument's `request_id`) produced its first
+        output: its prompt is computed, so it no longer adds prefill tokens to its replica's load."""
+        key = self._engine_ids.pop(engine_request_id, None)
+        prefill = self._in_flight.get(key) if key is not None else None
+        if prefill:
+            self._in_flight[key] = 0
+            self.loads[key[0]].tokens -= prefill
+
+    def forget(self, replica: str) -> None:
+        self.loads.pop(replica, None)
+        self.predicted.forget(replica)
+        for request_id in [k for k, (r, _, _) in self._tentative.items() if r == replica]:
+            del self._tentative[request_id]
+        for key in [k for k in self._in_flight if k[0] == replica]:
+            del self._in_flight[key]

@@ -1,0 +1,172 @@
+"""Moving a resume point between engines: the holder exports the pages and the checkpoint a
+request lacks, the receiver imports them and resumes as if it had computed them (issue: fetch
+from a peer replica).
+
+Each function takes the replica's `PrefixCache` and, where blocks move, the runner's block I/O
+(`BlockIO`); the engine calls them between its steps.
+- `plan_fetch(cache, page_hashes, num_tokens, depth)`: on the receiver, what to ask for: the
+  pages of the chain from the end of its device run up to `depth` (the holder's resume point,
+  in pages), and whether the checkpoint there is missing. None when the receiver already resumes
+  as deep (nothing to fetch).
+- `export_resume(cache, io, page_hashes, first, depth)`: on the holder, between its steps: a copy
+  of pages [first, depth) of the chain and of the checkpoint after page `depth` (a recurrent
+  model), from whichever tier holds them, as plain host arrays (`ResumeExport`, what crosses
+  Ray's object store). None if any of them is no longer resident: the caller recomputes. The
+  copy is one request's resume point, so the holder's loop pauses for at most that copy.
+- `import_resume(cache, io, export, page_hashes, first)`: on the receiver, between its steps: the pages
+  become cached device pages under the very hashes the request carries (so a fetch never crosses
+  a `cache_salt`: another salt's chain has other hashes, and the holder finds none of them) and
+  the checkpoint a stored one; events tell the index. The chain's device run is held while
+  blocks are taken, so making room never evicts what the import hangs from. Returns the
+  pages imported and why the request cannot resume where the export ends, if it cannot:
+  "refused" (nothing changed but what making room evicted) or "no_checkpoint_slot" (the pages
+  came, but no state slot could be had for the checkpoint, which is dropped).
+Not under tensor parallelism: each rank holds a slice of every page and state, and a fetch
+would have to move every rank's slice (not built: the engine asks for nothing and the caller
+recomputes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from cairn.cache_service.events import PagesStored
+from cairn.cache_service.scoring import last_resumable_page
+from cairn.workers.cache.checkpoint_store import Checkpoint
+from cairn.workers.cache.prefix_cache import PrefixCache
+from cairn.workers.plan import IMPORT, BlockCopy
+
+
+@dataclass(frozen=True)
+class BlockIO:
+    """The runner's block I/O, as a transfer uses it."""
+    read: Callable[..., np.ndarray]  # (blocks, host=False) -> [len(blocks), block_bytes] uint8 rows
+    copy: Callable[[list[BlockCopy], np.ndarray | None], None]  # makes the cache's queued copies, then
+    # these (IMPORT copies reading rows of the staging array), now
+
+
+@dataclass(frozen=True)
+class FetchPlan:
+    first: int  # the receiver's device run: pages [first, depth) are asked for
+    depth: int  # pages; the checkpoint after page `depth` is asked for too (recurrent model)
+
+
+@dataclass
+class ResumeExport:
+    """Pages [first, first + len(page_hashes)) of a chain and, for a recurrent model, the state
+    after the last of them: raw arena blocks, as the holder's layout lays them out."""
+    page_hashes: tuple[bytes, ...]
+    pages: np.ndarray  # [len(page_hashes), block_bytes] uint8
+    checkpoint: np.ndarray | None  # [slot_blocks, block_bytes] uint8
+    checkpoint_kinds: tuple[str, ...] = ()
+    exact_tail: tuple[int, ...] | None = None
+    block_bytes: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.pages.nbytes + (self.checkpoint.nbytes if self.checkpoint is not None else 0)
+
+
+def plan_fetch(cache: PrefixCache, page_hashes: list[bytes], num_tokens: int, depth: int) -> FetchPlan | None:
+    """What the receiver asks a holder resuming at `depth` pages for (module doc)."""
+    depth = min(depth, len(page_hashes), last_resumable_page(num_tokens, cache.page_size))
+    if depth <= 0:
+        return None
+    first = min(cache.device_run(page_hashes), depth)
+    tail = page_hashes[depth - 1]
+    local = cache.checkpoints.get(tail) is not None or tail in cache.host.checkpoints  # on either tier
+    if first == depth and (local or not cache.recurrent):
+        return None
+    return FetchPlan(first, depth)
+
+
+def export_resume(cache: PrefixCache, io: BlockIO, page_hashes: list[bytes], first: int,
+                  depth: int) -> ResumeExport | None:
+    """The holder's copy of what a `FetchPlan` asks for (module doc)."""
+    if not 0 <= first <= depth <= len(page_hashes):
+        return None
+    io.copy([], None)  # a block read here must hold what the cache says it holds
+    wanted = page_hashes[first:depth]
+    found = _page_blocks(cache, wanted)
+    if found is None:
+        return None  # evicted since the router looked
+    device_pages, host_blocks = found
+    rows = [io.read(device_pages), io.read(host_blocks, host=True)]
+    ckpt, blocks = None, None
+    if cache.recurrent and depth:
+        found_ckpt = _checkpoint_blocks(cache, page_hashes[depth - 1])
+        if found_ckpt is None:
+            return None
+        ckpt, ckpt_blocks, on_host = found_ckpt
+        blocks = io.read(ckpt_blocks, host=on_host)
+    return ResumeExport(tuple(wanted), np.concatenate(rows), blocks,
+                        tuple(sorted(ckpt.kinds)) if ckpt is not None else (),
+                        ckpt.exact_tail if ckpt is not None else None, cache.layout.block_bytes)
+
+
+def _page_blocks(cache: PrefixCache, hashes: list[bytes]) -> tuple[list[int], list[int]] | None:
+    """Where the pages of `hashes` (a run of one chain) are: (device pages of its device run,
+    host blocks of the rest); None if any is on neither tier."""
+    on_device = cache.device_run(hashes)
+    if any(h not in cache.host.pages for h in hashes[on_device:]):
+        return None
+    return cache.pages.pages_of(hashes[:on_device]), [cache.host.pages[h].block for h in hashes[on_device:]]
+
+
+def _checkpoint_blocks(cache: PrefixCache, page_hash: bytes) -> tuple[Checkpoint, list[int], bool] | None:
+    """The whole-page checkpoint after page `page_hash`: (it, its blocks, whether they are host
+    blocks); None if neither tier has one."""
+    ckpt = cache.checkpoints.get(page_hash)
+    if ckpt is not None:
+        return ckpt, list(cache.arena.pages_of_group(ckpt.slot)), False
+    if page_hash in cache.host.checkpoints:
+        return cache.host.checkpoints[page_hash], cache.host.blocks_of(page_hash), True
+    return None
+
+
+def import_resume(cache: PrefixCache, io: BlockIO, export: ResumeExport, page_hashes: list[bytes],
+                  first: int) -> tuple[int, str | None]:
+    """Adopts a holder's export as cached pages and a stored checkpoint (module doc): (pages
+    imported, None or why the request cannot resume there: "refused", "no_checkpoint_slot")."""
+    layout, placement = cache.layout, cache.placement
+    n = len(export.page_hashes)
+    depth = first + n
+    run = cache.device_run(page_hashes)  # it may have grown since the plan, never shrunk below `first`
+    if (export.block_bytes != layout.block_bytes
+            or tuple(page_hashes[first:depth]) != export.page_hashes or export.pages.shape != (n, layout.block_bytes)
+            or run < first
+            or (export.checkpoint is not None and export.checkpoint.shape != (layout.slot_blocks, layout.block_bytes))):
+        return 0, "refused"
+    staging, copies = [], []
+    held = placement.hold_chain(page_hashes[:min(run, depth)])  # what the import hangs from stays while room is made
+    try:
+        fresh = list(range(min(run, depth) - first, n))  # a chain's device pages are a prefix of it
+        if not placement.room_for_pages(len(fresh)):
+            return 0, "refused"
+        blocks = placement.take_free_pages(len(fresh))
+        for j, block in zip(fresh, blocks):
+            parent = page_hashes[first + j - 1] if first + j else None
+            placement.adopt_page(block, export.page_hashes[j], parent)
+            staging.append(export.pages[j])
+            copies.append(BlockCopy(IMPORT, len(staging) - 1, block))
+        if fresh:
+            cache.events.put(PagesStored(tuple(export.page_hashes[j] for j in fresh),
+                                         page_hashes[first + fresh[0] - 1] if first + fresh[0] else None))
+        tail = page_hashes[depth - 1]
+        if export.checkpoint is not None and cache.checkpoints.get(tail) is None:
+            slot = cache.take_checkpoint_slot()
+            if slot is not None:
+                for row, block in zip(export.checkpoint, cache.arena.pages_of_group(slot)):
+                    staging.append(row)
+                    copies.append(BlockCopy(IMPORT, len(staging) - 1, block))
+                cache.slots.store(slot, tail, depth, set(export.checkpoint_kinds), export.exact_tail)
+        io.copy(copies, np.stack(staging) if staging else None)
+        for block in blocks:
+            placement.release_page(block)
+        stored = export.checkpoint is None or cache.checkpoints.get(tail) is not None
+        return len(fresh), None if stored else "no_checkpoint_slot"
+    finally:
+        placement.release_chain(held)

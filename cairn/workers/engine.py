@@ -1,0 +1,409 @@
+"""The engine: requests in, tokens out, one step at a time. No Ray, no asyncio.
+
+`Engine.from_pretrained(dir, **options)` loads a checkpoint (see cairn.workers.model.loader) and lays
+out the cache's arena from `EngineOptions` (cairn.workers.cache.arena). `add` checks a request
+(`cairn.workers.request_check`: one that can never fit, a prompt beyond `max_model_len` or more pages
+than the arena holds beside a state, is refused with `RequestRejected` there, never halfway
+through) and queues it, or holds it while its grammar compiles or its resume point is fetched
+from a peer (`cairn.workers.peer_fetches`); `add_request` is `add` from loose fields. `step` is the
+loop's body: the scheduler plans, the runner runs the model once, the sampler picks tokens, the
+scheduler applies the step (`postprocess`), and a `RequestOutput` (`cairn.workers.output`) comes back
+for every request that produced a token or finished; `generate` runs a batch to completion, and
+says at once which requests can never finish if the engine has nothing left to run.
+
+Stops: EOS ids from config.json and generation_config.json (unless `ignore_eos`),
+`stop_token_ids`, `max_tokens`, or the model's length (`finish_reason` "stop" / "length";
+"abort" for `abort`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from cairn.cache_service.events import EventBatch, EventStream
+from cairn.workers.cache import transfer
+from cairn.workers.cache.arena import ArenaLayout
+from cairn.workers.cache.checkpoint_policy import CheckpointPolicy
+from cairn.workers.cache.device_budget import graph_reserve_bytes
+from cairn.workers.cache.prefix_cache import Match, PrefixCache
+from cairn.workers.cache.transfer import FetchPlan, ResumeExport
+from cairn.workers.errors import EngineBroken, EngineError, RequestRejected, SequenceFault
+from cairn.workers.output import EngineStats, RequestOutput
+from cairn.workers.peer_fetches import PeerFetches
+from cairn.workers.grammar import Grammars
+from cairn.workers.metrics import EngineMetrics
+from cairn.workers.model import HybridForCausalLM, ModelConfig
+from cairn.workers.options import EngineOptions
+from cairn.workers.plan import BlockCopy, Segment, StepPlan
+from cairn.workers.request import GenerateRequest
+from cairn.workers.request_check import check
+from cairn.workers.execution.runner import ModelRunner
+from cairn.workers.sampler import Sampler
+from cairn.workers.sampling_params import SamplingParams
+from cairn.workers.scheduler import Scheduler
+from cairn.workers.sequence import Sequence, Status
+from cairn.workers.spec import EngineSpec
+from cairn.workers.execution.tp_runner import TensorParallelRunner
+
+log = logging.getLogger(__name__)
+
+
+class Engine:
+    def __init__(self, model: HybridForCausalLM, options: EngineOptions | None = None,
+                 fingerprint: str | None = None, worker_id: str = "local",
+                 eos_token_ids: frozenset[int] = frozenset(), rank_workers=None):
+        """`model`: the whole model, or rank 0's shard of it with `rank_workers`
+        (cairn.workers.execution.tp_runner.RankWorkers) running the other ranks' shards."""
+        dtype = next(model.parameters()).dtype
+        # The engine runs in its model's dtype, which its options (and its spec) then name.
+        self.options = options = replace(options or EngineOptions(), dtype=str(dtype).removeprefix("torch."))
+        self.model = model
+        cfg: ModelConfig = model.config
+        self.config = cfg
+        self.spec = EngineSpec.of(cfg, options, fingerprint)
+        self.worker_id = worker_id
+        self.layout = layout = ArenaLayout.plan(cfg, options, dtype.itemsize)
+        # A checkpoint is judged once the conversations in flight had time to come back to it.
+        self.policy = CheckpointPolicy(options.cache_policy, tail_guard=options.tail_guard,
+                                       interval_pages=options.checkpoint_interval_pages, seed=options.seed,
+                                       settle_after=4 * options.max_num_seqs)
+        rows = options.max_num_seqs + 1  # running sequences, and one scored by prompt_logits
+        # Events are queued once something drains them (the cluster's replica does; the first
+        # drain is a snapshot): an engine used alone, or served in-process, keeps none.
+        self.cache = PrefixCache(layout, self.policy, options.page_size, recurrent=cfg.recurrent,
+                                 max_rows=rows, record_events=False)
+        self.scheduler = Scheduler(options, self.cache, self.policy, frozenset(cfg.eos_token_ids) | eos_token_ids)
+        self.runner = ModelRunner(model, layout, options.page_size, rows)
+        if layout.host_blocks:  # the cost rule starts from a measured host bandwidth
+            self.cache.tier_cost.bandwidth = self.runner.measure_host_bandwidth()
+            self.scheduler.overlap_promotions = self.runner.device.type == "cuda"
+        on_cuda = self.runner.device.type == "cuda"
+        eager = not on_cuda if options.enforce_eager is None else options.enforce_eager
+        if rank_workers is None and not eager:
+            # decode steps at fixed batch sizes over fixed buffers; graphs captured on CUDA (a
+            # tensor-parallel engine stays eager: its collectives are not captured)
+            self.runner.use_decode_graphs(options.max_num_seqs, -(-self.spec.max_model_len // options.page_size),
+                                          capture=on_cuda)
+            if on_cuda:
+                estimate = graph_reserve_bytes(cfg, options.max_num_seqs)
+                (log.warning if self.runner.graphs.memory_bytes > estimate else log.info)(
+                    "decode graphs hold %.1f MiB (the arena was sized leaving %.1f MiB for them under "
+                    "memory_utilization); capture took %.1f s", self.runner.graphs.memory_bytes / 2**20,
+                    estimate / 2**20, self.runner.graphs.capture_s)
+        if rank_workers is not None:
+            rank_workers.wait_ready(layout.num_blocks, timeout_s=max(120.0, options.collective_timeout_s))
+            self.runner = TensorParallelRunner(self.runner, rank_workers)
+        self.sampler = Sampler(options.seed, self.scheduler.eos_token_ids)
+        self.events = EventStream(worker_id)
+        self.stats = EngineStats()
+        self._requests: dict[str, Sequence] = {}
+        self._ids = itertools.count()
+        self.broken: str | None = None  # why the engine can run nothing more (EngineBroken)
+        self.fetches = PeerFetches(self.cache, lambda: transfer.BlockIO(self.runner.read_blocks,
+                                                                         self.flush_block_copies),
+                                   options.tensor_parallel_size > 1)
+        self.on_runnable: Callable[[], None] | None = None  # called from other threads when held work may run
+        self._held: list[Sequence] = []  # held back until their grammars compile and their fetches arrive
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path, **options: object) -> "Engine":
+        """An engine over the checkpoint in `model_dir` (`cairn.workers.loading`). With
+        `tensor_parallel_size` N > 1, this process is rank 0 and starts ranks 1..N-1
+        (cairn.workers.execution.tp_runner); each loads only its shard."""
+        from cairn.workers.loading import load_engine
+
+        return load_engine(cls, model_dir, **options)
+
+    def use_tokenizer(self, model_dir: Path) -> None:
+        """Structured outputs from the tokenizer in `model_dir` (loaded in the background; an
+        engine without one refuses requests with a grammar)."""
+        self.sampler.grammars = Grammars.for_model(model_dir, self.spec.vocab_size,
+                                                   tuple(sorted(self.scheduler.eos_token_ids)))
+
+    def warm_up(self) -> float:
+        """Compiles, before any request, the kernels a step's shapes would compile during one: on
+        CPU every packed linear at every row count a step can give it (`max_num_batched_tokens`
+        at most, `max_num_seqs` for the LM head; cairn.workers.model.packed_linear.warm_up). Returns
+        the seconds it took (logged)."""
+        began = time.perf_counter()
+        products = self.runner.warm_up(self.options.max_num_batched_tokens, self.options.max_num_seqs)
+        seconds = time.perf_counter() - began
+        log.info("warmed up in %.2f s (%d linear products)", seconds, products)
+        return seconds
+
+    def close(self) -> None:
+        """Stops a tensor-parallel engine's other ranks (nothing to do on one device)."""
+        if isinstance(self.runner, TensorParallelRunner):
+            self.runner.close()
+
+    # ---- requests --------------------------------------------------------------------------
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, *, hash_root: bytes | None = None,
+                    page_hashes: list[bytes] | None = None, checkpoint_hints: list[int] | None = None,
+                    tenant: str | None = None) -> str:
+        """`add` of a `GenerateRequest` built from these fields (an id made up when None);
+        returns the request id."""
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        self.add(GenerateRequest(request_id, list(prompt_token_ids), params or SamplingParams(),
+                                 hash_root=hash_root, page_hashes=page_hashes,
+                                 checkpoint_hints=list(checkpoint_hints or ()), tenant=tenant))
+        return request_id
+
+    def add(self, request: GenerateRequest, fetch: bool = False) -> FetchPlan | None:
+        """Queues a request; raises `RequestRejected` naming the field at fault. Its `hash_root`
+        (`spec.hash_root(cache_salt)`, default: no salt) roots its page hashes; `page_hashes`
+        (from the ingress, under that root) save hashing here; `checkpoint_hints` are token
+        positions (message starts) where a state checkpoint may pay off; `tenant` is who asked
+        (None: one tenant for all), whom the scheduler shares sequence slots among.
+
+        With `fetch` (the caller can pull from a peer) and a `request.fetch` hint naming another
+        replica that resumes deeper than this one, returns what to ask the holder for
+        (`cairn.workers.cache.transfer.FetchPlan`): the request is then held out of the scheduler
+        until `deliver_fetch` brings the export (or the reason there is none)."""
+        if self.broken is not None:
+            raise EngineBroken(self.broken)
+        params, request_id = request.params, request.request_id
+        checked = check(request, self.spec, self.layout, self.sampler.grammars is not None)
+        if request_id in self._requests:
+            raise RequestRejected(f"request_id {request_id!r} is already in use", "request_id")
+        seq = Sequence(request_id, checked.prompt, params, hash_root=checked.hash_root, hints=checked.hints,
+                       max_total_tokens=checked.total_tokens, tenant=request.tenant)
+        if request.page_hashes:
+            self.cache.adopt_hashes(seq, request.page_hashes)
+        self._requests[request_id] = seq
+        hint, plan = request.fetch, None
+        if fetch and hint is not None and hint.holder != self.worker_id and request.page_hashes:
+            plan = self.fetches.plan(request.page_hashes, len(checked.prompt), hint.depth)
+        if plan is not None:  # held until the holder's export is delivered
+            seq.fetch_pending = True
+            self.fetches.hold(request_id, plan)
+        compiled = None if params.grammar is None else self.sampler.grammars.prepare(params.grammar)
+        if compiled is not None and not compiled.done():  # held back while its grammar compiles, in the
+            seq.grammar_pending = True                       # background: a slow grammar stalls no other
+            compiled.add_done_callback(lambda _: self._grammar_compiled(seq))
+        if seq.grammar_pending or seq.fetch_pending:
+            self._held.append(seq)
+        else:
+            self.scheduler.add(seq)
+        self.stats.prompt_tokens += len(checked.prompt)
+        return plan
+
+    def deliver_fetch(self, request_id: str, export: ResumeExport | str | None) -> None:
+        """What a peer fetch for a held request brought (`add`): the holder's export, or why
+        there is none (a fallback reason: "timeout", "holder_failed", "evicted"; None: nothing
+        was asked). Safe from any thread: it is adopted at the start of the next step, before
+        the request is scheduled, so fetching and admitting cross to the engine's thread once."""
+        self.fetches.deliver(request_id, export)
+        if self.on_runnable is not None:
+            self.on_runnable()
+
+    def _grammar_compiled(self, seq: Sequence) -> None:
+        """On the compiling thread: the sequence may be scheduled at the next step (a compile that
+        failed faults it at its first sample); wakes whoever steps the engine (`on_runnable`)."""
+        seq.grammar_pending = False
+        if self.on_runnable is not None:
+            self.on_runnable()
+
+    def _release_held(self) -> None:
+        """Held sequences whose grammars compiled and whose fetches arrived join the scheduler's queue."""
+        for seq in [s for s in self._held if not (s.grammar_pending or s.fetch_pending)]:
+            self._held.remove(seq)
+            if seq.status is not Status.FINISHED:
+                self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Ends a request and frees what it holds; returns its final output (None if unknown)."""
+        seq = self._requests.pop(request_id, None)
+        if seq is None:
+            return None
+        if seq in self._held:
+            self._held.remove(seq)
+            self.fetches.drop(request_id)
+        self.scheduler.finish(seq, "abort")
+        return RequestOutput.of(seq, [], [], self.worker_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work() or bool(self._held)
+
+    def has_runnable(self) -> bool:
+        """A step would compute something now (every unfinished request may be paused, or held
+        while its grammar compiles or its fetch is under way)."""
+        return self.scheduler.has_runnable_work() or self.fetches.has_deliveries or \
+            any(not (s.grammar_pending or s.fetch_pending) for s in self._held)
+
+    def pause(self, request_id: str, paused: bool = True) -> None:
+        """Stops (or, with `paused` False, resumes) computing a request whose reader is behind:
+        it keeps its slot and pages meanwhile. Unknown ids are ignored (it may have finished)."""
+        seq = self._requests.get(request_id)
+        if seq is not None:
+            seq.paused = paused
+
+    # ---- stepping --------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedules, runs the model once, samples, applies the step; returns an output for every
+        request that produced a token, finished or failed. A fault of one sequence fails that
+        request alone (finish_reason "error", `error` says why); a failed forward pass fails the
+        requests of that step, never those waiting. `EngineBroken` (a tensor-parallel rank lost)
+        is raised: the engine is done, and `broken` says why."""
+        if self.fetches.has_deliveries:
+            self.fetches.adopt(self._requests)
+        if self._held:
+            self._release_held()
+        plan = self.scheduler.schedule()
+        outputs = []
+        if plan:
+            began = time.perf_counter()
+            try:
+                logits = self.runner.execute(plan)
+            except EngineBroken as e:  # nothing can run any more: the caller fails everything
+                self.broken = str(e)
+                raise
+            except Exception as e:  # the model ran for the whole step: its requests share the fault
+                log.exception("the forward pass failed; failing the %d request(s) of this step", len(plan.segments))
+                for seg in plan.segments:
+                    self.scheduler.fail(seg.seq, SequenceFault(f"the forward pass failed: {type(e).__name__}"))
+                self.scheduler.abandon(plan)
+                logits = None
+            finally:
+                self.cache.end_pass()
+            if logits is not None:
+                outputs = self._apply(plan, logits)
+                self._observe_rates(plan, time.perf_counter() - began)
+        for seq in self.scheduler.take_failed():
+            self._requests.pop(seq.request_id, None)
+            outputs.append(RequestOutput.of(seq, [], [], self.worker_id))
+        return outputs
+
+    def _observe_rates(self, plan: StepPlan, seconds: float) -> None:
+        """Feeds the host tier's cost rule: the step's prefill rate (steps mostly prefill), and
+        the host copies' rate."""
+        if not self.layout.host_blocks:
+            return
+        cost = self.cache.tier_cost
+        copied, copy_seconds = self.runner.take_copy_timing()
+        cost.observe_copy(copied, copy_seconds)
+        tokens = plan.num_tokens
+        if 2 * sum(s.num_tokens for s in plan.prefills) >= tokens:
+            cost.observe_prefill(tokens, seconds - copy_seconds)
+
+    def _apply(self, plan: StepPlan, logits: torch.Tensor) -> list[RequestOutput]:
+        sampling = plan.sampling_sequences()
+        sampled = self.sampler.sample(logits, sampling)
+        outputs, worker = [], self.worker_id
+        for seq, token, logprob in self.scheduler.postprocess(plan, sampling, sampled):
+            if seq.finish_reason is not None:
+                self._requests.pop(seq.request_id, None)
+                outputs.append(RequestOutput.of(seq, [token], [logprob] if logprob else [], worker))
+            else:  # the common case, inline: one small object per request and step
+                n_out = len(seq.token_ids) - len(seq.prompt_token_ids)
+                outputs.append(RequestOutput(
+                    seq.request_id, [token], None if seq.params.logprobs is None else [logprob],
+                    n_out, seq.cached_tokens, None, seq.num_preemptions, worker,
+                    queue_s=seq.queue_s if n_out == 1 else None))
+        stats = self.stats
+        stats.steps += 1
+        stats.computed_tokens += plan.num_tokens
+        stats.generated_tokens += len(outputs)
+        stats.preemptions = self.scheduler.num_preemptions
+        stats.cached_tokens = self.scheduler.hit_tokens
+        return outputs
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
+                 ) -> list[RequestOutput]:
+        """Runs a batch to completion; outputs in prompt order."""
+        per = params if isinstance(params, list) else [params] * len(prompts)
+        if len(per) != len(prompts):
+            raise ValueError(f"expected one SamplingParams per prompt ({len(prompts)}), got {len(per)}")
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, per)]
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(ids):
+            if not self.has_runnable():
+                if any(s.grammar_pending for s in self._held):  # a grammar still compiles
+                    time.sleep(0.001)
+                    continue
+                lost = [i for i in ids if i not in final]
+                raise EngineError(f"requests {lost} can never finish: the engine has nothing to run")
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[i] for i in ids]
+
+    def prompt_logits(self, prompt_token_ids: list[int]) -> torch.Tensor:
+        """fp32 logits [n, vocab] at every prompt position, from one prefill that holds pages and
+        a slot only while it runs (nothing cached). For scoring and tests; refuses when the cache
+        cannot make room now."""
+        prompt = list(prompt_token_ids)
+        seq = Sequence("prompt-logits", prompt, SamplingParams(max_tokens=1), hash_root=self.spec.hash_root())
+        cold = Match(0, 0, 0, None)  # compute everything: the logits of every position are wanted
+        if not prompt or not self.cache.can_admit(seq, cold, len(prompt)):
+            raise ValueError(f"cannot score {len(prompt)} tokens now: the cache has no room for their pages "
+                             f"and a state slot")
+        self.cache.admit(seq, cold, len(prompt))
+        try:
+            segment = Segment(seq, 0, len(prompt))
+            plan = StepPlan(decodes=[segment] if len(prompt) == 1 else [],
+                            prefills=[] if len(prompt) == 1 else [segment],
+                            fresh_state_slots=[seq.cache.state_slot],
+                            page_table_writes=self.cache.take_page_table_writes(),
+                            block_copies=self.cache.take_block_copies())
+            return self.runner.execute(plan, all_logits=True)
+        finally:
+            self.cache.end_pass()
+            self.cache.release(seq)
+
+    # ---- cache events ------------------------------------------------------------------------
+    def drain_events(self) -> EventBatch | None:
+        """What changed in the cache since the last drain, as the next numbered batch. The first
+        batch is a snapshot: a (re)started worker introduces itself with its full contents."""
+        if self.events.next_seq == 0 or self.cache.events_dropped:  # first, or what was queued is lost
+            return self.snapshot_events()
+        events = self.cache.drain_events()
+        return self.events.batch(events) if events else None
+
+    def snapshot_events(self) -> EventBatch:
+        """Everything resident now, as a self-contained batch (the answer to a resync request)."""
+        self.cache.forget_events()  # superseded by the snapshot
+        pages, states = self.cache.snapshot()
+        host_pages, host_states = self.cache.host_snapshot()
+        return self.events.snapshot(pages, states, host_pages, host_states)
+
+    def cache_contents(self) -> tuple[frozenset[bytes], frozenset[bytes]]:
+        """(page hashes, checkpoint page hashes) resident now on either tier: what the cache
+        index should hold for this engine once its events are in."""
+        pages, states = self.cache.snapshot()
+        host_pages, host_states = self.cache.host_snapshot()
+        held = frozenset(h for h, _ in pages + host_pages)
+        return held, frozenset(states + host_states) & held
+
+    def host_contents(self) -> tuple[frozenset[bytes], frozenset[bytes]]:
+        """(page hashes, checkpoint page hashes) the host tier holds now."""
+        host_pages, host_states = self.cache.host_snapshot()
+        return frozenset(h for h, _ in host_pages), frozenset(host_states)
+
+    def flush_block_copies(self, extra: list[BlockCopy] = (), staging=None) -> None:
+        """Makes the block copies the cache queued (then `extra`, reading `staging`) now,
+        between steps, instead of before the next step."""
+        copies = self.cache.take_block_copies() + list(extra)
+        if copies:
+            self.runner.apply_copies(copies, staging)
+
+    def clear_cache(self) -> None:
+        """Drops every cached page and checkpoint no running request holds."""
+        self.cache.clear()
+
+    def metrics(self) -> EngineMetrics:
+        """Counters and gauges for /metrics and routing (`cairn.workers.metrics`): tokens (prompt,
+        cached, computed, generated), pages and checkpoint state in use, the cache's bytes and
+        tiers, fetches, checkpoints by kind, and the measured host-copy and prefill rates."""
+        return EngineMetrics.of(self)
+
+    def check(self) -> None:
+        """Integrity check for idle moments and tests: the cache's pools, arena and LRU agree."""
+        self.cache.check()

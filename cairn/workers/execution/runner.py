@@ -1,0 +1,350 @@
+"""Turns a `StepPlan` into tensors, runs the model, returns the logits of sampling rows.
+
+The runner owns the cache's memory: one arena tensor of `ArenaLayout.arena_bytes` bytes
+(cairn.workers.cache.arena), over which it lays every cache tensor as a view, so the engine never holds more
+than the budget it was given:
+- block p (a KV page) holds [L_attn, 2, page_size, H_kv, D] in the model's dtype; attention layer
+  l reads K as `kv[l][0]` = [num_blocks, page_size, H_kv, D], its pages strided by a block;
+- state slot g spans blocks [g * slot_blocks, (g + 1) * slot_blocks) and holds `conv_states`
+  [L_lin, conv_dim, K-1] in the model's dtype, then, from `ssm_offset`, `ssm_states`
+  [L_lin, H_v, D_k, D_v] in fp32; the pools are [num_groups, ...] views strided by a slot.
+A page and a slot over the same blocks never live at once: the arena's placement sees to that.
+With a host tier (`ArenaLayout.host_blocks`), the runner also owns its memory: `host_blocks` blocks
+of the same size, in pinned memory on CUDA (so copies are asynchronous to the host), a separate
+buffer on CPU; the cache's block copies (demotions to it, promotions from it, page moves) are made
+before anything else in the step, in the order queued. On CUDA the promotions go on a copy stream
+of their own after the rest: a step waits for them only when one of its segments reads them
+(`promotions_for_now`), else the next step does, so a request the scheduler starts a step later
+has its copies overlap the other sequences' step. Their measured rate feeds the cache's cost rule
+(`cairn.workers.cache.tier_cost`).
+Page and slot ids come from the prefix cache; the runner never decides who holds what. It keeps
+the page table (one row of page ids per running sequence, rows assigned by the cache) across
+steps and applies the plan's `page_table_writes` to it, so a step's cost does not grow with its
+sequences' lengths. Fresh state slots are zeroed before a step, so every segment starts from its
+slot.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from cairn import kernels
+from cairn.kernels.varlen_plan import VarlenPlan
+from cairn.workers import heap
+from cairn.workers.cache.arena import ArenaLayout
+from cairn.workers.execution.decode_graphs import DecodeGraphs
+from cairn.workers.model import HybridForCausalLM, ModelCaches, packed_linear
+from cairn.workers.model.packed_linear import pack_linears
+from cairn.workers.plan import COPY, DEMOTE, IMPORT, MOVE, PROMOTE, BlockCopy, StepPlan
+from cairn.workers.execution.step_work import StepWork, checkpoint_tables
+
+
+class ModelRunner:
+    def __init__(self, model: HybridForCausalLM, layout: ArenaLayout, page_size: int, max_rows: int):
+        """max_rows: page-table rows, one per sequence holding pages (the prefix cache's rows)."""
+        self.model = model
+        self.cfg = model.config
+        self.packed_linears = pack_linears(model)  # CPU: weights laid out once for oneDNN (none on CUDA)
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        if self.device.type == "cpu":
+            kernels.load_native(self.device)  # the C++ kernels, built or loaded now, not in a step
+            heap.retain_freed_memory()  # a step reuses the last one's activation pages (cairn.workers.heap)
+        self.page_size = page_size
+        self.arena = torch.zeros(layout.arena_bytes, dtype=torch.uint8, device=self.device)
+        self._blocks = self.arena.view(layout.num_blocks, layout.block_bytes)  # one row per block
+        self.slot_blocks = layout.slot_blocks
+        self.host = torch.zeros(layout.host_blocks, layout.block_bytes, dtype=torch.uint8,
+                                pin_memory=self.device.type == "cuda")  # the host tier, one row per block
+        self._timed = [0, 0.0]  # host copies timed since `take_copy_timing`: bytes, seconds (CPU only)
+        # CUDA: promotions run on a stream of their own (module doc); the event says when they are in
+        self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._promoted = None
+        self.caches = ModelCaches(*self._views(layout))
+        self._table = np.zeros((max_rows, 64), dtype=np.int32)  # row -> page ids, widened on demand
+        self._staging: list[torch.Tensor | None] = [None, None]  # CUDA: pinned buffers `upload` alternates
+        self.graphs: DecodeGraphs | None = None  # decode steps at fixed batch sizes (`use_decode_graphs`)
+
+    def warm_up(self, max_rows: int, sampled_rows: int) -> int:
+        """Runs each packed linear at every row count a step of at most `max_rows` tokens, and of
+        `sampled_rows` sampled rows for the LM head, gives it (CPU; nothing elsewhere). Returns
+        the products run."""
+        return packed_linear.warm_up(self.model, max_rows, sampled_rows) if self.packed_linears else 0
+
+    def _views(self, layout: ArenaLayout):
+        cfg, item = self.cfg, self.dtype.itemsize
+        elems = self.arena.view(self.dtype)
+        kv_all = elems.view(layout.num_blocks, len(cfg.attention_layers), 2, self.page_size,
+                            cfg.num_key_value_heads, cfg.head_dim)
+        kv = [(kv_all[:, i, 0], kv_all[:, i, 1]) for i in range(len(cfg.attention_layers))]
+        n_lin = len(cfg.linear_layers)
+        (channels, width), (h_v, d_k, d_v) = cfg.conv_state_shape, cfg.ssm_state_shape
+        if not layout.slot_blocks:  # no recurrent layers: slot ids index nothing
+            conv = torch.zeros(layout.virtual_slots, 0, channels, width, dtype=self.dtype, device=self.device)
+            ssm = torch.zeros(layout.virtual_slots, 0, h_v, d_k, d_v, dtype=torch.float32, device=self.device)
+            return kv, conv, ssm
+        stride = layout.slot_blocks * layout.block_bytes  # bytes from one slot to the next
+        if stride % 4 or layout.ssm_offset % 4:
+            raise ValueError(f"state slots of {stride} bytes (delta-rule state at {layout.ssm_offset}) are not "
+                             f"fp32-aligned")
+        groups = layout.num_blocks // layout.slot_blocks
+        conv = torch.as_strided(elems, (groups, n_lin, channels, width),
+                                (stride // item, channels * width, width, 1))
+        ssm = torch.as_strided(self.arena.view(torch.float32), (groups, n_lin, h_v, d_k, d_v),
+                               (stride // 4, h_v * d_k * d_v, d_k * d_v, d_v, 1), layout.ssm_offset // 4)
+        return kv, conv, ssm
+
+    def execute(self, plan: StepPlan, all_logits: bool = False) -> torch.Tensor:
+        """Runs one step; returns fp32 logits [num sampling segments, vocab] in plan order
+        (or, with `all_logits`, one row per computed token)."""
+        return self.run(self.prepare(plan, all_logits))
+
+    def run(self, work: StepWork) -> torch.Tensor:
+        """The device's part of a step. Before the model: copy moved pages, restore checkpoints
+        into resuming sequences' slots, zero fresh slots. After: snapshot slots into checkpoint
+        slots. Every rank of a tensor-parallel engine runs the same `work` on its own shard."""
+        states = (self.caches.conv_states, self.caches.ssm_states)
+        self._wait_for_promotions()  # the last step's, if it left them running
+        if work.block_copies:  # moved, demoted and promoted blocks: before anything writes there
+            self._copy_blocks(work.block_copies)
+            if work.promotions_for_now:
+                self._wait_for_promotions()
+        if self._graphed(work):
+            return self.graphs.run(work)
+        tensors = self.upload(work.arrays())
+        if work.restores:
+            kernels.copy_state_slots(states, tensors["restore_src"], tensors["restore_dst"])
+        if work.fresh_state_slots:
+            for t in states:
+                t.index_fill_(0, tensors["fresh_state_slots"], 0)
+        logits = self.model(work.batch(tensors), self.caches)
+        if work.snapshots:
+            kernels.copy_state_slots(states, tensors["snapshot_src"], tensors["snapshot_dst"])
+        if work.host_snapshots:  # checkpoints that found no device slot: straight to the host tier
+            k = self.slot_blocks
+            self._copy_blocks([BlockCopy(DEMOTE, b, h) for slot, blocks in work.host_snapshots
+                               for b, h in zip(range(slot * k, (slot + 1) * k), blocks)])
+        return logits
+
+    def _wait_for_promotions(self) -> None:
+        if self._promoted is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._promoted)
+            self._promoted = None
+
+    def _copy_blocks(self, copies: list[BlockCopy], staging: torch.Tensor | None = None) -> None:
+        """Makes the cache's block copies in order: each run of one kind at once when no copy in
+        it reads a block an earlier one wrote, else one by one. IMPORT copies read rows of
+        `staging` (blocks fetched from a peer). On CUDA, the promotions go last, on the copy
+        stream, after everything else queued (the cache frees the host blocks they read only at
+        the pass's end, and the blocks they write are held by their requests: nothing else in
+        the list touches them); `_promoted` marks when they are in."""
+        if self._copy_stream is not None and any(c.kind == PROMOTE for c in copies):
+            self._copy_blocks([c for c in copies if c.kind != PROMOTE], staging)
+            promotions = [c for c in copies if c.kind == PROMOTE]
+            self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._copy_stream):
+                self._copy_run(PROMOTE, [c.src for c in promotions], [c.dst for c in promotions])
+            self._promoted = torch.cuda.Event()
+            self._promoted.record(self._copy_stream)
+            return
+        start = 0
+        while start < len(copies):
+            kind, end = copies[start].kind, start + 1
+            while end < len(copies) and copies[end].kind == kind:
+                end += 1
+            self._copy_run(kind, [c.src for c in copies[start:end]], [c.dst for c in copies[start:end]], staging)
+            start = end
+
+    def apply_copies(self, copies: list[BlockCopy], staging=None) -> None:
+        """Block copies outside a step (an import, or an export's flush), `staging` a numpy
+        array of rows for IMPORT copies."""
+        self._wait_for_promotions()
+        self._copy_blocks(copies, None if staging is None else torch.from_numpy(staging))
+        self._wait_for_promotions()
+
+    def read_blocks(self, blocks: list[int], host: bool = False):
+        """A copy of device (or host tier) blocks as a numpy array [len(blocks), block_bytes]."""
+        self._wait_for_promotions()
+        if host and self._copy_stream is not None:  # demotions into them may still be in flight
+            torch.cuda.current_stream(self.device).synchronize()
+        source = self.host if host else self._blocks
+        return source[self._index(blocks, source.device)].cpu().numpy()
+
+    def _copy_run(self, kind: str, sources: list[int], targets: list[int], staging: torch.Tensor | None = None) -> None:
+        src, dst = {MOVE: (self._blocks, self._blocks), COPY: (self._blocks, self._blocks),
+                    DEMOTE: (self._blocks, self.host), PROMOTE: (self.host, self._blocks),
+                    IMPORT: (staging, self._blocks)}[kind]
+        if kind == IMPORT:
+            dst[self._index(targets)] = src[self._index(sources, src.device)].to(dst.device)
+            return
+        on_device = kind in (MOVE, COPY)
+        if not on_device and self.device.type != "cpu":
+            # Across the bus, block by block, each queued on the step's stream from or to pinned
+            # memory: asynchronous to the host, ordered with every other copy and the step.
+            for s, d in zip(sources, targets):
+                dst[d].copy_(src[s], non_blocking=True)
+            return
+        if on_device and not set(sources).isdisjoint(targets):
+            for s, d in zip(sources, targets):
+                dst[d] = src[s]
+            return
+        began = time.perf_counter()
+        dst[self._index(targets, dst.device)] = src[self._index(sources, src.device)]
+        if not on_device:
+            self._timed[0] += len(sources) * self._blocks.shape[1]
+            self._timed[1] += time.perf_counter() - began
+
+    def take_copy_timing(self) -> tuple[int, float]:
+        """(bytes, seconds) of the host copies timed since the last call: on CPU, every one; on
+        CUDA none (they are queued, not waited for; `measure_host_bandwidth` stands in)."""
+        timed, self._timed = self._timed, [0, 0.0]
+        return timed[0], timed[1]
+
+    def measure_host_bandwidth(self, blocks: int = 64) -> float | None:
+        """Bytes/s of a round trip of up to `blocks` blocks to the host tier and back (waited
+        for); None without a host tier. The engine seeds its cost rule with it."""
+        n = min(blocks, self.host.shape[0], self._blocks.shape[0])
+        if n == 0:
+            return None
+        began = time.perf_counter()
+        self._copy_run(DEMOTE, list(range(n)), list(range(n)))  # the arena is empty at start: nothing is lost
+        self._copy_run(PROMOTE, list(range(n)), list(range(n)))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return 2 * n * self._blocks.shape[1] / max(time.perf_counter() - began, 1e-9)
+
+    def _index(self, values: list[int], device: torch.device | None = None) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=device or self.device)
+
+    @staticmethod
+    def _by_dtype(arrays: dict[str, np.ndarray]) -> tuple[list[str], list[str]]:
+        """The arrays' names, int64 ones then int32 ones: how `upload` lays them out."""
+        wide = [n for n, a in arrays.items() if a.dtype == np.int64]
+        narrow = [n for n, a in arrays.items() if a.dtype == np.int32]
+        if len(wide) + len(narrow) != len(arrays):
+            raise TypeError(f"step arrays are int64 or int32, got {sorted({str(a.dtype) for a in arrays.values()})}")
+        return wide, narrow
+
+    def packed_bytes(self, arrays: dict[str, np.ndarray]) -> int:
+        return max(8, sum(a.nbytes for a in arrays.values()))
+
+    def upload(self, arrays: dict[str, np.ndarray], into: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """The arrays on the device, in one copy: packed into one host buffer, the int64 ones first
+        and then the int32 ones (on CUDA a pinned buffer, copied without blocking the host; the
+        next step's sampled ids, read back, come after that copy, so the two alternating buffers
+        are free again by then), then viewed by name: a handful of ops whatever the number of
+        arrays. `into`: a device buffer of `packed_bytes` to copy into (a decode graph's inputs),
+        instead of a new one."""
+        wide, narrow = self._by_dtype(arrays)
+        parts = [np.ascontiguousarray(arrays[n]).reshape(-1).view(np.uint8) for n in wide + narrow]
+        size = self.packed_bytes(arrays)
+        packed = np.zeros(size, dtype=np.uint8)
+        if parts:
+            np.concatenate(parts, out=packed[:sum(p.size for p in parts)])
+        host = torch.from_numpy(packed)
+        if self.device.type == "cuda":
+            self._staging = self._staging[::-1]
+            if self._staging[0] is None or self._staging[0].numel() < host.numel():
+                self._staging[0] = torch.empty(2 * host.numel(), dtype=torch.uint8, pin_memory=True)
+            pinned = self._staging[0][:host.numel()]
+            pinned.copy_(host)
+            host = pinned
+        if into is not None:
+            into.copy_(host, non_blocking=True)
+            host = into
+        elif self.device.type == "cuda":
+            host = host.to(self.device, non_blocking=True)
+        out = {}
+        split = sum(arrays[n].nbytes for n in wide)
+        for names, region, dtype in ((wide, host[:split], torch.int64), (narrow, host[split:size], torch.int32)):
+            if not names:
+                continue
+            sizes = [arrays[n].size for n in names]
+            flat = region[:sum(sizes) * dtype.itemsize].view(dtype)
+            for name, t in zip(names, torch.split(flat, sizes)):
+                out[name] = t if arrays[name].ndim == 1 else t.view(arrays[name].shape)
+        return out
+
+    def use_decode_graphs(self, max_num_seqs: int, width: int, capture: bool) -> None:
+        """Decode-only steps run at fixed batch sizes over fixed buffers (cairn.workers.execution.decode_graphs),
+        replaying CUDA graphs when `capture` (made here, now: after the arena, before any step)."""
+        self.graphs = DecodeGraphs(self, max_num_seqs, width, capture)
+        self.graphs.capture()
+
+    def _graphed(self, work: StepWork) -> bool:
+        """Whether this step runs as a decode graph: decodes only, nothing copied around them."""
+        return (self.graphs is not None and work.num_decodes == len(work.cu_seqlens) - 1
+                and len(work.logits_indices) == work.num_decodes and self.graphs.bucket(work.num_decodes) is not None
+                and not (work.restores or work.fresh_state_slots or work.snapshots or work.host_snapshots))
+
+    def _write_page_table(self, writes: list) -> None:
+        """Applies the cache's page-table writes to the persistent table (rows: sequences)."""
+        for w in writes:
+            end = w.start + len(w.page_ids)
+            if end > self._table.shape[1]:  # a longer sequence than any before: widen
+                wider = np.zeros((self._table.shape[0], max(end, 2 * self._table.shape[1])), dtype=np.int32)
+                wider[:, :self._table.shape[1]] = self._table
+                self._table = wider
+            self._table[w.row, w.start:end] = w.page_ids
+
+    def prepare(self, plan: StepPlan, all_logits: bool = False) -> StepWork:
+        """The host's part of a step: the plan as plain arrays (`StepWork`). Per-segment numbers
+        are gathered in one pass, the per-token ones computed with numpy; page-table rows come
+        from the persistent table."""
+        self._write_page_table(plan.page_table_writes)
+        ps, table = self.page_size, self._table
+        decodes, prefills = plan.decodes, plan.prefills
+        nd = len(decodes)
+        rows, starts, counts, lengths, shared, slots, ids = [], [], [], [], [], [], []
+        for seg in decodes:
+            seq = seg.seq
+            c = seq.cache
+            rows.append(c.row)
+            starts.append(seg.start)
+            lengths.append(len(seq.token_ids))
+            shared.append(c.shared_pages)
+            slots.append(c.state_slot)
+            ids.append(seq.token_ids[seg.start])
+        counts = [1] * nd
+        positions = [np.array(starts, dtype=np.int64)]
+        for seg in prefills:
+            seq = seg.seq
+            c = seq.cache
+            rows.append(c.row)
+            starts.append(seg.start)
+            counts.append(seg.num_tokens)
+            lengths.append(len(seq.token_ids))
+            shared.append(c.shared_pages)
+            slots.append(c.state_slot)
+            ids += seq.token_ids[seg.start:seg.start + seg.num_tokens]
+            positions.append(np.arange(seg.start, seg.start + seg.num_tokens))
+        rows, counts = np.array(rows), np.array(counts)
+        ends = np.array(starts) + counts
+        pos = np.concatenate(positions) if prefills else positions[0]
+        if prefills:
+            token_rows, token_shared = np.repeat(rows, counts), np.repeat(shared, counts)
+        else:
+            token_rows, token_shared = rows, np.array(shared)
+        slot_mapping = table[token_rows, pos // ps].astype(np.int64) * ps + pos % ps
+        slot_mapping[pos < token_shared * ps] = -1  # K/V already in shared cached pages: never rewritten
+        cu = np.zeros(len(counts) + 1, dtype=np.int32)
+        np.cumsum(counts, out=cu[1:])
+        if all_logits:
+            logits_rows = np.arange(cu[-1])
+        else:
+            logits_rows = (cu[1:] - 1)[ends == np.array(lengths)]  # segments reaching their end sample
+        max_pages = int((ends.max() + ps - 1) // ps)
+        prefill = VarlenPlan.build((cu[nd:] - cu[nd]).tolist(), [sorted(seg.ckpt_slots) for seg in prefills],
+                                   self.cfg.num_attention_heads // self.cfg.num_key_value_heads)
+        ck_rows, ck_targets, ck_states = checkpoint_tables(prefills, prefill, self.cfg.linear_conv_kernel_dim - 1)
+        return StepWork(
+            input_ids=np.array(ids, dtype=np.int64), positions=pos.astype(np.int64, copy=False), cu_seqlens=cu,
+            seq_lens=ends.astype(np.int32), page_table=table[rows, :max_pages], slot_mapping=slot_mapping,
+            state_slots=np.array(slots, dtype=np.int64), num_decodes=nd, logits_indices=logits_rows.astype(np.int64),
+            prefill=prefill, checkpoint_rows=ck_rows, checkpoint_targets=ck_targets, checkpoint_states=ck_states,
+            block_copies=plan.block_copies,
+            restores=plan.restores, fresh_state_slots=plan.fresh_state_slots, snapshots=plan.snapshots,
+            host_snapshots=plan.host_snapshots, promotions_for_now=plan.promotions_for_now)

@@ -1,0 +1,77 @@
+"""One step as plain host data (`StepWork`): what `cairn.workers.execution.runner.ModelRunner.run` needs, and all
+a tensor-parallel rank is sent (`cairn.workers.execution.tp_runner`). Arrays are numpy; the runner puts every one
+of them on the device in one copy. `checkpoint_tables` lays out where each checkpoint of the
+step's prefill segments takes its states from (see cairn.workers.model.batch)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from cairn.kernels.varlen_plan import VarlenPlan
+from cairn.workers.model import ForwardBatch
+from cairn.workers.model.batch import plan_arrays
+from cairn.workers.plan import BlockCopy
+
+
+@dataclass
+class StepWork:
+    """One step as plain host data: what `ModelRunner.run` needs, and all a tensor-parallel
+    rank is sent (cairn.workers.execution.tp_runner). Arrays are numpy; `ModelRunner` puts every one of them on
+    the device in one copy (`upload`)."""
+    input_ids: np.ndarray
+    positions: np.ndarray
+    cu_seqlens: np.ndarray
+    seq_lens: np.ndarray
+    page_table: np.ndarray
+    slot_mapping: np.ndarray
+    state_slots: np.ndarray
+    num_decodes: int
+    logits_indices: np.ndarray
+    prefill: VarlenPlan  # the prefill segments' boundaries (from 0) and checkpoint positions
+    checkpoint_rows: np.ndarray  # see cairn.workers.model.batch
+    checkpoint_targets: np.ndarray
+    checkpoint_states: np.ndarray
+    block_copies: list[BlockCopy] = field(default_factory=list)
+    restores: list[tuple[int, int]] = field(default_factory=list)
+    fresh_state_slots: list[int] = field(default_factory=list)
+    snapshots: list[tuple[int, int]] = field(default_factory=list)
+    host_snapshots: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)
+    promotions_for_now: bool = True  # this step's segments read what its promotions bring back
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """Every per-step array the device reads, by name: the batch's, the prefill plan's tables
+        (`prefill.<name>`), and the slot copies made around the forward."""
+        restores, snapshots = np.array(self.restores, np.int64).reshape(-1, 2), np.array(self.snapshots,
+                                                                                          np.int64).reshape(-1, 2)
+        out = dict(input_ids=self.input_ids, positions=self.positions, cu_seqlens=self.cu_seqlens,
+                   seq_lens=self.seq_lens, page_table=self.page_table, slot_mapping=self.slot_mapping,
+                   state_slots=self.state_slots, logits_indices=self.logits_indices,
+                   checkpoint_rows=self.checkpoint_rows, checkpoint_targets=self.checkpoint_targets,
+                   checkpoint_states=self.checkpoint_states, restore_src=restores[:, 0], restore_dst=restores[:, 1],
+                   snapshot_src=snapshots[:, 0], snapshot_dst=snapshots[:, 1],
+                   fresh_state_slots=np.array(self.fresh_state_slots, np.int64))
+        out.update(plan_arrays(self.prefill))
+        return out
+
+    def batch(self, tensors: dict[str, torch.Tensor]) -> ForwardBatch:
+        """The forward's view of this step, over its uploaded arrays."""
+        return ForwardBatch.over(tensors, self.num_decodes, self.prefill)
+
+
+def checkpoint_tables(prefills, plan: VarlenPlan, width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Where each checkpoint of the step's prefill segments takes its states from (see
+    cairn.workers.model.batch): its conv window's K-1 source rows, its slot, its saved delta-rule state."""
+    rows, targets, states, saved = [], [], [], 0
+    n = len(prefills)
+    for i, seg in enumerate(prefills):
+        for off in plan.positions[i]:
+            window = [n * width + plan.cu[i] + p if p >= 0 else (i + 1) * width + p for p in range(off - width, off)]
+            for slot in seg.ckpt_slots[off]:
+                rows.append(window)
+                targets.append(slot)
+                states.append(saved)
+            saved += 1
+    return (np.array(rows, np.int64).reshape(-1, width), np.array(targets, np.int64), np.array(states, np.int64))

@@ -1,0 +1,68 @@
+"""Building an engine from a checkpoint directory (`Engine.from_pretrained`): the model on one
+device, or rank 0's shard with ranks 1..N-1 started beside it (`cairn.workers.execution.tp_runner`); the arena
+sized to what the weights (and decode graphs) left on the device (`cairn.workers.cache.device_budget`);
+the EOS ids generation_config.json adds; the tokenizer for structured outputs; a warm-up when
+asked."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from cairn.cache_service.hashing import model_fingerprint
+from cairn.workers.cache.device_budget import graph_reserve_bytes, sized
+from cairn.workers.model import load_model, read_model_config
+from cairn.workers.model.sharding import shard_config
+from cairn.workers.options import EngineOptions
+from cairn.workers.execution.tp_runner import RankWorkers, free_address, load_rank_model
+
+
+def generation_eos_ids(model_dir: Path) -> frozenset[int]:
+    """EOS ids listed in generation_config.json (chat models end turns on more than one id)."""
+    try:
+        eos = json.loads((model_dir / "generation_config.json").read_text()).get("eos_token_id")
+    except (FileNotFoundError, json.JSONDecodeError, AttributeError):
+        return frozenset()
+    ids = eos if isinstance(eos, list) else [eos]
+    return frozenset(i for i in ids if isinstance(i, int) and not isinstance(i, bool))
+
+
+def _pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def load_engine(cls: type, model_dir: str | Path, **options: object):
+    """An engine of class `cls` (`cairn.workers.engine.Engine`) over the checkpoint in `model_dir`."""
+    path = Path(model_dir)
+    worker_id = str(options.pop("worker_id", "local"))
+    start_ranks = options.pop("start_ranks", RankWorkers.start)  # how ranks 1..N-1 start (a Ray
+    opts = EngineOptions.from_kwargs(**options)                   # replica: cairn.cluster.tp_ranks)
+    workers = None
+    if opts.tensor_parallel_size == 1:
+        model = load_model(model_dir, dtype=opts.dtype, device=_pick_device(opts.device))
+        device = next(model.parameters()).device
+        graphs = device.type == "cuda" and not opts.enforce_eager
+        reserve = graph_reserve_bytes(model.config, opts.max_num_seqs) if graphs else 0
+        opts = sized(opts, device, reserve=reserve)  # memory_utilization: what the weights and graphs left
+    else:
+        shard_config(read_model_config(path / "config.json"), opts.tensor_parallel_size)  # fits?
+        address = free_address()
+        workers = start_ranks(model_dir, opts, address)
+    try:
+        if workers is not None:
+            model = load_rank_model(model_dir, opts, 0, address)
+            opts = sized(opts, next(model.parameters()).device, model.group)  # the same on every rank
+        engine = cls(model, opts, fingerprint=model_fingerprint(model_dir), worker_id=worker_id,
+                     eos_token_ids=generation_eos_ids(path), rank_workers=workers)
+        engine.use_tokenizer(path)
+        if opts.warm_up:
+            engine.warm_up()
+        return engine
+    except BaseException:
+        if workers is not None:
+            workers.close()
+        raise

@@ -1,0 +1,84 @@
+"""Engine options: the knobs `Engine.from_pretrained(dir, **options)` accepts.
+
+Every field is checked at construction; a bad value raises `ValueError` naming the field and its
+allowed range. Sizes say their unit: tokens, pages, slots or bytes.
+
+`dtype="auto"`: the engine's device and processor choose (`cairn.workers.precision`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from cairn.workers.precision import DTYPE_NAMES
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    page_size: int = 16                       # tokens per KV page
+    num_pages: int | None = None              # cap on KV pages; alone, it also sizes the arena (cairn.workers.cache.arena)
+    cache_memory_bytes: int | None = None     # the arena: pages, running states, checkpoints (256 MiB default)
+    max_checkpoints: int | None = None        # cap on checkpoints; None = as many as the arena pays
+    cache_policy: str = "cairn"               # cairn | exact | all | interval | end_branch
+    tail_guard: int = 4                       # tokens before a prompt's end the tail checkpoint keeps clear
+    checkpoint_interval_pages: int = 32       # pages between `interval` checkpoints
+    max_num_seqs: int = 64                    # sequences running at once (each holds a state slot)
+    max_num_batched_tokens: int = 2048        # tokens computed in one step (decodes + prefill chunks; vLLM's server default)
+    max_model_len: int | None = None          # prompt + output tokens; None = model's max positions
+    dtype: str = "auto"                       # float32 | bfloat16 | float16 | auto (cairn.workers.precision)
+    device: str = "auto"                      # cpu | cuda | cuda:N | auto (cuda when present)
+    seed: int = 0                             # randomness of requests that carry no seed
+    memory_utilization: float | None = None   # CUDA: size the arena from what the device has left (cairn.workers.cache.device_budget)
+    tensor_parallel_size: int = 1             # devices (ranks) one engine spans (cairn.workers.execution.tp_runner)
+    collective_timeout_s: float = 60.0        # the longest a rank waits on the others in a step
+    host_cache_bytes: int = 0                 # host tier: what the device evicts is kept here (0: off; cairn.workers.cache.host_tier)
+    enforce_eager: bool | None = None         # no decode graphs (None: graphs on CUDA, eager on CPU; cairn.workers.execution.decode_graphs)
+    warm_up: bool = False                     # compile every kernel shape at load (Engine.warm_up); servers turn it on
+
+    def __post_init__(self) -> None:
+        def positive(name: str, allow_none: bool = False) -> None:
+            v = getattr(self, name)
+            if allow_none and v is None:
+                return
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive integer{' or None' if allow_none else ''}, got {v!r}")
+
+        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "checkpoint_interval_pages",
+                     "tensor_parallel_size"):
+            positive(name)
+        for name in ("num_pages", "cache_memory_bytes"):
+            positive(name, allow_none=True)
+        if isinstance(self.host_cache_bytes, bool) or not isinstance(self.host_cache_bytes, int) or \
+                self.host_cache_bytes < 0:
+            raise ValueError(f"host_cache_bytes must be an integer >= 0 (0: no host tier), got {self.host_cache_bytes!r}")
+        if self.max_checkpoints is not None and (not isinstance(self.max_checkpoints, int) or self.max_checkpoints < 0):
+            raise ValueError(f"max_checkpoints must be an integer >= 0 or None, got {self.max_checkpoints!r}")
+        if isinstance(self.tail_guard, bool) or not isinstance(self.tail_guard, int) or self.tail_guard < 0:
+            raise ValueError(f"tail_guard must be an integer >= 0, got {self.tail_guard!r}")
+        positive("max_model_len", allow_none=True)
+        share = self.memory_utilization
+        if share is not None:
+            if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
+                raise ValueError(f"memory_utilization must be a fraction in (0, 1], got {share!r}")
+            if self.cache_memory_bytes is not None or self.num_pages is not None:
+                raise ValueError("memory_utilization sizes the arena itself: give it, or cache_memory_bytes / "
+                                 "num_pages, not both")
+        timeout = self.collective_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+            raise ValueError(f"collective_timeout_s must be a positive number of seconds, got {timeout!r}")
+        if not isinstance(self.warm_up, bool):
+            raise ValueError(f"warm_up must be true or false, got {self.warm_up!r}")
+        if self.enforce_eager not in (None, True, False):
+            raise ValueError(f"enforce_eager must be true, false or None (graphs on CUDA only), got {self.enforce_eager!r}")
+        if self.dtype not in ("auto", *DTYPE_NAMES):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: object) -> "EngineOptions":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(f"unknown engine option(s) {unknown}; expected some of {sorted(known)}")
+        return cls(**kwargs)  # type: ignore[arg-type]

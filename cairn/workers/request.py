@@ -1,0 +1,57 @@
+"""The one request object, from the ingress to the engine, and the ask a peer fetch sends.
+
+`GenerateRequest` is everything the ingress decided once: token ids, sampling, and the
+prefix-cache inputs (the hash root salted with the request's cache_salt, the page hashes under
+it, checkpoint hints at message starts), who asked (`tenant`), and the prompt text and messages,
+which text-matching routers read. The router reads it and never writes it: its choice of replica
+comes back beside a `FetchHint` (the replica resuming the request deepest, and how deep), which
+the Serve adapter sends along as a copy of the request with `fetch` set. The replica hands the
+request whole to its `AsyncEngine`, and the engine validates it (`Engine.add`).
+
+`ExportRequest` is what a receiving replica asks of the holder a hint named
+(`cairn.cluster.peer_fetch`): pages [first, depth) of the prompt's chain and the checkpoint at
+`depth`, routed to exactly `target_worker`.
+
+Plain data: no torch, no Ray.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from cairn.workers.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class FetchHint:
+    holder: str  # the worker id of the replica resuming the request deepest
+    depth: int  # its resume point, in pages
+
+
+@dataclass
+class GenerateRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    prompt: str | None = None                      # the prompt text, for text-matching routers
+    messages: list[dict[str, Any]] | None = None   # the chat messages it was rendered from
+    hash_root: bytes | None = None                 # spec.hash_root(cache_salt); None: unsalted
+    page_hashes: list[bytes] | None = None         # one per whole page, under hash_root
+    checkpoint_hints: list[int] = field(default_factory=list)  # token positions of message starts
+    tenant: str | None = None                      # who asked (None: no keys), for the engine's fair scheduling
+    fetch: FetchHint | None = None                 # the router's (routing config `fetch`): who holds it deepest
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+@dataclass(frozen=True)
+class ExportRequest:
+    """Pages [first, depth) of a prompt's chain and the checkpoint at `depth`, asked of the
+    replica `target_worker` (the router routes it there and nowhere else)."""
+    target_worker: str
+    page_hashes: list[bytes]
+    first: int
+    depth: int

@@ -1,0 +1,289 @@
+"""Turns the logits of one step into one token per sampling sequence, batched on their device.
+
+Contract (`Sampler.sample`): one result per row, and the only read of the device is the sampled
+ids (with the logprobs asked, in the same copy). No Python runs per row on the logits: the host
+builds each row's parameters into a few arrays (one upload, pinned and non-blocking on CUDA),
+and every step below is a batched op over the rows that need it.
+
+1. Logprobs, when asked, are log_softmax of the raw logits (before anything below), for the
+   chosen token and the `logprobs` most likely alternatives.
+2. The logits change, in vLLM's order: `logit_bias` is added; while a row has fewer than
+   `min_tokens` outputs its EOS and stop ids are masked; the penalties apply from the row's token
+   counts on the device (cairn.workers.token_counts): `repetition_penalty` over prompt and output
+   tokens, then `frequency_penalty` x count and `presence_penalty` over output tokens; a row
+   with a grammar (structured outputs, cairn.workers.grammar) keeps only the tokens its grammar allows
+   next: the host fills a packed bitmask per such row (`Grammars.mask`), which goes up with the
+   row parameters and is unpacked on the device.
+3. Greedy rows (temperature 0 or top_k 1) take the argmax of the changed logits.
+4. Sampled rows draw with `kernels.sample_rows` (its rules in cairn.kernels.reference_sample:
+   temperature, then min-p, top-k and top-p each only where a row asks, by radix selects over
+   the weights' float bits instead of sorts; an overflowing temperature is greedy). On CPU it is
+   one C++ pass per row (cairn/kernels/csrc/sample.cpp), on CUDA batched torch ops.
+   The draw takes one uniform per row, from a counter-based hash (SplitMix64) of (seed, output
+   index) on the device: a seeded request draws the same tokens alone, batched, chunked or preempted, and successive indices are
+   independent draws. A request without a seed gets a fresh key from the engine's generator
+   each step.
+
+Faults stay in their row: a row whose logits are not finite, or whose parameters cannot be
+prepared (its grammar's mask included), yields a `SequenceFault` in its place; every other row
+is sampled as if it were alone.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from cairn import kernels
+from cairn.workers.errors import SequenceFault
+from cairn.workers.grammar import Grammars
+from cairn.workers.sequence import Sequence, TokenLogprob
+from cairn.workers.token_counts import TokenCounts
+
+log = logging.getLogger(__name__)
+
+_GOLDEN = 0x9E3779B97F4A7C15 - 2**64  # SplitMix64's increment, as an int64
+_MIX1, _MIX2 = 0xBF58476D1CE4E5B9 - 2**64, 0x94D049BB133111EB - 2**64
+
+
+def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """SplitMix64's finaliser over int64 tensors (multiplications wrap)."""
+    x = (x ^ _shr(x, 30)) * _MIX1
+    x = (x ^ _shr(x, 27)) * _MIX2
+    return x ^ _shr(x, 31)
+
+
+def uniforms(keys: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """One uniform in [0, 1) per row, a function of (key, index) only: fp32 with 24 random bits."""
+    h = _mix(_mix(keys) + (index + 1) * _GOLDEN)
+    return _shr(h, 40).to(torch.float32) * 2.0 ** -24
+
+
+class _Rows:
+    """The host's arrays of one step's rows that took part (faulted ones left out)."""
+
+    def __init__(self):
+        self.pos: list[int] = []  # row in the step
+        self.temperature: list[float] = []  # 0: greedy
+        self.top_k: list[int] = []  # 0: off
+        self.top_p: list[float] = []
+        self.min_p: list[float] = []
+        self.seed: list[int] = []  # -1: unseeded
+        self.index: list[int] = []
+        self.logprobs: list[int] = []  # -1: not asked
+        self.penalised: list[int] = []  # positions (in these rows) with penalties
+        self.penalties: list[tuple[float, float, float]] = []  # (repetition, frequency, presence)
+        self.seqs: list[Sequence] = []
+        self.bias: list[tuple[int, int, float]] = []  # (position, token, bias)
+        self.masked: list[tuple[int, int]] = []  # (position, token): EOS and stop ids under min_tokens
+        self.constrained: list[int] = []  # positions with a grammar's mask
+        self.masks: list[np.ndarray] = []  # their allowed tokens, int32 words
+
+
+class Sampler:
+    def __init__(self, seed: int = 0, eos_token_ids: frozenset[int] | tuple[int, ...] = ()):
+        self._generator = torch.Generator().manual_seed(seed)
+        self.eos = tuple(sorted(eos_token_ids))
+        self.counts: TokenCounts | None = None  # made for the first penalised row
+        self._staging: list[torch.Tensor | None] = [None, None]  # pinned upload buffers on CUDA
+        self.grammars: Grammars | None = None  # the engine's, for rows with a grammar
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, TokenLogprob | None] | SequenceFault]:
+        """logits: [N, vocab] fp32, one row per sequence in `seqs`; one result per row."""
+        if all(self._plain_greedy(s) for s in seqs):  # argmax on the device
+            # a row with a NaN or an infinity has its maximum there: it reads back as -1, and the
+            # step's one read of the device is these ids
+            ids = kernels.argmax_rows(logits).tolist()
+            if min(ids, default=0) >= 0:
+                return [(t, None) for t in ids]
+        vocab = logits.shape[-1]
+        out: list[tuple[int, TokenLogprob | None] | SequenceFault | None] = [None] * len(seqs)
+        rows = self._rows(seqs, vocab, out)
+        if rows.pos:
+            try:
+                results = self._sample_rows(logits, rows)
+            except Exception as e:  # a batched op failed: the rows it held fail, the engine goes on
+                log.exception("sampling %d row(s) failed", len(rows.pos))
+                results = [SequenceFault(f"sampling failed: {type(e).__name__}")] * len(rows.pos)
+            for i, result in zip(rows.pos, results):
+                out[i] = result
+        return out  # type: ignore[return-value]
+
+    @torch.inference_mode()
+    def adjusted_logits(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """The logits after step 2 (bias, min_tokens, penalties), one row per sequence, on a copy:
+        what greedy rows take the argmax of and sampled rows scale. For tests and benchmarks."""
+        rows = self._rows(seqs, logits.shape[-1], [None] * len(seqs))
+        if len(rows.pos) < len(seqs):
+            raise ValueError("a row's sampling parameters could not be prepared")
+        return self._sample_rows(logits.clone(), rows, adjusted_only=True)
+
+    def _rows(self, seqs: list[Sequence], vocab: int, out: list) -> _Rows:
+        """Every row's parameters; a row that cannot be prepared gets its fault in `out`."""
+        rows = _Rows()
+        for i, seq in enumerate(seqs):
+            try:
+                self._row_params(rows, seq, vocab)
+                rows.pos.append(i)
+            except Exception as e:  # this row's preparation only: the others go on
+                out[i] = SequenceFault(f"sampling failed: {type(e).__name__}")
+        return rows
+
+    @staticmethod
+    def _plain_greedy(seq: Sequence) -> bool:
+        p = seq.params
+        return (p.greedy and p.logprobs is None and not p.logit_bias and not p.penalised and p.grammar is None
+                and len(seq.output_token_ids) >= p.min_tokens)
+
+    def _row_params(self, rows: _Rows, seq: Sequence, vocab: int) -> None:
+        """Appends one row's parameters to `rows`, or raises (that row alone faults, and nothing
+        of it is appended)."""
+        p, at = seq.params, len(rows.seqs)
+        n_out = len(seq.output_token_ids)
+        if any(token >= vocab for token, _ in p.logit_bias):
+            raise ValueError("a logit_bias token is outside the vocabulary")
+        masked = []
+        mask: np.ndarray | None = None
+        if p.grammar is not None:
+            if self.grammars is None:
+                raise ValueError("this engine has no tokenizer to compile grammars with")
+            mask = self.grammars.mask(seq)
+        if n_out < p.min_tokens:
+            stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos))
+            masked = [(at, t) for t in sorted(stops) if t < vocab]
+        rows.temperature.append(0.0 if p.greedy else float(p.temperature))
+        rows.top_k.append(p.top_k if 0 < p.top_k < vocab else 0)
+        rows.top_p.append(float(p.top_p))
+        rows.min_p.append(float(p.min_p))
+        rows.seed.append(-1 if p.seed is None else p.seed)
+        rows.index.append(n_out)
+        rows.logprobs.append(-1 if p.logprobs is None else p.logprobs)
+        if p.penalised:
+            rows.penalised.append(at)
+            rows.penalties.append((p.repetition_penalty, p.frequency_penalty, p.presence_penalty))
+        rows.bias.extend((at, token, bias) for token, bias in p.logit_bias)
+        rows.masked.extend(masked)
+        if mask is not None:
+            rows.constrained.append(at)
+            rows.masks.append(mask)
+        rows.seqs.append(seq)
+
+    def _upload(self, device: torch.device, ints: list[np.ndarray], floats: list[np.ndarray],
+                words: np.ndarray):
+        """The host arrays on the device in one copy (pinned and non-blocking on CUDA): int64s,
+        float32s, then int32 `words` (last, so every view stays aligned)."""
+        parts = [a.astype(np.int64).view(np.uint8) for a in ints] + [a.astype(np.float32).view(np.uint8) for a in floats]
+        parts.append(np.ascontiguousarray(words, np.int32).reshape(-1).view(np.uint8))
+        host = torch.from_numpy(np.concatenate(parts) if parts else np.zeros(0, np.uint8))
+        if device.type == "cuda":
+            self._staging = self._staging[::-1]
+            if self._staging[0] is None or self._staging[0].numel() < host.numel():
+                self._staging[0] = torch.empty(2 * host.numel(), dtype=torch.uint8, pin_memory=True)
+            pinned = self._staging[0][:host.numel()]
+            pinned.copy_(host)
+            host = pinned.to(device, non_blocking=True)
+        out, at = [], 0
+        for a, dtype in [(a, torch.int64) for a in ints] + [(a, torch.float32) for a in floats]:
+            size = a.size * 8 if dtype == torch.int64 else a.size * 4
+            out.append(host[at:at + size].view(dtype))
+            at += size
+        out.append(host[at:].view(torch.int32).view(words.shape))
+        return out
+
+    def _sample_rows(self, logits: torch.Tensor, rows: _Rows, adjusted_only: bool = False):
+        n, vocab, device = len(rows.pos), logits.shape[-1], logits.device
+        temperature = np.array(rows.temperature, np.float32)
+        sampled = np.flatnonzero(temperature > 0)
+        unseeded = np.array(rows.seed) < 0
+        keys = np.array(rows.seed, np.int64)
+        if unseeded.any():  # a fresh key each step, from the engine's generator
+            keys[unseeded] = torch.randint(0, 2**62, (int(unseeded.sum()),), generator=self._generator).numpy()
+        asked = np.flatnonzero(np.array(rows.logprobs) >= 0)
+        k_top = int(max((rows.logprobs[i] for i in asked), default=0))
+        counts_rows = []
+        if rows.penalised:
+            if self.counts is None:
+                self.counts = TokenCounts(vocab, device)
+            counts_rows = self.counts.rows([rows.seqs[i] for i in rows.penalised])
+        bias = np.array(rows.bias, np.float64).reshape(-1, 3)
+        masked = np.array(rows.masked, np.int64).reshape(-1, 2)
+        pen = np.array(rows.penalties, np.float32).reshape(-1, 3)
+        (pos, samp, key, index, top_k, asked_t, pen_pos, pen_rows, bias_at, masked_at, cons_at,
+         temp, top_p, min_p, bias_val, pen_val, words) = self._upload(device, [
+            np.array(rows.pos), sampled, keys[sampled], np.array(rows.index)[sampled],
+            np.array(rows.top_k)[sampled], asked, np.array(rows.penalised), np.array(counts_rows),
+            bias[:, :2].astype(np.int64).reshape(-1), masked.reshape(-1), np.array(rows.constrained)],
+            [temperature[sampled], np.array(rows.top_p, np.float32)[sampled],
+             np.array(rows.min_p, np.float32)[sampled], bias[:, 2].astype(np.float32), pen.reshape(-1)],
+            np.stack(rows.masks) if rows.masks else np.zeros((0, 0), np.int32))
+
+        x = logits.float()
+        if n < logits.shape[0]:  # some rows faulted before: the others, compacted
+            x = x.index_select(0, pos)
+        finite = torch.isfinite(x.sum(-1))  # a NaN or an infinity anywhere in the row
+        logprobs = torch.log_softmax(x.index_select(0, asked_t), dim=-1) if len(asked) else None
+
+        if len(bias):
+            b = bias_at.view(-1, 2)
+            x.index_put_((b[:, 0], b[:, 1]), bias_val, accumulate=True)
+        if len(masked):
+            m = masked_at.view(-1, 2)
+            x.index_put_((m[:, 0], m[:, 1]), torch.tensor(float("-inf"), device=device))
+        if rows.penalised:
+            self._penalise(x, pen_pos, pen_rows, pen_val.view(-1, 3))
+        if rows.constrained:
+            kernels.mask_rows(x, cons_at, words)
+        if adjusted_only:
+            return x
+        if len(sampled) < n:  # greedy rows
+            ids = torch.max(x, dim=-1)[1]
+        else:
+            ids = torch.zeros(n, dtype=torch.long, device=device)
+        if len(sampled):
+            drawn = kernels.sample_rows(
+                x if len(sampled) == n else x.index_select(0, samp), temp, top_k, top_p, min_p, uniforms(key, index),
+                host=([rows.top_k[i] for i in sampled], [rows.top_p[i] for i in sampled],
+                      [rows.min_p[i] for i in sampled]))
+            ids = ids.index_copy(0, samp, drawn)
+        ids = torch.where(finite, ids, -1)
+        if rows.penalised:
+            self.counts.add(pen_rows, ids.index_select(0, pen_pos))
+        if logprobs is None:
+            return [(t, None) if t >= 0 else self._not_finite() for t in ids.tolist()]
+        chosen = logprobs.gather(1, ids.index_select(0, asked_t).clamp(min=0)[:, None])[:, 0]
+        top_vals, top_ids = torch.topk(logprobs, k_top, dim=-1) if k_top else (logprobs[:, :0], logprobs[:, :0].long())
+        # one read: ids, chosen logprobs, alternatives (token ids are exact in fp64)
+        host = torch.cat((ids.double(), chosen.double(), top_vals.double().reshape(-1),
+                          top_ids.double().reshape(-1))).tolist()
+        id_list, chosen_list = [int(t) for t in host[:n]], host[n:n + len(asked)]
+        vals, alts = host[n + len(asked):n + len(asked) * (1 + k_top)], host[n + len(asked) * (1 + k_top):]
+        results: list = []
+        where = {int(r): j for j, r in enumerate(asked)}
+        for r, t in enumerate(id_list):
+            if t < 0:
+                results.append(self._not_finite())
+                continue
+            j = where.get(r)
+            if j is None:
+                results.append((t, None))
+                continue
+            k = rows.logprobs[r]
+            pairs = [(int(alts[j * k_top + c]), vals[j * k_top + c]) for c in range(k)]
+            results.append((t, TokenLogprob(t, chosen_list[j], pairs)))
+        return results
+
+    @staticmethod
+    def _not_finite() -> SequenceFault:
+        return SequenceFault("the model's logits for this request were not finite")
+
+    def _penalise(self, x: torch.Tensor, at: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
+        """vLLM's penalties on rows `at` of x, from their token-count rows."""
+        kernels.penalise_rows(x, at, rows, self.counts.counts, self.counts.prompt, values)
