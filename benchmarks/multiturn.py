@@ -84,6 +84,7 @@ class Result:
     seconds: float = 0.0
     computed: int = 0  # tokens the engine computed (prefill, recomputation, decode)
     metrics: EngineMetrics | None = None  # the engine's, at the end
+    cached: dict[tuple[int, int], int] = field(default_factory=dict)  # (conv, turn) -> cached_tokens
 
 
 class Client:
@@ -169,6 +170,7 @@ def replay(engine: Engine, rounds: list[list[Request]], policy: str) -> Result:
                     first[out.request_id] = time.perf_counter() - sent
                 if out.finished:
                     r = ids[out.request_id]
+                    res.cached[(r.conv, r.turn)] = out.cached_tokens
                     res.hit[r.turn] = res.hit.get(r.turn, 0) + out.cached_tokens
                     res.oracle[r.turn] = res.oracle.get(r.turn, 0) + r.oracle
                     res.prefill += len(r.prompt) - out.cached_tokens

@@ -48,7 +48,8 @@ conversation, sent as x-session-id). Each replica or server gets the cache bytes
 trace tables then add each replica's share of the requests in flight (from x-cairn-replica and
 x-peer-backend); there are no speed rows.
 
-Printed: one table per trace with cached/oracle, TTFT p50/p99 and each peer's ratio to cairn,
+Printed: one table per trace with cached/oracle, the worst shortfall and the requests more than 2 tokens
+short of the oracle, TTFT p50/p99 and each peer's ratio to cairn,
 then the speed table, then the exact command each system ran. Writes benchmarks/out/peers.png
 and peers.json (--cluster: peers-cluster.*). Not a test: nothing here asserts; tests never need
 a peer.
@@ -513,6 +514,7 @@ def summary(sent: list[Sent]) -> dict:
             "cached": sum(min(s.cached, s.bound) for s in sent if not s.error),
             "oracle": sum(s.oracle for s in cached_turns),
             "short": max((s.oracle - s.cached for s in cached_turns), default=0),
+            "short_over_2": sum(1 for s in cached_turns if s.oracle - s.cached > 2),
             "mismatched": sum(1 for s in sent if not s.error and s.reported_prompt != s.prompt_tokens),
             "ttft_p50": pct([s.ttft for s in cached_turns], 0.5), "ttft_p99": pct([s.ttft for s in cached_turns], 0.99),
             "in_flight": in_flight_shares(sent)}
@@ -531,7 +533,7 @@ def in_flight_shares(sent: list[Sent]) -> dict[str, float]:
 
 def print_trace(name: str, rows: dict[str, dict]) -> None:
     print(f"\n== {name} ==")
-    print(f"{'system':14s} {'reqs':>5s} {'cached':>8s} {'oracle':>8s} {'ratio':>6s} {'worst':>6s} "
+    print(f"{'system':14s} {'reqs':>5s} {'cached':>8s} {'oracle':>8s} {'ratio':>6s} {'worst':>6s} {'short>2':>7s} "
           f"{'TTFT p50':>9s} {'p99':>7s} {'ratio/cairn':>12s} {'p50/cairn':>10s}")
     base = next((r for name, r in rows.items() if name.startswith("cairn")), None)
     for sys_name, r in rows.items():
@@ -544,6 +546,7 @@ def print_trace(name: str, rows: dict[str, dict]) -> None:
                         f"  {r['errors']} errors ({r['first_error']})" if r["errors"] else "",
                         f"  {r['mismatched']} prompts of another length" if r["mismatched"] else ""])
         print(f"{sys_name:14s} {r['requests']:5d} {r['cached']:8d} {r['oracle']:8d} {ratio:6.3f} {r['short']:6d} "
+              f"{r['short_over_2']:7d} "
               f"{r['ttft_p50'] * 1e3:7.0f}ms {r['ttft_p99'] * 1e3:5.0f}ms {rel} {rel_t}{note}")
 
 

@@ -262,7 +262,7 @@ class Scheduler:
             if not admitted:
                 continue
             slot = cache.take_checkpoint_slot()
-            if slot is None and cache.host and pos % ps == 0:  # no device slot: the state goes straight
+            if slot is None and cache.host:  # no device slot: the state goes straight
                 slot = cache.take_host_checkpoint_slot()  # to the host tier, copied from the sequence's slot after the step
                 if slot is not None:
                     seg.num_tokens = pos - seg.start  # so the segment ends at this boundary

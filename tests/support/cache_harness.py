@@ -43,7 +43,7 @@ class Harness:
     def __init__(self, rng: random.Random, num_pages: int | None, ckpt_slots: int, blocks: int,
                  recurrent: bool = True, host_blocks: int = 0):
         self.rng = rng
-        self.sub_pages = recurrent and not host_blocks  # sub-page checkpoints too (device-only ones)
+        self.sub_pages = recurrent  # sub-page checkpoints too
         self.cache = PrefixCache(layout(num_pages, ckpt_slots, blocks, recurrent, host_blocks),
                                  CheckpointPolicy("all"), PS, recurrent=recurrent)
         self.root = root_hash("model", PS, None)
@@ -108,6 +108,43 @@ class Harness:
             return base[:keep] + [rng.randint(0, 3) for _ in range(rng.randint(1, 12))]
         return [rng.randint(0, 3) for _ in range(rng.randint(1, 20))]
 
+    def resident(self) -> tuple[set[tuple], set[tuple]]:
+        """(the token prefixes of the pages resident on either tier, of the states checkpointed
+        on either tier), read from the fake device and host."""
+        cache = self.cache
+        pages = {self.device[cache.pages.page_of(h)][1] for h, _ in cache.pages.registered()} | \
+            {self.host[page.block][1] for page in cache.host.pages.values()}
+        states = {self.device[next(iter(self.slot_blocks(cache.checkpoints.get(h).slot)))][1]
+                  for h in cache.checkpoints.hashes()} | \
+            {self.host[cache.host.blocks_of(h)[0]][1] for h in cache.host.checkpoints}
+        return pages, states
+
+    @staticmethod
+    def run_of(tokens: list[int], pages: set[tuple]) -> int:
+        h = 0
+        while h < len(tokens) // PS and tuple(tokens[:(h + 1) * PS]) in pages:
+            h += 1
+        return h
+
+    def best_resume(self, tokens: list[int], pages: set[tuple], states: set[tuple]) -> int:
+        """The deepest resume point `pages` and `states` serve `tokens`: whole pages, then the
+        head of a page after them that shares the prompt's next page; a state under n - 1 tokens
+        within that K/V (recurrent), or the K/V alone."""
+        n, h = len(tokens), self.run_of(tokens, pages)
+        kv = h * PS
+        if h:  # a page after page h - 1 shares the head of this prompt's page h
+            kv += max((shared(p[h * PS:], tokens[h * PS:]) for p in pages
+                       if len(p) == (h + 1) * PS and p[:h * PS] == tuple(tokens[:h * PS])), default=0)
+        if self.cache.recurrent:
+            return max((L for L in range(1, min(kv, n - 1) + 1) if tuple(tokens[:L]) in states), default=0)
+        return min(kv, n - 1) if kv > h * PS else min(h * PS, n - 1)
+
+    def deepest_resume(self, tokens: list[int]) -> int:
+        return self.best_resume(tokens, *self.resident())
+
+    def deepest_ever(self, tokens: list[int]) -> int:
+        return self.best_resume(tokens, self.stored_pages, self.stored_ckpts)
+
     def lru_picture(self) -> tuple:
         budget = self.cache.budget
         return tuple(budget.cold_first()), self.cache.arena.num_free_blocks, self.cache.pages.num_held
@@ -128,31 +165,21 @@ class Harness:
             assert m.state_pages <= m.hit_pages and m.state_pages * PS <= r <= n - 1
         elif cache.recurrent:
             assert r == 0
-        if m.copy_from is not None:  # the page copied from holds this prompt's prefix up to the resume point
-            kind, prefix = self.device[m.copy_from]
+        assert m.copy_from is None or m.copy_from_host is None
+        if m.copy_from is not None or m.copy_from_host is not None:  # the page copied from holds this
+            kind, prefix = self.device[m.copy_from] if m.copy_from is not None else \
+                self.host[cache.host.pages[m.copy_from_host].block]  # prompt's prefix up to the resume point
             assert kind == "page" and prefix[:r] == tuple(tokens[:r]) and r > m.hit_pages * PS
         else:
             assert r <= m.hit_pages * PS
-        if unlimited:  # completeness
-            h = 0
-            while h < n // PS and tuple(tokens[:(h + 1) * PS]) in self.stored_pages:
-                h += 1
-            kv = h * PS
-            if h and not cache.host:  # a page after page h - 1 shares the head of this prompt's page h
-                kv += max((shared(p[h * PS:], tokens[h * PS:]) for p in self.stored_pages
-                           if len(p) == (h + 1) * PS and p[:h * PS] == tuple(tokens[:h * PS])), default=0)
-            if cache.recurrent:
-                d = max((L for L in range(1, min(kv, n - 1) + 1) if tuple(tokens[:L]) in self.stored_ckpts), default=0)
-            else:
-                d = min(kv, n - 1) if kv > h * PS else min(h * PS, n - 1)
-            assert r == d, (r, d, h, kv)
-            hashes, cache_h = seq.cache.page_hashes, 0  # resident on either tier
-            while cache_h < n // PS and (cache.pages.page_of(hashes[cache_h]) is not None
-                                         or hashes[cache_h] in cache.host.pages):
-                cache_h += 1
-            assert cache_h == h
+        # Completeness: the deepest resume point some tier could serve now (copies cost nothing
+        # before the rates are measured), found by brute force over what the fake device and host
+        # hold under the names the cache gives them.
+        assert r == self.deepest_resume(tokens), (r, self.deepest_resume(tokens))
+        if unlimited:  # and with memory to spare (on the device, or on the host), nothing was lost
+            assert r == self.deepest_ever(tokens), (r, self.deepest_ever(tokens))
             if not cache.host:
-                assert m.hit_pages == h
+                assert m.hit_pages == self.run_of(tokens, self.stored_pages)
         before = self.lru_picture()
         if not cache.can_admit(seq, m, n - m.resume_token):
             assert self.lru_picture() == before, "asking took something"
@@ -161,7 +188,7 @@ class Harness:
         restore = cache.admit(seq, m, n - m.resume_token)
         self.apply_moves()
         self.hits += m.resume_token
-        self.copied += m.copy_from is not None
+        self.copied += m.copy_from is not None or m.copy_from_host is not None
         self.sub_page += m.checkpoint is not None and bool(m.checkpoint.tail)
         held = {p for r in self.running + self.computing for p in r.cache.page_ids}
         assert not set(seq.cache.page_ids[m.hit_pages:]) & held, "a held page was handed out again"
@@ -173,7 +200,7 @@ class Harness:
             assert self.holds_state(seq.cache.state_slot, tuple(tokens[:r]))
         for j in range(m.hit_pages):  # the promoted pages landed
             assert self.device[seq.cache.page_ids[j]] == ("page", tuple(tokens[:(j + 1) * PS]))
-        if m.copy_from is not None:  # the copy landed in the request's own page
+        if m.copy_from is not None or m.copy_from_host is not None:  # the copy landed in the request's own page
             assert self.device[seq.cache.page_ids[m.hit_pages]][1][:r] == tuple(tokens[:r])
         seq.resume_at = r  # type: ignore[attr-defined]
         cache.end_pass()

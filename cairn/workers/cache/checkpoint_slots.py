@@ -8,8 +8,9 @@
 - `finish_capture`: the slot a sequence's state is taken into at the last page boundary it
   crossed, stored as its finish checkpoint when it finishes (the policy's `captures_finish`);
 - `commit`: the written state becomes `seq`'s checkpoint after `position` tokens: at a page
-  boundary, keyed by that page; inside a page (a device slot only), a sub-page one on the page
-  before it. Refused (dropped) when its page is gone or it is already stored. A request that
+  boundary, keyed by that page; inside a page, a sub-page one on the page before it (on the
+  device, or on the host when it was written to a `HostSlot`). Refused (dropped) when its page
+  is gone or it is already stored. A request that
   resumed from a checkpoint demotes it once it stores a deeper one (`demoted`, at the pass's
   end while an admission pins it);
 - `store`: a written slot under a key (a commit, or an import from a peer);
@@ -127,14 +128,15 @@ class CheckpointSlots:
     def commit(self, seq: Sequence, slot: Slot, position: int, kinds: set[str],
                exact_tail: tuple[int, ...] | None = None) -> bool:
         """Stores the state in pending `slot` as `seq`'s checkpoint after `position` tokens: at a
-        page boundary, keyed by that page; inside a page (a device slot only), a sub-page one on
-        the page before it. Refused (False) when its page is gone or it is already stored."""
+        page boundary, keyed by that page; inside a page, a sub-page one on the page before it.
+        Refused (False) when its page is gone or it is already stored (on either tier, for a
+        `HostSlot`)."""
         depth, cut = divmod(position, self.page_size)
         on_host = isinstance(slot, HostSlot)
         tail = tuple(seq.token_ids[position - cut:position])
         floor = extend_hashes(seq, depth, self.page_size)[depth - 1] if depth else None
         if tail:  # keyed under this sequence's root: a floor may be a public page every tenant shares
-            key = next_page_hash(branch_root(floor, seq.hash_root), tail) if floor is not None and not on_host else None
+            key = next_page_hash(branch_root(floor, seq.hash_root), tail) if floor is not None else None
         else:
             key = floor
         existing = self.checkpoints.get(key) if key is not None else None
@@ -148,9 +150,10 @@ class CheckpointSlots:
             return False
         if on_host:  # written to the host tier (no device slot could be had)
             self._host_pending.remove(slot)
-            self.host.add_checkpoint(Checkpoint(key, -1, depth, set(kinds), exact_tail, admitted_at=self.policy.clock),
+            self.host.add_checkpoint(Checkpoint(key, -1, depth, set(kinds), exact_tail, tail, floor if tail else None,
+                                                self.policy.clock, seq.hash_root),
                                      list(slot.blocks))
-            self.placement.state_event(key)
+            self.placement.state_event(floor)
             self.stats.checkpoints_stored += 1
             self.stats.checkpoints_to_host += 1
             self.stats.count("stored", kinds)
@@ -170,11 +173,10 @@ class CheckpointSlots:
                          exact_tail: tuple[int, ...] | None = None, tail: tuple[int, ...] = (),
                          floor: bytes | None = None, root: bytes | None = None) -> None:
         """Pending `slot` (written) becomes the checkpoint keyed `page_hash`: after that page,
-        which is on the device and has none yet (a host copy is superseded), or, with `floor`,
-        the sub-page one `tail` tokens into the page after `floor`."""
+        which is on the device and has none yet, or, with `floor`, the sub-page one `tail`
+        tokens into the page after `floor` (a host copy of either is superseded)."""
         self.checkpoints.store(slot, page_hash, depth, kinds, exact_tail, tail, floor, self.policy.clock, root)
-        if floor is None:
-            self.host.drop_checkpoint(page_hash)  # (the state event below moves it in the index)
+        self.host.drop_checkpoint(page_hash)  # a host copy is superseded (the state event below tells the index)
         self.budget.list_checkpoint(page_hash)
         self.arena.slot_evictable(slot, True)
         self.placement.state_event(page_hash if floor is None else floor)

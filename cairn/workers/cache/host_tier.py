@@ -7,19 +7,24 @@ which host block holds what, and what leaves when room is needed.
 
 - A page takes one host block; a checkpoint takes `slot_blocks` host blocks, any ones (on the
   host a state need not be contiguous: it is copied block by block into a device slot).
+- Checkpoints are whole-page (keyed by the page they end) or sub-page (inside the page after
+  their `floor`, keyed as on the device: `cairn.workers.cache.checkpoint_store`); `at_floor` finds
+  the sub-page ones. A page keeps the tokens it was computed over and their hash root, so a
+  prompt that shares only its head can copy that head (`partial_match`, as on the device).
 - A hash lives in one tier at a time: a page or checkpoint moves here when the device evicts it
   (a demotion) and leaves when a request takes it back (`pop_page`, a promotion) or the device
   computes it again (the device copy supersedes this one). A checkpoint restored from here stays
   here: the request copies it into its own running state.
 - Chains: the device pages of a chain are a prefix of it, its host pages follow (a host page's
   parent is on the device or here; its children are here). So a host page goes with its host
-  descendants and the checkpoints on them (design rule 7, the same rule as on the device), and
-  when the device drops a page outright, the host pages under it go too (`drop_below`).
-- Eviction is least recently stored or used first (`touch`); a checkpoint pinned by an admission
-  (until the scheduling pass ends, `unpin_all`) stays. `take_blocks` evicts until the blocks
+  descendants and the checkpoints on them and inside the pages after them (design rule 7, the
+  same rule as on the device), and when the device drops a page outright, the host pages under
+  it go too, and the sub-page checkpoints here whose floor it was (`drop_below`).
+- Eviction is least recently stored or used first (`touch`); a checkpoint or page pinned by an
+  admission (until the scheduling pass ends, `unpin_all`: the copies out of it are queued) stays. `take_blocks` evicts until the blocks
   asked for are free, or refuses (None) without evicting when they never could be.
-Everything that leaves is reported through `on_removed(pages, states)`, so the prefix cache can
-tell the index.
+Everything that leaves is reported through `on_removed(pages, state_pages)` (the pages whose
+state went: a sub-page checkpoint's floor), so the prefix cache can tell the index.
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ from cairn.workers.cache.checkpoint_store import Checkpoint
 class HostPage:
     block: int
     parent: bytes | None
+    tokens: tuple[int, ...] | None = None  # what its K/V was computed over (None: unknown)
+    root: bytes = b""  # the hash root it was computed under (`PagePool.partial_match`)
 
 
 class HostTier:
@@ -48,8 +55,10 @@ class HostTier:
         self._children: dict[bytes, set[bytes]] = {}  # parent hash (device or host) -> host pages under it
         self.checkpoints: dict[bytes, Checkpoint] = {}
         self._ckpt_blocks: dict[bytes, list[int]] = {}
+        self._floors: dict[bytes, dict[bytes, Checkpoint]] = {}  # floor page -> sub-page checkpoints here
         self._lru: OrderedDict[tuple[str, bytes], None] = OrderedDict()  # coldest first
-        self._pinned: set[bytes] = set()
+        self._pinned: set[bytes] = set()  # checkpoints an admission of this pass copies out of
+        self._pinned_pages: set[bytes] = set()  # pages whose head an admission of this pass copies
         self._on_removed = on_removed
         self.pages_evicted = self.checkpoints_evicted = 0
 
@@ -69,11 +78,40 @@ class HostTier:
         """The host blocks of the checkpoint at `page_hash`, in slot order."""
         return self._ckpt_blocks[page_hash]
 
+    def at_floor(self, floor: bytes) -> list[Checkpoint]:
+        """The sub-page checkpoints here inside the page after `floor`."""
+        return list(self._floors.get(floor, {}).values())
+
+    def has_sub_page(self, floor: bytes) -> bool:
+        return floor in self._floors
+
+    def state_pages(self) -> list[bytes]:
+        """The pages with a state here at their end or inside the page after them (the index's view)."""
+        return list(dict.fromkeys(h if c.floor is None else c.floor for h, c in self.checkpoints.items()))
+
+    def partial_match(self, parent: bytes, tokens: list[int], root: bytes = b"") -> tuple[bytes | None, int]:
+        """(page hash, m): of `parent`'s children here whose tokens are known and that were
+        computed under `root`, the one whose first m tokens equal the first m of `tokens`, m as
+        large as possible ((None, 0): none shares even one). The device's rule
+        (`PagePool.partial_match`), over host pages."""
+        best, best_m = None, 0
+        for child in self._children.get(parent, ()):
+            page = self.pages[child]
+            known = page.tokens
+            if known is None or page.root != root or not tokens or known[0] != tokens[0]:
+                continue
+            m, n = 1, min(len(known), len(tokens))
+            while m < n and known[m] == tokens[m]:
+                m += 1
+            if m > best_m:
+                best, best_m = child, m
+        return best, best_m
+
     # ---- room ----------------------------------------------------------------------------------
     def take_blocks(self, n: int) -> list[int] | None:
         """`n` free host blocks, evicting the coldest unpinned items until they are free; None
         (nothing evicted) when even an empty tier, less what is pinned, has fewer."""
-        if n > self.num_blocks - len(self._pinned) * self.slot_blocks:
+        if n > self.num_blocks - len(self._pinned) * self.slot_blocks - len(self._pinned_pages):
             return None
         while len(self._free) < n:
             if not self._evict_coldest():
@@ -86,6 +124,8 @@ class HostTier:
     def _evict_coldest(self) -> bool:
         for kind, page_hash in self._lru:
             if kind == PAGE:
+                if self._pins_under(page_hash):
+                    continue
                 self.pages_evicted += 1
                 self._drop_subtree(page_hash, evicted=True)
                 return True
@@ -96,8 +136,9 @@ class HostTier:
         return False
 
     # ---- adding ------------------------------------------------------------------------------
-    def add_page(self, page_hash: bytes, parent: bytes | None, block: int) -> None:
-        self.pages[page_hash] = HostPage(block, parent)
+    def add_page(self, page_hash: bytes, parent: bytes | None, block: int,
+                 tokens: tuple[int, ...] | None = None, root: bytes = b"") -> None:
+        self.pages[page_hash] = HostPage(block, parent, tokens, root)
         if parent is not None:
             self._children.setdefault(parent, set()).add(page_hash)
         self._lru[(PAGE, page_hash)] = None
@@ -105,6 +146,8 @@ class HostTier:
     def add_checkpoint(self, ckpt: Checkpoint, blocks: list[int]) -> None:
         self.checkpoints[ckpt.page_hash] = ckpt
         self._ckpt_blocks[ckpt.page_hash] = blocks
+        if ckpt.floor is not None:
+            self._floors.setdefault(ckpt.floor, {})[ckpt.page_hash] = ckpt
         self._lru[(CHECKPOINT, ckpt.page_hash)] = None
 
     def touch(self, kind: str, page_hash: bytes) -> None:
@@ -116,8 +159,28 @@ class HostTier:
         self._pinned.add(page_hash)
         self.touch(CHECKPOINT, page_hash)
 
+    def pin_page(self, page_hash: bytes) -> None:
+        """An admission copies this page's head in this pass: not evictable until its end."""
+        self._pinned_pages.add(page_hash)
+        self.touch(PAGE, page_hash)
+
     def unpin_all(self) -> None:
         self._pinned.clear()
+        self._pinned_pages.clear()
+
+    def _pins_under(self, page_hash: bytes) -> bool:
+        """Whether evicting the host page `page_hash` (its descendants and their checkpoints
+        with it) would take something pinned."""
+        if not self._pinned and not self._pinned_pages:
+            return False
+        stack = [page_hash]
+        while stack:
+            h = stack.pop()
+            if h in self._pinned_pages or h in self._pinned or \
+                    any(k in self._pinned for k in self._floors.get(h, ())):
+                return True
+            stack.extend(self._children.get(h, ()))
+        return False
 
     # ---- leaving -------------------------------------------------------------------------------
     def pop_page(self, page_hash: bytes) -> int:
@@ -138,10 +201,12 @@ class HostTier:
         return True
 
     def drop_below(self, page_hash: bytes) -> None:
-        """The device dropped page `page_hash` outright: its checkpoint here and every host page
-        under it (with their checkpoints) go, reported."""
-        if page_hash in self.checkpoints:
-            self._drop_checkpoints([page_hash])
+        """The device dropped page `page_hash` outright: its checkpoint here, the sub-page ones
+        inside the page after it, and every host page under it (with their checkpoints) go,
+        reported."""
+        gone = ([page_hash] if page_hash in self.checkpoints else []) + list(self._floors.get(page_hash, ()))
+        if gone:
+            self._drop_checkpoints(gone)
         for child in list(self._children.get(page_hash, ())):
             self._drop_subtree(child, evicted=False)
 
@@ -152,8 +217,10 @@ class HostTier:
         self._children.clear()
         self.checkpoints.clear()
         self._ckpt_blocks.clear()
+        self._floors.clear()
         self._lru.clear()
         self._pinned.clear()
+        self._pinned_pages.clear()
 
     def _drop_subtree(self, page_hash: bytes, evicted: bool) -> None:
         pages: list[bytes] = []
@@ -162,21 +229,31 @@ class HostTier:
             h = stack.pop()
             pages.append(h)
             stack.extend(self._children.get(h, ()))
-        states = [h for h in pages if h in self.checkpoints]
-        for h in states:
-            self._forget_checkpoint(h)
+        states = [h for h in pages if h in self.checkpoints] + \
+            [k for h in pages for k in self._floors.get(h, ())]
+        state_pages = self._forget_checkpoints(states)
         for h in reversed(pages):  # deepest first
             self._free.append(self.pop_page(h))
             self._children.pop(h, None)
-        self._on_removed(pages, states)
+        self._on_removed(pages, state_pages)
 
     def _drop_checkpoints(self, hashes: list[bytes]) -> None:
+        self._on_removed([], self._forget_checkpoints(hashes))
+
+    def _forget_checkpoints(self, hashes: list[bytes]) -> list[bytes]:
+        """Forgets them; returns the pages whose state they were (a sub-page one's floor), once each."""
+        pages = [h if self.checkpoints[h].floor is None else self.checkpoints[h].floor for h in hashes]
         for h in hashes:
             self._forget_checkpoint(h)
-        self._on_removed([], hashes)
+        return list(dict.fromkeys(pages))
 
     def _forget_checkpoint(self, page_hash: bytes) -> None:
-        del self.checkpoints[page_hash]
+        ckpt = self.checkpoints.pop(page_hash)
+        if ckpt.floor is not None:
+            at = self._floors[ckpt.floor]
+            del at[page_hash]
+            if not at:
+                del self._floors[ckpt.floor]
         self._free.extend(self._ckpt_blocks.pop(page_hash))
         del self._lru[(CHECKPOINT, page_hash)]
         self._pinned.discard(page_hash)
@@ -214,6 +291,9 @@ class HostTier:
                 raise AssertionError("a page is on the device and the host at once")
             if page.parent is not None and page.parent not in self.pages and not device_has(page.parent):
                 raise AssertionError("a host page's parent is resident nowhere")
-        for h in self.checkpoints:
-            if h not in self.pages and not device_has(h):
-                raise AssertionError("a host checkpoint's page is resident nowhere")
+        for h, ckpt in self.checkpoints.items():
+            page = h if ckpt.floor is None else ckpt.floor
+            if page not in self.pages and not device_has(page):
+                raise AssertionError("a host checkpoint's page (or floor page) is resident nowhere")
+        if sum(map(len, self._floors.values())) != sum(c.floor is not None for c in self.checkpoints.values()):
+            raise AssertionError("host tier sub-page index is off")

@@ -1,14 +1,21 @@
 """The prefix cache's lookup (design rule 4): where a prompt can resume, and what that costs.
 
-`Lookup.match(seq)`: h = the longest run of `seq`'s pages resident on the device; d = the
-deepest checkpoint at or under h pages (and under n - 1 tokens) the prompt may use; the resume
-point follows from `cairn.cache_service.scoring.resume_at_token`. Tokens from there up to h pages are
-recomputed only to rebuild the state; their K/V, already in the shared pages, is not written
-again. With a host tier (`cairn.workers.cache.host_tier`), the run goes on over the chain's host pages
-after its device ones, and a checkpoint may be on the host: each usable resume point is priced
-by `cairn.workers.cache.tier_cost` (host copies it needs + prefill it leaves) and the cheapest is
-taken, the cold start included. A partly matching page after the run (`PagePool.partial_match`)
-or a sub-page checkpoint inside a page moves the resume point past the page floor.
+`Lookup.match(seq)`: h = the longest run of `seq`'s pages resident on the device; with a host
+tier (`cairn.workers.cache.host_tier`) the run goes on over the chain's host pages to `top`. Every
+usable resume point across both tiers is a candidate:
+- K/V: whole pages up to the resume point's page (the device's, then host pages promoted), and
+  for a resume point inside a page, that page's head: the page itself when the prompt repeats
+  it whole (on the device, or promoted), else the head of a cached page that shares it (a
+  partial match after the run, `PagePool.partial_match` on the device or
+  `HostTier.partial_match` on the host), copied into the request's own page (copy-on-write);
+- state (recurrent models): a whole-page checkpoint at a page boundary, or a sub-page one
+  inside a page (`CheckpointStore.at_floor`, `HostTier.at_floor`), on either tier, under n - 1
+  tokens; without recurrent layers the K/V alone is the resume point.
+Each candidate is priced by `cairn.workers.cache.tier_cost` (host copies it needs + prefill it
+leaves) and the cheapest is taken, the cold start included: with copies priced at nothing
+(rates not yet measured), that is the deepest. Tokens from the resume point up to the hit pages
+are recomputed only to rebuild the state; their K/V, already in the shared pages, is not
+written again.
 
 Reads the cache's parts, changes nothing but `seq`'s hash chain (extended as far as its pages).
 """
@@ -48,7 +55,8 @@ class Match:
     from_host: bool = False  # the checkpoint is on the host: copied from there into the state
     copy_from: int | None = None  # a cached page whose head (up to resume_token) the request's page
     # hit_pages copies: the resume point is past the page floor (copy-on-write)
-    kv_tokens: int = 0  # tokens of the prompt whose K/V the device holds, a partial page's included
+    kv_tokens: int = 0  # tokens of the prompt whose K/V a tier holds, a partial page's included
+    copy_from_host: bytes | None = None  # as copy_from, a host page (by hash): its head is copied up
 
     @property
     def device_pages(self) -> int:
@@ -57,7 +65,15 @@ class Match:
     @property
     def tier(self) -> str:
         """Where the resume point came from: the device alone, or the host too."""
-        return HOST if self.promote or self.from_host else DEVICE
+        return HOST if self.promote or self.from_host or self.copy_from_host is not None else DEVICE
+
+
+@dataclass(frozen=True)
+class _Partial:
+    """The head of page `top` shared with a cached page after the run: `shared` tokens of it."""
+    shared: int = 0
+    device: int | None = None  # the device page to copy it from
+    host: bytes | None = None  # or the host page
 
 
 class Lookup:
@@ -71,66 +87,100 @@ class Lookup:
         cap = last_resumable_token(n)  # the last prompt token is always computed
         hashes = extend_hashes(seq, n // ps, ps)
         h = self.device_run(hashes, n // ps)
-        source, shared = self._partial_page(seq, hashes, h)  # a cached page sharing page h's head
-        kv = h * ps + shared  # tokens whose K/V the device holds
         top, host = h, self.host  # the host pages of the chain follow its device run
         if host:
             while top < n // ps and hashes[top] in host.pages:
                 top += 1
+        partial = self._partial_page(seq, hashes, h, top)
+        kv = top * ps + partial.shared  # tokens whose K/V a tier holds
         if not self.recurrent:
-            r = min(kv, cap) if shared else resume_at_token(h, h, n, ps, recurrent=False)
-            m = Match(h, h, r, None, copy_from=source if r > h * ps else None, kv_tokens=kv)
-            if top > h:
-                deeper = Match(top, top, resume_at_token(top, top, n, ps, recurrent=False), None,
-                               promote=tuple(hashes[h:top]))
-                if self.resume_cost(deeper, n) < self.resume_cost(m, n):
-                    return deeper
-            return m
+            return self._attention_only(n, h, top, partial, hashes)
         best = Match(h, 0, 0, None, kv_tokens=kv)  # cold
         best_cost = self.resume_cost(best, n)
         for j in range(min(top, last_resumable_page(n, ps)), 0, -1):
-            if j <= h:  # a sub-page checkpoint inside page j: deeper than the boundary's, on the device
-                sub = self.sub_page_resume(seq, hashes[j - 1], min(cap, kv if j == h else (j + 1) * ps))
-                if sub is not None:
-                    m = Match(h, j, sub.position(ps), sub,
-                              copy_from=source if sub.position(ps) > h * ps else None, kv_tokens=kv)
-                    if self.resume_cost(m, n) < best_cost:
-                        best = m
-                    break
+            candidates = []
+            # a sub-page checkpoint inside page j: deeper than the boundary's
+            sub, sub_on_host = self.sub_page_resume(seq, hashes[j - 1], min(cap, kv if j == top else (j + 1) * ps))
+            if sub is not None:
+                candidates.append(self._at(h, j, sub.position(ps), sub, sub_on_host, hashes, partial, top, kv))
             ckpt, from_host = self.checkpoints.get(hashes[j - 1]), False
             if ckpt is None and host:
                 ckpt = host.checkpoints.get(hashes[j - 1])
                 from_host = ckpt is not None
-            if ckpt is None or not ckpt.usable_by(seq.token_ids, ps):
-                continue
-            m = Match(max(h, j), j, resume_at_token(max(h, j), j, n, ps, recurrent=True), ckpt,
-                      promote=tuple(hashes[h:j]), from_host=from_host, kv_tokens=kv)
-            cost = self.resume_cost(m, n)
-            if cost < best_cost:
-                best, best_cost = m, cost
-            if not m.promote and not from_host:
+            if ckpt is not None and ckpt.usable_by(seq.token_ids, ps):
+                candidates.append(self._at(h, j, resume_at_token(max(h, j), j, n, ps, recurrent=True), ckpt,
+                                           from_host, hashes, partial, top, kv))
+            for m in candidates:
+                cost = self.resume_cost(m, n)
+                if cost < best_cost:
+                    best, best_cost = m, cost
+            if any(m.tier == DEVICE for m in candidates):
                 break  # a device resume point copies nothing: shallower ones only cost more
         return best
 
-    def _partial_page(self, seq: Sequence, hashes: list[bytes], h: int) -> tuple[int | None, int]:
-        """(page, m): a cached page after page h - 1 whose first m tokens are the first m of
-        `seq`'s page h, m as large as possible ((None, 0): none). Copied into the request's own
-        page h, it gives K/V up to the divergence instead of the page floor."""
-        ps, n = self.page_size, seq.num_tokens
-        if h == 0 or h * ps >= n:
-            return None, 0
-        return self.pages.partial_match(hashes[h - 1], seq.token_ids[h * ps:min(n, (h + 1) * ps)], seq.hash_root)
+    def _at(self, h: int, j: int, resume: int, ckpt: Checkpoint, from_host: bool, hashes: list[bytes],
+            partial: _Partial, top: int, kv: int) -> Match:
+        """Resuming at `resume` from `ckpt` (after page j, or inside page j): the pages under it
+        from the device, then the host; a resume inside page j needs page j's head too."""
+        ps = self.page_size
+        if resume <= max(h, j) * ps:  # its K/V is in whole pages: the device run, or promoted up to j
+            return Match(max(h, j), j, resume, ckpt, promote=tuple(hashes[h:j]), from_host=from_host,
+                         kv_tokens=kv)
+        if j < top:  # page j is resident whole: the device's (j < h), or promoted with the rest
+            return Match(max(h, j + 1), j, resume, ckpt, promote=tuple(hashes[h:j + 1]), from_host=from_host,
+                         kv_tokens=kv)
+        return Match(top, j, resume, ckpt, promote=tuple(hashes[h:top]), from_host=from_host,
+                     copy_from=partial.device, copy_from_host=partial.host, kv_tokens=kv)
 
-    def sub_page_resume(self, seq: Sequence, floor: bytes, limit: int) -> Checkpoint | None:
-        """The deepest sub-page checkpoint on page `floor` that `seq` repeats, at most at `limit`,
-        taken under `seq`'s own hash root (after a public prefix, another tenant's is not its)."""
-        best, ps = None, self.page_size
-        for ckpt in self.checkpoints.at_floor(floor):
+    def _attention_only(self, n: int, h: int, top: int, partial: _Partial, hashes: list[bytes]) -> Match:
+        """Without recurrent layers the K/V hit is the resume point: the device run, or the run
+        over the host pages after it, each with the head of the page after it when a cached
+        page shares it; the cheaper."""
+        ps, cap = self.page_size, last_resumable_token(n)
+        kv = top * ps + partial.shared
+        m = Match(h, h, resume_at_token(h, h, n, ps, recurrent=False), None, kv_tokens=kv)
+        if top == h and partial.shared and min(kv, cap) > h * ps:
+            m = Match(h, h, min(kv, cap), None, copy_from=partial.device, copy_from_host=partial.host, kv_tokens=kv)
+        if top > h:
+            r = min(kv, cap) if partial.shared and min(kv, cap) > top * ps else \
+                resume_at_token(top, top, n, ps, recurrent=False)
+            deeper = Match(top, top, r, None, promote=tuple(hashes[h:top]), kv_tokens=kv,
+                           copy_from_host=partial.host if r > top * ps else None)
+            if self.resume_cost(deeper, n) < self.resume_cost(m, n):
+                return deeper
+        return m
+
+    def _partial_page(self, seq: Sequence, hashes: list[bytes], h: int, top: int) -> _Partial:
+        """A cached page after page top - 1 whose first m tokens are the first m of `seq`'s page
+        top, m as large as possible (shared 0: none): on the device (only when the run is all
+        the device's, top == h: a host page's children are on the host) or on the host, the
+        device's when both share as much. Copied into the request's own page top, it gives K/V
+        up to the divergence instead of the page floor."""
+        ps, n = self.page_size, seq.num_tokens
+        if top == 0 or top * ps >= n:
+            return _Partial()
+        tokens, parent = seq.token_ids[top * ps:min(n, (top + 1) * ps)], hashes[top - 1]
+        device, shared = self.pages.partial_match(parent, tokens, seq.hash_root) if top == h else (None, 0)
+        on_host, host_shared = self.host.partial_match(parent, tokens, seq.hash_root) if self.host else (None, 0)
+        if host_shared > shared:
+            return _Partial(host_shared, host=on_host)
+        return _Partial(shared, device=device)
+
+    def sub_page_resume(self, seq: Sequence, floor: bytes, limit: int) -> tuple[Checkpoint | None, bool]:
+        """(the deepest sub-page checkpoint on page `floor` that `seq` repeats, at most at
+        `limit`, whether it is on the host), over both tiers, the device's when both are as
+        deep; (None, False): none. Taken under `seq`'s own hash root (after a public prefix,
+        another tenant's is not its)."""
+        best, on_host, ps = None, False, self.page_size
+        candidates = [(c, False) for c in self.checkpoints.at_floor(floor)]
+        if self.host:
+            candidates += [(c, True) for c in self.host.at_floor(floor)]
+        for ckpt, host in candidates:
             pos = ckpt.position(ps)
             if pos <= limit and ckpt.root == seq.hash_root and (best is None or pos > best.position(ps)) \
                     and ckpt.usable_by(seq.token_ids, ps):
-                best = ckpt
-        return best
+                best, on_host = ckpt, host
+        return best, on_host
 
     def device_run(self, hashes: list[bytes], upto: int | None = None) -> int:
         """How many of the first `upto` (default: all) pages of the chain `hashes` are on the
@@ -148,5 +198,6 @@ class Lookup:
 
     def resume_cost(self, m: Match, num_tokens: int) -> float:
         """Seconds to resume at `m` (`cairn.workers.cache.tier_cost`): its host copies and its prefill."""
-        copy = len(m.promote) * self.layout.block_bytes + (self.layout.slot_bytes if m.from_host else 0)
+        copy = (len(m.promote) + (m.copy_from_host is not None)) * self.layout.block_bytes + \
+            (self.layout.slot_bytes if m.from_host else 0)
         return self.tier_cost.seconds(copy, num_tokens - m.resume_token)

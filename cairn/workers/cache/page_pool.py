@@ -17,6 +17,16 @@ its whole chain), so a cached page has only cached descendants. `check()` verifi
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
+
+class EvictedPage(NamedTuple):
+    page: int  # the block it was on (free now)
+    page_hash: bytes
+    parent: bytes | None
+    tokens: tuple[int, ...] | None  # what it was computed over, when known
+    root: bytes  # the hash root it was computed under
+
 
 class PagePool:
     def __init__(self) -> None:
@@ -156,17 +166,17 @@ class PagePool:
         self._hash_of[dst] = page_hash
         self._page_of[page_hash] = dst
 
-    def evict(self, page: int) -> list[tuple[int, bytes, bytes | None]]:
-        """Unregisters a cached page and its cached descendants; returns (page, hash, parent
-        hash) of each, deepest first. Their blocks are free: the caller gives them back to the
-        arena."""
+    def evict(self, page: int) -> list[EvictedPage]:
+        """Unregisters a cached page and its cached descendants; returns each, deepest first,
+        with what it was computed over (the host tier keeps that for partial matches). Their
+        blocks are free: the caller gives them back to the arena."""
         if page in self._refs or page not in self._hash_of:
             raise RuntimeError(f"evict({page}): only cached pages can be evicted")
-        freed: list[tuple[int, bytes, bytes | None]] = []
+        freed: list[EvictedPage] = []
         self._evict_chain(self._hash_of[page], freed)
         return freed
 
-    def _evict_chain(self, page_hash: bytes, freed: list[tuple[int, bytes, bytes | None]]) -> None:
+    def _evict_chain(self, page_hash: bytes, freed: list[EvictedPage]) -> None:
         for child in list(self._children.get(page_hash, ())):
             self._evict_chain(child, freed)
         page = self._page_of.pop(page_hash)
@@ -174,14 +184,14 @@ class PagePool:
             raise RuntimeError(f"page {page} is held but its ancestor was evicted")
         del self._hash_of[page]
         parent = self._parent.pop(page_hash)
-        self._tokens.pop(page_hash, None)
+        root, tokens = self._tokens.pop(page_hash, (b"", None))
         if parent is not None and parent in self._children:
             self._children[parent].discard(page_hash)
             if not self._children[parent]:
                 del self._children[parent]
         self._children.pop(page_hash, None)
         self._num_cached -= 1
-        freed.append((page, page_hash, parent))
+        freed.append(EvictedPage(page, page_hash, parent, tokens, root))
 
     def registered(self) -> list[tuple[bytes, bytes | None]]:
         """Every (hash, parent) registered, parents before children (for snapshots)."""

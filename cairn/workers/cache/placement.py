@@ -9,7 +9,8 @@ stats) at construction. It:
 - evicts: a page with its cached descendants and every checkpoint on them, a checkpoint alone.
   With a host tier (`cairn.workers.cache.host_tier`) what is evicted is demoted there, when the tier
   can make room for all of it, and otherwise dropped, taking what the tier holds under it
-  along; sub-page checkpoints stay on the device: evicted, they are dropped;
+  along. Sub-page checkpoints are demoted by the same rules as whole-page ones: alone when the
+  LRU picks them, with their floor page when it goes;
 - promotes host pages back to device blocks for an admission;
 - clears: drops everything no running sequence holds, and the host tier (operators, tests);
 - takes blocks for, and names, pages imported from a peer (`cairn.workers.cache.transfer`).
@@ -232,13 +233,13 @@ class Placement:
 
     def evict_checkpoint(self, page_hash: bytes) -> None:
         self.budget.unlist_checkpoint(page_hash)
-        sub_page = self.checkpoints.get(page_hash).floor is not None  # kept on the device only
-        blocks = None if sub_page else self.host_blocks(self.slot_blocks)
+        blocks = self.host_blocks(self.slot_blocks)
         if blocks is None:
             self.remove_checkpoint(page_hash, listed=True)
             return
+        floor = self.checkpoints.get(page_hash).floor
         self.demote_checkpoint(page_hash, blocks, listed=True)
-        self.state_event(page_hash)
+        self.state_event(page_hash if floor is None else floor)
 
     def state_event(self, page_hash: bytes) -> None:
         """Tells the index where the state at the end of page `page_hash` now is: on the device
@@ -247,50 +248,53 @@ class Placement:
         host if that tier has one, else nowhere."""
         if self.checkpoints.get(page_hash) is not None or self.checkpoints.has_sub_page(page_hash):
             self.events.put(StateStored(page_hash))
-        elif page_hash in self.host.checkpoints:
+        elif page_hash in self.host.checkpoints or self.host.has_sub_page(page_hash):
             self.events.put(StateStored(page_hash, HOST))
         else:
             self.events.put(StateRemoved(page_hash))
 
     def evict_page(self, first: int) -> None:
-        """Evicts a cached page with its cached descendants and their checkpoints: demoted to
-        the host tier when it has room for all of them, else dropped (and with them, what the
-        host tier holds under them)."""
+        """Evicts a cached page with its cached descendants, their checkpoints and the sub-page
+        ones inside the pages after them: demoted to the host tier when it has room for all of
+        them, else dropped (and with them, what the host tier holds under them)."""
         evicted = self.pages.evict(first)  # deepest first
-        states = []
-        for page, page_hash, _ in evicted:
-            self.budget.unlist_page(page_hash)
-            self.arena.free_page(page)
+        states = []  # (checkpoint key, listed): whole-page ones and sub-page ones, all on these pages
+        for e in evicted:
+            self.budget.unlist_page(e.page_hash)
+            self.arena.free_page(e.page)
             self.stats.pages_evicted += 1
-            for sub in self.checkpoints.at_floor(page_hash):  # device-only: they go with their page
-                self.remove_checkpoint(sub.page_hash, self.budget.unlist_checkpoint(sub.page_hash))
-            if self.checkpoints.get(page_hash) is not None:  # a pinned one goes all the same
-                states.append((page_hash, self.budget.unlist_checkpoint(page_hash)))
+            states += [(sub.page_hash, self.budget.unlist_checkpoint(sub.page_hash))
+                       for sub in self.checkpoints.at_floor(e.page_hash)]
+            if self.checkpoints.get(e.page_hash) is not None:  # a pinned one goes all the same
+                states.append((e.page_hash, self.budget.unlist_checkpoint(e.page_hash)))
         blocks = self.host_blocks(len(evicted) + len(states) * self.slot_blocks)
         if blocks is None:
-            for page_hash, listed in states:
-                self.remove_checkpoint(page_hash, listed)
-            self.events.put(PagesRemoved(tuple(h for _, h, _ in evicted)))
+            for key, listed in states:
+                self.remove_checkpoint(key, listed)
+            self.events.put(PagesRemoved(tuple(e.page_hash for e in evicted)))
             if self.host:
-                for _, page_hash, _ in evicted:
-                    self.host.drop_below(page_hash)
+                for e in evicted:
+                    self.host.drop_below(e.page_hash)
             return
-        for page, page_hash, parent in evicted:
+        for e in evicted:
             block = blocks.pop()
-            self.copies.append(BlockCopy(DEMOTE, page, block))
-            self.host.add_page(page_hash, parent, block)
+            self.copies.append(BlockCopy(DEMOTE, e.page, block))
+            self.host.add_page(e.page_hash, e.parent, block, e.tokens, e.root)
         self.stats.pages_demoted += len(evicted)
         self.stats.bytes_to_host += len(evicted) * self.layout.block_bytes
-        for page_hash, listed in states:
-            self.demote_checkpoint(page_hash, [blocks.pop() for _ in range(self.slot_blocks)], listed)
+        state_pages = []
+        for key, listed in states:
+            floor = self.checkpoints.get(key).floor
+            self.demote_checkpoint(key, [blocks.pop() for _ in range(self.slot_blocks)], listed)
+            state_pages.append(key if floor is None else floor)
         run: list[bytes] = []  # parents first, one PagesStored per run of a chain
-        for _, page_hash, parent in reversed(evicted):
-            if run and parent != run[-1]:
+        for e in reversed(evicted):
+            if run and e.parent != run[-1]:
                 self.events.put(PagesStored(tuple(run), self.host.pages[run[0]].parent, HOST))
                 run = []
-            run.append(page_hash)
+            run.append(e.page_hash)
         self.events.put(PagesStored(tuple(run), self.host.pages[run[0]].parent, HOST))
-        for page_hash, _ in states:
+        for page_hash in dict.fromkeys(state_pages):
             self.events.put(StateStored(page_hash, HOST))
 
     def host_blocks(self, n: int) -> list[int] | None:

@@ -41,7 +41,7 @@ from __future__ import annotations
 from cairn.cache_service.events import PagesStored
 from cairn.workers.cache import integrity
 from cairn.workers.cache.arena import Arena, ArenaLayout
-from cairn.workers.cache.cache_budget import CacheBudget
+from cairn.workers.cache.cache_budget import CHECKPOINT, CacheBudget
 from cairn.workers.cache.checkpoint_policy import END, END_KINDS, CheckpointPolicy
 from cairn.workers.cache.checkpoint_slots import CheckpointSlots
 from cairn.workers.cache.checkpoint_store import CheckpointStore
@@ -166,6 +166,8 @@ class PrefixCache:
         c.register_stopped = False
         c.resumed_from = None
         restore = None
+        if m.copy_from_host is not None:
+            self.host.pin_page(m.copy_from_host)  # its head is copied below: before anything makes room
         if m.checkpoint is not None:
             ckpt = m.checkpoint
             if m.from_host:
@@ -195,6 +197,10 @@ class PrefixCache:
         if m.copy_from is not None:  # copy-on-write: the cached page's head becomes this one's
             self.placement.copies.append(BlockCopy(COPY, m.copy_from, c.page_ids[m.hit_pages]))
             self.placement.unhold(m.copy_from)
+        elif m.copy_from_host is not None:  # the same from a host page, which stays on the host
+            self.placement.copies.append(BlockCopy(PROMOTE, self.host.pages[m.copy_from_host].block,
+                                                   c.page_ids[m.hit_pages]))
+            self.stats.bytes_to_device += self.layout.block_bytes
         c.row = self._free_rows.pop()
         self._table_writes.append(PageTableWrite(c.row, 0, list(c.page_ids)))
         self._touch_hinted(seq, m.resume_token)
@@ -216,9 +222,13 @@ class PrefixCache:
             if not depth or depth > len(c.page_hashes):
                 continue
             floor = c.page_hashes[depth - 1]
-            ckpt = self.lookup.sub_page_resume(seq, floor, pos) if cut else self.checkpoints.get(floor)
+            ckpt, on_host = self.lookup.sub_page_resume(seq, floor, pos) if cut else \
+                (self.checkpoints.get(floor), False)
             if ckpt is not None and ckpt.position(ps) == pos and ckpt.kinds & END_KINDS:
-                self.budget.touch_checkpoint(ckpt.page_hash)
+                if on_host:
+                    self.host.touch(CHECKPOINT, ckpt.page_hash)
+                else:
+                    self.budget.touch_checkpoint(ckpt.page_hash)
 
     def want_checkpoint(self, seq: Sequence, position: int, kind: str) -> None:
         """Asks `seq` to checkpoint after `position` tokens too (a twin waits to resume there)."""
@@ -361,9 +371,12 @@ class PrefixCache:
         return self.pages.registered(), self.checkpoints.state_pages()
 
     def host_snapshot(self) -> tuple[list[tuple[bytes, bytes | None]], list[bytes]]:
-        """What the host tier holds now, in the same form (a state there whose page also has a
-        sub-page one on the device is the device's, as its events say: `_state_event`)."""
-        return self.host.registered(), [h for h in self.host.checkpoints if not self.checkpoints.has_sub_page(h)]
+        """What the host tier holds now, in the same form (a state there whose page also has one
+        on the device, at its end or inside the page after it, is the device's, as its events
+        say: `Placement.state_event`)."""
+        device = self.checkpoints
+        return self.host.registered(), [h for h in self.host.state_pages()
+                                        if device.get(h) is None and not device.has_sub_page(h)]
 
     def forget_events(self) -> None:
         self.events.forget()

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from tests.support.chat import assert_same_output
 from cairn.workers import Engine, SamplingParams
 from cairn.workers.cache.tier_cost import TierCost
-from tests.support.stepping import drain, run_alone
+from tests.support.stepping import drain, finish, run_alone
 
 PS = 16
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=1)
@@ -56,6 +56,44 @@ def test_a_request_resumed_from_the_host_tier_computes_what_a_cold_one_computes(
     warm = engine.generate([second], GREEDY)[0]
     cold = run_salted(engine, second, salt=f"cold-{engine.stats.steps}")
     assert cold.cached_tokens == 0
+    assert_same_output(warm, cold)
+    engine.check()
+
+
+@pytest.fixture(scope="module")
+def exact_tiered_engine(tiny_model_dir):
+    """The `cairn` policy (sub-page checkpoints at hints and prompt ends) on a device that keeps
+    about one conversation, beside a host tier that keeps them all."""
+    return Engine.from_pretrained(tiny_model_dir, cache_policy="cairn", cache_memory_bytes=30 * BLOCK,
+                                  host_cache_bytes=4000 * BLOCK, max_num_seqs=4)
+
+
+@settings(max_examples=30, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(data=st.data())
+def test_a_rewritten_turn_resumed_at_its_divergence_from_the_host_computes_what_a_cold_one_computes(
+        exact_tiered_engine, data):
+    """Issue 38: a turn whose template rewrote history parts from the last one inside a page, at
+    one of its hints. Its sub-page checkpoint there and the pages under it were pushed to the host
+    by other conversations; the next turn resumes exactly at the divergence from there, and
+    computes what a cold run computes."""
+    engine = exact_tiered_engine
+    base_len = data.draw(st.integers(2 * PS + 2, 6 * PS), label="base")
+    base = data.draw(st.lists(st.integers(0, 500), min_size=base_len, max_size=base_len), label="tokens")
+    # inside a page the first turn filled (its K/V a whole page: its prompt and answer's 7 computed tokens)
+    part = data.draw(st.integers(PS + 1, base_len - 1).filter(lambda k: k % PS and (k // PS + 1) * PS <= base_len + 7),
+                     label="parts at")
+    tail = data.draw(st.lists(st.integers(0, 500), min_size=1, max_size=2 * PS), label="rewritten")
+    tail[0] = (base[part] + 1) % 500  # it parts exactly there
+    root = engine.spec.hash_root(f"conv-{engine.stats.steps}")  # this example's own conversation
+    engine.add_request(base, GREEDY, hash_root=root, checkpoint_hints=(part,))
+    drain(engine)
+    for i in range(4):  # other conversations push base's pages and states out to the host
+        run_salted(engine, prompt(5 * PS, seed=engine.stats.steps + i), salt=f"flush-{engine.stats.steps}")
+    rid = engine.add_request(base[:part] + tail, GREEDY, hash_root=root)
+    warm = finish(engine, [rid])[rid]
+    cold = run_salted(engine, base[:part] + tail, salt=f"cold-{engine.stats.steps}")
+    assert warm.cached_tokens == part, "resumed exactly at the divergence"
     assert_same_output(warm, cold)
     engine.check()
 
@@ -127,9 +165,11 @@ def test_host_cache_bytes_must_be_a_byte_count(tiny_model_dir, value):
         Engine.from_pretrained(tiny_model_dir, host_cache_bytes=value)
 
 
-def test_the_randomized_test_above_did_resume_from_the_host(tiered_engine):
+def test_the_randomized_tests_above_did_resume_from_the_host(tiered_engine, exact_tiered_engine):
     stats = tiered_engine.cache.stats
     assert stats.pages_promoted > 0 and stats.checkpoints_from_host > 0 and stats.pages_demoted > 0
+    stats = exact_tiered_engine.cache.stats  # sub-page checkpoints: demoted, then resumed from
+    assert stats.by_kind["hint"].get("used", 0) > 0 and stats.checkpoints_from_host >= 8 and stats.pages_promoted > 0
 
 
 def test_the_index_replaying_the_engines_events_knows_the_medium_of_everything_at_every_step(tiny_model_dir):
