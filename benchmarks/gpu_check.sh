@@ -15,8 +15,10 @@
 #
 # What the machine needs:
 # - an NVIDIA GPU with its driver (nvidia-smi) and a CUDA build of torch 2.13.0, with triton;
-# - cairn with its test extra: `pip install -e ".[test]"` after that torch (.ci/setup would pin
-#   the CPU build);
+# - nothing of cairn installed: it runs from this checkout (python3 -m pytest and the benchmarks
+#   put its root on the path, where the one package `cairn` is), with torch, triton, numpy,
+#   transformers, safetensors, tokenizers, jinja2, msgpack and pytest; pydantic, FastAPI, Ray,
+#   llguidance and Redis are not needed;
 # - for kernel_speed.py's comparison, flash-linear-attention: fla-core and einops, pure-Python
 #   wheels that this script installs into a temporary folder on kernel_speed.py's path alone,
 #   from .whl/ when that holds them, else from PyPI. They stay out of the environment: with fla
@@ -49,7 +51,10 @@ sys.exit(0 if torch.cuda.is_available() else 'gpu_check.sh: this torch has no CU
     exit 1
 fi
 
-python3 -m pytest -m gpu -q -p no:cacheprovider -rs 2>&1 | tee "$LOGS/pytest_gpu.log"
+# only the files that hold GPU tests: collecting the rest would import what a bare GPU image lacks
+# (pydantic, FastAPI, Ray, llguidance, Redis)
+python3 -m pytest -m gpu -q -p no:cacheprovider -rs tests/kernels/test_triton_gpu.py tests/workers/test_tensor_parallel.py \
+    2>&1 | tee "$LOGS/pytest_gpu.log"
 tests=${PIPESTATUS[0]}
 
 fla_site=$(mktemp -d)

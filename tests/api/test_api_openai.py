@@ -292,9 +292,10 @@ def test_the_ingress_hashes_pages_and_marks_message_starts(scripted, tok):
     assert req.page_hashes == fake.spec.page_hashes(req.prompt_token_ids, req.hash_root)
     assert req.messages[1]["role"] == "user"
     user = req.prompt.index("<|im_start|>user")
-    starts = [len(tok.encode(req.prompt[:c]).ids) for c in (user, req.prompt.index("\n", user) + 1,
+    starts = [len(tok.encode(req.prompt[:c]).ids) for c in (req.prompt.index("\n") + 1, user,
+                                                            req.prompt.index("\n", user) + 1,
                                                             req.prompt.rindex("<|im_start|>assistant"))]
-    assert req.checkpoint_hints == starts  # the user's message, its content, the reply
+    assert req.checkpoint_hints == starts  # the system prompt's content, the user's message, its content, the reply
 
 
 def test_api_key_is_required_on_v1_when_set(scripted, tok):

@@ -71,19 +71,21 @@ def exact_starts(template: ChatTemplate, messages: list[dict], first: int) -> li
             for i in range(first, len(messages) + 1)]
 
 
-def content_head(template: ChatTemplate, messages: list[dict]) -> int:
-    """Where the last message's content starts in the rendered prompt."""
-    bare = template.render(messages[:-1] + [dict(messages[-1], content="")], add_generation_prompt=False)
+def content_head(template: ChatTemplate, messages: list[dict], i: int = -1) -> int:
+    """Where message i's content (the last message's by default) starts in the rendered prompt."""
+    i %= len(messages)
+    bare = template.render(messages[:i] + [dict(messages[i], content="")] + messages[i + 1:], add_generation_prompt=False)
     return common_prefix_len(bare, template.render(messages))
 
 
 def test_2000_messages_take_a_fixed_number_of_renders_and_hint_their_last_starts(template, counted_renders):
     messages = conversation(2000)
     text, starts = template.message_starts(messages)
-    assert len(counted_renders) == 3 + HINTED_MESSAGES  # the text, one per hinted start, two heads
-    head = content_head(template, messages)
+    assert len(counted_renders) == 4 + HINTED_MESSAGES  # the text, one per hinted start, three heads
+    head, first = content_head(template, messages), content_head(template, messages, 0)
     assert head > text.rindex(IM_START, 0, starts[-1])  # past the last message's role header
-    assert starts == sorted(exact_starts(template, messages, len(messages) + 1 - HINTED_MESSAGES) + [head])
+    assert text[:first] == f"{IM_START}system\n"  # past the first message's role header
+    assert starts == sorted(exact_starts(template, messages, len(messages) + 1 - HINTED_MESSAGES) + [head, first])
     assert text.startswith(f"{IM_START}assistant\n", starts[-1])  # the generation prompt
 
 
@@ -98,9 +100,10 @@ def test_a_short_conversation_gets_every_start_as_before(template):
     head = common_prefix_len(later, text)
     assert head < text.rindex(IM_START)  # inside the last reply
     starts = exact_starts(template, messages, 1)
-    assert template.message_starts(messages)[1] == sorted(starts[:-1] + [head, content_head(template, messages)])
+    heads = [content_head(template, messages), content_head(template, messages, 0)]
+    assert template.message_starts(messages)[1] == sorted(starts[:-1] + [head] + heads)
     no_prompt = template.message_starts(messages, add_generation_prompt=False)[1]
-    assert no_prompt == sorted(exact_starts(template, messages, 1)[:-1] + [content_head(template, messages)])
+    assert no_prompt == sorted(exact_starts(template, messages, 1)[:-1] + heads)
 
 
 @pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_next"])
@@ -123,8 +126,8 @@ def test_a_hint_lands_exactly_where_the_next_turn_parts_from_this_prompt(demo_mo
 
 def test_a_prefix_the_template_refuses_gives_no_hint_and_no_error(tiny_model_dir, tmp_path):
     """Templates such as Qwen3's raise on a conversation without a user turn: the system-only
-    prefix gets no hint (the user's content and the generation prompt do), the request renders
-    as a whole."""
+    prefix gets no hint (the contents and the generation prompt do), the request renders as a
+    whole."""
     shutil.copy(tiny_model_dir / "tokenizer.json", tmp_path / "tokenizer.json")
     source = (tiny_model_dir / "chat_template.jinja").read_text()
     (tmp_path / "chat_template.jinja").write_text(
@@ -133,7 +136,8 @@ def test_a_prefix_the_template_refuses_gives_no_hint_and_no_error(tiny_model_dir
     strict = ChatTemplate.from_dir(tmp_path)
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     text, starts = strict.message_starts(messages)
-    assert starts == [content_head(strict, messages), text.rindex(IM_START)]  # the user's content, the reply
+    assert starts == [content_head(strict, messages, 0), content_head(strict, messages),  # the contents,
+                      text.rindex(IM_START)]  # the reply
 
 
 def test_the_common_prefix_agrees_with_the_character_loop():
@@ -510,8 +514,9 @@ def test_hints_still_land_on_message_starts_when_content_holds_special_tokens(ti
     starts = [i for i, t in enumerate(req.prompt_token_ids) if t == im_start]
     assert len(starts) == len(messages) + 1
     hints = req.checkpoint_hints
-    head = [h for h in hints if h not in starts]  # the last message's content head, past its role header
-    assert [h for h in hints if h in starts] == starts[1:] and len(head) == 1 and starts[-2] < head[0] < starts[-1]
+    heads = [h for h in hints if h not in starts]  # the first and the last message's contents, past their role headers
+    assert [h for h in hints if h in starts] == starts[1:] and len(heads) == 2
+    assert starts[0] < heads[0] < starts[1] and starts[-2] < heads[1] < starts[-1]
     assert req.prompt.count(IM_START) == 5 + 5  # the template's five, and the client's five as text
 
 

@@ -217,8 +217,10 @@ def test_a_public_system_prompt_is_shared_by_every_tenant_and_nothing_after_it_i
         assert public_pages >= 2 and 0 < bob <= public_pages * spec.page_size < n, \
             f"bob resumed from the public pages and no further ({bob} of {n} tokens)"
         assert chat(server, "key-a", PUBLIC, question)[0] > public_pages * spec.page_size, "alice: all of hers"
-        private = "You are Alice's own assistant. " * 12
-        assert chat(server, "key-a", private, question)[0] == 0
+        private = "Alice's own assistant, you are. " * 12
+        header = len(app.state.serving.prompts.tokenizer.encode("<|im_start|>system\n"))
+        assert chat(server, "key-a", private, question)[0] == header, \
+            "alice's new conversation shares her earlier ones' role header (a state keyed by her root), no more"
         assert chat(server, "key-b", private, question)[0] == 0, "a system prompt not made public is not shared"
         assert chat(server, "key-b", PUBLIC, "And in the rain? " * 3, salt="mine")[0] == 0, \
             "a salted chat shares nothing, the public prompt included"

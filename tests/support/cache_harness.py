@@ -132,7 +132,7 @@ class Harness:
         within that K/V (recurrent), or the K/V alone."""
         n, h = len(tokens), self.run_of(tokens, pages)
         kv = h * PS
-        if h:  # a page after page h - 1 shares the head of this prompt's page h
+        if h * PS < n:  # a page after page h - 1 (h = 0: a first page) shares the head of this prompt's page h
             kv += max((shared(p[h * PS:], tokens[h * PS:]) for p in pages
                        if len(p) == (h + 1) * PS and p[:h * PS] == tuple(tokens[:h * PS])), default=0)
         if self.cache.recurrent:

@@ -11,12 +11,17 @@ API turns into a 400: it is the request's messages that the template refused.
 
 `message_starts` marks where the last `HINTED_MESSAGES` messages and the generation prompt start,
 where the newest message's content starts (prompts that share everything before it, as users of
-one system prompt do, part a few tokens past its role header), and, replacing the generation
-prompt's start when the template rewrites a past reply (Qwen3.5 drops its think block), where
-the reply as history renders it parts from the generation prompt (the next turn's prompt
-diverges there): these are the checkpoint hints. One full render plus one per hinted message and
-two more, so the cost is linear in the conversation. Earlier messages need no hint: their checkpoints came from earlier turns,
-and a next turn diverges near the end.
+one system prompt do, part a few tokens past its role header), where the first message's content
+starts (a new conversation parts from its tenant's others there, past the role header, when
+their system prompts differ), and, replacing the generation prompt's start when the template
+rewrites a past reply (Qwen3.5 drops its think block), where the reply as history renders it
+parts from the generation prompt (the next turn's prompt diverges there): these are the
+checkpoint hints. A head that falls after whitespace which history continues with more
+whitespace moves back to where that whitespace starts: tokenizers merge a run of whitespace
+into one token (Qwen's "\n" and "\n\n"), so the next prompt's tokens part there. One full
+render plus one per hinted message and three more, so the cost is linear in the conversation.
+Earlier messages need no hint: their checkpoints came from earlier turns, and a next turn
+diverges near the end.
 """
 
 from __future__ import annotations
@@ -107,9 +112,10 @@ class ChatTemplate:
                 continue
             starts.add(common_prefix_len(prefix, text))
             generation = common_prefix_len(prefix, text) if i == len(messages) else generation
-        if messages and isinstance(messages[-1].get("content"), str) and messages[-1]["content"]:
-            check(stop)  # the newest message: where its content starts (prompts sharing all before it part there)
-            starts.add(self._content_head(messages, text, tools, variables))
+        for i in dict.fromkeys((0, len(messages) - 1)) if messages else ():
+            if isinstance(messages[i].get("content"), str) and messages[i]["content"]:
+                check(stop)  # where the first and the newest message's content start: prompts sharing
+                starts.add(self._content_head(messages, i, text, tools, variables))  # all before it part there
         if add_generation_prompt:
             check(stop)
             head = self._reply_head(messages, text, tools, variables)
@@ -118,13 +124,14 @@ class ChatTemplate:
                 starts.add(head)
         return text, sorted(starts)
 
-    def _content_head(self, messages: list[dict[str, Any]], text: str, tools: list[dict] | None,
+    def _content_head(self, messages: list[dict[str, Any]], i: int, text: str, tools: list[dict] | None,
                       variables: dict[str, Any]) -> int:
-        """Where the last message's content starts (after its role header): the same message
-        with no content parts from `text` there. A refusal gives 0 (no hint past the start)."""
+        """Where message i's content starts (after its role header): the conversation with that
+        message's content empty parts from `text` there (rendered up to it: the newest message
+        without a generation prompt). A refusal gives 0 (no hint past the start)."""
         try:
-            return common_prefix_len(self._render(messages[:-1] + [dict(messages[-1], content="")], False,
-                                                  tools, variables), text)
+            return common_prefix_len(self._render(messages[:i] + [dict(messages[i], content="")] + messages[i + 1:],
+                                                  False, tools, variables), text)
         except TemplateError:
             return 0
 
@@ -136,9 +143,13 @@ class ChatTemplate:
         that conversation gives the text's end."""
         later = messages + [{"role": "assistant", "content": REPLY}, {"role": "user", "content": REPLY}]
         try:
-            return common_prefix_len(self._render(later, False, tools, variables), text)
+            history = self._render(later, False, tools, variables)
         except TemplateError:
             return len(text)
+        head = common_prefix_len(history, text)
+        if 0 < head < len(history) and history[head].isspace() and text[head - 1].isspace():
+            head = len(text[:head].rstrip())  # the whitespace before it merges with history's into one token
+        return head
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                tools: list[dict] | None = None, **variables: Any) -> str:

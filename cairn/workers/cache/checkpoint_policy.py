@@ -8,10 +8,14 @@ baselines round them down to page boundaries (page j ends at token j * page_size
   the previous prompt's end, as in templates whose generation prompt opens a think block);
 - `prompt_end`: n (templates that rewrite only what was generated, like Qwen3's: the
   divergence is the previous prompt's end itself);
-- `hint`: positions the ingress passes (message starts, the generation prompt's start, and where
-  the reply as the template writes it in history parts from the generation prompt), each also
-  at the page boundary at or before it: a whole-page state, the one the host tier keeps and a
-  peer's fetch exports (sub-page states stay on their device);
+- `hint`: positions the ingress passes (message starts, the first and the newest message's
+  content, the generation prompt's start, and where the reply as the template writes it in
+  history parts from the generation prompt), each also at the page boundary at or before it: a
+  whole-page state, the one a peer's fetch exports (sub-page states move between the tiers, but
+  a fetch carries whole-page ones);
+- `content`: the page boundaries from the deepest hint before the prompt's tail to the tail, the
+  newest message's text: a user who edits that message later parts from it at no position a
+  template can name, and resumes at most a page short of the edit;
 - `finish`: the last boundary a sequence crossed before it finished, captured during decode
   (a client that echoes the whole turn extends it);
 - `branch`: where a prompt's K/V hit (a partial page's included) runs deeper than its state hit,
@@ -43,12 +47,12 @@ import random
 from collections import deque
 from dataclasses import dataclass, field
 
-TAIL, PROMPT_END, HINT, FINISH, BRANCH, INTERVAL, EVERY, END = (
-    "tail", "prompt_end", "hint", "finish", "branch", "interval", "every", "end")
-ALL_KINDS = (TAIL, PROMPT_END, HINT, FINISH, BRANCH, INTERVAL, EVERY, END)
+TAIL, PROMPT_END, HINT, CONTENT, FINISH, BRANCH, INTERVAL, EVERY, END = (
+    "tail", "prompt_end", "hint", "content", "finish", "branch", "interval", "every", "end")
+ALL_KINDS = (TAIL, PROMPT_END, HINT, CONTENT, FINISH, BRANCH, INTERVAL, EVERY, END)
 
 POLICY_KINDS = {
-    "cairn": frozenset({TAIL, PROMPT_END, HINT, FINISH, BRANCH, INTERVAL}),
+    "cairn": frozenset({TAIL, PROMPT_END, HINT, CONTENT, FINISH, BRANCH, INTERVAL}),
     "exact": frozenset({END}),
     "all": frozenset({EVERY}),
     "interval": frozenset({INTERVAL, FINISH}),
@@ -115,11 +119,17 @@ class CheckpointPolicy:
             if kind in self.kinds and resume_token < pos <= n_tokens and pos > 0:
                 wanted.setdefault(pos, set()).add(kind)
 
-        want(n_tokens - self.tail_guard, TAIL)
+        tail = n_tokens - self.tail_guard
+        want(tail, TAIL)
         want(n_tokens, PROMPT_END)
         for pos in hints:
             want(pos, HINT)
             want(pos, HINT, exact_kind=False)  # and its page boundary (module docstring)
+        newest = max((pos for pos in hints if pos < tail), default=None)  # the newest message's text
+        if newest is not None and exact:  # its pages, clear of the end and of what is wanted already
+            for j in range(newest // page_size + 1, (tail - self.tail_guard) // page_size + 1):
+                if j * page_size not in wanted:
+                    want(j * page_size, CONTENT)
         if kv_tokens > resume_token:
             want(kv_tokens, BRANCH)
         for j in range(self.interval_pages, n_tokens // page_size + 1, self.interval_pages):
@@ -139,13 +149,14 @@ class CheckpointPolicy:
         `prompt_end` and the reply's hint), which later prompts parting there keep warm
         (`PrefixCache`). A hint's page boundary stays apart (the whole-page state the host
         tier keeps and a fetch exports), with memory to spare, and so does a branch point asked
-        for alone (a twin waits to resume exactly there); positions inside the first page go
-        (a state there has no page to be keyed by). Under `pressure` (each
+        for alone (a twin waits to resume exactly there); a position inside the first page is
+        kept like any other (keyed by the chain's hash root: a new conversation parts from
+        others past the first message's role header). Under `pressure` (each
         checkpoint then evicts about `slot_blocks` pages' worth of what is cached) only these
         are kept: the end (`tail` and `prompt_end`: the next turn's resume), the deepest other
         hint (the newest message's content: where users of one system prompt part, and where
         an edit of this turn will), and branch points; message starts further back, hints'
-        page boundaries and intervals go (those tokens cost a recompute when asked for, where
+        page boundaries, the pages of the newest message's text and intervals go (those tokens cost a recompute when asked for, where
         keeping them costs the cached pages and states that the next turns of every
         conversation need). The baselines take their targets as they are."""
         if self.name != "cairn":
@@ -154,7 +165,8 @@ class CheckpointPolicy:
         floors = {p for p, kinds in targets.items()
                   if kinds == {HINT} and not p % page_size and any(p < h < p + page_size for h in exact)}
         branches = {p for p, kinds in targets.items() if kinds == {BRANCH}}  # a twin waits there: exact
-        order = sorted(p for p in targets if p not in floors and p not in branches and p >= page_size)
+        contents = {p for p, kinds in targets.items() if kinds == {CONTENT}}  # apart, clear of the end
+        order = sorted(p for p in targets if p not in floors and p not in branches and p not in contents and p > 0)
         folded: list[tuple[int, set[str]]] = [(p, targets[p]) for p in branches]
         i = 0
         while i < len(order):
@@ -166,7 +178,7 @@ class CheckpointPolicy:
             folded.append((at, set().union(*(targets[p] for p in cluster))))
             i = j + 1
         if not pressure:
-            return dict(folded + [(p, targets[p]) for p in floors])
+            return dict(folded + [(p, targets[p]) for p in floors | contents])
         ends = {pos for pos, kinds in folded if kinds & END_KINDS}
         newest = max((pos for pos, kinds in folded if pos not in ends and HINT in kinds), default=None)
         return {pos: kinds for pos, kinds in folded if pos in ends or pos == newest or BRANCH in kinds}

@@ -134,13 +134,13 @@ class CheckpointSlots:
         depth, cut = divmod(position, self.page_size)
         on_host = isinstance(slot, HostSlot)
         tail = tuple(seq.token_ids[position - cut:position])
-        floor = extend_hashes(seq, depth, self.page_size)[depth - 1] if depth else None
+        floor = extend_hashes(seq, depth, self.page_size)[depth - 1] if depth else seq.hash_root
         if tail:  # keyed under this sequence's root: a floor may be a public page every tenant shares
-            key = next_page_hash(branch_root(floor, seq.hash_root), tail) if floor is not None else None
+            key = next_page_hash(branch_root(floor, seq.hash_root), tail)
         else:
-            key = floor
+            key = floor if depth else None
         existing = self.checkpoints.get(key) if key is not None else None
-        if key is None or self.pages.page_of(floor) is None or existing is not None or \
+        if key is None or (depth and self.pages.page_of(floor) is None) or existing is not None or \
                 (on_host and key in self.host.checkpoints):
             self.drop_pending(slot)
             self.stats.checkpoints_dropped += 1
@@ -153,7 +153,7 @@ class CheckpointSlots:
             self.host.add_checkpoint(Checkpoint(key, -1, depth, set(kinds), exact_tail, tail, floor if tail else None,
                                                 self.policy.clock, seq.hash_root),
                                      list(slot.blocks))
-            self.placement.state_event(floor)
+            self.placement.state_event(floor if depth else None)
             self.stats.checkpoints_stored += 1
             self.stats.checkpoints_to_host += 1
             self.stats.count("stored", kinds)
@@ -179,6 +179,6 @@ class CheckpointSlots:
         self.host.drop_checkpoint(page_hash)  # a host copy is superseded (the state event below tells the index)
         self.budget.list_checkpoint(page_hash)
         self.arena.slot_evictable(slot, True)
-        self.placement.state_event(page_hash if floor is None else floor)
+        self.placement.state_event(page_hash if floor is None else floor if depth else None)
         self.stats.checkpoints_stored += 1
         self.stats.count("stored", kinds)

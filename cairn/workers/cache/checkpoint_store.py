@@ -3,7 +3,11 @@
 A checkpoint is the full recurrent state (every linear layer's conv and delta-rule state) after
 a position of a chain: at a page boundary, the page named by its chain hash; inside a page (a
 sub-page checkpoint, where a template diverges), its `floor` page plus the `tail` tokens after
-it, keyed by the hash those tokens would have as the next page (`cairn.cache_service.hashing`). Its
+it, keyed by the hash those tokens would have as the next page (`cairn.cache_service.hashing`).
+Inside the first page the floor is the chain's hash root, which stands before page 0 in the
+chain (a new conversation parts from others of its tenant a few tokens in, past the first
+message's role header); such a state is under no page, so the index is not told of it
+(`state_page` None). Its
 slot comes from the arena like a running sequence's (`cairn.workers.cache.arena`); the runner copies the
 data. Plain Python.
 
@@ -29,6 +33,14 @@ class Checkpoint:
     floor: bytes | None = None  # sub-page: the hash of the page under it
     admitted_at: int = 0  # the policy's clock when it was stored (how long its hits take to come back)
     root: bytes | None = None  # sub-page: the hash root it was computed under (only that root's prompts use it)
+
+    @property
+    def state_page(self) -> bytes | None:
+        """The page the index knows this state by: the page it ends, or a sub-page one's floor
+        page; None inside the first page (its floor is a hash root, no page)."""
+        if self.floor is None:
+            return self.page_hash
+        return self.floor if self.depth else None
 
     def position(self, page_size: int) -> int:
         """Tokens the state has seen."""
@@ -105,7 +117,7 @@ class CheckpointStore:
 
     def state_pages(self) -> list[bytes]:
         """The pages with a state at their end or inside the page after them (the index's view)."""
-        return list(dict.fromkeys(c.page_hash if c.floor is None else c.floor for c in self._by_hash.values()))
+        return [p for p in dict.fromkeys(c.state_page for c in self._by_hash.values()) if p is not None]
 
     def hashes(self) -> list[bytes]:
         return list(self._by_hash)

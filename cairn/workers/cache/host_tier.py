@@ -53,6 +53,7 @@ class HostTier:
         self._free = list(range(num_blocks - 1, -1, -1))
         self.pages: dict[bytes, HostPage] = {}
         self._children: dict[bytes, set[bytes]] = {}  # parent hash (device or host) -> host pages under it
+        self._firsts: dict[bytes, set[bytes]] = {}  # hash root -> its first pages here with tokens (no parent)
         self.checkpoints: dict[bytes, Checkpoint] = {}
         self._ckpt_blocks: dict[bytes, list[int]] = {}
         self._floors: dict[bytes, dict[bytes, Checkpoint]] = {}  # floor page -> sub-page checkpoints here
@@ -87,15 +88,15 @@ class HostTier:
 
     def state_pages(self) -> list[bytes]:
         """The pages with a state here at their end or inside the page after them (the index's view)."""
-        return list(dict.fromkeys(h if c.floor is None else c.floor for h, c in self.checkpoints.items()))
+        return [p for p in dict.fromkeys(c.state_page for c in self.checkpoints.values()) if p is not None]
 
-    def partial_match(self, parent: bytes, tokens: list[int], root: bytes = b"") -> tuple[bytes | None, int]:
-        """(page hash, m): of `parent`'s children here whose tokens are known and that were
-        computed under `root`, the one whose first m tokens equal the first m of `tokens`, m as
-        large as possible ((None, 0): none shares even one). The device's rule
-        (`PagePool.partial_match`), over host pages."""
+    def partial_match(self, parent: bytes | None, tokens: list[int], root: bytes = b"") -> tuple[bytes | None, int]:
+        """(page hash, m): of `parent`'s children here (None: `root`'s first pages) whose tokens
+        are known and that were computed under `root`, the one whose first m tokens equal the
+        first m of `tokens`, m as large as possible ((None, 0): none shares even one). The
+        device's rule (`PagePool.partial_match`), over host pages."""
         best, best_m = None, 0
-        for child in self._children.get(parent, ()):
+        for child in self._children.get(parent, ()) if parent is not None else self._firsts.get(root, ()):
             page = self.pages[child]
             known = page.tokens
             if known is None or page.root != root or not tokens or known[0] != tokens[0]:
@@ -141,6 +142,8 @@ class HostTier:
         self.pages[page_hash] = HostPage(block, parent, tokens, root)
         if parent is not None:
             self._children.setdefault(parent, set()).add(page_hash)
+        elif tokens is not None:
+            self._firsts.setdefault(root, set()).add(page_hash)
         self._lru[(PAGE, page_hash)] = None
 
     def add_checkpoint(self, ckpt: Checkpoint, blocks: list[int]) -> None:
@@ -190,6 +193,8 @@ class HostTier:
         page = self.pages.pop(page_hash)
         del self._lru[(PAGE, page_hash)]
         self._unlink(page_hash, page.parent)
+        if page.parent is None and page.tokens is not None:
+            self._unlink(page_hash, page.root, self._firsts)
         return page.block
 
     def drop_checkpoint(self, page_hash: bytes) -> bool:
@@ -215,6 +220,7 @@ class HostTier:
         self._free = list(range(self.num_blocks - 1, -1, -1))
         self.pages.clear()
         self._children.clear()
+        self._firsts.clear()
         self.checkpoints.clear()
         self._ckpt_blocks.clear()
         self._floors.clear()
@@ -242,10 +248,10 @@ class HostTier:
 
     def _forget_checkpoints(self, hashes: list[bytes]) -> list[bytes]:
         """Forgets them; returns the pages whose state they were (a sub-page one's floor), once each."""
-        pages = [h if self.checkpoints[h].floor is None else self.checkpoints[h].floor for h in hashes]
+        pages = [self.checkpoints[h].state_page for h in hashes]
         for h in hashes:
             self._forget_checkpoint(h)
-        return list(dict.fromkeys(pages))
+        return [p for p in dict.fromkeys(pages) if p is not None]
 
     def _forget_checkpoint(self, page_hash: bytes) -> None:
         ckpt = self.checkpoints.pop(page_hash)
@@ -258,13 +264,14 @@ class HostTier:
         del self._lru[(CHECKPOINT, page_hash)]
         self._pinned.discard(page_hash)
 
-    def _unlink(self, page_hash: bytes, parent: bytes | None) -> None:
+    def _unlink(self, page_hash: bytes, parent: bytes | None, under: dict[bytes, set[bytes]] | None = None) -> None:
+        under = self._children if under is None else under
         if parent is not None:
-            siblings = self._children.get(parent)
+            siblings = under.get(parent)
             if siblings is not None:
                 siblings.discard(page_hash)
                 if not siblings:
-                    del self._children[parent]
+                    del under[parent]
 
     # ---- reporting -------------------------------------------------------------------------------
     def registered(self) -> list[tuple[bytes, bytes | None]]:
@@ -291,9 +298,9 @@ class HostTier:
                 raise AssertionError("a page is on the device and the host at once")
             if page.parent is not None and page.parent not in self.pages and not device_has(page.parent):
                 raise AssertionError("a host page's parent is resident nowhere")
-        for h, ckpt in self.checkpoints.items():
-            page = h if ckpt.floor is None else ckpt.floor
-            if page not in self.pages and not device_has(page):
+        for ckpt in self.checkpoints.values():
+            page = ckpt.state_page  # (None inside the first page: no page under it)
+            if page is not None and page not in self.pages and not device_has(page):
                 raise AssertionError("a host checkpoint's page (or floor page) is resident nowhere")
         if sum(map(len, self._floors.values())) != sum(c.floor is not None for c in self.checkpoints.values()):
             raise AssertionError("host tier sub-page index is off")

@@ -97,15 +97,17 @@ class Lookup:
             return self._attention_only(n, h, top, partial, hashes)
         best = Match(h, 0, 0, None, kv_tokens=kv)  # cold
         best_cost = self.resume_cost(best, n)
-        for j in range(min(top, last_resumable_page(n, ps)), 0, -1):
+        for j in range(min(top, last_resumable_page(n, ps)), -1, -1):
             candidates = []
-            # a sub-page checkpoint inside page j: deeper than the boundary's
-            sub, sub_on_host = self.sub_page_resume(seq, hashes[j - 1], min(cap, kv if j == top else (j + 1) * ps))
+            # a sub-page checkpoint inside page j: deeper than the boundary's (inside the first
+            # page, its floor is the chain's hash root)
+            floor = hashes[j - 1] if j else seq.hash_root
+            sub, sub_on_host = self.sub_page_resume(seq, floor, min(cap, kv if j == top else (j + 1) * ps))
             if sub is not None:
                 candidates.append(self._at(h, j, sub.position(ps), sub, sub_on_host, hashes, partial, top, kv))
-            ckpt, from_host = self.checkpoints.get(hashes[j - 1]), False
-            if ckpt is None and host:
-                ckpt = host.checkpoints.get(hashes[j - 1])
+            ckpt, from_host = self.checkpoints.get(floor) if j else None, False
+            if ckpt is None and host and j:
+                ckpt = host.checkpoints.get(floor)
                 from_host = ckpt is not None
             if ckpt is not None and ckpt.usable_by(seq.token_ids, ps):
                 candidates.append(self._at(h, j, resume_at_token(max(h, j), j, n, ps, recurrent=True), ckpt,
@@ -151,15 +153,15 @@ class Lookup:
         return m
 
     def _partial_page(self, seq: Sequence, hashes: list[bytes], h: int, top: int) -> _Partial:
-        """A cached page after page top - 1 whose first m tokens are the first m of `seq`'s page
-        top, m as large as possible (shared 0: none): on the device (only when the run is all
-        the device's, top == h: a host page's children are on the host) or on the host, the
-        device's when both share as much. Copied into the request's own page top, it gives K/V
-        up to the divergence instead of the page floor."""
+        """A cached page after page top - 1 (top 0: a first page of `seq`'s hash root) whose first
+        m tokens are the first m of `seq`'s page top, m as large as possible (shared 0: none): on
+        the device (only when the run is all the device's, top == h: a host page's children are
+        on the host) or on the host, the device's when both share as much. Copied into the
+        request's own page top, it gives K/V up to the divergence instead of the page floor."""
         ps, n = self.page_size, seq.num_tokens
-        if top == 0 or top * ps >= n:
+        if top * ps >= n:
             return _Partial()
-        tokens, parent = seq.token_ids[top * ps:min(n, (top + 1) * ps)], hashes[top - 1]
+        tokens, parent = seq.token_ids[top * ps:min(n, (top + 1) * ps)], hashes[top - 1] if top else None
         device, shared = self.pages.partial_match(parent, tokens, seq.hash_root) if top == h else (None, 0)
         on_host, host_shared = self.host.partial_match(parent, tokens, seq.hash_root) if self.host else (None, 0)
         if host_shared > shared:

@@ -6,8 +6,9 @@ whole page can be registered under its chain hash (cairn.cache_service.hashing) 
 hash; when its last holder releases it, a registered page stays cached for reuse, an
 unregistered one is free again (its block goes back to the arena). A page registered with its
 tokens can also serve part of itself: `partial_match` finds, among a page's registered children
-computed under the same hash root (a tenant's, a salt's: never another's), the one sharing the
-most leading tokens with a prompt's next page (copy-on-write reuse). The prefix cache decides
+(or a hash root's first pages) computed under the same hash root (a tenant's, a salt's: never
+another's), the one sharing the most leading tokens with a prompt's next page (copy-on-write
+reuse). The prefix cache decides
 eviction order; `evict` unregisters a cached page and, with it, every cached descendant on its
 chain (they are unreachable from the root without it).
 
@@ -36,6 +37,7 @@ class PagePool:
         self._parent: dict[bytes, bytes | None] = {}
         self._children: dict[bytes, set[bytes]] = {}
         self._tokens: dict[bytes, tuple[bytes, tuple[int, ...]]] = {}  # (hash root, tokens): partial matches
+        self._firsts: dict[bytes, set[bytes]] = {}  # hash root -> its first pages with tokens (no parent)
         self._num_cached = 0
 
     # ---- counts ----------------------------------------------------------------------------
@@ -135,18 +137,21 @@ class PagePool:
         self._parent[page_hash] = parent
         if parent is not None:
             self._children.setdefault(parent, set()).add(page_hash)
-            if tokens is not None:
-                self._tokens[page_hash] = (root, tokens)
+        if tokens is not None:
+            self._tokens[page_hash] = (root, tokens)
+            if parent is None:
+                self._firsts.setdefault(root, set()).add(page_hash)
         return True
 
-    def partial_match(self, parent: bytes, tokens: list[int], root: bytes = b"") -> tuple[int | None, int]:
-        """(page, m): of `parent`'s registered children whose tokens are known and that were
-        computed under `root`, the one whose first m tokens equal the first m of `tokens`, m as
-        large as possible (None, 0: none shares even one). A page that matched whole would have
-        been a hit, so m < its length. (A child of a public prefix's last page computed under
-        another root is another tenant's first page of its own: it never matches.)"""
+    def partial_match(self, parent: bytes | None, tokens: list[int], root: bytes = b"") -> tuple[int | None, int]:
+        """(page, m): of `parent`'s registered children (None: `root`'s first pages) whose tokens
+        are known and that were computed under `root`, the one whose first m tokens equal the
+        first m of `tokens`, m as large as possible (None, 0: none shares even one). A page that
+        matched whole would have been a hit, so m < its length. (A child of a public prefix's
+        last page computed under another root is another tenant's first page of its own: it
+        never matches.)"""
         best, best_m = None, 0
-        for child in self._children.get(parent, ()):
+        for child in self._children.get(parent, ()) if parent is not None else self._firsts.get(root, ()):
             entry = self._tokens.get(child)
             if entry is None or entry[0] != root or not tokens or entry[1][0] != tokens[0]:
                 continue
@@ -185,6 +190,11 @@ class PagePool:
         del self._hash_of[page]
         parent = self._parent.pop(page_hash)
         root, tokens = self._tokens.pop(page_hash, (b"", None))
+        if parent is None and tokens is not None:
+            firsts = self._firsts[root]
+            firsts.discard(page_hash)
+            if not firsts:
+                del self._firsts[root]
         if parent is not None and parent in self._children:
             self._children[parent].discard(page_hash)
             if not self._children[parent]:

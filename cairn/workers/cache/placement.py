@@ -237,15 +237,18 @@ class Placement:
         if blocks is None:
             self.remove_checkpoint(page_hash, listed=True)
             return
-        floor = self.checkpoints.get(page_hash).floor
+        state_page = self.checkpoints.get(page_hash).state_page
         self.demote_checkpoint(page_hash, blocks, listed=True)
-        self.state_event(page_hash if floor is None else floor)
+        self.state_event(state_page)
 
-    def state_event(self, page_hash: bytes) -> None:
+    def state_event(self, page_hash: bytes | None) -> None:
         """Tells the index where the state at the end of page `page_hash` now is: on the device
         while a checkpoint there or a sub-page one inside the next page is (the index knows
         states by page: a sub-page one stands for a resume at least at its floor), else on the
-        host if that tier has one, else nowhere."""
+        host if that tier has one, else nowhere. None (a state inside the first page, under no
+        page): nothing to tell."""
+        if page_hash is None:
+            return
         if self.checkpoints.get(page_hash) is not None or self.checkpoints.has_sub_page(page_hash):
             self.events.put(StateStored(page_hash))
         elif page_hash in self.host.checkpoints or self.host.has_sub_page(page_hash):
@@ -284,9 +287,8 @@ class Placement:
         self.stats.bytes_to_host += len(evicted) * self.layout.block_bytes
         state_pages = []
         for key, listed in states:
-            floor = self.checkpoints.get(key).floor
+            state_pages.append(self.checkpoints.get(key).state_page)  # on an evicted page: never None
             self.demote_checkpoint(key, [blocks.pop() for _ in range(self.slot_blocks)], listed)
-            state_pages.append(key if floor is None else floor)
         run: list[bytes] = []  # parents first, one PagesStored per run of a chain
         for e in reversed(evicted):
             if run and e.parent != run[-1]:
@@ -322,5 +324,5 @@ class Placement:
         ckpt = self.checkpoints.remove(page_hash)
         self.arena.free_slot(ckpt.slot, blocked=not listed)
         self.stats.checkpoints_evicted += 1
-        self.state_event(page_hash if ckpt.floor is None else ckpt.floor)
+        self.state_event(ckpt.state_page)
 

@@ -219,9 +219,9 @@ class PrefixCache:
             if pos > upto:
                 break
             depth, cut = divmod(pos, ps)
-            if not depth or depth > len(c.page_hashes):
+            if (not depth and not cut) or depth > len(c.page_hashes):
                 continue
-            floor = c.page_hashes[depth - 1]
+            floor = c.page_hashes[depth - 1] if depth else seq.hash_root
             ckpt, on_host = self.lookup.sub_page_resume(seq, floor, pos) if cut else \
                 (self.checkpoints.get(floor), False)
             if ckpt is not None and ckpt.position(ps) == pos and ckpt.kinds & END_KINDS:

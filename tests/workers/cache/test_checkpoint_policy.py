@@ -6,7 +6,7 @@ so the next workload that needs it finds its checkpoints. A prompt's targets are
 is worth a state: near positions fold into one, and under pressure only the end, the newest hint
 and branch points are taken.""" 
 
-from cairn.workers.cache.checkpoint_policy import BRANCH, HINT, INTERVAL, PROMPT_END, TAIL, CheckpointPolicy
+from cairn.workers.cache.checkpoint_policy import BRANCH, CONTENT, HINT, INTERVAL, PROMPT_END, TAIL, CheckpointPolicy
 
 CONVERSATIONS, SETTLE = 64, 4 * 16  # the engine's settle_after: 4 x max_num_seqs (16 here)
 
@@ -106,11 +106,27 @@ def test_baselines_take_their_targets_as_they_are():
         assert policy.thin(targets, PS, hinted=True, pressure=True) == targets
 
 
-def test_a_twins_branch_point_stays_exact_and_nothing_is_asked_for_inside_the_first_page():
+def test_a_twins_branch_point_stays_exact_and_the_first_page_folds_like_any_other():
     # A twin waits to resume where it parts from this prompt, at a page boundary: a hint two
-    # tokens later does not move it. A state inside page 0 has no page to be keyed by.
+    # tokens later does not move it. Inside page 0 (a state keyed by the chain's hash root), the
+    # tail, a hint and the prompt's end fold into one at the hint, as anywhere.
     policy = CheckpointPolicy()
     targets = {64: {BRANCH}, 66: {HINT}, 12: {TAIL}, 14: {HINT}, 16: {PROMPT_END}}
     for pressure in (False, True):
         assert policy.thin(targets, PS, hinted=True, pressure=pressure) == {64: {BRANCH}, 66: {HINT},
-                                                                            16: {PROMPT_END}}
+                                                                            14: {TAIL, HINT, PROMPT_END}}
+
+
+def test_the_newest_messages_text_gets_its_page_boundaries_with_memory_to_spare_only():
+    # An edit of the newest message later parts from this prompt inside its text, where no
+    # template says: its whole pages get states, clear of the end, so such an edit resumes at
+    # most a page short of where it parts. Under pressure they go first.
+    policy, n = CheckpointPolicy(), 200
+    targets = policy.prompt_targets(n, PS, 0, 0, hints=(101, 104, n - 2))
+    assert {p for p, kinds in targets.items() if kinds == {CONTENT}} == {112, 128, 144, 160, 176}
+    spare = policy.thin(targets, PS, hinted=True, pressure=False)
+    assert all(spare[p] == {CONTENT} for p in (112, 128, 144, 160, 176))
+    assert spare[n - 2] == {TAIL, PROMPT_END, HINT}, "the end still folds whole"
+    assert not {p for p, kinds in policy.thin(targets, PS, hinted=True, pressure=True).items() if CONTENT in kinds}
+    assert not {k for kinds in CheckpointPolicy("all").prompt_targets(n, PS, 0, 0, hints=(104,)).values() for k in kinds
+                if k == CONTENT}, "the baselines take none"
