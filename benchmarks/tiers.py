@@ -8,7 +8,8 @@ and running state, and nothing more, so conversations run few at a time and evic
 (tests/workers/cache/test_tier_pressure.py runs the same at 1x). At each budget
 the same trace runs three times:
 - host tier off: what the device alone keeps;
-- host tier on, `--host-budget` times the device budget (cairn.workers.cache.host_tier);
+- host tier on (cairn.workers.cache.host_tier), `--host-budget` times what the oracle below
+  kept (default 1.5: a tier that can hold the whole working set, as host memory usually can);
 - the oracle: an unbounded device cache (memory to spare: nothing is ever evicted), the most
   this engine could reuse.
 Printed per run: cached tokens and their ratio to the oracle's, later turns' cached tokens over
@@ -18,7 +19,7 @@ moved between the tiers. Goal: the tier at >= 0.9 of the oracle where the device
 under a third. Not a test (nothing is asserted; tests/workers/cache/test_tier_pressure.py is).
 
 Usage: python3 benchmarks/tiers.py [--arch qwen3_5] [--convs 16] [--turns 4] [--budgets 1,1.5,2]
-                                   [--host-budget 8] [--workloads thinking-drop,agent] [--quick]
+                                   [--host-budget 1.5] [--workloads thinking-drop,agent] [--quick]
   --quick: the tiny demo model, 6 conversations, 3 turns, one budget: checks that the script runs.
 """
 
@@ -61,10 +62,10 @@ def short_of(oracle: Result, res: Result, tokens: int = 2) -> int:
     return sum(1 for key, hit in oracle.cached.items() if res.cached[key] < hit - tokens)
 
 
-def run(model_dir: Path, rounds: list[list[Request]], opts: dict, device: int, host: int) -> Result:
+def run(model_dir: Path, rounds: list[list[Request]], opts: dict, device: int, host: int) -> tuple[Result, Engine]:
     engine = Engine.from_pretrained(model_dir, cache_policy="cairn", cache_memory_bytes=device,
                                     host_cache_bytes=host, **opts)
-    return replay(engine, rounds, "cairn")
+    return replay(engine, rounds, "cairn"), engine
 
 
 def report(workload: str, rounds: list[list[Request]], runs: list[tuple[str, Result]]) -> None:
@@ -79,9 +80,10 @@ def report(workload: str, rounds: list[list[Request]], runs: list[tuple[str, Res
               f"{m.bytes_to_host_total / 2**20:9.2f} {m.bytes_to_device_total / 2**20:9.2f} "
               f"{m.pages_promoted_total:8d} {m.checkpoints_from_host_total:9d}")
     (_, off), (_, on) = runs[0], runs[1]
-    print(f"{workload}: the tier keeps {sum(on.cached.values()) / max(total, 1):.3f} of the oracle's cached "
-          f"tokens, {sum(on.cached.values()) / max(sum(off.cached.values()), 1):.1f}x the device alone "
-          f"({sum(off.cached.values()) / max(total, 1):.3f} of the oracle)")
+    kept, alone = sum(on.cached.values()), sum(off.cached.values())
+    versus = f"{kept / alone:.1f}x the device alone" if alone else "the device alone kept nothing"
+    print(f"{workload}: the tier keeps {kept / max(total, 1):.3f} of the oracle's cached tokens, {versus} "
+          f"({alone / max(total, 1):.3f} of the oracle)")
 
 
 def main() -> None:
@@ -91,7 +93,8 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--answer-tokens", type=int, default=24)
     parser.add_argument("--budgets", default="1,1.5,2", help="device budgets, as multiples of the smallest that runs")
-    parser.add_argument("--host-budget", type=float, default=8.0, help="the host tier, as a multiple of the device budget")
+    parser.add_argument("--host-budget", type=float, default=1.5,
+                        help="the host tier, as a multiple of what the unbounded device cache kept")
     parser.add_argument("--workloads", default="thinking-drop,agent")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--quick", action="store_true", help="tiny model, 6 conversations, 3 turns, one budget")
@@ -108,15 +111,16 @@ def main() -> None:
         rounds = record_trace(recorder, client, workload, args.convs, args.turns, system_words=60,
                               user_words=30, answer_tokens=args.answer_tokens)
         smallest = smallest_budget(recorder, rounds)
-        oracle = run(model_dir, rounds, opts, SPARE, 0)
+        oracle, unbounded = run(model_dir, rounds, opts, SPARE, 0)
+        working_set = unbounded.cache.used_bytes  # all it kept: nothing was evicted
+        host = int(args.host_budget * working_set)
         for share in map(float, args.budgets.split(",")):
             device = int(share * smallest)
-            host = int(args.host_budget * device)
             print(f"\n== {workload}, {size} {args.arch} demo, {args.convs} conversations x {args.turns} turns: "
                   f"device {device / 2**20:.2f} MiB ({share:g}x the smallest that runs, "
-                  f"{smallest / 2**20:.2f} MiB) ==")
-            runs = [("host tier off", run(model_dir, rounds, opts, device, 0)),
-                    (f"host tier on ({host / 2**20:.1f} MiB)", run(model_dir, rounds, opts, device, host)),
+                  f"{smallest / 2**20:.2f} MiB); the working set {working_set / 2**20:.1f} MiB ==")
+            runs = [("host tier off", run(model_dir, rounds, opts, device, 0)[0]),
+                    (f"host tier on ({host / 2**20:.1f} MiB)", run(model_dir, rounds, opts, device, host)[0]),
                     ("oracle: unbounded device cache", oracle)]
             report(workload, rounds, runs)
 

@@ -13,9 +13,11 @@ baselines round them down to page boundaries (page j ends at token j * page_size
   history parts from the generation prompt), each also at the page boundary at or before it: a
   whole-page state, the one a peer's fetch exports (sub-page states move between the tiers, but
   a fetch carries whole-page ones);
-- `content`: the page boundaries from the deepest hint before the prompt's tail to the tail, the
-  newest message's text: a user who edits that message later parts from it at no position a
-  template can name, and resumes at most a page short of the edit;
+- `content`: page boundaries inside the newest message's text (from the deepest hint before the
+  prompt's tail to the tail), `content_pages` of them at most, evenly spread: a user who edits
+  that message later parts from it at no position a template can name, and resumes at most a
+  page short of the edit in a message of up to that many pages, a share of it in a longer one
+  (a state per page of a long document would cost a slot per page);
 - `finish`: the last boundary a sequence crossed before it finished, captured during decode
   (a client that echoes the whole turn extends it);
 - `branch`: where a prompt's K/V hit (a partial page's included) runs deeper than its state hit,
@@ -77,6 +79,7 @@ class CheckpointPolicy:
     name: str = "cairn"
     tail_guard: int = 4  # tokens
     interval_pages: int = 32
+    content_pages: int = 4  # `content` checkpoints a prompt asks for at most
     exploration: float = 0.05
     warmup: int = 8  # settled admissions of a kind before its hit rate is judged
     min_hit_rate: float = 0.1  # hits per settled checkpoint a kind must sustain
@@ -127,9 +130,11 @@ class CheckpointPolicy:
             want(pos, HINT, exact_kind=False)  # and its page boundary (module docstring)
         newest = max((pos for pos in hints if pos < tail), default=None)  # the newest message's text
         if newest is not None and exact:  # its pages, clear of the end and of what is wanted already
-            for j in range(newest // page_size + 1, (tail - self.tail_guard) // page_size + 1):
-                if j * page_size not in wanted:
-                    want(j * page_size, CONTENT)
+            pages = [j * page_size for j in range(newest // page_size + 1, (tail - self.tail_guard) // page_size + 1)
+                     if j * page_size not in wanted]
+            k = min(self.content_pages, len(pages))  # evenly spread, its first and last page among them
+            for i in range(k):
+                want(pages[round(i * (len(pages) - 1) / max(k - 1, 1))], CONTENT)
         if kv_tokens > resume_token:
             want(kv_tokens, BRANCH)
         for j in range(self.interval_pages, n_tokens // page_size + 1, self.interval_pages):
