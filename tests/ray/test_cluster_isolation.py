@@ -128,8 +128,8 @@ def ttft(client: httpx.Client, headers: dict, prompt_body: dict) -> tuple[float,
 
 
 def long_chat() -> dict:
-    """A chat of about 600 tokens no one has sent before: it opens with a random token string, so
-    not even its first page is anyone's (a probe must not hit the prober's own earlier probes)."""
+    """A chat of about 600 tokens no one has sent before: its text opens with a random token string,
+    so a prober's own earlier probes share with it only the system role header."""
     tag = uuid.uuid4().hex
     return {"model": MODEL, "max_tokens": 2, "ignore_eos": True,
             "messages": [{"role": "system", "content": f"{tag} ledger. " + "The cairn on the ridge stands. " * 70},
@@ -147,7 +147,10 @@ def test_tenant_b_cannot_learn_what_tenant_a_sent_by_cached_tokens_or_timing(app
             probe_hit.append(ttft(client, BOB, secret))  # bob probes with alice's prompt...
             probe_fresh.append(ttft(client, BOB, fresh))  # ...and with one nobody sent
     assert all(cached > 0 for _, cached in own), f"alice's own prompt must hit her cache: {own}"
-    assert all(cached == 0 for _, cached in probe_hit), f"bob learned alice's prompt from cached_tokens: {probe_hit}"
+    # bob resumes alice's prompt no deeper than one nobody sent (his own earlier probes' role header)
+    assert all(hit <= fresh for (_, hit), (_, fresh) in zip(probe_hit, probe_fresh)), \
+        f"bob learned alice's prompt from cached_tokens: {probe_hit} vs prompts nobody sent {probe_fresh}"
+    assert max(cached for _, cached in probe_hit) < min(cached for _, cached in own) // 8, (probe_hit, own)
     hit_s = sorted(t for t, _ in probe_hit)[2]
     fresh_s = sorted(t for t, _ in probe_fresh)[2]
     own_s = sorted(t for t, _ in own)[2]
