@@ -29,6 +29,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Callable
 
 ARGS = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -42,7 +43,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from cairn.kernels import reference, reference_varlen  # noqa: E402
+from cairn.kernels.attention import reference as attention_ref  # noqa: E402
+from cairn.kernels.conv import reference as conv_ref  # noqa: E402
+from cairn.kernels.delta_rule import reference as delta_ref  # noqa: E402
+from cairn.kernels.state import reference as state_ref  # noqa: E402
+
+
+def _namespace(*modules) -> SimpleNamespace:
+    """The public functions of `modules` as one namespace (each op folder's module for a device)."""
+    return SimpleNamespace(**{n: getattr(m, n) for m in modules for n in dir(m)
+                              if not n.startswith("_") and callable(getattr(m, n))})
+
+
+reference = _namespace(attention_ref, conv_ref, delta_ref, state_ref)  # the ops' oracles
 
 PEAKS = {"H200": (4.8e12, 989e12), "H100": (3.35e12, 989e12), "A100": (2.0e12, 312e12)}  # bytes/s, bf16 FLOP/s
 
@@ -149,7 +162,7 @@ def delta_cases(ops, dev: str, dt: torch.dtype, small: bool, fla) -> list[Case]:
         cases.append(Case("chunked delta rule", f"{seqs}x{lens[0]} tokens",
                           lambda a=(q, k, v, g, beta, cu, pool, slots): ops.chunk_gated_delta_rule_varlen(*a),
                           (lambda a=(q, k, v, g, beta, cu, pool.clone(), slots):
-                           reference_varlen.chunk_gated_delta_rule_varlen(*a)) if tokens <= 8192 else None,
+                           reference.chunk_gated_delta_rule_varlen(*a)) if tokens <= 8192 else None,
                           io, flops, fla=fla_run, goal="<=1.2x fla"))
     for batch in [3] if small else [1, 32, 128, 256]:
         q, k, v, g, beta = inputs(batch)
@@ -157,7 +170,7 @@ def delta_cases(ops, dev: str, dt: torch.dtype, small: bool, fla) -> list[Case]:
         slots = torch.arange(batch, device=dev)
         cases.append(Case("recurrent step", f"B={batch}",
                           lambda a=(q, k, v, g, beta, pool, slots): ops.gated_delta_rule_step_slots(*a),
-                          lambda a=(q, k, v, g, beta, pool, slots): reference_varlen.gated_delta_rule_step_slots(*a),
+                          lambda a=(q, k, v, g, beta, pool, slots): reference.gated_delta_rule_step_slots(*a),
                           2 * batch * state_bytes, batch * h_v * 6 * dk * dv, goal="bw>=70%"))
     return cases
 
@@ -173,7 +186,7 @@ def conv_and_slot_cases(ops, dev: str, dt: torch.dtype, small: bool) -> list[Cas
         slots = torch.arange(len(lens), device=dev)
         cases.append(Case("conv1d varlen", f"{len(lens)}x{lens[0]} tokens",
                           lambda a=(x, weight, cu, pool, slots): ops.causal_conv1d_varlen(*a),
-                          lambda a=(x, weight, cu, pool, slots): reference_varlen.causal_conv1d_varlen(*a),
+                          lambda a=(x, weight, cu, pool, slots): reference.causal_conv1d_varlen(*a),
                           2 * x.numel() * dt.itemsize, 2 * x.numel() * width))
     batch = 4 if small else 256
     x = torch.randn(batch, channels, device=dev, dtype=dt)
@@ -191,21 +204,26 @@ def conv_and_slot_cases(ops, dev: str, dt: torch.dtype, small: bool) -> list[Cas
     return cases
 
 
+def triton_ops() -> SimpleNamespace:
+    """The Triton launchers of every op folder, called directly (compiled, or interpreted with --check)."""
+    from cairn.kernels.attention import triton_ops as attention
+    from cairn.kernels.conv import triton_ops as conv
+    from cairn.kernels.delta_rule import triton_chunk, triton_recurrent
+    from cairn.kernels.state import triton_ops as state
+
+    return _namespace(attention, conv, triton_chunk, triton_recurrent, state)
+
+
 def main() -> None:
     if OPTS.check:
-        from types import SimpleNamespace
-
-        from cairn.kernels import triton_attention, triton_conv, triton_delta_recurrent, triton_delta_rule, triton_state
-
-        modules = (triton_attention, triton_conv, triton_delta_recurrent, triton_delta_rule, triton_state)
-        ops = SimpleNamespace(**{n: getattr(m, n) for m in modules for n in dir(m) if not n.startswith("_")})
+        ops = triton_ops()
         dev, dt, small, fla, name = "cpu", torch.float32, True, None, "CPU, Triton interpreted (--check)"
         bw, flop = float("nan"), float("nan")  # no peaks: percentages print as "-"
     else:
         if not torch.cuda.is_available():
             sys.exit("benchmarks/kernel_speed.py times GPU kernels and needs a CUDA device; "
                      "on a CPU, run it with --check to exercise the script at tiny shapes.")
-        from cairn.kernels import gpu as ops
+        ops = triton_ops()
 
         dev, dt, small, name = "cuda", torch.bfloat16, False, torch.cuda.get_device_name()
         bw, flop = next((p for key, p in PEAKS.items() if key in name), (float("nan"), float("nan")))

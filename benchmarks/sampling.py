@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from cairn.workers import SamplingParams  # noqa: E402
 from cairn.workers.grammar import Grammar, Grammars, LLGuidance  # noqa: E402
-from cairn.kernels.reference_sample import unpack_bitmask  # noqa: E402
+from cairn.kernels.sample.torch_ops import unpack_bitmask  # noqa: E402
 from cairn.workers.sampler import Sampler  # noqa: E402
 from cairn.workers.sequence import Sequence  # noqa: E402
 

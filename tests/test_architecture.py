@@ -74,6 +74,46 @@ def test_the_http_api_runs_without_ray_or_the_serve_layer():
         assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
 
 
+KERNELS = PKG / "kernels"
+OP_ROOMS = ("attention", "conv", "delta_rule", "norms", "moe", "sample", "state")
+
+
+def test_kernels_are_a_room_an_op_and_each_imports_only_itself_and_the_shared_room():
+    rooms = {p.name for p in KERNELS.iterdir() if (p / "__init__.py").exists()}
+    assert rooms == {*OP_ROOMS, "common"}
+    assert [p.name for p in KERNELS.glob("*.py")] == ["__init__.py"], "nothing beside the rooms but the entry"
+    for room in (*OP_ROOMS, "common"):
+        for path in (KERNELS / room).glob("*.py"):
+            reached = {m.split(".")[2] if m.count(".") >= 2 else "the package root" for m in imported_modules(path)
+                       if m == "cairn.kernels" or m.startswith("cairn.kernels.")}
+            assert reached <= {room, "common"}, f"{path.relative_to(ROOT)} imports kernels' {reached - {room, 'common'}}"
+
+
+def test_each_op_room_declares_its_implementations_inside_itself_with_its_reference_as_the_fallback():
+    import importlib
+
+    for room in OP_ROOMS:
+        package = importlib.import_module(f"cairn.kernels.{room}")
+        assert package.OPS.fallback == f"cairn.kernels.{room}.reference"
+        assert all(m.startswith(f"cairn.kernels.{room}.") for m in package.OPS.cuda + package.OPS.cpu), package.OPS
+        assert (KERNELS / room / "reference.py").exists(), room
+        assert any((KERNELS / room).glob("triton*.py")) or room == "sample", room  # CUDA samples with torch ops
+        assert set(package.__all__) <= set(importlib.import_module("cairn.kernels").__all__), room
+
+
+def test_no_production_module_imports_a_reference():
+    """The references are the ops' oracles: the tests import them, production reaches one only as
+    the named fallback of `cairn.kernels.common.dispatch` (by its module's name, when it must)."""
+    for path in PKG.rglob("*.py"):
+        if path.name == "reference.py" and path.parent.parent == KERNELS:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, (ast.Import, ast.ImportFrom)) else []
+            module = node.module or "" if isinstance(node, ast.ImportFrom) else ""
+            found = [n for n in names + [module] if n.split(".")[-1].startswith("reference")]
+            assert not found, f"{path.relative_to(ROOT)} imports {found}"
+
+
 ROUTING_DECISIONS = ["cairn/cluster/routing/cost.py", "cairn/cluster/routing/predicted.py", "cairn/cluster/routing/ranker.py",
                      "cairn/cluster/routing/registry.py"]
 

@@ -83,3 +83,36 @@ def test_every_path_the_doc_names_exists():
 
 def test_the_readme_points_to_the_design():
     assert "docs/ARCHITECTURE.md" in (ROOT / "README.md").read_text()
+
+
+# "`GenerateRequest` (`cairn/workers/request.py`", "`EngineSpec`** (`...`", "`RequestOutput`s (`...`"
+TYPE_AT = re.compile(r"`(?P<name>[A-Z][A-Za-z0-9]+)`(?:\*\*|s)?\s*\(`(?P<path>[\w./]+\.py)`")
+
+
+def defined_names(path: Path) -> set[str]:
+    """The classes and module-level names a file defines."""
+    import ast
+
+    names = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            names |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+    return names
+
+
+def test_the_type_reader_finds_a_type_and_its_module_across_a_line_break():
+    found = [m.groups() for m in TYPE_AT.finditer("one `GenerateRequest`\n   (`cairn/workers/request.py`) and "
+                                                  "**`EngineSpec`** (`cairn/workers/spec.py`: ...), `Foo` alone")]
+    assert found == [("GenerateRequest", "cairn/workers/request.py"), ("EngineSpec", "cairn/workers/spec.py")]
+
+
+def test_every_type_the_doc_places_in_a_module_is_defined_there():
+    placed = [(m["name"], m["path"]) for m in TYPE_AT.finditer(doc_text())]
+    assert len(placed) > 10, f"too few types found to trust the reader: {placed}"
+    wrong = [(name, path) for name, path in placed
+             if (ROOT / path).exists() and name not in defined_names(ROOT / path)]
+    assert not wrong, f"docs/ARCHITECTURE.md places types in modules that do not define them: {wrong}"

@@ -41,7 +41,7 @@ def test_a_wheel_installs_cairn_and_nothing_else_at_the_top_level(wheel):
     tops = {name.split("/")[0] for name in names}
     assert {t for t in tops if not t.endswith(".dist-info")} == {"cairn"}, sorted(tops)
     for shipped in ("cairn/__init__.py", "cairn/configs/local.yaml", "cairn/configs/routing.yaml",
-                    "cairn/kernels/csrc/delta_rule.cpp", "cairn/workers/demo/chat_template.jinja",
+                    "cairn/kernels/delta_rule/delta_rule.cpp", "cairn/kernels/common/native.h", "cairn/workers/demo/chat_template.jinja",
                     "cairn/cluster/cli.py"):
         assert shipped in names, f"the wheel lacks {shipped}"
     assert not [n for n in names if n.startswith(("tests/", "benchmarks/", "docs/"))]

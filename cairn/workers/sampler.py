@@ -15,10 +15,10 @@ and every step below is a batched op over the rows that need it.
    next: the host fills a packed bitmask per such row (`Grammars.mask`), which goes up with the
    row parameters and is unpacked on the device.
 3. Greedy rows (temperature 0 or top_k 1) take the argmax of the changed logits.
-4. Sampled rows draw with `kernels.sample_rows` (its rules in cairn.kernels.reference_sample:
+4. Sampled rows draw with `kernels.sample_rows` (its rules in cairn/kernels/sample/torch_ops.py:
    temperature, then min-p, top-k and top-p each only where a row asks, by radix selects over
    the weights' float bits instead of sorts; an overflowing temperature is greedy). On CPU it is
-   one C++ pass per row (cairn/kernels/csrc/sample.cpp), on CUDA batched torch ops.
+   one C++ pass per row (cairn/kernels/sample/sample.cpp), on CUDA batched torch ops.
    The draw takes one uniform per row, from a counter-based hash (SplitMix64) of (seed, output
    index) on the device: a seeded request draws the same tokens alone, batched, chunked or preempted, and successive indices are
    independent draws. A request without a seed gets a fresh key from the engine's generator

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from tests.support.paths import REPO
 
 ROOT = REPO
@@ -68,9 +69,15 @@ def _main() -> None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from cairn.kernels import triton_attention, triton_common, triton_conv, triton_delta_recurrent, triton_delta_rule
-    from cairn.kernels import triton_fused, triton_moe, triton_state
-    from cairn.kernels.reference_moe import SharedExpert
+    from cairn.kernels.attention import triton_ops as triton_attention
+    from cairn.kernels.common import triton_helpers as triton_common
+    from cairn.kernels.conv import triton_ops as triton_conv
+    from cairn.kernels.delta_rule import triton_chunk as triton_delta_rule
+    from cairn.kernels.delta_rule import triton_recurrent as triton_delta_recurrent
+    from cairn.kernels.moe import SharedExpert
+    from cairn.kernels.moe import triton_ops as triton_moe
+    from cairn.kernels.norms import triton_ops as triton_fused
+    from cairn.kernels.state import triton_ops as triton_state
 
     assert not triton_common.INTERPRETED
     types = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int32: "i32",

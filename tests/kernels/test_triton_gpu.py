@@ -8,16 +8,19 @@ runs re-runs this file in a child pytest with TRITON_INTERPRET=0, where the othe
 
 from __future__ import annotations
 
+import importlib
 import math
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from cairn.kernels import reference, reference_varlen, triton_common
+from cairn.kernels import attention, conv, delta_rule, state
+from cairn.kernels.common import triton_helpers as triton_common
 from tests.support.paths import REPO
 
 ROOT = REPO
@@ -53,11 +56,22 @@ def test_gpu_tests_pass_in_a_process_running_compiled_triton():
     assert done.returncode == 0, done.stdout[-8000:] + done.stderr[-2000:]
 
 
+def _ops(*modules) -> SimpleNamespace:
+    """The public functions of `modules`, as one namespace."""
+    return SimpleNamespace(**{n: getattr(m, n) for m in modules for n in getattr(m, "__all__", dir(m))
+                              if not n.startswith("_") and callable(getattr(m, n))})
+
+
+reference = _ops(*(importlib.import_module(p.__name__ + ".reference")
+                                      for p in (attention, conv, delta_rule, state)))
+
+
 @pytest.fixture(scope="module")
 def gpu():
-    from cairn.kernels import gpu
-
-    return gpu
+    """The Triton ops of every folder (imported here: compiled only in a process without the interpreter)."""
+    return _ops(*(importlib.import_module(f"cairn.kernels.{m}") for m in (
+        "attention.triton_ops", "conv.triton_ops", "delta_rule.triton_chunk", "delta_rule.triton_recurrent",
+        "state.triton_ops")))
 
 
 @pytest.fixture(autouse=True)
@@ -146,7 +160,7 @@ def test_chunked_delta_rule_matches_the_reference_with_states_at_positions(gpu, 
     slots = torch.tensor(used, device=CUDA)
     positions = [[256, 700], [1], [], [48, 300]]
     out, states = gpu.chunk_gated_delta_rule_varlen(q, k, v, g, beta, cu, pool[:, 1], slots, state_positions=positions)
-    want_out, want_states = reference_varlen.chunk_gated_delta_rule_varlen(q, k, v, g, beta, cu, want_pool[:, 1],
+    want_out, want_states = reference.chunk_gated_delta_rule_varlen(q, k, v, g, beta, cu, want_pool[:, 1],
                                                                            slots, state_positions=positions)
     assert_close(out, want_out, "out", dtype)
     assert_close(states, want_states, "state", dtype)
@@ -162,7 +176,7 @@ def test_decode_step_and_recurrence_match_the_reference(gpu, dtype):
     pool[slots] = _states(64)
     want_pool = pool.clone()
     assert_close(gpu.gated_delta_rule_step_slots(q, k, v, g, beta, pool, slots),
-                 reference_varlen.gated_delta_rule_step_slots(q, k, v, g, beta, want_pool, slots), "out", dtype)
+                 reference.gated_delta_rule_step_slots(q, k, v, g, beta, want_pool, slots), "out", dtype)
     assert_close(pool, want_pool, "state", dtype)
     state, want_state = _states(64), _states(64)
     assert_close(gpu.gated_delta_rule_step(q, k, v, g, beta, state),
@@ -180,13 +194,15 @@ def test_decode_step_and_recurrence_match_the_reference(gpu, dtype):
 def test_fused_moe_matches_the_reference_at_qwen_shapes(dtype, experts, top_k, intermediate):
     """Qwen3-Next/3.5 (E = 512, k = 10) and Qwen3.5-35B-A3B-like (E = 256, k = 8) routing, hidden
     2048, at a decode batch and a prefill."""
-    from cairn.kernels import reference_moe, triton_moe
+    from cairn.kernels.moe import SharedExpert
+    from cairn.kernels.moe import reference as reference_moe
+    from cairn.kernels.moe import triton_ops as triton_moe
 
     gen = torch.Generator().manual_seed(0)
     hidden = 2048
     gate_up = (torch.randn(experts, 2 * intermediate, hidden, generator=gen) * hidden**-0.5).to(CUDA, dtype)
     down = (torch.randn(experts, hidden, intermediate, generator=gen) * intermediate**-0.5).to(CUDA, dtype)
-    shared = reference_moe.SharedExpert(
+    shared = SharedExpert(
         *((torch.randn(*shape, generator=gen) * shape[-1] ** -0.5).to(CUDA, dtype)
           for shape in ((intermediate, hidden), (intermediate, hidden), (hidden, intermediate), (1, hidden))))
     for tokens in (64, 1000):
@@ -203,7 +219,8 @@ def test_fused_moe_matches_the_reference_at_qwen_shapes(dtype, experts, top_k, i
 def test_fused_row_ops_match_the_reference_at_qwen_shapes(dtype):
     """Norms at hidden 2048 and 4096 with the residual add, q/k norm with rotary at 16 / 2 heads of
     256 (a quarter rotated), the DeltaNet gates and gated norm at 32 value heads of 128."""
-    from cairn.kernels import reference_fused, triton_fused
+    from cairn.kernels.norms import reference as reference_fused
+    from cairn.kernels.norms import triton_ops as triton_fused
 
     gen = torch.Generator().manual_seed(3)
 
@@ -249,7 +266,7 @@ def test_conv_and_state_copies_match_the_reference(gpu, dtype):
     want_pool = pool.clone()
     slots = torch.tensor(used, device=CUDA)
     assert_close(gpu.causal_conv1d_varlen(x, weight, cu, pool[:, 2], slots),
-                 reference_varlen.causal_conv1d_varlen(x, weight, cu, want_pool[:, 2], slots), "out", dtype)
+                 reference.causal_conv1d_varlen(x, weight, cu, want_pool[:, 2], slots), "out", dtype)
     torch.testing.assert_close(pool, want_pool, equal_nan=True, atol=0, rtol=0)  # conv states: copied inputs
     out, state = gpu.causal_conv1d(x[:1000], weight, None)
     want_out, want_state = reference.causal_conv1d(x[:1000], weight, None)

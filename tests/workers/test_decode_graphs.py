@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cairn.kernels import reference_varlen
+from cairn.kernels.conv import reference as conv_reference
+from cairn.kernels.delta_rule import reference as delta_reference
 from cairn.workers import Engine, SamplingParams
 from cairn.workers.execution.decode_graphs import buckets
 
@@ -71,12 +72,12 @@ def test_a_padding_rows_slot_of_minus_one_reads_zeros_and_writes_no_state():
     before = conv.clone(), ssm.clone()
     slots = torch.tensor([2, -1], dtype=torch.int64)
     x, w = torch.randn(2, 6, generator=g), torch.randn(6, 4, generator=g)
-    out = reference_varlen.causal_conv1d_update_slots(x, w, conv, slots)
-    fresh = reference_varlen.causal_conv1d_update_slots(x[1:], w, torch.zeros(1, 6, 3), torch.tensor([0]))
+    out = conv_reference.causal_conv1d_update_slots(x, w, conv, slots)
+    fresh = conv_reference.causal_conv1d_update_slots(x[1:], w, torch.zeros(1, 6, 3), torch.tensor([0]))
     torch.testing.assert_close(out[1:], fresh)  # from a zero state
     q, k = torch.randn(2, 1, 8, generator=g), torch.randn(2, 1, 8, generator=g)
     v, gate, beta = torch.randn(2, 2, 8, generator=g), -torch.rand(2, 2, generator=g), torch.rand(2, 2, generator=g)
-    reference_varlen.gated_delta_rule_step_slots(q, k, v, gate, beta, ssm, slots)
+    delta_reference.gated_delta_rule_step_slots(q, k, v, gate, beta, ssm, slots)
     for pool, old in zip((conv, ssm), before):
         assert torch.equal(pool[[0, 1, 3]], old[[0, 1, 3]])  # slot -1 is not the last slot
         assert not torch.equal(pool[2], old[2])

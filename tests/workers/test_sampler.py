@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from cairn.workers import Engine, SamplingParams
-from cairn.kernels.reference_sample import nucleus
+from cairn.kernels.sample.torch_ops import nucleus
 from cairn.workers.sampler import Sampler, uniforms
 from cairn.workers.sequence import Sequence, Status
 

@@ -5,7 +5,7 @@ Contract:
 - `buckets(max_num_seqs)`: 1, 2, 4, 8, then every multiple of 8 up to `max_num_seqs` (which is
   one too). A decode-only step of n sequences runs at the smallest bucket >= n, its n rows
   first, then padding rows: token 0 at position 0, a KV slot of -1 (store_kv writes nothing),
-  state slot -1 (the decode state ops read zeros and write nothing, cairn.kernels.reference_varlen),
+  state slot -1 (the decode state ops read zeros and write nothing, cairn/kernels/conv and delta_rule's reference.py),
   sequence length 1 over an all-zero page-table row. Padding rows write no page and no state,
   and only the first n rows of the logits are returned.
 - Each bucket owns one device buffer holding its step's arrays packed at fixed offsets
@@ -29,7 +29,7 @@ import time
 import numpy as np
 import torch
 
-from cairn.kernels.varlen_plan import VarlenPlan
+from cairn.kernels import VarlenPlan
 from cairn.workers.model.batch import ForwardBatch, plan_arrays
 
 log = logging.getLogger(__name__)

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from cairn import kernels
-from cairn.kernels.varlen_plan import VarlenPlan
+from cairn.kernels import VarlenPlan
 from cairn.workers import heap
 from cairn.workers.cache.arena import ArenaLayout
 from cairn.workers.execution.decode_graphs import DecodeGraphs

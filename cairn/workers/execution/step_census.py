@@ -19,8 +19,8 @@ phase of the step it ran in (`PHASES`), and, inside a decoder layer, to that lay
 Kernels run on CPU tensors only as their launchers' host code (the launch is a record, and the
 buffers launchers allocate come zeroed, so what follows sees finite values), so a census step
 computes nothing: the states it leaves are garbage. It needs a process where triton
-imported compiled (not TRITON_INTERPRET=1), and it routes CUDA's ops (cairn.kernels.gpu, triton_moe)
-to CPU tensors for its duration.
+imported compiled (not TRITON_INTERPRET=1), and it routes CUDA's ops (each op folder's triton_ops) to CPU
+tensors for its duration (`cairn.kernels.common.dispatch.routed_as`).
 """
 
 from __future__ import annotations
@@ -153,15 +153,13 @@ class Census(TorchDispatchMode):
     def __enter__(self):
         import triton
 
-        from cairn import kernels
+        from cairn.kernels.common import dispatch, triton_helpers
         census = self
         self._saved = [(torch.Tensor, n, getattr(torch.Tensor, n)) for n in ("tolist", "numpy", "cpu")]
         self._saved.append((triton.runtime.jit.JITFunction, "run", triton.runtime.jit.JITFunction.run))
         self._saved.append((triton.runtime.autotuner.Autotuner, "run", triton.runtime.autotuner.Autotuner.run))
-        self._saved.append((kernels, "_uses_triton", kernels._uses_triton))
-        from cairn.kernels import triton_common
-
-        self._saved.append((triton_common, "empty", triton_common.empty))
+        self._saved.append((triton_helpers, "empty", triton_helpers.empty))
+        self._routing = dispatch.routed_as("cuda")
 
         def reading(original):
             def read(tensor, *args, **kwargs):
@@ -186,14 +184,15 @@ class Census(TorchDispatchMode):
 
         triton.runtime.jit.JITFunction.run = launch
         triton.runtime.autotuner.Autotuner.run = tuned_launch
-        kernels._uses_triton = lambda tensor: True
-        triton_common.empty = zeros
+        triton_helpers.empty = zeros
+        self._routing.__enter__()
         return super().__enter__()
 
     def __exit__(self, *exc):
         try:
             return super().__exit__(*exc)
         finally:
+            self._routing.__exit__(None, None, None)
             for owner, name, original in self._saved:
                 setattr(owner, name, original)
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from cairn.kernels.varlen_plan import VarlenPlan
+from cairn.kernels import VarlenPlan
 from cairn.workers.model import ForwardBatch
 from cairn.workers.model.batch import plan_arrays
 from cairn.workers.plan import BlockCopy

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from cairn.kernels.varlen_plan import VarlenPlan
+from cairn.kernels import VarlenPlan
 
 
 # The tensor fields, which are also the names the runner uploads them by; a prefill plan's tables

@@ -1,0 +1,12 @@
+"""Launch shapes and autotune configs of the Triton paged attention (attention/triton_ops.py).
+
+The prefill tile's rows come from the step's `VarlenPlan` (ATTENTION_ROWS (row, head) pairs a
+program), built on the host, which never imports triton: the constant lives with the plan.
+"""
+
+from cairn.kernels.common.varlen_plan import ATTENTION_ROWS
+
+PREFILL_CONFIGS = [dict(BN=32, num_warps=8), dict(BN=16, num_warps=4), dict(BN=32, num_warps=4), dict(BN=16, num_warps=8)]
+DECODE_CONFIGS = [dict(BN=64, num_warps=4), dict(BN=32, num_warps=4), dict(BN=64, num_warps=8), dict(BN=32, num_warps=2)]
+
+__all__ = ["ATTENTION_ROWS", "PREFILL_CONFIGS", "DECODE_CONFIGS"]

@@ -1,0 +1,25 @@
+"""Fixtures the op folders' tests share."""
+
+import pytest
+
+
+@pytest.fixture
+def the_references():
+    """Ops called through `cairn.kernels` run their references (CPU tensors would run the C++
+    kernels, held to these references in each folder's test_cpu_ops.py)."""
+    from cairn import kernels
+
+    kernels.force_reference(True)
+    yield
+    kernels.force_reference(False)
+
+
+@pytest.fixture
+def nan_filled_buffers(monkeypatch):
+    """Every buffer a Triton launcher allocates starts as NaN: a kernel that leaves part of its
+    output unwritten fails."""
+    import math
+
+    from cairn.kernels.common import triton_helpers
+
+    monkeypatch.setattr(triton_helpers, "FILL", math.nan)
