@@ -5,12 +5,19 @@ is the same for `serve run` / `serve deploy` (`import_path: cairn.cluster.app:ap
 cairn/configs/serve.yaml and cairn/configs/local.yaml). The parts:
 - `Engine` deployment: `cairn.cluster.engine_replica.EngineReplica`, one engine per replica. Its
   request router comes from `RoutingConfig` (cache affinity by default, `cairn.cluster.routing`),
-  which takes the engines' page size and recurrence from their `EngineSpec`.
+  which takes the engines' page size and recurrence from their `EngineSpec`. Each replica gets
+  the deployment's `EngineOptions` whole (pickled with its other arguments, as the spec is).
   With `engine_options.tensor_parallel_size` N > 1 a replica is a placement group of N bundles
   (each `num_cpus` and `num_gpus`, `STRICT_PACK`: one node), Serve's `placement_group_bundles`:
   the replica runs in the first as rank 0 and starts its other ranks in the rest
   (`cairn.cluster.tp_ranks`). To the index and the router it is one worker.
 - `Ingress` deployment: `cairn.cluster.ingress.Ingress`, the OpenAI-compatible HTTP API.
+
+Engine options: `build_application` takes one `EngineOptions` (default `SERVED`: warm-up on,
+every kernel compiled before a replica takes requests). `app_builder` is where a Serve config's
+`engine_options` mapping becomes that value, the only place (`EngineOptions.from_config`, over
+`SERVED`): a key that is no option, or a value out of range, fails there, at deploy, named. The
+one change the deploy makes is `dtype` "auto", chosen here for the engines' device (a new value).
 
 The model is a checkpoint directory or a Hugging Face id (`cairn.workers.model_source.ModelSource`).
 The deploy step resolves an id once, to read the `EngineSpec`, and hands every replica and the
@@ -34,6 +41,7 @@ client would wait at the proxy for one of them to finish.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -44,10 +52,13 @@ from cairn.cluster.api.options import APIOptions
 from cairn.cluster.engine_replica import EngineReplica
 from cairn.cluster.ingress import Ingress
 from cairn.cluster.routing.config import RoutingConfig
+from cairn.workers.options import EngineOptions
+
+SERVED = EngineOptions(warm_up=True)  # a replica's engine options where the config says nothing
 
 
 def build_application(model_dir: str | Path | None = None, replicas: int = 2, *,
-                      engine_options: dict[str, Any] | None = None, routing: RoutingConfig | None = None,
+                      engine_options: EngineOptions = SERVED, routing: RoutingConfig | None = None,
                       num_cpus: float = 0.5, num_gpus: float = 0, ingress_replicas: int = 1,
                       api: APIOptions | dict[str, Any] | None = None, api_key: str | None = None,
                       api_keys: list[str] | None = None, api_keys_file: str | None = None,
@@ -69,7 +80,7 @@ def build_application(model_dir: str | Path | None = None, replicas: int = 2, *,
     `api_keys`: `[TENANT:]KEY` values; `metrics_key`) reach the ingress only as digests, beside
     any `api_key_digests` and `metrics_key_digest` given (`cairn.cluster.api.tenants`): Serve logs
     what it deploys."""
-    from cairn.workers import EngineOptions, EngineSpec, ModelSource, demo_model_dir
+    from cairn.workers import EngineSpec, ModelSource, demo_model_dir
     from cairn.workers.model import read_model_config
     from cairn.workers.precision import choose_dtype
 
@@ -88,11 +99,11 @@ def build_application(model_dir: str | Path | None = None, replicas: int = 2, *,
     source = ModelSource.parse(model_dir or demo_model_dir("tiny"))
     local_dir = source.local_dir()
     source = source.pinned(local_dir)  # every node loads the snapshot the spec was read from
-    options = dict(engine_options or {})
-    if EngineOptions.from_kwargs(**options).dtype == "auto":  # chosen once, here, for the engines' devices:
-        config_dtype = read_model_config(Path(local_dir) / "config.json").torch_dtype  # every replica
-        options["dtype"] = choose_dtype("auto", config_dtype, "cuda" if num_gpus else "cpu")  # runs it
-    spec = EngineSpec.from_model_dir(local_dir, EngineOptions.from_kwargs(**options))
+    options = engine_options  # what every replica runs: auto's dtype chosen once, here, for their device
+    if options.dtype == "auto":
+        config_dtype = read_model_config(Path(local_dir) / "config.json").torch_dtype
+        options = replace(options, dtype=choose_dtype("auto", config_dtype, "cuda" if num_gpus else "cpu"))
+    spec = EngineSpec.from_model_dir(local_dir, options)
     routing = (routing or RoutingConfig()).for_engines(spec)
     placement: dict[str, Any] = dict(num_cpus=num_cpus, num_gpus=num_gpus)
     extra: dict[str, Any] = dict(graceful_shutdown_timeout_s=graceful_shutdown_timeout_s,
@@ -100,7 +111,7 @@ def build_application(model_dir: str | Path | None = None, replicas: int = 2, *,
     if health_check_period_s is not None:
         extra["health_check_period_s"] = health_check_period_s
     engine_extra = dict(extra)
-    tp = options.get("tensor_parallel_size", 1)
+    tp = options.tensor_parallel_size
     if tp > 1:  # the replica is rank 0 in bundle 0; its other ranks take the others (cairn.cluster.tp_ranks)
         engine_extra.update(placement_group_bundles=[{"CPU": num_cpus, "GPU": num_gpus} if num_gpus else
                                                      {"CPU": num_cpus}] * tp,
@@ -108,7 +119,7 @@ def build_application(model_dir: str | Path | None = None, replicas: int = 2, *,
     engine = serve.deployment(
         EngineReplica, name="Engine", ray_actor_options=placement,
         request_router_config=routing.request_router_config(),
-        max_ongoing_requests=max_ongoing_requests or options.get("max_num_seqs", EngineOptions.max_num_seqs),
+        max_ongoing_requests=max_ongoing_requests or options.max_num_seqs,
         **engine_extra,
         **({"autoscaling_config": autoscaling} if autoscaling else {"num_replicas": replicas}),
     ).bind(str(source), options, routing.model_dump(), spec)
@@ -142,7 +153,8 @@ API_KEYS = tuple(APIOptions.model_fields)  # a config's keys that are the API's 
 
 def app_builder(args: dict[str, Any]):
     """`import_path: cairn.cluster.app:app_builder` for `serve run` / `serve deploy`. Keys: model_dir
-    (a directory or a Hugging Face id; null: the demo model), replicas, engine_options, routing
+    (a directory or a Hugging Face id; null: the demo model), replicas, engine_options (a mapping
+    of `EngineOptions` fields, made into one here, over `SERVED`), routing
     (a dict, or a path to a routing YAML: absolute, relative to the working directory, or to this
     repository), num_cpus, num_gpus, ingress_replicas, the API's options
     (`cairn.cluster.api.options.APIOptions`: served_model_name, max_body_bytes, api_limits,
@@ -155,6 +167,7 @@ def app_builder(args: dict[str, Any]):
     `metrics_key_digest` or in an `api_keys_file`, never as `api_keys` (`cairn serve --api-key`
     sends digests)."""
     args = dict(args or {})
+    engine_options = EngineOptions.from_config(args.pop("engine_options", None) or {}, SERVED)  # the one place
     routing = args.pop("routing", None)
     if isinstance(routing, str):
         path = Path(routing)
@@ -166,4 +179,4 @@ def app_builder(args: dict[str, Any]):
         routing = RoutingConfig.model_validate(routing)
     api = {key: args.pop(key) for key in API_KEYS if key in args}
     return build_application(args.pop("model_dir", None), args.pop("replicas", 2), routing=routing,
-                             api=APIOptions.model_validate(api), **args)
+                             engine_options=engine_options, api=APIOptions.model_validate(api), **args)

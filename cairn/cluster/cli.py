@@ -9,11 +9,15 @@ Subcommands:
 - `demo-model OUT_DIR [--arch qwen3_next|qwen3_5|qwen3_5_moe] [--size tiny|bench] [--seed N]` —
   write a random-weight checkpoint (see `cairn.workers.demo`) and print the directory written.
 - `generate [--model DIR|ID] --prompt TEXT [--chat] [--max-tokens N] [--temperature T]` — load
-  the checkpoint (default: the tiny demo model) into an in-process engine, print a completion.
+  the checkpoint (default: the tiny demo model) into an in-process engine, print a completion
+  (greedy unless --temperature says otherwise, unlike the API: see its --help).
 - `serve [--model DIR|ID] [--replicas N] [--address A] [--config YAML] [--routing YAML] ...` —
   Ray Serve replicas behind the HTTP API (see `cairn.cluster.deploy`): deploys --config, default
   cairn/configs/local.yaml, with the flags given written over it; `--replicas 1` alone runs one
-  in-process engine.
+  in-process engine. Its engine flags (`--max-num-seqs`, `--cache-memory-bytes`, ...) become one
+  `EngineOptions` once: here for the in-process engine (a bad value: status 2, naming the
+  option, before anything loads), else where the app is built from the config they are written
+  into (`cairn.cluster.app.app_builder`).
 
 `--model` takes a checkpoint directory or a Hugging Face id, `org/name[@revision]`
 (`cairn.workers.model_source`): one that resolves to nothing is refused before anything is loaded or
@@ -25,6 +29,16 @@ import sys
 from collections.abc import Callable, Sequence
 
 TOOL_CALL_PARSERS = ("auto", "qwen3_json", "qwen3_xml", "none")  # cairn.cluster.api.tool_call_formats' (not imported here)
+GENERATE_TEMPERATURE = 0.0  # `cairn generate`'s: greedy, so a debugging run is reproducible
+SAMPLING_SHOWN = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                  "repetition_penalty")  # the defaults `serve --help` states
+
+
+def _api_default(name: str) -> str:
+    """The API's default for the sampling field `name`: `SamplingParams`' (a plain module, no engine)."""
+    from cairn.workers.sampling_params import DEFAULTS
+
+    return f"{DEFAULTS[name]:g}"
 
 
 def _add_demo_model(subparsers: argparse._SubParsersAction) -> None:
@@ -64,9 +78,11 @@ def _add_generate(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--prompt", required=True, help="prompt text")
     parser.add_argument("--chat", action="store_true",
                         help="send the prompt as one user message through the model's chat template")
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most (default: 64)")
+    parser.add_argument("--temperature", type=float, default=GENERATE_TEMPERATURE,
+                        help=f"in [0, 2] (default: {GENERATE_TEMPERATURE:g}, greedy, so a debugging run is "
+                             f"reproducible; the API's default is {_api_default('temperature')})")
+    parser.add_argument("--seed", type=int, default=None, help="makes a sampled run reproducible")
     parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                         help=DTYPE_HELP)
     parser.set_defaults(run=_generate)
@@ -75,7 +91,7 @@ def _add_generate(subparsers: argparse._SubParsersAction) -> None:
 def _generate(args: argparse.Namespace) -> int:
     from tokenizers import Tokenizer
 
-    from cairn.workers import Engine, ModelSource, SamplingParams, demo_model_dir
+    from cairn.workers import Engine, EngineOptions, ModelSource, SamplingParams, demo_model_dir
 
     try:
         model_dir = ModelSource.parse(args.model).local_dir() if args.model else demo_model_dir("tiny")
@@ -88,7 +104,7 @@ def _generate(args: argparse.Namespace) -> int:
         from cairn.cluster.api.chat_template import ChatTemplate
 
         text = ChatTemplate.from_dir(model_dir).render([{"role": "user", "content": args.prompt}])
-    engine = Engine.from_pretrained(model_dir, dtype=args.dtype)
+    engine = Engine.from_pretrained(model_dir, EngineOptions(dtype=args.dtype))
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
         out = engine.generate([tokenizer.encode(text, add_special_tokens=False).ids], params)[0]
@@ -106,7 +122,9 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
                     "ingress, print the endpoint, serve until Ctrl-C. What is deployed is the Serve "
                     "config --config (default: cairn/configs/local.yaml, 2 CPU replicas of the demo model "
                     "on 127.0.0.1:8000); the flags given override it. --replicas 1 without "
-                    "--address/--config runs one engine in this process instead (debugging).")
+                    "--address/--config runs one engine in this process instead (debugging). A request "
+                    "that leaves a sampling field out (or null) gets its default: "
+                    + ", ".join(f"{name} {_api_default(name)}" for name in SAMPLING_SHOWN) + ".")
     parser.add_argument("--model", help="checkpoint directory or Hugging Face id, org/name[@revision], resolved on "
                                         "every node (default: the config's; local.yaml: the tiny demo model)")
     parser.add_argument("--replicas", type=int, default=None, help="engine replicas (local.yaml: 2)")
@@ -183,15 +201,6 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    engine_options = {name: value for name, value in (("max_num_seqs", args.max_num_seqs),
-                                                      ("cache_policy", args.cache_policy),
-                                                      ("cache_memory_bytes", args.cache_memory_bytes),
-                                                      ("memory_utilization", args.memory_utilization),
-                                                      ("host_cache_bytes", args.host_cache_bytes),
-                                                      ("tensor_parallel_size", args.tensor_parallel_size),
-                                                      ("dtype", args.dtype),
-                                                      ("enforce_eager", args.enforce_eager))
-                      if value is not None}
     if args.replicas == 1 and not args.address and not args.config:
         from cairn.cluster.api.http_limits import HTTPLimits
         from cairn.cluster.api.limits import APILimits
@@ -199,10 +208,12 @@ def _serve(args: argparse.Namespace) -> int:
         from cairn.cluster.api.quotas import TenantLimits
         from cairn.cluster.api.server import serve_in_process
         from cairn.cluster.api.tenants import Tenants
-        from cairn.cluster.deploy import api_limit_flags, http_limit_flags, public_prompt_flags, tenant_limit_flags
-        from cairn.workers import ModelSource
+        from cairn.cluster.deploy import (api_limit_flags, engine_option_flags, http_limit_flags,
+                                          public_prompt_flags, tenant_limit_flags)
+        from cairn.workers import EngineOptions, ModelSource
 
         try:
+            engine_options = EngineOptions(warm_up=True, **engine_option_flags(args))  # compiled before serving
             tenants = Tenants.load(args.api_key, args.api_keys_file)
             options = APIOptions(
                 served_model_name=args.served_model_name,
@@ -223,11 +234,11 @@ def _serve(args: argparse.Namespace) -> int:
         host, port = args.host or "127.0.0.1", args.port or 8000
         print(f"cairn: one in-process engine on http://{host}:{port}/v1 (Ctrl-C to stop)", flush=True)
         serve_in_process(model, options, host=host, port=port, tenants=tenants, metrics_key=args.metrics_key,
-                         **engine_options)
+                         engine_options=engine_options)
         return 0
     from cairn.cluster.deploy import serve_forever
 
-    return serve_forever(args, engine_options)
+    return serve_forever(args)
 
 
 COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_add_demo_model, _add_generate, _add_serve)

@@ -8,7 +8,9 @@ deploys the same file a checkout does; it is written nowhere else.
 Flags given on the command line override it (`apply_overrides`): `--model` (a directory, made
 absolute, or a Hugging Face id, which every node resolves for itself), `--replicas` (which
 replaces an `autoscaling` config), `--routing` (loaded here and sent inline), `--num-cpus`,
-`--num-gpus`, engine options, API keys (`--api-key` values and `--metrics-key` as digests,
+`--num-gpus`, engine options (`engine_option_flags`, written over the config's `engine_options`
+as plain values: the app makes them into one `EngineOptions`, `cairn.cluster.app.app_builder`),
+API keys (`--api-key` values and `--metrics-key` as digests,
 `api_key_digests` and `metrics_key_digest`, since Serve logs application arguments;
 `--api-keys-file` as an absolute path; `--shared-cache-tenants`), every tenant's quotas
 (`--tenant-limit`), model name, `--max-body-bytes` and the ingress's `http_limits`
@@ -57,8 +59,7 @@ def load_config(path: str | Path | None = None) -> dict[str, Any]:
     return data
 
 
-def apply_overrides(config: dict[str, Any], args: argparse.Namespace,
-                    engine_options: dict[str, Any] | None = None) -> dict[str, Any]:
+def apply_overrides(config: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     """A copy of `config` with the flags that were given (not None) written over it."""
     from cairn.cluster.api.tenants import Tenants, key_digest
     from cairn.cluster.routing.config import RoutingConfig
@@ -92,6 +93,7 @@ def apply_overrides(config: dict[str, Any], args: argparse.Namespace,
                       ("tool_call_parser", "tool_call_parser")):
         if getattr(args, flag, None) is not None:
             app_args[key] = getattr(args, flag)
+    engine_options = engine_option_flags(args)
     limits = http_limit_flags(args, in_process=False)
     api_limits = api_limit_flags(args)
     tenant_limits = tenant_limit_flags(args)
@@ -127,6 +129,16 @@ def resolve_models(config: dict[str, Any]) -> None:
         if model:
             env_vars = (app.get("runtime_env") or {}).get("env_vars") or {}
             ModelSource.parse(model).local_dir({**os.environ, **env_vars})
+
+
+ENGINE_FLAGS = ("max_num_seqs", "cache_policy", "cache_memory_bytes", "memory_utilization", "host_cache_bytes",
+                "tensor_parallel_size", "dtype", "enforce_eager")  # `cairn serve`'s flags named as EngineOptions fields
+
+
+def engine_option_flags(args: argparse.Namespace) -> dict[str, Any]:
+    """The `cairn.workers.options.EngineOptions` fields the flags give, as given (checked where the
+    options are made)."""
+    return {name: getattr(args, name) for name in ENGINE_FLAGS if getattr(args, name, None) is not None}
 
 
 def public_prompt_flags(args: argparse.Namespace) -> list[str]:
@@ -202,7 +214,7 @@ def _wait_running(names: list[str], stop: threading.Event, report_every_s: float
     return None
 
 
-def serve_forever(args: argparse.Namespace, engine_options: dict[str, Any]) -> int:
+def serve_forever(args: argparse.Namespace) -> int:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
     from ray import serve
@@ -211,7 +223,7 @@ def serve_forever(args: argparse.Namespace, engine_options: dict[str, Any]) -> i
     from ray.serve.schema import ServeDeploySchema
 
     try:
-        data = apply_overrides(load_config(args.config), args, engine_options)
+        data = apply_overrides(load_config(args.config), args)
         config = ServeDeploySchema.model_validate(data)
         resolve_models(data)
     except (OSError, ValueError) as e:

@@ -18,6 +18,8 @@ Rules it keeps:
 - Its load reaches the router through `record_routing_stats` (`cairn.cluster.routing.cost.routing_stats`),
   and its engine metrics reach Ray's metrics export, tagged with this replica, from the same
   drain loop (`cairn.cluster.metrics_export`): the cluster-wide view.
+- Its engine runs the `EngineOptions` the deployment was built with, as given (`cairn.cluster.app`
+  decides them once, warm-up included: kernels compiled before the replica takes requests).
 - With `tensor_parallel_size` N > 1 in its engine options it is rank 0 of its engine, placed in
   the first bundle of its placement group (N bundles, one device each, `STRICT_PACK`: see
   `cairn.cluster.app`), and starts ranks 1..N-1 as Ray actors in the other bundles
@@ -50,7 +52,7 @@ from cairn.cluster.routing.cost import routing_stats
 from cairn.cluster.routing.index_handle import IndexHandle
 from cairn.cluster.routing.router import replica_worker_id
 from cairn.cluster.tp_ranks import RayRankWorkers
-from cairn.workers import EngineSpec
+from cairn.workers import EngineOptions, EngineSpec
 from cairn.workers.metrics import EngineMetrics
 from cairn.workers.request import ExportRequest, GenerateRequest
 
@@ -61,16 +63,15 @@ DRAIN_INTERVAL_S = 0.05
 class EngineReplica:
     """One engine per replica, its cache events published to the index."""
 
-    async def __init__(self, model: str, engine_options: dict[str, Any], routing: dict[str, Any],
+    async def __init__(self, model: str, engine_options: EngineOptions, routing: dict[str, Any],
                        spec: EngineSpec):
         from cairn.workers import AsyncEngine, ModelSource
 
         cfg = RoutingConfig.model_validate(routing)
         self.worker_id = replica_worker_id(serve.get_replica_context().replica_id)
         model_dir = ModelSource.parse(model).local_dir()
-        extra = {"start_ranks": RayRankWorkers.start} if engine_options.get("tensor_parallel_size", 1) > 1 else {}
-        options = {"warm_up": True, **engine_options}  # kernels compiled before the replica takes requests
-        self.engine = AsyncEngine.from_pretrained(model_dir, worker_id=self.worker_id, **options, **extra)
+        self.engine = AsyncEngine.from_pretrained(model_dir, engine_options, worker_id=self.worker_id,
+                                                  start_ranks=RayRankWorkers.start)
         if self.engine.spec != spec:  # e.g. another copy of the model on this node
             raise RuntimeError(f"this replica's engine is {self.engine.spec}, but the deployment was built for "
                                f"{spec}: every replica must load the same checkpoint with the same options")

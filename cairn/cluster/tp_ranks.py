@@ -7,7 +7,8 @@ the engine (`Engine.from_pretrained(start_ranks=...)`) in place of the local pro
 Rank r runs in bundle r of the placement group the replica itself runs in (Serve creates it from
 the deployment's `placement_group_bundles`, `STRICT_PACK`: one node, so the ranks meet rank 0 on
 loopback), with that bundle's CPUs and GPU; each is named `cairn-tp-rank-<engine>-<rank>`.
-Each rank actor builds its shard, arena and runner exactly as a local rank process does
+Each rank actor gets the `EngineOptions` rank 0 was asked for (the value, pickled as Ray passes
+arguments) and builds its shard, arena and runner exactly as a local rank process does
 (`cairn.workers.execution.tp_runner.build_rank_runner`), then runs the `StepWork`s it is sent
 in order (one caller, one sequential actor: Ray keeps the order). A rank actor that dies makes
 rank 0's collectives time out, which breaks the engine (`cairn.workers.execution.tp_runner.RankFailure`); the

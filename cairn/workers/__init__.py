@@ -2,8 +2,10 @@
 
 Public surface: `Engine` (synchronous, batch `generate`), `AsyncEngine` (streams tokens per
 request, abortable), `EngineSpec` (the facts a deployment shares), `SamplingParams`,
-`RequestOutput` and `TokenLogprob`, the errors `RequestRejected` and `EngineError`,
-`ModelSource` (a checkpoint directory or a Hugging Face id) and `demo_model_dir`. No Ray here.
+`RequestOutput` and `TokenLogprob`, `EngineOptions`, the errors `RequestRejected`
+(`SamplingParamError`: a sampling field's), `EngineOptionError` (an engine option's) and
+`EngineError`, `ModelSource` (a checkpoint directory or a Hugging Face id) and `demo_model_dir`.
+No Ray here.
 
 Imported lazily (PEP 562): `from cairn.workers import Engine` loads the engine, and with it torch, but
 importing a plain module (`cairn.workers.spec`, `cairn.workers.sampling_params`) loads only that module, so
@@ -18,8 +20,9 @@ from cairn.workers.lazy import lazy_exports
 _WHERE = {
     "AsyncEngine": "cairn.workers.async_engine", "demo_model_dir": "cairn.workers.demo", "Engine": "cairn.workers.engine",
     "RequestOutput": "cairn.workers.output", "EngineError": "cairn.workers.errors", "RequestRejected": "cairn.workers.errors",
-    "ModelNotFound": "cairn.workers.model_source", "ModelSource": "cairn.workers.model_source",
-    "EngineOptions": "cairn.workers.options", "MAX_SEED": "cairn.workers.sampling_params",
+    "SamplingParamError": "cairn.workers.errors", "ModelNotFound": "cairn.workers.model_source",
+    "ModelSource": "cairn.workers.model_source",
+    "EngineOptions": "cairn.workers.options", "EngineOptionError": "cairn.workers.options", "MAX_SEED": "cairn.workers.sampling_params",
     "SamplingParams": "cairn.workers.sampling_params", "TokenLogprob": "cairn.workers.sequence", "EngineSpec": "cairn.workers.spec",
 }
 __all__ = sorted(_WHERE)

@@ -40,6 +40,7 @@ from cairn.workers.cache.transfer import FetchPlan, ResumeExport
 from cairn.workers.engine import Engine
 from cairn.workers.errors import EngineBroken, EngineError, RequestRejected
 from cairn.workers.metrics import EngineMetrics
+from cairn.workers.options import EngineOptions
 from cairn.workers.output import RequestOutput
 from cairn.workers.sampling_params import SamplingParams
 from cairn.workers.request import ExportRequest, GenerateRequest
@@ -65,11 +66,13 @@ class AsyncEngine:
         self._ids = itertools.count()
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path, **options: object) -> "AsyncEngine":
-        """The engine is loaded on the thread that will step it (see the module doc)."""
+    def from_pretrained(cls, model_dir: str | Path, options: EngineOptions | None = None,
+                        **kwargs: object) -> "AsyncEngine":
+        """`Engine.from_pretrained(model_dir, options, **kwargs)`, loaded on the thread that will
+        step it (see the module doc)."""
         executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cairn-engine")
         try:
-            engine = executor.submit(functools.partial(Engine.from_pretrained, model_dir, **options)).result()
+            engine = executor.submit(functools.partial(Engine.from_pretrained, model_dir, options, **kwargs)).result()
         except BaseException:
             executor.shutdown(wait=False)
             raise

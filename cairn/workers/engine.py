@@ -1,7 +1,8 @@
 """The engine: requests in, tokens out, one step at a time. No Ray, no asyncio.
 
-`Engine.from_pretrained(dir, **options)` loads a checkpoint (see cairn.workers.model.loader) and lays
-out the cache's arena from `EngineOptions` (cairn.workers.cache.arena). `add` checks a request
+`Engine.from_pretrained(dir, options)` (an `EngineOptions`, or its fields as keyword arguments)
+loads a checkpoint (see cairn.workers.model.loader) and lays out the cache's arena from the
+options (cairn.workers.cache.arena). `add` checks a request
 (`cairn.workers.request_check`: one that can never fit, a prompt beyond `max_model_len` or more pages
 than the arena holds beside a state, is refused with `RequestRejected` there, never halfway
 through) and queues it, or holds it while its grammar compiles or its resume point is fetched
@@ -113,13 +114,18 @@ class Engine:
         self._held: list[Sequence] = []  # held back until their grammars compile and their fetches arrive
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path, **options: object) -> "Engine":
-        """An engine over the checkpoint in `model_dir` (`cairn.workers.loading`). With
-        `tensor_parallel_size` N > 1, this process is rank 0 and starts ranks 1..N-1
-        (cairn.workers.execution.tp_runner); each loads only its shard."""
+    def from_pretrained(cls, model_dir: str | Path, options: EngineOptions | None = None, *,
+                        worker_id: str = "local", start_ranks=None, **fields: object) -> "Engine":
+        """An engine over the checkpoint in `model_dir` (`cairn.workers.loading`) with `options`, or
+        with the `EngineOptions` `fields` name (`Engine.from_pretrained(dir, max_num_seqs=8)`), not
+        both. With `tensor_parallel_size` N > 1, this process is rank 0 and starts ranks 1..N-1
+        (cairn.workers.execution.tp_runner, or `start_ranks`); each loads only its shard."""
         from cairn.workers.loading import load_engine
 
-        return load_engine(cls, model_dir, **options)
+        if options is not None and fields:
+            raise TypeError(f"give the engine's options as one EngineOptions or as fields, not both: {sorted(fields)}")
+        options = options if options is not None else EngineOptions(**fields)
+        return load_engine(cls, model_dir, options, worker_id, start_ranks)
 
     def use_tokenizer(self, model_dir: Path) -> None:
         """Structured outputs from the tokenizer in `model_dir` (loaded in the background; an

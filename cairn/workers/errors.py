@@ -3,6 +3,8 @@
 - `RequestRejected`: the request is at fault (a bad sampling value, a prompt too long, a token
   out of the vocabulary). It carries `param`, the request field at fault, so the API names it
   without reading the message; a `ValueError`, so plain callers need nothing new.
+  `SamplingParamError` is the one a `SamplingParams` field raises: its `field` and `reason` apart,
+  so a layer that calls the field otherwise names it its own way.
 - `EngineError`: an internal fault while a request ran; not the caller's doing.
 - `EngineBroken`: an `EngineError` after which the engine cannot run any request (a
   tensor-parallel rank was lost): every request it holds fails, later ones are refused, and
@@ -29,6 +31,18 @@ class RequestRejected(ValueError):
 
     def __reduce__(self):  # keeps `param` across processes (Ray)
         return type(self), (self.message, self.param)
+
+
+class SamplingParamError(RequestRejected):
+    """A `SamplingParams` field out of its range. `field`: the field (also `param`); `reason`: what
+    it must be and what it got, "must be in [0, 2], got 3"; the message is the two joined."""
+
+    def __init__(self, field: str, reason: str):
+        super().__init__(f"{field} {reason}", field)
+        self.field, self.reason = field, reason
+
+    def __reduce__(self):
+        return type(self), (self.field, self.reason)
 
 
 class EngineError(RuntimeError):

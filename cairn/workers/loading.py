@@ -2,7 +2,11 @@
 device, or rank 0's shard with ranks 1..N-1 started beside it (`cairn.workers.execution.tp_runner`); the arena
 sized to what the weights (and decode graphs) left on the device (`cairn.workers.cache.device_budget`);
 the EOS ids generation_config.json adds; the tokenizer for structured outputs; a warm-up when
-asked."""
+asked.
+
+`load_engine` takes the `EngineOptions` asked for, whole, and hands the same value to ranks
+1..N-1 and to the sizing; the engine gets the sized value, a new one (the asked one is not
+changed)."""
 
 from __future__ import annotations
 
@@ -12,7 +16,7 @@ from pathlib import Path
 import torch
 
 from cairn.cache_service.hashing import model_fingerprint
-from cairn.workers.cache.device_budget import graph_reserve_bytes, sized
+from cairn.workers.cache import device_budget
 from cairn.workers.model import load_model, read_model_config
 from cairn.workers.model.sharding import shard_config
 from cairn.workers.options import EngineOptions
@@ -35,31 +39,31 @@ def _pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def load_engine(cls: type, model_dir: str | Path, **options: object):
-    """An engine of class `cls` (`cairn.workers.engine.Engine`) over the checkpoint in `model_dir`."""
+def load_engine(cls: type, model_dir: str | Path, asked: EngineOptions, worker_id: str = "local",
+                start_ranks=None):
+    """An engine of class `cls` (`cairn.workers.engine.Engine`) over the checkpoint in `model_dir`.
+    `start_ranks` starts ranks 1..N-1 (default: local processes, `RankWorkers.start`; a Ray
+    replica's actors: cairn.cluster.tp_ranks)."""
     path = Path(model_dir)
-    worker_id = str(options.pop("worker_id", "local"))
-    start_ranks = options.pop("start_ranks", RankWorkers.start)  # how ranks 1..N-1 start (a Ray
-    opts = EngineOptions.from_kwargs(**options)                   # replica: cairn.cluster.tp_ranks)
     workers = None
-    if opts.tensor_parallel_size == 1:
-        model = load_model(model_dir, dtype=opts.dtype, device=_pick_device(opts.device))
+    if asked.tensor_parallel_size == 1:
+        model = load_model(model_dir, dtype=asked.dtype, device=_pick_device(asked.device))
         device = next(model.parameters()).device
-        graphs = device.type == "cuda" and not opts.enforce_eager
-        reserve = graph_reserve_bytes(model.config, opts.max_num_seqs) if graphs else 0
-        opts = sized(opts, device, reserve=reserve)  # memory_utilization: what the weights and graphs left
+        graphs = device.type == "cuda" and not asked.enforce_eager
+        reserve = device_budget.graph_reserve_bytes(model.config, asked.max_num_seqs) if graphs else 0
+        sized = device_budget.sized(asked, device, reserve=reserve)  # memory_utilization: what weights and graphs left
     else:
-        shard_config(read_model_config(path / "config.json"), opts.tensor_parallel_size)  # fits?
+        shard_config(read_model_config(path / "config.json"), asked.tensor_parallel_size)  # fits?
         address = free_address()
-        workers = start_ranks(model_dir, opts, address)
+        workers = (start_ranks or RankWorkers.start)(model_dir, asked, address)
     try:
         if workers is not None:
-            model = load_rank_model(model_dir, opts, 0, address)
-            opts = sized(opts, next(model.parameters()).device, model.group)  # the same on every rank
-        engine = cls(model, opts, fingerprint=model_fingerprint(model_dir), worker_id=worker_id,
+            model = load_rank_model(model_dir, asked, 0, address)
+            sized = device_budget.sized(asked, next(model.parameters()).device, model.group)  # the same on every rank
+        engine = cls(model, sized, fingerprint=model_fingerprint(model_dir), worker_id=worker_id,
                      eos_token_ids=generation_eos_ids(path), rank_workers=workers)
         engine.use_tokenizer(path)
-        if opts.warm_up:
+        if asked.warm_up:
             engine.warm_up()
         return engine
     except BaseException:

@@ -1,16 +1,37 @@
-"""Engine options: the knobs `Engine.from_pretrained(dir, **options)` accepts.
+"""Engine options: one immutable value, built once and handed whole to the engine, its ranks and
+the arena's sizing.
 
-Every field is checked at construction; a bad value raises `ValueError` naming the field and its
-allowed range. Sizes say their unit: tokens, pages, slots or bytes.
+Every field is checked at construction; a bad value raises `EngineOptionError` (a `ValueError`)
+whose `option` is the field and whose message names it and its allowed range. Sizes say their
+unit: tokens, pages, slots or bytes. Code that needs other values makes a new one
+(`dataclasses.replace`: the deploy's and the engine's dtype, the arena sized from a device's
+free memory).
+
+`from_config(config)` is the one way from a plain mapping (a Serve config's `engine_options`) to
+a value: a key that is no option fails there, named. Across processes the value itself travels
+(pickled: frozen, plain fields), never a mapping.
 
 `dtype="auto"`: the engine's device and processor choose (`cairn.workers.precision`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
 
+from cairn.workers.cache.checkpoint_policy import POLICY_KINDS
 from cairn.workers.precision import DTYPE_NAMES
+
+
+class EngineOptionError(ValueError):
+    """An engine option that does not exist or is out of its range. `option`: its name."""
+
+    def __init__(self, option: str, message: str):
+        super().__init__(message)
+        self.option, self.message = option, message
+
+    def __reduce__(self):  # keeps `option` across processes (Ray)
+        return type(self), (self.option, self.message)
 
 
 @dataclass(frozen=True)
@@ -41,7 +62,8 @@ class EngineOptions:
             if allow_none and v is None:
                 return
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be a positive integer{' or None' if allow_none else ''}, got {v!r}")
+                raise EngineOptionError(name, f"{name} must be a positive integer{' or None' if allow_none else ''}, "
+                                              f"got {v!r}")
 
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "checkpoint_interval_pages",
                      "tensor_parallel_size"):
@@ -50,35 +72,49 @@ class EngineOptions:
             positive(name, allow_none=True)
         if isinstance(self.host_cache_bytes, bool) or not isinstance(self.host_cache_bytes, int) or \
                 self.host_cache_bytes < 0:
-            raise ValueError(f"host_cache_bytes must be an integer >= 0 (0: no host tier), got {self.host_cache_bytes!r}")
+            raise EngineOptionError("host_cache_bytes", f"host_cache_bytes must be an integer >= 0 (0: no host tier), "
+                                                        f"got {self.host_cache_bytes!r}")
         if self.max_checkpoints is not None and (not isinstance(self.max_checkpoints, int) or self.max_checkpoints < 0):
-            raise ValueError(f"max_checkpoints must be an integer >= 0 or None, got {self.max_checkpoints!r}")
+            raise EngineOptionError("max_checkpoints", f"max_checkpoints must be an integer >= 0 or None, "
+                                                       f"got {self.max_checkpoints!r}")
         if isinstance(self.tail_guard, bool) or not isinstance(self.tail_guard, int) or self.tail_guard < 0:
-            raise ValueError(f"tail_guard must be an integer >= 0, got {self.tail_guard!r}")
+            raise EngineOptionError("tail_guard", f"tail_guard must be an integer >= 0, got {self.tail_guard!r}")
         positive("max_model_len", allow_none=True)
         share = self.memory_utilization
         if share is not None:
             if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
-                raise ValueError(f"memory_utilization must be a fraction in (0, 1], got {share!r}")
+                raise EngineOptionError("memory_utilization",
+                                        f"memory_utilization must be a fraction in (0, 1], got {share!r}")
             if self.cache_memory_bytes is not None or self.num_pages is not None:
-                raise ValueError("memory_utilization sizes the arena itself: give it, or cache_memory_bytes / "
-                                 "num_pages, not both")
+                raise EngineOptionError("memory_utilization", "memory_utilization sizes the arena itself: give it, "
+                                        "or cache_memory_bytes / num_pages, not both")
         timeout = self.collective_timeout_s
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
-            raise ValueError(f"collective_timeout_s must be a positive number of seconds, got {timeout!r}")
+            raise EngineOptionError("collective_timeout_s",
+                                    f"collective_timeout_s must be a positive number of seconds, got {timeout!r}")
         if not isinstance(self.warm_up, bool):
-            raise ValueError(f"warm_up must be true or false, got {self.warm_up!r}")
+            raise EngineOptionError("warm_up", f"warm_up must be true or false, got {self.warm_up!r}")
         if self.enforce_eager not in (None, True, False):
-            raise ValueError(f"enforce_eager must be true, false or None (graphs on CUDA only), got {self.enforce_eager!r}")
+            raise EngineOptionError("enforce_eager", f"enforce_eager must be true, false or None (graphs on CUDA "
+                                                     f"only), got {self.enforce_eager!r}")
+        if not isinstance(self.cache_policy, str) or self.cache_policy not in POLICY_KINDS:
+            raise EngineOptionError("cache_policy", f"cache_policy must be one of {sorted(POLICY_KINDS)}, "
+                                                    f"got {self.cache_policy!r}")
         if self.dtype not in ("auto", *DTYPE_NAMES):
-            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
-        if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
-            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+            raise EngineOptionError("dtype", f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if not isinstance(self.device, str) or not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
+            raise EngineOptionError("device", f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
 
     @classmethod
-    def from_kwargs(cls, **kwargs: object) -> "EngineOptions":
+    def from_config(cls, config: Mapping[str, object], base: EngineOptions | None = None) -> EngineOptions:
+        """The options `config` (option name -> value, as YAML or JSON gives them) sets, the others
+        `base`'s (default: every field's default); checked as any construction is."""
+        if not isinstance(config, Mapping):
+            raise EngineOptionError("engine_options", f"engine_options must map option names to values, "
+                                                      f"got {config!r}")
         known = {f.name for f in fields(cls)}
-        unknown = sorted(set(kwargs) - known)
+        unknown = sorted(set(config) - known, key=str)
         if unknown:
-            raise ValueError(f"unknown engine option(s) {unknown}; expected some of {sorted(known)}")
-        return cls(**kwargs)  # type: ignore[arg-type]
+            raise EngineOptionError(str(unknown[0]), f"unknown engine option(s) {unknown}; "
+                                                     f"expected some of {sorted(known)}")
+        return replace(base or cls(), **config)

@@ -1,8 +1,11 @@
 """How a request wants its tokens chosen and when it stops.
 
 Contract: a `SamplingParams` that exists is valid — construction checks every field and raises
-`RequestRejected` (a `ValueError`) whose `param` is the field and whose message gives its allowed
-range, so a bad value never reaches a step.
+`SamplingParamError` (a `RequestRejected`, so a `ValueError`) whose `field` is the field and whose
+`reason` gives its allowed range, so a bad value never reaches a step.
+Each field's default is defined here once, by the dataclass; `DEFAULTS` reads them, and the API
+(a field a request leaves out keeps it), its schema, `cairn serve --help`, `cairn generate --help`
+and docs/serving.md (a test compares) state them from there.
 `temperature == 0` (or `top_k == 1`) means greedy. `top_k` of 0 or -1 disables top-k; `min_p`
 keeps the tokens whose probability is at least `min_p` times the most likely one's.
 Penalties and biases change the logits before temperature and the filters, with vLLM's and
@@ -23,10 +26,13 @@ output token i depends only on (seed, i).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
+from typing import TYPE_CHECKING, Any
 
-from cairn.workers.errors import RequestRejected
-from cairn.workers.grammar import Grammar
+from cairn.workers.errors import SamplingParamError
+
+if TYPE_CHECKING:  # imported when a grammar is checked: this module stays free of numpy (`cairn --help`)
+    from cairn.workers.grammar import Grammar
 
 MAX_LOGPROBS = 20
 MAX_SEED = 2**63 - 1
@@ -55,7 +61,7 @@ class SamplingParams:
     def __post_init__(self) -> None:
         def check(ok: bool, name: str, allowed: str) -> None:
             if not ok:
-                raise RequestRejected(f"{name} must be {allowed}, got {getattr(self, name)!r}", name)
+                raise SamplingParamError(name, f"must be {allowed}, got {getattr(self, name)!r}")
 
         def is_int(v: object) -> bool:
             return isinstance(v, int) and not isinstance(v, bool)
@@ -92,7 +98,10 @@ class SamplingParams:
         object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in bias))
         check(is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
               "an integer in [0, max_tokens]")
-        check(self.grammar is None or isinstance(self.grammar, Grammar), "grammar", "None or a cairn.workers.grammar.Grammar")
+        if self.grammar is not None:
+            from cairn.workers.grammar import Grammar
+
+            check(isinstance(self.grammar, Grammar), "grammar", "None or a cairn.workers.grammar.Grammar")
 
     @property
     def greedy(self) -> bool:
@@ -102,3 +111,8 @@ class SamplingParams:
     def penalised(self) -> bool:
         """Whether the logits depend on the tokens seen so far (a row of token counts)."""
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+
+# field -> its default (a factory's value for the tuples): the one definition, read by every layer
+DEFAULTS: dict[str, Any] = {f.name: f.default_factory() if f.default is MISSING else f.default
+                            for f in fields(SamplingParams)}

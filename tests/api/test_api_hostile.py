@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from cairn.cluster.api import APILimits, APIOptions, build_app
 from cairn.cluster.api.engine_client import LocalEngineClient
 from cairn.cluster.api.server import BackgroundServer
-from cairn.workers import AsyncEngine
+from cairn.workers import AsyncEngine, SamplingParamError, SamplingParams
 from tests.support.fake_clients import OneTokenClient
 
 MODEL, KEY = "tiny", "k3y"
@@ -417,6 +417,25 @@ def test_the_default_logit_bias_and_text_limits(scripted):
     assert_error_shape(scripted.post(C, json=chat(logit_bias={**bias, "x": 1})), 400, "logit_bias", "limit_exceeded")
     over = chat(messages=msg(content="x" * (D.max_text_chars - 1)), stop="xy")
     assert_error_shape(scripted.post(C, json=over), 413, "messages", "limit_exceeded")
+
+
+def test_a_request_without_sampling_fields_gets_the_defaults_of_sampling_params(tiny_model_dir):
+    fake = OneTokenClient()
+    with TestClient(build_app(fake, tiny_model_dir, APIOptions(served_model_name=MODEL))) as c:
+        assert c.post(C, json=chat()).status_code == 200
+        assert c.post(P, json=comp(temperature=None, top_p=None, top_k=None, min_p=None)).status_code == 200
+    assert [r.params for r in fake.requests] == [SamplingParams(max_tokens=1)] * 2
+
+
+@pytest.mark.parametrize("field,value", [("temperature", 3.0), ("top_p", 0.0), ("top_k", -2), ("seed", -1),
+                                         ("min_p", 1.5), ("presence_penalty", 2.5), ("frequency_penalty", -3.0),
+                                         ("repetition_penalty", 0.0), ("min_tokens", 2)])
+def test_an_out_of_range_sampling_value_is_a_400_naming_the_field_and_its_range(scripted, field, value):
+    with pytest.raises(SamplingParamError) as e:
+        SamplingParams(max_tokens=1, **{field: value})
+    r = scripted.post(C, json=chat(**{field: value}))
+    assert_error_shape(r, 400, field)
+    assert r.json()["error"]["message"] == str(e.value)  # e.g. "temperature must be in [0, 2], got 3.0"
 
 
 # ---- property-based fuzz: no body gets a 5xx ---------------------------------------------------

@@ -1,4 +1,5 @@
-"""`cairn generate` prints the engine's completion; the chat template renders as transformers does."""
+"""`cairn generate` prints the engine's completion (greedy unless told otherwise; its --help, and
+serve's, state the API's default temperature); the chat template renders as transformers does."""
 
 import os
 import subprocess
@@ -78,3 +79,18 @@ def test_generate_rejects_bad_sampling_values_with_a_message(tiny_model_dir, tmp
     proc = run_cli("generate", "--model", str(tiny_model_dir), "--prompt", "x", "--temperature", "7",
                    env_home=tmp_path)
     assert proc.returncode == 2 and "temperature" in proc.stderr
+
+
+@pytest.mark.parametrize("command,stated", [
+    ("generate", "(default: 0, greedy, so a debugging run is reproducible; the API's default is {t})"),
+    ("serve", "gets its default: temperature {t}, top_p"),
+])
+def test_help_states_the_apis_default_temperature_from_sampling_params(monkeypatch, capsys, command, stated):
+    from cairn.cluster.cli import main
+    from cairn.workers.sampling_params import DEFAULTS
+
+    for t in (DEFAULTS["temperature"], 0.7):  # 0.7: read from the one definition, not written again
+        monkeypatch.setitem(DEFAULTS, "temperature", t)
+        with pytest.raises(SystemExit) as e:
+            main([command, "--help"])
+        assert e.value.code == 0 and stated.format(t=f"{t:g}") in " ".join(capsys.readouterr().out.split())

@@ -59,10 +59,10 @@ def test_serve_yaml_is_a_serve_deploy_config_whose_app_builds_gpu_engine_replica
     engine, (model_dir, engine_options, routing, spec) = engine_of(built)
     assert engine.ray_actor_options["num_gpus"] == args["num_gpus"] == 1
     assert engine.ray_actor_options["num_cpus"] == args["num_cpus"]
-    assert engine.max_ongoing_requests == engine_options["max_num_seqs"], "a replica admits what its engine runs"
+    assert engine.max_ongoing_requests == engine_options.max_num_seqs, "a replica admits what its engine runs"
     assert engine._deployment_config.health_check_period_s == args["health_check_period_s"]
     assert RoutingConfig.model_validate(routing) == RoutingConfig.model_validate(args["routing"]).for_engines(spec)
-    assert engine_options["page_size"] == routing["page_size"]
+    assert engine_options.page_size == routing["page_size"]
     assert Path(model_dir).is_dir(), "model_dir null serves the demo model"
     ingress = built._bound_deployment
     for deployment in (engine, ingress):  # a replica scaled down or replaced finishes its streams
@@ -115,7 +115,7 @@ def test_serve_yaml_autoscales_engine_replicas_by_their_queue_within_rays_schema
     engine, (_, engine_options, _, _) = engine_of(app_builder(args))
     built = engine._deployment_config.autoscaling_config
     assert built == wanted and (built.min_replicas, built.max_replicas) == (1, 4)
-    assert 0 < built.target_ongoing_requests <= engine_options["max_num_seqs"], \
+    assert 0 < built.target_ongoing_requests <= engine_options.max_num_seqs, \
         "the queue a replica aims at fits what it admits"
     cluster = load("cluster.yaml")
     assert built.max_replicas <= sum(t.get("max_workers", 0) for t in cluster["available_node_types"].values()
@@ -211,7 +211,7 @@ def test_the_8gpu_cluster_and_its_serve_config_pass_rays_schemas_and_build_tenso
         assert engine._replica_config.placement_group_strategy == "STRICT_PACK"
         assert engine.ray_actor_options["num_gpus"] == 1, "the replica itself is rank 0, in the first bundle"
         assert args["replicas"] * tp <= node["GPU"] and args["replicas"] * tp * args["num_cpus"] <= node["CPU"]
-        assert engine_options["cache_memory_bytes"] <= 80 * 2**30, "per GPU, beside its share of the weights"
+        assert engine_options.cache_memory_bytes <= 80 * 2**30, "per GPU, beside its share of the weights"
         sizes[app.args["model_dir"]] = tp
     assert sizes == {"Qwen/Qwen3-Next-80B-A3B-Instruct": 4, "Qwen/Qwen3.5-397B-A17B": 8}
     assert len({app.args["routing"]["index_actor_name"] for app in config.applications}) == 2, "an index per model"
@@ -222,7 +222,7 @@ def test_serve_yamls_tensor_parallel_example_builds_a_placement_group_per_replic
     text = text.replace("        # tensor_parallel_size: 4", "        tensor_parallel_size: 4")
     (app,) = ServeDeploySchema.model_validate(yaml.safe_load(text)).applications
     engine, (_, engine_options, _, _) = engine_of(app_builder(app.args))
-    assert engine_options["tensor_parallel_size"] == 4
+    assert engine_options.tensor_parallel_size == 4
     assert engine._replica_config.placement_group_bundles == [{"CPU": app.args["num_cpus"], "GPU": 1}] * 4
     plain, _ = engine_of(app_builder(load("serve.yaml")["applications"][0]["args"]))
     assert plain._replica_config.placement_group_bundles is None, "TP 1: an ordinary replica"
@@ -324,7 +324,7 @@ def test_flags_override_the_config_and_absent_flags_leave_it_alone(tmp_path):
     model.mkdir()
     out = deploy.apply_overrides(local, serve_args(
         ["--replicas", "3", "--port", "9001", "--model", str(model), "--num-cpus", "0.25",
-         "--routing", str(CONFIGS / "routing.yaml")]), {"max_num_seqs": 8})
+         "--routing", str(CONFIGS / "routing.yaml"), "--max-num-seqs", "8"]))
     args = out["applications"][0]["args"]
     assert out["http_options"] == {"host": "127.0.0.1", "port": 9001, "keep_alive_timeout_s": 5}
     assert args["replicas"] == 3 and args["num_cpus"] == 0.25 and args["model_dir"] == str(model)
@@ -333,7 +333,7 @@ def test_flags_override_the_config_and_absent_flags_leave_it_alone(tmp_path):
     assert args["num_gpus"] == 0, "not given: the config's value"
     assert local["applications"][0]["args"]["replicas"] == 2, "the config itself is not modified"
     ServeDeploySchema.model_validate(out)
-    serve_yaml = deploy.apply_overrides(load("serve.yaml"), serve_args(["--replicas", "8"]), {"max_num_seqs": 32})
+    serve_yaml = deploy.apply_overrides(load("serve.yaml"), serve_args(["--replicas", "8", "--max-num-seqs", "32"]))
     engine_options = serve_yaml["applications"][0]["args"]["engine_options"]
     assert engine_options["max_num_seqs"] == 32 and engine_options["page_size"] == 16, "merged, not replaced"
 
@@ -349,12 +349,12 @@ def test_auto_dtype_is_chosen_once_at_deploy_for_the_engines_devices(monkeypatch
     monkeypatch.setattr(precision, "native_bf16_cpu", lambda: native)
     app = app_builder({"model_dir": str(tiny_model_dir), "replicas": 1, "num_gpus": gpus})
     _, (_, engine_options, _, spec) = engine_of(app)
-    assert engine_options["dtype"] == want
+    assert engine_options.dtype == want
     from cairn.workers import EngineOptions, EngineSpec
 
     fp32 = EngineSpec.from_model_dir(tiny_model_dir, EngineOptions(dtype="float32"))
     assert spec.page_bytes * (2 if want == "bfloat16" else 1) == fp32.page_bytes
-    flagged = deploy.apply_overrides(load("local.yaml"), serve_args(["--dtype", "float32"]), {"dtype": "float32"})
+    flagged = deploy.apply_overrides(load("local.yaml"), serve_args(["--dtype", "float32"]))
     assert flagged["applications"][0]["args"]["engine_options"] == {"dtype": "float32"}
     assert build_parser().parse_args(["serve", "--dtype", "bfloat16"]).dtype == "bfloat16"
     with pytest.raises(SystemExit):
@@ -443,6 +443,81 @@ def test_cairn_serve_in_process_refuses_bad_limits_and_bad_keys_before_loading_a
     err = capsys.readouterr().err
     assert "keys:2: expected TENANT:KEY" in err and "secret" not in err.replace(str(tmp_path), "")
     assert main(["serve", "--replicas", "1", "--body-timeout", "-1"]) == 2
+
+
+def test_cairn_serve_in_process_hands_its_engine_one_engine_options_and_refuses_a_bad_one(monkeypatch, capsys):
+    from cairn.cluster.api import server
+    from cairn.cluster.cli import main
+    from cairn.workers import EngineOptions
+
+    got = {}
+    monkeypatch.setattr(server, "serve_in_process", lambda model, options, **kwargs: got.update(kwargs))
+    assert main(["serve", "--replicas", "1", "--max-num-seqs", "8", "--cache-policy", "exact"]) == 0
+    assert got["engine_options"] == EngineOptions(max_num_seqs=8, cache_policy="exact", warm_up=True)
+    assert main(["serve", "--replicas", "1", "--max-num-seqs", "0"]) == 2
+    assert "cairn serve: max_num_seqs must be a positive integer" in capsys.readouterr().err
+
+
+def test_the_engine_flags_of_cairn_serve_reach_the_arena_sizing_as_one_engine_options(tiny_model_dir, monkeypatch):
+    """On Ray, `cairn serve`'s engine flags are written into the Serve config, the app makes them
+    one `EngineOptions`, and that value, whole, is what the replica's engine sizes its arena from
+    (Serve pickles it to the replica; here the replica is built in this process, up to the sizing)."""
+    import asyncio
+    import pickle
+    from types import SimpleNamespace
+
+    from cairn.cluster import engine_replica
+    from cairn.workers import EngineOptions
+    from cairn.workers.cache import device_budget
+
+    args = serve_args(["--model", str(tiny_model_dir), "--max-num-seqs", "8", "--cache-memory-bytes", str(8 << 20),
+                       "--cache-policy", "all", "--host-cache-bytes", str(1 << 20), "--dtype", "float32",
+                       "--enforce-eager"])
+    config = deploy.apply_overrides(deploy.load_config(args.config), args)  # what serve_forever deploys
+    engine, (model, options, routing, spec) = engine_of(app_builder(config["applications"][0]["args"]))
+    parsed = EngineOptions(max_num_seqs=8, cache_memory_bytes=8 << 20, cache_policy="all", host_cache_bytes=1 << 20,
+                           dtype="float32", enforce_eager=True, warm_up=True)
+    assert options == parsed and engine.max_ongoing_requests == 8
+
+    class Sized(Exception):
+        pass
+
+    seen = []
+
+    def sizing(asked, device, group=None, reserve=0):
+        seen.append(asked)
+        raise Sized  # the engine need not be built further
+
+    monkeypatch.setattr(device_budget, "sized", sizing)
+    monkeypatch.setattr(engine_replica.serve, "get_replica_context",
+                        lambda: SimpleNamespace(replica_id=SimpleNamespace(to_full_id_str=lambda: "Engine#1")))
+    class Replica(engine_replica.EngineReplica):
+        def __del__(self):  # it never started: nothing to close (Serve awaits the real one)
+            pass
+
+    replica = Replica.__new__(Replica)
+    with pytest.raises(Sized):
+        asyncio.run(replica.__init__(model, pickle.loads(pickle.dumps(options)), routing, spec))
+    assert seen == [parsed]
+
+
+def test_a_bad_engine_option_in_a_serve_config_fails_where_the_app_is_built_naming_it(tmp_path):
+    """`app_builder` makes the config's `engine_options` one `EngineOptions`, first: a bad value
+    or an unknown key fails there, naming the option, before the model is looked for."""
+    from cairn.workers import EngineOptionError
+
+    config = load("local.yaml")
+    config["applications"][0]["args"]["engine_options"] = {"max_num_seqs": 0}
+    (app,) = ServeDeploySchema.model_validate(config).applications  # to Serve, args are the app's business
+    with pytest.raises(EngineOptionError, match="max_num_seqs must be a positive integer, got 0") as bad:
+        app_builder(dict(app.args, model_dir=str(tmp_path / "absent")))
+    assert bad.value.option == "max_num_seqs"
+    with pytest.raises(EngineOptionError, match=r"unknown engine option\(s\) \['max_num_seq'\]") as unknown:
+        app_builder({"engine_options": {"max_num_seq": 8}})
+    assert unknown.value.option == "max_num_seq"
+    flagged = deploy.apply_overrides(load("local.yaml"), serve_args(["--cache-policy", "lru"]))
+    with pytest.raises(EngineOptionError, match="cache_policy must be one of"):
+        app_builder(flagged["applications"][0]["args"])
 
 
 def test_request_limit_and_special_token_flags_reach_the_ingress_and_bad_ones_fail_at_deploy():

@@ -1,5 +1,6 @@
 """The engine gives the same tokens however a request is scheduled: prefilled at once or in
-chunks, alone or batched, with or without preemption; sampling is seeded and validated."""
+chunks, alone or batched, with or without preemption; sampling is seeded (and validated:
+tests/workers/test_sampling_params.py)."""
 
 import pytest
 import torch
@@ -136,19 +137,6 @@ def test_abort_frees_pages_and_slot(path):
     assert engine.abort(rid) is None
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    (dict(temperature=-0.1), "temperature"), (dict(temperature=float("nan")), "temperature"),
-    (dict(temperature=3.0), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
-    (dict(top_k=-2), "top_k"), (dict(top_k=2.5), "top_k"), (dict(max_tokens=0), "max_tokens"),
-    (dict(max_tokens=True), "max_tokens"), (dict(seed=-1), "seed"), (dict(seed=2**64), "seed"),
-    (dict(logprobs=21), "logprobs"), (dict(logprobs=-1), "logprobs"),
-    (dict(stop_token_ids=[-3]), "stop_token_ids"), (dict(stop_token_ids="abc"), "stop_token_ids"),
-])
-def test_invalid_sampling_values_are_rejected_naming_the_field(kwargs, field):
-    with pytest.raises(ValueError, match=field):
-        SamplingParams(**kwargs)
-
-
 def test_invalid_prompts_are_rejected_without_touching_the_engine(path):
     engine = Engine.from_pretrained(path, num_pages=4, max_model_len=100)
     for bad, match in [([], "at least one"), ([5, 211], r"\[0, 211\)"), ([5, -1], "integers"),
@@ -161,13 +149,27 @@ def test_invalid_prompts_are_rejected_without_touching_the_engine(path):
     assert engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2))[0].finished
 
 
-def test_unknown_engine_options_are_rejected():
-    from cairn.workers.options import EngineOptions
+def test_engine_options_are_checked_once_when_made_and_name_the_option_at_fault():
+    import pickle
 
-    with pytest.raises(ValueError, match="unknown engine option"):
-        EngineOptions.from_kwargs(page_sise=16)
-    with pytest.raises(ValueError, match="page_size"):
+    from cairn.workers.options import EngineOptionError, EngineOptions
+
+    with pytest.raises(EngineOptionError, match=r"unknown engine option\(s\) \['page_sise'\]") as unknown:
+        EngineOptions.from_config({"page_sise": 16})
+    assert unknown.value.option == "page_sise"
+    with pytest.raises(ValueError, match="page_size must be a positive integer") as bad:  # a ValueError too
         EngineOptions(page_size=0)
+    assert bad.value.option == "page_size" and pickle.loads(pickle.dumps(bad.value)).option == "page_size"
+    with pytest.raises(EngineOptionError, match="cache_policy must be one of") as policy:
+        EngineOptions.from_config({"cache_policy": "lru"})
+    assert policy.value.option == "cache_policy"
+    with pytest.raises(EngineOptionError, match="engine_options must map option names to values"):
+        EngineOptions.from_config(["page_size"])
+    base = EngineOptions(warm_up=True)
+    assert EngineOptions.from_config({"page_size": 8}, base) == EngineOptions(page_size=8, warm_up=True)
+    assert base == EngineOptions(warm_up=True), "a new value: the base is not changed"
+    with pytest.raises(TypeError, match="not both"):
+        Engine.from_pretrained("unused", EngineOptions(), page_size=8)
 
 
 def test_auto_dtype_is_bf16_on_a_cpu_with_native_bf16_and_the_engine_names_what_it_runs(tiny_model_dir, monkeypatch):

@@ -301,7 +301,7 @@ def test_an_engine_replica_resolves_the_id_on_its_own_node(hf_hub, monkeypatch):
 
     async def run():
         replica = Replica.__new__(Replica)
-        await replica.__init__(f"{REPO}@v2", {"num_pages": 32, "max_num_seqs": 2}, {}, spec)
+        await replica.__init__(f"{REPO}@v2", EngineOptions(num_pages=32, max_num_seqs=2, warm_up=True), {}, spec)
         try:
             assert replica.engine.spec == spec, "the replica loaded the v2 snapshot from this node's cache"
             from cairn.workers.request import GenerateRequest

@@ -3,9 +3,10 @@
 Rules: unknown fields are ignored, as OpenAI does (`extra="ignore"`); known fields are checked
 strictly against their JSON types (no "5" for 5, no 1.0 for an int, no NaN or infinity), so
 a wrong type is a 400 naming the field. Ranges the engine owns (temperature, top_p, seed, ...)
-are checked once, by `SamplingParams`; the ones only the API knows are checked here, and so are
-the size limits (`limits.APILimits`, from the validation context `{"limits": ...}`, else the
-defaults): a list over its limit is refused before its items are validated. Fields we
+are checked once, by `SamplingParams`, and their defaults are its own (`DEFAULTS`: a field left
+out or null keeps it; the descriptions quote it); the ones only the API knows are checked here,
+and so are the size limits (`limits.APILimits`, from the validation context `{"limits": ...}`,
+else the defaults): a list over its limit is refused before its items are validated. Fields we
 accept but cannot honour (suffix) are refused by the serving layer with a 400 naming them, never
 silently dropped. Structured outputs (`response_format`, vLLM's `structured_outputs`, forced and
 strict tool calls) are read and checked by `cairn.cluster.api.structured`. Sampling takes OpenAI's fields and vLLM's
@@ -32,11 +33,17 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from cairn.cluster.api.limits import DEFAULT_LIMITS, APILimits, text_chars
+from cairn.workers.sampling_params import DEFAULTS
 
 MAX_N = 16            # choices per request
 MAX_LOGPROBS = 20
 COMPLETION_MAX_TOKENS = 16  # /v1/completions without max_tokens (or with null), as OpenAI's API
 FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's name
+
+
+def default(name: str) -> str:
+    """The default of `SamplingParams`' field `name`, as a description states it."""
+    return f"default {DEFAULTS[name]:g}"
 
 
 def limits_of(info: ValidationInfo) -> APILimits:
@@ -218,30 +225,33 @@ class SamplingFields(_Request):
     """Fields both endpoints share."""
 
     model: str = Field(description="the served model's name (see GET /v1/models)")
-    temperature: float | None = Field(None, description="0 = greedy; in [0, 2]; default 1")
-    top_p: float | None = Field(None, description="nucleus sampling mass, in (0, 1]")
-    top_k: int | None = Field(None, description="sample among the k most likely tokens; 0 or -1 = off")
+    temperature: float | None = Field(None, description=f"0 = greedy; in [0, 2]; {default('temperature')}")
+    top_p: float | None = Field(None, description=f"nucleus sampling mass, in (0, 1]; {default('top_p')}")
+    top_k: int | None = Field(None, description=f"sample among the k most likely tokens; 0 or -1 = off; "
+                                                 f"{default('top_k')}")
     seed: int | None = Field(None, description="reproducible sampling; choice i uses seed + i")
     stop: str | list[str] | None = Field(None, description="strings that end a choice; never part of its text")
     n: int = Field(1, ge=1, le=MAX_N, description=f"choices to generate, 1..{MAX_N}")
     stream: bool = Field(False, description="server-sent events instead of one JSON body")
     stream_options: StreamOptions | None = Field(None, description="streaming extras (include_usage)")
     min_p: float | None = Field(None, description="keep tokens at least min_p times as likely as the most "
-                                                  "likely one, in [0, 1]")
+                                                  f"likely one, in [0, 1]; {default('min_p')}")
     presence_penalty: float | None = Field(None, description="subtracted from tokens already in the output, "
-                                                             "in [-2, 2]")
+                                                             f"in [-2, 2]; {default('presence_penalty')}")
     frequency_penalty: float | None = Field(None, description="times each output token's count, subtracted "
-                                                              "from its logit, in [-2, 2]")
+                                                              "from its logit, in [-2, 2]; "
+                                                              f"{default('frequency_penalty')}")
     repetition_penalty: float | None = Field(None, description="divides positive (multiplies negative) logits "
-                                                               "of prompt and output tokens, in (0, 2]; 1 = off")
+                                                               "of prompt and output tokens, in (0, 2]; 1 = off; "
+                                                               f"{default('repetition_penalty')}")
     logit_bias: dict[str, float] | None = Field(None, description="token id (a string) -> bias in [-100, 100], "
                                                                   "added to its logit")
     min_tokens: int | None = Field(None, description="tokens to generate before EOS or a stop id may end the "
-                                                     "choice, at most max_tokens")
+                                                     f"choice, at most max_tokens; {default('min_tokens')}")
     user: str | None = Field(None, description="end-user id (not used)")
     cache_salt: str | None = Field(None, max_length=1024,
                                    description="requests with different salts never share cached pages")
-    ignore_eos: bool = Field(False, description="keep generating past end-of-sequence tokens")
+    ignore_eos: bool = Field(DEFAULTS["ignore_eos"], description="keep generating past end-of-sequence tokens")
     stop_token_ids: list[int] | None = Field(None, description="token ids that end a choice")
     structured_outputs: dict[str, Any] | None = Field(None, description=(
         "vLLM's constraint: one of json (a schema), regex, choice, grammar (Lark or GBNF), json_object"))

@@ -16,15 +16,17 @@ from cairn.cluster.api.connection import uvicorn_config
 from cairn.cluster.api.http_limits import HTTPLimits
 from cairn.cluster.api.options import APIOptions
 from cairn.cluster.api.tenants import Tenants
+from cairn.workers.options import EngineOptions
 
 
 def serve_in_process(model_dir: str | Path | None = None, options: APIOptions | None = None, *,
                      host: str = "127.0.0.1", port: int = 8000, tenants: Tenants | None = None,
                      api_key: str | None = None, metrics_key: str | None = None,
-                     **engine_options: object) -> None:
+                     engine_options: EngineOptions = EngineOptions(warm_up=True)) -> None:
     """Serves until interrupted. `model_dir` is a directory or a Hugging Face id (`org/name[@revision]`,
     `workers.ModelSource`; its name for clients unless `options.served_model_name` says otherwise);
-    None serves the tiny demo model. `options` and the keys are `build_app`'s."""
+    None serves the tiny demo model. `options` and the keys are `build_app`'s. The engine runs
+    `engine_options` as given (by default warmed up: compiled before serving)."""
     import uvicorn
 
     from cairn.cluster.api import build_app
@@ -35,7 +37,7 @@ def serve_in_process(model_dir: str | Path | None = None, options: APIOptions | 
     source = ModelSource.parse(model_dir if model_dir is not None else demo_model_dir("tiny"))
     model_dir = source.local_dir()
     options = options.model_copy(update=dict(served_model_name=options.served_model_name or source.served_name))
-    engine = AsyncEngine.from_pretrained(model_dir, **{"warm_up": True, **engine_options})  # compiled before serving
+    engine = AsyncEngine.from_pretrained(model_dir, engine_options)
     gc.collect()
     gc.freeze()  # this process serves one engine: its long-lived objects need no cyclic scans (as a replica)
     app = build_app(LocalEngineClient(engine), model_dir, options, tenants=tenants, api_key=api_key,

@@ -3,18 +3,19 @@
 The ingress does its share of the prefix cache's work here, once per prompt: render the chat
 template, tokenize and turn message starts into checkpoint hints (`prompts`, on the threads of
 `prep_pool`, once `limits` have passed), and hash whole pages with the engine's root under the
-request's cache_salt. Then it checks what only it can check (model name, context length with
-both numbers, fields we cannot honour, queue room: 429 when full, 413 for a request that could
-never fit the queue or makes more than `max_engine_requests`; the tenant's quotas, `quotas`),
-starts one engine request per choice (`seed + i` for choice i), each carrying its tenant for the
-engine's fair scheduling, and waits for the first output, so a request the engine refuses is
-still a 400 even when streaming. A non-streaming request whose client disconnects is aborted
-too. With `request_timeout_s` (the operator's end-to-end limit) a request still running that
-long after its arrival is ended: a 408, or an error event in a stream, its engine requests
-aborted; behind Serve's proxy this holds whatever `x-request-timeout-seconds` a client sends,
-since the proxy obeys that header and the ingress does not. Prompt tokens are counted once per
-prompt, completion tokens summed over choices; cached_tokens is a prompt's smallest over its
-choices; each is counted for the tenant too, with each engine request's queue time.
+request's cache_salt. Then it checks what only it can check (model name, context length with both
+numbers, fields we cannot honour, queue room: 429 when full, 413 for a request that could never fit
+the queue or makes more than `max_engine_requests`; the tenant's quotas, `quotas`), starts one
+engine request per choice (`seed + i` for choice i; a sampling field left out keeps
+`SamplingParams`' default), each carrying its tenant for the engine's fair scheduling, and waits
+for the first output, so a request the engine refuses is still a 400 even when streaming. A
+non-streaming request whose client disconnects is aborted too. With `request_timeout_s` (the
+operator's end-to-end limit) a request still running that long after its arrival is ended: a 408,
+or an error event in a stream, its engine requests aborted; behind Serve's proxy this holds
+whatever `x-request-timeout-seconds` a client sends, since the proxy obeys that header and the
+ingress does not. Prompt tokens are counted once per prompt, completion tokens summed over choices;
+cached_tokens is a prompt's smallest over its choices; each is counted for the tenant too, with
+each engine request's queue time.
 """
 
 from __future__ import annotations
@@ -42,13 +43,17 @@ from cairn.cluster.api.structured import GrammarCompiler
 from cairn.cluster.api.tenants import Caller
 from cairn.cluster.api.tokenizer import TextTokenizer
 from cairn.cluster.api.tool_call_formats import resolve_format
-from cairn.workers import MAX_SEED, RequestRejected, SamplingParams
+from cairn.workers import MAX_SEED, RequestRejected, SamplingParamError, SamplingParams
 from cairn.workers.grammar import Grammar
 from cairn.workers.request import GenerateRequest
 
 __all__ = ["CLIENT_CLOSED_REQUEST", "Prepared", "Serving"]
 
 log = logging.getLogger("cairn.cluster.api")
+
+# request fields that are `SamplingParams`' of the same name: one left out (or null) keeps its default there
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                   "repetition_penalty", "min_tokens", "stop_token_ids")
 
 
 class Serving:
@@ -104,23 +109,19 @@ class Serving:
     def sampling(self, req: SamplingFields, max_tokens: int, logprobs: int | None,
                  names: dict[str, str], grammar: Grammar | None = None) -> list[SamplingParams]:
         out, bias = [], self.logit_bias(req)
+        given = {name: getattr(req, name) for name in SAMPLING_FIELDS if getattr(req, name) is not None}
         for i in range(req.n):
-            seed = req.seed
-            if seed is not None and 0 <= seed <= MAX_SEED:  # out of range: SamplingParams says so
-                seed = (seed + i) % (MAX_SEED + 1)
+            if req.seed is not None:
+                seed = req.seed
+                if 0 <= seed <= MAX_SEED:  # out of range: SamplingParams says so
+                    seed = (seed + i) % (MAX_SEED + 1)
+                given["seed"] = seed
             try:
-                out.append(SamplingParams(
-                    max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
-                    top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0, seed=seed,
-                    stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos, logprobs=logprobs,
-                    min_p=req.min_p or 0.0, presence_penalty=req.presence_penalty or 0.0,
-                    frequency_penalty=req.frequency_penalty or 0.0,
-                    repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-                    logit_bias=bias, min_tokens=req.min_tokens or 0, grammar=grammar))
-            except RequestRejected as e:  # names the field: the API may call it otherwise
-                param = names.get(e.param, e.param)
-                message = param + e.message[len(e.param):] if e.message.startswith(e.param) else e.message
-                raise bad_request(message, param) from None
+                out.append(SamplingParams(max_tokens=max_tokens, ignore_eos=req.ignore_eos, logprobs=logprobs,
+                                          logit_bias=bias, grammar=grammar, **given))
+            except SamplingParamError as e:  # the API may call the field otherwise
+                param = names.get(e.field, e.field)
+                raise bad_request(f"{param} {e.reason}", param) from None
         return out
 
     def admit(self, count: int, param: str, caller: Caller, prompt_tokens: int) -> Admission | None:

@@ -3,14 +3,17 @@
 Contract: `arena_bytes(free, total, utilization)` is how much of a device cairn's arena may take
 once the weights are loaded: `utilization` of the device's total memory, minus what is already
 in use (the weights, the CUDA context, anything else on it), i.e. `free - (1 - utilization) *
-total`, at least 0. `sized(options, device, group)` returns `options` with `cache_memory_bytes`
-set that way when `options.memory_utilization` is given (CUDA only; a `ValueError` otherwise),
-else `options` unchanged. Tensor-parallel ranks call it at the same point of their start, after
-loading their shards, and take the minimum over the ranks (one all-reduce): every rank lays out
-the same arena, as their shared page and slot ids need, and no device is asked for more than it
-has. Activations of a step come out of the (1 - utilization) share; so does what decode graphs
-hold (cairn.workers.execution.decode_graphs), except that its estimate, `graph_reserve_bytes`, is taken from the
-arena's share first (`reserve`): captured after the arena, they must not find the device full.
+total`, at least 0. `sized(asked, device, group)` returns a new `EngineOptions`, `asked` with
+`cache_memory_bytes` set that way and no `memory_utilization`, when `asked.memory_utilization`
+is given (CUDA only; a `ValueError` otherwise), else `asked` itself; `asked` is never changed
+(frozen), so callers keep both: what was asked, what the arena is laid out from. Tensor-parallel
+ranks call it with the same `asked` at the same point of their start, after loading their
+shards, and take the minimum over the ranks (one all-reduce): every rank lays out the same
+arena, as their shared page and slot ids need, and no device is asked for more than it has.
+Activations of a step come out of the (1 - utilization) share; so does what decode graphs hold
+(cairn.workers.execution.decode_graphs), except that its estimate, `graph_reserve_bytes`, is
+taken from the arena's share first (`reserve`): captured after the arena, they must not find the
+device full.
 The engine logs the estimate beside what capture measured.
 """
 
@@ -37,19 +40,19 @@ def graph_reserve_bytes(cfg, max_num_seqs: int) -> int:
     return 2 * b * per_row + (32 << 20)
 
 
-def sized(options: EngineOptions, device: torch.device, group=None, reserve: int = 0) -> EngineOptions:
-    """`options` with the arena sized from `device`'s free memory, less `reserve` bytes (see the
-    module doc)."""
-    if options.memory_utilization is None:
-        return options
+def sized(asked: EngineOptions, device: torch.device, group=None, reserve: int = 0) -> EngineOptions:
+    """New options: `asked` with the arena sized from `device`'s free memory, less `reserve` bytes
+    (see the module doc)."""
+    if asked.memory_utilization is None:
+        return asked
     if device.type != "cuda":
         raise ValueError("memory_utilization sizes the arena from a CUDA device's free memory; on the CPU "
                          "give cache_memory_bytes")
     free, total = torch.cuda.mem_get_info(device)
-    budget = arena_bytes(free, total, options.memory_utilization) - reserve
+    budget = arena_bytes(free, total, asked.memory_utilization) - reserve
     if group is not None:  # every rank: the smallest of them
         budget = int(group.all_reduce(torch.tensor([budget], dtype=torch.int64, device=group.device), op="min").item())
     if budget <= 0:
-        raise ValueError(f"memory_utilization {options.memory_utilization} leaves no memory for the cache on "
+        raise ValueError(f"memory_utilization {asked.memory_utilization} leaves no memory for the cache on "
                          f"{device} ({free} of {total} bytes free after loading)")
-    return replace(options, cache_memory_bytes=budget, memory_utilization=None)
+    return replace(asked, cache_memory_bytes=budget, memory_utilization=None)

@@ -80,19 +80,19 @@ def load_rank_model(model_dir: str | Path, options: EngineOptions, rank: int, ad
     return load_model(model_dir, dtype=options.dtype, device=device, shard=Shard(rank, world), group=group)
 
 
-def build_rank_runner(model_dir: str | Path, options: EngineOptions, rank: int, address: str,
+def build_rank_runner(model_dir: str | Path, asked: EngineOptions, rank: int, address: str,
                       device: torch.device | None = None) -> tuple[ModelRunner, int]:
     """A rank above 0: its shard, its arena laid out as rank 0's engine lays out its own (the
-    same options, sized the same way, as many page-table rows), and the runner over it; with the
-    arena's block count, which must equal rank 0's."""
+    options rank 0 was asked for, sized the same way, as many page-table rows), and the runner
+    over it; with the arena's block count, which must equal rank 0's."""
+    from cairn.workers.cache import device_budget
     from cairn.workers.cache.arena import ArenaLayout
-    from cairn.workers.cache.device_budget import sized
 
-    model = load_rank_model(model_dir, options, rank, address, device)
+    model = load_rank_model(model_dir, asked, rank, address, device)
     device = next(model.parameters()).device
-    options = sized(options, device, model.group)  # the arena every rank agrees on
-    layout = ArenaLayout.plan(model.config, options, next(model.parameters()).dtype.itemsize)
-    return ModelRunner(model, layout, options.page_size, options.max_num_seqs + 1), layout.num_blocks
+    sized = device_budget.sized(asked, device, model.group)  # the arena every rank agrees on
+    layout = ArenaLayout.plan(model.config, sized, next(model.parameters()).dtype.itemsize)
+    return ModelRunner(model, layout, sized.page_size, sized.max_num_seqs + 1), layout.num_blocks
 
 
 MAIN_GUARD = ("a script that builds a tensor-parallel engine must do so under `if __name__ == \"__main__\":`: "
