@@ -49,6 +49,7 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 from tests.support.chat import chat_turns, open_chat_stream
+from tests.support.chat_tokens import shared_prefix
 from tests.support.foreign_shell import cairn_script, foreign_shell, shadowed_imports
 from tests.support.ray_checks import LoadThreads, index_converged, kill_index_actor, mirrors_agree, wait_for_log, wait_until
 
@@ -80,15 +81,6 @@ def persona(i: int, words: int = 160) -> str:
     """A system prompt of its own per conversation (~600 tokens of the demo tokenizer)."""
     rng = random.Random(i)
     return f"Conversation {i}. " + " ".join(rng.choice(WORDS) for _ in range(words))
-
-
-def template_head(model_dir: Path) -> int:
-    """Tokens the demo model's chat template puts before any first user message's text."""
-    from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    a, b = (tok.apply_chat_template([{"role": "user", "content": text}], tokenize=True, add_generation_prompt=True,
-                                    return_dict=True)["input_ids"] for text in ("Alpha", "Zulu"))
-    return next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
 
 
 def chat(client, messages, max_tokens: int = 8):
@@ -176,11 +168,12 @@ def test_cairn_serve_starts_its_own_ray_serves_the_api_and_stops_cleanly_on_ctrl
             return raw.parse(), raw.headers.get(REPLICA_HEADER)
         with concurrent.futures.ThreadPoolExecutor(6) as pool:
             answers = list(pool.map(ask, range(6)))
-        header = template_head(tiny_model_dir)  # what every first user message is templated after
-        for completion, replica in answers:
+        chats = [[{"role": "user", "content": persona(i, 40)}] for i in range(6)]
+        for i, (completion, replica) in enumerate(answers):
             assert completion.choices[0].finish_reason == "length" and completion.usage.completion_tokens == 8
-            assert completion.usage.prompt_tokens_details.cached_tokens <= header, \
-                "six new conversations: none resumes past the role header they all share"
+            # six new conversations of one tenant: none resumes past what it shares with the others
+            shared = shared_prefix(tiny_model_dir, chats[i], chats[:i] + chats[i + 1:])
+            assert completion.usage.prompt_tokens_details.cached_tokens <= shared, (i, shared)
             assert replica.startswith("SERVE_REPLICA::cairn#Engine#")
         assert len({replica for _, replica in answers}) == 2, "cairn/configs/local.yaml: 2 engine replicas"
         assert shadowed_imports(shell) == [], f"cairn serve, its Ray workers or its replicas imported {shadowed_imports(shell)}"
