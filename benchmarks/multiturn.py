@@ -57,7 +57,7 @@ from plotting import pyplot, save  # noqa: E402  (benchmarks/plotting.py)
 from traces import AGENT_TOOLS, MULTITURN_WORDS, Oracle, sentence, tool_round  # noqa: E402  (benchmarks/traces.py)
 from cairn.workers import Engine, SamplingParams  # noqa: E402
 from cairn.workers.demo import demo_model_dir  # noqa: E402
-from cairn.workers.metrics import EngineMetrics  # noqa: E402
+from cairn.workers.engine_metrics import EngineMetrics  # noqa: E402
 
 POLICIES = ["exact", "all", "interval", "end_branch", "cairn"]
 

@@ -41,7 +41,7 @@ from torch import nn  # noqa: E402
 
 from cairn.workers import Engine, EngineOptions, SamplingParams  # noqa: E402
 from cairn.workers.cache.arena import page_bytes  # noqa: E402
-from cairn.workers.model.config import ModelConfig  # noqa: E402
+from cairn.workers.model.model_config import ModelConfig  # noqa: E402
 from cairn.workers.cache.prefix_cache import PrefixCache  # noqa: E402
 from cairn.workers.execution.runner import ModelRunner  # noqa: E402
 from cairn.workers.sampler import Sampler  # noqa: E402

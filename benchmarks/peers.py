@@ -189,7 +189,7 @@ def free_port() -> int:
 def cairn(model_dir: Path, cache_bytes: int, replicas: int = 1, fetch: bool = False) -> System:
     argv = [sys.executable, "-m", "cairn.cluster.cli", "serve", "--replicas", str(replicas), "--model", str(model_dir),
             "--served-model-name", MODEL, "--dtype", "bfloat16", "--cache-memory-bytes", str(cache_bytes)]
-    if fetch:  # move and fetch: a replica pulls the resume point another holds (cairn.cluster.peer_fetch)
+    if fetch:  # move and fetch: a replica pulls the resume point another holds (cairn.cluster.replica_peer_fetch)
         OUT.mkdir(parents=True, exist_ok=True)
         routing = OUT / "peers-routing-fetch.yaml"
         routing.write_text("policy: cache_affinity\nfetch: true\n")

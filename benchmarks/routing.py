@@ -4,7 +4,7 @@ The Serve application of `cairn.cluster.app` (HTTP ingress + engine replicas), o
 `cache_affinity` (cairn's router over the cache index), `pow2` (Serve's default), `round_robin`,
 `ray_prefix` (Ray Serve LLM's PrefixCacheAffinityRouter), and `cache_affinity_fetch`: cairn's
 router with move and fetch on (routing `fetch`: a replica resuming less deep than the holder
-pulls the resume point from it, cairn.cluster.peer_fetch). Every policy replays the same three
+pulls the resume point from it, cairn.cluster.replica_peer_fetch). Every policy replays the same three
 traces of concurrent multi-turn chats through HTTP (streamed, the answer echoed back,
 each turn sent a think time after the previous answer, greedy decoding):
 - shared-system: every conversation opens with the same system prompt;
@@ -145,7 +145,7 @@ def build_app(policy: str, args, model_dir: Path):
     from ray.serve.config import RequestRouterConfig
 
     from cairn.cluster.app import build_application
-    from cairn.cluster.routing.config import RoutingConfig
+    from cairn.cluster.routing.routing_config import RoutingConfig
 
     base = RoutingConfig.from_yaml(args.routing) if args.routing else RoutingConfig()
     routing = base.model_copy(update=dict(policy="cache_affinity" if policy == FETCH else policy,

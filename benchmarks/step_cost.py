@@ -42,10 +42,10 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from cairn.workers.engine import Engine  # noqa: E402
-from cairn.workers.model.config import FULL, LINEAR, ModelConfig  # noqa: E402
+from cairn.workers.model.model_config import FULL, LINEAR, ModelConfig  # noqa: E402
 from cairn.workers.model.registry import family_named  # noqa: E402
 from cairn.workers.model.sharding import Shard, shard_config  # noqa: E402
-from cairn.workers.options import EngineOptions  # noqa: E402
+from cairn.workers.engine_options import EngineOptions  # noqa: E402
 from cairn.workers.sampling_params import SamplingParams  # noqa: E402
 from cairn.workers.execution.step_census import Census, CensusGroup, Tally  # noqa: E402
 

@@ -14,7 +14,7 @@ ROOMS = ("cluster", "workers", "cache_service", "kernels", "configs")  # cairn's
 PLAN_MAKING = sorted({p.relative_to(ROOT).as_posix() for p in (PKG / "workers" / "cache").glob("*.py")}
                      - {"cairn/workers/cache/device_budget.py"}) + \
     ["cairn/workers/scheduler.py", "cairn/workers/plan.py", "cairn/workers/slot.py", "cairn/workers/sequence.py",
-     "cairn/workers/sequence_cache.py", "cairn/workers/sampling_params.py", "cairn/workers/options.py",
+     "cairn/workers/sequence_cache.py", "cairn/workers/sampling_params.py", "cairn/workers/engine_options.py",
      "cairn/workers/spec.py", "cairn/workers/tenant_queue.py"]
 
 

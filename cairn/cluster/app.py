@@ -48,11 +48,11 @@ from typing import Any
 from ray import serve
 
 from cairn.cluster.api.http_limits import HTTPLimits
-from cairn.cluster.api.options import APIOptions
+from cairn.cluster.api.api_options import APIOptions
 from cairn.cluster.engine_replica import EngineReplica
 from cairn.cluster.ingress import Ingress
-from cairn.cluster.routing.config import RoutingConfig
-from cairn.workers.options import EngineOptions
+from cairn.cluster.routing.routing_config import RoutingConfig
+from cairn.workers.engine_options import EngineOptions
 
 SERVED = EngineOptions(warm_up=True)  # a replica's engine options where the config says nothing
 
@@ -74,7 +74,7 @@ def build_application(model_dir: str | Path | None = None, replicas: int = 2, *,
     `health_check_period_s` (Serve's default: 10) is how often the controller checks a replica,
     hence how soon it replaces one that died. `ingress_max_replicas_per_node` (Serve's
     max_replicas_per_node; None: no bound) spreads the ingress replicas over nodes: each node's
-    proxy prefers an ingress replica on its own node. `api` (`cairn.cluster.api.options.APIOptions`,
+    proxy prefers an ingress replica on its own node. `api` (`cairn.cluster.api.api_options.APIOptions`,
     or its fields as a dict) goes whole to the ingress (`cairn.cluster.ingress.Ingress`), validated
     here, at deploy, not in every replica. Keys (`api_key`: one key of the tenant "default";
     `api_keys`: `[TENANT:]KEY` values; `metrics_key`) reach the ingress only as digests, beside
@@ -157,7 +157,7 @@ def app_builder(args: dict[str, Any]):
     of `EngineOptions` fields, made into one here, over `SERVED`), routing
     (a dict, or a path to a routing YAML: absolute, relative to the working directory, or to this
     repository), num_cpus, num_gpus, ingress_replicas, the API's options
-    (`cairn.cluster.api.options.APIOptions`: served_model_name, max_body_bytes, api_limits,
+    (`cairn.cluster.api.api_options.APIOptions`: served_model_name, max_body_bytes, api_limits,
     http_limits, tenant_limits, shared_cache_tenants, public_system_prompts,
     special_tokens_in_content, tool_call_parser, ...; gathered into one `api`), api_key, api_keys,
     api_keys_file, metrics_key, api_key_digests, metrics_key_digest, autoscaling,

@@ -204,7 +204,7 @@ def _serve(args: argparse.Namespace) -> int:
     if args.replicas == 1 and not args.address and not args.config:
         from cairn.cluster.api.http_limits import HTTPLimits
         from cairn.cluster.api.limits import APILimits
-        from cairn.cluster.api.options import APIOptions
+        from cairn.cluster.api.api_options import APIOptions
         from cairn.cluster.api.quotas import TenantLimits
         from cairn.cluster.api.server import serve_in_process
         from cairn.cluster.api.tenants import Tenants

@@ -62,7 +62,7 @@ def load_config(path: str | Path | None = None) -> dict[str, Any]:
 def apply_overrides(config: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     """A copy of `config` with the flags that were given (not None) written over it."""
     from cairn.cluster.api.tenants import Tenants, key_digest
-    from cairn.cluster.routing.config import RoutingConfig
+    from cairn.cluster.routing.routing_config import RoutingConfig
     from cairn.workers import ModelSource
 
     config = copy.deepcopy(config)
@@ -136,7 +136,7 @@ ENGINE_FLAGS = ("max_num_seqs", "cache_policy", "cache_memory_bytes", "memory_ut
 
 
 def engine_option_flags(args: argparse.Namespace) -> dict[str, Any]:
-    """The `cairn.workers.options.EngineOptions` fields the flags give, as given (checked where the
+    """The `cairn.workers.engine_options.EngineOptions` fields the flags give, as given (checked where the
     options are made)."""
     return {name: getattr(args, name) for name in ENGINE_FLAGS if getattr(args, name, None) is not None}
 

@@ -2,7 +2,7 @@
 
 `EngineReplica` owns one engine (`num_gpus: 1` on GPU nodes, fractional CPUs here) and serves
 `generate`, `abort`, `metrics`, `cache_contents` and `ready` to the ingress through a DeploymentHandle,
-and `export_resume` to its peers (`cairn.cluster.peer_fetch`: with the routing config's `fetch` on, a
+and `export_resume` to its peers (`cairn.cluster.replica_peer_fetch`: with the routing config's `fetch` on, a
 request first pulls the resume point the router says another replica holds).
 Rules it keeps:
 - It resolves its model (a directory or a Hugging Face id, `workers.ModelSource`) on its own
@@ -44,16 +44,16 @@ from typing import Any
 from ray import serve
 
 from cairn.cache_service.publisher import EventPublisher
-from cairn.cluster.api.metrics import engine_families
+from cairn.cluster.api.api_metrics import engine_families
 from cairn.cluster.metrics_export import ENGINE_EXPORT_INTERVAL_S, RayMetricsMirror
-from cairn.cluster.peer_fetch import PeerFetch
-from cairn.cluster.routing.config import RoutingConfig
+from cairn.cluster.replica_peer_fetch import ReplicaPeerFetch
+from cairn.cluster.routing.routing_config import RoutingConfig
 from cairn.cluster.routing.cost import routing_stats
 from cairn.cluster.routing.index_handle import IndexHandle
 from cairn.cluster.routing.router import replica_worker_id
 from cairn.cluster.tp_ranks import RayRankWorkers
 from cairn.workers import EngineOptions, EngineSpec
-from cairn.workers.metrics import EngineMetrics
+from cairn.workers.engine_metrics import EngineMetrics
 from cairn.workers.request import ExportRequest, GenerateRequest
 
 log = logging.getLogger(__name__)
@@ -84,7 +84,7 @@ class EngineReplica:
         self.index = IndexHandle(cfg)
         await self.index.get()  # found, or created, before the first request
         self.publisher = EventPublisher(self.worker_id, self.index, snapshot=self.engine.snapshot_events)
-        self.fetch = PeerFetch(self.worker_id, self.engine, cfg.fetch_timeout_s)
+        self.fetch = ReplicaPeerFetch(self.worker_id, self.engine, cfg.fetch_timeout_s)
         self._metrics = EngineMetrics()
         self._mirror, self._exported_at = RayMetricsMirror(), 0.0
         self._drain = asyncio.get_running_loop().create_task(self._drain_loop())
@@ -110,7 +110,7 @@ class EngineReplica:
             yield out
 
     async def export_resume(self, ask: ExportRequest):
-        """A peer asks for pages and a checkpoint this replica holds (`cairn.cluster.peer_fetch`)."""
+        """A peer asks for pages and a checkpoint this replica holds (`cairn.cluster.replica_peer_fetch`)."""
         return await self.fetch.export(ask)
 
     async def abort(self, request_id: str) -> bool:

@@ -46,13 +46,13 @@ from ray import serve
 from ray.exceptions import RayActorError
 from ray.serve.handle import DeploymentHandle
 
-from cairn.cluster.api.options import APIOptions
+from cairn.cluster.api.api_options import APIOptions
 from cairn.cluster.api.tenants import Tenants
 from cairn.cluster.metrics_export import INGRESS_EXPORT_INTERVAL_S, RayMetricsMirror
 from cairn.cluster.routing.registry import mirror_summaries, prefill_done, router_counts
 from cairn.workers import EngineSpec, ModelSource
-from cairn.workers.errors import EngineBroken
-from cairn.workers.metrics import EngineMetrics
+from cairn.workers.engine_errors import EngineBroken
+from cairn.workers.engine_metrics import EngineMetrics
 from cairn.workers.request import GenerateRequest
 
 log = logging.getLogger(__name__)
@@ -139,7 +139,7 @@ class Ingress:
     """The HTTP front: `cairn.cluster.api.build_app` over the engine deployment's handle. `model` (a
     directory or a Hugging Face id, resolved on this replica's node for its tokenizer and chat
     template) names the model for clients unless `api.served_model_name` does; `api` is the
-    app's `cairn.cluster.api.options.APIOptions` as a dict. Keys arrive as digests (`api_key_digests`,
+    app's `cairn.cluster.api.api_options.APIOptions` as a dict. Keys arrive as digests (`api_key_digests`,
     `metrics_key_digest`: `cairn.cluster.api.tenants`), never as keys, since Serve logs a deployment's
     arguments; `api_keys_file` (read on this replica's node) adds tenants; none of them:
     CAIRN_API_KEY in the replica's environment, else no keys."""

@@ -7,7 +7,7 @@ Ray's metrics (`ray.serve.metrics` gauges, which Serve tags with `deployment`, `
 on the node's metrics export port (`ray start --metrics-export-port`, or `ray.nodes()`'s
 `MetricsExportPort`). Nothing here scrapes anything:
 - an engine replica's drain loop copies `workers.Engine.metrics()` every
-  `ENGINE_EXPORT_INTERVAL_S` (`ray_cairn_engine_*`, as `cairn.cluster.api.metrics.engine_families`
+  `ENGINE_EXPORT_INTERVAL_S` (`ray_cairn_engine_*`, as `cairn.cluster.api.api_metrics.engine_families`
   names them for /metrics);
 - an ingress replica copies its API metrics (requests, time to first token, inter-token and
   end-to-end latency, tokens: `ray_cairn_*`) and its routers' counters (`ray_cairn_router_*`)

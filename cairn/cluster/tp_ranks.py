@@ -26,7 +26,7 @@ import ray
 from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from cairn.workers.options import EngineOptions
+from cairn.workers.engine_options import EngineOptions
 from cairn.workers.execution.tp_runner import RankFailure
 
 log = logging.getLogger(__name__)

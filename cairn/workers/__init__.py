@@ -19,11 +19,12 @@ from cairn.workers.lazy import lazy_exports
 
 _WHERE = {
     "AsyncEngine": "cairn.workers.async_engine", "demo_model_dir": "cairn.workers.demo", "Engine": "cairn.workers.engine",
-    "RequestOutput": "cairn.workers.output", "EngineError": "cairn.workers.errors", "RequestRejected": "cairn.workers.errors",
-    "SamplingParamError": "cairn.workers.errors", "ModelNotFound": "cairn.workers.model_source",
-    "ModelSource": "cairn.workers.model_source",
-    "EngineOptions": "cairn.workers.options", "EngineOptionError": "cairn.workers.options", "MAX_SEED": "cairn.workers.sampling_params",
-    "SamplingParams": "cairn.workers.sampling_params", "TokenLogprob": "cairn.workers.sequence", "EngineSpec": "cairn.workers.spec",
+    "RequestOutput": "cairn.workers.output", "EngineError": "cairn.workers.engine_errors",
+    "RequestRejected": "cairn.workers.engine_errors", "SamplingParamError": "cairn.workers.engine_errors",
+    "ModelNotFound": "cairn.workers.model_source", "ModelSource": "cairn.workers.model_source",
+    "EngineOptions": "cairn.workers.engine_options", "EngineOptionError": "cairn.workers.engine_options",
+    "MAX_SEED": "cairn.workers.sampling_params", "SamplingParams": "cairn.workers.sampling_params",
+    "TokenLogprob": "cairn.workers.sequence", "EngineSpec": "cairn.workers.spec",
 }
 __all__ = sorted(_WHERE)
 

@@ -38,9 +38,9 @@ from pathlib import Path
 from cairn.cache_service.events import EventBatch
 from cairn.workers.cache.transfer import FetchPlan, ResumeExport
 from cairn.workers.engine import Engine
-from cairn.workers.errors import EngineBroken, EngineError, RequestRejected
-from cairn.workers.metrics import EngineMetrics
-from cairn.workers.options import EngineOptions
+from cairn.workers.engine_errors import EngineBroken, EngineError, RequestRejected
+from cairn.workers.engine_metrics import EngineMetrics
+from cairn.workers.engine_options import EngineOptions
 from cairn.workers.output import RequestOutput
 from cairn.workers.sampling_params import SamplingParams
 from cairn.workers.request import ExportRequest, GenerateRequest
@@ -48,7 +48,7 @@ from cairn.workers.spec import EngineSpec
 
 log = logging.getLogger(__name__)
 
-# pulls a held request's resume point from the holder its hint names (cairn.cluster.peer_fetch):
+# pulls a held request's resume point from the holder its hint names (cairn.cluster.replica_peer_fetch):
 # the export, or why there is none (a fallback reason), or None when nothing was asked
 Fetcher = Callable[[GenerateRequest, FetchPlan], Awaitable[ResumeExport | str | None]]
 
@@ -177,7 +177,7 @@ class AsyncEngine:
         return await self._call(self.engine.cache_contents)
 
     async def export_resume(self, ask: ExportRequest) -> ResumeExport | None:
-        """`PeerFetches.export` for a peer's ask, on the engine thread, between steps."""
+        """`EnginePeerFetch.export` for a peer's ask, on the engine thread, between steps."""
         return await self._call(self.engine.fetches.export, ask.page_hashes, ask.first, ask.depth)
 
     async def call(self, fn, *args):

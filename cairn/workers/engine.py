@@ -6,7 +6,7 @@ options (cairn.workers.cache.arena). `add` checks a request
 (`cairn.workers.request_check`: one that can never fit, a prompt beyond `max_model_len` or more pages
 than the arena holds beside a state, is refused with `RequestRejected` there, never halfway
 through) and queues it, or holds it while its grammar compiles or its resume point is fetched
-from a peer (`cairn.workers.peer_fetches`); `add_request` is `add` from loose fields. `step` is the
+from a peer (`cairn.workers.engine_peer_fetch`); `add_request` is `add` from loose fields. `step` is the
 loop's body: the scheduler plans, the runner runs the model once, the sampler picks tokens, the
 scheduler applies the step (`postprocess`), and a `RequestOutput` (`cairn.workers.output`) comes back
 for every request that produced a token or finished; `generate` runs a batch to completion, and
@@ -35,13 +35,13 @@ from cairn.workers.cache.checkpoint_policy import CheckpointPolicy
 from cairn.workers.cache.device_budget import graph_reserve_bytes
 from cairn.workers.cache.prefix_cache import Match, PrefixCache
 from cairn.workers.cache.transfer import FetchPlan, ResumeExport
-from cairn.workers.errors import EngineBroken, EngineError, RequestRejected, SequenceFault
-from cairn.workers.output import EngineStats, RequestOutput
-from cairn.workers.peer_fetches import PeerFetches
+from cairn.workers.engine_errors import EngineBroken, EngineError, RequestRejected, SequenceFault
+from cairn.workers.output import RequestOutput
+from cairn.workers.engine_peer_fetch import EnginePeerFetch
 from cairn.workers.grammar import Grammars
-from cairn.workers.metrics import EngineMetrics
+from cairn.workers.engine_metrics import EngineMetrics, EngineTotals
 from cairn.workers.model import HybridForCausalLM, ModelConfig
-from cairn.workers.options import EngineOptions
+from cairn.workers.engine_options import EngineOptions
 from cairn.workers.plan import BlockCopy, Segment, StepPlan
 from cairn.workers.request import GenerateRequest
 from cairn.workers.request_check import check
@@ -103,11 +103,11 @@ class Engine:
             self.runner = TensorParallelRunner(self.runner, rank_workers)
         self.sampler = Sampler(options.seed, self.scheduler.eos_token_ids)
         self.events = EventStream(worker_id)
-        self.stats = EngineStats()
+        self.stats = EngineTotals()
         self._requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self.broken: str | None = None  # why the engine can run nothing more (EngineBroken)
-        self.fetches = PeerFetches(self.cache, lambda: transfer.BlockIO(self.runner.read_blocks,
+        self.fetches = EnginePeerFetch(self.cache, lambda: transfer.BlockIO(self.runner.read_blocks,
                                                                          self.flush_block_copies),
                                    options.tensor_parallel_size > 1)
         self.on_runnable: Callable[[], None] | None = None  # called from other threads when held work may run
@@ -405,7 +405,7 @@ class Engine:
         self.cache.clear()
 
     def metrics(self) -> EngineMetrics:
-        """Counters and gauges for /metrics and routing (`cairn.workers.metrics`): tokens (prompt,
+        """Counters and gauges for /metrics and routing (`cairn.workers.engine_metrics`): tokens (prompt,
         cached, computed, generated), pages and checkpoint state in use, the cache's bytes and
         tiers, fetches, checkpoints by kind, and the measured host-copy and prefill rates."""
         return EngineMetrics.of(self)

@@ -19,7 +19,7 @@ from cairn.cache_service.hashing import model_fingerprint
 from cairn.workers.cache import device_budget
 from cairn.workers.model import load_model, read_model_config
 from cairn.workers.model.sharding import shard_config
-from cairn.workers.options import EngineOptions
+from cairn.workers.engine_options import EngineOptions
 from cairn.workers.execution.tp_runner import RankWorkers, free_address, load_rank_model
 
 

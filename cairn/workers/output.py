@@ -1,5 +1,5 @@
-"""What an engine hands back per step and per request: `RequestOutput`, and the engine's running
-totals (`EngineStats`). Plain data, no torch."""
+"""What an engine hands back per step and per request: `RequestOutput`. Plain data, no torch.
+(The engine's running totals are `cairn.workers.engine_metrics.EngineTotals`.)"""
 
 from __future__ import annotations
 
@@ -43,13 +43,3 @@ class RequestOutput:
             out.logprobs = list(seq.logprobs) if asked else None
             out.error = seq.error
         return out
-
-
-@dataclass
-class EngineStats:
-    steps: int = 0
-    prompt_tokens: int = 0
-    computed_tokens: int = 0
-    generated_tokens: int = 0
-    cached_tokens: int = 0
-    preemptions: int = 0

@@ -9,7 +9,7 @@ the Serve adapter sends along as a copy of the request with `fetch` set. The rep
 request whole to its `AsyncEngine`, and the engine validates it (`Engine.add`).
 
 `ExportRequest` is what a receiving replica asks of the holder a hint named
-(`cairn.cluster.peer_fetch`): pages [first, depth) of the prompt's chain and the checkpoint at
+(`cairn.cluster.replica_peer_fetch`): pages [first, depth) of the prompt's chain and the checkpoint at
 `depth`, routed to exactly `target_worker`.
 
 Plain data: no torch, no Ray.

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from cairn.cache_service.hashing import DIGEST_BYTES
 from cairn.workers.cache.arena import ArenaLayout
-from cairn.workers.errors import RequestRejected
+from cairn.workers.engine_errors import RequestRejected
 from cairn.workers.request import GenerateRequest
 from cairn.workers.spec import EngineSpec
 

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from cairn import kernels
-from cairn.workers.errors import SequenceFault
+from cairn.workers.engine_errors import SequenceFault
 from cairn.workers.grammar import Grammars
 from cairn.workers.sequence import Sequence, TokenLogprob
 from cairn.workers.token_counts import TokenCounts

@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import MISSING, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
-from cairn.workers.errors import SamplingParamError
+from cairn.workers.engine_errors import SamplingParamError
 
 if TYPE_CHECKING:  # imported when a grammar is checked: this module stays free of numpy (`cairn --help`)
     from cairn.workers.grammar import Grammar

@@ -47,8 +47,8 @@ import time
 from cairn.cache_service.events import HOST
 from cairn.workers.cache.checkpoint_policy import BRANCH, EVERY, CheckpointPolicy
 from cairn.workers.cache.prefix_cache import Match, PrefixCache
-from cairn.workers.errors import SequenceFault
-from cairn.workers.options import EngineOptions
+from cairn.workers.engine_errors import SequenceFault
+from cairn.workers.engine_options import EngineOptions
 from cairn.workers.plan import Commit, Segment, StepPlan
 from cairn.workers.sequence import Sequence, Status, TokenLogprob
 from cairn.workers.slot import HostSlot

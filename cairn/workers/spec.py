@@ -28,10 +28,10 @@ from pathlib import Path
 
 from cairn.cache_service.hashing import branch_root, fingerprint, model_fingerprint, page_hashes, root_hash
 from cairn.workers.cache.arena import DTYPE_BYTES, conv_state_bytes, page_bytes, ssm_state_bytes
-from cairn.workers.model.config import ModelConfig
+from cairn.workers.model.model_config import ModelConfig
 from cairn.workers.model.model_types import read_model_config
 from cairn.workers.model.sharding import shard_config
-from cairn.workers.options import EngineOptions
+from cairn.workers.engine_options import EngineOptions
 from cairn.workers.precision import run_dtype
 
 

@@ -14,7 +14,7 @@ from cairn.cluster.api import APIOptions, build_app
 from cairn.cluster.api.engine_client import LocalEngineClient
 from cairn.cluster.api.server import BackgroundServer
 from cairn.workers import AsyncEngine, EngineSpec
-from cairn.workers.metrics import EngineMetrics
+from cairn.workers.engine_metrics import EngineMetrics
 
 MODEL, KEY = "tiny", "k3y"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -235,7 +235,7 @@ class FaultyClient:
 
     async def generate(self, request):
         from cairn.workers import EngineError, RequestOutput
-        from cairn.workers.errors import EngineBroken
+        from cairn.workers.engine_errors import EngineBroken
 
         for i in range(3):
             if self.fail_after == i:

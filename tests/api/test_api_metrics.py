@@ -1,4 +1,4 @@
-"""GET /metrics (`cairn.cluster.api.metrics`) through prometheus_client's own parser: the families the
+"""GET /metrics (`cairn.cluster.api.api_metrics`) through prometheus_client's own parser: the families the
 README and dashboards name, with their types and labels, counted right for real requests; the
 inter-token latency histogram counts every token after a request's first; two apps in one
 process never mix; engine and router keys map to `cairn_engine_*` and `cairn_router_*`."""
@@ -10,10 +10,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cairn.cluster.api import APIOptions, build_app
 from cairn.cluster.api.engine_client import LocalEngineClient
-from cairn.cluster.api.metrics import engine_families
+from cairn.cluster.api.api_metrics import engine_families
 from cairn.cluster.api.server import BackgroundServer
 from cairn.workers import AsyncEngine
-from cairn.workers.metrics import EngineMetrics
+from cairn.workers.engine_metrics import EngineMetrics
 
 MODEL = "tiny"
 MESSAGES = [{"role": "user", "content": "Count the stones in the old wall by the river, twice. " * 3}]

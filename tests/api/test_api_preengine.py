@@ -229,7 +229,7 @@ def test_a_request_that_waits_too_long_for_a_thread_is_503_with_retry_after(tiny
 def test_the_pool_hands_back_every_thread_whatever_becomes_of_its_requests():
     """One thread: a waiter whose client leaves, a waiter cancelled from outside, a waiter that
     times out and a running job whose client leaves all give the thread back; the next job runs."""
-    from cairn.cluster.api.errors import APIError
+    from cairn.cluster.api.api_errors import APIError
     from cairn.cluster.api.prep_pool import PrepPool, check
 
     async def main():

@@ -13,7 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from cairn.cluster.api import APILimits, APIOptions, build_app
-from cairn.cluster.api.errors import APIError
+from cairn.cluster.api.api_errors import APIError
 from cairn.cluster.api.quotas import TenantLimits, TenantQuotas
 from cairn.cluster.api.server import BackgroundServer
 from cairn.cluster.api.tenants import Tenants

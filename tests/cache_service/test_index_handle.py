@@ -15,7 +15,7 @@ ray = pytest.importorskip("ray")
 
 from ray.exceptions import ActorDiedError  # noqa: E402
 
-from cairn.cluster.routing.config import RoutingConfig  # noqa: E402
+from cairn.cluster.routing.routing_config import RoutingConfig  # noqa: E402
 from cairn.cluster.routing.index_handle import IndexHandle  # noqa: E402
 from cairn.cluster.routing.ranker import IndexUnavailable  # noqa: E402
 

@@ -20,11 +20,11 @@ from ray.serve.schema import ServeDeploySchema  # noqa: E402
 from cairn.cluster import deploy  # noqa: E402
 from cairn.cluster.api.http_limits import HTTPLimits  # noqa: E402
 from cairn.cluster.api.limits import APILimits  # noqa: E402
-from cairn.cluster.api.options import APIOptions  # noqa: E402
+from cairn.cluster.api.api_options import APIOptions  # noqa: E402
 from cairn.cluster.api.tenants import Tenants, key_digest  # noqa: E402
 from cairn.cluster.app import app_builder  # noqa: E402
 from cairn.cluster.cli import build_parser  # noqa: E402
-from cairn.cluster.routing.config import RoutingConfig  # noqa: E402
+from cairn.cluster.routing.routing_config import RoutingConfig  # noqa: E402
 from tests.support.paths import REPO
 
 CONFIGS = REPO / "cairn" / "configs"
@@ -408,7 +408,7 @@ def test_the_grafana_dashboard_reads_only_metrics_cairn_exports(tiny_model_dir):
 
     from cairn.cluster.api import build_app
     from cairn.cluster.api.engine_client import LocalEngineClient
-    from cairn.cluster.api.options import APIOptions
+    from cairn.cluster.api.api_options import APIOptions
     from cairn.cluster.routing.ranker import AffinityRanker
     from cairn.workers import AsyncEngine
 

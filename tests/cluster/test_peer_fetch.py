@@ -1,4 +1,4 @@
-"""A replica's fetch from the holder its request names (cairn.cluster.peer_fetch), with two real
+"""A replica's fetch from the holder its request names (cairn.cluster.replica_peer_fetch), with two real
 engines and the holder's side reached as the deployment handle would reach it: a request resumes
 from the fetched pages and computes what a cold one computes; a holder that died, hangs or
 evicted meanwhile costs a recomputation, counted by reason, and the request is neither lost nor
@@ -10,7 +10,7 @@ import pytest
 import torch
 from ray.exceptions import ActorDiedError
 
-from cairn.cluster.peer_fetch import PeerFetch
+from cairn.cluster.replica_peer_fetch import ReplicaPeerFetch
 from tests.support.chat import assert_same_output
 from cairn.workers import AsyncEngine, SamplingParams
 from cairn.workers.request import FetchHint, GenerateRequest
@@ -21,9 +21,9 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=1
 
 class Peers:
     """The deployment handle as a receiving replica uses it: `export_resume.remote(ask)`, routed to
-    the replica the ask names (here: the holder's PeerFetch), or a fault."""
+    the replica the ask names (here: the holder's ReplicaPeerFetch), or a fault."""
 
-    def __init__(self, holder: PeerFetch, fault: str | None = None):
+    def __init__(self, holder: ReplicaPeerFetch, fault: str | None = None):
         self.holder, self.fault, self.asked = holder, fault, 0
         self.export_resume = self
 
@@ -57,7 +57,7 @@ async def scenario(tiny_model_dir, fault):
     holder = AsyncEngine.from_pretrained(tiny_model_dir, cache_policy="all", num_pages=256, worker_id="holder")
     receiver = AsyncEngine.from_pretrained(tiny_model_dir, cache_policy="all", num_pages=256, worker_id="receiver")
     try:
-        held, mine = PeerFetch("holder", holder, 1.0), PeerFetch("receiver", receiver, 1.0)
+        held, mine = ReplicaPeerFetch("holder", holder, 1.0), ReplicaPeerFetch("receiver", receiver, 1.0)
         mine._handle = peers = Peers(held, fault)
         turn1 = prompt(6 * PS + 3, seed=8)
         first = await run(holder, turn1)
@@ -92,7 +92,7 @@ def test_no_fetch_for_a_hint_naming_this_replica_or_a_shallower_holder(tiny_mode
     async def go():
         engine = AsyncEngine.from_pretrained(tiny_model_dir, cache_policy="all", num_pages=256, worker_id="me")
         try:
-            fetch = PeerFetch("me", engine, 1.0)
+            fetch = ReplicaPeerFetch("me", engine, 1.0)
             fetch._handle = peers = Peers(fetch)
             tokens = prompt(4 * PS + 1, seed=3)
             await run(engine, tokens, fetch=fetch, hint=("me", 4))

@@ -56,7 +56,7 @@ from tests.support.ray_checks import LoadThreads, index_converged, kill_index_ac
 from cairn.cache_service.events import EventBatch, PagesStored  # noqa: E402
 from cairn.cluster.app import build_application  # noqa: E402
 from cairn.cluster.ingress import REPLICA_HEADER  # noqa: E402
-from cairn.cluster.routing.config import RoutingConfig  # noqa: E402
+from cairn.cluster.routing.routing_config import RoutingConfig  # noqa: E402
 from tests.support.paths import REPO
 from tests.support.readme_chat import readme_chat, run_readme_chat
 

@@ -18,7 +18,7 @@ from tests.support.ray_checks import free_port, mirrors_agree, wait_until  # noq
 
 from cairn.cluster.app import build_application  # noqa: E402
 from cairn.cluster.ingress import REPLICA_HEADER  # noqa: E402
-from cairn.cluster.routing.config import RoutingConfig  # noqa: E402
+from cairn.cluster.routing.routing_config import RoutingConfig  # noqa: E402
 
 MODEL = "tiny"
 INDEX = f"cairn-fetch-index-{uuid.uuid4().hex[:6]}"

@@ -28,7 +28,7 @@ httpx = pytest.importorskip("httpx")
 
 from cairn.cluster.app import build_application  # noqa: E402
 from cairn.cluster.ingress import REPLICA_HEADER  # noqa: E402
-from cairn.cluster.routing.config import RoutingConfig  # noqa: E402
+from cairn.cluster.routing.routing_config import RoutingConfig  # noqa: E402
 from tests.support.chat_tokens import shared_prefix  # noqa: E402
 from tests.support.ray_checks import free_port  # noqa: E402
 

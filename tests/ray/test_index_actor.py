@@ -16,7 +16,7 @@ ray = pytest.importorskip("ray")
 
 from cairn.cache_service.actor import index_actor  # noqa: E402
 from cairn.cache_service.publisher import ApplyResult, EventPublisher  # noqa: E402
-from cairn.cluster.routing.config import RoutingConfig  # noqa: E402
+from cairn.cluster.routing.routing_config import RoutingConfig  # noqa: E402
 from cairn.cluster.routing.index_handle import IndexHandle  # noqa: E402
 
 H = [bytes([i]) * 16 for i in range(40)]

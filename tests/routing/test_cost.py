@@ -5,7 +5,7 @@ import pytest
 
 from cairn.cache_service.scoring import WorkerScore, resume_at_token
 from cairn.cluster.routing.cost import ReplicaLoad, host_copy_tokens, replica_cost, reported_load, routing_stats
-from cairn.workers.metrics import EngineMetrics
+from cairn.workers.engine_metrics import EngineMetrics
 from tests.support.routing_cases import CFG, PAGE, PAGE_BYTES, STATE_BYTES, rank
 
 

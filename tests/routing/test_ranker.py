@@ -8,7 +8,7 @@ import random
 import pytest
 
 from cairn.cache_service.scoring import WorkerScore
-from cairn.cluster.routing.config import RoutingConfig
+from cairn.cluster.routing.routing_config import RoutingConfig
 from cairn.cluster.routing.cost import ReplicaLoad
 from cairn.cluster.routing.predicted import PredictedHolders
 from cairn.cluster.routing.ranker import AffinityRanker

@@ -1,9 +1,9 @@
-"""The routing config (`cairn.cluster.routing.config`): the shipped YAML loads, a bad one names every bad
+"""The routing config (`cairn.cluster.routing.routing_config`): the shipped YAML loads, a bad one names every bad
 field, every field is described."""
 
 import pytest
 
-from cairn.cluster.routing.config import RoutingConfig
+from cairn.cluster.routing.routing_config import RoutingConfig
 from tests.support.paths import REPO
 
 

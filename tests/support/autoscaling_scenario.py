@@ -170,7 +170,7 @@ def index_stats() -> dict:
     """The cache index actor's stats (its backend) and the node it runs on."""
     import ray
 
-    from cairn.cluster.routing.config import RoutingConfig
+    from cairn.cluster.routing.routing_config import RoutingConfig
 
     routing = RoutingConfig()
     actor = ray.get_actor(routing.index_actor_name, namespace=routing.index_actor_namespace)

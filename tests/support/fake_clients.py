@@ -4,7 +4,7 @@ check what reaches the engine, and `background_apps` to serve several apps at on
 from __future__ import annotations
 
 from contextlib import ExitStack, contextmanager
-from cairn.workers.metrics import EngineMetrics
+from cairn.workers.engine_metrics import EngineMetrics
 
 
 

@@ -31,7 +31,7 @@ from ray.cluster_utils import Cluster
 
 from cairn.cluster.app import build_application
 from cairn.cluster.ingress import REPLICA_HEADER
-from cairn.cluster.routing.config import RoutingConfig
+from cairn.cluster.routing.routing_config import RoutingConfig
 from tests.support.chat import open_chat_stream
 from tests.support.ray_checks import LoadThreads, actor_nodes, free_port
 

@@ -8,7 +8,7 @@ import itertools
 import random
 
 from cairn.cache_service.scoring import WorkerScore
-from cairn.cluster.routing.config import RoutingConfig
+from cairn.cluster.routing.routing_config import RoutingConfig
 from cairn.cluster.routing.cost import rank_replicas
 from cairn.workers.request import GenerateRequest
 

@@ -152,7 +152,7 @@ def test_invalid_prompts_are_rejected_without_touching_the_engine(path):
 def test_engine_options_are_checked_once_when_made_and_name_the_option_at_fault():
     import pickle
 
-    from cairn.workers.options import EngineOptionError, EngineOptions
+    from cairn.workers.engine_options import EngineOptionError, EngineOptions
 
     with pytest.raises(EngineOptionError, match=r"unknown engine option\(s\) \['page_sise'\]") as unknown:
         EngineOptions.from_config({"page_sise": 16})

@@ -44,7 +44,7 @@ def test_a_request_the_scheduler_loses_fails_the_batch_at_once_instead_of_hangin
     """A preempted sequence that never comes back to the queue (the mutation that only a hang
     caught before) leaves the engine with nothing to run: `Engine.generate` says which requests
     can never finish, at once, and the step-bounded helpers fail within their bound."""
-    from cairn.workers.errors import EngineError
+    from cairn.workers.engine_errors import EngineError
 
     engine = Engine.from_pretrained(demo_model("qwen3_next"), num_pages=16, page_size=4, max_num_seqs=4)
     sched = engine.scheduler

@@ -200,7 +200,7 @@ def test_a_grammar_that_does_not_compile_faults_its_row_alone(engine, tok):
 
 
 def test_an_engine_without_a_tokenizer_refuses_a_grammar(engine):
-    from cairn.workers.errors import RequestRejected
+    from cairn.workers.engine_errors import RequestRejected
 
     grammars, engine.sampler.grammars = engine.sampler.grammars, None
     try:

@@ -14,7 +14,7 @@ import torch
 
 import cairn.workers.model.loader as loader
 from cairn.workers import AsyncEngine, Engine, SamplingParams
-from cairn.workers.errors import EngineBroken
+from cairn.workers.engine_errors import EngineBroken
 from cairn.workers.model import read_model_config
 from cairn.workers.model.registry import family_for
 from cairn.workers.model.sharding import Shard, shard_config
@@ -184,7 +184,7 @@ def test_memory_utilization_sizes_each_ranks_arena_from_the_least_free_device(mo
     import threading
 
     from cairn.workers.cache.device_budget import arena_bytes, sized
-    from cairn.workers.options import EngineOptions
+    from cairn.workers.engine_options import EngineOptions
     from cairn.workers.execution.tp_group import TPGroup
     from cairn.workers.execution.tp_runner import free_address
 

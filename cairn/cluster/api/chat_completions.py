@@ -30,7 +30,7 @@ from fastapi.responses import JSONResponse
 from starlette.responses import Response
 
 from cairn.cluster.api.choice import MIN_LOGPROB, Choice, PlacedLogprob
-from cairn.cluster.api.errors import bad_request
+from cairn.cluster.api.api_errors import bad_request
 from cairn.cluster.api.fanout import Fanout
 from cairn.cluster.api.protocol import ChatCompletionRequest, NamedToolChoice
 from cairn.cluster.api.reasoning import ReasoningParser

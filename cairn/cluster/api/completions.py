@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse
 from starlette.responses import Response
 
 from cairn.cluster.api.choice import MIN_LOGPROB, Choice, PlacedLogprob
-from cairn.cluster.api.errors import bad_request
+from cairn.cluster.api.api_errors import bad_request
 from cairn.cluster.api.fanout import Fanout
 from cairn.cluster.api.protocol import CompletionRequest
 from cairn.cluster.api.responses import Completion, CompletionChoice, CompletionLogprobs, Usage

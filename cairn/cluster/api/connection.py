@@ -10,7 +10,7 @@ httptools, uvicorn's default parser). `GuardedH11Protocol` keeps these rules:
   connection is closed, after a 408 if part of a request had arrived.
 - They may take at most `max_header_bytes` (h11's incomplete-event limit): past it, a 431 and
   the connection is closed. Any other malformed request is a 400, also closing it.
-- Every such answer is in OpenAI's error shape (`cairn.cluster.api.errors`).
+- Every such answer is in OpenAI's error shape (`cairn.cluster.api.api_errors`).
 The body is the app's to time (`RequestGuard`), since only the app reads it.
 
 `uvicorn_config(app, limits)` is the `uvicorn.Config` of every in-process server.
@@ -28,7 +28,7 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from cairn.cluster.api.errors import APIError
+from cairn.cluster.api.api_errors import APIError
 from cairn.cluster.api.http_limits import HTTPLimits
 
 

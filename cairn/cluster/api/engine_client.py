@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator
 from typing import Protocol
 
 from cairn.workers import AsyncEngine, EngineSpec, RequestOutput
-from cairn.workers.metrics import EngineMetrics
+from cairn.workers.engine_metrics import EngineMetrics
 from cairn.workers.request import GenerateRequest
 
 
@@ -32,7 +32,7 @@ class EngineClient(Protocol):
     async def abort(self, request_id: str) -> bool: ...
 
     async def metrics(self) -> EngineMetrics:
-        """Engine counters and gauges (`cairn.workers.metrics.EngineMetrics`)."""
+        """Engine counters and gauges (`cairn.workers.engine_metrics.EngineMetrics`)."""
         ...
 
     def num_waiting(self) -> int:

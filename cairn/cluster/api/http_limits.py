@@ -11,7 +11,7 @@
 | `stream_stall_timeout_s` | `SSEResponse`: the stream ends, its engine requests are aborted, connection closed | not seen: the proxy buffers a stream for a client that does not read, for up to `http_options.request_timeout_s` |
 
 The body cap is `APIOptions.max_body_bytes` (`RequestGuard`, 413). Every refusal the app or
-our protocol writes is in OpenAI's error shape (`cairn.cluster.api.errors`); the proxy's own answers
+our protocol writes is in OpenAI's error shape (`cairn.cluster.api.api_errors`); the proxy's own answers
 are plain text and cannot be shaped: a 408 past `http_options.request_timeout_s` (a whole
 request, stream included; a client may lift it with an `x-request-timeout-seconds` header, which
 the proxy obeys), a 503 when no replica can take the request.

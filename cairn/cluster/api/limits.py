@@ -4,7 +4,7 @@ Rendering, tokenizing and hashing cost time linear in what a request carries, on
 request shares, so each request's share is bounded, and checked while its body is parsed: a
 list over its limit is refused before its items are built, the total text once it is parsed,
 and both before anything is rendered, tokenized or hashed. `APILimits` holds the numbers
-(`APIOptions.api_limits`, `cairn.cluster.api.options`); the request models read
+(`APIOptions.api_limits`, `cairn.cluster.api.api_options`); the request models read
 them from the validation context (`protocol`), and without one they apply the defaults.
 
 A request over a limit is refused in OpenAI's error shape with code `limit_exceeded`; `param`

@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from cairn.cluster.api.errors import APIError, fault
+from cairn.cluster.api.api_errors import APIError, fault
 
 log = logging.getLogger("cairn.cluster.api")
 

@@ -28,7 +28,7 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-from cairn.cluster.api.errors import APIError, client_closed
+from cairn.cluster.api.api_errors import APIError, client_closed
 
 T = TypeVar("T")
 _arrivals = itertools.count()

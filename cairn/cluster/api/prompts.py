@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cairn.cluster.api.chat_template import ChatTemplate, TemplateError
-from cairn.cluster.api.errors import bad_request
+from cairn.cluster.api.api_errors import bad_request
 from cairn.cluster.api.limits import text_chars
 from cairn.cluster.api.prep_pool import check
 from cairn.cluster.api.protocol import ChatCompletionRequest, CompletionRequest, FieldError, content_text

@@ -30,7 +30,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from cairn.cluster.api.errors import APIError
+from cairn.cluster.api.api_errors import APIError
 
 
 class TenantLimits(BaseModel):

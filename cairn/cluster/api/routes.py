@@ -13,7 +13,7 @@ client): it knows engines only through `EngineClient`.
 A body is parsed here, not by FastAPI: bytes that are not UTF-8, not JSON, or not an object
 are a 400 with what is wrong; then the pydantic model checks fields strictly (400 naming the
 field). A body of `PARSE_ON_LOOP_BYTES` or more is parsed on the preparation threads
-(`prep_pool`), within the tenant's share of them. See `cairn.cluster.api.errors` for the error shape,
+(`prep_pool`), within the tenant's share of them. See `cairn.cluster.api.api_errors` for the error shape,
 `cairn.cluster.api.middleware` for the body limit (413), the body deadline (408), the header limit
 behind a proxy (431) and the last-resort 500, and `cairn.cluster.api.http_limits` for where each HTTP
 limit is enforced.
@@ -34,11 +34,11 @@ from cairn.cluster.api.chat_completions import ChatCompletions
 from cairn.cluster.api.chat_template import ChatTemplate, TemplateError
 from cairn.cluster.api.completions import Completions
 from cairn.cluster.api.engine_client import EngineClient
-from cairn.cluster.api.errors import APIError, bad_request, from_validation, install_error_handlers
+from cairn.cluster.api.api_errors import APIError, bad_request, from_validation, install_error_handlers
 from cairn.cluster.api.limits import DEFAULT_LIMITS, APILimits
-from cairn.cluster.api.metrics import CONTENT_TYPE, APIMetrics, TimedClient
+from cairn.cluster.api.api_metrics import CONTENT_TYPE, APIMetrics, TimedClient
 from cairn.cluster.api.middleware import RequestGuard
-from cairn.cluster.api.options import APIOptions
+from cairn.cluster.api.api_options import APIOptions
 from cairn.cluster.api.protocol import ChatCompletionRequest, CompletionRequest
 from cairn.cluster.api.responses import ModelCard, ModelList
 from cairn.cluster.api.serving import Serving
@@ -109,7 +109,7 @@ def build_app(client: EngineClient, model_dir: str | Path, options: APIOptions |
               tenants: Tenants | None = None, api_key: str | None = None, metrics_key: str | None = None,
               metrics_key_digest: str | None = None) -> FastAPI:
     """The API over `client`; the tokenizer and chat template come from `model_dir`; everything
-    else it is told is `options` (`cairn.cluster.api.options.APIOptions`). Keys (`cairn.cluster.api.tenants`):
+    else it is told is `options` (`cairn.cluster.api.api_options.APIOptions`). Keys (`cairn.cluster.api.tenants`):
     `api_key` is one key of the tenant "default", `tenants` any number (give one or the other;
     neither: CAIRN_API_KEY, else no keys); `metrics_key` (or its `metrics_key_digest`,
     `tenants.key_digest`) alone opens /metrics."""

@@ -14,9 +14,9 @@ from pathlib import Path
 
 from cairn.cluster.api.connection import uvicorn_config
 from cairn.cluster.api.http_limits import HTTPLimits
-from cairn.cluster.api.options import APIOptions
+from cairn.cluster.api.api_options import APIOptions
 from cairn.cluster.api.tenants import Tenants
-from cairn.workers.options import EngineOptions
+from cairn.workers.engine_options import EngineOptions
 
 
 def serve_in_process(model_dir: str | Path | None = None, options: APIOptions | None = None, *,

@@ -30,10 +30,10 @@ from typing import Any
 from cairn.cluster.api.chat_template import ChatTemplate
 from cairn.cluster.api.choice import Choice, Delta
 from cairn.cluster.api.engine_client import EngineClient
-from cairn.cluster.api.errors import CLIENT_CLOSED_REQUEST, APIError, bad_request, fault, request_timed_out
+from cairn.cluster.api.api_errors import CLIENT_CLOSED_REQUEST, APIError, bad_request, fault, request_timed_out
 from cairn.cluster.api.fanout import Fanout
-from cairn.cluster.api.metrics import APIMetrics
-from cairn.cluster.api.options import APIOptions
+from cairn.cluster.api.api_metrics import APIMetrics
+from cairn.cluster.api.api_options import APIOptions
 from cairn.cluster.api.prep_pool import PrepPool
 from cairn.cluster.api.prompts import Prepared, Prompts
 from cairn.cluster.api.protocol import SamplingFields

@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from cairn.cluster.api.errors import bad_request
+from cairn.cluster.api.api_errors import bad_request
 
 SURROGATES = range(0xD800, 0xE000)
 

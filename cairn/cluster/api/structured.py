@@ -36,7 +36,7 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from cairn.cluster.api.errors import APIError, bad_request
+from cairn.cluster.api.api_errors import APIError, bad_request
 from cairn.cluster.api.limits import APILimits
 from cairn.cluster.api.prep_pool import PrepPool
 from cairn.cluster.api.prompts import Prepared

@@ -1,7 +1,7 @@
 """Request routing: send each request to the engine replica where it recomputes the least.
 
 Split along its contracts, each module's doc stating its rules:
-- `config`: `RoutingConfig` (cairn/configs/routing.yaml) and the router class paths per policy.
+- `routing_config`: `RoutingConfig` (cairn/configs/routing.yaml) and the router class paths per policy.
 - `cost`: cost in tokens and `rank_replicas`, pure functions.
 - `predicted`: `PredictedHolders`, what this router sent where (fresh predictions, and the
   fallback memory while the index cannot answer).

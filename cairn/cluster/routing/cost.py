@@ -15,7 +15,7 @@
   `prefill_tokens_per_s` only until the replica has measured. Pages past the resume point are
   not charged.
 - move and fetch (`fetch` on): a replica that resumes less deep than the deepest holder may pull
-  the holder's resume point (`cairn.cluster.peer_fetch`): its cost is then the holder's prefill plus
+  the holder's resume point (`cairn.cluster.replica_peer_fetch`): its cost is then the holder's prefill plus
   the transfer (the pages past its own device run and the state, over
   `fetch_bandwidth_bytes_per_s`, in tokens), when that is cheaper than its own resume point.
 - load tokens (`load_tokens`): the prefill tokens left of the requests this router has in flight
@@ -37,8 +37,8 @@ from typing import Any
 
 from cairn.cache_service import scoring
 from cairn.cache_service.scoring import ZERO, WorkerScore, resume_at_token
-from cairn.cluster.routing.config import RoutingConfig
-from cairn.workers.metrics import EngineMetrics
+from cairn.cluster.routing.routing_config import RoutingConfig
+from cairn.workers.engine_metrics import EngineMetrics
 
 Score = WorkerScore  # what the index answers for a replica: its hit, state and how much is on the device
 

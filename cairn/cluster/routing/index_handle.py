@@ -32,7 +32,7 @@ from typing import Any
 import ray
 from ray.exceptions import ActorDiedError
 
-from cairn.cluster.routing.config import RoutingConfig
+from cairn.cluster.routing.routing_config import RoutingConfig
 from cairn.cluster.routing.ranker import IndexUnavailable
 
 logger = logging.getLogger(__name__)

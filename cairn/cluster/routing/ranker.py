@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cairn.cache_service.scoring import ZERO, WorkerScore, last_resumable_page
-from cairn.cluster.routing.config import RoutingConfig
+from cairn.cluster.routing.routing_config import RoutingConfig
 from cairn.cluster.routing.cost import (ReplicaLoad, Score, deepest_holder, prefill_tokens, rank_replicas, reported_load,
                                   resume_pages)
 from cairn.cluster.routing.predicted import PredictedHolders

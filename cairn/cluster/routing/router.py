@@ -35,7 +35,7 @@ from ray.exceptions import ActorDiedError
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from cairn.cache_service.feed import IndexMirror
-from cairn.cluster.routing.config import RoutingConfig
+from cairn.cluster.routing.routing_config import RoutingConfig
 from cairn.cluster.routing.index_handle import IndexHandle
 from cairn.cluster.routing.ranker import AffinityRanker, IndexAnswer, IndexUnavailable
 from cairn.cluster.routing.registry import register_router
@@ -152,7 +152,7 @@ class CacheAffinityRouter(RequestRouter):
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         request = pending_request.args[0] if pending_request is not None and pending_request.args else None
-        if isinstance(request, ExportRequest):  # a peer's fetch (cairn.cluster.peer_fetch): that replica, or none
+        if isinstance(request, ExportRequest):  # a peer's fetch (cairn.cluster.replica_peer_fetch): that replica, or none
             match = [r for r in candidate_replicas if replica_worker_id(r.replica_id) == request.target_worker]
             return [match] if match else []
         if pending_request is not None:

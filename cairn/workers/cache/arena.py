@@ -27,8 +27,8 @@ import heapq
 import math
 from dataclasses import dataclass
 
-from cairn.workers.model.config import ModelConfig
-from cairn.workers.options import EngineOptions
+from cairn.workers.model.model_config import ModelConfig
+from cairn.workers.engine_options import EngineOptions
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 DEFAULT_BUDGET = 256 * 2**20

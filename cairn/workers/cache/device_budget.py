@@ -23,7 +23,7 @@ from dataclasses import replace
 
 import torch
 
-from cairn.workers.options import EngineOptions
+from cairn.workers.engine_options import EngineOptions
 
 
 def arena_bytes(free: int, total: int, utilization: float) -> int:

@@ -4,7 +4,7 @@ Contract: `write_demo_model(out_dir, size, seed, arch)` creates `out_dir` (paren
 writes `config.json`, `model.safetensors` (fp32), `tokenizer.json`, `tokenizer_config.json`,
 `chat_template.jinja` and `generation_config.json`, overwriting those files and touching
 nothing else. Both transformers (`AutoModelForCausalLM` / `AutoTokenizer`, offline) and our
-engine load the result. `arch` is one of `ARCHS` (cairn.workers.demo.config): `qwen3_next` (the
+engine load the result. `arch` is one of `ARCHS` (cairn.workers.demo.shape): `qwen3_next` (the
 default), `qwen3_5` or `qwen3_5_moe`. The output is a pure function of (size, seed, arch): same
 arguments, same bytes; the tokenizer depends on the size only. Writes only under `out_dir` and
 prints nothing. Unknown sizes or architectures raise `ValueError`. A caller with a vocabulary of
@@ -22,7 +22,7 @@ from pathlib import Path
 from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
-from cairn.workers.demo.config import ARCHS, SIZES, hf_config
+from cairn.workers.demo.shape import ARCHS, SIZES, hf_config
 from cairn.workers.demo.tokenizer import EOS_TOKEN, PAD_TOKEN, train_tokenizer, write_tokenizer_files
 from cairn.workers.demo.weights import random_weights
 

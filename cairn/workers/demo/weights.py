@@ -25,7 +25,7 @@ import math
 
 import torch
 
-from cairn.workers.demo.config import DemoSize
+from cairn.workers.demo.shape import DemoSize
 
 DT_MIN, DT_MAX = 1e-3, 1e-1
 

@@ -34,8 +34,8 @@ from pathlib import Path
 
 import torch
 
-from cairn.workers.errors import EngineBroken
-from cairn.workers.options import EngineOptions
+from cairn.workers.engine_errors import EngineBroken
+from cairn.workers.engine_options import EngineOptions
 from cairn.workers.execution.runner import ModelRunner
 from cairn.workers.execution.step_work import StepWork
 from cairn.workers.plan import StepPlan

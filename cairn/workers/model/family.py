@@ -4,7 +4,7 @@ cairn.workers.model.registry, and the prefix cache, the pools and the router nee
 A family provides:
 - `model_types`: the `config.json` `model_type` values it reads (a vision-language wrapper and
   its text-only config are both listed when both are published), and
-- `read_config(raw, source)`: that `config.json` as a `ModelConfig` (cairn.workers.model.config), every
+- `read_config(raw, source)`: that `config.json` as a `ModelConfig` (cairn.workers.model.model_config), every
   field accounted for, anything it cannot run refused with a `CheckpointError` naming the field;
   both are its line in cairn.workers.model.model_types, which reads configs without torch;
 - `model_class`: a `HybridForCausalLM` subclass (cairn.workers.model.hybrid) whose recurrent layer keeps
@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from cairn.workers.model.config import ModelConfig
+from cairn.workers.model.model_config import ModelConfig
 from cairn.workers.model.model_types import FAMILY_CONFIGS
 
 

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from cairn.workers.model.batch import ForwardBatch
-from cairn.workers.model.config import FULL, ModelConfig
+from cairn.workers.model.model_config import FULL, ModelConfig
 from cairn.workers.model.gated_deltanet import GatedDeltaNet
 from cairn.workers.model.layers import MLP, Attention, RMSNorm, SparseMoE
 from cairn.workers.model.sharding import Shard, vocab_rows

@@ -22,7 +22,7 @@ from torch import nn
 
 from cairn import kernels
 from cairn.workers.model.batch import ForwardBatch
-from cairn.workers.model.config import ModelConfig
+from cairn.workers.model.model_config import ModelConfig
 
 
 class RMSNorm(nn.Module):

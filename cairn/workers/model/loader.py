@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from cairn.workers.model.config import CheckpointError, ModelConfig, read_json
+from cairn.workers.model.model_config import CheckpointError, ModelConfig, read_json
 from cairn.workers.model.family import Family
 from cairn.workers.model.hybrid import HybridForCausalLM
 from cairn.workers.model.layers import Rotary

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from cairn.workers.model import qwen3_5_config, qwen3_next_config
-from cairn.workers.model.config import CheckpointError, ModelConfig, read_json
+from cairn.workers.model.model_config import CheckpointError, ModelConfig, read_json
 
 ConfigReader = Callable[[dict[str, Any], str], ModelConfig]
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from cairn.workers.model.config import BOOKKEEPING, ConfigReader, ModelConfig, read_hybrid_fields
+from cairn.workers.model.model_config import BOOKKEEPING, ConfigReader, ModelConfig, read_hybrid_fields
 
 MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size")
 # Fields of the published configs that do not change the text model's forward pass.

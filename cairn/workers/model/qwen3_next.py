@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from cairn.workers.model.config import ModelConfig
+from cairn.workers.model.model_config import ModelConfig
 from cairn.workers.model.family import Family
 from cairn.workers.model.gated_deltanet import GatedDeltaNet
 from cairn.workers.model.hybrid import HybridForCausalLM

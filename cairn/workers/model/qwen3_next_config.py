@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from cairn.workers.model.config import BOOKKEEPING, ConfigReader, ModelConfig, read_hybrid_fields
+from cairn.workers.model.model_config import BOOKKEEPING, ConfigReader, ModelConfig, read_hybrid_fields
 
 
 def read_config(raw: dict[str, Any], source: str) -> ModelConfig:

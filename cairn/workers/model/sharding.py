@@ -31,7 +31,7 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
-from cairn.workers.model.config import ModelConfig
+from cairn.workers.model.model_config import ModelConfig
 
 
 @dataclass(frozen=True)

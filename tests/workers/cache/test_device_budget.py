@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from cairn.workers.cache.device_budget import arena_bytes, sized
-from cairn.workers.options import EngineOptions
+from cairn.workers.engine_options import EngineOptions
 
 
 def test_sized_returns_new_options_and_leaves_the_ones_asked_for_unchanged(monkeypatch):

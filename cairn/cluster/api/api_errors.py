@@ -25,7 +25,7 @@ from starlette.exceptions import HTTPException
 
 from cairn.cluster.api.limits import LIMIT_EXCEEDED
 from cairn.cluster.api.responses import ErrorInfo, ErrorResponse
-from cairn.workers.errors import EngineBroken
+from cairn.workers.engine_errors import EngineBroken
 
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
          405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",

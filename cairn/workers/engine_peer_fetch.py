@@ -27,7 +27,7 @@ from cairn.workers.sequence import Sequence
 log = logging.getLogger(__name__)
 
 
-class PeerFetches:
+class EnginePeerFetch:
     def __init__(self, cache: PrefixCache, block_io: Callable[[], BlockIO], tensor_parallel: bool):
         self.cache, self._block_io, self.tensor_parallel = cache, block_io, tensor_parallel
         self.counts = dict(fetches=0, fetched_pages=0, fetched_bytes=0, exported_bytes=0)

@@ -106,7 +106,7 @@ class RoutingConfig(BaseModel):
         "until the replica reports the prefill rate its engine measured (routing stats).")
     fetch: bool = Field(
         False, description="Move and fetch: a replica resuming a request less deep than another one pulls the "
-        "pages and checkpoint it lacks from that holder (cairn.cluster.peer_fetch) instead of recomputing them, and "
+        "pages and checkpoint it lacks from that holder (cairn.cluster.replica_peer_fetch) instead of recomputing them, and "
         "the router prices that option (the bytes to move over fetch_bandwidth_bytes_per_s), so it can balance "
         "load without losing the cache. Off: a request resumes only from what its replica holds.")
     fetch_bandwidth_bytes_per_s: float = Field(

@@ -1,9 +1,12 @@
-"""What an engine reports about itself, as one typed snapshot (`Engine.metrics()`).
+"""What an engine counts and reports about itself: its running totals (`EngineTotals`, kept by the
+engine as it runs: `Engine.stats`) and one typed snapshot of all its numbers (`Engine.metrics()`).
 
-`EngineMetrics` holds gauges (what is in use now), counters (names ending `_total`: what
+`EngineTotals` holds the six totals since start: steps, and prompt, cached, computed and
+generated tokens, and preemptions. `EngineMetrics` is those totals (it extends `EngineTotals`,
+so they are declared once) with gauges (what is in use now), counters (names ending `_total`: what
 happened since start) and labelled counter families (a dict per family, by its `kind` label).
 `samples()` lists it as (name, kind label or None, value), the form exports read: the API's
-/metrics writes `cairn_engine_<name>` (`cairn.cluster.api.metrics.engine_families`), the cluster
+/metrics writes `cairn_engine_<name>` (`cairn.cluster.api.api_metrics.engine_families`), the cluster
 copies the same into Ray's metrics. The router reads it typed (`cairn.cluster.routing.cost.routing_stats`):
 occupancy, queues, and what the engine measured of its host copies and prefill (`None` until it
 has: the router then prices a host copy with its configured rates).
@@ -14,7 +17,7 @@ A replica stamps its own `worker_id` on it before it leaves the process. Plain d
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 LABELLED = ("fetch_fallbacks_total", "tier_hit_tokens_total", "checkpoints_admitted_total", "checkpoint_hits_total")
@@ -22,14 +25,19 @@ MEASURED = ("host_copy_bytes_per_s", "prefill_tokens_per_s")
 
 
 @dataclass
-class EngineMetrics:
-    # requests and tokens
+class EngineTotals:
+    """An engine's totals since start, kept on its thread as it runs (`Engine.stats`)."""
     steps: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
     computed_tokens: int = 0
     generated_tokens: int = 0
     preemptions: int = 0
+
+
+@dataclass
+class EngineMetrics(EngineTotals):
+    # requests (the totals above: steps, tokens, preemptions)
     running_requests: int = 0
     waiting_requests: int = 0
     # the device cache
@@ -78,12 +86,10 @@ class EngineMetrics:
     @classmethod
     def of(cls, engine: Any) -> EngineMetrics:
         """A `cairn.workers.engine.Engine`'s numbers now (on its thread, between steps)."""
-        cache, stats, totals, fetches = engine.cache, engine.cache.stats, engine.stats, engine.fetches
+        cache, stats, fetches = engine.cache, engine.cache.stats, engine.fetches
         layout, scheduler, cost, policy = engine.layout, engine.scheduler, engine.cache.tier_cost, engine.policy.summary()
         return cls(
-            steps=totals.steps, prompt_tokens=totals.prompt_tokens, cached_tokens=totals.cached_tokens,
-            computed_tokens=totals.computed_tokens, generated_tokens=totals.generated_tokens,
-            preemptions=totals.preemptions, running_requests=len(scheduler.running),
+            **asdict(engine.stats), running_requests=len(scheduler.running),
             waiting_requests=len(scheduler.waiting),
             pages_total=layout.page_capacity, pages_held=cache.pages.num_held, pages_cached=cache.pages.num_cached,
             checkpoints_stored=cache.checkpoints.num_stored, state_bytes=cache.checkpoint_bytes,

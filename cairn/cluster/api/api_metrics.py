@@ -9,7 +9,7 @@ tokens by kind, and the seconds each engine request waited in its engine's queue
 timed by `TimedClient`, which wraps the app's engine client: the gap between two outputs of one
 engine request, per token they carry.
 
-The engine's own counters and gauges (`cairn.workers.metrics.EngineMetrics`: pages held and cached,
+The engine's own counters and gauges (`cairn.workers.engine_metrics.EngineMetrics`: pages held and cached,
 checkpoints stored, state bytes, queues...) are written as `cairn_engine_*`, and the request
 routers' counters (`router_sources`, keys `router_*`: the ingress adds its routers') as
 `cairn_router_*`, by `engine_families`: a labelled family becomes `name{kind="..."}`, a name
@@ -29,7 +29,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
-from cairn.workers.metrics import EngineMetrics
+from cairn.workers.engine_metrics import EngineMetrics
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 INTER_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
@@ -114,7 +114,7 @@ def engine_families(engine: EngineMetrics | None = None, router: Mapping[str, fl
     """An engine's metrics and routers' counters as Prometheus families (module doc)."""
     families: dict[str, Metric] = {}
     if engine is not None and engine.worker_id is not None:
-        families["info"] = GaugeMetricFamily("cairn_engine_info", "Engine identity (cairn.workers.metrics.EngineMetrics).",
+        families["info"] = GaugeMetricFamily("cairn_engine_info", "Engine identity (cairn.workers.engine_metrics.EngineMetrics).",
                                              labels=["worker_id"])
         families["info"].add_metric([engine.worker_id], 1)
     samples = list(engine.samples()) if engine is not None else []
@@ -125,7 +125,7 @@ def engine_families(engine: EngineMetrics | None = None, router: Mapping[str, fl
         family = families.get(name)
         if family is None:
             source = "Router counter (cairn.cluster.routing.ranker.AffinityRanker.counts)" \
-                if name.startswith("cairn_router_") else "Engine metric (cairn.workers.metrics.EngineMetrics)"
+                if name.startswith("cairn_router_") else "Engine metric (cairn.workers.engine_metrics.EngineMetrics)"
             labels = ["kind"] if kind is not None else []
             family = families[name] = CounterMetricFamily(name, f"{source}.", labels=labels) \
                 if name.endswith("_total") else GaugeMetricFamily(name, f"{source}.", labels=labels)

@@ -1,10 +1,11 @@
-"""Fetching a resume point from the replica that holds it (routing config `fetch`).
+"""A replica's side of peer fetch: fetching a resume point from the replica that holds it (routing
+config `fetch`).
 
 The router names, beside its choice, the replica resuming a request deepest and how deep (a
 `cairn.workers.request.FetchHint`, sent as the request's `fetch`: a hint, whichever replica takes the
-request). A receiving replica hands the request to its engine with this `PeerFetch` as the
+request). A receiving replica hands the request to its engine with this `ReplicaPeerFetch` as the
 fetcher (`AsyncEngine.stream`): if it resumes less deep (`cairn.workers.cache.transfer.plan_fetch`),
-the engine holds the request and returns what to ask for, and `PeerFetch` pulls it:
+the engine holds the request and returns what to ask for, and `ReplicaPeerFetch` pulls it:
 - the ask is an `ExportRequest` through the engine deployment's own handle, which the router
   sends to exactly the replica it names (`target_worker`); the holder copies the pages and the
   checkpoint between two of its steps (`AsyncEngine.export_resume`: one request's resume
@@ -15,7 +16,8 @@ the engine holds the request and returns what to ask for, and `PeerFetch` pulls 
 - whatever goes wrong (the holder evicted them meanwhile, died, is gone, or does not answer within
   `fetch_timeout_s`), the request is recomputed as if there had been no hint: never lost, never
   run twice. Each such fallback is counted by reason (`fetch_fallbacks_total{kind=...}`:
-  evicted, timeout, holder_failed here; refused, no_checkpoint_slot by `cairn.workers.peer_fetches.PeerFetches.import_`).
+  evicted, timeout, holder_failed here; refused, no_checkpoint_slot by
+  `cairn.workers.engine_peer_fetch.EnginePeerFetch.import_`).
 Under tensor parallelism nothing is fetched (the engine plans nothing): each rank would need its
 own slice from the holder's same rank.
 """
@@ -32,7 +34,7 @@ from cairn.workers.request import ExportRequest, GenerateRequest
 log = logging.getLogger(__name__)
 
 
-class PeerFetch:
+class ReplicaPeerFetch:
     def __init__(self, worker_id: str, engine: AsyncEngine, timeout_s: float):
         self.worker_id, self.engine, self.timeout_s = worker_id, engine, timeout_s
         self._handle = None
