@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tokenizers import Tokenizer, models, normalizers  # noqa: E402
 
-from cairn.workers.demo.tokenizer import add_control_tokens, byte_level_bpe  # noqa: E402
+from cairn.workers.demo.demo_tokenizer import add_control_tokens, byte_level_bpe  # noqa: E402
 
 PEERS = Path(os.environ.get("CAIRN_PEERS") or Path.home() / ".cache" / "cairn-peers")
 NAME = "peer-bench"

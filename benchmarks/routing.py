@@ -449,7 +449,7 @@ def main() -> None:
     from ray.serve.api import RunTarget
 
     from cairn.cluster.api.chat_template import ChatTemplate
-    from cairn.cluster.api.tokenizer import TextTokenizer
+    from cairn.cluster.api.text_tokenizer import TextTokenizer
     from cairn.workers.demo import demo_model_dir
 
     model_dir = Path(args.model) if args.model else demo_model_dir("tiny" if args.quick else "bench", args.arch)

@@ -43,7 +43,7 @@ import torch  # noqa: E402
 
 from cairn.workers.engine import Engine  # noqa: E402
 from cairn.workers.model.model_config import FULL, LINEAR, ModelConfig  # noqa: E402
-from cairn.workers.model.registry import family_named  # noqa: E402
+from cairn.workers.model.family_registry import family_named  # noqa: E402
 from cairn.workers.model.sharding import Shard, shard_config  # noqa: E402
 from cairn.workers.engine_options import EngineOptions  # noqa: E402
 from cairn.workers.sampling_params import SamplingParams  # noqa: E402

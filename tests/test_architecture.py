@@ -115,7 +115,7 @@ def test_no_production_module_imports_a_reference():
 
 
 ROUTING_DECISIONS = ["cairn/cluster/routing/cost.py", "cairn/cluster/routing/predicted.py", "cairn/cluster/routing/ranker.py",
-                     "cairn/cluster/routing/registry.py"]
+                     "cairn/cluster/routing/router_registry.py"]
 
 
 def test_the_routing_decisions_and_the_event_publisher_run_without_ray():

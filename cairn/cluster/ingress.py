@@ -5,7 +5,7 @@
   a `GenerateRequest` (the router, running in this process, reads its page hashes).
 - `HandleEngineClient`: the `EngineClient` over that handle, whose router (and with it its index
   mirror) the ingress starts in its constructor, before its first request. When a request's
-  first output arrives its prompt is computed: it tells this process's routers (`cairn.cluster.routing.registry
+  first output arrives its prompt is computed: it tells this process's routers (`cairn.cluster.routing.router_registry
   .prefill_done`), which stop counting its prefill as load. A replica lost under a request (its
   process or its node gone: Ray's `RayActorError`) fails the request as `workers.EngineBroken`,
   which the API answers as it answers any broken engine: 503 `engine_unavailable`, retry (Serve
@@ -49,7 +49,7 @@ from ray.serve.handle import DeploymentHandle
 from cairn.cluster.api.api_options import APIOptions
 from cairn.cluster.api.tenants import Tenants
 from cairn.cluster.metrics_export import INGRESS_EXPORT_INTERVAL_S, RayMetricsMirror
-from cairn.cluster.routing.registry import mirror_summaries, prefill_done, router_counts
+from cairn.cluster.routing.router_registry import mirror_summaries, prefill_done, router_counts
 from cairn.workers import EngineSpec, ModelSource
 from cairn.workers.engine_errors import EngineBroken
 from cairn.workers.engine_metrics import EngineMetrics
@@ -179,7 +179,7 @@ class Ingress:
         """This ingress replica's `replica` id and `node` id, and `routers`: for each router of
         this process that keeps an index mirror (the engine handle's, started in the
         constructor), the deployment it routes to, the index it mirrors, its counters and where
-        its mirror stands (`cairn.cluster.routing.registry.mirror_summaries`: epoch, cursor, workers,
+        its mirror stands (`cairn.cluster.routing.router_registry.mirror_summaries`: epoch, cursor, workers,
         pages, digest, age). Reads every mirror entry, on the routers' loops: for operators and
         tests, never on the request path."""
         return dict(replica=serve.get_replica_context().replica_id.to_full_id_str(),

@@ -34,7 +34,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 # What an engine and the ingress read from a checkpoint (`cairn/workers/model/loader.py`,
-# `cairn/cluster/api/tokenizer.py`, `cairn/cluster/api/chat_template.py`); nothing else is downloaded.
+# `cairn/cluster/api/text_tokenizer.py`, `cairn/cluster/api/chat_template.py`); nothing else is downloaded.
 ENGINE_FILES = ("config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json",
                 "tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "chat_template.json")
 _COMMIT = re.compile(r"[0-9a-f]{40}")

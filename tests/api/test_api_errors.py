@@ -361,7 +361,7 @@ def test_a_reused_request_id_is_only_a_label_and_touches_no_other_request(server
 def test_a_detokenization_fault_ends_that_stream_alone(server, engine, monkeypatch):
     """A fault turning one request's tokens into text fails that request (an error event, then
     [DONE]) while a stream beside it runs to its end; the engine gets the pages back."""
-    from cairn.cluster.api import tokenizer as tokenizer_module
+    from cairn.cluster.api import text_tokenizer as tokenizer_module
 
     victim_prompt = "Stones and zebras " * 4 + "quagga"
     push = tokenizer_module.Detokenizer.push

@@ -116,7 +116,7 @@ def keep_thinking_model_dir(demo_model, out):
 
     from cairn.workers.demo import write_demo_model
     from cairn.workers.demo.corpus import training_corpus
-    from cairn.workers.demo.tokenizer import CONTROL_TOKENS, add_control_tokens, byte_level_bpe
+    from cairn.workers.demo.demo_tokenizer import CONTROL_TOKENS, add_control_tokens, byte_level_bpe
 
     tok = byte_level_bpe(models.BPE())
     trainer = trainers.BpeTrainer(vocab_size=512 - len(CONTROL_TOKENS), min_frequency=2, show_progress=False,

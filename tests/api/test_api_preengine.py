@@ -22,7 +22,7 @@ from cairn.cluster.api import APILimits, APIOptions, build_app
 from cairn.cluster.api.chat_template import HINTED_MESSAGES, ChatTemplate, common_prefix_len
 from cairn.cluster.api.server import BackgroundServer
 from cairn.cluster.api.special_tokens import SpecialTokens, trie_pattern
-from cairn.cluster.api.tokenizer import TextTokenizer
+from cairn.cluster.api.text_tokenizer import TextTokenizer
 from tests.support.fake_clients import OneTokenClient
 
 MODEL = "tiny"

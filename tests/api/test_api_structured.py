@@ -161,7 +161,7 @@ def test_tool_grammars_compile_for_a_tokenizer_whose_tags_sit_past_its_count(tmp
 
     from cairn.cluster.api.limits import DEFAULT_LIMITS
     from cairn.cluster.api.structured import GrammarCompiler
-    from cairn.cluster.api.tokenizer import TextTokenizer
+    from cairn.cluster.api.text_tokenizer import TextTokenizer
     from cairn.cluster.api.tool_grammar import tool_grammar
 
     vocab = {chr(c): i for i, c in enumerate(range(32, 127))}

@@ -1,5 +1,5 @@
 """The Ray Serve adapter (`cairn.cluster.routing.router`), driven by Serve's own fake replicas (no Ray
-session), and the registry the ingress reads its routers through (`cairn.cluster.routing.registry`)."""
+session), and the registry the ingress reads its routers through (`cairn.cluster.routing.router_registry`)."""
 
 import asyncio
 import random
@@ -277,7 +277,7 @@ from ray import cloudpickle
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, RequestMetadata
 from ray.serve._private.test_utils import FakeRunningReplica
 from ray.serve.request_router import PendingRequest
-from cairn.cluster.routing.registry import mirror_summaries, router_counts
+from cairn.cluster.routing.router_registry import mirror_summaries, router_counts
 
 cls = cloudpickle.loads(sys.stdin.buffer.read())
 
@@ -303,7 +303,7 @@ asyncio.run(main())
 def test_the_router_class_as_serve_ships_it_reports_to_the_registry_the_ingress_reads():
     """Serve pickles the router's module by value and unpickles the class in the calling process
     (RequestRouterConfig): there the module's globals are copies. The ranker must still reach the
-    one registry the ingress reads (cairn.cluster.routing.registry)."""
+    one registry the ingress reads (cairn.cluster.routing.router_registry)."""
     import json
     import os
     import subprocess
@@ -329,7 +329,7 @@ def test_the_registry_reads_each_router_s_mirror_on_that_router_s_own_loop():
     from cairn.cache_service.events import EventStream, PagesStored
     from cairn.cache_service.feed import ChangeFeed, IndexMirror
     from cairn.cache_service.index import CacheIndex
-    from cairn.cluster.routing.registry import mirror_summaries, register_router
+    from cairn.cluster.routing.router_registry import mirror_summaries, register_router
 
     index, feed, mirror = CacheIndex(), ChangeFeed(1000), IndexMirror()
     feed.apply(index, batch := EventStream("w").batch([PagesStored((b"p" * 16,), None)]), batch.encode())

@@ -147,7 +147,7 @@ def write_hub_snapshot(repo: Path, commit: str, model_dir: Path, **config_change
 
 def byte_tokens(tok, text: str) -> list[int]:
     """One token per UTF-8 byte (the byte-level alphabet), so characters and tags split."""
-    from cairn.cluster.api.tokenizer import byte_of_char
+    from cairn.cluster.api.text_tokenizer import byte_of_char
 
     char_of = {b: ch for ch, b in byte_of_char().items()}
     return [tok.token_to_id(char_of[b]) for b in text.encode()]

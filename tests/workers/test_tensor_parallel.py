@@ -16,7 +16,7 @@ import cairn.workers.model.loader as loader
 from cairn.workers import AsyncEngine, Engine, SamplingParams
 from cairn.workers.engine_errors import EngineBroken
 from cairn.workers.model import read_model_config
-from cairn.workers.model.registry import family_for
+from cairn.workers.model.family_registry import family_for
 from cairn.workers.model.sharding import Shard, shard_config
 from cairn.workers.execution.tp_runner import RankFailure
 from tests.support.paths import REPO

@@ -40,7 +40,7 @@ from cairn.cluster.api.serving import CLIENT_CLOSED_REQUEST, Prepared, Serving
 from cairn.cluster.api.sse import SSEResponse
 from cairn.cluster.api.structured import response_format_grammar, structured_outputs_grammar
 from cairn.cluster.api.tenants import Caller
-from cairn.cluster.api.tokenizer import TextTokenizer
+from cairn.cluster.api.text_tokenizer import TextTokenizer
 from cairn.cluster.api.tool_calls import ToolCallParser
 from cairn.cluster.api.tool_grammar import CONSTRAINED_FORMATS, tool_grammar
 

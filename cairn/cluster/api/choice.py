@@ -19,7 +19,7 @@ from typing import Any
 
 from cairn.cluster.api.reasoning import ReasoningParser
 from cairn.cluster.api.stop_strings import StopMatcher
-from cairn.cluster.api.tokenizer import TextTokenizer
+from cairn.cluster.api.text_tokenizer import TextTokenizer
 from cairn.cluster.api.tool_calls import FoundCall, ToolCallParser
 from cairn.workers import RequestOutput, TokenLogprob
 

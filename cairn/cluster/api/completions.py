@@ -25,7 +25,7 @@ from cairn.cluster.api.serving import CLIENT_CLOSED_REQUEST, Prepared, Serving
 from cairn.cluster.api.sse import SSEResponse
 from cairn.cluster.api.structured import structured_outputs_grammar
 from cairn.cluster.api.tenants import Caller
-from cairn.cluster.api.tokenizer import TextTokenizer
+from cairn.cluster.api.text_tokenizer import TextTokenizer
 
 
 def completion_logprobs(tokenizer: TextTokenizer, placed: list[PlacedLogprob], base: int) -> CompletionLogprobs:

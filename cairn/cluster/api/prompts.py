@@ -32,7 +32,7 @@ from cairn.cluster.api.prep_pool import check
 from cairn.cluster.api.protocol import ChatCompletionRequest, CompletionRequest, FieldError, content_text
 from cairn.cluster.api.reasoning import ReasoningParser
 from cairn.cluster.api.special_tokens import SpecialTokens
-from cairn.cluster.api.tokenizer import TextTokenizer
+from cairn.cluster.api.text_tokenizer import TextTokenizer
 
 
 @dataclass

@@ -44,7 +44,7 @@ from cairn.cluster.api.responses import ModelCard, ModelList
 from cairn.cluster.api.serving import Serving
 from cairn.cluster.api.quotas import TenantQuotas
 from cairn.cluster.api.tenants import DEFAULT_TENANT, Caller, Tenants
-from cairn.cluster.api.tokenizer import TextTokenizer
+from cairn.cluster.api.text_tokenizer import TextTokenizer
 
 PARSE_ON_LOOP_BYTES = 64 << 10  # bodies below this are parsed on the event loop (well under a millisecond)
 ENDPOINTS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/ready",

@@ -41,7 +41,7 @@ from cairn.cluster.api.quotas import Admission, TenantQuotas
 from cairn.cluster.api.responses import DONE, Usage
 from cairn.cluster.api.structured import GrammarCompiler
 from cairn.cluster.api.tenants import Caller
-from cairn.cluster.api.tokenizer import TextTokenizer
+from cairn.cluster.api.text_tokenizer import TextTokenizer
 from cairn.cluster.api.tool_call_formats import resolve_format
 from cairn.workers import MAX_SEED, RequestRejected, SamplingParamError, SamplingParams
 from cairn.workers.grammar import Grammar

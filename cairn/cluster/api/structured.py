@@ -40,7 +40,7 @@ from cairn.cluster.api.api_errors import APIError, bad_request
 from cairn.cluster.api.limits import APILimits
 from cairn.cluster.api.prep_pool import PrepPool
 from cairn.cluster.api.prompts import Prepared
-from cairn.cluster.api.tokenizer import TextTokenizer
+from cairn.cluster.api.text_tokenizer import TextTokenizer
 from cairn.workers.grammar import Grammar, parser_limits
 
 CACHED_CHECKS = 256

@@ -10,7 +10,7 @@ Split along its contracts, each module's doc stating its rules:
   counters from (a module of its own: Serve ships the router's module by value).
 - `index_handle`: `IndexHandle`, the one way to the cache index actor, for routers and replicas.
 - `router`: the Ray Serve adapters, `CacheAffinityRouter` and `RayPrefixRouter`.
-`cost`, `predicted`, `ranker` and `registry` import no Ray (tests/test_architecture.py): the
+`cost`, `predicted`, `ranker` and `router_registry` import no Ray (tests/test_architecture.py): the
 decisions are tested as plain Python. Nothing here imports the rest of `cluster`. This file
 imports nothing, so importing a pure module never pulls in Ray.
 """

@@ -17,7 +17,7 @@ predicted holders (`cairn.cluster.routing.predicted`) and ranks replicas by cost
   the pages, and for a hybrid model the states the request leaves past where it resumes there
   (its message starts and its end), never a state merely where a later prompt parts from it.
 - A request's prefill tokens count as load on its replica until its first output
-  (`on_prefill_done`, called through `cairn.cluster.routing.registry.prefill_done` by the ingress).
+  (`on_prefill_done`, called through `cairn.cluster.routing.router_registry.prefill_done` by the ingress).
 - `counts` (and the adapter's `gauges`) are what the ingress's /metrics exports as
   `cairn_router_*`.
 Every number is in tokens or requests; the clock and the random source are injectable.

@@ -17,7 +17,7 @@ Replica identity everywhere (events, index, routing) is `replica_worker_id(repli
 Serve replica id string, which the router (RunningReplica.replica_id) and the replica
 (serve.get_replica_context().replica_id) both produce.
 
-Serve ships this module by value into the router's process (see `cairn.cluster.routing.registry`): its
+Serve ships this module by value into the router's process (see `cairn.cluster.routing.router_registry`): its
 module-level objects there are copies. Nothing process-wide lives here; the registry the ingress
 reads is reached through `register_router`, a function of a module imported by reference.
 """
@@ -38,7 +38,7 @@ from cairn.cache_service.feed import IndexMirror
 from cairn.cluster.routing.routing_config import RoutingConfig
 from cairn.cluster.routing.index_handle import IndexHandle
 from cairn.cluster.routing.ranker import AffinityRanker, IndexAnswer, IndexUnavailable
-from cairn.cluster.routing.registry import register_router
+from cairn.cluster.routing.router_registry import register_router
 from cairn.workers.request import ExportRequest, GenerateRequest
 
 logger = logging.getLogger(__name__)

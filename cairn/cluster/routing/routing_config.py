@@ -15,7 +15,7 @@ never guessed.
 
 A router class path names the module that defines the class (`cairn.cluster.routing.router`), never a
 package: Serve ships that module by value, and a package path would ship every module under it,
-the process-wide router registry included (see `cairn.cluster.routing.registry`).
+the process-wide router registry included (see `cairn.cluster.routing.router_registry`).
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
 from cairn.workers.demo.shape import ARCHS, SIZES, hf_config
-from cairn.workers.demo.tokenizer import EOS_TOKEN, PAD_TOKEN, train_tokenizer, write_tokenizer_files
+from cairn.workers.demo.demo_tokenizer import EOS_TOKEN, PAD_TOKEN, train_tokenizer, write_tokenizer_files
 from cairn.workers.demo.weights import random_weights
 
 

@@ -1,5 +1,5 @@
 """`Family`: what a model family gives cairn, so that adding one is one module plus one line in
-cairn.workers.model.registry, and the prefix cache, the pools and the router need no change.
+cairn.workers.model.family_registry, and the prefix cache, the pools and the router need no change.
 
 A family provides:
 - `model_types`: the `config.json` `model_type` values it reads (a vision-language wrapper and

@@ -1,4 +1,4 @@
-"""Loads a Hugging Face checkpoint directory into its family's model (cairn.workers.model.registry).
+"""Loads a Hugging Face checkpoint directory into its family's model (cairn.workers.model.family_registry).
 
 Accepts what `save_pretrained` writes: `config.json` plus `model.safetensors`, or shards listed
 in `model.safetensors.index.json`; tensors in fp32, bf16 or fp16, converted to the requested
@@ -21,7 +21,7 @@ from cairn.workers.model.model_config import CheckpointError, ModelConfig, read_
 from cairn.workers.model.family import Family
 from cairn.workers.model.hybrid import HybridForCausalLM
 from cairn.workers.model.layers import Rotary
-from cairn.workers.model.registry import family_for
+from cairn.workers.model.family_registry import family_for
 from cairn.workers.model.sharding import PER_EXPERT, Ranges, Shard, ranges, shard_config, vocab_rows, zero_on_other_ranks
 from cairn.workers.precision import choose_dtype
 

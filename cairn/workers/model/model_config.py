@@ -3,7 +3,7 @@
 Contract:
 - `ModelConfig` is the one description every part of cairn sizes itself from: the model
   classes, the loader, the arena (`page_bytes`, the recurrent state shapes) and the engine spec.
-  A family (cairn.workers.model.registry) turns its own `config.json` into this value.
+  A family (cairn.workers.model.family_registry) turns its own `config.json` into this value.
 - `ConfigReader` is how a family reads a `config.json`: `need`/`opt` take fields, `bad` makes the
   error, and `reject_unknown_values` / `unread` let a family account for every field it was
   given. Anything we cannot run raises `CheckpointError` naming the file and the field, so the
@@ -44,7 +44,7 @@ class ModelConfig:
     num_key_value_heads: int
     head_dim: int
     layer_types: tuple[str, ...]
-    model_type: str = "qwen3_next"  # the family (cairn.workers.model.registry) that runs it
+    model_type: str = "qwen3_next"  # the family (cairn.workers.model.family_registry) that runs it
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     partial_rotary_factor: float = 0.25

@@ -1,6 +1,6 @@
 """Which `config.json` cairn reads, and how: `model_type` -> the family's config reader.
 
-The torch-free half of the family registry (`cairn.workers.model.registry` adds the model classes):
+The torch-free half of the family registry (`cairn.workers.model.family_registry` adds the model classes):
 the deploy step, the ingress, `EngineSpec` and the router read a checkpoint's config through
 here without loading torch. Adding a family is its config reader's line here and its
 `Family`'s line in the registry; `read_model_config` and `config_from_dict` refuse a
