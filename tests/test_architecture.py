@@ -114,6 +114,15 @@ def test_no_production_module_imports_a_reference():
             assert not found, f"{path.relative_to(ROOT)} imports {found}"
 
 
+def test_no_module_name_repeats_across_packages():
+    """One name per noun: outside the kernels' op folders (whose files are roles: triton_ops,
+    cpu_ops, reference, ...), a module's file name says what it holds, and no other has it."""
+    from collections import Counter
+
+    names = Counter(p.name for p in PKG.rglob("*.py") if p.name != "__init__.py" and KERNELS not in p.parents)
+    assert [name for name, n in names.items() if n > 1] == []
+
+
 ROUTING_DECISIONS = ["cairn/cluster/routing/cost.py", "cairn/cluster/routing/predicted.py", "cairn/cluster/routing/ranker.py",
                      "cairn/cluster/routing/router_registry.py"]
 

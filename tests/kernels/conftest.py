@@ -23,3 +23,12 @@ def nan_filled_buffers(monkeypatch):
     from cairn.kernels.common import triton_helpers
 
     monkeypatch.setattr(triton_helpers, "FILL", math.nan)
+
+
+@pytest.fixture
+def native_library():
+    """The C++ library loaded (built the first time), for tests that launch its ops directly."""
+    from cairn.kernels.common import native
+
+    if not native.library():
+        pytest.fail(f"the CPU kernels did not build: {native.build_error()}")

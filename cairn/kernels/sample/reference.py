@@ -36,15 +36,10 @@ def _kept(w: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tens
         return torch.zeros_like(w).index_put_((keep,), vals)
     if top_p < 1.0:
         sorted_w = w[order]
-        larger = torch.zeros_like(w)  # the mass of tokens of strictly larger weight than each
-        mass, i = 0.0, 0
-        while i < len(order):
-            j = i
-            while j < len(order) and sorted_w[j] == sorted_w[i]:
-                j += 1
-            larger[order[i:j]] = mass
-            mass += float(sorted_w[i:j].sum())
-            i = j
+        _, group, counts = torch.unique_consecutive(sorted_w, return_inverse=True, return_counts=True)
+        first = counts.cumsum(0) - counts  # each tie group's first sorted position
+        larger = torch.empty_like(w)  # the mass of the tokens of strictly larger weight than each
+        larger[order] = (sorted_w.cumsum(0) - sorted_w)[first][group]
         return torch.where(larger < top_p * w.sum(), w, 0.0)
     return w
 

@@ -19,7 +19,7 @@ from cairn.kernels.attention import torch_ops as attention_torch
 from cairn.kernels.common import native
 from tests.kernels.conventions import BF16, TOL, needs_compiler, rand
 
-pytestmark = needs_compiler
+pytestmark = [needs_compiler, pytest.mark.usefixtures("native_library")]
 
 
 def amx() -> bool:

@@ -14,7 +14,7 @@ from cairn.kernels.conv import cpu_ops as conv_cpu
 from cairn.kernels.conv import reference as conv_ref
 from tests.kernels.conventions import BF16, TOL, layer_pool, needs_compiler, rand
 
-pytestmark = needs_compiler
+pytestmark = [needs_compiler, pytest.mark.usefixtures("native_library")]
 
 
 @pytest.mark.parametrize("channels", [24, 300, 1024])

@@ -15,7 +15,7 @@ from cairn.kernels.delta_rule import cpu_ops as delta_rule_cpu
 from cairn.kernels.delta_rule import reference as delta_rule_ref
 from tests.kernels.conventions import BF16, TOL, layer_pool, needs_compiler, rand
 
-pytestmark = needs_compiler
+pytestmark = [needs_compiler, pytest.mark.usefixtures("native_library")]
 
 
 HEADS = [(2, 4, 16, 16), (1, 2, 24, 40), (4, 8, 64, 64), (2, 4, 128, 128)]  # H_k, H_v, D_k, D_v

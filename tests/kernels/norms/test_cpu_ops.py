@@ -15,7 +15,7 @@ from cairn.kernels.norms import cpu_ops as norms_cpu
 from cairn.kernels.norms import reference as norms_ref
 from tests.kernels.conventions import TOL, needs_compiler, rand
 
-pytestmark = needs_compiler
+pytestmark = [needs_compiler, pytest.mark.usefixtures("native_library")]
 
 
 def same(got, want, dtype):

@@ -15,7 +15,7 @@ from cairn.kernels.sample import cpu_ops as sample_cpu
 from cairn.kernels.sample import reference as sample_ref
 from tests.kernels.conventions import needs_compiler, rand
 
-pytestmark = needs_compiler
+pytestmark = [needs_compiler, pytest.mark.usefixtures("native_library")]
 
 
 def draws_over(draw_fn, rows: int, grid: int = 1500) -> torch.Tensor:

@@ -21,10 +21,10 @@ def test_the_draw_takes_the_oracles_token_at_every_uniform(vocab):
     t, k, p, m = (torch.tensor(c) for c in zip(*SAMPLING_ROWS))
     k = k.long()
     host = (k.tolist(), p.tolist(), m.tolist())
-    got = draws_over(lambda u: torch_ops.sample_rows(x, t, k, p, m, u, host), len(SAMPLING_ROWS), grid=400)
-    want = draws_over(lambda u: reference.sample_rows(x, t, k, p, m, u), len(SAMPLING_ROWS), grid=400)
+    got = draws_over(lambda u: torch_ops.sample_rows(x, t, k, p, m, u, host), len(SAMPLING_ROWS))
+    want = draws_over(lambda u: reference.sample_rows(x, t, k, p, m, u), len(SAMPLING_ROWS))
     for r in range(len(SAMPLING_ROWS)):
-        assert (got[:, r] != want[:, r]).sum() <= 2, (SAMPLING_ROWS[r], (got[:, r] != want[:, r]).sum())
+        assert (got[:, r] != want[:, r]).sum() <= 3, (SAMPLING_ROWS[r], (got[:, r] != want[:, r]).sum())
 
 
 def test_penalties_masks_and_greedy_equal_the_oracle():
