@@ -32,9 +32,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from cairn.kernels.common.checks import expect as _expect
-from cairn.kernels.common.checks import expect_dtype as _expect_dtype
-from cairn.kernels.common.checks import expect_shape as _expect_shape
+from cairn.kernels.common.checks import expect, expect_dtype, expect_shape
 
 ATTENTION_ROWS = 64  # (query row, head) pairs of one prefill attention program
 CONV_ROWS = 16  # rows of one varlen conv program
@@ -52,7 +50,7 @@ def _chunks(cu: list[int], positions: Sequence[Sequence[int]]) -> tuple[np.ndarr
     for b in range(len(cu) - 1):
         begin, length = cu[b], cu[b + 1] - cu[b]
         wanted = [int(p) for p in positions[b]] if b < len(positions) else []
-        _expect(all(0 < p <= length for p in wanted) and all(x < y for x, y in zip(wanted, wanted[1:])),
+        expect(all(0 < p <= length for p in wanted) and all(x < y for x, y in zip(wanted, wanted[1:])),
                 f"state_positions of sequence {b} strictly increasing in (0, {length}]", wanted)
         save_at = {p: saved + i for i, p in enumerate(wanted)}
         saved += len(wanted)
@@ -79,9 +77,9 @@ class VarlenPlan:
     @classmethod
     def build(cls, cu: Sequence[int], positions: Sequence[Sequence[int]] = (), group: int = 1) -> "VarlenPlan":
         cu = [int(c) for c in cu]
-        _expect(len(cu) >= 1 and cu[0] == 0 and all(a <= b for a, b in zip(cu, cu[1:])),
+        expect(len(cu) >= 1 and cu[0] == 0 and all(a <= b for a, b in zip(cu, cu[1:])),
                 "cu_seqlens non-decreasing from 0", cu)
-        _expect(len(positions) <= len(cu) - 1, f"at most B = {len(cu) - 1} lists of state_positions",
+        expect(len(positions) <= len(cu) - 1, f"at most B = {len(cu) - 1} lists of state_positions",
                 len(positions))
         chunks, seq_chunks, saved = _chunks(cu, positions)
         rows = max(1, ATTENTION_ROWS // max(1, group))
@@ -116,16 +114,16 @@ class VarlenPlan:
 
     def check(self, what: str, rows: int) -> None:
         """That the plan covers `rows` rows of the op's input (`what` names the op's argument)."""
-        _expect(self.total == rows, f"{what} from 0 to T = {rows}", self.cu)
+        expect(self.total == rows, f"{what} from 0 to T = {rows}", self.cu)
 
 
 def checked_plan(cu_seqlens: Tensor, total: int, plan: VarlenPlan | None,
                 positions: Sequence[Sequence[int]] = ()) -> VarlenPlan:
     """The varlen plan of cu_seqlens [B+1] int32: the caller's, or built from cu_seqlens read
     back; checked to cover `total` rows."""
-    _expect_shape("cu_seqlens", cu_seqlens, "B+1", (None,))
-    _expect_dtype("cu_seqlens", cu_seqlens, torch.int32)
+    expect_shape("cu_seqlens", cu_seqlens, "B+1", (None,))
+    expect_dtype("cu_seqlens", cu_seqlens, torch.int32)
     plan = plan or VarlenPlan.of(cu_seqlens, positions)
-    _expect(plan.batch == cu_seqlens.shape[0] - 1, f"a plan of B = {cu_seqlens.shape[0] - 1} sequences", plan.batch)
-    _expect(plan.total == total, f"cu_seqlens non-decreasing from 0 to T = {total}", plan.cu)
+    expect(plan.batch == cu_seqlens.shape[0] - 1, f"a plan of B = {cu_seqlens.shape[0] - 1} sequences", plan.batch)
+    expect(plan.total == total, f"cu_seqlens non-decreasing from 0 to T = {total}", plan.cu)
     return plan
