@@ -52,9 +52,7 @@ from cairn.cluster.api.api_options import APIOptions
 from cairn.cluster.engine_replica import EngineReplica
 from cairn.cluster.ingress import Ingress
 from cairn.cluster.routing.routing_config import RoutingConfig
-from cairn.workers.engine_options import EngineOptions
-
-SERVED = EngineOptions(warm_up=True)  # a replica's engine options where the config says nothing
+from cairn.workers.engine_options import SERVED, EngineOptions
 
 
 def build_application(model_dir: str | Path | None = None, replicas: int = 2, *,

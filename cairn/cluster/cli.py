@@ -202,18 +202,21 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
 
 def _serve(args: argparse.Namespace) -> int:
     if args.replicas == 1 and not args.address and not args.config:
+        from dataclasses import replace
+
+        from cairn.cluster.api.api_options import APIOptions
         from cairn.cluster.api.http_limits import HTTPLimits
         from cairn.cluster.api.limits import APILimits
-        from cairn.cluster.api.api_options import APIOptions
         from cairn.cluster.api.quotas import TenantLimits
         from cairn.cluster.api.server import serve_in_process
         from cairn.cluster.api.tenants import Tenants
         from cairn.cluster.deploy import (api_limit_flags, engine_option_flags, http_limit_flags,
                                           public_prompt_flags, tenant_limit_flags)
-        from cairn.workers import EngineOptions, ModelSource
+        from cairn.workers import ModelSource
+        from cairn.workers.engine_options import SERVED
 
         try:
-            engine_options = EngineOptions(warm_up=True, **engine_option_flags(args))  # compiled before serving
+            engine_options = replace(SERVED, **engine_option_flags(args))  # checked here, compiled before serving
             tenants = Tenants.load(args.api_key, args.api_keys_file)
             options = APIOptions(
                 served_model_name=args.served_model_name,

@@ -12,6 +12,8 @@ a value: a key that is no option fails there, named. Across processes the value 
 (pickled: frozen, plain fields), never a mapping.
 
 `dtype="auto"`: the engine's device and processor choose (`cairn.workers.precision`).
+`SERVED`: what a server's engine runs unless told otherwise (`cairn serve`, in process or as
+replicas): every field's default, warm-up on.
 """
 
 from __future__ import annotations
@@ -118,3 +120,6 @@ class EngineOptions:
             raise EngineOptionError(str(unknown[0]), f"unknown engine option(s) {unknown}; "
                                                      f"expected some of {sorted(known)}")
         return replace(base or cls(), **config)
+
+
+SERVED = EngineOptions(warm_up=True)  # a server's engine where nothing else is said: compiled before its first request

@@ -16,13 +16,13 @@ from cairn.cluster.api.connection import uvicorn_config
 from cairn.cluster.api.http_limits import HTTPLimits
 from cairn.cluster.api.api_options import APIOptions
 from cairn.cluster.api.tenants import Tenants
-from cairn.workers.engine_options import EngineOptions
+from cairn.workers.engine_options import SERVED, EngineOptions
 
 
 def serve_in_process(model_dir: str | Path | None = None, options: APIOptions | None = None, *,
                      host: str = "127.0.0.1", port: int = 8000, tenants: Tenants | None = None,
                      api_key: str | None = None, metrics_key: str | None = None,
-                     engine_options: EngineOptions = EngineOptions(warm_up=True)) -> None:
+                     engine_options: EngineOptions = SERVED) -> None:
     """Serves until interrupted. `model_dir` is a directory or a Hugging Face id (`org/name[@revision]`,
     `workers.ModelSource`; its name for clients unless `options.served_model_name` says otherwise);
     None serves the tiny demo model. `options` and the keys are `build_app`'s. The engine runs

@@ -69,14 +69,6 @@ def check_paged(query: Tensor, k_cache: Tensor, v_cache: Tensor, page_table: Ten
     return page_table.shape[0], query.shape[1] // h_kv
 
 
-def check_prefill_rows(query: Tensor, cu: Sequence[int], lens: Sequence[int], max_tokens: int) -> None:
-    """Prefill's host-side bounds: cu_seqlens_q from 0 to T, 0 <= q_len <= seq_len <= max_tokens."""
-    expect(cu[0] == 0 and cu[-1] == query.shape[0], f"cu_seqlens_q from 0 to T = {query.shape[0]}", list(cu))
-    for b in range(len(cu) - 1):
-        expect(0 <= cu[b + 1] - cu[b] <= lens[b] <= max_tokens,
-               f"0 <= q_len <= seq_len <= max_pages * page_size for sequence {b}", (cu[b + 1] - cu[b], lens[b]))
-
-
 def check_prefill(query: Tensor, k_cache: Tensor, v_cache: Tensor, page_table: Tensor, cu_seqlens_q: Tensor,
                   seq_lens: Tensor, plan) -> tuple[int, int, list[int], list[int]]:
     """Prefill's arguments, its boundaries read on the host (the plan's, when given): returns
@@ -85,7 +77,11 @@ def check_prefill(query: Tensor, k_cache: Tensor, v_cache: Tensor, page_table: T
     expect_shape("cu_seqlens_q", cu_seqlens_q, "B+1", (batch + 1,))
     expect_dtype("cu_seqlens_q", cu_seqlens_q, torch.int32)
     cu, lens = (cu_seqlens_q.tolist() if plan is None else list(plan.cu)), seq_lens.tolist()
-    check_prefill_rows(query, cu, lens, page_table.shape[1] * k_cache.shape[1])
+    expect(cu[0] == 0 and cu[-1] == query.shape[0], f"cu_seqlens_q from 0 to T = {query.shape[0]}", cu)
+    max_tokens = page_table.shape[1] * k_cache.shape[1]
+    for b in range(batch):
+        expect(0 <= cu[b + 1] - cu[b] <= lens[b] <= max_tokens,
+               f"0 <= q_len <= seq_len <= max_pages * page_size for sequence {b}", (cu[b + 1] - cu[b], lens[b]))
     return batch, group, cu, lens
 
 
