@@ -15,6 +15,15 @@ Shapes: x [T, H]; logits [T, E] (any float dtype); gate_up [E, 2I, H]; down [E, 
 dtype; a shared expert's weights [I_s, H], [I_s, H], [H, I_s] and [1, H]. Under tensor
 parallelism each rank passes its slice of I and sums the ranks' outputs. Validation raises
 ValueError("expected …, got …").
+
+`align(ids, num_experts, block_m)`: the layout the Triton op's expert GEMMs read (its align step),
+for the expert ids [N] of N (token, expert) pairs (pair p = token p // top_k, its (p % top_k)-th
+choice): each expert's pairs in pair order, its run padded to a multiple of block_m, the runs in
+expert order. Returns `sorted_pairs` [MAX_PADDED] int32 (pair ids, N in the padding and past the
+last run), `block_expert` [MAX_PADDED / block_m] int32 (the expert whose run holds each block;
+num_experts past the last run) and `num_padded` [1] int32 (where the last run ends), with
+MAX_PADDED = N + num_experts * (block_m - 1) rounded up to a multiple of block_m: the most any
+routing pads to, so every size is fixed by (N, num_experts, block_m).
 """
 
 from __future__ import annotations
@@ -24,6 +33,26 @@ from torch import Tensor
 
 from cairn.kernels.common.checks import check_moe, check_shared_expert
 from cairn.kernels.moe.expert import SharedExpert
+
+
+def align_size(pairs: int, num_experts: int, block_m: int) -> int:
+    """MAX_PADDED of `align`: the most any routing of `pairs` pairs over `num_experts` pads to."""
+    return -(-(pairs + num_experts * (block_m - 1)) // block_m) * block_m
+
+
+def align(ids: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, Tensor, Tensor]:
+    n = ids.shape[0]
+    max_padded = align_size(n, num_experts, block_m)
+    sorted_pairs = torch.full((max_padded,), n, dtype=torch.int32)
+    block_expert = torch.full((max_padded // block_m,), num_experts, dtype=torch.int32)
+    start = 0
+    for e in range(num_experts):
+        mine = (ids.long() == e).nonzero().flatten()  # in pair order
+        sorted_pairs[start:start + len(mine)] = mine.to(torch.int32)
+        blocks = -(-len(mine) // block_m)
+        block_expert[start // block_m:start // block_m + blocks] = e
+        start += blocks * block_m
+    return sorted_pairs, block_expert, torch.tensor([start], dtype=torch.int32)
 
 
 def _swiglu(row: Tensor, gate: Tensor, up: Tensor, down: Tensor) -> Tensor:

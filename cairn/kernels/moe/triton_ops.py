@@ -1,4 +1,4 @@
-"""Triton fused mixture of experts: `fused_moe` as moe/reference.py defines it, in five
+"""Triton fused mixture of experts: `fused_moe` as moe/reference.py defines it, in seven
 launches, with no host sync and no shape that depends on the routing (a CUDA graph can hold it).
 
 The launches, for T tokens, E experts, top k (N = T * k (token, expert) pairs, pair p = token
@@ -6,19 +6,21 @@ p // k, its (p % k)-th choice):
 1. `_route_kernel`, grid (T,): softmax of the token's logits in fp32, top k by iterated argmax
    (exact ties: the lower expert id), renormalised; writes the pair weights [N] fp32 and expert
    ids [N] int32, and zeroes the token's fp32 output row.
-2. `_align_kernel`, grid (1,), one CTA walking the pairs in passes of 4096 / E (16 at E = 512,
-   which keeps its one-hot tile in registers): counts the pairs of each expert, pads each expert's run to a
-   multiple of BLOCK_M, and writes `sorted_pairs` [MAX_PADDED] (pair ids grouped by expert,
-   stable, the padding holding N), `block_expert` [MAX_BLOCKS] (the expert of each BLOCK_M run)
-   and `num_padded` [1]. MAX_PADDED = N + E (BLOCK_M - 1) rounded up to a block: the most any
-   routing can pad to, so every size is fixed by (T, E, k).
-3. `_gate_up_kernel`, grid (MAX_BLOCKS, cdiv(I, BLOCK_N)): a block of one expert's pairs times
+2-4. `align` (reference.align's layout: `sorted_pairs`, `block_expert`, `num_padded`), in three
+   launches over many programs: `_align_count_kernel`, grid (C,), counts each chunk's pairs per
+   expert (C chunks of a power of two pairs, about ALIGN_CHUNKS of them); `_align_offsets_kernel`,
+   grid (1,), prefix-sums those counts over the chunks (C x E small integers) and the padded runs
+   over the experts; `_align_scatter_kernel`, grid (C + MAX_BLOCKS / ALIGN_FILL_BLOCKS,), writes
+   each pair at its expert's start + its chunk's offset + its rank in the chunk (stable), while
+   the other programs write each block's expert and the padding (N). MAX_PADDED = N + E (BLOCK_M
+   - 1) rounded up to a block: the most any routing can pad to, so every size is fixed by (T, E, k).
+5. `_gate_up_kernel`, grid (MAX_BLOCKS, cdiv(I, BLOCK_N)): a block of one expert's pairs times
    its gate and up rows, SiLU(gate) * up, into `inter` [N, I] by pair. Blocks past `num_padded`
    return at once: the grid is the worst case, the work is the routing's.
-4. `_down_kernel`, grid (MAX_BLOCKS, cdiv(H, BLOCK_N)): `inter` rows times down[e], scaled by the
+6. `_down_kernel`, grid (MAX_BLOCKS, cdiv(H, BLOCK_N)): `inter` rows times down[e], scaled by the
    pair's weight, atomically added into the token's fp32 row (a token's k pairs go to k distinct
    experts, so no two rows of one program share a token).
-5. the fp32 output cast to x's dtype (none for fp32).
+7. the fp32 output cast to x's dtype (none for fp32).
 
 Loads are upcast to fp32 (which the interpreter needs for bf16), then matmul operands go back to
 the stored 16-bit dtype (tensor cores) or stay exact fp32 (no TF32); accumulation is fp32. BLOCK_M
@@ -37,7 +39,8 @@ from torch import Tensor
 from cairn.kernels.common import triton_helpers as tc
 from cairn.kernels.common.checks import check_moe, check_shared_expert
 from cairn.kernels.moe.expert import SharedExpert, shared_expert
-from cairn.kernels.moe.tuning import ALIGN_TILE, GEMM_CONFIGS
+from cairn.kernels.moe.reference import align_size
+from cairn.kernels.moe.tuning import ALIGN_CHUNKS, ALIGN_FILL_BLOCKS, ALIGN_TILE, GEMM_CONFIGS
 
 
 @triton.jit
@@ -75,34 +78,76 @@ def _route_kernel(logits, s_lt, weights, ids, out, x, s_xt, shared_gate, N, H, E
 
 
 @triton.jit
-def _align_kernel(ids, N, E, sorted_pairs, block_expert, num_padded, MAX_PADDED, MAX_BLOCKS,
-                  BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
+def _align_count_kernel(ids, N, counts, CHUNK: tl.constexpr, PASS: tl.constexpr, BLOCK_E: tl.constexpr):
+    """counts[c, e]: how many of chunk c's pairs chose expert e."""
+    chunk = tl.program_id(0)
     e = tl.arange(0, BLOCK_E)
-    c = tl.arange(0, CHUNK)
-    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
-    for start in range(0, N, CHUNK):
-        mine = tl.load(ids + start + c, mask=start + c < N, other=-1)
-        counts += tl.sum((mine[:, None] == e[None, :]).to(tl.int32), axis=0)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    ends = tl.cumsum(padded, axis=0)
-    starts = ends - padded
+    c = tl.arange(0, PASS)
+    mine = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for s in range(0, CHUNK, PASS):
+        at = chunk * CHUNK + s + c
+        chose = tl.load(ids + at, mask=at < N, other=-1)
+        mine += tl.sum((chose[:, None] == e[None, :]).to(tl.int32), axis=0)
+    tl.store(counts + chunk * BLOCK_E + e, mine)
+
+
+@triton.jit
+def _align_offsets_kernel(counts, CHUNKS, E, expert_start, expert_count, num_padded, BLOCK_M: tl.constexpr,
+                          ROWS: tl.constexpr, BLOCK_E: tl.constexpr):
+    """One program: turns counts[c, e] in place into where chunk c's first pair of expert e goes
+    within that expert's run (a prefix sum over the chunks), then lays the experts' padded runs out
+    in expert order (a prefix sum over the experts)."""
+    e = tl.arange(0, BLOCK_E)
+    r = tl.arange(0, ROWS)
+    total = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for c0 in range(0, CHUNKS, ROWS):
+        rows = c0 + r
+        where = counts + rows[:, None] * BLOCK_E + e[None, :]
+        tile = tl.load(where, mask=rows[:, None] < CHUNKS, other=0)
+        tl.store(where, tl.cumsum(tile, axis=0) - tile + total[None, :], mask=rows[:, None] < CHUNKS)
+        total += tl.sum(tile, axis=0)
+    total = tl.where(e < E, total, 0)
+    padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    tl.store(expert_start + e, tl.cumsum(padded, axis=0) - padded)
+    tl.store(expert_count + e, total)
     tl.store(num_padded, tl.sum(padded, axis=0))
-    for start in range(0, MAX_PADDED, CHUNK):
-        tl.store(sorted_pairs + start + c, tl.zeros([CHUNK], dtype=tl.int32) + N, mask=start + c < MAX_PADDED)
-    for start in range(0, MAX_BLOCKS, CHUNK):
-        b = start + c
-        first = b * BLOCK_M  # the expert of block b: how many experts' runs end at or before it
-        owner = tl.sum(((ends[None, :] <= first[:, None]) & (e[None, :] < E)).to(tl.int32), axis=1)
+
+
+@triton.jit
+def _align_scatter_kernel(ids, N, E, offsets, expert_start, expert_count, sorted_pairs, block_expert, CHUNKS,
+                          MAX_BLOCKS, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, PASS: tl.constexpr,
+                          BLOCK_E: tl.constexpr, FILL_BLOCKS: tl.constexpr):
+    """Programs below CHUNKS: their chunk's pairs into `sorted_pairs`, each at its expert's start
+    + the chunk's offset + its rank among the chunk's earlier pairs of that expert. The others:
+    FILL_BLOCKS blocks each, their `block_expert` and their padding slots (N). The two sets of
+    slots are disjoint, so no program waits on another."""
+    program = tl.program_id(0)
+    e = tl.arange(0, BLOCK_E)
+    if program < CHUNKS:
+        c = tl.arange(0, PASS)
+        cursor = tl.load(offsets + program * BLOCK_E + e) + tl.load(expert_start + e)
+        for s in range(0, CHUNK, PASS):
+            at = program * CHUNK + s + c
+            chose = tl.load(ids + at, mask=at < N, other=-1)
+            onehot = (chose[:, None] == e[None, :]).to(tl.int32)
+            before = ((chose[:, None] == chose[None, :]) & (c[None, :] < c[:, None])).to(tl.int32)
+            slot = tl.sum(onehot * cursor[None, :], axis=1) + tl.sum(before, axis=1)
+            tl.store(sorted_pairs + slot, at, mask=at < N)
+            cursor += tl.sum(onehot, axis=0)
+    else:
+        b = (program - CHUNKS) * FILL_BLOCKS + tl.arange(0, FILL_BLOCKS)
+        first = b * BLOCK_M
+        start = tl.load(expert_start + e)
+        count = tl.load(expert_count + e)
+        end = start + (count + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        owner = tl.sum(((end[None, :] <= first[:, None]) & (e[None, :] < E)).to(tl.int32), axis=1)
         tl.store(block_expert + b, owner, mask=b < MAX_BLOCKS)
-    tl.debug_barrier()  # the padding fill lands before the pairs written over it
-    cursor = starts
-    for start in range(0, N, CHUNK):
-        mine = tl.load(ids + start + c, mask=start + c < N, other=-1)
-        onehot = (mine[:, None] == e[None, :]).to(tl.int32)
-        earlier = ((mine[:, None] == mine[None, :]) & (c[None, :] < c[:, None])).to(tl.int32)
-        at = tl.sum(onehot * cursor[None, :], axis=1) + tl.sum(earlier, axis=1)
-        tl.store(sorted_pairs + at, start + c, mask=start + c < N)
-        cursor += tl.sum(onehot, axis=0)
+        own = owner < E
+        run_start = tl.load(expert_start + owner, mask=own, other=0)
+        run_count = tl.load(expert_count + owner, mask=own, other=0)
+        slot = first[:, None] + tl.arange(0, BLOCK_M)[None, :]
+        padding = (slot - run_start[:, None] >= run_count[:, None]) & (b < MAX_BLOCKS)[:, None]
+        tl.store(sorted_pairs + slot, tl.zeros([FILL_BLOCKS, BLOCK_M], dtype=tl.int32) + N, mask=padding)
 
 
 @triton.jit
@@ -186,6 +231,31 @@ def _down_kernel(inter, w, s_we, s_wn, sd, s_sd, weights, out, sorted_pairs, blo
     tl.atomic_add(out + tokens[:, None] * H + n[None, :], acc * scale[:, None], mask=valid[:, None] & n_ok[None, :])
 
 
+def align(ids: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, Tensor, Tensor]:
+    """See `reference.align`: three launches over many programs, no host sync, every grid fixed by
+    (N, num_experts, block_m)."""
+    n, dev = ids.shape[0], ids.device
+    block_e = tc.pow2(num_experts)
+    step = max(1, ALIGN_TILE // block_e)  # pairs a pass: the [pairs, experts] one-hot tile stays ALIGN_TILE
+    chunk = max(step, tc.pow2(triton.cdiv(n, ALIGN_CHUNKS), least=1))
+    chunks = max(1, triton.cdiv(n, chunk))
+    max_padded = align_size(n, num_experts, block_m)
+    max_blocks = max_padded // block_m
+    offsets = tc.empty(chunks, block_e, dtype=torch.int32, device=dev)
+    expert_start = tc.empty(block_e, dtype=torch.int32, device=dev)
+    expert_count = tc.empty(block_e, dtype=torch.int32, device=dev)
+    sorted_pairs = tc.empty(max_padded, dtype=torch.int32, device=dev)
+    block_expert = tc.empty(max_blocks, dtype=torch.int32, device=dev)
+    num_padded = tc.empty(1, dtype=torch.int32, device=dev)
+    _align_count_kernel[(chunks,)](ids, n, offsets, CHUNK=chunk, PASS=step, BLOCK_E=block_e)
+    _align_offsets_kernel[(1,)](offsets, chunks, num_experts, expert_start, expert_count, num_padded,
+                                BLOCK_M=block_m, ROWS=step, BLOCK_E=block_e, num_warps=8)
+    _align_scatter_kernel[(chunks + triton.cdiv(max_blocks, ALIGN_FILL_BLOCKS),)](
+        ids, n, num_experts, offsets, expert_start, expert_count, sorted_pairs, block_expert, chunks, max_blocks,
+        BLOCK_M=block_m, CHUNK=chunk, PASS=step, BLOCK_E=block_e, FILL_BLOCKS=ALIGN_FILL_BLOCKS)
+    return sorted_pairs, block_expert, num_padded
+
+
 def fused_moe(x: Tensor, logits: Tensor, gate_up: Tensor, down: Tensor, top_k: int,
               renormalize: bool = True, shared: SharedExpert | None = None) -> Tensor:
     """See moe/reference.py; five launches, no host sync. A shared expert of the routed
@@ -214,14 +284,9 @@ def fused_moe(x: Tensor, logits: Tensor, gate_up: Tensor, down: Tensor, top_k: i
                         RENORMALIZE=renormalize, HAS_SHARED=has_shared, BLOCK_E=block_e,
                         BLOCK_K=tc.pow2(top_k, least=2), BLOCK_H=min(1024, tc.pow2(H)))
     block_m = 16 if n <= 16 * E else 64
-    max_padded = triton.cdiv(n + E * (block_m - 1), block_m) * block_m
-    max_blocks = max_padded // block_m
+    sorted_pairs, block_expert, num_padded = align(ids, E, block_m)
+    max_blocks = block_expert.shape[0]
     blocks = max_blocks + (triton.cdiv(T, block_m) if has_shared else 0)
-    sorted_pairs = tc.empty(max_padded, dtype=torch.int32, device=dev)
-    block_expert = tc.empty(max_blocks, dtype=torch.int32, device=dev)
-    num_padded = tc.empty(1, dtype=torch.int32, device=dev)
-    _align_kernel[(1,)](ids, n, E, sorted_pairs, block_expert, num_padded, max_padded, max_blocks,
-                        BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=max(16, ALIGN_TILE // block_e), num_warps=8)
     inter = tc.empty(pairs, I, dtype=x.dtype, device=dev)
     common = dict(TOP_K=top_k, BLOCK_M=block_m, DOT=tc.dot_dtype(x), PREC="ieee")
     _gate_up_kernel[lambda meta: (blocks, triton.cdiv(I, meta["BLOCK_N"]))](

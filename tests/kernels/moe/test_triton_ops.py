@@ -1,6 +1,7 @@
-"""The fused MoE's Triton op (interpreted on CPU) against its reference at odd shapes, and the
-properties a CUDA graph relies on: four kernels and no other op, no host sync, and launch grids
-fixed by (tokens, experts, top k) whatever the routing.
+"""The fused MoE's Triton op (interpreted on CPU) against its reference at odd shapes, its align
+step against `reference.align` (many programs, not one), and the properties a CUDA graph relies
+on: six kernels and no other op, no host sync, and launch grids fixed by (tokens, experts, top k)
+whatever the routing.
 """
 
 from __future__ import annotations
@@ -36,7 +37,10 @@ def shared_inputs(width: int = I, seed: int = 9, dtype=torch.float32) -> moe_ref
                                         for shape in ((width, H), (width, H), (H, width), (1, H))))
 
 
-KERNELS = {name: getattr(moe_triton, name) for name in ("_route_kernel", "_align_kernel", "_gate_up_kernel", "_down_kernel")}
+KERNELS = {name: getattr(moe_triton, name) for name in (
+    "_route_kernel", "_align_count_kernel", "_align_offsets_kernel", "_align_scatter_kernel", "_gate_up_kernel",
+    "_down_kernel")}
+ALIGN = ["_align_count_kernel", "_align_offsets_kernel", "_align_scatter_kernel"]
 
 
 class AtenOps(TorchDispatchMode):
@@ -74,14 +78,59 @@ class Recorder:
         return launch
 
 
-def launches_of(monkeypatch, x, logits, gate_up, down, k, shared=None) -> tuple[list, list[str]]:
+def recording(monkeypatch) -> tuple[list, AtenOps]:
     launches: list = []
     ops = AtenOps()
     for name, kernel in KERNELS.items():
         monkeypatch.setattr(moe_triton, name, Recorder(kernel, launches, ops))
+    return launches, ops
+
+
+def launches_of(monkeypatch, x, logits, gate_up, down, k, shared=None) -> tuple[list, list[str]]:
+    launches, ops = recording(monkeypatch)
     with ops:
         moe_triton.fused_moe(x, logits, gate_up, down, k, shared=shared)
     return launches, ops.ops
+
+
+def routed_ids(T: int, E: int, k: int, seed: int = 0) -> torch.Tensor:
+    """Expert ids [T * k] as routing gives them: k distinct experts a token."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).flatten().to(torch.int32)
+
+
+def assert_aligned_like_the_reference(ids: torch.Tensor, E: int, block_m: int) -> None:
+    got = moe_triton.align(ids, E, block_m)
+    want = moe_ref.align(ids, E, block_m)
+    for name, g, w in zip(("sorted_pairs", "block_expert", "num_padded"), got, want):
+        assert torch.equal(g, w), name
+
+
+@pytest.mark.parametrize("E, k", [(6, 2), (256, 8), (512, 10)])
+@pytest.mark.parametrize("T", [1, 7, 65])
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_align_matches_the_reference(E, k, T, block_m):
+    assert_aligned_like_the_reference(routed_ids(T, E, k, seed=T * E), E, block_m)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("E, k", [(6, 2), (256, 8), (512, 10)])
+def test_align_of_a_4k_prefill_matches_the_reference_over_many_programs(monkeypatch, E, k):
+    ids = routed_ids(4096, E, k, seed=E)
+    launches, _ = recording(monkeypatch)
+    assert_aligned_like_the_reference(ids, E, 64)
+    grids = dict(launches)
+    assert grids["_align_count_kernel"][0] >= 32 and grids["_align_scatter_kernel"][0] >= 32, grids
+    assert grids["_align_offsets_kernel"] == (1,)  # the one serial step: C x E counts, not N pairs
+
+
+def test_align_with_experts_that_get_no_pair_and_every_pair_on_one_expert():
+    ids = routed_ids(65, 16, 2, seed=1)
+    ids[ids == 3] = 5  # expert 3 gets nothing; 5 may now hold a token twice, as align allows
+    assert_aligned_like_the_reference(ids, 16, 16)
+    assert_aligned_like_the_reference(torch.full((130,), 7, dtype=torch.int32), 16, 16)  # one expert has all
+    assert_aligned_like_the_reference(torch.full((130,), 0, dtype=torch.int32), 512, 64)
+    assert_aligned_like_the_reference(torch.full((130,), 511, dtype=torch.int32), 512, 64)
 
 
 @pytest.mark.parametrize("E, k", [(6, 2), (64, 8)])
@@ -142,11 +191,11 @@ def test_no_tokens_give_an_empty_output():
 
 
 @pytest.mark.parametrize("with_shared", [False, True])
-def test_four_kernels_no_other_op_and_grids_fixed_by_the_shapes_not_the_routing(monkeypatch, with_shared):
+def test_six_kernels_no_other_op_and_grids_fixed_by_the_shapes_not_the_routing(monkeypatch, with_shared):
     x, logits, gate_up, down = moe_inputs(9, 64, seed=1)
     shared = shared_inputs() if with_shared else None
     spread, ops = launches_of(monkeypatch, x, logits, gate_up, down, 8, shared)
-    assert [name for name, _ in spread] == ["_route_kernel", "_align_kernel", "_gate_up_kernel", "_down_kernel"]
+    assert [name for name, _ in spread] == ["_route_kernel", *ALIGN, "_gate_up_kernel", "_down_kernel"]
     # fp32: no cast, no host sync (`_local_scalar_dense` is what .item() and .tolist() run), no
     # routing-sized op (nonzero, unique): the host code only allocates and launches
     assert ops == [], ops
