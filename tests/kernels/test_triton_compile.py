@@ -24,7 +24,8 @@ ROOT = REPO
 EXPECTED = {"_l2norm_kernel", "_chunk_prepare_kernel", "_chunk_scan_kernel", "_chunk_out_kernel", "_recurrent_kernel",
             "_store_kv_kernel", "_prefill_kernel", "_decode_kernel", "_decode_merge_kernel", "_conv_fwd_kernel",
             "_conv_state_kernel", "_conv_update_kernel", "_copy_slots_kernel",
-            "_route_kernel", "_align_kernel", "_gate_up_kernel", "_down_kernel",
+            "_route_kernel", "_align_count_kernel", "_align_offsets_kernel", "_align_scatter_kernel",
+            "_gate_up_kernel", "_down_kernel", "_sum_kernel",
             "_rms_norm_kernel", "_gated_rms_norm_kernel", "_qk_norm_rope_kernel", "_delta_gates_kernel",
             "_sigmoid_gate_kernel", "_silu_mul_kernel"}
 
@@ -114,9 +115,10 @@ def _main() -> None:
                                   local_bytes=local_bytes(binary.asm["cubin"]))), flush=True)
         kernel.run = run
 
-    def every_config(tuner) -> None:  # an autotuned kernel: each of its configs compiled, none timed
+    def every_config(tuner) -> None:  # an autotuned kernel: each config it may try here compiled, none timed
         def run(*args, **kwargs):
-            for config in tuner.configs:
+            tuner.nargs = dict(zip(tuner.arg_names, args))
+            for config in tuner.prune_configs(kwargs):
                 tuner.fn.run(*args, **kwargs, **config.all_kwargs())
         intercept(tuner.fn)
         tuner.run = run
@@ -155,15 +157,18 @@ def _main() -> None:
         triton_conv.causal_conv1d_update(torch.randn(2, channels, dtype=dtype), weight,
                                          torch.zeros(2, channels, 3, dtype=dtype))
         triton_state.copy_state_slots([torch.zeros(4, 3, 5, dtype=dtype)], torch.tensor([0]), torch.tensor([1]))
-        # Qwen3-Next's routing (512 experts, top 10); the widths are runtime values, so small ones compile the same
-        experts, top_k, hidden, inter = (512, 10, 64, 32) if big else (8, 2, 32, 16)
-        triton_moe.fused_moe(torch.randn(t, hidden, dtype=dtype), torch.randn(t, experts, dtype=dtype),
-                             torch.randn(experts, 2 * inter, hidden, dtype=dtype),
-                             torch.randn(experts, hidden, inter, dtype=dtype), top_k,
-                             shared=SharedExpert(torch.randn(inter, hidden, dtype=dtype),
-                                                 torch.randn(inter, hidden, dtype=dtype),
-                                                 torch.randn(hidden, inter, dtype=dtype),
-                                                 torch.randn(1, hidden, dtype=dtype)))
+        # Qwen3-Next's routing (512 experts, top 10); the widths are runtime values, so small ones compile the
+        # same as long as they are multiples of the tiles, as every Qwen's are (the kernels' EVEN path);
+        # token counts that give each BLOCK_M (16, 64, 128: moe/tuning.py's block_m)
+        experts, top_k, hidden, inter = (512, 10, 128, 128) if big else (8, 2, 32, 16)
+        for tokens in (70, 1000, 4000) if big else (40, 100, 300):
+            triton_moe.fused_moe(torch.randn(tokens, hidden, dtype=dtype), torch.randn(tokens, experts, dtype=dtype),
+                                 torch.randn(experts, 2 * inter, hidden, dtype=dtype),
+                                 torch.randn(experts, hidden, inter, dtype=dtype), top_k,
+                                 shared=SharedExpert(torch.randn(inter, hidden, dtype=dtype),
+                                                     torch.randn(inter, hidden, dtype=dtype),
+                                                     torch.randn(hidden, inter, dtype=dtype),
+                                                     torch.randn(1, hidden, dtype=dtype)))
         # the row-wise ops at full widths (Qwen3.5-397B's hidden 4096; heads of 256, a quarter rotated)
         width = 4096 if big else 32
         rows, norm_w = torch.randn(3, width, dtype=dtype), torch.randn(width, dtype=dtype)

@@ -193,9 +193,13 @@ def test_decode_step_and_recurrence_match_the_reference(gpu, dtype):
 @pytest.mark.parametrize("experts, top_k, intermediate", [(512, 10, 512), (256, 8, 512)])
 def test_fused_moe_matches_the_reference_at_qwen_shapes(dtype, experts, top_k, intermediate):
     """Qwen3-Next/3.5 (E = 512, k = 10) and Qwen3.5-35B-A3B-like (E = 256, k = 8) routing, hidden
-    2048, at a decode batch and a prefill."""
+    2048, at a decode batch against the token-by-token reference, and at a prefill against the
+    torch op (the CPU's, itself held to the reference in tests/kernels/moe/test_torch_ops.py:
+    the reference's Python loop over 1,000 tokens took minutes here); the align of a 4k prefill
+    against `reference.align`."""
     from cairn.kernels.moe import SharedExpert
     from cairn.kernels.moe import reference as reference_moe
+    from cairn.kernels.moe import torch_ops as torch_moe
     from cairn.kernels.moe import triton_ops as triton_moe
 
     gen = torch.Generator().manual_seed(0)
@@ -205,13 +209,16 @@ def test_fused_moe_matches_the_reference_at_qwen_shapes(dtype, experts, top_k, i
     shared = SharedExpert(
         *((torch.randn(*shape, generator=gen) * shape[-1] ** -0.5).to(CUDA, dtype)
           for shape in ((intermediate, hidden), (intermediate, hidden), (hidden, intermediate), (1, hidden))))
-    for tokens in (64, 1000):
+    for tokens, oracle in ((64, reference_moe), (1000, torch_moe)):
         x = torch.randn(tokens, hidden, generator=gen).to(CUDA, dtype)
         logits = torch.randn(tokens, experts, generator=gen).to(CUDA)
         assert_close(triton_moe.fused_moe(x, logits, gate_up, down, top_k),
-                     reference_moe.fused_moe(x, logits, gate_up, down, top_k), "out", dtype)
+                     oracle.fused_moe(x, logits, gate_up, down, top_k), "out", dtype)
         assert_close(triton_moe.fused_moe(x, logits, gate_up, down, top_k, shared=shared),
-                     reference_moe.fused_moe(x, logits, gate_up, down, top_k, shared=shared), "out", dtype)
+                     oracle.fused_moe(x, logits, gate_up, down, top_k, shared=shared), "out", dtype)
+    ids = torch.topk(torch.randn(4096, experts, generator=gen), top_k).indices.flatten().to(torch.int32)
+    for got, want in zip(triton_moe.align(ids.to(CUDA), experts, 64), reference_moe.align(ids, experts, 64)):
+        assert torch.equal(got.cpu(), want)
 
 
 @compiled_only

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from cairn.kernels.attention.tuning import ATTENTION_ROWS, DECODE_CONFIGS, PREFILL_CONFIGS
+from cairn.kernels.attention.tuning import ATTENTION_ROWS, DECODE_CONFIGS, MAX_SPLITS, MERGE_SPLITS, PREFILL_CONFIGS
 from cairn.kernels.common import triton_helpers as tc
 from cairn.kernels.common.checks import check_paged, check_store_kv, expect, expect_dtype, expect_shape
 from cairn.kernels.common.varlen_plan import VarlenPlan
@@ -114,8 +114,8 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, out, page_table, cu_q, seq_lens, bl
              mask=rmask[:, None] & dmask[None, :])
 
 
-@tc.tuned(DECODE_CONFIGS, key=["D", "GROUP", "num_splits"])
-@triton.jit
+@tc.tuned(DECODE_CONFIGS, key=["D", "GROUP"])
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_kernel(q_ptr, k_cache, v_cache, part, stats, page_table, seq_lens,
                    sq_b, sq_h, s_page, s_tok, s_head, s_table, scale, D, PAGE, num_splits,
                    GROUP: tl.constexpr, BG: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
@@ -149,21 +149,31 @@ def _decode_kernel(q_ptr, k_cache, v_cache, part, stats, page_table, seq_lens,
     tl.store(stats + row * 2 + 1, l, mask=gmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_merge_kernel(part, stats, out, so_b, so_h, num_heads, num_splits, D,
                          BS: tl.constexpr, BD: tl.constexpr):
+    """Merges a (sequence, head)'s splits BS at a time, rescaling to the running max: one
+    specialisation for any number of splits."""
     b = tl.program_id(0)
     h = tl.program_id(1)
-    s = tl.arange(0, BS)
-    smask = s < num_splits
-    row = (b * num_heads + h).to(tl.int64) * num_splits + s
-    m = tl.load(stats + row * 2, mask=smask, other=-1.0e30)
-    l = tl.load(stats + row * 2 + 1, mask=smask, other=0.0)
-    weight = tl.exp(m - tl.max(m, axis=0))  # split 0 always holds position 0, so the max is real
     d = tl.arange(0, BD)
-    acc = tl.load(part + row[:, None] * BD + d[None, :], mask=smask[:, None], other=0.0)
-    o = tl.sum(weight[:, None] * acc, axis=0) / tl.sum(weight * l, axis=0)
-    tl.store(out + b * so_b + h * so_h + d, o.to(out.dtype.element_ty), mask=d < D)
+    first = (b * num_heads + h).to(tl.int64) * num_splits
+    m_run = tl.full([], -1.0e30, tl.float32)
+    l_run = tl.zeros([], dtype=tl.float32)
+    acc = tl.zeros([BD], dtype=tl.float32)
+    for s0 in range(0, num_splits, BS):  # split 0 always holds position 0, so the max is real
+        s = s0 + tl.arange(0, BS)
+        smask = s < num_splits
+        m = tl.load(stats + (first + s) * 2, mask=smask, other=-1.0e30)
+        l = tl.load(stats + (first + s) * 2 + 1, mask=smask, other=0.0)
+        m_new = tl.maximum(m_run, tl.max(m, axis=0))
+        alpha = tl.exp(m_run - m_new)
+        weight = tl.exp(m - m_new)
+        part_rows = tl.load(part + (first + s)[:, None] * BD + d[None, :], mask=smask[:, None], other=0.0)
+        acc = acc * alpha + tl.sum(weight[:, None] * part_rows, axis=0)
+        l_run = l_run * alpha + tl.sum(weight * l, axis=0)
+        m_run = m_new
+    tl.store(out + b * so_b + h * so_h + d, (acc / l_run).to(out.dtype.element_ty), mask=d < D)
 
 
 def _sm_count(device: torch.device) -> int:
@@ -231,7 +241,7 @@ def paged_attention_decode(query: Tensor, k_cache: Tensor, v_cache: Tensor, page
     # Enough programs to fill the device about twice; a split never holds less than one block.
     # Each sequence cuts its own length into that many splits (in the kernel, from seq_lens), so the
     # work is even whatever the page table's width (a decode graph's is the longest sequence's).
-    splits = max(1, min(triton.cdiv(2 * _sm_count(query.device), batch * h_kv), triton.cdiv(max_len, bn), 64))
+    splits = max(1, min(triton.cdiv(2 * _sm_count(query.device), batch * h_kv), triton.cdiv(max_len, bn), MAX_SPLITS))
     part = tc.empty(batch, h_q, splits, bd, dtype=torch.float32, device=query.device)
     stats = tc.empty(batch, h_q, splits, 2, dtype=torch.float32, device=query.device)
     dt, prec = tc.dot_dtype(k_cache), "ieee"
@@ -241,5 +251,5 @@ def paged_attention_decode(query: Tensor, k_cache: Tensor, v_cache: Tensor, page
         page_table.stride(0), float(scale), d, page_size, splits,
         GROUP=group, BG=tc.pow2(group), BD=bd, DT=dt, PREC=prec)
     _decode_merge_kernel[(batch, h_q)](part, stats, out, out.stride(0), out.stride(1), h_q, splits, d,
-                                       BS=tc.pow2(splits, least=2), BD=bd)
+                                       BS=MERGE_SPLITS, BD=bd)
     return out

@@ -9,4 +9,7 @@ from cairn.kernels.common.varlen_plan import ATTENTION_ROWS
 PREFILL_CONFIGS = [dict(BN=32, num_warps=8), dict(BN=16, num_warps=4), dict(BN=32, num_warps=4), dict(BN=16, num_warps=8)]
 DECODE_CONFIGS = [dict(BN=64, num_warps=4), dict(BN=32, num_warps=4), dict(BN=64, num_warps=8), dict(BN=32, num_warps=2)]
 
-__all__ = ["ATTENTION_ROWS", "PREFILL_CONFIGS", "DECODE_CONFIGS"]
+MAX_SPLITS = 64  # the most splits a decode's sequence is cut into
+MERGE_SPLITS = 8  # splits the merge reads at a time (a loop: any split count, one specialisation)
+
+__all__ = ["ATTENTION_ROWS", "PREFILL_CONFIGS", "DECODE_CONFIGS", "MAX_SPLITS", "MERGE_SPLITS"]

@@ -10,6 +10,8 @@ its first steps and in decode graphs' warm-up, before capture). Interpreted, whe
 cannot run, at the first config, fixed. Launchers pass none of a config's names, and give a grid
 that depends on them as a function of them (`grid(meta)`).
 
+Importing it installs `compile_watch` (every Triton compile of the process counted).
+
 `FILL`: when set (tests set NaN), every buffer a launcher allocates, outputs and scratch alike, is
 filled with it instead of left uninitialised (integer buffers with their dtype's minimum), so a kernel that reads memory nobody wrote, or
 leaves part of its output unwritten, fails loudly rather than by luck.
@@ -22,36 +24,60 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from cairn.kernels.common import compile_watch
+
+LAUNCH = ("num_warps", "num_stages")  # a config's launch options; its other names are the kernel's constexprs
 INTERPRETED = not isinstance(tl.standard.sum, triton.runtime.jit.JITFunction)
 FILL: float | None = None
 
 
 class Fixed:
-    """An interpreted kernel launched at one config (what `tuned` gives under TRITON_INTERPRET=1)."""
+    """An interpreted kernel launched at one config (what `tuned` gives under TRITON_INTERPRET=1):
+    the first of its candidates (with `per`, the first of those for the launch's value of it)."""
 
-    def __init__(self, kernel, config: dict):
-        self.kernel, self.fn, self.config = kernel, kernel.fn, dict(config)
+    def __init__(self, kernel, configs: list[dict] | dict, per: str | None):
+        self.kernel, self.fn, self.configs, self.per = kernel, kernel.fn, configs, per
+
+    def config_for(self, kwargs: dict) -> dict:
+        return dict(self.configs[kwargs[self.per]][0] if self.per else self.configs[0])
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
-            return self.kernel[grid(self.config) if callable(grid) else grid](*args, **self.config, **kwargs)
+            config = self.config_for(kwargs)
+            return self.kernel[grid(config) if callable(grid) else grid](*args, **config, **kwargs)
         return launch
 
 
-def tuned(configs: list[dict], key: list[str], reset_to_zero: tuple[str, ...] = (),
-          restore_value: tuple[str, ...] = ()):
+def _config(c: dict) -> triton.Config:
+    return triton.Config({k: v for k, v in c.items() if k not in LAUNCH}, num_warps=c.get("num_warps", 4),
+                         num_stages=c.get("num_stages", 3))
+
+
+def tuned(configs: list[dict] | dict, key: list[str], reset_to_zero: tuple[str, ...] = (),
+          restore_value: tuple[str, ...] = (), per: str | None = None):
     """Decorates a @triton.jit kernel (see the module doc). `configs`: meta-parameters, with
-    `num_warps` among them; `key`: argument names whose values select a tuning; `reset_to_zero`
-    and `restore_value`: outputs a kernel accumulates into or updates in place, reset or restored
+    `num_warps` and `num_stages` (default 4 and 3) among them; with `per` (a constexpr the launcher
+    passes, e.g. a tile's rows), a dict of such lists by that constexpr's value: a launch tries only
+    those. `key`: argument names whose values select a tuning; `reset_to_zero` and
+    `restore_value`: outputs a kernel accumulates into or updates in place, reset or restored
     around each benchmark run so that tuning leaves what one launch would."""
     def wrap(kernel):
         if INTERPRETED:
-            return Fixed(kernel, configs[0])
-        return triton.autotune(
-            [triton.Config({k: v for k, v in c.items() if k != "num_warps"}, num_warps=c.get("num_warps", 4))
-             for c in configs],
-            key=key, reset_to_zero=list(reset_to_zero) or None, restore_value=list(restore_value) or None)(kernel)
+            kernel.tune_key = tuple(key)  # a compiled process tunes once per value (compile_watch)
+            return Fixed(kernel, configs, per)
+        by_value = {v: [_config(c) for c in cs] for v, cs in configs.items()} if per else None
+        candidates = [c for cs in by_value.values() for c in cs] if per else [_config(c) for c in configs]
+        prune = None
+        if per:
+            def prune_to(all_configs, named_args, **kwargs):
+                return by_value[kwargs[per] if per in kwargs else named_args[per]]
+            prune = {"early_config_prune": prune_to}
+        return triton.autotune(candidates, key=key, prune_configs_by=prune, reset_to_zero=list(reset_to_zero) or None,
+                               restore_value=list(restore_value) or None)(kernel)
     return wrap
+
+
+compile_watch.install()
 
 
 def empty(*shape: int, dtype: torch.dtype, device: torch.device) -> Tensor:

@@ -44,7 +44,7 @@ BT = tl.constexpr(CHUNK)
 F32 = tl.float32
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])
 def _l2norm_kernel(x, y, s_t, s_h, n_rows, H, D, scale, ROWS: tl.constexpr, BD: tl.constexpr,
                    L2: tl.constexpr):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)

@@ -5,7 +5,7 @@ The launches, for T tokens, E experts, top k (N = T * k (token, expert) pairs, p
 p // k, its (p % k)-th choice):
 1. `_route_kernel`, grid (T,): softmax of the token's logits in fp32, top k by iterated argmax
    (exact ties: the lower expert id), renormalised; writes the pair weights [N] fp32 and expert
-   ids [N] int32, and zeroes the token's fp32 output row.
+   ids [N] int32 (and, with a shared expert, its sigmoid gate as the weight of pair N + t).
 2-4. `align` (reference.align's layout: `sorted_pairs`, `block_expert`, `num_padded`), in three
    launches over many programs: `_align_count_kernel`, grid (C,), counts each chunk's pairs per
    expert (C chunks of a power of two pairs, about ALIGN_CHUNKS of them); `_align_offsets_kernel`,
@@ -18,15 +18,19 @@ p // k, its (p % k)-th choice):
    its gate and up rows, SiLU(gate) * up, into `inter` [N, I] by pair. Blocks past `num_padded`
    return at once: the grid is the worst case, the work is the routing's.
 6. `_down_kernel`, grid (MAX_BLOCKS, cdiv(H, BLOCK_N)): `inter` rows times down[e], scaled by the
-   pair's weight, atomically added into the token's fp32 row (a token's k pairs go to k distinct
-   experts, so no two rows of one program share a token).
-7. the fp32 output cast to x's dtype (none for fp32).
+   pair's weight in fp32, stored as the pair's row of `y` [N, H] in x's dtype (no atomics: each
+   pair's row is written once).
+7. `_sum_kernel`, grid (T, cdiv(H, SUM_BLOCK_H)): each token's k rows of `y` (and its shared
+   row) summed in fp32 into the output, in x's dtype.
 
-Loads are upcast to fp32 (which the interpreter needs for bf16), then matmul operands go back to
-the stored 16-bit dtype (tensor cores) or stay exact fp32 (no TF32); accumulation is fp32. BLOCK_M
-is fixed by the pair count (16 at decode sizes, 64 for prefills); the GEMMs' BLOCK_N, BLOCK_K and
-warps are autotuned per (H, I, BLOCK_M) (moe/tuning.py's `GEMM_CONFIGS`, triton_helpers.tuned; the
-first one interpreted).
+Matmul operands are cast to `DOT` as loaded: compiled, the stored 16-bit dtype (tensor cores, no
+round trip through fp32 between the load and the dot) or exact fp32 (no TF32); interpreted, fp32
+(which the interpreter needs for bf16). Accumulation is fp32. BLOCK_M
+is fixed by the mean pairs per expert (moe/tuning.py's `block_m`: 16, 64 or 128); the GEMMs'
+BLOCK_N, BLOCK_K, warps and stages are autotuned per (H, I, BLOCK_M) (`GATE_UP_CONFIGS`,
+`DOWN_CONFIGS`, triton_helpers.tuned; the first one interpreted). The integers that vary with the
+step (tokens, pairs, blocks, chunks) are not specialised on (`do_not_specialize`): one compile
+serves every step size (cairn.kernels.common.compile_watch).
 """
 
 from __future__ import annotations
@@ -40,11 +44,12 @@ from cairn.kernels.common import triton_helpers as tc
 from cairn.kernels.common.checks import check_moe, check_shared_expert
 from cairn.kernels.moe.expert import SharedExpert, shared_expert
 from cairn.kernels.moe.reference import align_size
-from cairn.kernels.moe.tuning import ALIGN_CHUNKS, ALIGN_FILL_BLOCKS, ALIGN_TILE, GEMM_CONFIGS
+from cairn.kernels.moe.tuning import (ALIGN_CHUNKS, ALIGN_FILL_BLOCKS, ALIGN_TILE, DOWN_CONFIGS, GATE_UP_CONFIGS,
+                                     GEMM_K, GEMM_N, SUM_BLOCK_H, block_m)
 
 
-@triton.jit
-def _route_kernel(logits, s_lt, weights, ids, out, x, s_xt, shared_gate, N, H, E, TOP_K: tl.constexpr,
+@triton.jit(do_not_specialize=["N"])
+def _route_kernel(logits, s_lt, weights, ids, x, s_xt, shared_gate, N, H, E, TOP_K: tl.constexpr,
                   RENORMALIZE: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
                   BLOCK_H: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
@@ -66,19 +71,17 @@ def _route_kernel(logits, s_lt, weights, ids, out, x, s_xt, shared_gate, N, H, E
         top_w = top_w / tl.sum(top_w, axis=0)
     tl.store(weights + t * TOP_K + j, top_w, mask=j < TOP_K)
     tl.store(ids + t * TOP_K + j, top_i, mask=j < TOP_K)
-    dot = tl.zeros([BLOCK_H], dtype=tl.float32)
-    for h0 in range(0, H, BLOCK_H):
-        h = h0 + tl.arange(0, BLOCK_H)
-        tl.store(out + t * H + h, tl.zeros([BLOCK_H], dtype=tl.float32), mask=h < H)
-        if HAS_SHARED:
+    if HAS_SHARED:  # the shared expert's weight, at pair N + t
+        dot = tl.zeros([BLOCK_H], dtype=tl.float32)
+        for h0 in range(0, H, BLOCK_H):
+            h = h0 + tl.arange(0, BLOCK_H)
             xv = tl.load(x + t * s_xt + h, mask=h < H, other=0.0).to(tl.float32)
             dot += xv * tl.load(shared_gate + h, mask=h < H, other=0.0).to(tl.float32)
-    if HAS_SHARED:  # the shared expert's weight, at pair N + t
         tl.store(weights + N + t, 1.0 / (1.0 + tl.exp(-tl.sum(dot, axis=0))))
 
 
-@triton.jit
-def _align_count_kernel(ids, N, counts, CHUNK: tl.constexpr, PASS: tl.constexpr, BLOCK_E: tl.constexpr):
+@triton.jit(do_not_specialize=["N", "CHUNK"])
+def _align_count_kernel(ids, N, counts, CHUNK, PASS: tl.constexpr, BLOCK_E: tl.constexpr):
     """counts[c, e]: how many of chunk c's pairs chose expert e."""
     chunk = tl.program_id(0)
     e = tl.arange(0, BLOCK_E)
@@ -91,7 +94,7 @@ def _align_count_kernel(ids, N, counts, CHUNK: tl.constexpr, PASS: tl.constexpr,
     tl.store(counts + chunk * BLOCK_E + e, mine)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["CHUNKS"])
 def _align_offsets_kernel(counts, CHUNKS, E, expert_start, expert_count, num_padded, BLOCK_M: tl.constexpr,
                           ROWS: tl.constexpr, BLOCK_E: tl.constexpr):
     """One program: turns counts[c, e] in place into where chunk c's first pair of expert e goes
@@ -113,9 +116,9 @@ def _align_offsets_kernel(counts, CHUNKS, E, expert_start, expert_count, num_pad
     tl.store(num_padded, tl.sum(padded, axis=0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "CHUNKS", "MAX_BLOCKS", "CHUNK"])
 def _align_scatter_kernel(ids, N, E, offsets, expert_start, expert_count, sorted_pairs, block_expert, CHUNKS,
-                          MAX_BLOCKS, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, PASS: tl.constexpr,
+                          MAX_BLOCKS, CHUNK, BLOCK_M: tl.constexpr, PASS: tl.constexpr,
                           BLOCK_E: tl.constexpr, FILL_BLOCKS: tl.constexpr):
     """Programs below CHUNKS: their chunk's pairs into `sorted_pairs`, each at its expert's start
     + the chunk's offset + its rank among the chunk's earlier pairs of that expert. The others:
@@ -155,7 +158,8 @@ def _expert_block(sorted_pairs, block_expert, num_padded, N, T, MAX_BLOCKS, TOP_
                   BLOCK_M: tl.constexpr):
     """This program's block: (whether it has work, expert, pair ids [BLOCK_M], which are pairs and
     not padding, their tokens). Blocks past MAX_BLOCKS are the shared expert's (expert E): tokens
-    in order, pair N + t."""
+    in order, pair N + t. Padding rows get pair and token 0, so that loads need no mask (their
+    rows are computed and never stored)."""
     b = tl.program_id(0)
     r = tl.arange(0, BLOCK_M)
     if b < MAX_BLOCKS:
@@ -170,45 +174,56 @@ def _expert_block(sorted_pairs, block_expert, num_padded, N, T, MAX_BLOCKS, TOP_
         pairs = N + tokens
         expert = tl.full([], -1, tl.int32)
         busy = b >= MAX_BLOCKS
+    pairs = tl.where(valid, pairs, 0)
+    tokens = tl.where(valid, tokens, 0)
     return busy, expert.to(tl.int64), pairs.to(tl.int64), valid, tokens.to(tl.int64)
 
 
-@tc.tuned(GEMM_CONFIGS, key=["H", "I", "BLOCK_M"])
-@triton.jit
-def _gate_up_kernel(x, s_xt, w, s_we, s_wn, sg, su, s_sn, inter, sorted_pairs, block_expert, num_padded, N, T,
+@tc.tuned(GATE_UP_CONFIGS, key=["H", "I", "BLOCK_M"], per="BLOCK_M")
+@triton.jit(do_not_specialize=["N", "T", "MAX_BLOCKS"])
+def _gate_up_kernel(x, s_xt, w, s_we, s_wn, sg, s_sn, shared_up, inter, sorted_pairs, block_expert, num_padded, N, T,
                     MAX_BLOCKS, H, I, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
+                    BLOCK_K: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, EVEN: tl.constexpr):
+    """Output columns [j BLOCK_N / 2, (j + 1) BLOCK_N / 2) of block b: one [BLOCK_M, BLOCK_N] product
+    whose B tile interleaves gate and up rows (column c: gate row if c is even, up row if odd), so
+    one accumulator holds both and the epilogue splits it. Up rows lie `I s_wn` elements past the
+    gate rows in gate_up[e]; the shared expert's, `shared_up` past its gate's (another tensor)."""
     busy, expert, pairs, valid, tokens = _expert_block(sorted_pairs, block_expert, num_padded, N, T, MAX_BLOCKS,
                                                        TOP_K, BLOCK_M)
     if not busy:
         return
     if expert >= 0:
-        gate_rows, up_rows, s_n = w + expert * s_we, w + expert * s_we + I * s_wn, s_wn
+        gate_rows, up_minus_gate, s_n = w + expert * s_we, I * s_wn, s_wn
     else:
-        gate_rows, up_rows, s_n = sg, su, s_sn
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < I
-    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        gate_rows, up_minus_gate, s_n = sg, shared_up, s_sn
+    c = tl.arange(0, BLOCK_N)
+    half = tl.program_id(1) * (BLOCK_N // 2)
+    col = half + c // 2  # the output column each B column feeds
+    col_ok = col < I
+    kk = tl.arange(0, BLOCK_K)
+    a_rows = x + tokens * s_xt  # [BLOCK_M] row pointers; the tiles are int32 offsets from them
+    w_off = kk[:, None] + (col * s_n + (c % 2) * up_minus_gate)[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k < H
-        a = tl.load(x + tokens[:, None] * s_xt + k[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        w_ok = k_ok[:, None] & n_ok[None, :]
-        g = tl.load(gate_rows + k[:, None] + n[None, :] * s_n, mask=w_ok, other=0.0).to(tl.float32)
-        u = tl.load(up_rows + k[:, None] + n[None, :] * s_n, mask=w_ok, other=0.0).to(tl.float32)
-        acc_gate += tl.dot(a.to(DOT), g.to(DOT), input_precision=PREC)
-        acc_up += tl.dot(a.to(DOT), u.to(DOT), input_precision=PREC)
-    h = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up
-    dst = inter + pairs[:, None] * I + n[None, :]
-    tl.store(dst, h.to(inter.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
+        if EVEN:
+            a = tl.load(a_rows[:, None] + (k0 + kk)[None, :])
+            b = tl.load(gate_rows + k0 + w_off)
+        else:
+            k_ok = k0 + kk < H
+            a = tl.load(a_rows[:, None] + (k0 + kk)[None, :], mask=k_ok[None, :], other=0.0)
+            b = tl.load(gate_rows + k0 + w_off, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc += tl.dot(a.to(DOT), b.to(DOT), input_precision=PREC)
+    gate, up = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N // 2, 2]))
+    h = gate / (1.0 + tl.exp(-gate)) * up
+    n = half + tl.arange(0, BLOCK_N // 2)
+    tl.store(inter + pairs[:, None] * I + n[None, :], h.to(inter.dtype.element_ty), mask=valid[:, None] & (n < I)[None, :])
 
 
-@tc.tuned(GEMM_CONFIGS, key=["H", "I", "BLOCK_M"], reset_to_zero=("out",))
-@triton.jit
-def _down_kernel(inter, w, s_we, s_wn, sd, s_sd, weights, out, sorted_pairs, block_expert, num_padded, N, T,
+@tc.tuned(DOWN_CONFIGS, key=["H", "I", "BLOCK_M"], per="BLOCK_M")
+@triton.jit(do_not_specialize=["N", "T", "MAX_BLOCKS"])
+def _down_kernel(inter, w, s_we, s_wn, sd, s_sd, weights, y, sorted_pairs, block_expert, num_padded, N, T,
                  MAX_BLOCKS, H, I, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
+                 BLOCK_K: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, EVEN: tl.constexpr):
     busy, expert, pairs, valid, tokens = _expert_block(sorted_pairs, block_expert, num_padded, N, T, MAX_BLOCKS,
                                                        TOP_K, BLOCK_M)
     if not busy:
@@ -219,16 +234,35 @@ def _down_kernel(inter, w, s_we, s_wn, sd, s_sd, weights, out, sorted_pairs, blo
         rows, s_n = sd, s_sd
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < H
+    kk = tl.arange(0, BLOCK_K)
+    a_rows = inter + pairs * I
+    d_off = kk[:, None] + (n * s_n)[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k < I
-        a = tl.load(inter + pairs[:, None] * I + k[None, :], mask=valid[:, None] & k_ok[None, :],
-                    other=0.0).to(tl.float32)
-        d = tl.load(rows + n[None, :] * s_n + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
+        if EVEN:
+            a = tl.load(a_rows[:, None] + (k0 + kk)[None, :])
+            d = tl.load(rows + k0 + d_off)
+        else:
+            k_ok = k0 + kk < I
+            a = tl.load(a_rows[:, None] + (k0 + kk)[None, :], mask=k_ok[None, :], other=0.0)
+            d = tl.load(rows + k0 + d_off, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         acc += tl.dot(a.to(DOT), d.to(DOT), input_precision=PREC)
     scale = tl.load(weights + pairs, mask=valid, other=0.0)
-    tl.atomic_add(out + tokens[:, None] * H + n[None, :], acc * scale[:, None], mask=valid[:, None] & n_ok[None, :])
+    tl.store(y + pairs[:, None] * H + n[None, :], (acc * scale[:, None]).to(y.dtype.element_ty),
+             mask=valid[:, None] & n_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["N"])
+def _sum_kernel(y, out, s_ot, N, H, TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_H: tl.constexpr):
+    """out[t] = the sum of token t's pair rows of y (its k routed pairs, then its shared one), in fp32."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        acc += tl.load(y + (t * TOP_K + j) * H + h, mask=h < H, other=0.0).to(tl.float32)
+    if HAS_SHARED:
+        acc += tl.load(y + (N + t) * H + h, mask=h < H, other=0.0).to(tl.float32)
+    tl.store(out + t * s_ot + h, acc.to(out.dtype.element_ty), mask=h < H)
 
 
 def align(ids: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -247,12 +281,12 @@ def align(ids: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, Tensor, 
     sorted_pairs = tc.empty(max_padded, dtype=torch.int32, device=dev)
     block_expert = tc.empty(max_blocks, dtype=torch.int32, device=dev)
     num_padded = tc.empty(1, dtype=torch.int32, device=dev)
-    _align_count_kernel[(chunks,)](ids, n, offsets, CHUNK=chunk, PASS=step, BLOCK_E=block_e)
+    _align_count_kernel[(chunks,)](ids, n, offsets, chunk, PASS=step, BLOCK_E=block_e)
     _align_offsets_kernel[(1,)](offsets, chunks, num_experts, expert_start, expert_count, num_padded,
                                 BLOCK_M=block_m, ROWS=step, BLOCK_E=block_e, num_warps=8)
     _align_scatter_kernel[(chunks + triton.cdiv(max_blocks, ALIGN_FILL_BLOCKS),)](
-        ids, n, num_experts, offsets, expert_start, expert_count, sorted_pairs, block_expert, chunks, max_blocks,
-        BLOCK_M=block_m, CHUNK=chunk, PASS=step, BLOCK_E=block_e, FILL_BLOCKS=ALIGN_FILL_BLOCKS)
+        ids, n, num_experts, offsets, expert_start, expert_count, sorted_pairs, block_expert, chunks, max_blocks, chunk,
+        BLOCK_M=block_m, PASS=step, BLOCK_E=block_e, FILL_BLOCKS=ALIGN_FILL_BLOCKS)
     return sorted_pairs, block_expert, num_padded
 
 
@@ -273,26 +307,31 @@ def fused_moe(x: Tensor, logits: Tensor, gate_up: Tensor, down: Tensor, top_k: i
     sg, su, sd, s_gate = (t.contiguous() for t in shared) if has_shared else (down, down, down, down)
     dev = x.device
     n = T * top_k
-    out = tc.empty(T, H, dtype=torch.float32, device=dev)
+    out = tc.empty(T, H, dtype=x.dtype, device=dev)
     if T == 0:
-        return out.to(x.dtype)
+        return out
     pairs = n + (T if has_shared else 0)
     weights = tc.empty(pairs, dtype=torch.float32, device=dev)
     ids = tc.empty(n, dtype=torch.int32, device=dev)
     block_e = tc.pow2(E)
-    _route_kernel[(T,)](logits, logits.stride(0), weights, ids, out, x, x.stride(0), s_gate, n, H, E, TOP_K=top_k,
+    _route_kernel[(T,)](logits, logits.stride(0), weights, ids, x, x.stride(0), s_gate, n, H, E, TOP_K=top_k,
                         RENORMALIZE=renormalize, HAS_SHARED=has_shared, BLOCK_E=block_e,
                         BLOCK_K=tc.pow2(top_k, least=2), BLOCK_H=min(1024, tc.pow2(H)))
-    block_m = 16 if n <= 16 * E else 64
-    sorted_pairs, block_expert, num_padded = align(ids, E, block_m)
+    bm = block_m(n, E)
+    sorted_pairs, block_expert, num_padded = align(ids, E, bm)
     max_blocks = block_expert.shape[0]
-    blocks = max_blocks + (triton.cdiv(T, block_m) if has_shared else 0)
+    blocks = max_blocks + (triton.cdiv(T, bm) if has_shared else 0)
     inter = tc.empty(pairs, I, dtype=x.dtype, device=dev)
-    common = dict(TOP_K=top_k, BLOCK_M=block_m, DOT=tc.dot_dtype(x), PREC="ieee")
-    _gate_up_kernel[lambda meta: (blocks, triton.cdiv(I, meta["BLOCK_N"]))](
-        x, x.stride(0), gate_up, gate_up.stride(0), gate_up.stride(1), sg, su, sg.stride(0), inter, sorted_pairs,
-        block_expert, num_padded, n, T, max_blocks, H, I, **common)
+    shared_up = (su.data_ptr() - sg.data_ptr()) // su.element_size() if has_shared else 0
+    common = dict(TOP_K=top_k, BLOCK_M=bm, DOT=tc.dot_dtype(x), PREC="ieee")
+    _gate_up_kernel[lambda meta: (blocks, triton.cdiv(2 * I, meta["BLOCK_N"]))](
+        x, x.stride(0), gate_up, gate_up.stride(0), gate_up.stride(1), sg, sg.stride(0), shared_up, inter, sorted_pairs,
+        block_expert, num_padded, n, T, max_blocks, H, I, **common, EVEN=H % GEMM_K == 0 and I % GEMM_N == 0)
+    y = tc.empty(pairs, H, dtype=x.dtype, device=dev)
     _down_kernel[lambda meta: (blocks, triton.cdiv(H, meta["BLOCK_N"]))](
-        inter, down, down.stride(0), down.stride(1), sd, sd.stride(0), weights, out, sorted_pairs, block_expert,
-        num_padded, n, T, max_blocks, H, I, **common)
-    return out if x.dtype == torch.float32 else out.to(x.dtype)
+        inter, down, down.stride(0), down.stride(1), sd, sd.stride(0), weights, y, sorted_pairs, block_expert,
+        num_padded, n, T, max_blocks, H, I, **common, EVEN=I % GEMM_K == 0 and H % GEMM_N == 0)
+    block_h = min(SUM_BLOCK_H, tc.pow2(H))
+    _sum_kernel[(T, triton.cdiv(H, block_h))](y, out, out.stride(0), n, H, TOP_K=top_k, HAS_SHARED=has_shared,
+                                              BLOCK_H=block_h)
+    return out

@@ -95,7 +95,7 @@ def _qk_norm_rope_kernel(q, k, qo, ko, wq, wk, inv_freq, positions, sq_t, sq_h, 
                        eps, HALF=HALF, BD=BD, BH=BH)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def _delta_gates_kernel(a, b, A_log, dt_bias, g, beta, s_a, s_b, n, H, BLOCK: tl.constexpr):
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = i < n
@@ -107,7 +107,7 @@ def _delta_gates_kernel(a, b, A_log, dt_bias, g, beta, s_a, s_b, n, H, BLOCK: tl
     tl.store(beta + i, (1.0 / (1.0 + tl.exp(-bv))).to(beta.dtype.element_ty), mask=m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _sigmoid_gate_kernel(x, gate, y, s_x, s_g, N, BLOCK: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -118,7 +118,7 @@ def _sigmoid_gate_kernel(x, gate, y, s_x, s_g, N, BLOCK: tl.constexpr):
              mask=m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _silu_mul_kernel(gate, up, y, s_g, s_u, N, BLOCK: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)

@@ -1,6 +1,6 @@
 """The fused MoE's Triton op (interpreted on CPU) against its reference at odd shapes, its align
 step against `reference.align` (many programs, not one), and the properties a CUDA graph relies
-on: six kernels and no other op, no host sync, and launch grids fixed by (tokens, experts, top k)
+on: seven kernels and no other op, no host sync, and launch grids fixed by (tokens, experts, top k)
 whatever the routing.
 """
 
@@ -39,7 +39,7 @@ def shared_inputs(width: int = I, seed: int = 9, dtype=torch.float32) -> moe_ref
 
 KERNELS = {name: getattr(moe_triton, name) for name in (
     "_route_kernel", "_align_count_kernel", "_align_offsets_kernel", "_align_scatter_kernel", "_gate_up_kernel",
-    "_down_kernel")}
+    "_down_kernel", "_sum_kernel")}
 ALIGN = ["_align_count_kernel", "_align_offsets_kernel", "_align_scatter_kernel"]
 
 
@@ -66,10 +66,10 @@ class Recorder:
         self.kernel, self.launches, self.ops = kernel, launches, ops
 
     def __getitem__(self, grid):
-        # a tuned kernel's grid is a function of its config (interpreted: the first, fixed)
-        self.launches.append((self.kernel.fn.__name__, tuple(grid(self.kernel.config) if callable(grid) else grid)))
-
         def launch(*args, **kwargs):
+            # a tuned kernel's grid is a function of its config (interpreted: the first, fixed)
+            config = self.kernel.config_for(kwargs) if callable(grid) else None
+            self.launches.append((self.kernel.fn.__name__, tuple(grid(config) if callable(grid) else grid)))
             self.ops.in_kernel = True
             try:
                 return self.kernel[grid](*args, **kwargs)
@@ -191,12 +191,13 @@ def test_no_tokens_give_an_empty_output():
 
 
 @pytest.mark.parametrize("with_shared", [False, True])
-def test_six_kernels_no_other_op_and_grids_fixed_by_the_shapes_not_the_routing(monkeypatch, with_shared):
+def test_seven_kernels_no_other_op_and_grids_fixed_by_the_shapes_not_the_routing(monkeypatch, with_shared):
     x, logits, gate_up, down = moe_inputs(9, 64, seed=1)
     shared = shared_inputs() if with_shared else None
     spread, ops = launches_of(monkeypatch, x, logits, gate_up, down, 8, shared)
-    assert [name for name, _ in spread] == ["_route_kernel", *ALIGN, "_gate_up_kernel", "_down_kernel"]
-    # fp32: no cast, no host sync (`_local_scalar_dense` is what .item() and .tolist() run), no
+    assert [name for name, _ in spread] == ["_route_kernel", *ALIGN, "_gate_up_kernel", "_down_kernel",
+                                         "_sum_kernel"]
+    # no cast (the sum writes x's dtype), no host sync (`_local_scalar_dense` is what .item() and .tolist() run), no
     # routing-sized op (nonzero, unique): the host code only allocates and launches
     assert ops == [], ops
     skewed = logits.clone()
