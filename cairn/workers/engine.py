@@ -22,13 +22,16 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from cairn.cache_service.events import EventBatch, EventStream
+from cairn.kernels.common import compile_watch
+from cairn.kernels.common.dispatch import runs_triton
 from cairn.workers.cache import transfer
 from cairn.workers.cache.arena import ArenaLayout
 from cairn.workers.cache.checkpoint_policy import CheckpointPolicy
@@ -39,6 +42,7 @@ from cairn.workers.engine_errors import EngineBroken, EngineError, RequestReject
 from cairn.workers.output import RequestOutput
 from cairn.workers.engine_peer_fetch import EnginePeerFetch
 from cairn.workers.grammar import Grammars
+from cairn.workers.kernel_warm_up import warm_kernels
 from cairn.workers.engine_metrics import EngineMetrics, EngineTotals
 from cairn.workers.model import HybridForCausalLM, ModelConfig
 from cairn.workers.engine_options import EngineOptions
@@ -71,20 +75,11 @@ class Engine:
         self.spec = EngineSpec.of(cfg, options, fingerprint)
         self.worker_id = worker_id
         self.layout = layout = ArenaLayout.plan(cfg, options, dtype.itemsize)
-        # A checkpoint is judged once the conversations in flight had time to come back to it.
-        self.policy = CheckpointPolicy(options.cache_policy, tail_guard=options.tail_guard,
-                                       interval_pages=options.checkpoint_interval_pages, seed=options.seed,
-                                       settle_after=4 * options.max_num_seqs)
-        rows = options.max_num_seqs + 1  # running sequences, and one scored by prompt_logits
-        # Events are queued once something drains them (the cluster's replica does; the first
-        # drain is a snapshot): an engine used alone, or served in-process, keeps none.
-        self.cache = PrefixCache(layout, self.policy, options.page_size, recurrent=cfg.recurrent,
-                                 max_rows=rows, record_events=False)
-        self.scheduler = Scheduler(options, self.cache, self.policy, frozenset(cfg.eos_token_ids) | eos_token_ids)
-        self.runner = ModelRunner(model, layout, options.page_size, rows)
+        self._eos = frozenset(cfg.eos_token_ids) | eos_token_ids
+        self.runner = ModelRunner(model, layout, options.page_size, options.max_num_seqs + 1)
+        self.policy, self.cache, self.scheduler = self._bookkeeping()
         if layout.host_blocks:  # the cost rule starts from a measured host bandwidth
             self.cache.tier_cost.bandwidth = self.runner.measure_host_bandwidth()
-            self.scheduler.overlap_promotions = self.runner.device.type == "cuda"
         on_cuda = self.runner.device.type == "cuda"
         eager = not on_cuda if options.enforce_eager is None else options.enforce_eager
         if rank_workers is None and not eager:
@@ -112,6 +107,45 @@ class Engine:
                                    options.tensor_parallel_size > 1)
         self.on_runnable: Callable[[], None] | None = None  # called from other threads when held work may run
         self._held: list[Sequence] = []  # held back until their grammars compile and their fetches arrive
+        self._compiles_seen: int | None = None  # kernel compiles at warm-up's end (None: not warmed up)
+        self.late_compiles = 0  # kernel compiles since warm-up: each a step shape the warm-up missed
+
+    def _bookkeeping(self) -> tuple[CheckpointPolicy, PrefixCache, Scheduler]:
+        """A checkpoint policy, prefix cache and scheduler over this engine's arena layout, all
+        empty: the engine's own (made at start), or a scratch set (`scratch_bookkeeping`)."""
+        options, layout = self.options, self.layout
+        # A checkpoint is judged once the conversations in flight had time to come back to it.
+        policy = CheckpointPolicy(options.cache_policy, tail_guard=options.tail_guard,
+                                  interval_pages=options.checkpoint_interval_pages, seed=options.seed,
+                                  settle_after=4 * options.max_num_seqs)
+        # rows: running sequences, and one scored by prompt_logits. Events are queued once
+        # something drains them (the cluster's replica does; the first drain is a snapshot): an
+        # engine used alone, or served in-process, keeps none.
+        cache = PrefixCache(layout, policy, options.page_size, recurrent=self.config.recurrent,
+                            max_rows=options.max_num_seqs + 1, record_events=False)
+        scheduler = Scheduler(options, cache, policy, self._eos)
+        scheduler.overlap_promotions = bool(layout.host_blocks) and self.runner.device.type == "cuda"
+        return policy, cache, scheduler
+
+    @contextmanager
+    def scratch_bookkeeping(self) -> Iterator[None]:
+        """Within it, requests run on a scratch policy, prefix cache, scheduler and sampler over
+        the same runner, with their own totals; after it, the engine's own are back as they were (what
+        `cairn.workers.kernel_warm_up` runs its steps on). Only for an engine with no request:
+        the arena's pages and slots the scratch steps write are free ones, which every later step
+        writes before it reads (fresh slots are zeroed; a page is read only once computed)."""
+        if self._requests or self._held or self.scheduler.has_work():
+            raise EngineError("scratch bookkeeping needs an engine without requests")
+        saved = self.policy, self.cache, self.scheduler, self.stats, self.sampler
+        self.policy, self.cache, self.scheduler = self._bookkeeping()
+        self.stats, self.sampler = EngineTotals(), Sampler(self.options.seed, self._eos)
+        try:
+            yield
+        finally:
+            for request_id in list(self._requests):
+                self.abort(request_id)
+            self.policy, self.cache, self.scheduler, self.stats, self.sampler = saved
+            self.runner.take_copy_timing()  # the scratch steps' copies feed no cost rule
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, options: EngineOptions | None = None, *,
@@ -136,13 +170,35 @@ class Engine:
     def warm_up(self) -> float:
         """Compiles, before any request, the kernels a step's shapes would compile during one: on
         CPU every packed linear at every row count a step can give it (`max_num_batched_tokens`
-        at most, `max_num_seqs` for the LM head; cairn.workers.model.packed_linear.warm_up). Returns
-        the seconds it took (logged)."""
+        at most, `max_num_seqs` for the LM head; cairn.workers.model.packed_linear.warm_up); where
+        the ops are Triton kernels (CUDA), every kernel at every specialisation a step can take,
+        autotuned (cairn.workers.kernel_warm_up). From then on a kernel compile is a bug: each one
+        is logged and counted (`kernel_compiles_after_warm_up_total`). Returns the seconds it took
+        (logged)."""
         began = time.perf_counter()
         products = self.runner.warm_up(self.options.max_num_batched_tokens, self.options.max_num_seqs)
+        kernels = warm_kernels(self) if runs_triton(self.runner.device.type) else None
+        self._compiles_seen = compile_watch.compiles()
         seconds = time.perf_counter() - began
-        log.info("warmed up in %.2f s (%d linear products)", seconds, products)
+        log.info("warmed up in %.2f s (%d linear products%s)", seconds, products,
+                 f"; {kernels.steps} kernel warm-up steps, {kernels.compiles} kernel compiles, "
+                 f"{kernels.tunings_loaded} autotune choices from disk" if kernels else "")
         return seconds
+
+    @property
+    def kernel_compiles(self) -> int:
+        """Kernel compiles in this process so far (cairn.kernels.common.compile_watch)."""
+        return compile_watch.compiles()
+
+    def _check_compiles(self) -> None:
+        """After warm-up: logs the kernels a step compiled (a shape the warm-up missed)."""
+        now = compile_watch.compiles()
+        if now != self._compiles_seen:
+            late = compile_watch.seen()[self._compiles_seen:now]
+            self.late_compiles += len(late)
+            self._compiles_seen = now
+            log.warning("a step compiled %d kernel(s) after warm-up (a shape it missed): %s", len(late),
+                        "; ".join(f"{kernel}[{key}]" for kernel, key in late))
 
     def close(self) -> None:
         """Stops a tensor-parallel engine's other ranks (nothing to do on one device)."""
@@ -282,6 +338,8 @@ class Engine:
             if logits is not None:
                 outputs = self._apply(plan, logits)
                 self._observe_rates(plan, time.perf_counter() - began)
+            if self._compiles_seen is not None:
+                self._check_compiles()
         for seq in self.scheduler.take_failed():
             self._requests.pop(seq.request_id, None)
             outputs.append(RequestOutput.of(seq, [], [], self.worker_id))

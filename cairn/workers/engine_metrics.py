@@ -73,6 +73,10 @@ class EngineMetrics(EngineTotals):
     fetched_pages_total: int = 0
     fetched_bytes_total: int = 0
     exported_bytes_total: int = 0
+    # kernels (cairn.kernels.common.compile_watch): every compile of this process, and those after
+    # warm-up (each a step shape the warm-up missed: a bug)
+    kernel_compiles_total: int = 0
+    kernel_compiles_after_warm_up_total: int = 0
     # labelled families, by kind
     fetch_fallbacks_total: dict[str, int] = field(default_factory=dict)  # why a fetch did not happen
     tier_hit_tokens_total: dict[str, int] = field(default_factory=dict)  # cached tokens by tier: device, host
@@ -109,6 +113,7 @@ class EngineMetrics(EngineTotals):
             bytes_to_host_total=stats.bytes_to_host, bytes_to_device_total=stats.bytes_to_device,
             fetches_total=fetches.counts["fetches"], fetched_pages_total=fetches.counts["fetched_pages"],
             fetched_bytes_total=fetches.counts["fetched_bytes"], exported_bytes_total=fetches.counts["exported_bytes"],
+            kernel_compiles_total=engine.kernel_compiles, kernel_compiles_after_warm_up_total=engine.late_compiles,
             fetch_fallbacks_total=dict(fetches.fallbacks),
             tier_hit_tokens_total={tier: scheduler.hit_tokens_by_tier.get(tier, 0) for tier in ("device", "host")},
             checkpoints_admitted_total={kind: rec["admitted"] for kind, rec in policy.items()},

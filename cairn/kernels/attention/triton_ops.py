@@ -37,7 +37,7 @@ from cairn.kernels.common.varlen_plan import VarlenPlan
 # (padding rows, empty splits) computes exp(0) * 0 instead of exp(nan).
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["slots"])
 def _store_kv_kernel(key, value, k_cache, v_cache, slots, sk_t, sk_h, sv_t, sv_h, sc_page, sc_tok, sc_head,
                      PAGE, H, D, BH: tl.constexpr, BD: tl.constexpr):
     t = tl.program_id(0)
@@ -74,7 +74,8 @@ def _attend_block(q, m, l, acc, k_cache, v_cache, table_row, pos, visible, kvh, 
 
 
 @tc.tuned(PREFILL_CONFIGS, key=["D", "GROUP", "ROWS"])
-@triton.jit
+@triton.jit(do_not_specialize=["s_table"],
+            do_not_specialize_on_alignment=["page_table", "cu_q", "seq_lens", "block_seq", "block_row"])
 def _prefill_kernel(q_ptr, k_cache, v_cache, out, page_table, cu_q, seq_lens, block_seq, block_row,
                     sq_t, sq_h, so_t, so_h, s_page, s_tok, s_head, s_table, scale, D, PAGE,
                     GROUP: tl.constexpr, ROWS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
@@ -115,7 +116,7 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, out, page_table, cu_q, seq_lens, bl
 
 
 @tc.tuned(DECODE_CONFIGS, key=["D", "GROUP"])
-@triton.jit(do_not_specialize=["num_splits"])
+@triton.jit(do_not_specialize=["num_splits", "s_table"], do_not_specialize_on_alignment=["page_table", "seq_lens"])
 def _decode_kernel(q_ptr, k_cache, v_cache, part, stats, page_table, seq_lens,
                    sq_b, sq_h, s_page, s_tok, s_head, s_table, scale, D, PAGE, num_splits,
                    GROUP: tl.constexpr, BG: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,

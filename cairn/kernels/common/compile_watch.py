@@ -3,7 +3,7 @@
 A Triton kernel compiles once per specialisation: its constexprs, its launch options (warps,
 stages), its arguments' types, and the attributes Triton specialises on (an integer argument
 equal to 1 or divisible by 16, a pointer aligned to 16 bytes), unless the kernel names the argument
-in `do_not_specialize`; an autotuned kernel also tunes (compiling each config) once per value of
+in `do_not_specialize` (or, for a pointer's alignment, `do_not_specialize_on_alignment`); an autotuned kernel also tunes (compiling each config) once per value of
 its key. A compile inside a request's step costs that request seconds, so `cairn.workers.engine`
 compiles every specialisation a step can take at start (`Engine.warm_up`), and a compile after
 that is a bug: the engine logs it and exports the count (`kernel_compiles_total` in /metrics).
@@ -89,10 +89,10 @@ def _watch_interpreted() -> None:
     InterpretedFunction.run = watched
 
 
-def _argument(value, specialise: bool) -> tuple:
+def _argument(value, specialise: bool, align: bool) -> tuple:
     """What Triton compiles a non-constexpr argument's value into: its type and attributes."""
     if isinstance(value, torch.Tensor):
-        return ("*", str(value.dtype), specialise and value.data_ptr() % 16 == 0)
+        return ("*", str(value.dtype), align and value.data_ptr() % 16 == 0)
     if isinstance(value, bool):
         return ("u1",)
     if isinstance(value, int):
@@ -109,6 +109,7 @@ def specialisation(kernel, args: tuple, kwargs: dict) -> str:
     params = list(inspect.signature(kernel.fn).parameters.values())
     bound = dict(zip((p.name for p in params), args)) | kwargs
     fixed = set(kernel.kwargs.get("do_not_specialize") or ())
+    unaligned = set(kernel.kwargs.get("do_not_specialize_on_alignment") or ())
     tune_key = getattr(kernel, "tune_key", ())
     parts = []
     for p in params:
@@ -118,6 +119,6 @@ def specialisation(kernel, args: tuple, kwargs: dict) -> str:
         if "constexpr" in str(p.annotation) or p.name in tune_key:
             parts.append(f"{p.name}={value!r}")
         else:
-            parts.append(f"{p.name}:{_argument(value, p.name not in fixed)}")
+            parts.append(f"{p.name}:{_argument(value, p.name not in fixed, p.name not in unaligned)}")
     launch = {k: v for k, v in kwargs.items() if k in ("num_warps", "num_stages")}
     return ", ".join(parts) + (f" {launch}" if launch else "")

@@ -44,16 +44,26 @@ def reference_forced() -> bool:
     return _forced or os.environ.get("CAIRN_KERNELS", "").strip().lower() == "reference"
 
 
+INTERPRETED_CUDA = "cuda-interpreted"
+
+
 @contextmanager
 def routed_as(device: str) -> Iterator[None]:
     """Within it, every op picks as if its tensors were on `device` (the step census runs CUDA's
-    launchers' host code over CPU tensors, cairn.workers.execution.step_census)."""
+    launchers' host code over CPU tensors, cairn.workers.execution.step_census). `INTERPRETED_CUDA`:
+    CUDA's implementations, run on CPU tensors by the Triton interpreter (a test of what an engine
+    on a GPU launches and compiles, in a TRITON_INTERPRET=1 process)."""
     global _routed
     saved, _routed = _routed, device
     try:
         yield
     finally:
         _routed = saved
+
+
+def routed() -> str | None:
+    """The device every pick takes now instead of its tensor's (None: the tensor's own)."""
+    return _routed
 
 
 def forget() -> None:
@@ -74,6 +84,14 @@ def triton_compiled() -> bool:
                           RuntimeWarning, stacklevel=4)
         return False
     return True
+
+
+def runs_triton(device: str) -> bool:
+    """Whether ops on tensors of `device` (a type: "cuda", "cpu") run Triton kernels here: compiled
+    on CUDA (unless the references are forced), or interpreted under `routed_as(INTERPRETED_CUDA)`."""
+    if _routed == INTERPRETED_CUDA:
+        return True
+    return device == "cuda" and not reference_forced() and triton_compiled()
 
 
 def native_loaded() -> bool:
@@ -112,6 +130,8 @@ class Ops:
     def _modules(self, device: str) -> list[ModuleType]:
         if device == "cuda":
             return [importlib.import_module(m) for m in self.cuda] if triton_compiled() else []
+        if device == INTERPRETED_CUDA:
+            return [importlib.import_module(m) for m in self.cuda]
         if device == "cpu":
             modules = [importlib.import_module(m) for m in self.cpu]
             return [m for m in modules if not getattr(m, "NATIVE", False) or native_loaded()]

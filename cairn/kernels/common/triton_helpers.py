@@ -5,8 +5,8 @@ imported (TRITON_INTERPRET=1 then makes even triton's own `tl.sum` interpreted),
 cannot run both interpreted and compiled kernels.
 
 `tuned(configs, key, ...)`: how a kernel is autotuned. Compiled, over a few configs keyed on its
-shapes (triton.autotune, which benchmarks them at the first launch of each key: in an engine, at
-its first steps and in decode graphs' warm-up, before capture). Interpreted, where autotuning
+shapes (triton.autotune, which benchmarks them at the first launch of each key: in an engine, in
+its warm-up, before any request; the choices are kept on disk, `tuning_cache`). Interpreted, where autotuning
 cannot run, at the first config, fixed. Launchers pass none of a config's names, and give a grid
 that depends on them as a function of them (`grid(meta)`).
 
@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from cairn.kernels.common import compile_watch
+from cairn.kernels.common import compile_watch, tuning_cache
 
 LAUNCH = ("num_warps", "num_stages")  # a config's launch options; its other names are the kernel's constexprs
 INTERPRETED = not isinstance(tl.standard.sum, triton.runtime.jit.JITFunction)
@@ -72,8 +72,10 @@ def tuned(configs: list[dict] | dict, key: list[str], reset_to_zero: tuple[str, 
             def prune_to(all_configs, named_args, **kwargs):
                 return by_value[kwargs[per] if per in kwargs else named_args[per]]
             prune = {"early_config_prune": prune_to}
-        return triton.autotune(candidates, key=key, prune_configs_by=prune, reset_to_zero=list(reset_to_zero) or None,
-                               restore_value=list(restore_value) or None)(kernel)
+        tuner = triton.autotune(candidates, key=key, prune_configs_by=prune, reset_to_zero=list(reset_to_zero) or None,
+                                restore_value=list(restore_value) or None)(kernel)
+        tuning_cache.TUNED.append(tuner)
+        return tuner
     return wrap
 
 

@@ -32,7 +32,7 @@ from cairn.kernels.conv.tuning import CONV_ROWS, STATE_CHANNELS, VARLEN_CONFIGS
 
 
 @tc.tuned(VARLEN_CONFIGS, key=["C", "K"])
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["slots", "cu", "block_seq", "block_row"])
 def _conv_fwd_kernel(x, w, out, state, slots, cu, block_seq, block_row,
                      sx_t, sw_c, sw_k, so_t, ss_n, ss_c, ss_k, C,
                      K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
@@ -62,7 +62,7 @@ def _conv_fwd_kernel(x, w, out, state, slots, cu, block_seq, block_row,
              mask=rmask[:, None] & cmask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["in_slots", "out_slots", "cu"])
 def _conv_state_kernel(x, state_in, in_slots, state_out, out_slots, cu,
                        sx_t, si_n, si_c, si_k, so_n, so_c, so_k, C,
                        KM1: tl.constexpr, BKS: tl.constexpr, BC: tl.constexpr):
@@ -87,7 +87,7 @@ def _conv_state_kernel(x, state_in, in_slots, state_out, out_slots, cu,
              new.to(state_out.dtype.element_ty), mask=cmask[:, None] & jmask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["slots"])
 def _conv_update_kernel(x, w, out, state, slots, sx_b, sw_c, sw_k, so_b, ss_n, ss_c, ss_k, C,
                         KM1: tl.constexpr, BKS: tl.constexpr, BC: tl.constexpr):
     b = tl.program_id(0)

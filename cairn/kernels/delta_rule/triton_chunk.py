@@ -81,7 +81,7 @@ def _invert_unit_lower(a, PREC: tl.constexpr):
     return tl.dot(series, d_inv, input_precision=PREC)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["chunk_start", "chunk_len"])
 def _chunk_prepare_kernel(k_ptr, v_ptr, g_ptr, b_ptr, chunk_start, chunk_len, gbuf, wbuf, ubuf,
                           sv_t, sv_h, sg_t, sb_t, H_k, H_v, Dk, Dv,
                           RATIO: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr, DT: tl.constexpr,
@@ -123,7 +123,7 @@ def _chunk_prepare_kernel(k_ptr, v_ptr, g_ptr, b_ptr, chunk_start, chunk_len, gb
                  mask=(dv < Dv)[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["chunk_start", "chunk_len", "chunk_save", "seq_chunks", "slots"])
 def _chunk_scan_kernel(k_ptr, chunk_start, chunk_len, chunk_save, seq_chunks, gbuf, wbuf, ubuf, hbuf,
                        pool, slots, saved, sp_n, sp_h, sp_k, sp_v, H_k, H_v, Dk, Dv,
                        RATIO: tl.constexpr, HK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr,
@@ -177,7 +177,7 @@ def _chunk_scan_kernel(k_ptr, chunk_start, chunk_len, chunk_save, seq_chunks, gb
 
 
 @tc.tuned(OUT_CONFIGS, key=["Dk", "Dv", "RATIO"])
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["chunk_start", "chunk_len"])
 def _chunk_out_kernel(q_ptr, k_ptr, out, chunk_start, chunk_len, gbuf, hbuf, ubuf, so_t, so_h, H_k, H_v, Dk, Dv,
                       RATIO: tl.constexpr, KB: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr,
                       PREC: tl.constexpr):

@@ -27,7 +27,7 @@ from cairn.kernels.delta_rule.tuning import STEP_TUNE
 F32 = tl.float32
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["slots", "cu"])
 def _recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, out, pool, slots, cu,
                       sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sg_t, sb_t, so_t, so_h,
                       sp_n, sp_h, sp_k, sp_v, scale, Dk, Dv,

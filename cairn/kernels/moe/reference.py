@@ -35,14 +35,9 @@ from cairn.kernels.common.checks import check_moe, check_shared_expert
 from cairn.kernels.moe.expert import SharedExpert
 
 
-def align_size(pairs: int, num_experts: int, block_m: int) -> int:
-    """MAX_PADDED of `align`: the most any routing of `pairs` pairs over `num_experts` pads to."""
-    return -(-(pairs + num_experts * (block_m - 1)) // block_m) * block_m
-
-
 def align(ids: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, Tensor, Tensor]:
     n = ids.shape[0]
-    max_padded = align_size(n, num_experts, block_m)
+    max_padded = -(-(n + num_experts * (block_m - 1)) // block_m) * block_m
     sorted_pairs = torch.full((max_padded,), n, dtype=torch.int32)
     block_expert = torch.full((max_padded // block_m,), num_experts, dtype=torch.int32)
     start = 0

@@ -43,7 +43,6 @@ from torch import Tensor
 from cairn.kernels.common import triton_helpers as tc
 from cairn.kernels.common.checks import check_moe, check_shared_expert
 from cairn.kernels.moe.expert import SharedExpert, shared_expert
-from cairn.kernels.moe.reference import align_size
 from cairn.kernels.moe.tuning import (ALIGN_CHUNKS, ALIGN_FILL_BLOCKS, ALIGN_TILE, DOWN_CONFIGS, GATE_UP_CONFIGS,
                                      GEMM_K, GEMM_N, SUM_BLOCK_H, block_m)
 
@@ -273,7 +272,7 @@ def align(ids: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, Tensor, 
     step = max(1, ALIGN_TILE // block_e)  # pairs a pass: the [pairs, experts] one-hot tile stays ALIGN_TILE
     chunk = max(step, tc.pow2(triton.cdiv(n, ALIGN_CHUNKS), least=1))
     chunks = max(1, triton.cdiv(n, chunk))
-    max_padded = align_size(n, num_experts, block_m)
+    max_padded = triton.cdiv(n + num_experts * (block_m - 1), block_m) * block_m  # any routing's most
     max_blocks = max_padded // block_m
     offsets = tc.empty(chunks, block_e, dtype=torch.int32, device=dev)
     expert_start = tc.empty(block_e, dtype=torch.int32, device=dev)

@@ -80,7 +80,7 @@ def _norm_rope_row(src, dst, w, inv_freq, pos, s_src, s_dst, D, eps, HALF: tl.co
 
 
 @tc.tuned(ROW_WARPS, key=["D"])
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["positions"])
 def _qk_norm_rope_kernel(q, k, qo, ko, wq, wk, inv_freq, positions, sq_t, sq_h, sk_t, sk_h, sqo_t, sqo_h, sko_t,
                          sko_h, HQ, D, eps, HALF: tl.constexpr, BD: tl.constexpr, BH: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)

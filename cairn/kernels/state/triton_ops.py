@@ -24,7 +24,7 @@ from cairn.kernels.common.checks import check_copy_slots, expect
 from cairn.kernels.state.tuning import BLOCK
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["src_slots", "dst_slots"])
 def _copy_slots_kernel(pool, src_slots, dst_slots, slot_stride, slot_numel, BLOCK: tl.constexpr):
     i = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)

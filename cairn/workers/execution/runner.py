@@ -41,6 +41,8 @@ from cairn.workers.model.packed_linear import pack_linears
 from cairn.workers.plan import COPY, DEMOTE, IMPORT, MOVE, PROMOTE, BlockCopy, StepPlan
 from cairn.workers.execution.step_work import StepWork, checkpoint_tables
 
+UPLOAD_ALIGN = 16  # bytes: Triton specialises a pointer on 16-byte alignment
+
 
 class ModelRunner:
     def __init__(self, model: HybridForCausalLM, layout: ArenaLayout, page_size: int, max_rows: int):
@@ -220,30 +222,32 @@ class ModelRunner:
         return torch.tensor(values, dtype=torch.long, device=device or self.device)
 
     @staticmethod
-    def _by_dtype(arrays: dict[str, np.ndarray]) -> tuple[list[str], list[str]]:
-        """The arrays' names, int64 ones then int32 ones: how `upload` lays them out."""
-        wide = [n for n, a in arrays.items() if a.dtype == np.int64]
-        narrow = [n for n, a in arrays.items() if a.dtype == np.int32]
-        if len(wide) + len(narrow) != len(arrays):
-            raise TypeError(f"step arrays are int64 or int32, got {sorted({str(a.dtype) for a in arrays.values()})}")
-        return wide, narrow
+    def _layout(arrays: dict[str, np.ndarray]) -> tuple[dict[str, int], int]:
+        """Where `upload` puts each array in its packed buffer (byte offsets, each a multiple of
+        UPLOAD_ALIGN, so every view starts as aligned as a fresh allocation: the kernels that read
+        them compile once, not once per alignment a step's sizes happen to give), and the size."""
+        offsets, end = {}, 0
+        for name, a in arrays.items():
+            if a.dtype not in (np.int64, np.int32):
+                raise TypeError(f"step arrays are int64 or int32, got {a.dtype} for {name}")
+            offsets[name] = end
+            end += -(-a.nbytes // UPLOAD_ALIGN) * UPLOAD_ALIGN
+        return offsets, max(UPLOAD_ALIGN, end)
 
     def packed_bytes(self, arrays: dict[str, np.ndarray]) -> int:
-        return max(8, sum(a.nbytes for a in arrays.values()))
+        return self._layout(arrays)[1]
 
     def upload(self, arrays: dict[str, np.ndarray], into: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-        """The arrays on the device, in one copy: packed into one host buffer, the int64 ones first
-        and then the int32 ones (on CUDA a pinned buffer, copied without blocking the host; the
-        next step's sampled ids, read back, come after that copy, so the two alternating buffers
-        are free again by then), then viewed by name: a handful of ops whatever the number of
-        arrays. `into`: a device buffer of `packed_bytes` to copy into (a decode graph's inputs),
-        instead of a new one."""
-        wide, narrow = self._by_dtype(arrays)
-        parts = [np.ascontiguousarray(arrays[n]).reshape(-1).view(np.uint8) for n in wide + narrow]
-        size = self.packed_bytes(arrays)
+        """The arrays on the device, in one copy: packed into one host buffer, each at an offset
+        aligned to UPLOAD_ALIGN bytes (on CUDA a pinned buffer, copied without blocking the host;
+        the next step's sampled ids, read back, come after that copy, so the two alternating
+        buffers are free again by then), then viewed by name: a handful of ops whatever the
+        number of arrays. `into`: a device buffer of `packed_bytes` to copy into (a decode graph's
+        inputs), instead of a new one."""
+        offsets, size = self._layout(arrays)
         packed = np.zeros(size, dtype=np.uint8)
-        if parts:
-            np.concatenate(parts, out=packed[:sum(p.size for p in parts)])
+        for name, a in arrays.items():
+            packed[offsets[name]:offsets[name] + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
         host = torch.from_numpy(packed)
         if self.device.type == "cuda":
             self._staging = self._staging[::-1]
@@ -258,14 +262,9 @@ class ModelRunner:
         elif self.device.type == "cuda":
             host = host.to(self.device, non_blocking=True)
         out = {}
-        split = sum(arrays[n].nbytes for n in wide)
-        for names, region, dtype in ((wide, host[:split], torch.int64), (narrow, host[split:size], torch.int32)):
-            if not names:
-                continue
-            sizes = [arrays[n].size for n in names]
-            flat = region[:sum(sizes) * dtype.itemsize].view(dtype)
-            for name, t in zip(names, torch.split(flat, sizes)):
-                out[name] = t if arrays[name].ndim == 1 else t.view(arrays[name].shape)
+        for name, a in arrays.items():
+            dtype = torch.int64 if a.dtype == np.int64 else torch.int32
+            out[name] = host[offsets[name]:offsets[name] + a.nbytes].view(dtype).view(a.shape)
         return out
 
     def use_decode_graphs(self, max_num_seqs: int, width: int, capture: bool) -> None:
