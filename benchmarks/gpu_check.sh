@@ -1,20 +1,27 @@
 #!/usr/bin/env bash
-# The GPU checks as one command, each logged to LOG_DIR (about 8 minutes on one H200):
+# The GPU checks as one command, each logged to LOG_DIR (meant to take under 8 minutes on one
+# H200, the GPU tests more than 3 of them):
 # - `pytest -m gpu`: every kernel against its reference at Qwen shapes (the fused MoE at E = 512,
 #   k = 10 and E = 256, k = 8 in bf16, with its shared expert; the fused norms, rotary and gates),
 #   decode-graph replay against eager, the engine on CUDA against the CPU path;
-# - benchmarks/kernel_speed.py with flash-linear-attention beside it;
-# - benchmarks/step_cost.py --measure: decode (1, 64, 256 running) and 4k-prefill step times of a
-#   Qwen3.5-35B-A3B-shaped engine with random bf16 weights (about 70 GB), beside the projection
-#   from its launch and sync counts, and output tokens/s at 64 running.
+# - benchmarks/kernel_speed.py with flash-linear-attention beside it, its fractions of the GPU's
+#   peaks written to LOG_DIR/kernel_speed.json;
+# - benchmarks/moe_tiles.py: the MoE's align and each expert-GEMM tile candidate, timed alone;
+# - benchmarks/step_cost.py --measure --profile --calibrate LOG_DIR/kernel_speed.json: every step
+#   of a Qwen3.5-35B-A3B-shaped engine with random bf16 weights (about 70 GB), its warm-up time,
+#   each step warm (median, min-max) and the first time, first / warm, beside the projection at the
+#   kernels' measured efficiencies; output tokens/s at 64 running; the top kernels of a warm 4k prefill.
 #
 #   bash benchmarks/gpu_check.sh [LOG_DIR]   (default: benchmarks/out/gpu-check, or
 #                                             $CAIRN_BENCH_OUT/gpu-check when that is set)
+#   GPU_CHECK_TESTS=0 bash benchmarks/gpu_check.sh       the benchmarks alone (a few minutes)
+#   GPU_CHECK_TESTS='moe or graph' bash benchmarks/gpu_check.sh   the GPU tests pytest -k selects
 #   bash benchmarks/gpu_check.sh fetch       downloads the flash-linear-attention wheels into
 #                                            .whl/ (ignored by git), for a GPU machine without PyPI
 #
 # What the machine needs:
-# - an NVIDIA GPU with its driver (nvidia-smi) and a CUDA build of torch 2.13.0, with triton;
+# - an NVIDIA GPU with its driver (nvidia-smi) and a CUDA build of torch (a GPU image's 2.11 or later;
+#   pyproject pins 2.13.0), with triton;
 # - nothing of cairn installed: it runs from this checkout (python3 -m pytest and the benchmarks
 #   put its root on the path, where the one package `cairn` is), with torch, triton, numpy,
 #   transformers, safetensors, tokenizers, jinja2, msgpack and pytest; pydantic, FastAPI, Ray,
@@ -25,7 +32,7 @@
 #   importable, transformers runs fla's GPU kernels in Qwen3-Next, which fail on the CPU tensors
 #   of the tests' oracle. Without them kernel_speed.py still runs; its fla column stays empty.
 #
-# Exit status: nonzero when there is no GPU, or when pytest or kernel_speed.py failed.
+# Exit status: nonzero when there is no GPU, or when pytest or a benchmark failed.
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 FLA=(fla-core==0.6.0 einops==0.8.2)
@@ -51,11 +58,20 @@ sys.exit(0 if torch.cuda.is_available() else 'gpu_check.sh: this torch has no CU
     exit 1
 fi
 
-# only the files that hold GPU tests: collecting the rest would import what a bare GPU image lacks
-# (pydantic, FastAPI, Ray, llguidance, Redis)
-python3 -m pytest -m gpu -q -p no:cacheprovider -rs tests/kernels/test_triton_gpu.py tests/workers/test_tensor_parallel.py \
-    2>&1 | tee "$LOGS/pytest_gpu.log"
-tests=${PIPESTATUS[0]}
+# GPU_CHECK_TESTS: unset or 1, every GPU test; 0, none; anything else, a pytest -k expression.
+# Only the files that hold GPU tests: collecting the rest would import what a bare GPU image lacks
+# (pydantic, FastAPI, Ray, llguidance, Redis).
+wanted=${GPU_CHECK_TESTS:-1}
+if [ "$wanted" = 0 ]; then
+    echo "pytest -m gpu: skipped (GPU_CHECK_TESTS=0)" | tee "$LOGS/pytest_gpu.log"
+    tests=0
+else
+    select=()
+    [ "$wanted" = 1 ] || select=(-k "$wanted")
+    python3 -m pytest -m gpu -q -p no:cacheprovider -rs "${select[@]}" tests/kernels/test_triton_gpu.py \
+        tests/workers/test_tensor_parallel.py 2>&1 | tee "$LOGS/pytest_gpu.log"
+    tests=${PIPESTATUS[0]}
+fi
 
 fla_site=$(mktemp -d)
 if compgen -G ".whl/*.whl" >/dev/null; then
@@ -63,18 +79,26 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 else
     from=("${FLA[@]}")
 fi
-if python3 -m pip install -q --no-deps --no-compile --no-cache-dir --target "$fla_site" "${from[@]}" \
+if ! python3 -m pip install -q --no-deps --no-compile --no-cache-dir --target "$fla_site" "${from[@]}" \
         >"$LOGS/fla_install.log" 2>&1; then
-    export PYTHONPATH="$fla_site${PYTHONPATH:+:$PYTHONPATH}"
-else
     echo "flash-linear-attention not installed (see $LOGS/fla_install.log): the fla column stays empty"
 fi
-python3 benchmarks/kernel_speed.py 2>&1 | tee "$LOGS/kernel_speed.log"
+rm -f "$LOGS/kernel_speed.json"
+PYTHONPATH="$fla_site${PYTHONPATH:+:$PYTHONPATH}" python3 benchmarks/kernel_speed.py \
+    --json-out "$LOGS/kernel_speed.json" 2>&1 | tee "$LOGS/kernel_speed.log"
 bench=${PIPESTATUS[0]}
 rm -rf "$fla_site"
-python3 benchmarks/step_cost.py --shapes qwen3.5-35b-a3b --steps "decode x1,decode x64,decode x256,prefill 4k" \
-    --measure 2>&1 | tee "$LOGS/step_cost.log"
+python3 benchmarks/moe_tiles.py 2>&1 | tee "$LOGS/moe_tiles.log"
+tiles=${PIPESTATUS[0]}
+calibrate=()
+if [ -s "$LOGS/kernel_speed.json" ]; then
+    calibrate=(--calibrate "$LOGS/kernel_speed.json")
+else
+    echo "no $LOGS/kernel_speed.json: step_cost.py projects uncalibrated"
+fi
+python3 benchmarks/step_cost.py --shapes qwen3.5-35b-a3b --measure --profile "${calibrate[@]}" \
+    2>&1 | tee "$LOGS/step_cost.log"
 steps=${PIPESTATUS[0]}
-echo "pytest -m gpu: exit $tests; benchmarks/kernel_speed.py: exit $bench; benchmarks/step_cost.py: exit $steps;" \
-     "logs in $LOGS"
-exit $(( tests || bench || steps ))
+echo "pytest -m gpu: exit $tests; benchmarks/kernel_speed.py: exit $bench; benchmarks/moe_tiles.py: exit $tiles;" \
+     "benchmarks/step_cost.py: exit $steps; logs in $LOGS"
+exit $(( tests || bench || tiles || steps ))

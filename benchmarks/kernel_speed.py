@@ -1,29 +1,40 @@
-"""Time every Triton kernel on a GPU at Qwen3-Next-80B shapes, against the torch reference and,
-for the chunked delta rule, flash-linear-attention, all measured in the same run.
+"""Time every Triton kernel on a GPU at Qwen3-Next-80B shapes (the MoE at Qwen3.5-35B-A3B's),
+against the torch reference and, for the chunked delta rule, flash-linear-attention, all measured
+in the same run.
 
 Shapes: attention 16 query / 2 KV heads of 256, pages of 16 tokens; Gated DeltaNet 16 key / 32
-value heads of 128, conv over 2*16*128 + 32*128 = 8192 channels of width 4; bf16 data, fp32
-states; batch and context sizes typical of serving (see CASES below).
+value heads of 128, conv over 2*16*128 + 32*128 = 8192 channels of width 4; the fused MoE at H =
+2048, I = 512, 256 experts, top 8, with and without a shared expert of width 512, and its align
+alone; bf16 data, fp32 states; batch and context sizes typical of serving (see the *_cases below).
 
 For each case it prints the median time (triton.testing.do_bench), the bytes the op must move at
-least (reads + writes of its inputs, outputs and states) as GB/s and as a fraction of the device's
-peak memory bandwidth, its FLOPs as TFLOP/s and a fraction of peak bf16 tensor throughput, the
-reference's time, and fla's where it applies. Peaks come from the device's datasheet (H200: 4.8
-TB/s, 989 TFLOP/s dense bf16); a device-to-device copy measured here is printed beside them.
-Goals (H200): decode attention and the recurrent step >= 70% of peak bandwidth; chunked prefill
-<= 1.2x fla's time at the same shapes, states included.
+least (reads + writes of its inputs, outputs and states; the MoE: the experts its routing touches)
+as GB/s and as a fraction of the device's peak memory bandwidth, its FLOPs as TFLOP/s and a
+fraction of peak bf16 tensor throughput, the reference's time, and fla's where it applies. Peaks
+come from the device's datasheet (H200: 4.8 TB/s, 989 TFLOP/s dense bf16); a device-to-device copy
+measured here is printed beside them. Goals (H200): decode attention and the recurrent step >= 70%
+of peak bandwidth; chunked prefill <= 1.2x fla's time at the same shapes, states included; the
+MoE's align <= 30 us at 4096 x 8 pairs, <= 10 us at 64 x 8.
+
+--json-out FILE writes every case for benchmarks/step_cost.py --calibrate:
+    {"gpu": device name, "peaks": {"bytes_per_s": .., "bf16_flops_per_s": ..} or null,
+     "ops": {op: [{"shape": str, "tokens": the tokens the op takes, "ms": .., "bytes": .., "flops": ..,
+                   "fraction_of_bandwidth": .., "fraction_of_peak_flops": ..,
+                   "fraction_of_limit": max of the two (the op's limit time / its time)}, ...]}}
+with null for a fraction no peak gives (--check, an unknown device).
 
 flash-linear-attention (fla-core, with einops): gpu_check.sh puts it on this script's path alone;
 without it the fla column says so. Not a test: nothing here asserts.
 
-Usage: python3 benchmarks/kernel_speed.py [--quick]     (needs a CUDA device)
-       python3 benchmarks/kernel_speed.py --check       (CPU: tiny shapes through interpreted Triton,
-                                                   proving the script runs; its numbers mean nothing)
+Usage: python3 benchmarks/kernel_speed.py [--quick] [--json-out FILE]    (needs a CUDA device)
+       python3 benchmarks/kernel_speed.py --check [--json-out FILE]      (CPU: tiny shapes through
+                                     interpreted Triton, proving the script runs; its numbers mean nothing)
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -35,6 +46,8 @@ from typing import Callable
 ARGS = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 ARGS.add_argument("--check", action="store_true", help="CPU self-check at tiny shapes, Triton interpreted")
 ARGS.add_argument("--quick", action="store_true", help="the first shape of each op only")
+ARGS.add_argument("--json-out", metavar="FILE", help="also write every case's fractions of the peaks (step_cost.py "
+                                                      "--calibrate reads it)")
 OPTS = ARGS.parse_args()
 if OPTS.check:
     os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported, so every @triton.jit is interpreted
@@ -46,6 +59,8 @@ import torch.nn.functional as F  # noqa: E402
 from cairn.kernels.attention import reference as attention_ref  # noqa: E402
 from cairn.kernels.conv import reference as conv_ref  # noqa: E402
 from cairn.kernels.delta_rule import reference as delta_ref  # noqa: E402
+from cairn.kernels.moe import SharedExpert  # noqa: E402
+from cairn.kernels.moe import reference as moe_ref  # noqa: E402
 from cairn.kernels.state import reference as state_ref  # noqa: E402
 
 
@@ -55,7 +70,7 @@ def _namespace(*modules) -> SimpleNamespace:
                               if not n.startswith("_") and callable(getattr(m, n))})
 
 
-reference = _namespace(attention_ref, conv_ref, delta_ref, state_ref)  # the ops' oracles
+reference = _namespace(attention_ref, conv_ref, delta_ref, moe_ref, state_ref)  # the ops' oracles
 
 PEAKS = {"H200": (4.8e12, 989e12), "H100": (3.35e12, 989e12), "A100": (2.0e12, 312e12)}  # bytes/s, bf16 FLOP/s
 
@@ -68,12 +83,18 @@ class Case:
     ref: Callable[[], object] | None
     bytes: float
     flops: float
+    tokens: int  # the tokens the op takes (batch rows at decode): what a calibration looks a case up by
     fla: Callable[[], object] | None = None
     goal: str = ""
+    max_us: float | None = None  # a goal in microseconds
 
 
 def fmt(x: float, spec: str) -> str:
     return "-" if x != x else format(x, spec)  # nan (not measured, no peak) prints as "-"
+
+
+def known(x: float) -> float | None:
+    return None if x != x else x  # nan: not measured, or no peak
 
 
 def bench(fn: Callable[[], object], device: str) -> float:
@@ -84,6 +105,7 @@ def bench(fn: Callable[[], object], device: str) -> float:
         return 1e3 * (time.perf_counter() - start)
     from triton.testing import do_bench
 
+    fn()  # compiles and autotunes first: do_bench sizes its repeats from its first call's time
     return do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
@@ -108,14 +130,15 @@ def attention_cases(ops, dev: str, dt: torch.dtype, small: bool) -> list[Case]:
     q, kc, vc, *_ = paged([tokens], [1])
     slots = torch.arange(tokens, device=dev)
     cases.append(Case("store_kv", f"T={tokens}", lambda: ops.store_kv(kv[0], kv[1], kc, vc, slots),
-                      lambda: reference.store_kv(kv[0], kv[1], kc, vc, slots), 2 * tokens * size, 0))
+                      lambda: reference.store_kv(kv[0], kv[1], kc, vc, slots), 2 * tokens * size, 0, tokens=tokens))
     for batch, ctx in [(4, 40)] if small else [(64, 4096), (256, 2048), (16, 16384), (1, 65536)]:
         q, kc, vc, table, _, lens = paged([ctx] * batch, [1] * batch)
         cases.append(Case("decode attention", f"B={batch} ctx={ctx}",
                           lambda q=q, kc=kc, vc=vc, t=table, n=lens: ops.paged_attention_decode(q, kc, vc, t, n, scale),
                           (lambda q=q, kc=kc, vc=vc, t=table, n=lens: reference.paged_attention_decode(
                               q, kc, vc, t, n, scale)) if batch * ctx <= 2**20 else None,  # its fp32 gather: <= 2 GB
-                          batch * ctx * size + 2 * q.numel() * dt.itemsize, 4 * batch * ctx * h_q * d, goal="bw>=70%"))
+                          batch * ctx * size + 2 * q.numel() * dt.itemsize, 4 * batch * ctx * h_q * d, tokens=batch,
+                          goal="bw>=70%"))
     for cached, new in [([0], [70])] if small else [([0], [8192]), ([2048] * 4, [2048] * 4)]:
         lens = [c + n for c, n in zip(cached, new)]
         q, kc, vc, table, cu, seq = paged(lens, new)
@@ -125,7 +148,7 @@ def attention_cases(ops, dev: str, dt: torch.dtype, small: bool) -> list[Case]:
                                                                                                        s, scale),
                           lambda q=q, kc=kc, vc=vc, t=table, cu=cu, s=seq: reference.paged_attention_prefill(
                               q, kc, vc, t, cu, s, scale),
-                          sum(lens) * size + 2 * q.numel() * dt.itemsize, 4 * pairs * h_q * d))
+                          sum(lens) * size + 2 * q.numel() * dt.itemsize, 4 * pairs * h_q * d, tokens=sum(new)))
     return cases
 
 
@@ -163,7 +186,7 @@ def delta_cases(ops, dev: str, dt: torch.dtype, small: bool, fla) -> list[Case]:
                           lambda a=(q, k, v, g, beta, cu, pool, slots): ops.chunk_gated_delta_rule_varlen(*a),
                           (lambda a=(q, k, v, g, beta, cu, pool.clone(), slots):
                            reference.chunk_gated_delta_rule_varlen(*a)) if tokens <= 8192 else None,
-                          io, flops, fla=fla_run, goal="<=1.2x fla"))
+                          io, flops, tokens=tokens, fla=fla_run, goal="<=1.2x fla"))
     for batch in [3] if small else [1, 32, 128, 256]:
         q, k, v, g, beta = inputs(batch)
         pool = torch.zeros(batch, h_v, dk, dv, device=dev)
@@ -171,7 +194,7 @@ def delta_cases(ops, dev: str, dt: torch.dtype, small: bool, fla) -> list[Case]:
         cases.append(Case("recurrent step", f"B={batch}",
                           lambda a=(q, k, v, g, beta, pool, slots): ops.gated_delta_rule_step_slots(*a),
                           lambda a=(q, k, v, g, beta, pool, slots): reference.gated_delta_rule_step_slots(*a),
-                          2 * batch * state_bytes, batch * h_v * 6 * dk * dv, goal="bw>=70%"))
+                          2 * batch * state_bytes, batch * h_v * 6 * dk * dv, tokens=batch, goal="bw>=70%"))
     return cases
 
 
@@ -187,20 +210,55 @@ def conv_and_slot_cases(ops, dev: str, dt: torch.dtype, small: bool) -> list[Cas
         cases.append(Case("conv1d varlen", f"{len(lens)}x{lens[0]} tokens",
                           lambda a=(x, weight, cu, pool, slots): ops.causal_conv1d_varlen(*a),
                           lambda a=(x, weight, cu, pool, slots): reference.causal_conv1d_varlen(*a),
-                          2 * x.numel() * dt.itemsize, 2 * x.numel() * width))
+                          2 * x.numel() * dt.itemsize, 2 * x.numel() * width, tokens=sum(lens)))
     batch = 4 if small else 256
     x = torch.randn(batch, channels, device=dev, dtype=dt)
     state = torch.zeros(batch, channels, width - 1, device=dev, dtype=dt)
     cases.append(Case("conv1d update", f"B={batch}", lambda: ops.causal_conv1d_update(x, weight, state),
                       lambda: reference.causal_conv1d_update(x, weight, state),
-                      (2 * x.numel() + 2 * state.numel()) * dt.itemsize, 2 * x.numel() * width))
+                      (2 * x.numel() + 2 * state.numel()) * dt.itemsize, 2 * x.numel() * width, tokens=batch))
     layers, n, h_v, dk = (2, 2, 4, 32) if small else (36, 8, 32, 128)  # Qwen3-Next-80B: 36 DeltaNet layers
     ssm = torch.zeros(2 * n, layers, h_v, dk, dk, device=dev)
     src, dst = torch.arange(n, device=dev), torch.arange(n, 2 * n, device=dev)
     cases.append(Case("copy_state_slots", f"{n} checkpoints x {layers} layers",
                       lambda: ops.copy_state_slots([ssm], src, dst),
                       lambda: reference.copy_state_slots([ssm], src, dst),
-                      2 * n * ssm[0].numel() * 4, 0))
+                      2 * n * ssm[0].numel() * 4, 0, tokens=0))  # states, no tokens
+    return cases
+
+
+def moe_cases(ops, dev: str, dt: torch.dtype, small: bool) -> list[Case]:
+    """The fused MoE with its shared expert (the model's path) and without; then its align alone,
+    where the op folder has one (block_m as fused_moe picks it: 64 for prefills, 16 at decode)."""
+    H, I, E, k = (64, 32, 8, 2) if small else (2048, 512, 256, 8)
+    gate_up = torch.randn(E, 2 * I, H, device=dev, dtype=dt) * H ** -0.5
+    down = torch.randn(E, H, I, device=dev, dtype=dt) * I ** -0.5
+    shared = SharedExpert(*(torch.randn(*shape, device=dev, dtype=dt) * H ** -0.5
+                            for shape in ((I, H), (I, H), (H, I), (1, H))))
+    expert_bytes = 3 * H * I * dt.itemsize  # one expert's gate, up and down (the shared one's too)
+    cases, batches = [], []
+    for T in [40, 3] if small else [4096, 64]:
+        x, logits = torch.randn(T, H, device=dev, dtype=dt), torch.randn(T, E, device=dev, dtype=dt)
+        touched = logits.topk(k, dim=-1).indices.unique().numel()  # the experts this routing reads
+        batches.append((T, x, logits, touched, (2 * x.numel() + logits.numel()) * dt.itemsize))
+    for op, sh in (("moe experts", shared), ("moe experts, routed", None)):
+        for T, x, logits, touched, io in batches:
+            more_bytes, more_flops = (expert_bytes, 2 * 3 * T * H * I + 2 * T * H) if sh is not None else (0, 0)
+            cases.append(Case(op, f"T={T} k={k}" + (" +shared" if sh is not None else ""),
+                              lambda x=x, lg=logits, sh=sh: ops.fused_moe(x, lg, gate_up, down, k, True, sh),
+                              (lambda x=x, lg=logits, sh=sh: reference.fused_moe(x, lg, gate_up, down, k, True, sh))
+                              if T <= 64 else None,  # the reference loops over tokens
+                              touched * expert_bytes + more_bytes + io, 2 * 3 * T * k * H * I + more_flops, tokens=T))
+    align = getattr(ops, "align", None)
+    if align is None:
+        print("align: not available (cairn.kernels.moe.triton_ops has no align)")
+        return cases
+    for T, block_m, goal_us in [(40, 16, 30.0), (3, 16, 10.0)] if small else [(4096, 64, 30.0), (64, 16, 10.0)]:
+        ids = torch.rand(T, E, device=dev).topk(k, dim=-1).indices.flatten().to(torch.int32)
+        sorted_pairs, block_expert, _ = align(ids, E, block_m)
+        written = (sorted_pairs.numel() + block_expert.numel() + 1) * 4
+        cases.append(Case("moe align", f"{T}x{k} pairs, {E} experts", lambda ids=ids, b=block_m: align(ids, E, b),
+                          None, ids.numel() * 4 + written, 0, tokens=T, max_us=goal_us))
     return cases
 
 
@@ -209,9 +267,38 @@ def triton_ops() -> SimpleNamespace:
     from cairn.kernels.attention import triton_ops as attention
     from cairn.kernels.conv import triton_ops as conv
     from cairn.kernels.delta_rule import triton_chunk, triton_recurrent
+    from cairn.kernels.moe import triton_ops as moe
     from cairn.kernels.state import triton_ops as state
 
-    return _namespace(attention, conv, triton_chunk, triton_recurrent, state)
+    return _namespace(attention, conv, triton_chunk, triton_recurrent, moe, state)
+
+
+def verdict(c: Case, dev: str, ms: float, bw_fraction: float, fla_ms: float) -> str:
+    """Whether the case met its goal (on a GPU only: interpreted times mean nothing)."""
+    if dev != "cuda":
+        return ""
+    if c.max_us is not None:
+        return f"{'met' if ms * 1e3 <= c.max_us else 'MISSED'}: {ms * 1e3:.1f} us <= {c.max_us:.0f} us"
+    if c.goal == "bw>=70%" and bw_fraction == bw_fraction:
+        return f"{'met' if bw_fraction >= 0.7 else 'MISSED'}: {c.goal}"
+    if c.goal and c.fla is not None:
+        return f"{'met' if ms <= 1.2 * fla_ms else 'MISSED'}: {c.goal}"
+    return ""
+
+
+def run_case(c: Case, dev: str, bw: float, flop: float) -> dict:
+    """Times one case and prints its row; returns its record for --json-out."""
+    ms = bench(c.triton, dev)
+    ref_ms = bench(c.ref, dev) if c.ref is not None else float("nan")  # None: too large to gather
+    fla_ms = bench(c.fla, dev) if c.fla is not None else float("nan")
+    gbs, tfs = c.bytes / ms / 1e6, c.flops / ms / 1e9
+    bw_fraction, flop_fraction = gbs * 1e9 / bw, tfs * 1e12 / flop  # nan without peaks
+    print(f"{c.op:<20}{c.shape:<28}{ms:>9.3f}{gbs:>8.0f}{fmt(bw_fraction, '.0%'):>6}{tfs:>9.1f}"
+          f"{fmt(flop_fraction, '.0%'):>7}{fmt(ref_ms, '.3f'):>10}{fmt(ref_ms / ms, '.1f') + 'x':>8}"
+          f"{fmt(fla_ms, '.3f'):>9}{fmt(ms / fla_ms, '.2f') + 'x':>8}  {verdict(c, dev, ms, bw_fraction, fla_ms)}")
+    return dict(shape=c.shape, tokens=c.tokens, ms=ms, bytes=c.bytes, flops=c.flops,
+                fraction_of_bandwidth=known(bw_fraction), fraction_of_peak_flops=known(flop_fraction),
+                fraction_of_limit=known(max(bw_fraction, flop_fraction)))
 
 
 def main() -> None:
@@ -232,7 +319,7 @@ def main() -> None:
         except ImportError:
             fla = None
     cases = attention_cases(ops, dev, dt, small) + delta_cases(ops, dev, dt, small, fla) + \
-        conv_and_slot_cases(ops, dev, dt, small)
+        conv_and_slot_cases(ops, dev, dt, small) + moe_cases(ops, dev, dt, small)
     if OPTS.quick:
         cases = [c for i, c in enumerate(cases) if i == 0 or cases[i - 1].op != c.op]
     print(f"device: {name}; peaks: {fmt(bw / 1e12, '.2f')} TB/s, {fmt(flop / 1e12, '.0f')} TFLOP/s bf16 dense")
@@ -245,19 +332,13 @@ def main() -> None:
     fla_note = "" if fla is not None or dev == "cpu" else " (fla not installed: its column is empty)"
     print(f"{'op':<20}{'shape':<28}{'ms':>9}{'GB/s':>8}{'%bw':>6}{'TFLOP/s':>9}{'%flop':>7}"
           f"{'ref ms':>10}{'vs ref':>8}{'fla ms':>9}{'vs fla':>8}  goal{fla_note}")
+    ops_measured: dict[str, list[dict]] = {}
     for c in cases:
-        ms = bench(c.triton, dev)
-        ref_ms = bench(c.ref, dev) if c.ref is not None else float("nan")  # None: too large to gather
-        fla_ms = bench(c.fla, dev) if c.fla is not None else float("nan")
-        gbs, tfs = c.bytes / ms / 1e6, c.flops / ms / 1e9
-        verdict = ""
-        if c.goal == "bw>=70%" and bw == bw:
-            verdict = f"{'met' if gbs * 1e9 / bw >= 0.7 else 'MISSED'}: {c.goal}"
-        elif c.goal and c.fla is not None:
-            verdict = f"{'met' if ms <= 1.2 * fla_ms else 'MISSED'}: {c.goal}"
-        print(f"{c.op:<20}{c.shape:<28}{ms:>9.3f}{gbs:>8.0f}{fmt(gbs * 1e9 / bw, '.0%'):>6}{tfs:>9.1f}"
-              f"{fmt(tfs * 1e12 / flop, '.0%'):>7}{fmt(ref_ms, '.3f'):>10}{fmt(ref_ms / ms, '.1f') + 'x':>8}"
-              f"{fmt(fla_ms, '.3f'):>9}{fmt(ms / fla_ms, '.2f') + 'x':>8}  {verdict}")
+        ops_measured.setdefault(c.op, []).append(run_case(c, dev, bw, flop))
+    if OPTS.json_out:
+        peaks = None if bw != bw else dict(bytes_per_s=bw, bf16_flops_per_s=flop)
+        Path(OPTS.json_out).write_text(json.dumps(dict(gpu=name, peaks=peaks, ops=ops_measured), indent=1) + "\n")
+        print(f"wrote {OPTS.json_out} (benchmarks/step_cost.py --calibrate reads it)")
 
 
 if __name__ == "__main__":

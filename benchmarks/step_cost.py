@@ -1,28 +1,37 @@
-"""What one engine step would cost on a GPU, counted on CPU through the real engine path, and
-projected onto a named GPU against that step's bandwidth and FLOP limit.
+"""What one engine step would cost on a GPU, counted on CPU through the real engine path, projected
+onto a named GPU, and (--measure) timed on a device beside the projection.
 
-    python3 benchmarks/step_cost.py [--shapes qwen3-next-80b,...] [--gpu h200] [--quick] [--json]
+    python3 benchmarks/step_cost.py [--shapes qwen3-next-80b,...] [--steps NAMES] [--gpu h200] [--quick]
+        [--json] [--sites] [--calibrate KERNEL_SPEED.json] [--measure [--measure-device cpu] [--repeats N]
+        [--profile]]
 
 For each model shape (real layer count, layer pattern, head counts, experts and top-k; tiny widths,
-so it runs on CPU) and each step (decode at 1, 64 and 256 running sequences, one 4k-token prefill,
-16 x 256-token prefills, a mixed step of 64 decodes and a 512-token prefill), an engine is brought to
-the step with real CPU steps, and the step itself runs under `cairn.workers.execution.step_census.Census`: the
+so it runs on CPU) and each step of step_limit.STEPS, an engine is brought to the step with real
+CPU steps, and the step itself runs under `cairn.workers.execution.step_census.Census`: the
 scheduler, the runner, the model with every kernel's Triton launcher (launch stubbed) and the
-sampler, exactly as on CUDA. It prints kernel launches, host syncs, uploads and aten ops per
-step, by phase and per layer kind, the ten busiest call sites, and the projection:
+sampler, exactly as on CUDA. It prints kernel launches, host syncs, uploads and aten ops per step,
+by phase and per layer kind, the busiest call sites (--sites), and the projection:
 
-    limit     = max(bytes / bandwidth, FLOPs / peak)   (full-size shapes, bf16 weights and K/V,
-                                                         fp32 states, 4k of context per sequence)
-    projected = max(limit, launches x launch cost) + syncs x sync cost
+    projected = max(device, launches x launch cost) + syncs x sync cost
 
-Decode rows also print the projection with decode graphs (cairn.workers.execution.decode_graphs): the forward's
-launches become one replay and a microsecond each on the device, the step's other launches stay
-eager. A tensor-parallel shape counts one rank (its `shard_config`, collectives as launches) against
-one GPU's limit for that rank's share (tensor-parallel engines run eager today: no graph column is
-meant for them, it is printed for comparison). On a CUDA machine, `--measure` also times the step of a
-full-size engine with random weights beside the projection (see gpu_check.sh).
+where device is the step's limit at full size (step_limit.py; uncalibrated: every kernel at its
+limit) or, with --calibrate, each kernel class's limit over the efficiency kernel_speed.py measured
+for it (the rows say which classes were measured, which assumed). Decode rows also project decode
+graphs (cairn.workers.execution.decode_graphs): the forward's launches become one replay and a
+microsecond each on the device, the step's other launches stay eager. A tensor-parallel shape
+counts one rank (`shard_config`, collectives as launches) against one GPU's limit for its share
+(tensor-parallel engines run eager today: the graph column is for comparison).
 
-This file computes no timing assertion; tests/workers/test_step_syncs.py asserts the sync counts.
+--measure builds the shape at full size with random bf16 weights (step_timing.py), prints what
+`Engine.warm_up` took, then for every step the median, min and max of warm runs, the first run's
+time (what the first such request after start pays) and first / warm (goal <= FIRST_GOAL), beside
+the projection and limit at the context its decoding sequences hold. `--measure-device cpu` proves
+that path at tiny widths. --profile (with --measure on CUDA) prints the kernels of one warm 4k
+prefill by GPU time. gpu_check.sh runs it all on a GPU. --json prints one JSON line per row (a
+measured row has "measured": true, the profile "profiled").
+
+This file asserts nothing about time; tests/workers/test_step_syncs.py asserts the sync counts,
+tests/test_step_cost.py the calibration and the measuring path.
 """
 
 from __future__ import annotations
@@ -31,8 +40,7 @@ import argparse
 import json
 import os
 import sys
-import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 os.environ.pop("TRITON_INTERPRET", None)  # the census needs compiled triton's host code
@@ -42,14 +50,15 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from cairn.workers.engine import Engine  # noqa: E402
-from cairn.workers.model.model_config import FULL, LINEAR, ModelConfig  # noqa: E402
-from cairn.workers.model.family_registry import family_named  # noqa: E402
-from cairn.workers.model.sharding import Shard, shard_config  # noqa: E402
 from cairn.workers.engine_options import EngineOptions  # noqa: E402
-from cairn.workers.sampling_params import SamplingParams  # noqa: E402
 from cairn.workers.execution.step_census import Census, CensusGroup, Tally  # noqa: E402
-
-CONTEXT = 4096  # tokens of context each decoding sequence is assumed to hold (the limit's K/V reads)
+from cairn.workers.model.family_registry import family_named  # noqa: E402
+from cairn.workers.model.model_config import FULL, LINEAR, ModelConfig  # noqa: E402
+from cairn.workers.model.sharding import Shard, shard_config  # noqa: E402
+from step_limit import (ASSUMED, CONTEXT, DEFAULT_EFFICIENCY, QUICK_STEPS, STEPS, Calibration, Step,  # noqa: E402
+                        calibrated_s, limit_s, step_work)
+from step_timing import (DECODE_PROMPT, WARM_REPEATS, StepDriver, StepTimes, full_engine, measure,  # noqa: E402
+                         profile)
 
 
 def _layers(n: int, interval: int = 4) -> tuple[str, ...]:
@@ -76,19 +85,8 @@ GPUS = {"h200": dict(bandwidth=4.8e12, flops=989e12, launch_us=5.0, sync_us=(10.
         "h100": dict(bandwidth=3.35e12, flops=989e12, launch_us=5.0, sync_us=(10.0, 20.0), graph_node_us=1.0),
         "a100": dict(bandwidth=2.0e12, flops=312e12, launch_us=5.0, sync_us=(10.0, 20.0), graph_node_us=1.5)}
 GRAPH_LAUNCH_US = 10.0  # one graph replay's own launch
-
-
-@dataclass(frozen=True)
-class Step:
-    name: str
-    decodes: int  # sequences already running (one token each in the step)
-    prefills: tuple[int, ...]  # prompt lengths prefilled in the step
-
-
-STEPS = (Step("decode x1", 1, ()), Step("decode x64", 64, ()), Step("decode x256", 256, ()),
-         Step("prefill 4k", 0, (4096,)), Step("prefill 16x256", 0, (256,) * 16),
-         Step("mixed 64+512", 64, (512,)))
-QUICK_STEPS = ("decode x64", "prefill 4k", "mixed 64+512")
+FIRST_GOAL = 1.2  # the issue's goal: a shape's first run after start <= 1.2 x its warm time
+PROFILED = next(s for s in STEPS if s.name == "prefill 4k")
 
 
 def tiny(cfg: ModelConfig) -> ModelConfig:
@@ -118,138 +116,82 @@ def count_step(cfg: ModelConfig, tp: int, step: Step) -> tuple[Census, int]:
     census and the number of recurrent-state checkpoints the step saved."""
     census = Census()
     engine = build_engine(tiny(cfg), tp, step.decodes + len(step.prefills), census)
-    params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
-    g = torch.Generator().manual_seed(1)
-    vocab = engine.config.vocab_size
-    for _ in range(step.decodes):
-        engine.add_request(torch.randint(0, vocab, (8,), generator=g).tolist(), params)
-    while engine.scheduler.waiting or any(s.num_uncomputed > 1 for s in engine.scheduler.running):
-        engine.step()  # prefills, until every running sequence decodes
-    for n in step.prefills:
-        engine.add_request(torch.randint(0, vocab, (n,), generator=g).tolist(), params)
+    driver = StepDriver(engine)
+    driver.enter(step)
     prepared = engine.runner.prepare
     works = []
     engine.runner.prepare = lambda plan, all_logits=False: works.append(prepared(plan, all_logits)) or works[-1]
-    with census:
-        engine.step()
+    driver.run(step, around=census)
     return census, len(works[-1].checkpoint_targets)
 
 
-# ---------------------------------------------------------------- the limit
+# ---------------------------------------------------------------- the projection
 
 
-def step_limit(cfg: ModelConfig, tp: int, step: Step, gpu: dict) -> dict:
-    """Bytes, FLOPs and the limit of one rank's step at full size (bf16 weights and K/V, fp32 states)."""
-    c = shard_config(cfg, tp)
-    H, E, k = c.hidden_size, c.num_experts, c.num_experts_per_tok
-    tokens = step.decodes + sum(step.prefills)
-    seqs = step.decodes + len(step.prefills)
-    attn = H * c.num_attention_heads * c.head_dim * 2 + 2 * H * c.num_key_value_heads * c.head_dim + \
-        c.num_attention_heads * c.head_dim * H
-    delta = H * (2 * c.key_dim + 2 * c.value_dim + 2 * c.linear_num_value_heads) + c.value_dim * H + \
-        c.conv_dim * c.linear_conv_kernel_dim
-    expert = 3 * H * c.moe_intermediate_size
-    shared = 3 * H * c.shared_expert_intermediate_size + H + H * E  # shared expert, its gate, the router
-    vocab_rows = -(-c.vocab_size // tp)
-    n_att, n_lin = len(c.attention_layers), len(c.linear_layers)
-    touched = E * (1 - (1 - k / E) ** tokens)  # distinct experts a layer's tokens reach
-    weights = 2 * (n_att * attn + n_lin * delta + c.num_hidden_layers * (shared + touched * expert) + vocab_rows * H)
-    kv_token = 2 * c.num_key_value_heads * c.head_dim * 2 * n_att  # K and V, all attention layers
-    context = step.decodes * CONTEXT + sum(step.prefills)  # tokens of K/V read (prefill: once)
-    kv = kv_token * (context + tokens)  # read, and the new tokens written
-    state = n_lin * seqs * 2 * (c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4 +
-                                c.conv_dim * (c.linear_conv_kernel_dim - 1) * 2)
-    activations = tokens * c.num_hidden_layers * H * 2 * 16  # ~16 reads/writes of a row per layer
-    moved = weights + kv + state + activations
-    active = n_att * attn + n_lin * delta + c.num_hidden_layers * (shared + k * expert)
-    flops = 2 * tokens * active + 2 * seqs * vocab_rows * H
-    flops += 4 * n_att * c.num_attention_heads * c.head_dim * (
-        step.decodes * CONTEXT + sum(n * n / 2 for n in step.prefills))
-    flops += 4 * n_lin * tokens * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 2
-    limit = max(moved / gpu["bandwidth"], flops / gpu["flops"])
-    return dict(bytes=moved, flops=flops, limit_s=limit)
-
-
-def project(census: Census, limit: dict, gpu: dict, graphed: bool) -> dict:
-    """Eager: every launch costs the host `launch_us`; with a decode graph (`graphed`), the forward's
-    launches are one replay plus `graph_node_us` each on the device, the rest of the step eager."""
+def project(census: Census, limit: float, device_s: float, gpu: dict, graphed: bool) -> dict:
+    """`device_s`: what the kernels take. Eager: every launch costs the host `launch_us`; with a decode
+    graph (`graphed`), the forward's launches are one replay plus `graph_node_us` each on the device,
+    the rest of the step eager. Ratios are to the `limit`."""
     t = census.total()
     launch_s = t.launches * gpu["launch_us"] * 1e-6
-    lo, hi = (max(limit["limit_s"], launch_s) + t.syncs * s * 1e-6 for s in gpu["sync_us"])
-    out = dict(projected_s=(lo, hi), ratio=(lo / limit["limit_s"], hi / limit["limit_s"]))
+    lo, hi = (max(device_s, launch_s) + t.syncs * s * 1e-6 for s in gpu["sync_us"])
+    out = dict(projected_s=(lo, hi), ratio=(lo / limit, hi / limit))
     if graphed:
         inside = census.phases.get("forward", Tally()).launches
         graph_s = (GRAPH_LAUNCH_US + inside * gpu["graph_node_us"] + (t.launches - inside) * gpu["launch_us"]) * 1e-6
-        g = max(limit["limit_s"], graph_s) + t.syncs * gpu["sync_us"][1] * 1e-6
-        out.update(graph_s=g, graph_ratio=g / limit["limit_s"])
+        g = max(device_s, graph_s) + t.syncs * gpu["sync_us"][1] * 1e-6
+        out.update(graph_s=g, graph_ratio=g / limit)
     return out
 
 
-# ---------------------------------------------------------------- measured, on a GPU
+def projection(cfg: ModelConfig, tp: int, step: Step, census: Census, gpu: dict, calibration: Calibration | None,
+               context: int = CONTEXT) -> dict:
+    """The step's work by class, its limit and its projection (calibrated when `calibration` is given)."""
+    work = step_work(cfg, tp, step, context)
+    limit = limit_s(work, gpu)
+    device_s, taken = calibrated_s(work, gpu, calibration) if calibration else (limit, {})
+    out = dict(bytes=sum(w.bytes for w in work.values()), flops=sum(w.flops for w in work.values()), limit_s=limit,
+               device_s=device_s, calibrated=calibration is not None,
+               work={kind: dict(bytes=w.bytes, flops=w.flops, tokens=w.tokens, limit_s=w.limit_s(gpu))
+                     for kind, w in work.items()},
+               efficiency={kind: dict(fraction=e.fraction, measured_at=e.measured_at) for kind, e in taken.items()})
+    return {**out, **project(census, limit, device_s, gpu, graphed=not step.prefills)}
 
 
-def full_engine(cfg: ModelConfig, device: str, max_seqs: int) -> Engine:
-    """An engine over random bf16 weights of `cfg` at full size on `device` (Qwen3.5-35B-A3B: about
-    70 GB), decode graphs on where the device has them."""
-    torch.manual_seed(0)
-    with torch.device("meta"):
-        model = family_named(cfg.model_type).model_class(cfg)
-    model = model.to_empty(device=device).to(torch.bfloat16)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.02)
-        for module in model.modules():  # the rotary frequencies are a buffer, not a weight
-            if hasattr(module, "inv_freq"):
-                module.inv_freq = type(module)(cfg).inv_freq.to(device)
-    options = EngineOptions(max_num_seqs=max_seqs, max_num_batched_tokens=4096 + 512, max_model_len=8192,
-                            cache_memory_bytes=24 * 2**30 if device == "cuda" else 2**30, device=device,
-                            dtype="bfloat16")
-    return Engine(model.eval(), options)
-
-
-def measure(cfg: ModelConfig, device: str, steps: list[Step], repeat: int = 8) -> dict[str, float]:
-    """Seconds per step of each `step` on a full-size engine, and decode tokens/s at 64 running."""
-    engine = full_engine(cfg, device, max(s.decodes + len(s.prefills) for s in steps) + 1)
-    params = SamplingParams(max_tokens=10_000, temperature=0, ignore_eos=True)
-    g = torch.Generator().manual_seed(1)
-    out = {}
-    for step in steps:
-        for request_id in list(engine._requests):  # the last step's sequences
-            engine.abort(request_id)
-        for _ in range(step.decodes):
-            engine.add_request(torch.randint(0, cfg.vocab_size, (8,), generator=g).tolist(), params)
-        while engine.scheduler.waiting or any(s.num_uncomputed > 1 for s in engine.scheduler.running):
-            engine.step()
-        for _ in range(2):  # warm: the decode graph of this size, the allocator
-            if not step.prefills:
-                engine.step()
-        times = []
-        for _ in range(1 if step.prefills else repeat):
-            for n in step.prefills:
-                engine.add_request(torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist(), params)
-            began = time.perf_counter()
-            engine.step()  # its sampled ids read back: the step is done
-            times.append(time.perf_counter() - began)
-        out[step.name] = sorted(times)[len(times) // 2]
-    if "decode x64" in out:
-        out["decode tokens/s at 64"] = 64 / out["decode x64"]
-    return out
+def report(name: str, cfg: ModelConfig, tp: int, step: Step, census: Census, checkpoints: int, gpu_name: str,
+           gpu: dict, calibration: Calibration | None) -> dict:
+    t = census.total()
+    layers = {kind: dict(layers=n, launches=tally.launches / n, syncs=tally.syncs / n)
+              for kind, (n, tally) in census.per_layer_kind().items()}
+    return dict(shape=name, step=step.name, tp=tp, checkpoints=checkpoints, launches=t.launches, syncs=t.syncs,
+                uploads=t.uploads, aten_ops=t.ops, phases={p: vars(x) for p, x in census.phases.items()},
+                per_layer=layers, busiest_launches=census.busiest("launch"), busiest_syncs=census.busiest("sync"),
+                gpu=gpu_name, **projection(cfg, tp, step, census, gpu, calibration))
 
 
 # ---------------------------------------------------------------- output
 
 
-def report(name: str, cfg: ModelConfig, tp: int, step: Step, census: Census, checkpoints: int, gpu_name: str,
-           gpu: dict) -> dict:
-    t = census.total()
-    limit = step_limit(cfg, tp, step, gpu)
-    proj = project(census, limit, gpu, graphed=not step.prefills)
-    layers = {kind: dict(layers=n, launches=tally.launches / n, syncs=tally.syncs / n)
-              for kind, (n, tally) in census.per_layer_kind().items()}
-    return dict(shape=name, step=step.name, tp=tp, checkpoints=checkpoints, launches=t.launches, syncs=t.syncs, uploads=t.uploads,
-                aten_ops=t.ops, phases={p: vars(x) for p, x in census.phases.items()}, per_layer=layers,
-                busiest_launches=census.busiest("launch"), busiest_syncs=census.busiest("sync"),
-                gpu=gpu_name, **limit, **proj)
+def print_header(gpu_name: str, gpu: dict, calibration: Calibration | None) -> None:
+    print(f"GPU {gpu_name}: {gpu['bandwidth'] / 1e12:.2f} TB/s, {gpu['flops'] / 1e12:.0f} TFLOP/s bf16, "
+          f"{gpu['launch_us']} us a launch, {gpu['sync_us'][0]}-{gpu['sync_us'][1]} us a host sync; "
+          f"{CONTEXT} tokens of context per decoding sequence; bf16 weights and K/V, fp32 states.")
+    print("Counted at tiny widths, real layers, heads, experts and top-k. limit = max(bytes / bandwidth, "
+          "FLOPs / peak), at full size.")
+    if calibration is None:
+        print("projected (uncalibrated: assumes every kernel at its limit) = max(limit, launches x launch cost) "
+              "+ syncs x sync cost.")
+    else:
+        assumed = ", ".join(f"{kind} {f:.0%}" for kind, f in ASSUMED.items())
+        print(f"projected (calibrated by {calibration.source}, measured on {calibration.gpu}) = max(sum over kernel "
+              f"classes of class limit / efficiency, launches x launch cost) + syncs x sync cost; assumed "
+              f"efficiencies: {assumed}, {DEFAULT_EFFICIENCY:.0%} for a kernel class the file does not measure.")
+        if gpu_name.lower() not in calibration.gpu.lower():
+            print(f"NOTE: the calibration was measured on {calibration.gpu}, the projection is onto {gpu_name}.")
+    print(f"graph (decode steps): max(device, {GRAPH_LAUNCH_US} us + forward launches x {gpu['graph_node_us']} us "
+          f"+ the step's other launches x {gpu['launch_us']} us) + syncs x {gpu['sync_us'][1]} us.")
+    print(f"{'shape':<24}{'step':<16}{'launches':>9}{'syncs':>7}{'in fwd':>9}{'uploads':>8}{'aten ops':>9}"
+          f"{'limit ms':>10}{'projected ms':>19}{'ratio':>13}{'graph ms':>10}{'ratio':>8}")
 
 
 def print_row(r: dict) -> None:
@@ -262,6 +204,83 @@ def print_row(r: dict) -> None:
           f"{r['projected_s'][0] * 1e3:>10.2f}-{r['projected_s'][1] * 1e3:<8.2f}{lo:>6.1f}-{hi:<5.1f}x"
           + (f"{r['graph_s'] * 1e3:>10.2f}{r['graph_ratio']:>7.1f}x" if "graph_s" in r else ""))
     print(f"{'':<40}{per}")
+    if r["calibrated"]:
+        print(f"{'':<40}{efficiencies(r['efficiency'])}")
+
+
+def efficiencies(taken: dict) -> str:
+    measured = [f"{k} {e['fraction']:.0%} ({e['measured_at']})" for k, e in taken.items() if e["measured_at"]]
+    assumed = [f"{k} {e['fraction']:.0%}" for k, e in taken.items() if not e["measured_at"]]
+    return f"measured: {', '.join(measured) or 'none'}; assumed: {', '.join(assumed) or 'none'}"
+
+
+def measured_row(name: str, cfg: ModelConfig, step: Step, census: Census, times: StepTimes, gpu: dict,
+                 calibration: Calibration | None) -> dict:
+    """A step's times beside its projection at the context the measured engine's sequences hold: the
+    decode graph's where there is one (the engine captures them on CUDA), else eager at the lower sync cost."""
+    proj = projection(cfg, 1, step, census, gpu, calibration, context=DECODE_PROMPT)
+    projected = proj.get("graph_s", proj["projected_s"][0])
+    return dict(shape=name, step=step.name, first_s=times.first_s, warm_median_s=times.median_s,
+                warm_min_s=min(times.warm_s), warm_max_s=max(times.warm_s), warm_runs=len(times.warm_s),
+                first_over_warm=times.first_s / times.median_s, projected_s=projected, calibrated=proj["calibrated"],
+                limit_s=proj["limit_s"], warm_over_limit=times.median_s / proj["limit_s"],
+                warm_over_projected=times.median_s / projected)
+
+
+def print_measured(name: str, device: str, warm_up_s: float, rows: list[dict]) -> None:
+    label = "calibrated" if rows[0]["calibrated"] else "uncalibrated"
+    print(f"measured {name} on {torch.cuda.get_device_name() if device == 'cuda' else 'cpu at tiny widths'}, random "
+          f"bf16 weights: engine.warm_up() took {warm_up_s:.2f} s")
+    print(f"first: the shape's first run in this engine, after warm-up and the steps above it (compiles included); "
+          f"warm: median (min-max) of {rows[0]['warm_runs']} runs after two; goal first / warm <= "
+          f"{FIRST_GOAL}. Decoding sequences hold {DECODE_PROMPT}-token prompts: limits and projections here are "
+          f"at that context.")
+    if device == "cpu":
+        print("(CPU at tiny widths: this proves the measuring path; its times are not the projection's)")
+    print(f"{'step':<16}{'warm ms':>10}{'min-max ms':>19}{'first ms':>10}{'first/warm':>11}"
+          f"{'projected ms (' + label + ')':>30}{'warm/proj':>10}{'limit ms':>10}{'warm/limit':>11}")
+    for r in rows:
+        spread = f"{r['warm_min_s'] * 1e3:.2f}-{r['warm_max_s'] * 1e3:.2f}"
+        over = " over goal" if r["first_over_warm"] > FIRST_GOAL else ""
+        print(f"{r['step']:<16}{r['warm_median_s'] * 1e3:>10.2f}{spread:>19}{r['first_s'] * 1e3:>10.2f}"
+              f"{r['first_over_warm']:>10.2f}x{r['projected_s'] * 1e3:>30.2f}{r['warm_over_projected']:>9.2f}x"
+              f"{r['limit_s'] * 1e3:>10.2f}{r['warm_over_limit']:>10.1f}x{over}")
+    decode64 = next((r for r in rows if r["step"] == "decode x64"), None)
+    if decode64:
+        print(f"measured {name}: {64 / decode64['warm_median_s']:.0f} output tokens/s at 64 running (warm)")
+
+
+def print_profile(step: Step, wall_s: float, kernels_s: float, top: list) -> None:
+    print(f"profile of one warm {step.name} (torch.profiler, CUDA activity): the step {wall_s * 1e3:.2f} ms wall, "
+          f"its kernels {kernels_s * 1e3:.2f} ms on the GPU ({kernels_s / wall_s:.0%} of the step)")
+    print(f"{'kernel':<72}{'total ms':>10}{'count':>7}{'% of step':>11}")
+    for k in top:
+        name = k.name if len(k.name) <= 70 else k.name[:67] + "..."
+        print(f"{name:<72}{k.total_s * 1e3:>10.3f}{k.count:>7}{k.total_s / wall_s:>11.1%}")
+
+
+def measure_shape(name: str, cfg: ModelConfig, steps: list[Step], censuses: dict[str, Census], gpu: dict,
+                  calibration: Calibration | None, args: argparse.Namespace) -> None:
+    """--measure: `steps` timed on an engine of `cfg` at full size (tiny widths on CPU), printed beside
+    their projections; --profile: then a warm 4k prefill's kernels."""
+    full = cfg if args.measure_device == "cuda" else tiny(cfg)
+    engine = full_engine(full, args.measure_device, max(s.decodes + len(s.prefills) for s in steps) + 1)
+    warm_up_s = engine.warm_up()
+    driver = StepDriver(engine)
+    times = measure(driver, steps, args.repeats)
+    rows = [measured_row(name, cfg, s, censuses[s.name], times[s.name], gpu, calibration) for s in steps]
+    if args.json:
+        for r in rows:
+            print(json.dumps(dict(measured=True, warm_up_s=warm_up_s, **r)), flush=True)
+    else:
+        print_measured(name, args.measure_device, warm_up_s, rows)
+    if args.profile:
+        wall_s, kernels_s, top = profile(driver, PROFILED)
+        if args.json:
+            print(json.dumps(dict(profiled=PROFILED.name, wall_s=wall_s, kernels_s=kernels_s,
+                                  top=[vars(k) for k in top])), flush=True)
+        else:
+            print_profile(PROFILED, wall_s, kernels_s, top)
 
 
 def main() -> None:
@@ -272,30 +291,37 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK_STEPS)}")
     parser.add_argument("--json", action="store_true", help="one JSON line per row, nothing else")
     parser.add_argument("--sites", action="store_true", help="print the ten busiest call sites of each row")
+    parser.add_argument("--calibrate", metavar="FILE", default=None,
+                        help="a benchmarks/kernel_speed.py --json-out file: project each kernel class at the "
+                             "efficiency it measured instead of at its limit")
     parser.add_argument("--measure", action="store_true",
                         help="also time each step on a full-size engine with random bf16 weights (CUDA; on CPU "
                              "it needs --measure-device cpu and only proves the path at small shapes)")
     parser.add_argument("--measure-device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--repeats", type=int, default=WARM_REPEATS, help="warm runs of each step with --measure")
+    parser.add_argument("--profile", action="store_true",
+                        help="with --measure on CUDA: the kernels of one warm 4k prefill by GPU time")
     args = parser.parse_args()
+    if args.profile and not (args.measure and args.measure_device == "cuda"):
+        parser.error("--profile profiles the CUDA kernels of a measured engine: it needs --measure on CUDA")
+    if args.measure and args.measure_device == "cuda" and not torch.cuda.is_available():
+        sys.exit("--measure times a full-size engine on a CUDA device; none is here")
     gpu = GPUS[args.gpu]
+    calibration = Calibration.read(args.calibrate) if args.calibrate else None
     wanted = args.steps.split(",") if args.steps else (QUICK_STEPS if args.quick else [s.name for s in STEPS])
+    unknown = set(wanted) - {s.name for s in STEPS}
+    if unknown:
+        parser.error(f"--steps: unknown {sorted(unknown)}; the steps are {[s.name for s in STEPS]}")
     steps = [s for s in STEPS if s.name in wanted]
     if not args.json:
-        print(f"GPU {args.gpu}: {gpu['bandwidth'] / 1e12:.2f} TB/s, {gpu['flops'] / 1e12:.0f} TFLOP/s bf16, "
-              f"{gpu['launch_us']} us a launch, {gpu['sync_us'][0]}-{gpu['sync_us'][1]} us a host sync; "
-              f"{CONTEXT} tokens of context per decoding sequence; bf16 weights and K/V, fp32 states.")
-        print("limit = max(bytes / bandwidth, FLOPs / peak); projected = max(limit, launches x launch cost) "
-              "+ syncs x sync cost. Counted at tiny widths, real layers, heads, experts and top-k.")
-        print(f"graph (decode steps): max(limit, {GRAPH_LAUNCH_US} us + forward launches x {gpu['graph_node_us']} us "
-              f"+ the step's other launches x {gpu['launch_us']} us) + syncs x {gpu['sync_us'][1]} us.")
-        print(f"{'shape':<24}{'step':<16}{'launches':>9}{'syncs':>7}{'in fwd':>9}{'uploads':>8}{'aten ops':>9}"
-              f"{'limit ms':>10}{'projected ms':>19}{'ratio':>13}{'graph ms':>10}{'ratio':>8}")
+        print_header(args.gpu, gpu, calibration)
     for name in args.shapes.split(","):
         cfg, tp = SHAPES[name]
-        rows = []
+        censuses = {}
         for step in steps:
-            row = report(name, cfg, tp, step, *count_step(cfg, tp, step), args.gpu, gpu)
-            rows.append(row)
+            census, checkpoints = count_step(cfg, tp, step)
+            censuses[step.name] = census
+            row = report(name, cfg, tp, step, census, checkpoints, args.gpu, gpu, calibration)
             if args.json:
                 print(json.dumps(row), flush=True)
                 continue
@@ -305,19 +331,9 @@ def main() -> None:
                     for site, n in row[f"busiest_{what}"]:
                         print(f"{'':<44}{n:>8} {what:<9}{site}")
         if args.measure and tp == 1:
-            if args.measure_device == "cuda" and not torch.cuda.is_available():
-                sys.exit("--measure times a full-size engine on a CUDA device; none is here")
-            full = cfg if args.measure_device == "cuda" else tiny(cfg)
-            measured = measure(full, args.measure_device, steps)
-            if args.measure_device == "cpu":
-                print("(CPU at tiny widths: this proves the measuring path; its times are not the projection's)")
-            for row in rows:
-                took = measured[row["step"]]
-                best = row.get("graph_s", row["projected_s"][0])
-                print(f"measured {name:<22}{row['step']:<16}{took * 1e3:>9.2f} ms   projected {best * 1e3:.2f} ms   "
-                      f"limit {row['limit_s'] * 1e3:.2f} ms   measured / limit {took / row['limit_s']:.1f}x")
-            if "decode tokens/s at 64" in measured:
-                print(f"measured {name}: {measured['decode tokens/s at 64']:.0f} output tokens/s at 64 running")
+            measure_shape(name, cfg, steps, censuses, gpu, calibration, args)
+        elif args.measure and not args.json:
+            print(f"measured {name}: not measured (a tensor-parallel shape needs {tp} GPUs)")
 
 
 if __name__ == "__main__":

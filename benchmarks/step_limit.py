@@ -1,0 +1,134 @@
+"""What one engine step must move and compute at full size, split by the kernel class that does
+it, and how long that takes on a GPU: at the GPU's limit, or at the efficiencies a
+`benchmarks/kernel_speed.py --json-out` run measured (a calibration).
+
+The steps (`STEPS`): decode at 1, 64 and 256 running sequences, one 4k-token prefill, 16 x
+256-token prefills, and a mixed step of 64 decodes and a 512-token prefill. `step_work` counts one
+tensor-parallel rank's bytes and FLOPs at full size (bf16 weights and K/V, fp32 delta-rule states,
+`context` tokens of K/V per decoding sequence) in these classes: the kernel ops of kernel_speed.py,
+by the same names (`KERNEL_CLASSES`), "dense GEMMs" (every projection, the router, the LM head:
+cuBLAS, which kernel_speed does not time) and "other" (activations through norms, rotary and gates,
+about 16 reads or writes of a row per layer). Each class also says how many tokens its kernels take.
+
+    limit      = max(all bytes / bandwidth, all FLOPs / peak)           every kernel at its limit
+    calibrated = sum over classes of max(bytes / bandwidth, FLOPs / peak) / efficiency
+
+A class's efficiency (`Calibration.efficiency`) is kernel_speed's `fraction_of_limit` for the op of
+that name, at its case whose token count is nearest the class's (by ratio); a class the file does
+not measure takes `ASSUMED` (dense GEMMs, other) or `DEFAULT_EFFICIENCY`, and says so.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from cairn.workers.model.model_config import ModelConfig
+from cairn.workers.model.sharding import shard_config
+
+CONTEXT = 4096  # tokens of context each decoding sequence is assumed to hold (the limit's K/V reads)
+KERNEL_CLASSES = ("decode attention", "prefill attention", "store_kv", "recurrent step", "chunked delta rule",
+                  "conv1d update", "conv1d varlen", "moe experts")
+ASSUMED = {"dense GEMMs": 0.7, "other": 0.5}  # cuBLAS at serving shapes; row-wise ops, bandwidth-bound
+DEFAULT_EFFICIENCY = 0.5  # a kernel class the calibration file does not measure
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str
+    decodes: int  # sequences already running (one token each in the step)
+    prefills: tuple[int, ...]  # prompt lengths prefilled in the step
+
+
+STEPS = (Step("decode x1", 1, ()), Step("decode x64", 64, ()), Step("decode x256", 256, ()),
+         Step("prefill 4k", 0, (4096,)), Step("prefill 16x256", 0, (256,) * 16),
+         Step("mixed 64+512", 64, (512,)))
+QUICK_STEPS = ("decode x64", "prefill 4k", "mixed 64+512")
+
+
+@dataclass(frozen=True)
+class Work:
+    bytes: float
+    flops: float
+    tokens: int  # tokens the class's kernels take in the step: what a calibration is looked up by
+
+    def limit_s(self, gpu: dict) -> float:
+        return max(self.bytes / gpu["bandwidth"], self.flops / gpu["flops"])
+
+
+def step_work(cfg: ModelConfig, tp: int, step: Step, context: int = CONTEXT) -> dict[str, Work]:
+    """One rank's work in `step` by class (classes with nothing to do left out)."""
+    c = shard_config(cfg, tp)
+    H, E, k, L = c.hidden_size, c.num_experts, c.num_experts_per_tok, c.num_hidden_layers
+    n_att, n_lin = len(c.attention_layers), len(c.linear_layers)
+    decodes, prefill_tokens, prefill_seqs = step.decodes, sum(step.prefills), len(step.prefills)
+    tokens, seqs = decodes + prefill_tokens, decodes + prefill_seqs
+    attn = H * c.num_attention_heads * c.head_dim * 2 + 2 * H * c.num_key_value_heads * c.head_dim + \
+        c.num_attention_heads * c.head_dim * H  # q and its gate, k, v, o
+    delta = H * (2 * c.key_dim + 2 * c.value_dim + 2 * c.linear_num_value_heads) + c.value_dim * H
+    router = H * E + H  # the router and the shared expert's gate
+    vocab_rows = -(-c.vocab_size // tp)
+    dense = n_att * attn + n_lin * delta + L * router
+    expert, shared = 3 * H * c.moe_intermediate_size, 3 * H * c.shared_expert_intermediate_size
+    touched = E * (1 - (1 - k / E) ** tokens)  # distinct experts a layer's tokens reach
+    kv_token = 2 * c.num_key_value_heads * c.head_dim * 2 * n_att  # bytes of a token's K and V, all layers
+    pair_flops = 4 * n_att * c.num_attention_heads * c.head_dim  # QK and PV of one (query, key) pair
+    state = n_lin * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4  # fp32
+    delta_flops = 8 * n_lin * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim
+    conv_weights = 2 * n_lin * c.conv_dim * c.linear_conv_kernel_dim
+    conv_state = n_lin * c.conv_dim * (c.linear_conv_kernel_dim - 1) * 2
+    conv_flops = 2 * n_lin * c.conv_dim * c.linear_conv_kernel_dim
+    work = {
+        "dense GEMMs": Work(2 * (dense + vocab_rows * H), 2 * tokens * dense + 2 * seqs * vocab_rows * H, tokens),
+        "moe experts": Work(2 * L * (touched * expert + shared), 2 * tokens * L * (k * expert + shared), tokens),
+        "store_kv": Work(kv_token * tokens, 0, tokens),
+        "decode attention": Work(kv_token * decodes * context, pair_flops * decodes * context, decodes),
+        "prefill attention": Work(kv_token * prefill_tokens, pair_flops * sum(n * n / 2 for n in step.prefills),
+                                  prefill_tokens),
+        "recurrent step": Work(2 * decodes * state, delta_flops * decodes, decodes),
+        "chunked delta rule": Work(2 * prefill_seqs * state, delta_flops * prefill_tokens, prefill_tokens),
+        "conv1d update": Work(conv_weights + 2 * decodes * conv_state, conv_flops * decodes, decodes),
+        "conv1d varlen": Work(conv_weights + 2 * prefill_seqs * conv_state, conv_flops * prefill_tokens,
+                              prefill_tokens),
+        "other": Work(tokens * L * H * 2 * 16, 0, tokens),
+    }
+    return {kind: w for kind, w in work.items() if w.tokens}
+
+
+def limit_s(work: dict[str, Work], gpu: dict) -> float:
+    """Every kernel at the GPU's limit, the step's bytes and FLOPs taken together."""
+    return max(sum(w.bytes for w in work.values()) / gpu["bandwidth"],
+               sum(w.flops for w in work.values()) / gpu["flops"])
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    fraction: float  # of the class's limit
+    measured_at: str | None  # the kernel_speed case it comes from; None: assumed
+
+
+class Calibration:
+    """The efficiencies of one kernel_speed.py --json-out file (its schema: kernel_speed's doc)."""
+
+    def __init__(self, gpu: str, ops: dict[str, list[dict]], source: str):
+        self.gpu, self.ops, self.source = gpu, ops, source
+
+    @classmethod
+    def read(cls, path: str | Path) -> Calibration:
+        data = json.loads(Path(path).read_text())
+        return cls(data["gpu"], data["ops"], str(path))
+
+    def efficiency(self, kind: str, tokens: int) -> Efficiency:
+        cases = [c for c in self.ops.get(kind, ()) if c.get("fraction_of_limit")]
+        if not cases:
+            return Efficiency(ASSUMED.get(kind, DEFAULT_EFFICIENCY), None)
+        case = min(cases, key=lambda c: abs(math.log(max(c["tokens"], 1) / max(tokens, 1))))
+        return Efficiency(case["fraction_of_limit"], case["shape"])
+
+
+def calibrated_s(work: dict[str, Work], gpu: dict, calibration: Calibration) -> tuple[float, dict[str, Efficiency]]:
+    """The step's kernels at the calibration's efficiencies, and the efficiency each class took."""
+    taken = {kind: calibration.efficiency(kind, w.tokens) for kind, w in work.items()}
+    return sum(w.limit_s(gpu) / taken[kind].fraction for kind, w in work.items()), taken
