@@ -83,9 +83,13 @@ class GatedDeltaNet(nn.Module):
         """Copies the states after each checkpoint offset into the slots asking for them, all at
         once from the step's tables (cairn.workers.model.batch): the conv window ending there, gathered
         from the segments' starting windows and their tokens, and the delta-rule state the
-        chunked rule saved there."""
-        source = torch.cat((before.transpose(1, 2).reshape(-1, before.shape[1]), mixed.to(before.dtype)))
-        conv_pool[batch.checkpoint_targets] = source[batch.checkpoint_rows].transpose(1, 2)
+        chunked rule saved there. The rows are gathered from the two sources apart: joining them
+        first would copy every token's conv input (a 4k prefill's, per layer) for a few rows."""
+        windows = before.transpose(1, 2).reshape(-1, before.shape[1])  # [segments * (K-1), conv_dim]
+        rows, n = batch.checkpoint_rows, windows.shape[0]
+        conv_pool[batch.checkpoint_targets] = torch.where(
+            (rows < n)[..., None], windows[rows.clamp(max=n - 1)],
+            mixed[(rows - n).clamp(min=0)].to(windows.dtype)).transpose(1, 2)
         ssm_pool[batch.checkpoint_targets] = states[batch.checkpoint_states]
 
     def _heads(self, y: torch.Tensor):
