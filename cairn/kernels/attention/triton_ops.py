@@ -13,12 +13,17 @@ Decode splits and prefill blocks are sized on the host from tensor shapes and cu
 
 Launches:
 - `_store_kv_kernel`, grid (T,): one token's [H_kv, D] K and V; a negative slot stores nothing.
-- `_prefill_kernel`, grid (num_blocks, H_q): a block is <= BM new tokens of one sequence (block
-  table built on the host from cu_seqlens_q); online softmax over key blocks of BN positions,
-  each position's page looked up in page_table, up to the block's last query position.
+- `_prefill_kernel`, grid (num_blocks, H_kv): a block is ROWS new tokens of one sequence times
+  the GROUP query heads of one KV head (tile table built on the host, `VarlenPlan`); online
+  softmax over key blocks of BN positions, each position's page looked up in page_table: the
+  blocks wholly before the tile's first query (the cached prefix, the earlier new tokens) with
+  no mask at all, then the diagonal's with the causal mask, up to the tile's last query position
+  (causal blocks past it are never visited).
 - `_decode_kernel`, grid (B, H_kv, S): the GROUP query heads of one KV head attend to split s of
   the sequence (S splits of the longest possible context, max_pages * page_size, so no host
-  sync); writes unnormalised partials. `_decode_merge_kernel`, grid (B, H_q), combines them.
+  sync); writes unnormalised partials. `_decode_merge_kernel`, grid (B, H_q), combines them, a
+  few splits at a time. Split and token counts are not specialised on: one compile serves every
+  batch and length.
 """
 
 from __future__ import annotations
@@ -56,19 +61,28 @@ def _store_kv_kernel(key, value, k_cache, v_cache, slots, sk_t, sk_h, sv_t, sv_h
 
 @triton.jit
 def _attend_block(q, m, l, acc, k_cache, v_cache, table_row, pos, visible, kvh, d, dmask,
-                  s_page, s_tok, s_head, PAGE, DT: tl.constexpr, PREC: tl.constexpr):
-    """One key block of the online softmax: q [M, BD] (scaled), pos [BN], visible [M, BN]."""
-    live = tl.max(visible.to(tl.int32), axis=0) > 0  # [BN] positions some row may read
-    page = tl.load(table_row + pos // PAGE, mask=live, other=0).to(tl.int64)
+                  s_page, s_tok, s_head, PAGE, DT: tl.constexpr, PREC: tl.constexpr, MASKED: tl.constexpr):
+    """One key block of the online softmax: q [M, BD] (scaled), pos [BN], visible [M, BN]. Without
+    MASKED, every position of the block is visible to every row (a block wholly before the
+    tile's first query): no mask is built or applied, and K/V go from memory to the dot as stored."""
+    if MASKED:
+        live = tl.max(visible.to(tl.int32), axis=0) > 0  # [BN] positions some row may read
+        page = tl.load(table_row + pos // PAGE, mask=live, other=0).to(tl.int64)
+        kv_mask = live[:, None] & dmask[None, :]
+    else:
+        page = tl.load(table_row + pos // PAGE).to(tl.int64)
+        kv_mask = dmask[None, :]
     off = page * s_page + (pos % PAGE) * s_tok + kvh * s_head
-    kv_mask = live[:, None] & dmask[None, :]
-    kt = tl.load(k_cache + off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+    kt = tl.load(k_cache + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
     s = tl.dot(q.to(DT), tl.trans(kt.to(DT)), input_precision=PREC)  # [M, BN]
-    s = tl.where(visible, s, -1.0e30)
+    if MASKED:
+        s = tl.where(visible, s, -1.0e30)
     m_new = tl.maximum(m, tl.max(s, axis=1))
     alpha = tl.exp(m - m_new)
-    p = tl.where(visible, tl.exp(s - m_new[:, None]), 0.0)
-    vt = tl.load(v_cache + off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+    p = tl.exp(s - m_new[:, None])
+    if MASKED:
+        p = tl.where(visible, p, 0.0)
+    vt = tl.load(v_cache + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(DT), vt.to(DT), input_precision=PREC)
     return m_new, l * alpha + tl.sum(p, axis=1), acc
 
@@ -104,12 +118,17 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, out, page_table, cu_q, seq_lens, bl
     l = tl.zeros((BM,), dtype=tl.float32)
     acc = tl.zeros((BM, BD), dtype=tl.float32)
     hi = first_pos + (tl.minimum(row0 + ROWS, q_end) - q_start)  # one past the tile's last query position
+    full = (first_pos + (row0 - q_start) + 1) // BN * BN  # blocks before it: visible to every row of the tile
     table_row = page_table + b.to(tl.int64) * s_table
-    for n0 in range(0, hi, BN):
+    for n0 in range(0, full, BN):  # the cached prefix and the earlier new tokens: no mask
+        pos = n0 + tl.arange(0, BN)
+        m, l, acc = _attend_block(q, m, l, acc, k_cache, v_cache, table_row, pos, rmask[:, None], kvh, d, dmask,
+                                  s_page, s_tok, s_head, PAGE, DT, PREC, False)
+    for n0 in range(full, hi, BN):  # the diagonal: causal and tile-edge masks
         pos = n0 + tl.arange(0, BN)
         visible = (pos[None, :] <= qpos[:, None]) & rmask[:, None]
         m, l, acc = _attend_block(q, m, l, acc, k_cache, v_cache, table_row, pos, visible, kvh, d, dmask,
-                                  s_page, s_tok, s_head, PAGE, DT, PREC)
+                                  s_page, s_tok, s_head, PAGE, DT, PREC, True)
     o = acc / tl.where(l > 0, l, 1.0)[:, None]
     tl.store(out + rows64[:, None] * so_t + heads[:, None] * so_h + d[None, :], o.to(out.dtype.element_ty),
              mask=rmask[:, None] & dmask[None, :])
@@ -143,7 +162,7 @@ def _decode_kernel(q_ptr, k_cache, v_cache, part, stats, page_table, seq_lens,
         pos = n0 + tl.arange(0, BN)
         visible = gmask[:, None] & (pos < hi)[None, :]
         m, l, acc = _attend_block(q, m, l, acc, k_cache, v_cache, table_row, pos, visible, kvh, d, dmask,
-                                  s_page, s_tok, s_head, PAGE, DT, PREC)
+                                  s_page, s_tok, s_head, PAGE, DT, PREC, True)
     row = (b * (GROUP * tl.num_programs(1)) + heads).to(tl.int64) * num_splits + split  # [B, H_q, S]
     tl.store(part + row[:, None] * BD + d[None, :], acc, mask=gmask[:, None])
     tl.store(stats + row * 2, m, mask=gmask)

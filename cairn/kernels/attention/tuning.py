@@ -6,7 +6,10 @@ program), built on the host, which never imports triton: the constant lives with
 
 from cairn.kernels.common.varlen_plan import ATTENTION_ROWS
 
-PREFILL_CONFIGS = [dict(BN=32, num_warps=8), dict(BN=16, num_warps=4), dict(BN=32, num_warps=4), dict(BN=16, num_warps=8)]
+# Prefill at head dim 256 (Qwen3-Next, Qwen3.5) spills registers at sm_90 with 4 warps or 64-key
+# blocks since its key blocks before the diagonal run unmasked: 8 warps, 16 or 32 keys a block.
+PREFILL_CONFIGS = [dict(BN=32, num_warps=8), dict(BN=16, num_warps=8), dict(BN=32, num_warps=8, num_stages=4),
+                   dict(BN=16, num_warps=8, num_stages=4)]
 DECODE_CONFIGS = [dict(BN=64, num_warps=4), dict(BN=32, num_warps=4), dict(BN=64, num_warps=8), dict(BN=32, num_warps=2)]
 
 MAX_SPLITS = 64  # the most splits a decode's sequence is cut into
