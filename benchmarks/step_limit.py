@@ -80,18 +80,28 @@ def step_work(cfg: ModelConfig, tp: int, step: Step, context: int = CONTEXT) -> 
     conv_weights = 2 * n_lin * c.conv_dim * c.linear_conv_kernel_dim
     conv_state = n_lin * c.conv_dim * (c.linear_conv_kernel_dim - 1) * 2
     conv_flops = 2 * n_lin * c.conv_dim * c.linear_conv_kernel_dim
+    # activations a class's kernels read and write per token (bf16; the gates fp32), as kernel_speed
+    # counts them, so that its measured fractions apply to these bytes
+    conv_rows = n_lin * 2 * c.conv_dim * 2  # the conv's input and output
+    delta_rows = n_lin * ((2 * c.key_dim + 2 * c.value_dim) * 2 + 2 * c.linear_num_value_heads * 4)  # q k v out, g beta
+    query_rows = n_att * 2 * c.num_attention_heads * c.head_dim * 2  # the query read, the output written
+    pair_rows = L * k * (H + 2 * c.moe_intermediate_size + 2 * H) * 2  # x read; inter and a down row written, read
     work = {
         "dense GEMMs": Work(2 * (dense + vocab_rows * H), 2 * tokens * dense + 2 * seqs * vocab_rows * H, tokens),
-        "moe experts": Work(2 * L * (touched * expert + shared), 2 * tokens * L * (k * expert + shared), tokens),
-        "store_kv": Work(kv_token * tokens, 0, tokens),
-        "decode attention": Work(kv_token * decodes * context, pair_flops * decodes * context, decodes),
-        "prefill attention": Work(kv_token * prefill_tokens, pair_flops * sum(n * n / 2 for n in step.prefills),
-                                  prefill_tokens),
-        "recurrent step": Work(2 * decodes * state, delta_flops * decodes, decodes),
-        "chunked delta rule": Work(2 * prefill_seqs * state, delta_flops * prefill_tokens, prefill_tokens),
-        "conv1d update": Work(conv_weights + 2 * decodes * conv_state, conv_flops * decodes, decodes),
-        "conv1d varlen": Work(conv_weights + 2 * prefill_seqs * conv_state, conv_flops * prefill_tokens,
-                              prefill_tokens),
+        "moe experts": Work(2 * L * (touched * expert + shared) + tokens * pair_rows,
+                            2 * tokens * L * (k * expert + shared), tokens),
+        "store_kv": Work(2 * kv_token * tokens, 0, tokens),  # read from the projections, written to pages
+        "decode attention": Work(kv_token * decodes * context + query_rows * decodes, pair_flops * decodes * context,
+                                 decodes),
+        "prefill attention": Work((kv_token + query_rows) * prefill_tokens,
+                                  pair_flops * sum(n * n / 2 for n in step.prefills), prefill_tokens),
+        "recurrent step": Work(2 * decodes * state + delta_rows * decodes, delta_flops * decodes, decodes),
+        "chunked delta rule": Work(2 * prefill_seqs * state + delta_rows * prefill_tokens,
+                                   delta_flops * prefill_tokens, prefill_tokens),
+        "conv1d update": Work(conv_weights + 2 * decodes * conv_state + conv_rows * decodes, conv_flops * decodes,
+                              decodes),
+        "conv1d varlen": Work(conv_weights + 2 * prefill_seqs * conv_state + conv_rows * prefill_tokens,
+                              conv_flops * prefill_tokens, prefill_tokens),
         "other": Work(tokens * L * H * 2 * 16, 0, tokens),
     }
     return {kind: w for kind, w in work.items() if w.tokens}
