@@ -81,6 +81,7 @@ def _main() -> None:
     from cairn.kernels.state import triton_ops as triton_state
 
     assert not triton_common.INTERPRETED
+    sm_count = triton_common.sm_count
     types = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int32: "i32",
              torch.int64: "i64"}
     cubin = Path(os.environ.get("TMPDIR", "/tmp")) / f"cairn-compile-{os.getpid()}.cubin"
@@ -140,8 +141,11 @@ def _main() -> None:
         q, k = torch.randn(t, h_k, d_k, dtype=dtype), torch.randn(t, h_k, d_k, dtype=dtype)
         v, g, beta = torch.randn(t, h_v, d_v, dtype=dtype), -torch.rand(t, h_v), torch.rand(t, h_v, dtype=dtype)
         triton_delta_rule.chunk_gated_delta_rule(q, k, v, g, beta, state_positions=[16])
-        triton_delta_recurrent.gated_delta_rule_step(q[:2], k[:2], v[:2], g[:2], beta[:2],
-                                                     torch.zeros(2, h_v, d_k, d_v))
+        for sms in (1, 4, 10**6):  # the decode step at each of its launch shapes (a grid sized for that many SMs)
+            triton_common.sm_count = lambda device, sms=sms: sms
+            triton_delta_recurrent.gated_delta_rule_step(q[:2], k[:2], v[:2], g[:2], beta[:2],
+                                                         torch.zeros(2, h_v, d_k, d_v))
+        triton_common.sm_count = sm_count
         triton_delta_recurrent.recurrent_gated_delta_rule(q, k, v, g, beta)
         k_cache = torch.zeros(8, 16, h_kv, d, dtype=dtype)
         table, lens = torch.zeros(2, 4, dtype=torch.int32), torch.tensor([20, 30], dtype=torch.int32)

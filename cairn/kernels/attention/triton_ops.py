@@ -196,12 +196,6 @@ def _decode_merge_kernel(part, stats, out, so_b, so_h, num_heads, num_splits, D,
     tl.store(out + b * so_b + h * so_h + d, (acc / l_run).to(out.dtype.element_ty), mask=d < D)
 
 
-def _sm_count(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 8  # interpreted: any small number still exercises the split path
-
-
 def store_kv(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
     """See `reference.store_kv`."""
     h_kv, d = check_store_kv(key, value, k_cache, v_cache, slot_mapping)
@@ -261,7 +255,7 @@ def paged_attention_decode(query: Tensor, k_cache: Tensor, v_cache: Tensor, page
     # Enough programs to fill the device about twice; a split never holds less than one block.
     # Each sequence cuts its own length into that many splits (in the kernel, from seq_lens), so the
     # work is even whatever the page table's width (a decode graph's is the longest sequence's).
-    splits = max(1, min(triton.cdiv(2 * _sm_count(query.device), batch * h_kv), triton.cdiv(max_len, bn), MAX_SPLITS))
+    splits = max(1, min(triton.cdiv(2 * tc.sm_count(query.device), batch * h_kv), triton.cdiv(max_len, bn), MAX_SPLITS))
     part = tc.empty(batch, h_q, splits, bd, dtype=torch.float32, device=query.device)
     stats = tc.empty(batch, h_q, splits, 2, dtype=torch.float32, device=query.device)
     dt, prec = tc.dot_dtype(k_cache), "ieee"

@@ -94,6 +94,14 @@ def empty_like(t: Tensor) -> Tensor:
     return empty(*t.shape, dtype=t.dtype, device=t.device)
 
 
+def sm_count(device: torch.device) -> int:
+    """The device's streaming multiprocessors, which launchers size their grids by (interpreted on
+    CPU tensors: a small number, so that the tests still cover every grid shape)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 8
+
+
 def pow2(n: int, least: int = 16) -> int:
     """The block size covering n: a power of two, at least `least` (tl.dot wants >= 16)."""
     return max(least, triton.next_power_of_2(max(int(n), 1)))

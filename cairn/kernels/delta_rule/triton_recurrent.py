@@ -7,8 +7,9 @@ g, beta [N, H_v]; a state pool [num_slots, H_v, D_k, D_v] fp32 (any strides) ind
 state_slots [B] int64 (distinct); value head h reads key head h // (H_v / H_k). q and k are
 L2-normalised in the kernel; math in fp32.
 
-Launch: `_recurrent_kernel`, grid (B, H_v, cdiv(D_v, BV)): a [D_k, BV] tile of one sequence's
-state stays in registers while the sequence's tokens run (one token, row b, for a decode step;
+Launch: `_recurrent_kernel`, grid (B, H_v, cdiv(D_v, BV)), BV by `step_shape` (the widest value
+block that still fills the device): a [D_k, BV] tile of one sequence's state stays in registers
+while the sequence's tokens run (one token, row b, for a decode step;
 rows cu_seqlens[b]..cu_seqlens[b+1] otherwise), then goes back to its slot. A decode step is
 memory-bound: it reads and writes each state once.
 """
@@ -22,7 +23,7 @@ from torch import Tensor
 
 from cairn.kernels.common import triton_helpers as tc
 from cairn.kernels.common.checks import check_delta, check_state_pool, expect, expect_dtype, expect_shape
-from cairn.kernels.delta_rule.tuning import STEP_TUNE
+from cairn.kernels.delta_rule.tuning import STEP_PROGRAMS_PER_SM, STEP_SHAPES
 
 F32 = tl.float32
 
@@ -73,6 +74,15 @@ def _unit(*ts: Tensor) -> list[Tensor]:
     return [tc.unit_last(t) for t in ts]
 
 
+def step_shape(batch: int, h_v: int, d_v: int, sms: int) -> tuple[int, int]:
+    """(BV, warps): the widest of STEP_SHAPES whose grid gives each of `sms` SMs
+    STEP_PROGRAMS_PER_SM programs, else the narrowest (delta_rule/tuning.py)."""
+    for bv, warps in STEP_SHAPES:
+        if batch * h_v * triton.cdiv(d_v, bv) >= STEP_PROGRAMS_PER_SM * sms:
+            return bv, warps
+    return STEP_SHAPES[-1]
+
+
 def _recurrent(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, pool: Tensor, slots: Tensor,
                cu: Tensor | None, batch: int, scale: float | None, use_qk_l2norm: bool) -> Tensor:
     rows, h_v, d_k, d_v = check_delta(q, k, v, g, beta, "T")
@@ -80,14 +90,14 @@ def _recurrent(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, pool: T
     out = tc.empty(rows, h_v, d_v, dtype=v.dtype, device=v.device)
     if batch == 0:
         return out
-    bv = min(tc.pow2(d_v), STEP_TUNE["step_bv"])
+    bv, warps = step_shape(batch, h_v, d_v, tc.sm_count(v.device))
     _recurrent_kernel[(batch, h_v, triton.cdiv(d_v, bv))](
         q, k, v, g, beta, out, pool, slots, slots if cu is None else cu,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0),
         beta.stride(0), out.stride(0), out.stride(1), *pool.stride(),
         d_k ** -0.5 if scale is None else float(scale), d_k, d_v,
         RATIO=h_v // k.shape[1], BK=tc.pow2(d_k), BV=bv, L2=bool(use_qk_l2norm), VARLEN=cu is not None,
-        num_warps=STEP_TUNE["step_warps"])
+        num_warps=warps)
     return out
 
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from cairn.kernels.delta_rule import reference as delta_rule_ref
 from cairn.kernels.delta_rule import triton_chunk as delta_rule_chunk
 from cairn.kernels.delta_rule import triton_recurrent as delta_rule_recurrent
-from cairn.kernels.delta_rule.tuning import STEP_TUNE
+from cairn.kernels.delta_rule.tuning import STEP_SHAPES
 from tests.kernels.conventions import STATE_TOL, TOL, triton_interpreted
 
 H_K, H_V, D_K, D_V = 2, 6, 24, 20  # more value heads than key heads, head dims not powers of two
@@ -86,8 +86,7 @@ def test_varlen_delta_rule_equals_a_per_sequence_loop_over_state_slots():
     torch.testing.assert_close(pool, want_pool, equal_nan=True, **STATE_TOL)
 
 
-def test_recurrent_delta_rule_equals_the_reference(monkeypatch):
-    monkeypatch.setitem(STEP_TUNE, "step_bv", 32)  # one value block per head: fewer interpreted programs
+def test_recurrent_delta_rule_equals_the_reference():
     q, k, v, g, beta = delta_inputs(20, seed=5)
     init = random_states()
     out, final = delta_rule_recurrent.recurrent_gated_delta_rule(q, k, v, g, beta, init)
@@ -113,3 +112,31 @@ def test_decode_steps_update_states_in_place_in_a_batch_and_in_slots():
     torch.testing.assert_close(out, want, **TOL)
     torch.testing.assert_close(pool, want_pool, equal_nan=True, **STATE_TOL)
 
+
+
+@pytest.mark.parametrize("batch", [1, 3, 33])
+@pytest.mark.parametrize("h_k, h_v", [(2, 6), (1, 5), (3, 3)])
+def test_decode_steps_at_every_launch_shape_and_head_ratio_equal_the_reference(batch, h_k, h_v):
+    """Batches of 1, 3 and 33 take the narrow, middle and wide value blocks here (the interpreted
+    launcher sizes its grid for 8 SMs); value heads 3, 5 or 1 to a key head."""
+    gen = torch.Generator().manual_seed(batch * h_v)
+    q, k = torch.randn(batch, h_k, D_K, generator=gen), torch.randn(batch, h_k, D_K, generator=gen)
+    v = torch.randn(batch, h_v, D_V, generator=gen)
+    g = F.logsigmoid(2 * torch.randn(batch, h_v, generator=gen) + 2)
+    beta = torch.sigmoid(torch.randn(batch, h_v, generator=gen))
+    pool, view = nan_pool(h_v, D_K, D_V, slots=batch + 2)
+    slots = torch.randperm(batch + 2, generator=gen)[:batch]
+    view[slots] = 0.5 * torch.randn(batch, h_v, D_K, D_V, generator=gen)
+    want_pool = pool.clone()
+    out = delta_rule_recurrent.gated_delta_rule_step_slots(q, k, v, g, beta, view, slots)
+    want = delta_rule_ref.gated_delta_rule_step_slots(q, k, v, g, beta, want_pool[:, 1], slots)
+    torch.testing.assert_close(out, want, **TOL)
+    torch.testing.assert_close(pool, want_pool, equal_nan=True, **STATE_TOL)
+
+
+def test_the_decode_step_takes_the_widest_value_block_that_fills_the_device():
+    """H200: 132 SMs; Qwen3.5-35B-A3B: 32 value heads of 128."""
+    shape = delta_rule_recurrent.step_shape
+    assert [shape(b, 32, 128, 132) for b in (1, 4, 64, 256)] == [STEP_SHAPES[2], STEP_SHAPES[1], STEP_SHAPES[0],
+                                                                  STEP_SHAPES[0]]
+    assert [shape(b, 6, D_V, 8) for b in (1, 3, 33)] == [STEP_SHAPES[2], STEP_SHAPES[1], STEP_SHAPES[0]]
