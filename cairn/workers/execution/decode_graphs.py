@@ -15,7 +15,8 @@ Contract:
 - On CUDA (`capture=True`), `capture()` records the decode forward of every bucket, largest
   first into one shared memory pool, after two warm-up runs on a side stream (Triton compiles
   and autotunes there, not in the graph); `run` then copies the step's arrays in and replays.
-  `capture_s` and `memory_bytes` (what the pool took) are kept and logged. Elsewhere `run` runs
+  `capture_s` and `memory_bytes` (what the device's free memory, the allocator emptied, lost over
+  the capture: the graphs' pool and the workspaces they made) are kept and logged. Elsewhere `run` runs
   the model eagerly on the bucket's batch: the same buffers, the same padding, no graph.
 - Whoever calls `run` makes every block copy, restore and promotion of the step before it (the
   runner does), so a graph never reads a buffer that is still moving.
@@ -107,7 +108,7 @@ class DecodeGraphs:
         if not self.capturing:
             return
         device = self.runner.device
-        began, before = time.perf_counter(), torch.cuda.memory_reserved(device)
+        began, before = time.perf_counter(), _free_bytes(device)
         pool = None
         for size in sorted(self.sizes, reverse=True):
             batch = self._load(size, self.arrays(_Padding(size), size))
@@ -122,11 +123,19 @@ class DecodeGraphs:
                 logits = self.runner.model(batch, self.runner.caches)
             pool = graph.pool()
             self._graphs[size] = (graph, logits)
-        torch.cuda.synchronize(device)
         self.capture_s = time.perf_counter() - began
-        self.memory_bytes = torch.cuda.memory_reserved(device) - before
+        self.memory_bytes = max(0, before - _free_bytes(device))
         log.info("captured decode graphs at %d batch sizes (%s) in %.1f s; they hold %.1f MiB",
                  len(self.sizes), ",".join(map(str, self.sizes)), self.capture_s, self.memory_bytes / 2**20)
+
+
+def _free_bytes(device: torch.device) -> int:
+    """The device's free memory with the caching allocator emptied: what is left for others. Its
+    drop over the capture is what the graphs hold (their pool, and the workspaces the capture
+    made); `memory_reserved` is not, since the allocator reuses blocks freed during the capture."""
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    return torch.cuda.mem_get_info(device)[0]
 
 
 class _Padding:
