@@ -33,7 +33,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from cairn.kernels.attention.tuning import ATTENTION_ROWS, DECODE_CONFIGS, MAX_SPLITS, MERGE_SPLITS, PREFILL_CONFIGS
+from cairn.kernels.attention.tuning import (ATTENTION_ROWS, DECODE_CONFIGS, DECODE_PROGRAMS_PER_SM, MAX_SPLITS,
+                                            MERGE_SPLITS, PREFILL_CONFIGS)
 from cairn.kernels.common import triton_helpers as tc
 from cairn.kernels.common.checks import check_paged, check_store_kv, expect, expect_dtype, expect_shape
 from cairn.kernels.common.varlen_plan import VarlenPlan
@@ -252,10 +253,12 @@ def paged_attention_decode(query: Tensor, k_cache: Tensor, v_cache: Tensor, page
     h_kv, page_size = k_cache.shape[2], k_cache.shape[1]
     bd, bn = tc.pow2(d), 64
     max_len = page_table.shape[1] * page_size  # a bound known without reading seq_lens
-    # Enough programs to fill the device about twice; a split never holds less than one block.
-    # Each sequence cuts its own length into that many splits (in the kernel, from seq_lens), so the
-    # work is even whatever the page table's width (a decode graph's is the longest sequence's).
-    splits = max(1, min(triton.cdiv(2 * tc.sm_count(query.device), batch * h_kv), triton.cdiv(max_len, bn), MAX_SPLITS))
+    # Enough programs for DECODE_PROGRAMS_PER_SM on every SM (a batch of one at a long context
+    # needs them all streaming its K/V); a split never holds less than one block. Each sequence
+    # cuts its own length into that many splits (in the kernel, from seq_lens), so the work is even
+    # whatever the page table's width (a decode graph's is the longest sequence's).
+    wanted = triton.cdiv(DECODE_PROGRAMS_PER_SM * tc.sm_count(query.device), batch * h_kv)
+    splits = max(1, min(wanted, triton.cdiv(max_len, bn), MAX_SPLITS))
     part = tc.empty(batch, h_q, splits, bd, dtype=torch.float32, device=query.device)
     stats = tc.empty(batch, h_q, splits, 2, dtype=torch.float32, device=query.device)
     dt, prec = tc.dot_dtype(k_cache), "ieee"

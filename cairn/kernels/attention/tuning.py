@@ -12,7 +12,8 @@ PREFILL_CONFIGS = [dict(BN=32, num_warps=8), dict(BN=16, num_warps=8), dict(BN=3
                    dict(BN=16, num_warps=8, num_stages=4)]
 DECODE_CONFIGS = [dict(BN=64, num_warps=4), dict(BN=32, num_warps=4), dict(BN=64, num_warps=8), dict(BN=32, num_warps=2)]
 
-MAX_SPLITS = 64  # the most splits a decode's sequence is cut into
+MAX_SPLITS = 256  # the most splits a decode's sequence is cut into (a batch of one: 64k context, 256 a split)
+DECODE_PROGRAMS_PER_SM = 4  # decode programs (sequence, K/V head, split) the splits aim at, per SM
 MERGE_SPLITS = 8  # splits the merge reads at a time (a loop: any split count, one specialisation)
 
-__all__ = ["ATTENTION_ROWS", "PREFILL_CONFIGS", "DECODE_CONFIGS", "MAX_SPLITS", "MERGE_SPLITS"]
+__all__ = ["ATTENTION_ROWS", "PREFILL_CONFIGS", "DECODE_CONFIGS", "MAX_SPLITS", "MERGE_SPLITS", "DECODE_PROGRAMS_PER_SM"]

@@ -125,3 +125,34 @@ def test_attention_over_strided_arena_pages_equals_contiguous_caches():
     others[1] = False
     torch.testing.assert_close(arena[:, others], before[:, others], equal_nan=True, **EXACT)  # other layers untouched
 
+
+
+def test_decode_over_more_splits_than_the_merge_reads_at_once_equals_the_reference(monkeypatch):
+    """A long context cut into 16 splits (the interpreted launcher sizes them for 8 SMs): the merge
+    folds them in MERGE_SPLITS at a time, rescaling to the running maximum."""
+    gen = torch.Generator().manual_seed(11)
+    pages, total = 128, 900
+    k_cache, v_cache = torch.randn(pages, PAGE, H_KV, D, generator=gen), torch.randn(pages, PAGE, H_KV, D, generator=gen)
+    table = torch.randperm(pages, generator=gen)[None, :-(-total // PAGE)].to(torch.int32)
+    lens = torch.tensor([total], dtype=torch.int32)
+    query = torch.randn(1, H_Q, D, generator=gen)
+    splits = []
+    monkeypatch.setattr(attention_triton, "_decode_merge_kernel",
+                        Splits(attention_triton._decode_merge_kernel, splits))
+    got = attention_triton.paged_attention_decode(query, k_cache, v_cache, table, lens, SCALE)
+    assert splits and splits[0] > 8, splits
+    torch.testing.assert_close(got, attention_ref.paged_attention_decode(query, k_cache, v_cache, table, lens, SCALE),
+                               **TOL)
+
+
+class Splits:
+    """Stands in for the merge kernel: records its split count, then launches it."""
+
+    def __init__(self, kernel, seen: list):
+        self.kernel, self.seen = kernel, seen
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.seen.append(args[6])  # num_splits
+            return self.kernel[grid](*args, **kwargs)
+        return launch
