@@ -178,6 +178,28 @@ def _expert_block(sorted_pairs, block_expert, num_padded, N, T, MAX_BLOCKS, TOP_
     return busy, expert.to(tl.int64), pairs.to(tl.int64), valid, tokens.to(tl.int64)
 
 
+@triton.jit
+def _gathered_product(a_rows, b_rows, b_cols, col_ok, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, EVEN: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] fp32: rows gathered from A (`a_rows`: [BLOCK_M] row pointers, K contiguous)
+    times B's columns (`b_cols`: [BLOCK_N] offsets from `b_rows` of K contiguous weights each; the
+    tiles are int32 offsets from those pointers). EVEN: K a multiple of BLOCK_K and every column
+    real, so no load is masked; padding rows point at a real row and are never stored."""
+    kk = tl.arange(0, BLOCK_K)
+    b_off = kk[:, None] + b_cols[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN:
+            a = tl.load(a_rows[:, None] + (k0 + kk)[None, :])
+            b = tl.load(b_rows + k0 + b_off)
+        else:
+            k_ok = k0 + kk < K
+            a = tl.load(a_rows[:, None] + (k0 + kk)[None, :], mask=k_ok[None, :], other=0.0)
+            b = tl.load(b_rows + k0 + b_off, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc += tl.dot(a.to(DOT), b.to(DOT), input_precision=PREC)
+    return acc
+
+
 @tc.tuned(GATE_UP_CONFIGS, key=["H", "I", "BLOCK_M"], per="BLOCK_M")
 @triton.jit(do_not_specialize=["N", "T", "MAX_BLOCKS"])
 def _gate_up_kernel(x, s_xt, w, s_we, s_wn, sg, s_sn, shared_up, inter, sorted_pairs, block_expert, num_padded, N, T,
@@ -199,19 +221,8 @@ def _gate_up_kernel(x, s_xt, w, s_we, s_wn, sg, s_sn, shared_up, inter, sorted_p
     half = tl.program_id(1) * (BLOCK_N // 2)
     col = half + c // 2  # the output column each B column feeds
     col_ok = col < I
-    kk = tl.arange(0, BLOCK_K)
-    a_rows = x + tokens * s_xt  # [BLOCK_M] row pointers; the tiles are int32 offsets from them
-    w_off = kk[:, None] + (col * s_n + (c % 2) * up_minus_gate)[None, :]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        if EVEN:
-            a = tl.load(a_rows[:, None] + (k0 + kk)[None, :])
-            b = tl.load(gate_rows + k0 + w_off)
-        else:
-            k_ok = k0 + kk < H
-            a = tl.load(a_rows[:, None] + (k0 + kk)[None, :], mask=k_ok[None, :], other=0.0)
-            b = tl.load(gate_rows + k0 + w_off, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        acc += tl.dot(a.to(DOT), b.to(DOT), input_precision=PREC)
+    acc = _gathered_product(x + tokens * s_xt, gate_rows, col * s_n + (c % 2) * up_minus_gate, col_ok, H,
+                            BLOCK_M, BLOCK_N, BLOCK_K, DOT, PREC, EVEN)
     gate, up = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N // 2, 2]))
     h = gate / (1.0 + tl.exp(-gate)) * up
     n = half + tl.arange(0, BLOCK_N // 2)
@@ -233,19 +244,7 @@ def _down_kernel(inter, w, s_we, s_wn, sd, s_sd, weights, y, sorted_pairs, block
         rows, s_n = sd, s_sd
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < H
-    kk = tl.arange(0, BLOCK_K)
-    a_rows = inter + pairs * I
-    d_off = kk[:, None] + (n * s_n)[None, :]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, I, BLOCK_K):
-        if EVEN:
-            a = tl.load(a_rows[:, None] + (k0 + kk)[None, :])
-            d = tl.load(rows + k0 + d_off)
-        else:
-            k_ok = k0 + kk < I
-            a = tl.load(a_rows[:, None] + (k0 + kk)[None, :], mask=k_ok[None, :], other=0.0)
-            d = tl.load(rows + k0 + d_off, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc += tl.dot(a.to(DOT), d.to(DOT), input_precision=PREC)
+    acc = _gathered_product(inter + pairs * I, rows, n * s_n, n_ok, I, BLOCK_M, BLOCK_N, BLOCK_K, DOT, PREC, EVEN)
     scale = tl.load(weights + pairs, mask=valid, other=0.0)
     tl.store(y + pairs[:, None] * H + n[None, :], (acc * scale[:, None]).to(y.dtype.element_ty),
              mask=valid[:, None] & n_ok[None, :])
