@@ -7,8 +7,9 @@ moe/tuning.py's configs and BLOCK_M rule from measurements.
 
 For each token count: the align (three launches) in microseconds; then `_gate_up_kernel` and
 `_down_kernel` at each BLOCK_M the launcher may choose there (16 at decode sizes; 64 and 128 for
-prefills) and each of moe/tuning.py's candidates (BLOCK_N, BLOCK_K, warps, stages), each timed warm (CUDA events, the median of 20 launches after 3), with its TFLOP/s and fraction of
-peak; the best of each; and the whole `fused_moe` as autotuned today. Random routing (softmax of
+prefills) and each of moe/tuning.py's candidates (BLOCK_N, BLOCK_K, warps, stages), each timed
+warm (the median of triton's do_bench, as kernel_speed.py times), with its TFLOP/s and fraction
+of peak; the best of each; and the whole `fused_moe` as autotuned today. Random routing (softmax of
 normal logits), bf16. Needs CUDA; prints nothing it did not time.
 """
 
@@ -24,23 +25,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 import triton  # noqa: E402
+import triton.testing  # noqa: E402
 
 from cairn.kernels.moe import triton_ops as moe  # noqa: E402
 from cairn.kernels.moe.tuning import DOWN_CONFIGS, GATE_UP_CONFIGS  # noqa: E402
 
-def timed(fn, reps: int = 20) -> float:
-    """Median seconds of `fn` on the current stream, after 3 warm calls."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return sorted(times)[len(times) // 2]
+def timed(fn) -> float:
+    """Median seconds of `fn`: triton's do_bench, as kernel_speed.py times (after a first call, which
+    compiles: do_bench sizes its repeats from its first call's time)."""
+    fn()
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") / 1e3
 
 
 def main() -> None:
