@@ -66,6 +66,17 @@ def demo_model(tmp_path_factory):
 
 
 @pytest.fixture
+def fresh_compile_watch(monkeypatch):
+    """cairn.kernels.common.compile_watch as in a process that has compiled nothing yet (other
+    tests launch kernels in this one)."""
+    from cairn.kernels.common import compile_watch
+
+    monkeypatch.setattr(compile_watch, "_seen", [])
+    monkeypatch.setattr(compile_watch, "_keys", set())
+    return compile_watch
+
+
+@pytest.fixture
 def hf_hub(tmp_path, tiny_model_dir, monkeypatch) -> Path:
     """A Hugging Face cache, $HF_HOME/hub, holding the tiny demo model as HUB_REPO: `main` at
     HUB_MAIN, branch `v2` at HUB_V2 (another config); HF_HUB_OFFLINE=1. Returns the cache."""

@@ -29,9 +29,7 @@ def _lenient_kernel(x, y, n, BLOCK: tl.constexpr):
 
 
 @pytest.fixture(autouse=True)
-def fresh_watch(monkeypatch):
-    monkeypatch.setattr(compile_watch, "_seen", [])
-    monkeypatch.setattr(compile_watch, "_keys", set())
+def installed(fresh_compile_watch):
     compile_watch.install()
     assert triton_helpers.INTERPRETED
 

@@ -22,13 +22,6 @@ from cairn.workers.sampling_params import SamplingParams
 
 
 @pytest.fixture
-def fresh_watch(monkeypatch):
-    """compile_watch as in a process that has compiled nothing yet (other tests launch kernels)."""
-    monkeypatch.setattr(compile_watch, "_seen", [])
-    monkeypatch.setattr(compile_watch, "_keys", set())
-
-
-@pytest.fixture
 def interpreted_cuda():
     with dispatch.routed_as(dispatch.INTERPRETED_CUDA):
         yield
@@ -61,7 +54,7 @@ def mixed_workload(engine: Engine, seed: int) -> None:
 
 
 @pytest.mark.slow
-def test_after_warm_up_no_step_compiles_a_kernel(demo_model, fresh_watch, interpreted_cuda, caplog):
+def test_after_warm_up_no_step_compiles_a_kernel(demo_model, fresh_compile_watch, interpreted_cuda, caplog):
     engine = engine_of(demo_model("qwen3_5_moe"))
     with caplog.at_level(logging.INFO, logger="cairn.workers.engine"):
         engine.warm_up()
@@ -78,7 +71,8 @@ def test_after_warm_up_no_step_compiles_a_kernel(demo_model, fresh_watch, interp
     assert metrics.kernel_compiles_total == warmed and metrics.kernel_compiles_after_warm_up_total == 0
 
 
-def test_a_compile_after_warm_up_is_logged_and_counted(demo_model, fresh_watch, interpreted_cuda, monkeypatch, caplog):
+def test_a_compile_after_warm_up_is_logged_and_counted(demo_model, fresh_compile_watch, interpreted_cuda, monkeypatch,
+                                                       caplog):
     engine = engine_of(demo_model("qwen3_5"))
     monkeypatch.setattr("cairn.workers.engine.runs_triton", lambda device: False)  # warm-up without the kernels
     engine.warm_up()
