@@ -96,7 +96,7 @@ class Engine:
         if rank_workers is not None:
             rank_workers.wait_ready(layout.num_blocks, timeout_s=max(120.0, options.collective_timeout_s))
             self.runner = TensorParallelRunner(self.runner, rank_workers)
-        self.sampler = Sampler(options.seed, self.scheduler.eos_token_ids)
+        self.sampler = Sampler(options.seed, self._eos)
         self.events = EventStream(worker_id)
         self.stats = EngineTotals()
         self._requests: dict[str, Sequence] = {}
@@ -165,7 +165,7 @@ class Engine:
         """Structured outputs from the tokenizer in `model_dir` (loaded in the background; an
         engine without one refuses requests with a grammar)."""
         self.sampler.grammars = Grammars.for_model(model_dir, self.spec.vocab_size,
-                                                   tuple(sorted(self.scheduler.eos_token_ids)))
+                                                   tuple(sorted(self._eos)))
 
     def warm_up(self) -> float:
         """Compiles, before any request, the kernels a step's shapes would compile during one: on
