@@ -10,7 +10,9 @@
 # - benchmarks/step_cost.py --measure --profile --calibrate LOG_DIR/kernel_speed.json: every step
 #   of a Qwen3.5-35B-A3B-shaped engine with random bf16 weights (about 70 GB), its warm-up time,
 #   each step warm (median, min-max) and the first time, first / warm, beside the projection at the
-#   kernels' measured efficiencies; output tokens/s at 64 running; the top kernels of a warm 4k prefill.
+#   kernels' measured efficiencies; output tokens/s at 64 running; the top kernels of a warm 4k prefill;
+# - benchmarks/decode_series.py: 200 warm decode steps at 64 and at 256 running on the same shape,
+#   async scheduling off and on: median, p99, p99/median, tokens/s, and the on/off ratio.
 #
 #   bash benchmarks/gpu_check.sh [LOG_DIR]   (default: benchmarks/out/gpu-check, or
 #                                             $CAIRN_BENCH_OUT/gpu-check when that is set)
@@ -99,6 +101,9 @@ fi
 python3 benchmarks/step_cost.py --shapes qwen3.5-35b-a3b --measure --profile "${calibrate[@]}" \
     2>&1 | tee "$LOGS/step_cost.log"
 steps=${PIPESTATUS[0]}
+python3 benchmarks/decode_series.py --shape qwen3.5-35b-a3b --running 64,256 --steps 200 \
+    2>&1 | tee "$LOGS/decode_series.log"
+series=${PIPESTATUS[0]}
 echo "pytest -m gpu: exit $tests; benchmarks/kernel_speed.py: exit $bench; benchmarks/moe_tiles.py: exit $tiles;" \
-     "benchmarks/step_cost.py: exit $steps; logs in $LOGS"
-exit $(( tests || bench || tiles || steps ))
+     "benchmarks/step_cost.py: exit $steps; benchmarks/decode_series.py: exit $series; logs in $LOGS"
+exit $(( tests || bench || tiles || steps || series ))

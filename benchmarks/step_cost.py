@@ -51,6 +51,7 @@ import torch  # noqa: E402
 
 from cairn.workers.engine import Engine  # noqa: E402
 from cairn.workers.engine_options import EngineOptions  # noqa: E402
+from cairn.workers.sampling_params import SamplingParams  # noqa: E402
 from cairn.workers.execution.step_census import Census, CensusGroup, Tally  # noqa: E402
 from cairn.workers.model.family_registry import family_named  # noqa: E402
 from cairn.workers.model.model_config import FULL, LINEAR, ModelConfig  # noqa: E402
@@ -96,8 +97,9 @@ def tiny(cfg: ModelConfig) -> ModelConfig:
                    vocab_size=1024, torch_dtype="bfloat16")
 
 
-def build_engine(cfg: ModelConfig, tp: int, running: int, census: Census | None = None) -> Engine:
-    """An engine over random bf16 weights of `cfg` (rank 0 of `tp`), room for `running` sequences."""
+def build_engine(cfg: ModelConfig, tp: int, running: int, census: Census | None = None, **options: object) -> Engine:
+    """An engine over random bf16 weights of `cfg` (rank 0 of `tp`), room for `running` sequences;
+    `options`: other EngineOptions fields."""
     torch.manual_seed(0)
     rank_cfg = shard_config(cfg, tp)
     group = CensusGroup(tp, census) if tp > 1 else None
@@ -106,9 +108,43 @@ def build_engine(cfg: ModelConfig, tp: int, running: int, census: Census | None 
         for p in model.parameters():
             p.normal_(0.0, 0.05)
     model = model.to(torch.bfloat16).eval()
-    options = EngineOptions(max_num_seqs=max(running, 1) + 1, max_num_batched_tokens=4096 + 512,
-                            cache_memory_bytes=1536 * 2**20, device="cpu", dtype="bfloat16")
-    return Engine(model, options)
+    engine_options = EngineOptions(max_num_seqs=max(running, 1) + 1, max_num_batched_tokens=4096 + 512,
+                                   cache_memory_bytes=1536 * 2**20, device="cpu", dtype="bfloat16", **options)
+    return Engine(model, engine_options)
+
+
+def census_series(cfg: ModelConfig, running: int, steps: int, async_scheduling: bool) -> dict:
+    """`steps` warm decode steps of `running` sequences over the decode graphs' fixed buffers
+    (`enforce_eager=False`: what CUDA replays), each counted alone: per step its syncs, uploads
+    and launches, whether it copied a checkpoint (a page boundary's capture: its cost is that
+    step's), and whether any input buffer was made after the first warm steps."""
+    engine = build_engine(tiny(cfg), 1, running, enforce_eager=False, async_scheduling=async_scheduling)
+    params = SamplingParams(max_tokens=steps + 64, temperature=0, ignore_eos=True)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(running):
+        engine.add_request(torch.randint(0, 1024, (24,), generator=g).tolist(), params)
+    scheduler, graphs = engine.scheduler, engine.runner.graphs
+    while scheduler.waiting or any(seq.num_uncomputed > 1 for seq in scheduler.running):
+        engine.step()
+    for _ in range(3):
+        engine.step()
+    buffers = {size: entry[0].data_ptr() for size, entry in graphs._static.items()}
+    prepared, works = engine.runner.prepare, []
+    engine.runner.prepare = lambda plan, all_logits=False, fed=None: works.append(
+        prepared(plan, all_logits, fed)) or works[-1]
+    rows = []
+    for _ in range(steps):
+        works.clear()
+        with Census() as census:
+            outputs = engine.step()
+        t = census.total()
+        rows.append(dict(syncs=t.syncs, uploads=t.uploads, launches=t.launches, outputs=len(outputs),
+                         forward_syncs=census.phases.get("forward", Tally()).syncs,
+                         captures=sum(len(w.snapshots) for w in works)))
+    after = {size: entry[0].data_ptr() for size, entry in graphs._static.items()}
+    return dict(series=steps, running=running, async_scheduling=async_scheduling, steps=rows,
+                new_input_buffers=sum(1 for size, ptr in after.items() if buffers.get(size) != ptr),
+                overlapped_steps=engine.overlapped_steps)
 
 
 def count_step(cfg: ModelConfig, tp: int, step: Step) -> tuple[Census, int]:
@@ -301,7 +337,26 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=WARM_REPEATS, help="warm runs of each step with --measure")
     parser.add_argument("--profile", action="store_true",
                         help="with --measure on CUDA: the kernels of one warm 4k prefill by GPU time")
+    parser.add_argument("--series", type=int, default=0, metavar="N",
+                        help="instead: N warm decode steps at --series-running sequences, each counted alone, "
+                             "async scheduling off then on (syncs, uploads, launches, checkpoint captures per step)")
+    parser.add_argument("--series-running", type=int, default=64)
     args = parser.parse_args()
+    if args.series:
+        for name in args.shapes.split(","):
+            for on in (False, True):
+                row = dict(shape=name, **census_series(SHAPES[name][0], args.series_running, args.series, on))
+                if args.json:
+                    print(json.dumps(row), flush=True)
+                    continue
+                per = row["steps"]
+                spread = lambda key: f"{min(r[key] for r in per)}-{max(r[key] for r in per)}"  # noqa: E731
+                print(f"{name}, {row['running']} running, async scheduling {'on' if on else 'off'}: {len(per)} "
+                      f"warm decode steps; per step syncs {spread('syncs')} (in the forward {spread('forward_syncs')}),"
+                      f" uploads {spread('uploads')}, launches {spread('launches')}; steps copying a checkpoint "
+                      f"{sum(1 for r in per if r['captures'])}; input buffers made {row['new_input_buffers']}; "
+                      f"planned ahead {row['overlapped_steps']}")
+        return
     if args.profile and not (args.measure and args.measure_device == "cuda"):
         parser.error("--profile profiles the CUDA kernels of a measured engine: it needs --measure on CUDA")
     if args.measure and args.measure_device == "cuda" and not torch.cuda.is_available():

@@ -39,8 +39,9 @@ DECODE_PROMPT = 8  # tokens of each decoding sequence's prompt: the context its 
 WARM_REPEATS = 6
 
 
-def full_engine(cfg: ModelConfig, device: str, max_seqs: int) -> Engine:
-    """An engine over random bf16 weights of `cfg` on `device`, decode graphs on where the device has them."""
+def full_engine(cfg: ModelConfig, device: str, max_seqs: int, **options: object) -> Engine:
+    """An engine over random bf16 weights of `cfg` on `device`, decode graphs on where the device
+    has them; `options`: other EngineOptions fields."""
     torch.manual_seed(0)
     with torch.device("meta"):
         model = family_named(cfg.model_type).model_class(cfg)
@@ -51,10 +52,10 @@ def full_engine(cfg: ModelConfig, device: str, max_seqs: int) -> Engine:
     for module in model.modules():
         if isinstance(module, Rotary):
             module.inv_freq = Rotary(cfg).inv_freq.to(device)
-    options = EngineOptions(max_num_seqs=max_seqs, max_num_batched_tokens=4096 + 512, max_model_len=8192,
-                            cache_memory_bytes=24 * 2**30 if device == "cuda" else 2**30, device=device,
-                            dtype="bfloat16")
-    return Engine(model.eval(), options)
+    engine_options = EngineOptions(max_num_seqs=max_seqs, max_num_batched_tokens=4096 + 512, max_model_len=8192,
+                                   cache_memory_bytes=24 * 2**30 if device == "cuda" else 2**30, device=device,
+                                   dtype="bfloat16", **options)
+    return Engine(model.eval(), engine_options)
 
 
 class StepDriver:

@@ -197,6 +197,10 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
                         help="CUDA: run decode steps eagerly instead of replaying CUDA graphs captured at batch "
                              "sizes 1, 2, 4, 8, 16, ... --max-num-seqs (graphs are the default on CUDA; CPU is "
                              "always eager)")
+    parser.add_argument("--async-scheduling", action="store_true", default=None,
+                        help="plan and launch each decode step before the last one's tokens are read back, so the "
+                             "host's work hides behind the device's (one device per replica; outputs unchanged; "
+                             "off by default until timed on a GPU)")
     parser.set_defaults(run=_serve)
 
 

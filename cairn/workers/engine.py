@@ -24,7 +24,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -50,7 +50,7 @@ from cairn.workers.plan import BlockCopy, Segment, StepPlan
 from cairn.workers.request import GenerateRequest
 from cairn.workers.request_check import check
 from cairn.workers.execution.runner import ModelRunner
-from cairn.workers.sampler import Sampler
+from cairn.workers.sampler import Draw, Sampler
 from cairn.workers.sampling_params import SamplingParams
 from cairn.workers.scheduler import Scheduler
 from cairn.workers.sequence import Sequence, Status
@@ -58,6 +58,16 @@ from cairn.workers.spec import EngineSpec
 from cairn.workers.execution.tp_runner import TensorParallelRunner
 
 log = logging.getLogger(__name__)
+
+PENDING = -1  # a sequence's token while a step that decodes it is planned before it is read (async scheduling)
+
+
+@dataclass
+class _Flight:
+    """A step launched by one call of `Engine.step` whose tokens the next call reads."""
+    plan: StepPlan
+    sampling: list[Sequence]  # its sampling rows, in the order of `draw`
+    draw: Draw
 
 
 class Engine:
@@ -108,6 +118,11 @@ class Engine:
         self.on_runnable: Callable[[], None] | None = None  # called from other threads when held work may run
         self._held: list[Sequence] = []  # held back until their grammars compile and their fetches arrive
         self._compiles_seen: int | None = None  # kernel compiles at warm-up's end (None: not warmed up)
+        # async scheduling (`step`): one device only (a rank's inputs travel from the host)
+        self._async = options.async_scheduling and rank_workers is None
+        self._flight: _Flight | None = None  # the step whose drawn tokens the next call reads
+        self.overlapped_steps = 0  # steps planned and launched before the last one's tokens were read
+        self.dropped_rows = 0  # rows of those steps computed for sequences that stopped the step before
         self.late_compiles = 0  # kernel compiles since warm-up: each a step shape the warm-up missed
 
     def _bookkeeping(self) -> tuple[CheckpointPolicy, PrefixCache, Scheduler]:
@@ -134,7 +149,7 @@ class Engine:
         `cairn.workers.kernel_warm_up` runs its steps on). Only for an engine with no request:
         the arena's pages and slots the scratch steps write are free ones, which every later step
         writes before it reads (fresh slots are zeroed; a page is read only once computed)."""
-        if self._requests or self._held or self.scheduler.has_work():
+        if self._requests or self._held or self.scheduler.has_work() or self._flight is not None:
             raise EngineError("scratch bookkeeping needs an engine without requests")
         saved = self.policy, self.cache, self.scheduler, self.stats, self.sampler
         self.policy, self.cache, self.scheduler = self._bookkeeping()
@@ -144,6 +159,7 @@ class Engine:
         finally:
             for request_id in list(self._requests):
                 self.abort(request_id)
+            self._flight = None
             self.policy, self.cache, self.scheduler, self.stats, self.sampler = saved
             self.runner.take_copy_timing()  # the scratch steps' copies feed no cost rule
 
@@ -292,12 +308,12 @@ class Engine:
         return RequestOutput.of(seq, [], [], self.worker_id)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or bool(self._held)
+        return self.scheduler.has_work() or bool(self._held) or self._flight is not None
 
     def has_runnable(self) -> bool:
         """A step would compute something now (every unfinished request may be paused, or held
         while its grammar compiles or its fetch is under way)."""
-        return self.scheduler.has_runnable_work() or self.fetches.has_deliveries or \
+        return self._flight is not None or self.scheduler.has_runnable_work() or self.fetches.has_deliveries or \
             any(not (s.grammar_pending or s.fetch_pending) for s in self._held)
 
     def pause(self, request_id: str, paused: bool = True) -> None:
@@ -313,36 +329,106 @@ class Engine:
         request that produced a token, finished or failed. A fault of one sequence fails that
         request alone (finish_reason "error", `error` says why); a failed forward pass fails the
         requests of that step, never those waiting. `EngineBroken` (a tensor-parallel rank lost)
-        is raised: the engine is done, and `broken` says why."""
+        is raised: the engine is done, and `broken` says why.
+
+        With `async_scheduling` (one device), a decode-only step's tokens are drawn on the device
+        and read by the next call, which first plans and launches its own step when the scheduler
+        can plan it without them (`Scheduler.plans_ahead`: nothing to admit, new pages from free
+        blocks alone). That step's decodes take their input ids from the drawn ones on the
+        device (a placeholder stands in the sequences' tokens while it is planned); then the last
+        step's tokens are read and applied, and a sequence that stopped there gets nothing from
+        the new step (its row is computed and dropped: it wrote only its own unregistered page
+        and its own state slot, both given back); the checkpoints at page boundaries its decodes
+        reach are planned for those that go on, their copies queued after it. The new step is
+        sampled after that, so penalties, grammars and `min_tokens` see every token before it.
+        Such a call returns the last step's outputs: outputs come one call late. Any other step
+        runs as without it."""
         if self.fetches.has_deliveries:
             self.fetches.adopt(self._requests)
         if self._held:
             self._release_held()
-        plan = self.scheduler.schedule()
-        outputs = []
-        if plan:
-            began = time.perf_counter()
+        outputs: list[RequestOutput] = []
+        flight, self._flight = self._flight, None
+        ahead = None  # the sequences whose tokens in `flight` the step planned now decodes
+        if flight is not None:
+            self.scheduler.advance(flight.plan)
+            pending = [seq for seq in flight.sampling if not seq.finished]
+            if self.scheduler.plans_ahead(pending):
+                ahead = pending
+            else:
+                outputs = self._land(flight)
+        if ahead is not None:
+            for seq in ahead:
+                seq.token_ids.append(PENDING)
             try:
-                logits = self.runner.execute(plan)
-            except EngineBroken as e:  # nothing can run any more: the caller fails everything
-                self.broken = str(e)
-                raise
-            except Exception as e:  # the model ran for the whole step: its requests share the fault
-                log.exception("the forward pass failed; failing the %d request(s) of this step", len(plan.segments))
-                for seg in plan.segments:
-                    self.scheduler.fail(seg.seq, SequenceFault(f"the forward pass failed: {type(e).__name__}"))
-                self.scheduler.abandon(plan)
-                logits = None
+                plan = self.scheduler.schedule(ahead=True)
+                rows = plan.sampling_sequences()
+                fed = (flight.draw.ids, {id(seq): i for i, seq in enumerate(flight.sampling)})
+                logits, failure, seconds = self._forward(plan, fed) if plan else (None, None, 0.0)
             finally:
-                self.cache.end_pass()
-            if logits is not None:
-                outputs = self._apply(plan, logits)
-                self._observe_rates(plan, time.perf_counter() - began)
-            if self._compiles_seen is not None:
-                self._check_compiles()
+                for seq in ahead:
+                    seq.token_ids.pop()
+            outputs = self._land(flight)
+            self.overlapped_steps += bool(plan)
+            if plan.deferred and failure is None:  # checkpoints at the boundaries its decodes reach
+                self.scheduler.plan_deferred_checkpoints(plan)
+                if plan.snapshots or plan.host_snapshots:
+                    self.runner.snapshot(plan)
+        else:
+            plan = self.scheduler.schedule()
+            rows = plan.sampling_sequences()
+            logits, failure, seconds = self._forward(plan, None) if plan else (None, None, 0.0)
+        if failure is not None:  # the model ran for the whole step: its requests share the fault
+            for seg in plan.segments:
+                self.scheduler.fail(seg.seq, SequenceFault(f"the forward pass failed: {type(failure).__name__}"))
+            self.scheduler.abandon(plan)
+        elif logits is not None:
+            began = time.perf_counter()
+            live = [i for i, seq in enumerate(rows) if not seq.finished]  # those that stopped in `flight` leave
+            if len(live) < len(rows):
+                self.dropped_rows += len(rows) - len(live)
+                logits = logits.index_select(0, torch.tensor(live, dtype=torch.long, device=logits.device))
+                rows = [rows[i] for i in live]
+            if self._async and not plan.prefills:  # read by the next call (every row may have stopped)
+                self._flight = _Flight(plan, rows, self.sampler.draw(logits, rows)) if rows else None
+                self._count(plan, 0)
+            else:
+                self.scheduler.advance(plan)
+                outputs += self._outputs(self.scheduler.apply_tokens(rows, self.sampler.sample(logits, rows)))
+                self._count(plan, len(rows))
+            self._observe_rates(plan, seconds + time.perf_counter() - began)
+        if plan and self._compiles_seen is not None:
+            self._check_compiles()
         for seq in self.scheduler.take_failed():
             self._requests.pop(seq.request_id, None)
             outputs.append(RequestOutput.of(seq, [], [], self.worker_id))
+        return outputs
+
+    def _forward(self, plan: StepPlan, fed) -> tuple[torch.Tensor | None, Exception | None, float]:
+        """Runs the plan's forward: (its logits, or the exception that failed it; the seconds it
+        took). `EngineBroken` (nothing can run any more: the caller fails everything) is raised."""
+        began = time.perf_counter()
+        try:
+            return self.runner.execute(plan, fed=fed) if fed else self.runner.execute(plan), None, \
+                time.perf_counter() - began
+        except EngineBroken as e:
+            self.broken = str(e)
+            raise
+        except Exception as e:
+            log.exception("the forward pass failed; failing the %d request(s) of this step", len(plan.segments))
+            return None, e, 0.0
+        finally:
+            self.cache.end_pass()
+
+    def _land(self, flight: _Flight) -> list[RequestOutput]:
+        """Reads the tokens of a step launched by the last call (async scheduling) and applies them
+        (its plan was `advance`d already)."""
+        live = [seq for seq in flight.sampling if not seq.finished]  # (an abort between the calls)
+        sampled = flight.draw.read()
+        if len(live) < len(flight.sampling):
+            sampled = [r for seq, r in zip(flight.sampling, sampled) if not seq.finished]
+        outputs = self._outputs(self.scheduler.apply_tokens(live, sampled))
+        self.stats.generated_tokens += len(outputs)
         return outputs
 
     def _observe_rates(self, plan: StepPlan, seconds: float) -> None:
@@ -357,11 +443,10 @@ class Engine:
         if 2 * sum(s.num_tokens for s in plan.prefills) >= tokens:
             cost.observe_prefill(tokens, seconds - copy_seconds)
 
-    def _apply(self, plan: StepPlan, logits: torch.Tensor) -> list[RequestOutput]:
-        sampling = plan.sampling_sequences()
-        sampled = self.sampler.sample(logits, sampling)
+    def _outputs(self, applied) -> list[RequestOutput]:
+        """The outputs of the sequences `Scheduler.apply_tokens` gave a token."""
         outputs, worker = [], self.worker_id
-        for seq, token, logprob in self.scheduler.postprocess(plan, sampling, sampled):
+        for seq, token, logprob in applied:
             if seq.finish_reason is not None:
                 self._requests.pop(seq.request_id, None)
                 outputs.append(RequestOutput.of(seq, [token], [logprob] if logprob else [], worker))
@@ -371,13 +456,15 @@ class Engine:
                     seq.request_id, [token], None if seq.params.logprobs is None else [logprob],
                     n_out, seq.cached_tokens, None, seq.num_preemptions, worker,
                     queue_s=seq.queue_s if n_out == 1 else None))
+        return outputs
+
+    def _count(self, plan: StepPlan, generated: int) -> None:
         stats = self.stats
         stats.steps += 1
         stats.computed_tokens += plan.num_tokens
-        stats.generated_tokens += len(outputs)
+        stats.generated_tokens += generated
         stats.preemptions = self.scheduler.num_preemptions
         stats.cached_tokens = self.scheduler.hit_tokens
-        return outputs
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
                  ) -> list[RequestOutput]:

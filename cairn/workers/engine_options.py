@@ -57,6 +57,7 @@ class EngineOptions:
     host_cache_bytes: int = 0                 # host tier: what the device evicts is kept here (0: off; cairn.workers.cache.host_tier)
     enforce_eager: bool | None = None         # no decode graphs (None: graphs on CUDA, eager on CPU; cairn.workers.execution.decode_graphs)
     warm_up: bool = False                     # compile every kernel shape at load (Engine.warm_up); servers turn it on
+    async_scheduling: bool = False            # plan and launch a decode step before the last one's tokens are read (Engine.step)
 
     def __post_init__(self) -> None:
         def positive(name: str, allow_none: bool = False) -> None:
@@ -94,8 +95,9 @@ class EngineOptions:
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
             raise EngineOptionError("collective_timeout_s",
                                     f"collective_timeout_s must be a positive number of seconds, got {timeout!r}")
-        if not isinstance(self.warm_up, bool):
-            raise EngineOptionError("warm_up", f"warm_up must be true or false, got {self.warm_up!r}")
+        for name in ("warm_up", "async_scheduling"):
+            if not isinstance(getattr(self, name), bool):
+                raise EngineOptionError(name, f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.enforce_eager not in (None, True, False):
             raise EngineOptionError("enforce_eager", f"enforce_eager must be true, false or None (graphs on CUDA "
                                                      f"only), got {self.enforce_eager!r}")

@@ -51,6 +51,7 @@ def load_engine(cls: type, model_dir: str | Path, asked: EngineOptions, worker_i
         device = next(model.parameters()).device
         graphs = device.type == "cuda" and not asked.enforce_eager
         reserve = device_budget.graph_reserve_bytes(model.config, asked.max_num_seqs) if graphs else 0
+        device_budget.make_workspaces(device, next(model.parameters()).dtype)
         sized = device_budget.sized(asked, device, reserve=reserve)  # memory_utilization: what weights and graphs left
     else:
         shard_config(read_model_config(path / "config.json"), asked.tensor_parallel_size)  # fits?

@@ -81,6 +81,9 @@ class StepPlan:
     page_table_writes: list[PageTableWrite] = field(default_factory=list)  # apply before the step
     block_copies: list[BlockCopy] = field(default_factory=list)  # first of all, in order
     promotions_for_now: bool = False  # a segment of this step reads what this step promotes from the host
+    # planned ahead (async scheduling): decodes reaching a page boundary, whose checkpoints are
+    # planned once the tokens before them are read (`Scheduler.plan_deferred_checkpoints`)
+    deferred: list[Segment] = field(default_factory=list)
 
     @property
     def segments(self) -> list[Segment]:

@@ -1,7 +1,9 @@
 """Turns the logits of one step into one token per sampling sequence, batched on their device.
 
 Contract (`Sampler.sample`): one result per row, and the only read of the device is the sampled
-ids (with the logprobs asked, in the same copy). No Python runs per row on the logits: the host
+ids (with the logprobs asked, in the same copy). `Sampler.draw` is `sample` left on the device:
+the ids there (they feed the next step under async scheduling) and their copy to the host
+started; `Draw.read()` waits for that copy alone. No Python runs per row on the logits: the host
 builds each row's parameters into a few arrays (one upload, pinned and non-blocking on CUDA),
 and every step below is a batched op over the rows that need it.
 
@@ -32,6 +34,8 @@ is sampled as if it were alone.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -66,6 +70,13 @@ def uniforms(keys: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return _shr(h, 40).to(torch.float32) * 2.0 ** -24
 
 
+@dataclass
+class Draw:
+    """One step's tokens, drawn on the device and not yet read by the host (`Sampler.draw`)."""
+    ids: torch.Tensor  # [rows] int64 on the device: each row's token, -1 where the row faulted
+    read: Callable[[], list]  # waits for the copy of this draw alone; one result per row, as `sample`
+
+
 class _Rows:
     """The host's arrays of one step's rows that took part (faulted ones left out)."""
 
@@ -93,29 +104,75 @@ class Sampler:
         self.eos = tuple(sorted(eos_token_ids))
         self.counts: TokenCounts | None = None  # made for the first penalised row
         self._staging: list[torch.Tensor | None] = [None, None]  # pinned upload buffers on CUDA
+        self._readback: list[torch.Tensor | None] = [None, None]  # pinned read-back buffers on CUDA
         self.grammars: Grammars | None = None  # the engine's, for rows with a grammar
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, TokenLogprob | None] | SequenceFault]:
         """logits: [N, vocab] fp32, one row per sequence in `seqs`; one result per row."""
+        return self.draw(logits, seqs).read()
+
+    @torch.inference_mode()
+    def draw(self, logits: torch.Tensor, seqs: list[Sequence]) -> Draw:
+        """`sample`, left on the device: the tokens are drawn (every op queued), and their copy to
+        the host started, but not waited for. `Draw.ids` can feed the next step's inputs at once;
+        `Draw.read()` waits for the copy alone and gives `sample`'s results."""
         if all(self._plain_greedy(s) for s in seqs):  # argmax on the device
-            # a row with a NaN or an infinity has its maximum there: it reads back as -1, and the
-            # step's one read of the device is these ids
-            ids = kernels.argmax_rows(logits).tolist()
-            if min(ids, default=0) >= 0:
-                return [(t, None) for t in ids]
+            # a row with a NaN or an infinity has its maximum there: it reads back as -1 (a fault)
+            ids = kernels.argmax_rows(logits)
+            host = self._read_back(ids)
+            return Draw(ids, lambda: [(t, None) if t >= 0 else self._not_finite() for t in host()])
         vocab = logits.shape[-1]
         out: list[tuple[int, TokenLogprob | None] | SequenceFault | None] = [None] * len(seqs)
         rows = self._rows(seqs, vocab, out)
-        if rows.pos:
+        unsampled = torch.full((len(seqs),), -1, dtype=torch.long, device=logits.device)
+        if not rows.pos:
+            return Draw(unsampled, lambda: out)
+
+        def failed(e: Exception) -> list[SequenceFault]:  # a batched op failed: the rows it held
+            log.exception("sampling %d row(s) failed", len(rows.pos), exc_info=e)  # fail, the engine goes on
+            return [SequenceFault(f"sampling failed: {type(e).__name__}")] * len(rows.pos)
+
+        try:
+            ids, finish = self._sample_rows(logits, rows)
+        except Exception as e:
+            results = failed(e)
+            return Draw(unsampled, lambda: self._place(out, rows.pos, results))
+
+        def read() -> list:
             try:
-                results = self._sample_rows(logits, rows)
-            except Exception as e:  # a batched op failed: the rows it held fail, the engine goes on
-                log.exception("sampling %d row(s) failed", len(rows.pos))
-                results = [SequenceFault(f"sampling failed: {type(e).__name__}")] * len(rows.pos)
-            for i, result in zip(rows.pos, results):
-                out[i] = result
-        return out  # type: ignore[return-value]
+                results = finish()
+            except Exception as e:
+                results = failed(e)
+            return self._place(out, rows.pos, results)
+        return Draw(ids, read)
+
+    @staticmethod
+    def _place(out: list, pos: list[int], results: list) -> list:
+        for i, result in zip(pos, results):
+            out[i] = result
+        return out
+
+    def _read_back(self, values: torch.Tensor) -> Callable[[], list]:
+        """Starts copying `values` (1-D) to the host; returns what waits for that copy alone and
+        gives them as a list. On CUDA the copy goes into a pinned buffer behind an event, so later
+        work queued on the device (the next step) is not waited for; elsewhere it is a plain read."""
+        if values.device.type != "cuda":
+            return lambda: values.tolist()
+        self._readback = self._readback[::-1]
+        buffer = self._readback[0]
+        if buffer is None or buffer.numel() < values.numel() or buffer.dtype != values.dtype:
+            buffer = self._readback[0] = torch.empty(max(2 * values.numel(), 64), dtype=values.dtype,
+                                                     pin_memory=True)
+        host = buffer[:values.numel()]
+        host.copy_(values, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+
+        def wait() -> list:
+            done.synchronize()
+            return host.tolist()
+        return wait
 
     @torch.inference_mode()
     def adjusted_logits(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -199,6 +256,8 @@ class Sampler:
         return out
 
     def _sample_rows(self, logits: torch.Tensor, rows: _Rows, adjusted_only: bool = False):
+        """The rows' adjusted logits (`adjusted_only`), or their draw: (every row's id on the
+        device, -1 where it faulted; what reads the results back)."""
         n, vocab, device = len(rows.pos), logits.shape[-1], logits.device
         temperature = np.array(rows.temperature, np.float32)
         sampled = np.flatnonzero(temperature > 0)
@@ -256,13 +315,21 @@ class Sampler:
         ids = torch.where(finite, ids, -1)
         if rows.penalised:
             self.counts.add(pen_rows, ids.index_select(0, pen_pos))
+        every = ids if n == logits.shape[0] else torch.full((logits.shape[0],), -1, dtype=ids.dtype,
+                                                            device=device).index_copy(0, pos, ids)
         if logprobs is None:
-            return [(t, None) if t >= 0 else self._not_finite() for t in ids.tolist()]
+            read = self._read_back(ids)
+            return every, lambda: [(t, None) if t >= 0 else self._not_finite() for t in read()]
         chosen = logprobs.gather(1, ids.index_select(0, asked_t).clamp(min=0)[:, None])[:, 0]
         top_vals, top_ids = torch.topk(logprobs, k_top, dim=-1) if k_top else (logprobs[:, :0], logprobs[:, :0].long())
         # one read: ids, chosen logprobs, alternatives (token ids are exact in fp64)
-        host = torch.cat((ids.double(), chosen.double(), top_vals.double().reshape(-1),
-                          top_ids.double().reshape(-1))).tolist()
+        read = self._read_back(torch.cat((ids.double(), chosen.double(), top_vals.double().reshape(-1),
+                                          top_ids.double().reshape(-1))))
+        return every, lambda: self._results(read(), rows, asked, k_top)
+
+    def _results(self, host: list[float], rows: _Rows, asked: np.ndarray, k_top: int) -> list:
+        """The rows' results from the one read of ids, chosen logprobs and alternatives."""
+        n = len(rows.pos)
         id_list, chosen_list = [int(t) for t in host[:n]], host[n:n + len(asked)]
         vals, alts = host[n + len(asked):n + len(asked) * (1 + k_top)], host[n + len(asked) * (1 + k_top):]
         results: list = []

@@ -28,6 +28,11 @@ keeps its slot and pages but gets no tokens until it is resumed.
 `postprocess` is the step's second half: computed tokens advance, whole pages are registered,
 checkpoints committed, sampled tokens appended, and sequences that stop (EOS, a stop id,
 `max_tokens`, the model's length) finish. Plans, not tensors: this module imports no torch.
+It is `advance` (what needs no sampled token) then `apply_tokens`: async scheduling
+(cairn.workers.engine) runs them apart, and plans the next step between them when `plans_ahead`
+says that plan is the one `schedule` would make once the tokens are known (less the rows of
+sequences that stop), leaving the checkpoints at the page boundaries it reaches to
+`plan_deferred_checkpoints`.
 
 Admission never livelocks: when nothing runs, the head of the queue is admitted cold (no hit
 pages held, no checkpoint pinned) if its deepest resume point does not fit, since a cold start
@@ -87,7 +92,10 @@ class Scheduler:
         return bool(self.waiting) or any(not seq.paused for seq in self.running)
 
     # ---- planning ------------------------------------------------------------------------------
-    def schedule(self) -> StepPlan:
+    def schedule(self, ahead: bool = False) -> StepPlan:
+        """The next step's plan. `ahead`: it is made before the last step's tokens are read
+        (`plans_ahead` said it may be): the checkpoints of decodes reaching a page boundary are
+        left to `plan_deferred_checkpoints`, once it is known which of them go on."""
         plan = StepPlan()
         budget = self.options.max_num_batched_tokens
         ps, running, decodes, prefills = self.page_size, self.running, plan.decodes, plan.prefills
@@ -150,15 +158,55 @@ class Scheduler:
                 start, end = seg.start, seg.start + seg.num_tokens
                 if start // ps != end // ps or (end <= len(seg.seq.prompt_token_ids) and
                                                 any(start < p <= end for p in seg.seq.cache.checkpoint_targets)):
-                    try:
-                        self._plan_checkpoints(plan, seg)
-                    except Exception as e:
-                        self._fail_in_plan(plan, seg.seq, SequenceFault(f"planning its checkpoints failed: "
-                                                                        f"{type(e).__name__}"), e)
+                    if ahead:
+                        plan.deferred.append(seg)
+                    else:
+                        self._checkpoints_or_fail(plan, seg)
         if plan:
             plan.page_table_writes = self.cache.take_page_table_writes()
             plan.block_copies = self.cache.take_block_copies()
         return plan
+
+    def plans_ahead(self, pending: list[Sequence]) -> bool:
+        """Whether the next plan can be made before the tokens that `pending` (the running
+        sequences sampling in the step in flight, already `advance`d) draw there are known
+        (async scheduling, cairn.workers.engine): true when that plan is the one `schedule` would
+        make once they are, less the rows of those that stop there. So: nothing waits to be
+        admitted, every running sequence that is not paused is one of `pending` (its next
+        segment is the decode of its pending token), the new pages those decodes need come from
+        free blocks alone (nothing evicted, so nothing preempted, and a page taken for a sequence
+        that stops goes back leaving the cache as it was), and they fit the step's budget.
+        Checkpoints at the page boundaries they reach wait for `plan_deferred_checkpoints`."""
+        if self.waiting:
+            return False
+        ps, mine = self.page_size, {id(seq) for seq in pending}
+        rows = pages = 0
+        for seq in self.running:
+            if seq.paused:
+                continue
+            position = seq.num_computed  # where the pending token goes
+            if id(seq) not in mine or position != seq.num_tokens:
+                return False
+            rows += 1
+            pages += len(seq.cache.page_ids) * ps <= position
+        return rows <= self.options.max_num_batched_tokens and self.cache.can_take_free_pages(pages)
+
+    def plan_deferred_checkpoints(self, plan: StepPlan) -> None:
+        """The checkpoints of a plan made `ahead`, now that the tokens before it are read: for
+        each decode reaching a page boundary whose sequence goes on, what `schedule` would have
+        planned (states taken after the step: the runner copies them now, after the step it
+        launched). One whose sequence stopped plans none."""
+        for seg in plan.deferred:
+            if not seg.seq.finished:
+                self._checkpoints_or_fail(plan, seg)
+        plan.deferred = []
+
+    def _checkpoints_or_fail(self, plan: StepPlan, seg: Segment) -> None:
+        """`_plan_checkpoints`; if it raises, the segment's sequence alone fails."""
+        try:
+            self._plan_checkpoints(plan, seg)
+        except Exception as e:
+            self._fail_in_plan(plan, seg.seq, SequenceFault(f"planning its checkpoints failed: {type(e).__name__}"), e)
 
     # ---- tenants ---------------------------------------------------------------------------------
     def _inflight_pages(self) -> dict[bytes, Sequence]:
@@ -296,10 +344,19 @@ class Scheduler:
         """Applies a computed step: `sampled` holds one result for each of `sampling` (the plan's
         `sampling_sequences()`): a (token, logprob), or the `SequenceFault` of that row. Returns
         (sequence, token, logprob) for each sequence that got a token; finished ones are
-        finished, failed ones are left to `take_failed`."""
-        cache, ps, eos = self.cache, self.page_size, self.eos_token_ids
+        finished, failed ones are left to `take_failed`. It is `advance`, then `apply_tokens`."""
+        self.advance(plan)
+        return self.apply_tokens(sampling, sampled)
+
+    def advance(self, plan: StepPlan) -> None:
+        """The first half of `postprocess`, which needs no sampled token: the computed tokens
+        advance, whole pages are registered, checkpoints committed. A sequence that ended since
+        the plan was made (an abort between steps) is skipped, and its checkpoint slots go back."""
+        cache, ps = self.cache, self.page_size
         for seg in plan.decodes + plan.prefills:
             seq = seg.seq
+            if seq.finished:
+                continue
             seq.num_computed = end = seg.start + seg.num_tokens
             if end // ps > seq.cache.registered_pages:
                 try:
@@ -307,11 +364,20 @@ class Scheduler:
                 except Exception as e:
                     self.fail(seq, SequenceFault(f"registering its pages failed: {type(e).__name__}"), e)
         for c in plan.commits:
+            if c.seq.finished:
+                cache.drop_pending_if_any(c.slot)
+                continue
             try:
                 cache.commit_checkpoint(c.seq, c.slot, c.position, c.kinds)
             except Exception as e:
                 self.fail(c.seq, SequenceFault(f"storing a checkpoint failed: {type(e).__name__}"), e)
                 cache.drop_pending_if_any(c.slot)
+
+    def apply_tokens(self, sampling: list[Sequence], sampled: list[tuple[int, TokenLogprob | None] | SequenceFault]
+                     ) -> list[tuple[Sequence, int, TokenLogprob | None]]:
+        """The second half of `postprocess`: each of `sampling` gets its sampled token (or fails
+        with its row's fault) and finishes if it stops there."""
+        eos = self.eos_token_ids
         out = []
         for seq, result in zip(sampling, sampled):
             if result.__class__ is SequenceFault:

@@ -14,7 +14,9 @@ Activations of a step come out of the (1 - utilization) share; so does what deco
 (cairn.workers.execution.decode_graphs), except that its estimate, `graph_reserve_bytes`, is
 taken from the arena's share first (`reserve`): captured after the arena, they must not find the
 device full.
-The engine logs the estimate beside what capture measured.
+The engine logs the estimate beside what capture measured. Library workspaces made at the first
+matmul (cuBLAS's, per stream) are made before the sizing (`make_workspaces`, called by
+cairn.workers.loading), so they are in what the weights left, not on top of the arena.
 """
 
 from __future__ import annotations
@@ -28,6 +30,17 @@ from cairn.workers.engine_options import EngineOptions
 
 def arena_bytes(free: int, total: int, utilization: float) -> int:
     return max(0, int(free - (1.0 - utilization) * total))
+
+
+def make_workspaces(device: torch.device, dtype: torch.dtype) -> None:
+    """Makes the device's library workspaces now, so the arena is sized from what is free after
+    them: cuBLAS's handle and workspace for the current stream (a matmul in the model's dtype).
+    Nothing on other devices."""
+    if device.type != "cuda":
+        return
+    a = torch.ones(64, 64, dtype=dtype, device=device)
+    torch.nn.functional.linear(a, a)
+    torch.cuda.synchronize(device)
 
 
 def graph_reserve_bytes(cfg, max_num_seqs: int) -> int:

@@ -16,7 +16,11 @@ Contract:
   first into one shared memory pool, after two warm-up runs on a side stream (Triton compiles
   and autotunes there, not in the graph); `run` then copies the step's arrays in and replays.
   `capture_s` and `memory_bytes` (what the device's free memory, the allocator emptied, lost over
-  the capture: the graphs' pool and the workspaces they made) are kept and logged. Elsewhere `run` runs
+  the capture: the graphs' pool and the workspaces they made) are kept and logged. Every graph
+  copies its logits into rows [0, size) of one buffer made before the first capture, outside the
+  pool, so what a graph leaves alive between replays is that one buffer, not an output per bucket;
+  the rest of each graph's memory is freed at its capture's end and reused by the next (graphs
+  replay one at a time). Elsewhere `run` runs
   the model eagerly on the bucket's batch: the same buffers, the same padding, no graph.
 - Whoever calls `run` makes every block copy, restore and promotion of the step before it (the
   runner does), so a graph never reads a buffer that is still moving.
@@ -31,6 +35,7 @@ import numpy as np
 import torch
 
 from cairn.kernels import VarlenPlan
+from cairn.workers.execution.step_work import feed
 from cairn.workers.model.batch import ForwardBatch, plan_arrays
 
 log = logging.getLogger(__name__)
@@ -52,7 +57,10 @@ class DecodeGraphs:
         self._empty_plan = VarlenPlan.build([0])
         self._width_k = runner.cfg.linear_conv_kernel_dim - 1
         self._static: dict[int, tuple[torch.Tensor, dict[str, torch.Tensor], ForwardBatch]] = {}
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # every graph's logits, rows [0, size): one buffer, so the shared pool keeps no bucket's
+        # output alive between replays (each bucket's own, at a 248k vocabulary, summed to GBs)
+        self._logits: torch.Tensor | None = None
         self.capture_s = 0.0
         self.memory_bytes = 0
 
@@ -76,7 +84,8 @@ class DecodeGraphs:
                    state_slots=padded(work.state_slots, -1, np.int64),
                    logits_indices=np.arange(size, dtype=np.int64),
                    checkpoint_rows=np.zeros((0, self._width_k), np.int64),
-                   checkpoint_targets=np.zeros(0, np.int64), checkpoint_states=np.zeros(0, np.int64))
+                   checkpoint_targets=np.zeros(0, np.int64), checkpoint_states=np.zeros(0, np.int64),
+                   fed_from=padded(np.full(n, -1, np.int64) if work.fed_from is None else work.fed_from, -1, np.int64))
         out.update(plan_arrays(self._empty_plan))
         return out
 
@@ -92,15 +101,18 @@ class DecodeGraphs:
         self.runner.upload(arrays, into=buffer)
         return batch
 
-    def run(self, work) -> torch.Tensor:
-        """The logits [n, vocab] of a decode-only step of n <= max_num_seqs sequences."""
+    def run(self, work, fed: torch.Tensor | None = None) -> torch.Tensor:
+        """The logits [n, vocab] of a decode-only step of n <= max_num_seqs sequences; the rows
+        `work.fed_from` names take their ids from `fed` (async scheduling), before the replay."""
         n = work.num_decodes
         size = self.bucket(n)
         batch = self._load(size, self.arrays(work, size))
+        if fed is not None and work.fed_from is not None:
+            tensors = self._static[size][1]
+            feed(tensors["input_ids"], tensors["fed_from"], fed)
         if size in self._graphs:
-            graph, logits = self._graphs[size]
-            graph.replay()
-            return logits[:n]
+            self._graphs[size].replay()
+            return self._logits[:n]
         return self.runner.model(batch, self.runner.caches)[:n]
 
     def capture(self) -> None:
@@ -116,13 +128,16 @@ class DecodeGraphs:
             side.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(side):
                 for _ in range(2):
-                    self.runner.model(batch, self.runner.caches)
+                    logits = self.runner.model(batch, self.runner.caches)
             torch.cuda.current_stream(device).wait_stream(side)
+            if self._logits is None:  # the largest bucket's shape, made outside every graph's pool
+                self._logits = torch.empty_like(logits)
+            del logits
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                logits = self.runner.model(batch, self.runner.caches)
+                self._logits[:size].copy_(self.runner.model(batch, self.runner.caches))
             pool = graph.pool()
-            self._graphs[size] = (graph, logits)
+            self._graphs[size] = graph
         self.capture_s = time.perf_counter() - began
         self.memory_bytes = max(0, before - _free_bytes(device))
         log.info("captured decode graphs at %d batch sizes (%s) in %.1f s; they hold %.1f MiB",
@@ -143,6 +158,7 @@ class _Padding:
 
     def __init__(self, size: int):
         self.num_decodes = 0
+        self.fed_from = None
         self.input_ids = self.positions = self.slot_mapping = self.state_slots = np.zeros(0, np.int64)
         self.seq_lens = np.zeros(0, np.int32)
         self.page_table = np.zeros((0, 0), np.int32)

@@ -39,7 +39,7 @@ from cairn.workers.execution.decode_graphs import DecodeGraphs
 from cairn.workers.model import HybridForCausalLM, ModelCaches, packed_linear
 from cairn.workers.model.packed_linear import pack_linears
 from cairn.workers.plan import COPY, DEMOTE, IMPORT, MOVE, PROMOTE, BlockCopy, StepPlan
-from cairn.workers.execution.step_work import StepWork, checkpoint_tables
+from cairn.workers.execution.step_work import StepWork, checkpoint_tables, feed
 
 UPLOAD_ALIGN = 16  # bytes: Triton specialises a pointer on 16-byte alignment
 
@@ -99,15 +99,22 @@ class ModelRunner:
                                (stride // 4, h_v * d_k * d_v, d_k * d_v, d_v, 1), layout.ssm_offset // 4)
         return kv, conv, ssm
 
-    def execute(self, plan: StepPlan, all_logits: bool = False) -> torch.Tensor:
+    def execute(self, plan: StepPlan, all_logits: bool = False, fed: tuple[torch.Tensor, dict[int, int]] | None = None
+                ) -> torch.Tensor:
         """Runs one step; returns fp32 logits [num sampling segments, vocab] in plan order
-        (or, with `all_logits`, one row per computed token)."""
-        return self.run(self.prepare(plan, all_logits))
+        (or, with `all_logits`, one row per computed token). `fed` (async scheduling): the last
+        step's drawn ids on the device, and, by `id(seq)`, the row there of each sequence whose
+        last token (the one this step decodes) is still only there."""
+        if fed is None:
+            return self.run(self.prepare(plan, all_logits))
+        ids, rows = fed
+        return self.run(self.prepare(plan, all_logits, rows), ids)
 
-    def run(self, work: StepWork) -> torch.Tensor:
+    def run(self, work: StepWork, fed: torch.Tensor | None = None) -> torch.Tensor:
         """The device's part of a step. Before the model: copy moved pages, restore checkpoints
-        into resuming sequences' slots, zero fresh slots. After: snapshot slots into checkpoint
-        slots. Every rank of a tensor-parallel engine runs the same `work` on its own shard."""
+        into resuming sequences' slots, zero fresh slots, and take the fed input ids from `fed`
+        (`StepWork.fed_from`) on the device. After: snapshot slots into checkpoint slots. Every rank
+        of a tensor-parallel engine runs the same `work` on its own shard."""
         states = (self.caches.conv_states, self.caches.ssm_states)
         self._wait_for_promotions()  # the last step's, if it left them running
         if work.block_copies:  # moved, demoted and promoted blocks: before anything writes there
@@ -115,8 +122,10 @@ class ModelRunner:
             if work.promotions_for_now:
                 self._wait_for_promotions()
         if self._graphed(work):
-            return self.graphs.run(work)
+            return self.graphs.run(work, fed)
         tensors = self.upload(work.arrays())
+        if fed is not None and work.fed_from is not None:
+            feed(tensors["input_ids"], tensors["fed_from"], fed)
         if work.restores:
             kernels.copy_state_slots(states, tensors["restore_src"], tensors["restore_dst"])
         if work.fresh_state_slots:
@@ -125,11 +134,24 @@ class ModelRunner:
         logits = self.model(work.batch(tensors), self.caches)
         if work.snapshots:
             kernels.copy_state_slots(states, tensors["snapshot_src"], tensors["snapshot_dst"])
-        if work.host_snapshots:  # checkpoints that found no device slot: straight to the host tier
-            k = self.slot_blocks
-            self._copy_blocks([BlockCopy(DEMOTE, b, h) for slot, blocks in work.host_snapshots
-                               for b, h in zip(range(slot * k, (slot + 1) * k), blocks)])
+        self._host_snapshots(work.host_snapshots)
         return logits
+
+    def _host_snapshots(self, host_snapshots: list[tuple[int, tuple[int, ...]]]) -> None:
+        """Checkpoints that found no device slot: state slots straight to the host tier."""
+        if host_snapshots:
+            k = self.slot_blocks
+            self._copy_blocks([BlockCopy(DEMOTE, b, h) for slot, blocks in host_snapshots
+                               for b, h in zip(range(slot * k, (slot + 1) * k), blocks)])
+
+    def snapshot(self, plan: StepPlan) -> None:
+        """The plan's snapshots (state slots into checkpoint slots, or to the host tier), made
+        after the last step launched: for a plan whose checkpoints were planned after it ran
+        (async scheduling, `Scheduler.plan_deferred_checkpoints`)."""
+        if plan.snapshots:
+            pairs = torch.tensor(plan.snapshots, dtype=torch.long).T.to(self.device)
+            kernels.copy_state_slots((self.caches.conv_states, self.caches.ssm_states), pairs[0], pairs[1])
+        self._host_snapshots(plan.host_snapshots)
 
     def _wait_for_promotions(self) -> None:
         if self._promoted is not None:
@@ -289,10 +311,11 @@ class ModelRunner:
                 self._table = wider
             self._table[w.row, w.start:end] = w.page_ids
 
-    def prepare(self, plan: StepPlan, all_logits: bool = False) -> StepWork:
+    def prepare(self, plan: StepPlan, all_logits: bool = False, fed: dict[int, int] | None = None) -> StepWork:
         """The host's part of a step: the plan as plain arrays (`StepWork`). Per-segment numbers
         are gathered in one pass, the per-token ones computed with numpy; page-table rows come
-        from the persistent table."""
+        from the persistent table. `fed`: by `id(seq)`, the row of the last step's drawn ids that
+        holds a decoding sequence's token (`execute`)."""
         self._write_page_table(plan.page_table_writes)
         ps, table = self.page_size, self._table
         decodes, prefills = plan.decodes, plan.prefills
@@ -308,6 +331,8 @@ class ModelRunner:
             slots.append(c.state_slot)
             ids.append(seq.token_ids[seg.start])
         counts = [1] * nd
+        fed_from = None if fed is None else np.array([fed.get(id(seg.seq), -1) for seg in decodes] +
+                                                     [-1] * sum(seg.num_tokens for seg in prefills), np.int64)
         positions = [np.array(starts, dtype=np.int64)]
         for seg in prefills:
             seq = seg.seq
@@ -346,4 +371,5 @@ class ModelRunner:
             prefill=prefill, checkpoint_rows=ck_rows, checkpoint_targets=ck_targets, checkpoint_states=ck_states,
             block_copies=plan.block_copies,
             restores=plan.restores, fresh_state_slots=plan.fresh_state_slots, snapshots=plan.snapshots,
-            host_snapshots=plan.host_snapshots, promotions_for_now=plan.promotions_for_now)
+            host_snapshots=plan.host_snapshots, promotions_for_now=plan.promotions_for_now, fed_from=fed_from)
+

@@ -1,7 +1,8 @@
 """One step as plain host data (`StepWork`): what `cairn.workers.execution.runner.ModelRunner.run` needs, and all
 a tensor-parallel rank is sent (`cairn.workers.execution.tp_runner`). Arrays are numpy; the runner puts every one
 of them on the device in one copy. `checkpoint_tables` lays out where each checkpoint of the
-step's prefill segments takes its states from (see cairn.workers.model.batch)."""
+step's prefill segments takes its states from (see cairn.workers.model.batch); `feed` puts the
+last step's drawn ids, still on the device, into the rows that decode them (async scheduling)."""
 
 from __future__ import annotations
 
@@ -40,6 +41,9 @@ class StepWork:
     snapshots: list[tuple[int, int]] = field(default_factory=list)
     host_snapshots: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)
     promotions_for_now: bool = True  # this step's segments read what its promotions bring back
+    # async scheduling (cairn.workers.engine): per row of input_ids, the row of the last step's
+    # drawn ids (still on the device) that is its token, or -1 where input_ids holds it; None: none fed
+    fed_from: np.ndarray | None = None
 
     def arrays(self) -> dict[str, np.ndarray]:
         """Every per-step array the device reads, by name: the batch's, the prefill plan's tables
@@ -53,6 +57,8 @@ class StepWork:
                    checkpoint_states=self.checkpoint_states, restore_src=restores[:, 0], restore_dst=restores[:, 1],
                    snapshot_src=snapshots[:, 0], snapshot_dst=snapshots[:, 1],
                    fresh_state_slots=np.array(self.fresh_state_slots, np.int64))
+        if self.fed_from is not None:
+            out["fed_from"] = self.fed_from
         out.update(plan_arrays(self.prefill))
         return out
 
@@ -75,3 +81,11 @@ def checkpoint_tables(prefills, plan: VarlenPlan, width: int) -> tuple[np.ndarra
                 states.append(saved)
             saved += 1
     return (np.array(rows, np.int64).reshape(-1, width), np.array(targets, np.int64), np.array(states, np.int64))
+
+def feed(input_ids: torch.Tensor, fed_from: torch.Tensor, drawn: torch.Tensor) -> None:
+    """Writes, on the device, the drawn ids that rows of `input_ids` take (`StepWork.fed_from`:
+    the row of `drawn` each takes, -1 for none). A faulted row's -1 becomes token 0: that row's
+    sequence has failed, and what its row computes is never read."""
+    if drawn.numel():
+        taken = drawn.index_select(0, fed_from.clamp(min=0)).clamp(min=0)
+        input_ids.copy_(torch.where(fed_from >= 0, taken, input_ids))
