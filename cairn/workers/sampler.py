@@ -104,7 +104,9 @@ class Sampler:
         self.eos = tuple(sorted(eos_token_ids))
         self.counts: TokenCounts | None = None  # made for the first penalised row
         self._staging: list[torch.Tensor | None] = [None, None]  # pinned upload buffers on CUDA
-        self._readback: list[torch.Tensor | None] = [None, None]  # pinned read-back buffers on CUDA
+        # pinned read-back buffers on CUDA, two a dtype: a draw's copy lands in one while the last
+        # draw's, maybe unread yet (async scheduling), stays in the other
+        self._readback: dict[torch.dtype, list[torch.Tensor | None]] = {}
         self.grammars: Grammars | None = None  # the engine's, for rows with a grammar
 
     @torch.inference_mode()
@@ -159,11 +161,11 @@ class Sampler:
         work queued on the device (the next step) is not waited for; elsewhere it is a plain read."""
         if values.device.type != "cuda":
             return lambda: values.tolist()
-        self._readback = self._readback[::-1]
-        buffer = self._readback[0]
-        if buffer is None or buffer.numel() < values.numel() or buffer.dtype != values.dtype:
-            buffer = self._readback[0] = torch.empty(max(2 * values.numel(), 64), dtype=values.dtype,
-                                                     pin_memory=True)
+        pair = self._readback.setdefault(values.dtype, [None, None])
+        pair.reverse()
+        buffer = pair[0]
+        if buffer is None or buffer.numel() < values.numel():
+            buffer = pair[0] = torch.empty(max(2 * values.numel(), 64), dtype=values.dtype, pin_memory=True)
         host = buffer[:values.numel()]
         host.copy_(values, non_blocking=True)
         done = torch.cuda.Event()

@@ -3,7 +3,7 @@
 Accepts what `save_pretrained` writes: `config.json` plus `model.safetensors`, or shards listed
 in `model.safetensors.index.json`; tensors in fp32, bf16 or fp16, converted to the requested
 dtype. Each tensor name goes through the family's `tensor_name` first: a tensor it skips (a
-vision tower, `mtp.*` heads) is never read from disk. MoE experts may be stored per expert
+vision tower, `mtp.*` heads: cairn.workers.model.mtp reads those) is never read from disk. MoE experts may be stored per expert
 (`mlp.experts.{e}.gate_proj.weight`) or fused (`mlp.experts.gate_up_proj`); they are fused at load.
 
 Every refusal is a `CheckpointError` naming the file and the tensor or field at fault.
@@ -109,8 +109,8 @@ def read_tensors(files: list[Path], dtype: torch.dtype, family: Family, cfg: Mod
     return tensors
 
 
-def _our_name(name: str) -> str:
-    # Fused experts sit directly on our SparseMoE module.
+def fused_name(name: str) -> str:
+    """A fused expert tensor's name on our SparseMoE module (they sit directly on it)."""
     return name.replace(".mlp.experts.gate_up_proj", ".mlp.gate_up_proj").replace(
         ".mlp.experts.down_proj", ".mlp.down_proj")
 
@@ -129,7 +129,7 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype | None = None,
     cfg = shard_config(full, shard.world)
     torch_dtype = resolve_dtype(dtype, cfg, device or "cpu")
     files = weight_files(model_dir)
-    state = {_our_name(k): v for k, v in read_tensors(files, torch_dtype, family, full, shard).items()}
+    state = {fused_name(k): v for k, v in read_tensors(files, torch_dtype, family, full, shard).items()}
     _, _, vocab_per_rank = vocab_rows(full.vocab_size, shard)
     for name in ("model.embed_tokens.weight", "lm_head.weight"):  # the last rank's tail is padding
         t = state.get(name)

@@ -156,7 +156,7 @@ COMMON_RULES: dict[str, Rule] = {
     "lm_head.weight": _vocab,
 }
 # One expert's tensor, as transformers' save_pretrained writes MoE layers: (its MLP, expert, projection).
-PER_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+PER_EXPERT = re.compile(r"^((?:model\.)?layers\.\d+\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 ROW_PARALLEL_BIASES = ("self_attn.o_proj.bias",)
 
 
