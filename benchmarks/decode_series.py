@@ -14,6 +14,7 @@ demo model, Qwen3.5-MoE). Not a test, never a timing assertion.
 
     python3 benchmarks/decode_series.py                      # CUDA: 64 and 256 running, 200 steps
     python3 benchmarks/decode_series.py --running 16 --steps 50   # CPU
+    python3 benchmarks/decode_series.py --quick                   # CPU, tiny: proves the path
 """
 
 from __future__ import annotations
@@ -77,7 +78,10 @@ def main() -> int:
     parser.add_argument("--running", default=None, help="comma-separated running counts (cuda: 64,256; cpu: 16)")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--shape", default="qwen3.5-35b-a3b", help="CUDA: a shape of step_cost.py's SHAPES")
+    parser.add_argument("--quick", action="store_true", help="CPU only: the tiny demo model, 4 running, 10 steps")
     args = parser.parse_args()
+    if args.quick:
+        args.device, args.running, args.steps = "cpu", args.running or "4", 10
     counts = [int(x) for x in (args.running or ("64,256" if args.device == "cuda" else "16")).split(",")]
     if args.device == "cuda":
         from step_cost import SHAPES
@@ -91,11 +95,12 @@ def main() -> int:
     else:
         from cairn.workers.demo import write_demo_model
 
-        model_dir = write_demo_model(Path(tempfile.mkdtemp()), size="bench", seed=0, arch="qwen3_5_moe")
+        size = "tiny" if args.quick else "bench"
+        model_dir = write_demo_model(Path(tempfile.mkdtemp()), size=size, seed=0, arch="qwen3_5_moe")
 
         def make(on: bool) -> Engine:
             return cpu_engine(max(counts), on, model_dir)
-        what = "demo bench qwen3_5_moe, cpu (the device is the host: nothing overlaps)"
+        what = f"demo {size} qwen3_5_moe, cpu (the device is the host: nothing overlaps)"
     print(f"# decode series: {args.steps} warm steps a row; {what}; baseline: async scheduling off, this run")
     print(f"{'running':>8} {'mode':>6} {'median ms':>10} {'p99 ms':>8} {'p99/med':>8} {'tok/s':>9} {'ahead':>6}")
     for on in (False, True):  # one engine a mode, its rows in turn

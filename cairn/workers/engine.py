@@ -370,9 +370,11 @@ class Engine:
                     seq.token_ids.pop()
             outputs = self._land(flight)
             self.overlapped_steps += bool(plan)
-            if plan.deferred and failure is None:  # checkpoints at the boundaries its decodes reach
-                self.scheduler.plan_deferred_checkpoints(plan)
+            if (plan.deferred or plan.lookahead) and failure is None:  # next pages, boundary checkpoints
+                self.scheduler.plan_deferred(plan)
                 if plan.snapshots or plan.host_snapshots:
+                    # the copies taking those slots queued (a group emptied: its pages moved) go first
+                    self.flush_block_copies()
                     self.runner.snapshot(plan)
         else:
             plan = self.scheduler.schedule()

@@ -82,8 +82,9 @@ class StepPlan:
     block_copies: list[BlockCopy] = field(default_factory=list)  # first of all, in order
     promotions_for_now: bool = False  # a segment of this step reads what this step promotes from the host
     # planned ahead (async scheduling): decodes reaching a page boundary, whose checkpoints are
-    # planned once the tokens before them are read (`Scheduler.plan_deferred_checkpoints`)
+    # planned once the tokens before them are read (`Scheduler.plan_deferred`)
     deferred: list[Segment] = field(default_factory=list)
+    lookahead: list[Sequence] = field(default_factory=list)  # decodes whose next page waits likewise
 
     @property
     def segments(self) -> list[Segment]:

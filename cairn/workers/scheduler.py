@@ -32,7 +32,9 @@ It is `advance` (what needs no sampled token) then `apply_tokens`: async schedul
 (cairn.workers.engine) runs them apart, and plans the next step between them when `plans_ahead`
 says that plan is the one `schedule` would make once the tokens are known (less the rows of
 sequences that stop), leaving the checkpoints at the page boundaries it reaches to
-`plan_deferred_checkpoints`.
+`plan_deferred` (with the next token's page, which a decoding sequence whose next token starts
+a page takes a step early, after the step's own pages and admissions, where no one is preempted
+for it: `_look_ahead`).
 
 Admission never livelocks: when nothing runs, the head of the queue is admitted cold (no hit
 pages held, no checkpoint pinned) if its deepest resume point does not fit, since a cold start
@@ -95,7 +97,7 @@ class Scheduler:
     def schedule(self, ahead: bool = False) -> StepPlan:
         """The next step's plan. `ahead`: it is made before the last step's tokens are read
         (`plans_ahead` said it may be): the checkpoints of decodes reaching a page boundary are
-        left to `plan_deferred_checkpoints`, once it is known which of them go on."""
+        left to `plan_deferred`, once it is known which of them go on."""
         plan = StepPlan()
         budget = self.options.max_num_batched_tokens
         ps, running, decodes, prefills = self.page_size, self.running, plan.decodes, plan.prefills
@@ -128,6 +130,7 @@ class Scheduler:
                     continue
             if n == 1:
                 decodes.append(Segment(seq, start, 1))
+                plan.lookahead.append(seq)
             else:
                 prefills.append(Segment(seq, start, n))
             budget -= n
@@ -153,6 +156,11 @@ class Scheduler:
                 if left is not None:
                     left[seq.tenant] -= admitted
                     counts[seq.tenant] = counts.get(seq.tenant, 0) + 1
+        if not ahead:  # after every admission: a page a step early never costs anyone theirs
+            for seq in plan.lookahead:
+                if seq.status is Status.RUNNING:  # (not preempted by a later one's pages)
+                    self._look_ahead(seq)
+            plan.lookahead = []
         if self.cache.recurrent:  # after admission: it may add branch targets to running ones
             for seg in plan.decodes + plan.prefills:  # a boundary crossed, or a target inside a page (in the prompt)
                 start, end = seg.start, seg.start + seg.num_tokens
@@ -176,7 +184,7 @@ class Scheduler:
         segment is the decode of its pending token), the new pages those decodes need come from
         free blocks alone (nothing evicted, so nothing preempted, and a page taken for a sequence
         that stops goes back leaving the cache as it was), and they fit the step's budget.
-        Checkpoints at the page boundaries they reach wait for `plan_deferred_checkpoints`."""
+        Checkpoints at the page boundaries they reach wait for `plan_deferred`."""
         if self.waiting:
             return False
         ps, mine = self.page_size, {id(seq) for seq in pending}
@@ -191,15 +199,29 @@ class Scheduler:
             pages += len(seq.cache.page_ids) * ps <= position
         return rows <= self.options.max_num_batched_tokens and self.cache.can_take_free_pages(pages)
 
-    def plan_deferred_checkpoints(self, plan: StepPlan) -> None:
-        """The checkpoints of a plan made `ahead`, now that the tokens before it are read: for
-        each decode reaching a page boundary whose sequence goes on, what `schedule` would have
-        planned (states taken after the step: the runner copies them now, after the step it
-        launched). One whose sequence stopped plans none."""
+    def plan_deferred(self, plan: StepPlan) -> None:
+        """What `schedule` would have done for a plan made `ahead` once the tokens before it are
+        known, for the sequences that go on (one that stopped does none of it), in its order: the
+        next token's page taken a step early (`_look_ahead`), then the checkpoints of decodes
+        reaching a page boundary (states taken after the step: the runner copies them now, after
+        the step it launched)."""
+        for seq in plan.lookahead:
+            if seq.status is Status.RUNNING:
+                self._look_ahead(seq)
         for seg in plan.deferred:
             if not seg.seq.finished:
                 self._checkpoints_or_fail(plan, seg)
-        plan.deferred = []
+        plan.lookahead, plan.deferred = [], []
+
+    def _look_ahead(self, seq: Sequence) -> None:
+        """A decoding sequence whose next token starts a page takes that page now, if it can
+        without preempting anyone (evicting as any growth does), after the step's own pages and
+        admissions: so the step after this one needs no page for it, and can be planned before
+        this one's tokens are read (`plans_ahead`)."""
+        upto = seq.num_tokens + 1  # its tokens once this step's is in, and the next one's
+        if upto <= seq.max_total_tokens and len(seq.cache.page_ids) * self.page_size < upto and \
+                self.cache.can_grow(seq, upto):
+            self.cache.grow(seq, upto)
 
     def _checkpoints_or_fail(self, plan: StepPlan, seg: Segment) -> None:
         """`_plan_checkpoints`; if it raises, the segment's sequence alone fails."""

@@ -147,7 +147,7 @@ class ModelRunner:
     def snapshot(self, plan: StepPlan) -> None:
         """The plan's snapshots (state slots into checkpoint slots, or to the host tier), made
         after the last step launched: for a plan whose checkpoints were planned after it ran
-        (async scheduling, `Scheduler.plan_deferred_checkpoints`)."""
+        (async scheduling, `Scheduler.plan_deferred`)."""
         if plan.snapshots:
             pairs = torch.tensor(plan.snapshots, dtype=torch.long).T.to(self.device)
             kernels.copy_state_slots((self.caches.conv_states, self.caches.ssm_states), pairs[0], pairs[1])
