@@ -95,10 +95,13 @@ def stopping_token(path, prompt) -> int:
     return out[4]
 
 
-def test_every_request_gets_what_it_gets_without_async_scheduling(path):
+@pytest.mark.parametrize("graph_buffers", [False, True], ids=["eager", "graph-buffers"])
+def test_every_request_gets_what_it_gets_without_async_scheduling(path, graph_buffers):
+    """graph-buffers: decode steps run over the decode graphs' fixed buffers (`enforce_eager=False`,
+    what CUDA replays), the drawn ids fed into them."""
     ps = prompts([30, 5, 17, 9, 12])
     requests = mixed(ps, stopping_token(path, ps[2]))
-    sync, overlapped = pair(path, num_pages=64, page_size=8, max_num_seqs=5)
+    sync, overlapped = pair(path, num_pages=64, page_size=8, max_num_seqs=5, enforce_eager=not graph_buffers)
     expected, got = drive(sync, requests), drive(overlapped, requests)
     assert expected[2].finish_reason == "stop" and len(expected[2].token_ids) == 5
     assert_same(expected, got)
