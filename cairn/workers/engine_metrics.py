@@ -77,6 +77,10 @@ class EngineMetrics(EngineTotals):
     # warm-up (each a step shape the warm-up missed: a bug)
     kernel_compiles_total: int = 0
     kernel_compiles_after_warm_up_total: int = 0
+    # async scheduling (cairn.workers.engine): steps planned and launched before the last one's
+    # tokens were read, and rows of those steps computed for sequences that had stopped
+    steps_planned_ahead_total: int = 0
+    rows_dropped_total: int = 0
     # labelled families, by kind
     fetch_fallbacks_total: dict[str, int] = field(default_factory=dict)  # why a fetch did not happen
     tier_hit_tokens_total: dict[str, int] = field(default_factory=dict)  # cached tokens by tier: device, host
@@ -114,6 +118,7 @@ class EngineMetrics(EngineTotals):
             fetches_total=fetches.counts["fetches"], fetched_pages_total=fetches.counts["fetched_pages"],
             fetched_bytes_total=fetches.counts["fetched_bytes"], exported_bytes_total=fetches.counts["exported_bytes"],
             kernel_compiles_total=engine.kernel_compiles, kernel_compiles_after_warm_up_total=engine.late_compiles,
+            steps_planned_ahead_total=engine.overlapped_steps, rows_dropped_total=engine.dropped_rows,
             fetch_fallbacks_total=dict(fetches.fallbacks),
             tier_hit_tokens_total={tier: scheduler.hit_tokens_by_tier.get(tier, 0) for tier in ("device", "host")},
             checkpoints_admitted_total={kind: rec["admitted"] for kind, rec in policy.items()},

@@ -122,6 +122,9 @@ def test_a_sequence_that_stops_at_a_step_gets_no_token_from_the_next(path):
     assert [len(o.token_ids) for o in got] == [5, 2, 30] and got[0].token_ids[-1] == stop
     assert_same(expected, got)
     assert overlapped.dropped_rows == 3  # each of the three ends was read after a step planned past it
+    m = overlapped.metrics()  # /metrics: cairn_engine_steps_planned_ahead_total, cairn_engine_rows_dropped_total
+    assert (m.steps_planned_ahead_total, m.rows_dropped_total) == (overlapped.overlapped_steps, 3)
+    assert m.steps_planned_ahead_total > 0 and sync.metrics().steps_planned_ahead_total == 0
     assert_cache_same(sync, overlapped)
 
 
