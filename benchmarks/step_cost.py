@@ -113,6 +113,18 @@ def build_engine(cfg: ModelConfig, tp: int, running: int, census: Census | None 
     return Engine(model, engine_options)
 
 
+def recorded_works(engine: Engine) -> list:
+    """From now on, every `StepWork` the engine's runner prepares is appended to the list returned
+    (a plan's checkpoints planned after its step are in its work too: they share its lists)."""
+    prepared, works = engine.runner.prepare, []
+
+    def prepare(*args, **kwargs):
+        works.append(prepared(*args, **kwargs))
+        return works[-1]
+    engine.runner.prepare = prepare
+    return works
+
+
 def census_series(cfg: ModelConfig, running: int, steps: int, async_scheduling: bool) -> dict:
     """`steps` warm decode steps of `running` sequences over the decode graphs' fixed buffers
     (`enforce_eager=False`: what CUDA replays), each counted alone: per step its syncs, uploads
@@ -129,9 +141,7 @@ def census_series(cfg: ModelConfig, running: int, steps: int, async_scheduling: 
     for _ in range(3):
         engine.step()
     buffers = {size: entry[0].data_ptr() for size, entry in graphs._static.items()}
-    prepared, works = engine.runner.prepare, []
-    engine.runner.prepare = lambda plan, all_logits=False, fed=None: works.append(
-        prepared(plan, all_logits, fed)) or works[-1]
+    works = recorded_works(engine)
     rows = []
     for _ in range(steps):
         works.clear()
@@ -154,9 +164,7 @@ def count_step(cfg: ModelConfig, tp: int, step: Step) -> tuple[Census, int]:
     engine = build_engine(tiny(cfg), tp, step.decodes + len(step.prefills), census)
     driver = StepDriver(engine)
     driver.enter(step)
-    prepared = engine.runner.prepare
-    works = []
-    engine.runner.prepare = lambda plan, all_logits=False: works.append(prepared(plan, all_logits)) or works[-1]
+    works = recorded_works(engine)
     driver.run(step, around=census)
     return census, len(works[-1].checkpoint_targets)
 

@@ -395,9 +395,9 @@ class Engine:
                 self._flight = _Flight(plan, rows, self.sampler.draw(logits, rows)) if rows else None
                 self._count(plan, 0)
             else:
-                self.scheduler.advance(plan)
-                outputs += self._outputs(self.scheduler.apply_tokens(rows, self.sampler.sample(logits, rows)))
-                self._count(plan, len(rows))
+                applied = self._outputs(self.scheduler.postprocess(plan, rows, self.sampler.sample(logits, rows)))
+                outputs += applied
+                self._count(plan, len(applied))
             self._observe_rates(plan, seconds + time.perf_counter() - began)
         if plan and self._compiles_seen is not None:
             self._check_compiles()
@@ -410,7 +410,7 @@ class Engine:
         """Runs the plan's forward: (its logits, or the exception that failed it; the seconds it
         took). `EngineBroken` (nothing can run any more: the caller fails everything) is raised."""
         began = time.perf_counter()
-        try:
+        try:  # (a tensor-parallel runner takes no `fed`: it never runs ahead)
             return self.runner.execute(plan, fed=fed) if fed else self.runner.execute(plan), None, \
                 time.perf_counter() - began
         except EngineBroken as e:
@@ -425,11 +425,8 @@ class Engine:
     def _land(self, flight: _Flight) -> list[RequestOutput]:
         """Reads the tokens of a step launched by the last call (async scheduling) and applies them
         (its plan was `advance`d already)."""
-        live = [seq for seq in flight.sampling if not seq.finished]  # (an abort between the calls)
-        sampled = flight.draw.read()
-        if len(live) < len(flight.sampling):
-            sampled = [r for seq, r in zip(flight.sampling, sampled) if not seq.finished]
-        outputs = self._outputs(self.scheduler.apply_tokens(live, sampled))
+        live = [(seq, r) for seq, r in zip(flight.sampling, flight.draw.read()) if not seq.finished]  # (aborts)
+        outputs = self._outputs(self.scheduler.apply_tokens([seq for seq, _ in live], [r for _, r in live]))
         self.stats.generated_tokens += len(outputs)
         return outputs
 

@@ -122,8 +122,7 @@ class Sampler:
         if all(self._plain_greedy(s) for s in seqs):  # argmax on the device
             # a row with a NaN or an infinity has its maximum there: it reads back as -1 (a fault)
             ids = kernels.argmax_rows(logits)
-            host = self._read_back(ids)
-            return Draw(ids, lambda: [(t, None) if t >= 0 else self._not_finite() for t in host()])
+            return Draw(ids, self._tokens(ids))
         vocab = logits.shape[-1]
         out: list[tuple[int, TokenLogprob | None] | SequenceFault | None] = [None] * len(seqs)
         rows = self._rows(seqs, vocab, out)
@@ -154,6 +153,12 @@ class Sampler:
         for i, result in zip(pos, results):
             out[i] = result
         return out
+
+    def _tokens(self, ids: torch.Tensor) -> Callable[[], list]:
+        """Reads rows' ids back (`_read_back`) as results without logprobs: -1, a row whose logits
+        were not finite, is that row's fault."""
+        read = self._read_back(ids)
+        return lambda: [(t, None) if t >= 0 else self._not_finite() for t in read()]
 
     def _read_back(self, values: torch.Tensor) -> Callable[[], list]:
         """Starts copying `values` (1-D) to the host; returns what waits for that copy alone and
@@ -320,8 +325,7 @@ class Sampler:
         every = ids if n == logits.shape[0] else torch.full((logits.shape[0],), -1, dtype=ids.dtype,
                                                             device=device).index_copy(0, pos, ids)
         if logprobs is None:
-            read = self._read_back(ids)
-            return every, lambda: [(t, None) if t >= 0 else self._not_finite() for t in read()]
+            return every, self._tokens(ids)
         chosen = logprobs.gather(1, ids.index_select(0, asked_t).clamp(min=0)[:, None])[:, 0]
         top_vals, top_ids = torch.topk(logprobs, k_top, dim=-1) if k_top else (logprobs[:, :0], logprobs[:, :0].long())
         # one read: ids, chosen logprobs, alternatives (token ids are exact in fp64)

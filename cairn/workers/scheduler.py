@@ -157,10 +157,7 @@ class Scheduler:
                     left[seq.tenant] -= admitted
                     counts[seq.tenant] = counts.get(seq.tenant, 0) + 1
         if not ahead:  # after every admission: a page a step early never costs anyone theirs
-            for seq in plan.lookahead:
-                if seq.status is Status.RUNNING:  # (not preempted by a later one's pages)
-                    self._look_ahead(seq)
-            plan.lookahead = []
+            self._take_early_pages(plan)
         if self.cache.recurrent:  # after admission: it may add branch targets to running ones
             for seg in plan.decodes + plan.prefills:  # a boundary crossed, or a target inside a page (in the prompt)
                 start, end = seg.start, seg.start + seg.num_tokens
@@ -205,13 +202,19 @@ class Scheduler:
         next token's page taken a step early (`_look_ahead`), then the checkpoints of decodes
         reaching a page boundary (states taken after the step: the runner copies them now, after
         the step it launched)."""
-        for seq in plan.lookahead:
-            if seq.status is Status.RUNNING:
-                self._look_ahead(seq)
+        self._take_early_pages(plan)
         for seg in plan.deferred:
             if not seg.seq.finished:
                 self._checkpoints_or_fail(plan, seg)
-        plan.lookahead, plan.deferred = [], []
+        plan.deferred = []
+
+    def _take_early_pages(self, plan: StepPlan) -> None:
+        """`_look_ahead` for the plan's decodes still running (not preempted by a later one's
+        pages, not stopped), in plan order."""
+        for seq in plan.lookahead:
+            if seq.status is Status.RUNNING:
+                self._look_ahead(seq)
+        plan.lookahead = []
 
     def _look_ahead(self, seq: Sequence) -> None:
         """A decoding sequence whose next token starts a page takes that page now, if it can

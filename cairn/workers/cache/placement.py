@@ -138,6 +138,11 @@ class Placement:
         cap = self.layout.max_pages
         return cap is None or pages <= cap
 
+    def free_for_pages(self, n: int) -> bool:
+        """Whether `take_pages(n)` would evict nothing: free blocks and the page cap suffice."""
+        cap = self.layout.max_pages
+        return self.arena.num_free_blocks >= n and (cap is None or self.pages.num_resident + n <= cap)
+
     def take_pages(self, n: int) -> list[int]:
         cap = self.layout.max_pages
         while cap is not None and self.pages.num_resident + n > cap:  # only a page eviction helps

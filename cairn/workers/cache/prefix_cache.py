@@ -248,9 +248,7 @@ class PrefixCache:
     def can_take_free_pages(self, n: int) -> bool:
         """Whether `n` pages can be had from free blocks alone, evicting nothing: taken and given
         back, they leave the cache as it was (free blocks are taken lowest first)."""
-        cap = self.layout.max_pages
-        return n <= 0 or (self.arena.num_free_blocks >= n and
-                          (cap is None or self.pages.num_resident + n <= cap))
+        return n <= 0 or self.placement.free_for_pages(n)
 
     def grow(self, seq: Sequence, upto_tokens: int) -> None:
         """Pages for `seq`'s tokens up to `upto_tokens`; the caller checked `can_grow`."""
