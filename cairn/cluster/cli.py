@@ -6,8 +6,9 @@ what it needs inside its own function, so `cairn --help` and `cairn demo-model` 
 Ray or the engine. Output meant for scripts goes to stdout, one value per line.
 
 Subcommands:
-- `demo-model OUT_DIR [--arch qwen3_next|qwen3_5|qwen3_5_moe] [--size tiny|bench] [--seed N]` —
-  write a random-weight checkpoint (see `cairn.workers.demo`) and print the directory written.
+- `demo-model OUT_DIR [--arch qwen3_next|qwen3_5|qwen3_5_moe] [--size tiny|bench] [--seed N]
+  [--mtp random|trained]` — write a random-weight checkpoint (see `cairn.workers.demo`), with an
+  MTP head if asked (trained: `cairn.workers.demo.speculative_training`), and print the directory.
 - `generate [--model DIR|ID] --prompt TEXT [--chat] [--max-tokens N] [--temperature T]` — load
   the checkpoint (default: the tiny demo model) into an in-process engine, print a completion
   (greedy unless --temperature says otherwise, unlike the API: see its --help).
@@ -54,13 +55,24 @@ def _add_demo_model(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--arch", choices=("qwen3_next", "qwen3_5", "qwen3_5_moe"), default="qwen3_next",
                         help="qwen3_next: Qwen3-Next; qwen3_5: Qwen3.5/3.6 dense; qwen3_5_moe: Qwen3.5/3.6 MoE")
     parser.add_argument("--seed", type=int, default=0, help="weight seed (same seed, same bytes)")
+    parser.add_argument("--mtp", choices=("random", "trained"), default=None,
+                        help="with an MTP head (mtp.* tensors) for speculative decoding (serve --speculative-tokens): "
+                             "random weights, or trained on CPU in minutes (the model trained a little on the demo "
+                             "corpus, the head on its greedy continuations, so drafts are kept at a realistic rate)")
     parser.set_defaults(run=_demo_model)
 
 
 def _demo_model(args: argparse.Namespace) -> int:
     from cairn.workers.demo import write_demo_model
 
-    print(write_demo_model(args.out_dir, size=args.size, seed=args.seed, arch=args.arch))
+    out = write_demo_model(args.out_dir, size=args.size, seed=args.seed, arch=args.arch, mtp=args.mtp == "random")
+    if args.mtp == "trained":
+        from cairn.workers.demo.speculative_training import train_for_speculation
+
+        accuracy = train_for_speculation(out, seed=args.seed, log=lambda line: print(line, file=sys.stderr))
+        print(f"the MTP head's first draft matches the target on {accuracy:.0%} of held-out continuations",
+              file=sys.stderr)
+    print(out)
     return 0
 
 
@@ -197,6 +209,10 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
                         help="CUDA: run decode steps eagerly instead of replaying CUDA graphs captured at batch "
                              "sizes 1, 2, 4, 8, 16, ... --max-num-seqs (graphs are the default on CUDA; CPU is "
                              "always eager)")
+    parser.add_argument("--speculative-tokens", type=int, default=None, metavar="K", dest="num_speculative_tokens",
+                        help="speculative decoding: the checkpoint's MTP head drafts K tokens (1-4) after each "
+                             "sequence's last, and one step verifies them (outputs unchanged; one device per replica; "
+                             "off by default)")
     parser.add_argument("--async-scheduling", action="store_true", default=None,
                         help="plan and launch each decode step before the last one's tokens are read back, so the "
                              "host's work hides behind the device's (one device per replica; outputs unchanged; "

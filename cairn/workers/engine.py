@@ -45,7 +45,8 @@ from cairn.workers.grammar import Grammars
 from cairn.workers.kernel_warm_up import warm_kernels
 from cairn.workers.engine_metrics import EngineMetrics, EngineTotals
 from cairn.workers.model import HybridForCausalLM, ModelConfig
-from cairn.workers.engine_options import EngineOptions
+from cairn.workers.model.mtp import MultiTokenPredictor
+from cairn.workers.engine_options import EngineOptionError, EngineOptions
 from cairn.workers.plan import BlockCopy, Segment, StepPlan
 from cairn.workers.request import GenerateRequest
 from cairn.workers.request_check import check
@@ -55,6 +56,7 @@ from cairn.workers.sampling_params import SamplingParams
 from cairn.workers.scheduler import Scheduler
 from cairn.workers.sequence import Sequence, Status
 from cairn.workers.spec import EngineSpec
+from cairn.workers.speculation import DraftRun, Drafter, SpeculationTotals, drafts_allowed, kept_tokens
 from cairn.workers.execution.tp_runner import TensorParallelRunner
 
 log = logging.getLogger(__name__)
@@ -73,9 +75,11 @@ class _Flight:
 class Engine:
     def __init__(self, model: HybridForCausalLM, options: EngineOptions | None = None,
                  fingerprint: str | None = None, worker_id: str = "local",
-                 eos_token_ids: frozenset[int] = frozenset(), rank_workers=None):
+                 eos_token_ids: frozenset[int] = frozenset(), rank_workers=None,
+                 mtp: MultiTokenPredictor | None = None):
         """`model`: the whole model, or rank 0's shard of it with `rank_workers`
-        (cairn.workers.execution.tp_runner.RankWorkers) running the other ranks' shards."""
+        (cairn.workers.execution.tp_runner.RankWorkers) running the other ranks' shards. `mtp`:
+        the checkpoint's MTP head, which `num_speculative_tokens` > 0 needs (one device)."""
         dtype = next(model.parameters()).dtype
         # The engine runs in its model's dtype, which its options (and its spec) then name.
         self.options = options = replace(options or EngineOptions(), dtype=str(dtype).removeprefix("torch."))
@@ -91,7 +95,19 @@ class Engine:
         if layout.host_blocks:  # the cost rule starts from a measured host bandwidth
             self.cache.tier_cost.bandwidth = self.runner.measure_host_bandwidth()
         on_cuda = self.runner.device.type == "cuda"
-        eager = not on_cuda if options.enforce_eager is None else options.enforce_eager
+        self.drafter: Drafter | None = None  # speculative decoding (cairn.workers.speculation)
+        self.speculation = SpeculationTotals()
+        if options.num_speculative_tokens:
+            if mtp is None or rank_workers is not None:
+                raise EngineOptionError("num_speculative_tokens", "num_speculative_tokens needs the checkpoint's MTP "
+                                        "head (mtp.* tensors) on one device (tensor_parallel_size 1)")
+            from cairn.workers.execution.mtp_drafter import MtpDrafter
+            self.drafter = MtpDrafter(self.runner, mtp)
+        # decode graphs do not capture a verify step yet: a speculating engine runs eager
+        eager = not on_cuda or bool(self.drafter) if options.enforce_eager is None else options.enforce_eager
+        if self.drafter is not None and not eager:
+            raise EngineOptionError("enforce_eager", "decode graphs do not capture a verify step: speculative "
+                                                     "decoding runs eager (leave enforce_eager unset)")
         if rank_workers is None and not eager:
             # decode steps at fixed batch sizes over fixed buffers; graphs captured on CUDA (a
             # tensor-parallel engine stays eager: its collectives are not captured)
@@ -119,7 +135,7 @@ class Engine:
         self._held: list[Sequence] = []  # held back until their grammars compile and their fetches arrive
         self._compiles_seen: int | None = None  # kernel compiles at warm-up's end (None: not warmed up)
         # async scheduling (`step`): one device only (a rank's inputs travel from the host)
-        self._async = options.async_scheduling and rank_workers is None
+        self._async = options.async_scheduling and rank_workers is None and self.drafter is None
         self._flight: _Flight | None = None  # the step whose drawn tokens the next call reads
         self.overlapped_steps = 0  # steps planned and launched before the last one's tokens were read
         self.dropped_rows = 0  # rows of those steps computed for sequences that stopped the step before
@@ -139,6 +155,7 @@ class Engine:
         cache = PrefixCache(layout, policy, options.page_size, recurrent=self.config.recurrent,
                             max_rows=options.max_num_seqs + 1, record_events=False)
         scheduler = Scheduler(options, cache, policy, self._eos)
+        scheduler.spare_slots = list(range(layout.spare_start, layout.spare_start + layout.spare_slots))
         scheduler.overlap_promotions = bool(layout.host_blocks) and self.runner.device.type == "cuda"
         return policy, cache, scheduler
 
@@ -378,7 +395,7 @@ class Engine:
                     self.runner.snapshot(plan)
         else:
             plan = self.scheduler.schedule()
-            rows = plan.sampling_sequences()
+            rows = plan.sampling_sequences() if self.drafter is None else [seq for seq, _ in plan.sampling_rows()]
             logits, failure, seconds = self._forward(plan, None) if plan else (None, None, 0.0)
         if failure is not None:  # the model ran for the whole step: its requests share the fault
             for seg in plan.segments:
@@ -394,6 +411,10 @@ class Engine:
             if self._async and not plan.prefills:  # read by the next call (every row may have stopped)
                 self._flight = _Flight(plan, rows, self.sampler.draw(logits, rows)) if rows else None
                 self._count(plan, 0)
+            elif self.drafter is not None:
+                applied = self._verify(plan, logits)
+                outputs += self._outputs(applied)
+                self._count(plan, len(applied))
             else:
                 applied = self._outputs(self.scheduler.postprocess(plan, rows, self.sampler.sample(logits, rows)))
                 outputs += applied
@@ -422,6 +443,77 @@ class Engine:
         finally:
             self.cache.end_pass()
 
+    def _verify(self, plan: StepPlan, logits: torch.Tensor) -> list:
+        """A speculating engine's second half of a step (cairn.workers.speculation): every row
+        sampled (a verify segment's at each drafted position), the tokens that stand kept, the
+        states rolled back and the checkpoints they reach planned and copied
+        (`Scheduler.settle`), the step applied, and the next drafts proposed. Returns what
+        `Scheduler.apply_tokens` applied, a verify segment's kept tokens in order."""
+        sampling = plan.sampling_rows()
+        results = self.sampler.sample(logits, [seq for seq, _ in sampling], [j for _, j in sampling])
+        segments = plan.decodes + plan.prefills
+        first_row, row = {}, 0  # each segment's first row of the step's hidden states
+        for seg in segments:
+            first_row[id(seg)] = row
+            row += seg.num_tokens
+        kept, seqs, tokens, i = {}, [], [], 0
+        drafted_seqs, drafted_tokens = [], []  # the kept drafted tokens, which the step computed
+        for seg in segments:
+            if not seg.samples:
+                continue
+            mine = results[i:i + seg.drafts + 1]
+            i += seg.drafts + 1
+            if seg.verify:
+                n, accepted = kept_tokens(seg, mine, self.scheduler.stop_reason)
+                self.speculation.count(seg.drafts, accepted)
+                if n:
+                    kept[id(seg.seq)] = n
+                drafted_seqs += [seg.seq] * (n - 1)
+                drafted_tokens += mine[:n - 1]
+                mine = mine[max(n - 1, 0):max(n, 1)]  # the token after them (none kept: the first row's fault)
+            seqs.append(seg.seq)
+            tokens += mine
+        rollbacks = self.scheduler.settle(plan, kept)
+        self.runner.copy_states(rollbacks)
+        if plan.snapshots or plan.host_snapshots:  # after the copies that made room for their slots
+            self.flush_block_copies()
+            self.runner.snapshot(plan)
+        for seq in seqs:
+            seq.draft = []
+        # the computed drafted tokens join the sequences first (none of them stops one:
+        # `kept_tokens` ends at the first that does), so the pages and checkpoints the step
+        # completes are hashed over them; then the step advances, and the last tokens apply
+        early = self.scheduler.apply_tokens(drafted_seqs, drafted_tokens)
+        self.scheduler.advance(plan)
+        applied = self._in_order(early, self.scheduler.apply_tokens(seqs, tokens))
+        k = self.options.num_speculative_tokens
+        runs = []
+        for seg in segments:
+            seq = seg.seq
+            if seq.finished or seg.num_tokens == 0:
+                continue
+            want = 0
+            if seq.num_computed == len(seq.token_ids) - 1 and drafts_allowed(seq):
+                want = max(0, min(k, seq.max_total_tokens - len(seq.token_ids) - 1))
+            runs.append(DraftRun(seg, first_row[id(seg)], want))
+        self.drafter.propose(runs)
+        return applied
+
+    @staticmethod
+    def _in_order(early: list, last: list) -> list:
+        """`Scheduler.apply_tokens`' results of a verify step, each sequence's kept drafted
+        tokens (`early`) before its last token (`last`), sequence by sequence."""
+        before: dict[int, list] = {}
+        for entry in early:
+            before.setdefault(id(entry[0]), []).append(entry)
+        out = []
+        for entry in last:
+            out += before.pop(id(entry[0]), [])
+            out.append(entry)
+        for rest in before.values():  # (a sequence whose last token failed to apply)
+            out += rest
+        return out
+
     def _land(self, flight: _Flight) -> list[RequestOutput]:
         """Reads the tokens of a step launched by the last call (async scheduling) and applies them
         (its plan was `advance`d already)."""
@@ -443,18 +535,28 @@ class Engine:
             cost.observe_prefill(tokens, seconds - copy_seconds)
 
     def _outputs(self, applied) -> list[RequestOutput]:
-        """The outputs of the sequences `Scheduler.apply_tokens` gave a token."""
+        """The outputs of the sequences `Scheduler.apply_tokens` gave tokens: one a sequence, with
+        its tokens of the step in order (a verify step gives several)."""
         outputs, worker = [], self.worker_id
-        for seq, token, logprob in applied:
+        i = 0
+        while i < len(applied):
+            seq, token, logprob = applied[i]
+            i += 1
+            new, logprobs = [token], [logprob] if logprob else []
+            while i < len(applied) and applied[i][0] is seq:
+                new.append(applied[i][1])
+                if applied[i][2]:
+                    logprobs.append(applied[i][2])
+                i += 1
             if seq.finish_reason is not None:
                 self._requests.pop(seq.request_id, None)
-                outputs.append(RequestOutput.of(seq, [token], [logprob] if logprob else [], worker))
+                outputs.append(RequestOutput.of(seq, new, logprobs, worker))
             else:  # the common case, inline: one small object per request and step
                 n_out = len(seq.token_ids) - len(seq.prompt_token_ids)
                 outputs.append(RequestOutput(
-                    seq.request_id, [token], None if seq.params.logprobs is None else [logprob],
+                    seq.request_id, new, None if seq.params.logprobs is None else logprobs,
                     n_out, seq.cached_tokens, None, seq.num_preemptions, worker,
-                    queue_s=seq.queue_s if n_out == 1 else None))
+                    queue_s=seq.queue_s if n_out == len(new) else None))
         return outputs
 
     def _count(self, plan: StepPlan, generated: int) -> None:

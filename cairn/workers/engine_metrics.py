@@ -20,7 +20,8 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-LABELLED = ("fetch_fallbacks_total", "tier_hit_tokens_total", "checkpoints_admitted_total", "checkpoint_hits_total")
+LABELLED = ("fetch_fallbacks_total", "tier_hit_tokens_total", "checkpoints_admitted_total", "checkpoint_hits_total",
+            "spec_accepted_tokens_by_position_total")
 MEASURED = ("host_copy_bytes_per_s", "prefill_tokens_per_s")
 
 
@@ -81,11 +82,19 @@ class EngineMetrics(EngineTotals):
     # tokens were read, and rows of those steps computed for sequences that had stopped
     steps_planned_ahead_total: int = 0
     rows_dropped_total: int = 0
+    # speculative decoding (cairn.workers.speculation), as vLLM counts it: verify segments that
+    # drafted, tokens drafted, drafted tokens accepted (in all, and by position: "0" the first);
+    # mean acceptance length = 1 + accepted / drafts, acceptance rate = accepted / drafted
+    spec_drafts_total: int = 0
+    spec_draft_tokens_total: int = 0
+    spec_accepted_tokens_total: int = 0
+    spec_mean_acceptance_length: float | None = None
     # labelled families, by kind
     fetch_fallbacks_total: dict[str, int] = field(default_factory=dict)  # why a fetch did not happen
     tier_hit_tokens_total: dict[str, int] = field(default_factory=dict)  # cached tokens by tier: device, host
     checkpoints_admitted_total: dict[str, int] = field(default_factory=dict)  # by checkpoint kind
     checkpoint_hits_total: dict[str, int] = field(default_factory=dict)  # by checkpoint kind
+    spec_accepted_tokens_by_position_total: dict[str, int] = field(default_factory=dict)  # by draft position
     # measured rates (None: not yet measured)
     host_copy_bytes_per_s: float | None = None
     prefill_tokens_per_s: float | None = None
@@ -96,6 +105,7 @@ class EngineMetrics(EngineTotals):
         """A `cairn.workers.engine.Engine`'s numbers now (on its thread, between steps)."""
         cache, stats, fetches = engine.cache, engine.cache.stats, engine.fetches
         layout, scheduler, cost, policy = engine.layout, engine.scheduler, engine.cache.tier_cost, engine.policy.summary()
+        spec = engine.speculation
         return cls(
             **asdict(engine.stats), running_requests=len(scheduler.running),
             waiting_requests=len(scheduler.waiting),
@@ -119,6 +129,10 @@ class EngineMetrics(EngineTotals):
             fetched_bytes_total=fetches.counts["fetched_bytes"], exported_bytes_total=fetches.counts["exported_bytes"],
             kernel_compiles_total=engine.kernel_compiles, kernel_compiles_after_warm_up_total=engine.late_compiles,
             steps_planned_ahead_total=engine.overlapped_steps, rows_dropped_total=engine.dropped_rows,
+            spec_drafts_total=spec.drafts, spec_draft_tokens_total=spec.draft_tokens,
+            spec_accepted_tokens_total=spec.accepted_tokens, spec_mean_acceptance_length=spec.mean_acceptance_length,
+            spec_accepted_tokens_by_position_total={str(j): n for j, n in enumerate(spec.accepted_by_position)
+                                                    if j < engine.options.num_speculative_tokens},
             fetch_fallbacks_total=dict(fetches.fallbacks),
             tier_hit_tokens_total={tier: scheduler.hit_tokens_by_tier.get(tier, 0) for tier in ("device", "host")},
             checkpoints_admitted_total={kind: rec["admitted"] for kind, rec in policy.items()},

@@ -58,6 +58,7 @@ class EngineOptions:
     enforce_eager: bool | None = None         # no decode graphs (None: graphs on CUDA, eager on CPU; cairn.workers.execution.decode_graphs)
     warm_up: bool = False                     # compile every kernel shape at load (Engine.warm_up); servers turn it on
     async_scheduling: bool = False            # plan and launch a decode step before the last one's tokens are read (Engine.step)
+    num_speculative_tokens: int = 0           # tokens the checkpoint's MTP head drafts a step, 0-4 (0: off; cairn.workers.speculation)
 
     def __post_init__(self) -> None:
         def positive(name: str, allow_none: bool = False) -> None:
@@ -95,6 +96,10 @@ class EngineOptions:
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
             raise EngineOptionError("collective_timeout_s",
                                     f"collective_timeout_s must be a positive number of seconds, got {timeout!r}")
+        k = self.num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= 4:
+            raise EngineOptionError("num_speculative_tokens", f"num_speculative_tokens must be an integer from 0 "
+                                                              f"(off) to 4, got {k!r}")
         for name in ("warm_up", "async_scheduling"):
             if not isinstance(getattr(self, name), bool):
                 raise EngineOptionError(name, f"{name} must be true or false, got {getattr(self, name)!r}")

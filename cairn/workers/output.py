@@ -37,7 +37,7 @@ class RequestOutput:
         asked = seq.params.logprobs is not None
         n_out = len(seq.token_ids) - len(seq.prompt_token_ids)
         out = cls(seq.request_id, new, new_logprobs if asked else None, n_out, seq.cached_tokens,
-                  seq.finish_reason, seq.num_preemptions, worker_id, queue_s=seq.queue_s if n_out == 1 and new else None)
+                  seq.finish_reason, seq.num_preemptions, worker_id, queue_s=seq.queue_s if n_out == len(new) and new else None)
         if seq.finish_reason is not None:
             out.token_ids = seq.output_token_ids
             out.logprobs = list(seq.logprobs) if asked else None

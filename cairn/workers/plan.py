@@ -2,7 +2,10 @@
 runner carries it out, the scheduler's `postprocess` reads it back. Plain data, no torch.
 
 - `Segment`: one sequence's tokens this step (a decode is a segment of one), with the offsets
-  inside it where a state is to be taken (`ckpt_slots`).
+  inside it where a state is to be taken (`ckpt_slots`). A verify segment (speculative decoding,
+  cairn.workers.speculation) is a decode followed by `drafts` drafted tokens (`Sequence.draft`): it
+  samples at each of its 1 + drafts positions, and its states after each offset are kept in
+  `states` until the scheduler knows how many of its tokens stand (`Scheduler.settle`).
 - `Commit`: a state the step leaves in a checkpoint slot, stored after the step.
 - `PageTableWrite`: a change to one row of the runner's page table (pages taken, a twin's page
   swapped in), applied before the step.
@@ -50,6 +53,9 @@ class Segment:
     start: int  # tokens computed before this step
     num_tokens: int  # tokens computed in this step
     ckpt_slots: dict[int, list[int]] = field(default_factory=dict)  # offset inside -> slots to fill
+    drafts: int = 0  # drafted tokens after its first one (`seq.draft[:drafts]`), each sampled at
+    verify: bool = False  # a speculating sequence's decode: its checkpoints wait for `Scheduler.settle`
+    states: list[int] = field(default_factory=list)  # slots taking the state after offsets 1..drafts
 
     @property
     def end(self) -> int:
@@ -57,7 +63,7 @@ class Segment:
 
     @property
     def samples(self) -> bool:
-        return self.end == self.seq.num_tokens
+        return self.end - self.drafts == self.seq.num_tokens
 
 
 @dataclass
@@ -108,7 +114,13 @@ class StepPlan:
 
     def sampling_sequences(self) -> list[Sequence]:
         """The sequences whose segment reaches their last token: they sample, in plan order."""
-        return [s.seq for s in self.decodes + self.prefills if s.start + s.num_tokens == len(s.seq.token_ids)]
+        return [s.seq for s in self.decodes + self.prefills if s.samples]
+
+    def sampling_rows(self) -> list[tuple[Sequence, int]]:
+        """(sequence, offset) of every row the step samples, in the order of its logits: one per
+        sampling segment, 1 + drafts for a verify segment (offset: its output tokens before the
+        row's, past those the sequence has)."""
+        return [(s.seq, j) for s in self.decodes + self.prefills if s.samples for j in range(s.drafts + 1)]
 
     def __bool__(self) -> bool:
         return bool(self.decodes or self.prefills)

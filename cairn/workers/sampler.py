@@ -110,22 +110,27 @@ class Sampler:
         self.grammars: Grammars | None = None  # the engine's, for rows with a grammar
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, TokenLogprob | None] | SequenceFault]:
-        """logits: [N, vocab] fp32, one row per sequence in `seqs`; one result per row."""
-        return self.draw(logits, seqs).read()
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence], offsets: list[int] | None = None
+               ) -> list[tuple[int, TokenLogprob | None] | SequenceFault]:
+        """logits: [N, vocab] fp32, one row per sequence in `seqs`; one result per row. `offsets`
+        (a verify step's rows, cairn.workers.speculation): per row, the output tokens before its
+        own past those its sequence has (its drafted ones): the row is sampled as the sequence's
+        output token of that index (its seeded draw, `min_tokens`); 0 for all when None."""
+        return self.draw(logits, seqs, offsets).read()
 
     @torch.inference_mode()
-    def draw(self, logits: torch.Tensor, seqs: list[Sequence]) -> Draw:
+    def draw(self, logits: torch.Tensor, seqs: list[Sequence], offsets: list[int] | None = None) -> Draw:
         """`sample`, left on the device: the tokens are drawn (every op queued), and their copy to
         the host started, but not waited for. `Draw.ids` can feed the next step's inputs at once;
         `Draw.read()` waits for the copy alone and gives `sample`'s results."""
-        if all(self._plain_greedy(s) for s in seqs):  # argmax on the device
+        offsets = offsets or [0] * len(seqs)
+        if all(self._plain_greedy(s, o) for s, o in zip(seqs, offsets)):  # argmax on the device
             # a row with a NaN or an infinity has its maximum there: it reads back as -1 (a fault)
             ids = kernels.argmax_rows(logits)
             return Draw(ids, self._tokens(ids))
         vocab = logits.shape[-1]
         out: list[tuple[int, TokenLogprob | None] | SequenceFault | None] = [None] * len(seqs)
-        rows = self._rows(seqs, vocab, out)
+        rows = self._rows(seqs, vocab, out, offsets)
         unsampled = torch.full((len(seqs),), -1, dtype=torch.long, device=logits.device)
         if not rows.pos:
             return Draw(unsampled, lambda: out)
@@ -190,28 +195,30 @@ class Sampler:
             raise ValueError("a row's sampling parameters could not be prepared")
         return self._sample_rows(logits.clone(), rows, adjusted_only=True)
 
-    def _rows(self, seqs: list[Sequence], vocab: int, out: list) -> _Rows:
+    def _rows(self, seqs: list[Sequence], vocab: int, out: list, offsets: list[int] | None = None) -> _Rows:
         """Every row's parameters; a row that cannot be prepared gets its fault in `out`."""
         rows = _Rows()
         for i, seq in enumerate(seqs):
             try:
-                self._row_params(rows, seq, vocab)
+                self._row_params(rows, seq, vocab, offsets[i] if offsets else 0)
                 rows.pos.append(i)
             except Exception as e:  # this row's preparation only: the others go on
                 out[i] = SequenceFault(f"sampling failed: {type(e).__name__}")
         return rows
 
     @staticmethod
-    def _plain_greedy(seq: Sequence) -> bool:
+    def _plain_greedy(seq: Sequence, offset: int = 0) -> bool:
         p = seq.params
         return (p.greedy and p.logprobs is None and not p.logit_bias and not p.penalised and p.grammar is None
-                and len(seq.output_token_ids) >= p.min_tokens)
+                and len(seq.output_token_ids) + offset >= p.min_tokens)
 
-    def _row_params(self, rows: _Rows, seq: Sequence, vocab: int) -> None:
+    def _row_params(self, rows: _Rows, seq: Sequence, vocab: int, offset: int = 0) -> None:
         """Appends one row's parameters to `rows`, or raises (that row alone faults, and nothing
-        of it is appended)."""
+        of it is appended). `offset`: see `sample`."""
         p, at = seq.params, len(rows.seqs)
-        n_out = len(seq.output_token_ids)
+        n_out = len(seq.output_token_ids) + offset
+        if offset and (p.penalised or p.grammar is not None):
+            raise ValueError("a drafted row has no token counts or grammar state of its own")
         if any(token >= vocab for token, _ in p.logit_bias):
             raise ValueError("a logit_bias token is outside the vocabulary")
         masked = []

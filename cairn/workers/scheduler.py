@@ -82,6 +82,9 @@ class Scheduler:
         self.overlap_promotions = False
         self.overlapped_promotions = 0
         self._failed: list[Sequence] = []
+        # speculative decoding: state slots beside the cache's arena (`ArenaLayout.spare_slots`)
+        # that verify segments keep their intermediate states in (`_take_states`, `settle`)
+        self.spare_slots: list[int] = []
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -128,7 +131,14 @@ class Scheduler:
                     order.pop(i)
                     self.fail(seq, SequenceFault(f"reserving pages failed: {type(e).__name__}"), e)
                     continue
-            if n == 1:
+            if n == 1 and seq.draft:  # a decode and the tokens drafted after it: one verify segment
+                room = budget if left is None else min(budget, left.get(seq.tenant, 0))
+                d = min(len(seq.draft), room - 1, ps - 1 - start % ps)  # (in its first token's page)
+                (prefills if d > 0 else decodes).append(Segment(seq, start, 1 + max(d, 0), drafts=max(d, 0),
+                                                                verify=True))
+                plan.lookahead.append(seq)
+                n += max(d, 0)
+            elif n == 1:
                 decodes.append(Segment(seq, start, 1))
                 plan.lookahead.append(seq)
             else:
@@ -160,6 +170,8 @@ class Scheduler:
             self._take_early_pages(plan)
         if self.cache.recurrent:  # after admission: it may add branch targets to running ones
             for seg in plan.decodes + plan.prefills:  # a boundary crossed, or a target inside a page (in the prompt)
+                if seg.verify:  # planned once it is known how many of its tokens stand (`settle`)
+                    continue
                 start, end = seg.start, seg.start + seg.num_tokens
                 if start // ps != end // ps or (end <= len(seg.seq.prompt_token_ids) and
                                                 any(start < p <= end for p in seg.seq.cache.checkpoint_targets)):
@@ -167,10 +179,56 @@ class Scheduler:
                         plan.deferred.append(seg)
                     else:
                         self._checkpoints_or_fail(plan, seg)
+            self._take_states(plan)
         if plan:
             plan.page_table_writes = self.cache.take_page_table_writes()
             plan.block_copies = self.cache.take_block_copies()
         return plan
+
+    def _take_states(self, plan: StepPlan) -> None:
+        """A spare slot (`spare_slots`: beside the cache's arena, so the cache is as without
+        speculation) for the state after each drafted token of the plan's verify segments: a
+        segment gets as many drafts as slots are left (none: a plain decode)."""
+        for seg in [s for s in plan.prefills if s.drafts]:
+            take = min(seg.drafts, len(self.spare_slots))
+            seg.states = [self.spare_slots.pop() for _ in range(take)]
+            seg.drafts = take
+            seg.num_tokens = 1 + take
+            seg.ckpt_slots = {j + 1: [slot] for j, slot in enumerate(seg.states)}  # taken by the forward
+            if not take:
+                plan.prefills.remove(seg)
+                plan.decodes.append(seg)
+
+    def settle(self, plan: StepPlan, kept: dict[int, int]) -> list[tuple[int, int]]:
+        """After a step with verify segments, once it is known how many tokens of each stand
+        (`kept`, by `id(seq)`: 1 + the drafted tokens kept; a sequence missing there, finished or
+        failed, keeps none): each such segment ends after its kept tokens, so only they advance,
+        and only whole pages of them are registered. A verify segment lies in one page, so a
+        boundary its kept tokens reach is their end: the page after it is taken a step early, and
+        the checkpoints there are planned, as for a decode ending the page (`schedule`), copied
+        after the step from the sequence's slot once rolled back (`plan.snapshots` /
+        `plan.host_snapshots`, which the caller runs after the returned copies). Returns the
+        rollbacks, (spare slot, sequence's state slot): the state after its last kept token,
+        copied over the one after its last drafted one. The spare slots are free again."""
+        rollbacks: list[tuple[int, int]] = []
+        plan.snapshots, plan.host_snapshots = [], []
+        for seg in plan.decodes + plan.prefills:
+            if not seg.verify:
+                continue
+            seq, states = seg.seq, seg.states
+            seg.states = []
+            self.spare_slots += states
+            n = kept.get(id(seq), 0) if not seq.finished else 0
+            seg.num_tokens = n  # nothing stands: nothing of it is advanced or stored
+            if n == 0:
+                continue
+            if n <= len(states):
+                rollbacks.append((states[n - 1], seq.cache.state_slot))
+            if n > 1 and seg.end % self.page_size == 0:  # as a decode ending this page would have
+                self._look_ahead(seq, seg.end + 1)
+            if self.cache.recurrent:  # (a boundary it reaches is its end: it lies in one page)
+                self._checkpoints_or_fail(plan, seg)
+        return rollbacks
 
     def plans_ahead(self, pending: list[Sequence]) -> bool:
         """Whether the next plan can be made before the tokens that `pending` (the running
@@ -216,12 +274,13 @@ class Scheduler:
                 self._look_ahead(seq)
         plan.lookahead = []
 
-    def _look_ahead(self, seq: Sequence) -> None:
+    def _look_ahead(self, seq: Sequence, upto: int | None = None) -> None:
         """A decoding sequence whose next token starts a page takes that page now, if it can
         without preempting anyone (evicting as any growth does), after the step's own pages and
         admissions: so the step after this one needs no page for it, and can be planned before
-        this one's tokens are read (`plans_ahead`)."""
-        upto = seq.num_tokens + 1  # its tokens once this step's is in, and the next one's
+        this one's tokens are read (`plans_ahead`). `upto`: its tokens once the next is in
+        (default: once this step's token and the next are)."""
+        upto = upto or seq.num_tokens + 1  # its tokens once this step's is in, and the next one's
         if upto <= seq.max_total_tokens and len(seq.cache.page_ids) * self.page_size < upto and \
                 self.cache.can_grow(seq, upto):
             self.cache.grow(seq, upto)
@@ -402,7 +461,6 @@ class Scheduler:
                      ) -> list[tuple[Sequence, int, TokenLogprob | None]]:
         """The second half of `postprocess`: each of `sampling` gets its sampled token (or fails
         with its row's fault) and finishes if it stops there."""
-        eos = self.eos_token_ids
         out = []
         for seq, result in zip(sampling, sampled):
             if result.__class__ is SequenceFault:
@@ -415,16 +473,22 @@ class Scheduler:
                 seq.token_ids.append(token)
                 if logprob is not None:
                     seq.logprobs.append(logprob)
-                params = seq.params
-                if token in params.stop_token_ids or (token in eos and not params.ignore_eos):
-                    self.finish(seq, "stop")
-                elif len(seq.token_ids) >= seq.max_total_tokens:
-                    self.finish(seq, "length")
+                reason = self.stop_reason(seq, token, len(seq.token_ids))
+                if reason is not None:
+                    self.finish(seq, reason)
             except Exception as e:
                 self.fail(seq, SequenceFault(f"applying its token failed: {type(e).__name__}"), e)
                 continue
             out.append((seq, token, logprob))
         return out
+
+    def stop_reason(self, seq: Sequence, token: int, length: int) -> str | None:
+        """Why `seq` stops once `token` is its token number `length` (prompt included): "stop"
+        (EOS unless ignored, a stop id), "length" (`max_total_tokens`), or None: it goes on."""
+        params = seq.params
+        if token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos):
+            return "stop"
+        return "length" if length >= seq.max_total_tokens else None
 
     # ---- ending ----------------------------------------------------------------------------------
     def _preempt_for_fairness(self, seq: Sequence) -> None:
@@ -467,9 +531,12 @@ class Scheduler:
 
     def abandon(self, plan: StepPlan) -> None:
         """The plan's step did not run (its forward pass failed): the checkpoint slots taken for
-        it go back."""
+        it, and its verify segments' state slots, go back."""
         for c in plan.commits:
             self.cache.drop_pending_if_any(c.slot)
+        for seg in plan.prefills:
+            self.spare_slots += seg.states
+            seg.states = []
 
     def take_failed(self) -> list[Sequence]:
         """Sequences failed since the last call."""

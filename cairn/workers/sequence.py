@@ -9,6 +9,8 @@ What it holds in the cache (pages, state slot, hash chain, checkpoints to leave)
 `SequenceCache` that only the prefix cache writes. The request brings `hash_root` (the root of its
 page-hash chain, salted by the ingress) and `hints` (token positions of message starts, where a
 checkpoint may pay off). A preempted sequence keeps its tokens and recomputes them later.
+Under speculative decoding, `draft` holds tokens proposed after `token_ids`: never part of them
+until a verify step keeps them (cairn.workers.speculation).
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ class Sequence:
     grammar_state: object = None  # its place in its grammar (cairn.workers.grammar), from its first sampled step
     fetch_pending: bool = False  # a peer fetch for it is under way: the engine holds it back until it arrives
     grammar_pending: bool = False  # its grammar is still compiling: the engine holds it back until it is
+    draft: list[int] = field(default_factory=list)  # tokens drafted after token_ids, to verify (cairn.workers.speculation)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -54,7 +54,7 @@ def inject(engine: Engine, point: str, target: str) -> None:
         setattr(obj, name, faulty)
 
     if point == "sampling":
-        only_for_target(engine.sampler, "_row_params", seq_of=lambda rows, seq, vocab: seq)
+        only_for_target(engine.sampler, "_row_params", seq_of=lambda rows, seq, *rest: seq)
     elif point == "non-finite logits":
         execute = engine.runner.execute
 

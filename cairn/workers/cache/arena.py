@@ -19,6 +19,12 @@ answers where, and counts.
 
 A model without recurrent layers has no state bytes: its slots are ids that index nothing
 (`slot_blocks` 0), handed out up to `virtual_slots`.
+
+Speculative decoding (`num_speculative_tokens` k) adds `spare_slots` = k x `max_num_seqs` state
+slots after the cache's blocks, from group `spare_start` on: a verify step keeps the state after
+each drafted token there until it knows which stand (cairn.workers.speculation). The cache never
+places anything there, so it holds what it holds without speculation; `arena_bytes` counts them,
+`cache_bytes` does not.
 """
 
 from __future__ import annotations
@@ -62,6 +68,7 @@ class ArenaLayout:
     max_checkpoints: int | None = None  # cap on checkpoints (pending + stored); None: the arena's
     virtual_slots: int = 0       # slot ids of a model without recurrent layers
     host_blocks: int = 0         # blocks of the host tier (cairn.workers.cache.host_tier), same size; 0: none
+    spare_slots: int = 0         # state slots after the cache's blocks, for verify steps (module doc)
 
     def __post_init__(self) -> None:
         if self.block_bytes < 1 or self.num_blocks < 1:
@@ -71,8 +78,21 @@ class ArenaLayout:
                              f"({self.slot_blocks} + 1 blocks of {self.block_bytes} bytes): raise cache_memory_bytes")
 
     @property
-    def arena_bytes(self) -> int:
+    def cache_bytes(self) -> int:
+        """The cache's blocks: what it places pages and slots in."""
         return self.num_blocks * self.block_bytes
+
+    @property
+    def spare_start(self) -> int:
+        """The first spare slot: the first group wholly after the cache's blocks."""
+        return -(-self.num_blocks // self.slot_blocks) if self.slot_blocks else 0
+
+    @property
+    def arena_bytes(self) -> int:
+        """The whole arena: the cache's blocks, then the spare slots."""
+        if not self.spare_slots:
+            return self.cache_bytes
+        return (self.spare_start + self.spare_slots) * self.slot_blocks * self.block_bytes
 
     @property
     def num_groups(self) -> int:
@@ -109,7 +129,8 @@ class ArenaLayout:
                    ssm_offset=ssm_offset if slot else 0, max_pages=options.num_pages,
                    max_checkpoints=ckpts if slot_blocks else 0,
                    virtual_slots=0 if slot_blocks else options.max_num_seqs,
-                   host_blocks=options.host_cache_bytes // block)
+                   host_blocks=options.host_cache_bytes // block,
+                   spare_slots=options.num_speculative_tokens * options.max_num_seqs if slot_blocks else 0)
 
 
 class Arena:

@@ -402,7 +402,7 @@ class PrefixCache:
 
     @property
     def budget_bytes(self) -> int:
-        return self.layout.arena_bytes
+        return self.layout.cache_bytes
 
     @property
     def checkpoint_bytes(self) -> int:

@@ -28,9 +28,10 @@ from cairn.workers.demo.weights import random_weights
 
 
 def write_demo_model(out_dir: str | Path, size: str = "tiny", seed: int = 0, arch: str = "qwen3_next",
-                     tokenizer: Tokenizer | None = None, vocab_size: int | None = None) -> Path:
+                     tokenizer: Tokenizer | None = None, vocab_size: int | None = None, mtp: bool = False) -> Path:
     """Write the demo checkpoint of `size` ("tiny" or "bench") and `arch` into `out_dir`, with the
-    demo tokenizer or `tokenizer` and `vocab_size`; return its path."""
+    demo tokenizer or `tokenizer` and `vocab_size`, and with `mtp` a random MTP head (`mtp.*`,
+    `mtp_num_hidden_layers` 1); return its path."""
     if size not in SIZES:
         raise ValueError(f"expected size in {sorted(SIZES)}, got {size!r}")
     if arch not in ARCHS:
@@ -46,7 +47,11 @@ def write_demo_model(out_dir: str | Path, size: str = "tiny", seed: int = 0, arc
     tokenizer = tokenizer or train_tokenizer(shape.vocab_size)
     write_tokenizer_files(out, tokenizer, model_max_length=shape.max_position_embeddings, arch=arch)
     eos, pad = tokenizer.token_to_id(EOS_TOKEN), tokenizer.token_to_id(PAD_TOKEN)
-    _write_json(out / "config.json", hf_config(shape, {"eos": eos, "bos": None, "pad": pad}, arch))
+    config = hf_config(shape, {"eos": eos, "bos": None, "pad": pad}, arch)
+    if mtp:
+        text = config.get("text_config", config)
+        text["mtp_num_hidden_layers"] = 1
+    _write_json(out / "config.json", config)
     _write_json(out / "generation_config.json", {
         "eos_token_id": [eos, pad],  # <|im_end|> ends a turn; <|endoftext|> ends a document
         "pad_token_id": pad,
@@ -56,21 +61,27 @@ def write_demo_model(out_dir: str | Path, size: str = "tiny", seed: int = 0, arc
         "top_p": 0.8,
         "top_k": 20,
     })
-    weights = random_weights(shape, seed, arch)
+    weights = random_weights(shape, seed, arch, mtp)
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "model.safetensors").chmod(0o644)  # readable like the other files, by other users too
     return out
 
 
-def demo_model_dir(size: str = "tiny", arch: str = "qwen3_next") -> Path:
+def demo_model_dir(size: str = "tiny", arch: str = "qwen3_next", trained_mtp: bool = False) -> Path:
     """The demo checkpoint of `size` and `arch` under $CAIRN_HOME (default ~/.cache/cairn),
-    written on first use. What `cairn serve` and `cairn generate` run when no --model is given."""
+    written on first use. What `cairn serve` and `cairn generate` run when no --model is given.
+    `trained_mtp`: the one trained for speculative decoding, with its MTP head
+    (cairn.workers.demo.speculative_training: minutes on CPU, the first time)."""
     home = Path(os.environ.get("CAIRN_HOME") or Path.home() / ".cache" / "cairn")
-    name = f"demo-{size}" if arch == "qwen3_next" else f"demo-{arch}-{size}"
+    name = (f"demo-{size}" if arch == "qwen3_next" else f"demo-{arch}-{size}") + ("-mtp-trained" if trained_mtp else "")
     out = home / name
     if not (out / "model.safetensors").exists():
         tmp = home / f".{name}-{os.getpid()}"
         write_demo_model(tmp, size=size, arch=arch)
+        if trained_mtp:
+            from cairn.workers.demo.speculative_training import train_for_speculation
+
+            train_for_speculation(tmp)
         try:
             tmp.rename(out)  # atomic: a concurrent first use never sees half a checkpoint
         except OSError:

@@ -30,51 +30,63 @@ from cairn.workers.demo.shape import DemoSize
 DT_MIN, DT_MAX = 1e-3, 1e-1
 
 
-def weight_shapes(size: DemoSize, arch: str = "qwen3_next") -> dict[str, tuple[int, ...]]:
-    """Every tensor's name and shape, in the order they are drawn."""
+def weight_shapes(size: DemoSize, arch: str = "qwen3_next", mtp: bool = False) -> dict[str, tuple[int, ...]]:
+    """Every tensor's name and shape, in the order they are drawn; with `mtp`, an MTP head's
+    after them, under the published names (cairn.workers.model.mtp): its two norms, `fc`, and one
+    decoder layer with full attention and the model's MLP (fused experts where the model's are)."""
     h = size.hidden_size
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (size.vocab_size, h)}
     for i, kind in enumerate(size.layer_types()):
-        p = f"model.layers.{i}."
-        shapes[p + "input_layernorm.weight"] = (h,)
-        if kind == "full_attention":
-            q, kv, d = size.num_attention_heads, size.num_key_value_heads, size.head_dim
-            shapes[p + "self_attn.q_proj.weight"] = (2 * q * d, h)  # query and its output gate
-            shapes[p + "self_attn.k_proj.weight"] = (kv * d, h)
-            shapes[p + "self_attn.v_proj.weight"] = (kv * d, h)
-            shapes[p + "self_attn.o_proj.weight"] = (h, q * d)
-            shapes[p + "self_attn.q_norm.weight"] = (d,)
-            shapes[p + "self_attn.k_norm.weight"] = (d,)
-        else:
-            key_dim = size.linear_num_key_heads * size.linear_key_head_dim
-            value_dim = size.linear_num_value_heads * size.linear_value_head_dim
-            heads = size.linear_num_value_heads
-            conv_dim = 2 * key_dim + value_dim
-            if arch == "qwen3_next":  # grouped per key head
-                shapes[p + "linear_attn.in_proj_qkvz.weight"] = (2 * key_dim + 2 * value_dim, h)
-                shapes[p + "linear_attn.in_proj_ba.weight"] = (2 * heads, h)
-            else:  # Qwen3.5: separate projections
-                shapes[p + "linear_attn.in_proj_qkv.weight"] = (conv_dim, h)
-                shapes[p + "linear_attn.in_proj_z.weight"] = (value_dim, h)
-                shapes[p + "linear_attn.in_proj_b.weight"] = (heads, h)
-                shapes[p + "linear_attn.in_proj_a.weight"] = (heads, h)
-            shapes[p + "linear_attn.conv1d.weight"] = (conv_dim, 1, size.linear_conv_kernel_dim)
-            shapes[p + "linear_attn.dt_bias"] = (heads,)
-            shapes[p + "linear_attn.A_log"] = (heads,)
-            shapes[p + "linear_attn.norm.weight"] = (size.linear_value_head_dim,)
-            shapes[p + "linear_attn.out_proj.weight"] = (h, value_dim)
-        shapes[p + "post_attention_layernorm.weight"] = (h,)
-        if arch == "qwen3_5_moe":
-            e, i = size.num_experts, size.moe_intermediate_size
-            shapes[p + "mlp.gate.weight"] = (e, h)
-            shapes[p + "mlp.experts.gate_up_proj"] = (e, 2 * i, h)
-            shapes[p + "mlp.experts.down_proj"] = (e, h, i)
-            shapes.update(_swiglu(p + "mlp.shared_expert.", h, i))
-            shapes[p + "mlp.shared_expert_gate.weight"] = (1, h)
-        else:
-            shapes.update(_swiglu(p + "mlp.", h, size.intermediate_size))
+        shapes.update(_layer_shapes(f"model.layers.{i}.", kind, size, arch))
     shapes["model.norm.weight"] = (h,)
     shapes["lm_head.weight"] = (size.vocab_size, h)
+    if mtp:
+        shapes.update({"mtp.pre_fc_norm_embedding.weight": (h,), "mtp.pre_fc_norm_hidden.weight": (h,),
+                       "mtp.fc.weight": (h, 2 * h)})
+        shapes.update(_layer_shapes("mtp.layers.0.", "full_attention", size, arch))
+        shapes["mtp.norm.weight"] = (h,)
+    return shapes
+
+
+def _layer_shapes(p: str, kind: str, size: DemoSize, arch: str) -> dict[str, tuple[int, ...]]:
+    h = size.hidden_size
+    shapes = {p + "input_layernorm.weight": (h,)}
+    if kind == "full_attention":
+        q, kv, d = size.num_attention_heads, size.num_key_value_heads, size.head_dim
+        shapes[p + "self_attn.q_proj.weight"] = (2 * q * d, h)  # query and its output gate
+        shapes[p + "self_attn.k_proj.weight"] = (kv * d, h)
+        shapes[p + "self_attn.v_proj.weight"] = (kv * d, h)
+        shapes[p + "self_attn.o_proj.weight"] = (h, q * d)
+        shapes[p + "self_attn.q_norm.weight"] = (d,)
+        shapes[p + "self_attn.k_norm.weight"] = (d,)
+    else:
+        key_dim = size.linear_num_key_heads * size.linear_key_head_dim
+        value_dim = size.linear_num_value_heads * size.linear_value_head_dim
+        heads = size.linear_num_value_heads
+        conv_dim = 2 * key_dim + value_dim
+        if arch == "qwen3_next":  # grouped per key head
+            shapes[p + "linear_attn.in_proj_qkvz.weight"] = (2 * key_dim + 2 * value_dim, h)
+            shapes[p + "linear_attn.in_proj_ba.weight"] = (2 * heads, h)
+        else:  # Qwen3.5: separate projections
+            shapes[p + "linear_attn.in_proj_qkv.weight"] = (conv_dim, h)
+            shapes[p + "linear_attn.in_proj_z.weight"] = (value_dim, h)
+            shapes[p + "linear_attn.in_proj_b.weight"] = (heads, h)
+            shapes[p + "linear_attn.in_proj_a.weight"] = (heads, h)
+        shapes[p + "linear_attn.conv1d.weight"] = (conv_dim, 1, size.linear_conv_kernel_dim)
+        shapes[p + "linear_attn.dt_bias"] = (heads,)
+        shapes[p + "linear_attn.A_log"] = (heads,)
+        shapes[p + "linear_attn.norm.weight"] = (size.linear_value_head_dim,)
+        shapes[p + "linear_attn.out_proj.weight"] = (h, value_dim)
+    shapes[p + "post_attention_layernorm.weight"] = (h,)
+    if arch == "qwen3_5_moe":
+        e, i = size.num_experts, size.moe_intermediate_size
+        shapes[p + "mlp.gate.weight"] = (e, h)
+        shapes[p + "mlp.experts.gate_up_proj"] = (e, 2 * i, h)
+        shapes[p + "mlp.experts.down_proj"] = (e, h, i)
+        shapes.update(_swiglu(p + "mlp.shared_expert.", h, i))
+        shapes[p + "mlp.shared_expert_gate.weight"] = (1, h)
+    else:
+        shapes.update(_swiglu(p + "mlp.", h, size.intermediate_size))
     return shapes
 
 
@@ -83,10 +95,11 @@ def _swiglu(prefix: str, hidden: int, intermediate: int) -> dict[str, tuple[int,
             prefix + "down_proj.weight": (hidden, intermediate)}
 
 
-def random_weights(size: DemoSize, seed: int, arch: str = "qwen3_next") -> dict[str, torch.Tensor]:
-    """Deterministic fp32 weights for `size` and `arch` from `seed`."""
+def random_weights(size: DemoSize, seed: int, arch: str = "qwen3_next", mtp: bool = False) -> dict[str, torch.Tensor]:
+    """Deterministic fp32 weights for `size` and `arch` from `seed` (with `mtp`, a random MTP
+    head's too, drawn after the model's: the model's bytes are the same either way)."""
     gen = torch.Generator().manual_seed(seed)
-    return {name: _draw(name, shape, gen) for name, shape in weight_shapes(size, arch).items()}
+    return {name: _draw(name, shape, gen) for name, shape in weight_shapes(size, arch, mtp).items()}
 
 
 def _draw(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:

@@ -57,7 +57,7 @@ class ModelRunner:
             heap.retain_freed_memory()  # a step reuses the last one's activation pages (cairn.workers.heap)
         self.page_size = page_size
         self.arena = torch.zeros(layout.arena_bytes, dtype=torch.uint8, device=self.device)
-        self._blocks = self.arena.view(layout.num_blocks, layout.block_bytes)  # one row per block
+        self._blocks = self.arena[:layout.cache_bytes].view(layout.num_blocks, layout.block_bytes)  # one row per block
         self.slot_blocks = layout.slot_blocks
         self.host = torch.zeros(layout.host_blocks, layout.block_bytes, dtype=torch.uint8,
                                 pin_memory=self.device.type == "cuda")  # the host tier, one row per block
@@ -69,6 +69,12 @@ class ModelRunner:
         self._table = np.zeros((max_rows, 64), dtype=np.int32)  # row -> page ids, widened on demand
         self._staging: list[torch.Tensor | None] = [None, None]  # CUDA: pinned buffers `upload` alternates
         self.graphs: DecodeGraphs | None = None  # decode steps at fixed batch sizes (`use_decode_graphs`)
+        # speculative decoding: each eager step keeps its rows' final normed hidden states, which
+        # the MTP head reads (cairn.workers.execution.mtp_drafter)
+        self.keep_hidden = False
+        self.hidden: torch.Tensor | None = None
+        self.arena_blocks = layout.num_blocks
+        self.block_copy_hooks: list = []  # called with (kind, sources, targets) of each run of device copies
 
     def warm_up(self, max_rows: int, sampled_rows: int) -> int:
         """Runs each packed linear at every row count a step of at most `max_rows` tokens, and of
@@ -79,7 +85,7 @@ class ModelRunner:
     def _views(self, layout: ArenaLayout):
         cfg, item = self.cfg, self.dtype.itemsize
         elems = self.arena.view(self.dtype)
-        kv_all = elems.view(layout.num_blocks, len(cfg.attention_layers), 2, self.page_size,
+        kv_all = elems[:layout.cache_bytes // item].view(layout.num_blocks, len(cfg.attention_layers), 2, self.page_size,
                             cfg.num_key_value_heads, cfg.head_dim)
         kv = [(kv_all[:, i, 0], kv_all[:, i, 1]) for i in range(len(cfg.attention_layers))]
         n_lin = len(cfg.linear_layers)
@@ -92,7 +98,7 @@ class ModelRunner:
         if stride % 4 or layout.ssm_offset % 4:
             raise ValueError(f"state slots of {stride} bytes (delta-rule state at {layout.ssm_offset}) are not "
                              f"fp32-aligned")
-        groups = layout.num_blocks // layout.slot_blocks
+        groups = layout.spare_start + layout.spare_slots if layout.spare_slots else layout.num_blocks // layout.slot_blocks
         conv = torch.as_strided(elems, (groups, n_lin, channels, width),
                                 (stride // item, channels * width, width, 1))
         ssm = torch.as_strided(self.arena.view(torch.float32), (groups, n_lin, h_v, d_k, d_v),
@@ -131,7 +137,10 @@ class ModelRunner:
         if work.fresh_state_slots:
             for t in states:
                 t.index_fill_(0, tensors["fresh_state_slots"], 0)
-        logits = self.model(work.batch(tensors), self.caches)
+        if self.keep_hidden:
+            logits, self.hidden = self.model(work.batch(tensors), self.caches, hidden=True)
+        else:
+            logits = self.model(work.batch(tensors), self.caches)
         if work.snapshots:
             kernels.copy_state_slots(states, tensors["snapshot_src"], tensors["snapshot_dst"])
         self._host_snapshots(work.host_snapshots)
@@ -148,10 +157,15 @@ class ModelRunner:
         """The plan's snapshots (state slots into checkpoint slots, or to the host tier), made
         after the last step launched: for a plan whose checkpoints were planned after it ran
         (async scheduling, `Scheduler.plan_deferred`)."""
-        if plan.snapshots:
-            pairs = torch.tensor(plan.snapshots, dtype=torch.long).T.to(self.device)
-            kernels.copy_state_slots((self.caches.conv_states, self.caches.ssm_states), pairs[0], pairs[1])
+        self.copy_states(plan.snapshots)
         self._host_snapshots(plan.host_snapshots)
+
+    def copy_states(self, pairs: list[tuple[int, int]]) -> None:
+        """Copies recurrent states between slots, (source, target) pairs with no slot both (a
+        verify step's rollbacks; snapshots), queued after the last step launched."""
+        if pairs:
+            both = torch.tensor(pairs, dtype=torch.long).T.to(self.device)
+            kernels.copy_state_slots((self.caches.conv_states, self.caches.ssm_states), both[0], both[1])
 
     def _wait_for_promotions(self) -> None:
         if self._promoted is not None:
@@ -198,6 +212,8 @@ class ModelRunner:
         return source[self._index(blocks, source.device)].cpu().numpy()
 
     def _copy_run(self, kind: str, sources: list[int], targets: list[int], staging: torch.Tensor | None = None) -> None:
+        for hook in self.block_copy_hooks:
+            hook(kind, sources, targets)
         src, dst = {MOVE: (self._blocks, self._blocks), COPY: (self._blocks, self._blocks),
                     DEMOTE: (self._blocks, self.host), PROMOTE: (self.host, self._blocks),
                     IMPORT: (staging, self._blocks)}[kind]
@@ -311,11 +327,16 @@ class ModelRunner:
                 self._table = wider
             self._table[w.row, w.start:end] = w.page_ids
 
-    def prepare(self, plan: StepPlan, all_logits: bool = False, fed: dict[int, int] | None = None) -> StepWork:
+    def prepare(self, plan: StepPlan, all_logits: bool = False, fed: dict[int, int] | None = None,
+                shift: int = 0, input_ids: list[int] | None = None) -> StepWork:
         """The host's part of a step: the plan as plain arrays (`StepWork`). Per-segment numbers
         are gathered in one pass, the per-token ones computed with numpy; page-table rows come
         from the persistent table. `fed`: by `id(seq)`, the row of the last step's drawn ids that
-        holds a decoding sequence's token (`execute`)."""
+        holds a decoding sequence's token (`execute`). A verify segment's drafted tokens follow
+        its first (`Sequence.draft`), and each of its rows samples. `shift`: each position takes
+        the token `shift` places after its own (the MTP head reads the next token's embedding:
+        cairn.workers.execution.mtp_drafter). `input_ids`: a decode-only plan's ids, given (drafted
+        tokens, which no sequence holds), instead of its sequences' tokens."""
         self._write_page_table(plan.page_table_writes)
         ps, table = self.page_size, self._table
         decodes, prefills = plan.decodes, plan.prefills
@@ -329,7 +350,10 @@ class ModelRunner:
             lengths.append(len(seq.token_ids))
             shared.append(c.shared_pages)
             slots.append(c.state_slot)
-            ids.append(seq.token_ids[seg.start])
+            if input_ids is None:
+                ids.append(seq.token_ids[seg.start + shift])
+        if input_ids is not None:
+            ids = list(input_ids)
         counts = [1] * nd
         fed_from = None if fed is None else np.array([fed.get(id(seg.seq), -1) for seg in decodes] +
                                                      [-1] * sum(seg.num_tokens for seg in prefills), np.int64)
@@ -343,7 +367,11 @@ class ModelRunner:
             lengths.append(len(seq.token_ids))
             shared.append(c.shared_pages)
             slots.append(c.state_slot)
-            ids += seq.token_ids[seg.start:seg.start + seg.num_tokens]
+            if seg.drafts:
+                ids.append(seq.token_ids[seg.start])
+                ids += seq.draft[:seg.drafts]
+            else:
+                ids += seq.token_ids[seg.start + shift:seg.start + seg.num_tokens + shift]
             positions.append(np.arange(seg.start, seg.start + seg.num_tokens))
         rows, counts = np.array(rows), np.array(counts)
         ends = np.array(starts) + counts
@@ -358,6 +386,9 @@ class ModelRunner:
         np.cumsum(counts, out=cu[1:])
         if all_logits:
             logits_rows = np.arange(cu[-1])
+        elif any(seg.drafts for seg in prefills):  # a verify segment samples at each of its rows
+            logits_rows = np.concatenate([np.arange(cu[i + 1] - 1 - seg.drafts, cu[i + 1])
+                                          for i, seg in enumerate(decodes + prefills) if seg.samples]).astype(np.int64)
         else:
             logits_rows = (cu[1:] - 1)[ends == np.array(lengths)]  # segments reaching their end sample
         max_pages = int((ends.max() + ps - 1) // ps)

@@ -102,15 +102,28 @@ class HybridForCausalLM(nn.Module):
         x = self.model.embed_tokens(torch.where(mine, local, 0)) * mine[:, None]
         return self.group.all_reduce(x)
 
-    @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
-        """Returns fp32 logits [len(batch.logits_indices), vocab]."""
-        x, residual = self._embed(batch.input_ids), None  # [T, hidden]
-        for layer in self.model.layers:
-            x, residual = layer(x, residual, batch, caches)
-        rows = batch.logits_indices
-        x, _ = self.model.norm(x[rows], residual[rows])  # the last residual add, for the sampled rows
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The token embeddings of `ids` [T] -> [T, hidden] (the MTP head shares them)."""
+        return self._embed(ids)
+
+    def head_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [N, vocab] of final normed hidden states `x` [N, hidden] (the LM head,
+        which the MTP head shares)."""
         logits = self.lm_head(x).float()
         if self.group is not None:
             logits = self.group.all_gather(logits, dim=-1)[:, :self.config.vocab_size]
         return logits
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, caches: ModelCaches, hidden: bool = False):
+        """Returns fp32 logits [len(batch.logits_indices), vocab]; with `hidden`, (those logits,
+        every row's final normed hidden state [T, hidden]: what the MTP head reads)."""
+        x, residual = self._embed(batch.input_ids), None  # [T, hidden]
+        for layer in self.model.layers:
+            x, residual = layer(x, residual, batch, caches)
+        rows = batch.logits_indices
+        if hidden:
+            normed, _ = self.model.norm(x, residual)
+            return self.head_logits(normed[rows]), normed
+        x, _ = self.model.norm(x[rows], residual[rows])  # the last residual add, for the sampled rows
+        return self.head_logits(x)

@@ -68,6 +68,9 @@ class ModelConfig:
     norm_topk_prob: bool = True
     mlp_only_layers: tuple[int, ...] = ()
     hidden_act: str = "silu"
+    # layers of the checkpoint's multi-token-prediction head (`mtp.*`, cairn.workers.model.mtp);
+    # the target's computation does not depend on it
+    mtp_num_hidden_layers: int = field(default=0, compare=False)
     torch_dtype: str = "float32"
     eos_token_ids: tuple[int, ...] = ()
     source: str = field(default="config.json", compare=False)
@@ -272,4 +275,5 @@ def read_hybrid_fields(r: ConfigReader) -> dict[str, Any]:
         linear_num_value_heads=r.opt_int("linear_num_value_heads", 32, minimum=1),
         hidden_act=act,
         eos_token_ids=r.opt_eos(),
+        mtp_num_hidden_layers=r.opt_int("mtp_num_hidden_layers", 0),
     )

@@ -71,6 +71,9 @@ def load_mtp(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device
     from cairn.workers.model.family import Family
     from cairn.workers.model.loader import fused_name, read_tensors, weight_files
 
+    if cfg.mtp_num_hidden_layers > 1:
+        raise CheckpointError(f"{model_dir}: an MTP head of {cfg.mtp_num_hidden_layers} layers (mtp_num_hidden_layers); "
+                              f"cairn reads heads of one layer, as every published Qwen checkpoint has")
     files = weight_files(Path(model_dir))
     reader = Family(name="mtp", model_class=MultiTokenPredictor, tensor_name=mtp_tensor_name)
     state = {fused_name(k): v for k, v in read_tensors(files, dtype, reader).items()}

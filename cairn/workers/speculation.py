@@ -1,0 +1,114 @@
+"""Speculative decoding in the engine: who drafts, what a verify step keeps, what is counted.
+
+With `EngineOptions.num_speculative_tokens` k > 0, a running sequence carries up to k tokens
+drafted after its last one (`Sequence.draft`). The scheduler makes its next decode a verify
+segment: that token and the drafted ones, computed in one forward with the other sequences'
+prefills and decodes, each position sampled (`cairn.workers.plan.Segment.drafts`), the state
+after each offset kept in a free slot (`Scheduler._take_states`). Then:
+
+1. `kept_tokens`: every row is sampled as the sequence's output token of its index would be
+   without speculation (the sampler's rules, and its seeded uniform at (seed, output index):
+   `Sampler.sample`'s `offsets`); the drafted tokens equal to the draws before them stand, then
+   the first draw that differs (or the bonus after all of them): `accept_greedy` over the draws
+   (cairn.workers.acceptance). The drafts are the head's argmax, a one-point distribution q, and
+   for such a q this is rejection sampling: a draft d is kept with probability p(d) =
+   min(1, p(d) / q(d)), and a rejected position's token is a draw from p without d, which is
+   the residual max(0, p - q) normalised. So each output token is distributed as the target's
+   at its position, and a seeded request gives the very tokens it gives without speculation
+   wherever the logits are the same. The tokens kept also end at the first that stops the
+   sequence (a stop id, EOS, its length).
+2. `Scheduler.settle`: the segment ends after its kept tokens; the state after its last kept
+   token is copied back into the sequence's slot from the slot that kept it (the rollback), the
+   checkpoints at the page boundaries the kept tokens reach are planned then, and the other
+   slots go back. K/V written for rejected positions lies past the sequence's computed tokens:
+   the next step writes those positions again, and no page holding them is whole, so none is
+   registered. The prefix cache, its tiers and the router see only kept tokens.
+3. The drafter proposes the next drafts (`Drafter.propose`): the engine's is the checkpoint's
+   MTP head (cairn.workers.execution.mtp_drafter), which also runs over every position the step
+   kept (its own K/V at them).
+
+Rows that never draft: a sequence with penalties or a grammar (their token counts and grammar
+state would have to follow each drafted token: not built); those decode one token a step beside
+the speculating ones. What a step counts: `SpeculationTotals`, vLLM's numbers (drafts, drafted
+tokens, accepted tokens in all and by position; mean acceptance length = 1 + accepted / drafts).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from cairn.workers.acceptance import accept_greedy
+from cairn.workers.engine_errors import SequenceFault
+from cairn.workers.plan import Segment
+from cairn.workers.sequence import Sequence
+
+MAX_SPECULATIVE_TOKENS = 4
+
+
+@dataclass
+class DraftRun:
+    """One segment of a step, seen by the drafter once its kept tokens are applied: the head
+    runs over its positions (`segment`, cut to its kept tokens), whose final hidden states are
+    rows `row`.. of the step's (`ModelRunner.hidden`); `want`: drafts to propose after its
+    sequence's last token (0: none, the head's K/V alone)."""
+    segment: Segment
+    row: int
+    want: int
+
+
+class Drafter(Protocol):
+    """Proposes drafts (`Sequence.draft`) for the sequences a step's runs name."""
+    needs_hidden: bool  # it reads the target's hidden states (the runner keeps them)
+
+    def propose(self, runs: list[DraftRun]) -> None: ...
+
+
+def drafts_allowed(seq: Sequence) -> bool:
+    """Whether `seq`'s rows can be sampled at drafted positions: no penalties, no grammar."""
+    return not seq.params.penalised and seq.params.grammar is None
+
+
+@dataclass
+class SpeculationTotals:
+    drafts: int = 0  # verify segments with at least one drafted token
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_by_position: list[int] = field(default_factory=lambda: [0] * MAX_SPECULATIVE_TOKENS)
+
+    def count(self, drafted: int, accepted: int) -> None:
+        if drafted:
+            self.drafts += 1
+            self.draft_tokens += drafted
+            self.accepted_tokens += accepted
+            for j in range(accepted):
+                self.accepted_by_position[j] += 1
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        """Tokens a verify step yields on average: 1 + accepted / drafts (None before any)."""
+        return 1 + self.accepted_tokens / self.drafts if self.drafts else None
+
+
+def kept_tokens(seg: Segment, results: list, stop_reason) -> tuple[int, int]:
+    """(tokens of `seg` that stand, drafted tokens accepted) from its rows' sampled `results`
+    (one per position, a (token, logprob) or a `SequenceFault`): the drafts equal to the draws
+    (`accept_greedy`), cut before the first faulted row and after the first token that stops the
+    sequence (`stop_reason(seq, token, length)`, the scheduler's). 0 kept: its first row faulted."""
+    seq, d = seg.seq, seg.drafts
+    valid = 0
+    while valid < len(results) and results[valid].__class__ is not SequenceFault:
+        valid += 1
+    if valid == 0:
+        return 0, 0
+    drawn = torch.tensor([[r[0] for r in results[:valid]] + [-1] * (d + 1 - valid)])
+    _, counts = accept_greedy(torch.tensor([seq.draft[:d]], dtype=torch.long), drawn)
+    accepted = int(counts[0]) - 1
+    n = min(accepted + 1, valid)
+    length = len(seq.token_ids)
+    for j in range(n):
+        if stop_reason(seq, results[j][0], length + j + 1) is not None:
+            return j + 1, accepted
+    return n, accepted

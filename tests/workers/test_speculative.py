@@ -1,0 +1,260 @@
+"""Speculative decoding (`num_speculative_tokens`, cairn.workers.speculation) changes how many
+tokens a step yields, never which: against the same engine with k = 0, every request gets the
+same tokens (greedy, and seeded sampled rows, whose draws are made at (seed, output index)),
+logprobs equal up to summation order (a verify step computes its positions as one chunk, a decode
+one at a time), the same finish reasons and `cached_tokens`, and the cache holds the same pages
+and checkpoints, with the same bytes, afterwards.
+
+The drafts come from a scripted drafter (tests/support/drafters.py) that knows the k = 0 run's
+continuations and gets a share of its tokens wrong on purpose, so the tests control what is
+kept: all, some, none. The checkpoint's own MTP head (a random one: it drafts, and the target
+rejects nearly all of it) runs end to end in its own test."""
+
+import pytest
+import torch
+
+from cairn.workers import Engine, SamplingParams
+from cairn.workers.engine_options import EngineOptionError
+from tests.support.drafters import ScriptedDrafter
+
+ARCHS = ["qwen3_next", "qwen3_5", "qwen3_5_moe"]
+
+
+@pytest.fixture(scope="module")
+def spec_model(tmp_path_factory):
+    """`spec_model(arch)`: the tiny demo checkpoint of `arch` with a random MTP head."""
+    from cairn.workers.demo import write_demo_model
+
+    made = {}
+
+    def get(arch: str):
+        if arch not in made:
+            made[arch] = write_demo_model(tmp_path_factory.mktemp(f"spec-{arch}"), size="tiny", arch=arch, mtp=True)
+        return made[arch]
+    return get
+
+
+def prompts(lengths, vocab=211, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def drive(engine: Engine, requests, max_steps: int = 3000) -> list:
+    """Runs `requests` ((prompt, params) pairs) to their ends; each one's final output. Fails if a
+    request gets an output after its final one or its outputs' tokens do not add up."""
+    ids = [engine.add_request(p, sp) for p, sp in requests]
+    index = {rid: i for i, rid in enumerate(ids)}
+    seen, final = [[] for _ in ids], [None] * len(ids)
+    for _ in range(max_steps):
+        if not engine.has_unfinished():
+            break
+        for out in engine.step():
+            i = index[out.request_id]
+            assert final[i] is None, f"request {i} got {out.new_token_ids} after its final output"
+            seen[i] += out.new_token_ids
+            assert out.num_output_tokens == len(seen[i])
+            if out.finished:
+                final[i] = out
+                assert out.token_ids == seen[i]
+    assert all(f is not None for f in final), "requests never finished"
+    return final
+
+
+def speculating(path, k: int, continuations, wrong: float, **options) -> Engine:
+    engine = Engine.from_pretrained(path, num_speculative_tokens=k, **options)
+    engine.drafter = ScriptedDrafter(continuations, engine.spec.vocab_size, wrong)
+    return engine
+
+
+def assert_same(expected: list, got: list, atol: float = 1e-4) -> None:
+    for i, (a, b) in enumerate(zip(expected, got)):
+        assert (b.token_ids, b.finish_reason, b.cached_tokens) == (a.token_ids, a.finish_reason, a.cached_tokens), \
+            f"request {i}"
+        assert (a.logprobs is None) == (b.logprobs is None)
+        if a.logprobs:
+            assert [[t for t, _ in lp.top] for lp in b.logprobs] == [[t for t, _ in lp.top] for lp in a.logprobs]
+            torch.testing.assert_close(torch.tensor([lp.logprob for lp in b.logprobs]),
+                                       torch.tensor([lp.logprob for lp in a.logprobs]), atol=atol, rtol=0)
+
+
+def assert_cache_same(plain: Engine, spec: Engine, atol: float = 1e-4) -> None:
+    """The same pages and checkpoints on both tiers, and on the device the same bytes in them:
+    each page's K/V in every attention layer, each checkpoint's conv and delta-rule states."""
+    for engine in (plain, spec):
+        engine.check()
+        assert engine.cache.pages.num_held == 0
+    assert spec.cache_contents() == plain.cache_contents()
+    assert spec.host_contents() == plain.host_contents()
+    pages, states = plain.cache_contents()
+    for page_hash in pages:
+        a, b = (e.cache.pages.page_of(page_hash) for e in (plain, spec))
+        if a is None:  # on the host tier alone (both: the contents are equal)
+            continue
+        for (ka, va), (kb, vb) in zip(plain.runner.caches.kv, spec.runner.caches.kv):
+            torch.testing.assert_close(kb[b], ka[a], atol=atol, rtol=0)
+            torch.testing.assert_close(vb[b], va[a], atol=atol, rtol=0)
+    for key in states:
+        a, b = (e.cache.checkpoints.get(key) for e in (plain, spec))
+        if a is None:
+            continue
+        for pool in ("conv_states", "ssm_states"):
+            torch.testing.assert_close(getattr(spec.runner.caches, pool)[b.slot],
+                                       getattr(plain.runner.caches, pool)[a.slot], atol=atol, rtol=0)
+
+
+def continuations(requests, outputs) -> list[list[int]]:
+    return [p + o.token_ids for (p, _), o in zip(requests, outputs)]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("batch", [1, 16])
+def test_greedy_output_is_the_same_with_drafts_kept_and_rejected(spec_model, arch, batch):
+    path = spec_model(arch)
+    requests = [(p, SamplingParams(max_tokens=40 + i % 5, temperature=0, ignore_eos=True, logprobs=2))
+                for i, p in enumerate(prompts([5 + 3 * i for i in range(batch)], seed=batch))]
+    options = dict(page_size=8, num_pages=256, max_num_seqs=16, cache_policy="all")
+    plain = Engine.from_pretrained(path, **options)
+    expected = drive(plain, requests)
+    for k in (1, 2, 3):
+        spec = speculating(path, k, continuations(requests, expected), wrong=0.3, **options)
+        got = drive(spec, requests)
+        assert_same(expected, got)
+        assert_cache_same(plain, spec)
+        s = spec.speculation
+        assert 0 < s.accepted_tokens < s.draft_tokens, "some drafts kept, some rejected"
+        assert s.accepted_by_position[k - 1] > 0, "drafts kept at every position"
+        assert spec.stats.steps < plain.stats.steps
+        assert spec.stats.generated_tokens == plain.stats.generated_tokens
+
+
+def test_a_rejected_draft_leaves_no_trace(spec_model):
+    """Every draft wrong: each verify step keeps only its first token, so every state, page,
+    checkpoint and hash a rejected token touched must have been rolled back or never made. With
+    checkpoints at every page boundary (`all`) and pages of 4 tokens, drafts cross boundaries all
+    the time. The next turn resumes as deep, with the same tokens, as with k = 0."""
+    path = spec_model("qwen3_5")
+    requests = [(p, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, logprobs=1))
+                for p in prompts([13, 22, 7], seed=4)]
+    options = dict(page_size=4, num_pages=256, max_num_seqs=4, cache_policy="all")
+    plain = Engine.from_pretrained(path, **options)
+    expected = drive(plain, requests)
+    spec = speculating(path, 3, continuations(requests, expected), wrong=1.0, **options)
+    got = drive(spec, requests)
+    assert spec.speculation.draft_tokens > 60 and spec.speculation.accepted_tokens == 0
+    assert_same(expected, got)
+    assert_cache_same(plain, spec)
+    turn = [(p + o.token_ids + [3, 1, 4], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=1))
+            for (p, _), o in zip(requests, expected)]
+    again_plain, again = drive(plain, turn), drive(spec, turn)
+    assert min(o.cached_tokens for o in again_plain) > 20
+    assert_same(again_plain, again)
+    assert_cache_same(plain, spec)
+
+
+def test_seeded_sampled_rows_draw_the_same_tokens(spec_model):
+    """A seeded row draws its token of output index i at (seed, i) with or without drafts, after
+    the same rules (temperature, top-k/p, min-p, logit_bias, min_tokens); a row with penalties
+    never drafts, and decodes beside the speculating ones."""
+    path = spec_model("qwen3_next")
+    ps = prompts([9, 14, 6, 11, 17], seed=2)
+    params = [SamplingParams(max_tokens=20, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True, logprobs=1),
+              SamplingParams(max_tokens=18, temperature=1.2, top_k=30, min_p=0.02, seed=7, ignore_eos=True),
+              SamplingParams(max_tokens=16, temperature=0.7, seed=9, logit_bias={5: 2.0, 9: -3.0}, min_tokens=10),
+              SamplingParams(max_tokens=15, temperature=0.9, seed=1, ignore_eos=True, repetition_penalty=1.2,
+                             presence_penalty=0.3),
+              SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)]
+    requests = list(zip(ps, params))
+    options = dict(page_size=8, num_pages=128, max_num_seqs=8)
+    expected = drive(Engine.from_pretrained(path, **options), requests)
+    spec = speculating(path, 2, continuations(requests, expected), wrong=0.2, **options)
+    got = drive(spec, requests)
+    assert_same(expected, got)
+    assert spec.speculation.accepted_tokens > 20
+    assert spec.drafter.asked == {tuple(p) for i, p in enumerate(ps) if i != 3}  # all but the penalised row
+
+
+@pytest.mark.parametrize("host_tier", [False, True], ids=["tier-off", "tier-on"])
+def test_multi_turn_conversations_under_memory_pressure_resume_alike(spec_model, host_tier):
+    """Three conversations taking turns, one request at a time, in a cache that cannot hold them
+    all: evictions (and, with the host tier, demotions and promotions) happen as with k = 0, and
+    every turn resumes as deep, with the same tokens, leaving the same pages and checkpoints.
+    (Requests running together under pressure may evict in another order: drafts change how far
+    each has got at a step, as any change of the steps would; their tokens stay the same: the
+    preemption test.)"""
+    from cairn.workers import EngineOptions, EngineSpec
+
+    path = spec_model("qwen3_5_moe")
+    block = EngineSpec.from_model_dir(path, EngineOptions(page_size=4)).page_bytes
+    options = dict(page_size=4, max_num_seqs=3, cache_memory_bytes=80 * block,
+                   host_cache_bytes=200 * block if host_tier else 0)
+    plain = Engine.from_pretrained(path, **options)
+    histories = prompts([23, 17, 29], seed=13)
+    known: list[list[int]] = []
+    spec = speculating(path, 2, known, wrong=0.3, **options)
+    cached = []
+    for turn, c in enumerate([0, 1, 0, 2, 0, 1, 2, 0, 1]):
+        request = (histories[c], SamplingParams(max_tokens=6 + 3 * c, temperature=0, ignore_eos=True, logprobs=1))
+        expected = drive(plain, [request])
+        known += continuations([request], expected)
+        got = drive(spec, [request])
+        assert_same(expected, got)
+        cached.append(got[0].cached_tokens)
+        histories[c] = histories[c] + expected[0].token_ids + prompts([5], seed=turn)[0]
+    assert sum(1 for n in cached if n) >= 2, f"later turns resume: {cached}"
+    m_plain, m = plain.metrics(), spec.metrics()
+    assert m.pages_evicted_total == m_plain.pages_evicted_total > 0
+    if host_tier:
+        assert m.pages_promoted_total == m_plain.pages_promoted_total > 0
+    assert m.spec_accepted_tokens_total > 0
+    assert_cache_same(plain, spec)
+
+
+def test_preemption_and_a_full_cache_keep_the_tokens(spec_model):
+    """Concurrent requests in a 20-page pool: sequences are preempted and resumed (the order
+    differs from k = 0's, since drafts change how far each gets a step), and each still gets
+    its k = 0 tokens; a verify step never evicts or preempts for its drafts (they use the pages
+    and free slots there are)."""
+    path = spec_model("qwen3_next")
+    requests = [(p, SamplingParams(max_tokens=m, temperature=0, ignore_eos=True, logprobs=1))
+                for p, m in zip(prompts([10, 9, 11, 10], seed=7), (30, 22, 26, 18))]
+    options = dict(num_pages=20, page_size=4, max_num_seqs=4)
+    plain = Engine.from_pretrained(path, **options)
+    expected = drive(plain, requests)
+    assert plain.scheduler.num_preemptions > 0
+    spec = speculating(path, 3, continuations(requests, expected), wrong=0.2, **options)
+    got = drive(spec, requests)
+    for a, b in zip(expected, got):
+        assert b.token_ids == a.token_ids
+        torch.testing.assert_close(torch.tensor([lp.logprob for lp in b.logprobs]),
+                                   torch.tensor([lp.logprob for lp in a.logprobs]), atol=1e-4, rtol=0)
+    assert spec.speculation.accepted_tokens > 0
+    spec.check()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_checkpoints_mtp_head_drafts_and_the_output_is_the_target_s(spec_model, arch):
+    """The engine's own drafter: the checkpoint's (random) MTP head drafts after every step's
+    kept tokens; the target rejects what it gets wrong, so the output is k = 0's. Its counts are
+    in the engine's metrics (as /metrics exports them)."""
+    path = spec_model(arch)
+    requests = [(p, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)) for p in prompts([12, 30, 5])]
+    expected = drive(Engine.from_pretrained(path, page_size=8), requests)
+    spec = Engine.from_pretrained(path, page_size=8, num_speculative_tokens=3)
+    got = drive(spec, requests)
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+    m = spec.metrics()
+    assert m.spec_drafts_total > 0 and m.spec_draft_tokens_total > m.spec_drafts_total
+    assert m.spec_draft_tokens_total <= 3 * m.spec_drafts_total
+    assert m.spec_mean_acceptance_length == 1 + m.spec_accepted_tokens_total / m.spec_drafts_total
+    assert set(m.spec_accepted_tokens_by_position_total) == {"0", "1", "2"}
+    assert spec.drafter.kv[0].abs().sum() > 0  # the head wrote its K/V
+    spec.check()
+
+
+def test_options_that_cannot_speculate_are_refused(spec_model, tiny_model_dir):
+    with pytest.raises(EngineOptionError, match="num_speculative_tokens"):
+        Engine.from_pretrained(spec_model("qwen3_next"), num_speculative_tokens=5)
+    with pytest.raises(EngineOptionError, match="no MTP head"):
+        Engine.from_pretrained(tiny_model_dir, num_speculative_tokens=2)
+    with pytest.raises(EngineOptionError, match="one device"):
+        Engine.from_pretrained(spec_model("qwen3_next"), num_speculative_tokens=2, tensor_parallel_size=2)
