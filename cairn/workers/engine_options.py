@@ -59,6 +59,7 @@ class EngineOptions:
     warm_up: bool = False                     # compile every kernel shape at load (Engine.warm_up); servers turn it on
     async_scheduling: bool = False            # plan and launch a decode step before the last one's tokens are read (Engine.step)
     num_speculative_tokens: int = 0           # tokens the checkpoint's MTP head drafts a step, 0-4 (0: off; cairn.workers.speculation)
+    speculative_exact: bool = False           # verify drafts through the decode kernels, row by row: output exactly k = 0's
 
     def __post_init__(self) -> None:
         def positive(name: str, allow_none: bool = False) -> None:
@@ -100,7 +101,7 @@ class EngineOptions:
         if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= 4:
             raise EngineOptionError("num_speculative_tokens", f"num_speculative_tokens must be an integer from 0 "
                                                               f"(off) to 4, got {k!r}")
-        for name in ("warm_up", "async_scheduling"):
+        for name in ("warm_up", "async_scheduling", "speculative_exact"):
             if not isinstance(getattr(self, name), bool):
                 raise EngineOptionError(name, f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.enforce_eager not in (None, True, False):

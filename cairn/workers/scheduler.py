@@ -134,8 +134,9 @@ class Scheduler:
             if n == 1 and seq.draft:  # a decode and the tokens drafted after it: one verify segment
                 room = budget if left is None else min(budget, left.get(seq.tenant, 0))
                 d = min(len(seq.draft), room - 1, ps - 1 - start % ps)  # (in its first token's page)
-                (prefills if d > 0 else decodes).append(Segment(seq, start, 1 + max(d, 0), drafts=max(d, 0),
-                                                                verify=True))
+                # a chunk of the prefill path, or (exact) rows of the decode path, one per token
+                (prefills if d > 0 and not self.options.speculative_exact else decodes).append(
+                    Segment(seq, start, 1 + max(d, 0), drafts=max(d, 0), verify=True))
                 plan.lookahead.append(seq)
                 n += max(d, 0)
             elif n == 1:
@@ -189,15 +190,20 @@ class Scheduler:
         """A spare slot (`spare_slots`: beside the cache's arena, so the cache is as without
         speculation) for the state after each drafted token of the plan's verify segments: a
         segment gets as many drafts as slots are left (none: a plain decode)."""
-        for seg in [s for s in plan.prefills if s.drafts]:
+        chunks = []
+        for in_prefills, seg in [(False, s) for s in plan.decodes] + [(True, s) for s in plan.prefills]:
+            if not seg.drafts:
+                continue
             take = min(seg.drafts, len(self.spare_slots))
             seg.states = [self.spare_slots.pop() for _ in range(take)]
             seg.drafts = take
             seg.num_tokens = 1 + take
-            seg.ckpt_slots = {j + 1: [slot] for j, slot in enumerate(seg.states)}  # taken by the forward
-            if not take:
-                plan.prefills.remove(seg)
-                plan.decodes.append(seg)
+            if in_prefills:  # the chunked rule takes them (decode rows: `ForwardBatch.level_saves`)
+                seg.ckpt_slots = {j + 1: [slot] for j, slot in enumerate(seg.states)}
+                chunks.append(seg)
+        if any(not seg.drafts for seg in chunks):  # none left: a plain decode
+            plan.prefills = [seg for seg in plan.prefills if seg.drafts or not seg.verify]
+            plan.decodes += [seg for seg in chunks if not seg.drafts]
 
     def settle(self, plan: StepPlan, kept: dict[int, int]) -> list[tuple[int, int]]:
         """After a step with verify segments, once it is known how many tokens of each stand
@@ -534,7 +540,7 @@ class Scheduler:
         it, and its verify segments' state slots, go back."""
         for c in plan.commits:
             self.cache.drop_pending_if_any(c.slot)
-        for seg in plan.prefills:
+        for seg in plan.decodes + plan.prefills:
             self.spare_slots += seg.states
             seg.states = []
 

@@ -139,6 +139,8 @@ class ModelRunner:
                 t.index_fill_(0, tensors["fresh_state_slots"], 0)
         if self.keep_hidden:
             logits, self.hidden = self.model(work.batch(tensors), self.caches, hidden=True)
+            if work.segment_rows is not None:  # each segment's rows together, as the drafter reads them
+                self.hidden = self.hidden.index_select(0, torch.from_numpy(work.segment_rows).to(self.device))
         else:
             logits = self.model(work.batch(tensors), self.caches)
         if work.snapshots:
@@ -340,20 +342,21 @@ class ModelRunner:
         self._write_page_table(plan.page_table_writes)
         ps, table = self.page_size, self._table
         decodes, prefills = plan.decodes, plan.prefills
-        nd = len(decodes)
+        verify = _VerifyRows(decodes) if any(seg.drafts for seg in decodes) else None
         rows, starts, counts, lengths, shared, slots, ids = [], [], [], [], [], [], []
-        for seg in decodes:
+        for seg, j in (verify.rows if verify else ((seg, 0) for seg in decodes)):
             seq = seg.seq
             c = seq.cache
             rows.append(c.row)
-            starts.append(seg.start)
-            lengths.append(len(seq.token_ids))
+            starts.append(seg.start + j)
+            lengths.append(len(seq.token_ids) + j)
             shared.append(c.shared_pages)
             slots.append(c.state_slot)
             if input_ids is None:
-                ids.append(seq.token_ids[seg.start + shift])
+                ids.append(seq.token_ids[seg.start + shift] if j == 0 else seq.draft[j - 1])
         if input_ids is not None:
             ids = list(input_ids)
+        nd = len(starts)
         counts = [1] * nd
         fed_from = None if fed is None else np.array([fed.get(id(seg.seq), -1) for seg in decodes] +
                                                      [-1] * sum(seg.num_tokens for seg in prefills), np.int64)
@@ -386,9 +389,11 @@ class ModelRunner:
         np.cumsum(counts, out=cu[1:])
         if all_logits:
             logits_rows = np.arange(cu[-1])
-        elif any(seg.drafts for seg in prefills):  # a verify segment samples at each of its rows
-            logits_rows = np.concatenate([np.arange(cu[i + 1] - 1 - seg.drafts, cu[i + 1])
-                                          for i, seg in enumerate(decodes + prefills) if seg.samples]).astype(np.int64)
+        elif verify or any(seg.drafts for seg in prefills):  # a verify segment samples at each of its rows
+            logits_rows = np.concatenate(
+                [np.array(verify.of[id(seg)] if verify else [i]) for i, seg in enumerate(decodes) if seg.samples] +
+                [np.arange(cu[nd + i + 1] - 1 - seg.drafts, cu[nd + i + 1]) for i, seg in enumerate(prefills)
+                 if seg.samples] + [np.zeros(0, np.int64)]).astype(np.int64)
         else:
             logits_rows = (cu[1:] - 1)[ends == np.array(lengths)]  # segments reaching their end sample
         max_pages = int((ends.max() + ps - 1) // ps)
@@ -402,5 +407,38 @@ class ModelRunner:
             prefill=prefill, checkpoint_rows=ck_rows, checkpoint_targets=ck_targets, checkpoint_states=ck_states,
             block_copies=plan.block_copies,
             restores=plan.restores, fresh_state_slots=plan.fresh_state_slots, snapshots=plan.snapshots,
-            host_snapshots=plan.host_snapshots, promotions_for_now=plan.promotions_for_now, fed_from=fed_from)
+            host_snapshots=plan.host_snapshots, promotions_for_now=plan.promotions_for_now, fed_from=fed_from,
+            **(verify.arrays(prefills, cu) if verify else {}))
+
+
+class _VerifyRows:
+    """The decode rows of a plan whose decodes include verify segments with drafted tokens
+    (speculative decoding's exact mode; cairn.workers.model.batch): level 0, every decode's first
+    row; level j, the j-th drafted row of those with j drafts or more. `rows`: (segment, j) in
+    that order; `of`: by segment id, its rows (positions in order)."""
+
+    def __init__(self, decodes):
+        depth = max(seg.drafts for seg in decodes)
+        levels = [[seg for seg in decodes if seg.drafts >= j] for j in range(depth + 1)]
+        self.levels = levels
+        self.rows = [(seg, j) for j, level in enumerate(levels) for seg in level]
+        self.of: dict[int, list[int]] = {}
+        for i, (seg, _) in enumerate(self.rows):
+            self.of.setdefault(id(seg), []).append(i)
+
+    def arrays(self, prefills, cu: np.ndarray) -> dict:
+        """`StepWork`'s verify-row fields: the rows per level, the states kept after each
+        (sequence's slot, `Segment.states[j]`: its state after j + 1 tokens), the rows by
+        segment."""
+        saves, counts = [], []
+        for j, level in enumerate(self.levels):
+            kept = [(seg.seq.cache.state_slot, seg.states[j]) for seg in level if len(seg.states) > j]
+            saves += kept
+            counts.append(len(kept))
+        nd = len(self.rows)
+        by_segment = [self.of[id(seg)] for seg in self.levels[0]] + \
+            [list(range(cu[nd + i], cu[nd + i + 1])) for i in range(len(prefills))]
+        return dict(decode_levels=tuple(len(level) for level in self.levels),
+                    level_saves=np.array(saves, np.int64).reshape(-1, 2), level_save_counts=tuple(counts),
+                    segment_rows=np.array([r for rows in by_segment for r in rows], np.int64))
 

@@ -44,6 +44,13 @@ class StepWork:
     # async scheduling (cairn.workers.engine): per row of input_ids, the row of the last step's
     # drawn ids (still on the device) that is its token, or -1 where input_ids holds it; None: none fed
     fed_from: np.ndarray | None = None
+    # verify rows (cairn.workers.model.batch): decode rows per level, the states saved after each
+    # level ([S, 2]: sequence's slot, keeping slot; `level_save_counts` a level), and the order of
+    # the rows by segment (each segment's rows together, in plan order) for the drafter
+    decode_levels: tuple[int, ...] = ()
+    level_saves: np.ndarray | None = None
+    level_save_counts: tuple[int, ...] = ()
+    segment_rows: np.ndarray | None = None
 
     def arrays(self) -> dict[str, np.ndarray]:
         """Every per-step array the device reads, by name: the batch's, the prefill plan's tables
@@ -59,12 +66,14 @@ class StepWork:
                    fresh_state_slots=np.array(self.fresh_state_slots, np.int64))
         if self.fed_from is not None:
             out["fed_from"] = self.fed_from
+        if self.level_saves is not None:
+            out["level_saves"] = self.level_saves
         out.update(plan_arrays(self.prefill))
         return out
 
     def batch(self, tensors: dict[str, torch.Tensor]) -> ForwardBatch:
         """The forward's view of this step, over its uploaded arrays."""
-        return ForwardBatch.over(tensors, self.num_decodes, self.prefill)
+        return ForwardBatch.over(tensors, self.num_decodes, self.prefill, self.decode_levels, self.level_save_counts)
 
 
 def checkpoint_tables(prefills, plan: VarlenPlan, width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -20,6 +20,15 @@ Everything a step's kernels need to know about its lengths is computed on the ho
 step and arrives with it (`prefill`, the checkpoint tables), so that the forward never reads a
 value back from the device: the tensors here are the device's, every int and list is the host's.
 
+Verify rows (speculative decoding's exact mode, cairn.workers.speculation): a sequence's
+drafted tokens can be decode rows too, each at its own position over the sequence's one state
+slot. The decode rows then come in `decode_levels`: level 0 holds every decoding sequence's first
+row, level j the j-th drafted row of those with j drafts or more; the recurrent layers run the
+levels one after another, each through the same per-token ops as a decode (so a row computes
+exactly what decoding it alone would), and after level j copy the states `level_saves` names
+for it (`level_save_counts[j]` rows of (sequence's slot, slot keeping the state after j + 1 of
+its tokens)). Attention needs no order: every row's K/V is stored before any row attends.
+
 Checkpoints: the prefill plan's `positions[i]` are the offsets in prefill segment i after which
 its recurrent state is saved, each into one or more state slots. The N copies are tables:
 `checkpoint_targets` [N] the slots, `checkpoint_states` [N] the index of the delta-rule state the
@@ -66,12 +75,17 @@ class ForwardBatch:
     checkpoint_rows: torch.Tensor  # [N, K-1] int64 (see above)
     checkpoint_targets: torch.Tensor  # [N] int64
     checkpoint_states: torch.Tensor  # [N] int64
-
+    decode_levels: tuple[int, ...] = ()  # decode rows per level (verify rows; empty: one level)
+    level_saves: torch.Tensor | None = None  # [S, 2] int64 (see above)
+    level_save_counts: tuple[int, ...] = ()
 
     @classmethod
-    def over(cls, tensors: dict[str, torch.Tensor], num_decodes: int, prefill: VarlenPlan) -> "ForwardBatch":
+    def over(cls, tensors: dict[str, torch.Tensor], num_decodes: int, prefill: VarlenPlan,
+             decode_levels: tuple[int, ...] = (), level_save_counts: tuple[int, ...] = ()) -> "ForwardBatch":
         """The batch over a step's uploaded arrays (`TENSORS` by name, the plan's tables as
-        `plan_arrays` names them), with `prefill` bound to its tables' device copies."""
+        `plan_arrays` names them, `level_saves` with verify rows), with `prefill` bound to its
+        tables' device copies."""
         plan = prefill.bind({name[len(PREFILL):]: t for name, t in tensors.items() if name.startswith(PREFILL)})
         return cls(**{name: tensors[name] for name in TENSORS}, num_seqs=tensors["cu_seqlens"].shape[0] - 1,
-                   num_decodes=num_decodes, prefill=plan)
+                   num_decodes=num_decodes, prefill=plan, decode_levels=decode_levels,
+                   level_saves=tensors.get("level_saves"), level_save_counts=level_save_counts)

@@ -6,7 +6,9 @@ delta rule; decay g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b); th
 gated RMSNorm with z, then out_proj. Families differ only in how the projections are stored
 (`_split_projections`): Qwen3-Next groups them per key head, Qwen3.5 keeps them separate.
 
-Decode rows (one new token each) update their conv window and state in place in their slots;
+Decode rows (one new token each) update their conv window and state in place in their slots, in
+levels when a sequence has several (verify rows, cairn.workers.model.batch), its states after
+each level copied where the batch says;
 prefill segments run the chunked rule, and copy the states after each requested checkpoint
 offset into the checkpoint slots asking for them (see cairn.workers.model.batch).
 """
@@ -55,10 +57,19 @@ class GatedDeltaNet(nn.Module):
         conv_pool, ssm_pool = conv_states[:, r], ssm_states[:, r]  # [num_slots, ...] views of this layer
         parts = []  # the core output of the decode rows, then of the prefill rows
 
-        if nd:  # one new token per sequence, states updated in their slots
-            slots = batch.state_slots[:nd]
-            q, k, v = self._heads(kernels.causal_conv1d_update_slots(mixed[:nd], weight, conv_pool, slots))
-            parts.append(kernels.gated_delta_rule_step_slots(q, k, v, g[:nd], beta[:nd], ssm_pool, slots))
+        if nd:  # one new token per row, states updated in their slots, level after level (batch doc)
+            at, saved = 0, 0
+            for level, n in enumerate(batch.decode_levels or (nd,)):
+                rows = slice(at, at + n)
+                slots = batch.state_slots[rows]
+                q, k, v = self._heads(kernels.causal_conv1d_update_slots(mixed[rows], weight, conv_pool, slots))
+                parts.append(kernels.gated_delta_rule_step_slots(q, k, v, g[rows], beta[rows], ssm_pool, slots))
+                saves = batch.level_save_counts[level] if batch.level_save_counts else 0
+                if saves:
+                    pairs = batch.level_saves[saved:saved + saves]
+                    kernels.copy_state_slots((conv_pool, ssm_pool), pairs[:, 0], pairs[:, 1])
+                    saved += saves
+                at += n
 
         if nd < batch.num_seqs:  # every prefill segment in one call per op
             slots, plan = batch.state_slots[nd:], batch.prefill
