@@ -59,7 +59,7 @@ from cairn.workers.model.sharding import Shard, shard_config  # noqa: E402
 from step_limit import (ASSUMED, CONTEXT, DEFAULT_EFFICIENCY, QUICK_STEPS, STEPS, Calibration, Step,  # noqa: E402
                         calibrated_s, limit_s, step_work)
 from step_timing import (DECODE_PROMPT, WARM_REPEATS, StepDriver, StepTimes, full_engine, measure,  # noqa: E402
-                         profile)
+                         profile, random_head)
 
 
 def _layers(n: int, interval: int = 4) -> tuple[str, ...]:
@@ -110,7 +110,8 @@ def build_engine(cfg: ModelConfig, tp: int, running: int, census: Census | None 
     model = model.to(torch.bfloat16).eval()
     engine_options = EngineOptions(max_num_seqs=max(running, 1) + 1, max_num_batched_tokens=4096 + 512,
                                    cache_memory_bytes=1536 * 2**20, device="cpu", dtype="bfloat16", **options)
-    return Engine(model, engine_options)
+    return Engine(model, engine_options, mtp=random_head(rank_cfg, "cpu") if engine_options.num_speculative_tokens
+                  else None)
 
 
 def recorded_works(engine: Engine) -> list:
@@ -161,7 +162,8 @@ def count_step(cfg: ModelConfig, tp: int, step: Step) -> tuple[Census, int]:
     """Brings a fresh engine to `step` with real CPU steps, then counts that step; returns the
     census and the number of recurrent-state checkpoints the step saved."""
     census = Census()
-    engine = build_engine(tiny(cfg), tp, step.decodes + len(step.prefills), census)
+    engine = build_engine(tiny(cfg), tp, step.decodes + len(step.prefills), census,
+                          **({"num_speculative_tokens": step.drafts} if step.drafts else {}))
     driver = StepDriver(engine)
     driver.enter(step)
     works = recorded_works(engine)
@@ -199,7 +201,7 @@ def projection(cfg: ModelConfig, tp: int, step: Step, census: Census, gpu: dict,
                work={kind: dict(bytes=w.bytes, flops=w.flops, tokens=w.tokens, limit_s=w.limit_s(gpu))
                      for kind, w in work.items()},
                efficiency={kind: dict(fraction=e.fraction, measured_at=e.measured_at) for kind, e in taken.items()})
-    return {**out, **project(census, limit, device_s, gpu, graphed=not step.prefills)}
+    return {**out, **project(census, limit, device_s, gpu, graphed=not step.prefills and not step.drafts)}
 
 
 def report(name: str, cfg: ModelConfig, tp: int, step: Step, census: Census, checkpoints: int, gpu_name: str,
@@ -308,10 +310,14 @@ def measure_shape(name: str, cfg: ModelConfig, steps: list[Step], censuses: dict
     """--measure: `steps` timed on an engine of `cfg` at full size (tiny widths on CPU), printed beside
     their projections; --profile: then a warm 4k prefill's kernels."""
     full = cfg if args.measure_device == "cuda" else tiny(cfg)
-    engine = full_engine(full, args.measure_device, max(s.decodes + len(s.prefills) for s in steps) + 1)
+    seqs = max(s.decodes + len(s.prefills) for s in steps) + 1
+    engine = full_engine(full, args.measure_device, seqs)
     warm_up_s = engine.warm_up()
     driver = StepDriver(engine)
-    times = measure(driver, steps, args.repeats)
+    times = measure(driver, [s for s in steps if not s.drafts], args.repeats)
+    for k in sorted({s.drafts for s in steps if s.drafts}):  # verify steps: an engine drafting k tokens
+        driver = StepDriver(full_engine(full, args.measure_device, seqs, num_speculative_tokens=k))
+        times.update(measure(driver, [s for s in steps if s.drafts == k], args.repeats))
     rows = [measured_row(name, cfg, s, censuses[s.name], times[s.name], gpu, calibration) for s in steps]
     if args.json:
         for r in rows:
@@ -382,6 +388,10 @@ def main() -> None:
         cfg, tp = SHAPES[name]
         censuses = {}
         for step in steps:
+            if step.drafts and tp > 1:
+                if not args.json:
+                    print(f"{name:<24}{step.name:<16}(speculative decoding runs on one device)")
+                continue
             census, checkpoints = count_step(cfg, tp, step)
             censuses[step.name] = census
             row = report(name, cfg, tp, step, census, checkpoints, args.gpu, gpu, calibration)
@@ -394,7 +404,7 @@ def main() -> None:
                     for site, n in row[f"busiest_{what}"]:
                         print(f"{'':<44}{n:>8} {what:<9}{site}")
         if args.measure and tp == 1:
-            measure_shape(name, cfg, steps, censuses, gpu, calibration, args)
+            measure_shape(name, cfg, [s for s in steps if s.name in censuses], censuses, gpu, calibration, args)
         elif args.measure and not args.json:
             print(f"measured {name}: not measured (a tensor-parallel shape needs {tp} GPUs)")
 

@@ -32,6 +32,7 @@ from cairn.workers.engine_options import EngineOptions
 from cairn.workers.model.family_registry import family_named
 from cairn.workers.model.layers import Rotary
 from cairn.workers.model.model_config import ModelConfig
+from cairn.workers.model.mtp import MultiTokenPredictor
 from cairn.workers.sampling_params import SamplingParams
 from step_limit import Step
 
@@ -55,7 +56,24 @@ def full_engine(cfg: ModelConfig, device: str, max_seqs: int, **options: object)
     engine_options = EngineOptions(max_num_seqs=max_seqs, max_num_batched_tokens=4096 + 512, max_model_len=8192,
                                    cache_memory_bytes=24 * 2**30 if device == "cuda" else 2**30, device=device,
                                    dtype="bfloat16", **options)
-    return Engine(model.eval(), engine_options)
+    head = random_head(cfg, device) if engine_options.num_speculative_tokens else None
+    return Engine(model.eval(), engine_options, mtp=head)
+
+
+def random_head(cfg: ModelConfig, device: str) -> MultiTokenPredictor:
+    """An MTP head of `cfg` over random bf16 weights (speculative decoding's verify steps: the
+    drafts it makes are rejected, which costs a verify step what any rejection costs)."""
+    torch.manual_seed(1)
+    with torch.device("meta"):
+        head = MultiTokenPredictor(cfg, cache_rank=len(cfg.attention_layers))
+    head = head.to(torch.bfloat16).to_empty(device=device)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0.0, 0.02)
+    for module in head.modules():
+        if isinstance(module, Rotary):
+            module.inv_freq = Rotary(cfg).inv_freq.to(device)
+    return head.eval()
 
 
 class StepDriver:

@@ -65,6 +65,18 @@ def demo_model(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="session")
+def trained_spec_model(tmp_path_factory) -> Path:
+    """The tiny qwen3_5 demo model trained for speculative decoding, with its trained MTP head
+    (`cairn demo-model --mtp trained`; about a minute on CPU, once a session)."""
+    from cairn.workers.demo import write_demo_model
+    from cairn.workers.demo.speculative_training import train_for_speculation
+
+    path = write_demo_model(tmp_path_factory.mktemp("demo-trained-mtp"), size="tiny", arch="qwen3_5")
+    train_for_speculation(path)
+    return path
+
+
 @pytest.fixture
 def fresh_compile_watch(monkeypatch):
     """cairn.kernels.common.compile_watch as in a process that has compiled nothing yet (other

@@ -48,7 +48,8 @@ def rows(calibration) -> tuple[dict, dict]:
 def test_every_kernel_class_takes_the_efficiency_kernel_speed_measured_for_its_op(calibration, rows):
     counted, _ = rows
     taken = counted["efficiency"]
-    assert set(taken) == set(counted["work"]) == {*KERNEL_CLASSES, *ASSUMED}  # a mixed step does every kind of work
+    # a mixed step does every kind of work but drafting (a verify step's)
+    assert set(taken) == set(counted["work"]) == {*KERNEL_CLASSES, *ASSUMED} - {"mtp head"}
     for kind, efficiency in taken.items():
         if kind in ASSUMED:
             assert efficiency == dict(fraction=ASSUMED[kind], measured_at=None), kind

@@ -456,15 +456,20 @@ class Engine:
         for seg in segments:
             first_row[id(seg)] = row
             row += seg.num_tokens
-        kept, seqs, tokens, i = {}, [], [], 0
-        drafted_seqs, drafted_tokens = [], []  # the kept drafted tokens, which the step computed
+        rows, i = [], 0  # each sampling segment's results
         for seg in segments:
-            if not seg.samples:
-                continue
-            mine = results[i:i + seg.drafts + 1]
-            i += seg.drafts + 1
+            if seg.samples:
+                rows.append((seg, results[i:i + seg.drafts + 1]))
+                i += seg.drafts + 1
+        verified = [(seg, mine) for seg, mine in rows if seg.verify]
+        verdicts = dict(zip((id(seg) for seg, _ in verified),
+                            kept_tokens([seg for seg, _ in verified], [mine for _, mine in verified],
+                                        self.scheduler.stop_reason)))
+        kept, seqs, tokens = {}, [], []
+        drafted_seqs, drafted_tokens = [], []  # the kept drafted tokens, which the step computed
+        for seg, mine in rows:
             if seg.verify:
-                n, accepted = kept_tokens(seg, mine, self.scheduler.stop_reason)
+                n, accepted = verdicts[id(seg)]
                 self.speculation.count(seg.drafts, accepted)
                 if n:
                     kept[id(seg.seq)] = n

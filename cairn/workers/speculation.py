@@ -9,8 +9,8 @@ after each offset kept in a free slot (`Scheduler._take_states`). Then:
 1. `kept_tokens`: every row is sampled as the sequence's output token of its index would be
    without speculation (the sampler's rules, and its seeded uniform at (seed, output index):
    `Sampler.sample`'s `offsets`); the drafted tokens equal to the draws before them stand, then
-   the first draw that differs (or the bonus after all of them): `accept_greedy` over the draws
-   (cairn.workers.acceptance). The drafts are the head's argmax, a one-point distribution q, and
+   the first draw that differs (or the bonus after all of them): `accept_greedy`'s rule
+   (cairn.workers.acceptance) over the draws, on the host. The drafts are the head's argmax, a one-point distribution q, and
    for such a q this is rejection sampling: a draft d is kept with probability p(d) =
    min(1, p(d) / q(d)), and a rejected position's token is a draw from p without d, which is
    the residual max(0, p - q) normalised. So each output token is distributed as the target's
@@ -38,9 +38,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import torch
-
-from cairn.workers.acceptance import accept_greedy
 from cairn.workers.engine_errors import SequenceFault
 from cairn.workers.plan import Segment
 from cairn.workers.sequence import Sequence
@@ -92,23 +89,22 @@ class SpeculationTotals:
         return 1 + self.accepted_tokens / self.drafts if self.drafts else None
 
 
-def kept_tokens(seg: Segment, results: list, stop_reason) -> tuple[int, int]:
-    """(tokens of `seg` that stand, drafted tokens accepted) from its rows' sampled `results`
-    (one per position, a (token, logprob) or a `SequenceFault`): the drafts equal to the draws
-    (`accept_greedy`), cut before the first faulted row and after the first token that stops the
+def kept_tokens(segments: list[Segment], results: list[list], stop_reason) -> list[tuple[int, int]]:
+    """For each verify segment, (its tokens that stand, its drafted tokens accepted), from its rows'
+    sampled `results` (one per position, a (token, logprob) or a `SequenceFault`): the drafts equal
+    to the draws before them (`accept_greedy`'s rule, applied here on the host to what the sampler
+    read back), cut before the first faulted row and after the first token that stops the
     sequence (`stop_reason(seq, token, length)`, the scheduler's). 0 kept: its first row faulted."""
-    seq, d = seg.seq, seg.drafts
-    valid = 0
-    while valid < len(results) and results[valid].__class__ is not SequenceFault:
-        valid += 1
-    if valid == 0:
-        return 0, 0
-    drawn = torch.tensor([[r[0] for r in results[:valid]] + [-1] * (d + 1 - valid)])
-    _, counts = accept_greedy(torch.tensor([seq.draft[:d]], dtype=torch.long), drawn)
-    accepted = int(counts[0]) - 1
-    n = min(accepted + 1, valid)
-    length = len(seq.token_ids)
-    for j in range(n):
-        if stop_reason(seq, results[j][0], length + j + 1) is not None:
-            return j + 1, accepted
-    return n, accepted
+    out = []
+    for seg, rows in zip(segments, results):
+        draft, accepted = seg.seq.draft, 0
+        while accepted < seg.drafts and rows[accepted].__class__ is not SequenceFault and \
+                rows[accepted][0] == draft[accepted]:
+            accepted += 1
+        kept, length = 0, len(seg.seq.token_ids)
+        while kept <= accepted and rows[kept].__class__ is not SequenceFault:
+            kept += 1
+            if stop_reason(seg.seq, rows[kept - 1][0], length + kept) is not None:
+                break
+        out.append((kept, accepted))
+    return out

@@ -107,3 +107,39 @@ def test_the_randomness_is_the_rows_key_and_output_index_alone():
     tokens, counts = accept_sampled(draft[:, :0], p[:, :1], q[:, :0], keys, index)
     assert counts.eq(1).all() and torch.equal(tokens[:, 0], accept_sampled(
         draft[:, :0], p[:, :1], q[:, :0], keys, index)[0][:, 0])
+
+
+def test_the_engines_rule_on_the_host_is_accept_greedy_over_the_targets_draws():
+    """The engine keeps a verify segment's drafts by comparing them with the target's own draws at
+    each position (cairn.workers.speculation.kept_tokens, on the host): `accept_greedy` with the
+    draws as the target's choices. It also ends at a faulted row and after a token that stops the
+    sequence."""
+    from cairn.workers.engine_errors import SequenceFault
+    from cairn.workers.plan import Segment
+    from cairn.workers.sampling_params import SamplingParams
+    from cairn.workers.sequence import Sequence
+    from cairn.workers.speculation import kept_tokens
+
+    g = torch.Generator().manual_seed(3)
+    segments, results = [], []
+    for _ in range(400):
+        k = int(torch.randint(0, 5, (1,), generator=g))
+        draft = torch.randint(0, 3, (k,), generator=g).tolist()  # 3 tokens: matches are frequent
+        drawn = torch.randint(0, 3, (k + 1,), generator=g).tolist()
+        seq = Sequence("r", [1, 2], SamplingParams(max_tokens=100))
+        seq.draft = draft
+        segments.append(Segment(seq, 1, 1 + k, drafts=k, verify=True))
+        results.append([(t, None) for t in drawn])
+    got = kept_tokens(segments, results, lambda seq, token, length: None)
+    for seg, rows, (kept, accepted) in zip(segments, results, got):
+        _, counts = accept_greedy(torch.tensor([seg.seq.draft], dtype=torch.long).reshape(1, seg.drafts),
+                                  torch.tensor([[t for t, _ in rows]]))
+        assert (kept, accepted) == (int(counts[0]), int(counts[0]) - 1)
+    seq = Sequence("r", [1, 2], SamplingParams(max_tokens=100))
+    seq.draft = [5, 6, 7]
+    seg = Segment(seq, 1, 4, drafts=3, verify=True)
+    rows = [(5, None), (6, None), (7, None), (8, None)]
+    assert kept_tokens([seg], [rows], lambda s, t, n: None) == [(4, 3)]
+    assert kept_tokens([seg], [rows], lambda s, t, n: "stop" if t == 6 else None) == [(2, 3)]
+    assert kept_tokens([seg], [rows[:1] + [SequenceFault("x")] + rows[2:]], lambda s, t, n: None) == [(1, 1)]
+    assert kept_tokens([seg], [[SequenceFault("x")] + rows[1:]], lambda s, t, n: None) == [(0, 0)]

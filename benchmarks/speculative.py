@@ -1,0 +1,185 @@
+"""Speculative decoding with the MTP head against none, in the same run (CPU).
+
+The model: the `bench` demo model trained for it (`cairn demo-model --size bench --mtp trained`:
+the target trained a little on the demo corpus, the head on its greedy continuations; written
+once under $CAIRN_HOME, minutes), or `--model DIR` (a checkpoint with `mtp.*` tensors). Prompts
+are demo-corpus lines the head never saw (past the training lines).
+
+1. Decode throughput: `--running` sequences (1, 4, 16) decode `--tokens` tokens each after a
+   short prompt, greedy, with k = 0 (the baseline, this run), 1, 2, 3: output tokens per second
+   of the decode phase (from the step after every prompt's prefill to the end; one warm-up run
+   first), the ratio to k = 0, the acceptance rate (accepted / drafted), the mean acceptance
+   length (1 + accepted / drafts) and the acceptance by position. Default mode (a verify step is
+   a chunk of the prefill path) and, for the best k, the exact mode (decode rows).
+   Goals (issue 41): >= 1.6x at 1 running for the best k; no slowdown at 16 running with k = 1.
+2. Divergence of the default mode from k = 0 in the served dtype (bf16 on a CPU with native
+   bf16): how many sequences differ, where each first differs, and the k = 0 run's margin there
+   (top-1 minus top-2 logprob: a near-tie flips); the exact mode's count beside it.
+3. Multi-turn (benchmarks/multiturn.py's thinking-drop trace, recorded once, replayed with
+   k = 0 and k = 2): every request's cached_tokens and output compared, and the median TTFT of
+   each turn, k = 2 over k = 0.
+
+Not a test: nothing is asserted. One run's numbers; CPU only (the GPU's verify-step cost is
+benchmarks/step_cost.py's verify row).
+
+    python3 benchmarks/speculative.py                 # bench, trained (the first run trains it)
+    python3 benchmarks/speculative.py --quick         # tiny, trained: proves the path
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's packages
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from cairn.workers import Engine, SamplingParams  # noqa: E402
+from cairn.workers.demo import demo_model_dir  # noqa: E402
+from cairn.workers.demo.corpus import training_corpus  # noqa: E402
+
+HELD_OUT = 4000  # corpus lines from here on: the training (cairn.workers.demo.speculative_training) read fewer
+PROMPT = 16  # tokens of each prompt
+
+
+def corpus_prompts(model_dir: Path, n: int) -> list[list[int]]:
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    lines = training_corpus(HELD_OUT + 4 * n)[HELD_OUT:]
+    prompts = [tokenizer.encode(line).ids[:PROMPT] for line in lines]
+    return [p for p in prompts if len(p) == PROMPT][:n]
+
+
+def decode_run(engine: Engine, prompts: list[list[int]], tokens: int) -> tuple[float, int]:
+    """(seconds of the decode phase, output tokens in it): from the first step after every
+    prompt has its first token to the last."""
+    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+    ids = {engine.add_request(p, params) for p in prompts}
+    seen: dict[str, int] = {}
+    began, before = None, 0
+    while engine.has_unfinished():
+        if began is None and len(seen) == len(ids):
+            began, before = time.perf_counter(), sum(seen.values())
+        for out in engine.step():
+            seen[out.request_id] = out.num_output_tokens
+    return time.perf_counter() - began, sum(seen.values()) - before
+
+
+def throughput(model_dir: Path, running: list[int], ks: list[int], tokens: int) -> None:
+    print(f"\n== decode throughput: {tokens} tokens a sequence after {PROMPT}-token prompts, greedy ==")
+    print(f"{'running':>7} {'k':>2} {'mode':>7} {'tok/s':>9} {'x k=0':>6} {'accept':>7} {'mean len':>8}  by position")
+    for n in running:
+        prompts = corpus_prompts(model_dir, n)
+        base = None
+        best = (0.0, 0)
+        for k in ks + [None]:
+            exact = k is None
+            if exact:
+                k = best[1]
+                if not k:
+                    continue
+            engine = Engine.from_pretrained(model_dir, max_num_seqs=max(n, 1), num_pages=4096,
+                                            num_speculative_tokens=k, speculative_exact=exact)
+            decode_run(engine, prompts[:1], 8)  # warm: the kernels at these shapes
+            engine.speculation.__init__()
+            seconds, out = decode_run(engine, prompts, tokens)
+            rate = out / seconds
+            base = base or rate
+            s = engine.speculation
+            if not exact and rate > best[0] and k:
+                best = (rate, k)
+            accept = f"{s.accepted_tokens / s.draft_tokens:.2f}" if s.draft_tokens else "-"
+            mean = f"{s.mean_acceptance_length:.2f}" if s.drafts else "-"
+            positions = " ".join(f"{a / s.drafts:.2f}" for a in s.accepted_by_position[:k]) if s.drafts else ""
+            print(f"{n:>7} {k:>2} {'exact' if exact else 'default':>7} {rate:>9.1f} {rate / base:>6.2f} "
+                  f"{accept:>7} {mean:>8}  {positions}")
+
+
+def divergence(model_dir: Path, n: int, tokens: int) -> None:
+    print(f"\n== default mode against k = 0, served dtype: {n} sequences x {tokens} tokens, greedy, k = 2 ==")
+    prompts = corpus_prompts(model_dir, n)
+    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True, logprobs=2)
+    runs = {}
+    for name, options in (("k=0", dict()), ("default", dict(num_speculative_tokens=2)),
+                          ("exact", dict(num_speculative_tokens=2, speculative_exact=True))):
+        engine = Engine.from_pretrained(model_dir, max_num_seqs=16, num_pages=4096, **options)
+        runs[name] = engine.generate(prompts, params)
+        dtype = engine.options.dtype
+    print(f"dtype {dtype}")
+    for name in ("default", "exact"):
+        firsts, margins, largest = [], [], 0.0
+        for ref, got in zip(runs["k=0"], runs[name]):
+            same = [a == b for a, b in zip(ref.token_ids, got.token_ids)]
+            agreed = same.index(False) if False in same else len(same)
+            for a, b in zip(ref.logprobs[:agreed], got.logprobs[:agreed]):
+                largest = max(largest, abs(a.logprob - b.logprob))
+            if agreed < len(same):
+                firsts.append(agreed)
+                top = ref.logprobs[agreed].top
+                margins.append(top[0][1] - top[1][1] if len(top) > 1 else float("nan"))
+        print(f"{name:>7}: {len(firsts)} of {n} sequences differ; largest logprob difference before any "
+              f"difference {largest:.2e}" + (f"; first differing token at {sorted(firsts)}; k = 0's top-2 margin "
+                                              f"there {[round(m, 4) for m in margins]}" if firsts else ""))
+
+
+def multiturn(model_dir: Path, convs: int, turns: int, tokens: int) -> None:
+    from multiturn import Client, record_trace
+
+    print(f"\n== multi-turn (thinking-drop), {convs} conversations x {turns} turns: k = 2 against k = 0 ==")
+    client = Client(model_dir)
+    options = dict(max_num_seqs=convs, num_pages=4096)
+    rounds = record_trace(Engine.from_pretrained(model_dir, **options), client, "thinking-drop", convs, turns,
+                          system_words=60, user_words=30, answer_tokens=tokens)
+    results = {}
+    for k in (0, 2):
+        engine = Engine.from_pretrained(model_dir, num_speculative_tokens=k, **options)
+        cached, outputs, ttft = {}, {}, {}
+        for reqs in rounds:
+            sent = time.perf_counter()
+            ids = {engine.add_request(r.prompt, SamplingParams(max_tokens=r.output_len, temperature=0,
+                                                               ignore_eos=True), checkpoint_hints=r.hints): r
+                   for r in reqs}
+            first = {}
+            while engine.has_unfinished():
+                for out in engine.step():
+                    first.setdefault(out.request_id, time.perf_counter() - sent)
+                    if out.finished:
+                        r = ids[out.request_id]
+                        cached[(r.conv, r.turn)], outputs[(r.conv, r.turn)] = out.cached_tokens, out.token_ids
+            for rid, r in ids.items():
+                ttft.setdefault(r.turn, []).append(first[rid])
+        results[k] = cached, outputs, ttft
+    (c0, o0, t0), (c2, o2, t2) = results[0], results[2]
+    print(f"cached_tokens identical: {c0 == c2} ({sum(c0.values())} tokens in all); outputs identical: {o0 == o2}")
+    print("median TTFT per turn, k = 2 / k = 0: " +
+          ", ".join(f"{turn}: {statistics.median(t2[turn]) / statistics.median(t0[turn]):.2f}" for turn in sorted(t0)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, default=None, help="a checkpoint with an MTP head (default: the "
+                                                                 "trained bench demo model)")
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--quick", action="store_true", help="the tiny trained demo model, fewer of everything")
+    args = parser.parse_args()
+    if args.quick:
+        model = args.model or demo_model_dir("tiny", trained_mtp=True)
+        throughput(model, [1, 4], [0, 2], 24)
+        divergence(model, 4, 16)
+        multiturn(model, 2, 2, 12)
+        return
+    model = args.model or demo_model_dir("bench", trained_mtp=True)
+    print(f"model: {model}")
+    throughput(model, [1, 4, 16], [0, 1, 2, 3], args.tokens)
+    divergence(model, 16, args.tokens)
+    multiturn(model, 8, 4, 48)
+
+
+if __name__ == "__main__":
+    main()
