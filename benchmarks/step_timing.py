@@ -42,22 +42,16 @@ WARM_REPEATS = 6
 
 def full_engine(cfg: ModelConfig, device: str, max_seqs: int, **options: object) -> Engine:
     """An engine over random bf16 weights of `cfg` on `device`, decode graphs on where the device
-    has them; `options`: other EngineOptions fields."""
+    has them; `options`: other EngineOptions fields (with `num_speculative_tokens`, a random MTP
+    head drafts: `random_head`)."""
     torch.manual_seed(0)
     with torch.device("meta"):
         model = family_named(cfg.model_type).model_class(cfg)
-    model = model.to(torch.bfloat16).to_empty(device=device)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.02)
-    for module in model.modules():
-        if isinstance(module, Rotary):
-            module.inv_freq = Rotary(cfg).inv_freq.to(device)
     engine_options = EngineOptions(max_num_seqs=max_seqs, max_num_batched_tokens=4096 + 512, max_model_len=8192,
                                    cache_memory_bytes=24 * 2**30 if device == "cuda" else 2**30, device=device,
                                    dtype="bfloat16", **options)
     head = random_head(cfg, device) if engine_options.num_speculative_tokens else None
-    return Engine(model.eval(), engine_options, mtp=head)
+    return Engine(_random_bf16(model, cfg, device), engine_options, mtp=head)
 
 
 def random_head(cfg: ModelConfig, device: str) -> MultiTokenPredictor:
@@ -66,14 +60,20 @@ def random_head(cfg: ModelConfig, device: str) -> MultiTokenPredictor:
     torch.manual_seed(1)
     with torch.device("meta"):
         head = MultiTokenPredictor(cfg, cache_rank=len(cfg.attention_layers))
-    head = head.to(torch.bfloat16).to_empty(device=device)
+    return _random_bf16(head, cfg, device)
+
+
+def _random_bf16(module: torch.nn.Module, cfg: ModelConfig, device: str) -> torch.nn.Module:
+    """`module` (made on the meta device) on `device` in bf16, its weights N(0, 0.02), its rotary
+    frequencies (not weights) computed again."""
+    module = module.to(torch.bfloat16).to_empty(device=device)
     with torch.no_grad():
-        for p in head.parameters():
+        for p in module.parameters():
             p.normal_(0.0, 0.02)
-    for module in head.modules():
-        if isinstance(module, Rotary):
-            module.inv_freq = Rotary(cfg).inv_freq.to(device)
-    return head.eval()
+    for m in module.modules():
+        if isinstance(m, Rotary):
+            m.inv_freq = Rotary(cfg).inv_freq.to(device)
+    return module.eval()
 
 
 class StepDriver:

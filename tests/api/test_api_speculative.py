@@ -13,7 +13,8 @@ from cairn.cluster.api import APIOptions, build_app
 from cairn.cluster.api.engine_client import LocalEngineClient
 from cairn.cluster.api.server import BackgroundServer
 from cairn.workers import AsyncEngine
-from tests.api.test_api_async_scheduling import MESSAGES, MODEL, NO_THINKING, answer, both, streamed
+from tests.api.test_api_async_scheduling import MESSAGES, MODEL, NO_THINKING, both
+from tests.api.test_api_async_scheduling import test_answers_usage_and_streams_are_the_same as _answers
 from tests.api.test_api_async_scheduling import test_a_stop_string_cuts_alike_streamed_and_not as _stop_string
 from tests.api.test_api_async_scheduling import test_n_seeded_choices_are_the_same as _n_seeded
 from tests.api.test_api_async_scheduling import \
@@ -39,18 +40,16 @@ def clients(trained_spec_model):
 
 
 def test_answers_usage_and_streams_are_the_same(clients):
-    params = dict(messages=MESSAGES, temperature=0, max_tokens=20, logprobs=True, top_logprobs=2,
-                  extra_body={"ignore_eos": True, **NO_THINKING})
-    off, on = both(clients, **params)
-    assert off.choices[0].message.content and answer(on) == answer(off)
-    assert [(t.token, t.logprob) for t in on.choices[0].logprobs.content] == \
-        [(t.token, t.logprob) for t in off.choices[0].logprobs.content]
-    assert on.usage.completion_tokens == off.usage.completion_tokens == 20
-    again_off, again_on = both(clients, **params)  # a repeat resumes from the cache alike
-    assert again_on.usage.prompt_tokens_details.cached_tokens == again_off.usage.prompt_tokens_details.cached_tokens > 0
-    for client in clients:
-        text, finish, usage = streamed(client, **params)
-        assert (text, finish, usage.completion_tokens) == (off.choices[0].message.content, "length", 20)
+    _answers(clients)
+
+
+def test_logprobs_are_the_same_to_the_bit(clients):
+    """The exact mode: each drafted token verified through the decode kernels, as k = 0 runs it."""
+    off, on = both(clients, messages=MESSAGES, temperature=0, max_tokens=20, logprobs=True, top_logprobs=2,
+                   extra_body={"ignore_eos": True, **NO_THINKING})
+    assert [(t.token, t.logprob, [(a.token, a.logprob) for a in t.top_logprobs])
+            for t in on.choices[0].logprobs.content] == \
+        [(t.token, t.logprob, [(a.token, a.logprob) for a in t.top_logprobs]) for t in off.choices[0].logprobs.content]
 
 
 def test_a_stop_string_cuts_alike_streamed_and_not(clients):

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from cairn.workers import Engine, SamplingParams
+from tests.support.stepping import drive
 
 FAMILIES = ["dense", "q35_moe"]  # Qwen3-Next (dense MLP), Qwen3.5 (MoE)
 
@@ -22,31 +23,6 @@ def prompts(lengths, vocab=211, seed=0):
 
 def pair(path, **options) -> tuple[Engine, Engine]:
     return tuple(Engine.from_pretrained(path, async_scheduling=on, **options) for on in (False, True))
-
-
-def drive(engine: Engine, requests: list[tuple[list[int], SamplingParams]], abort_after: dict[int, int] = {},
-          max_steps: int = 2000) -> list:
-    """Runs `requests` to their ends, step by step; aborts request i once its caller has seen
-    `abort_after[i]` tokens. Returns each request's final output. Fails if a request gets an
-    output after its final one."""
-    ids = [engine.add_request(p, sp) for p, sp in requests]
-    index = {rid: i for i, rid in enumerate(ids)}
-    seen, final = [0] * len(ids), [None] * len(ids)
-    for _ in range(max_steps):
-        if not engine.has_unfinished():
-            break
-        for out in engine.step():
-            i = index[out.request_id]
-            assert final[i] is None, f"request {i} got {out.new_token_ids} after its final output"
-            seen[i] += len(out.new_token_ids)
-            assert out.num_output_tokens == seen[i]
-            if out.finished:
-                final[i] = out
-        for i, n in abort_after.items():
-            if final[i] is None and seen[i] >= n:
-                final[i] = engine.abort(ids[i])
-    assert all(f is not None for f in final), "requests never finished"
-    return final
 
 
 def assert_same(sync: list, overlapped: list) -> None:

@@ -35,6 +35,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 WINDOW, BATCH = 64, 16  # tokens a training window, windows a step
+PROMPT = 16  # tokens of each continuation's prompt (a corpus line's first)
 
 
 class _Head(nn.Module):
@@ -105,7 +106,7 @@ def train_for_speculation(model_dir: str | Path, target_steps: int = 300, head_s
     target.eval()
     _save(model_dir, target, {})
 
-    sequences = _continuations(model_dir, [ids[:16] for ids in lines if len(ids) >= 8][:prompts], new_tokens)
+    sequences = _continuations(model_dir, [ids[:PROMPT] for ids in lines if len(ids) >= PROMPT][:prompts], new_tokens)
     with torch.no_grad():
         batch = torch.tensor(sequences)
         states = target.model(input_ids=batch).last_hidden_state  # final normed hidden states
