@@ -56,7 +56,8 @@ from cairn.workers.sampling_params import SamplingParams
 from cairn.workers.scheduler import Scheduler
 from cairn.workers.sequence import Sequence, Status
 from cairn.workers.spec import EngineSpec
-from cairn.workers.speculation import DraftRun, Drafter, SpeculationTotals, drafts_allowed, kept_tokens
+from cairn.workers.speculation import (DraftRun, Drafter, SpeculationGate, SpeculationTotals, drafts_allowed,
+                                       kept_tokens)
 from cairn.workers.execution.tp_runner import TensorParallelRunner
 
 log = logging.getLogger(__name__)
@@ -97,12 +98,17 @@ class Engine:
         on_cuda = self.runner.device.type == "cuda"
         self.drafter: Drafter | None = None  # speculative decoding (cairn.workers.speculation)
         self.speculation = SpeculationTotals()
+        self.gate = SpeculationGate() if options.speculative_adaptive else None
         if options.num_speculative_tokens:
             if mtp is None or rank_workers is not None:
                 raise EngineOptionError("num_speculative_tokens", "num_speculative_tokens needs the checkpoint's MTP "
                                         "head (mtp.* tensors) on one device (tensor_parallel_size 1)")
             from cairn.workers.execution.mtp_drafter import MtpDrafter
             self.drafter = MtpDrafter(self.runner, mtp)
+            log.info("speculative decoding: %d drafted tokens a step (%s mode); the MTP head's K/V %.1f MiB, %d "
+                     "spare state slots %.1f MiB", options.num_speculative_tokens,
+                     "exact" if options.speculative_exact else "default", self.drafter.memory_bytes / 2**20,
+                     layout.spare_slots, (layout.arena_bytes - layout.cache_bytes) / 2**20)
         # decode graphs do not capture a verify step yet: a speculating engine runs eager
         eager = not on_cuda or bool(self.drafter) if options.enforce_eager is None else options.enforce_eager
         if self.drafter is not None and not eager:
@@ -209,7 +215,10 @@ class Engine:
         is logged and counted (`kernel_compiles_after_warm_up_total`). Returns the seconds it took
         (logged)."""
         began = time.perf_counter()
-        products = self.runner.warm_up(self.options.max_num_batched_tokens, self.options.max_num_seqs)
+        sampled = self.options.max_num_seqs * (1 + self.options.num_speculative_tokens)  # a verify samples each row
+        products = self.runner.warm_up(self.options.max_num_batched_tokens, sampled)
+        if self.drafter is not None and hasattr(self.drafter, "warm_up"):
+            products += self.drafter.warm_up(self.options.max_num_batched_tokens)
         kernels = warm_kernels(self) if runs_triton(self.runner.device.type) else None
         self._compiles_seen = compile_watch.compiles()
         seconds = time.perf_counter() - began
@@ -360,6 +369,7 @@ class Engine:
         sampled after that, so penalties, grammars and `min_tokens` see every token before it.
         Such a call returns the last step's outputs: outputs come one call late. Any other step
         runs as without it."""
+        step_began = time.perf_counter()
         if self.fetches.has_deliveries:
             self.fetches.adopt(self._requests)
         if self._held:
@@ -415,6 +425,9 @@ class Engine:
                 applied = self._verify(plan, logits)
                 outputs += self._outputs(applied)
                 self._count(plan, len(applied))
+                if self.gate is not None and all(seg.verify for seg in plan.prefills):  # decode-only
+                    self.gate.observe(len(plan.segments), any(seg.drafts for seg in plan.segments), len(applied),
+                                      time.perf_counter() - step_began)
             else:
                 applied = self._outputs(self.scheduler.postprocess(plan, rows, self.sampler.sample(logits, rows)))
                 outputs += applied
@@ -492,6 +505,10 @@ class Engine:
         self.scheduler.advance(plan)
         applied = self._in_order(early, self.scheduler.apply_tokens(seqs, tokens))
         k = self.options.num_speculative_tokens
+        if self.gate is not None and not self.gate.drafting(len(self.scheduler.running)):
+            if all(seg.verify for seg in plan.prefills):  # decode-only: no head pass either (`SpeculationGate`)
+                return applied
+            k = 0  # a prefill: the head runs over it for its K/V there, drafting nothing
         runs = []
         for seg in segments:
             seq = seg.seq

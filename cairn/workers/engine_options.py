@@ -60,6 +60,7 @@ class EngineOptions:
     async_scheduling: bool = False            # plan and launch a decode step before the last one's tokens are read (Engine.step)
     num_speculative_tokens: int = 0           # tokens the checkpoint's MTP head drafts a step, 0-4 (0: off; cairn.workers.speculation)
     speculative_exact: bool = False           # verify drafts through the decode kernels, row by row: output exactly k = 0's
+    speculative_adaptive: bool = True         # draft only while verify steps give more tokens/s than plain ones (measured)
 
     def __post_init__(self) -> None:
         def positive(name: str, allow_none: bool = False) -> None:
@@ -101,7 +102,7 @@ class EngineOptions:
         if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= 4:
             raise EngineOptionError("num_speculative_tokens", f"num_speculative_tokens must be an integer from 0 "
                                                               f"(off) to 4, got {k!r}")
-        for name in ("warm_up", "async_scheduling", "speculative_exact"):
+        for name in ("warm_up", "async_scheduling", "speculative_exact", "speculative_adaptive"):
             if not isinstance(getattr(self, name), bool):
                 raise EngineOptionError(name, f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.enforce_eager not in (None, True, False):

@@ -189,12 +189,15 @@ class Scheduler:
     def _take_states(self, plan: StepPlan) -> None:
         """A spare slot (`spare_slots`: beside the cache's arena, so the cache is as without
         speculation) for the state after each drafted token of the plan's verify segments: a
-        segment gets as many drafts as slots are left (none: a plain decode)."""
+        segment gets as many drafts as slots are left (none: a plain decode). A step that
+        prefills verifies no drafts: its rows would make the step longer, and its prompts' first
+        tokens later, than without speculation."""
+        prefilling = any(not seg.verify for seg in plan.prefills)
         chunks = []
         for in_prefills, seg in [(False, s) for s in plan.decodes] + [(True, s) for s in plan.prefills]:
             if not seg.drafts:
                 continue
-            take = min(seg.drafts, len(self.spare_slots))
+            take = 0 if prefilling else min(seg.drafts, len(self.spare_slots))
             seg.states = [self.spare_slots.pop() for _ in range(take)]
             seg.drafts = take
             seg.num_tokens = 1 + take

@@ -27,6 +27,11 @@ after each offset kept in a free slot (`Scheduler._take_states`). Then:
    MTP head (cairn.workers.execution.mtp_drafter), which also runs over every position the step
    kept (its own K/V at them).
 
+When drafts are worth it is measured (`SpeculationGate`, `EngineOptions.speculative_adaptive`):
+the engine drafts only while decode steps with drafts give more tokens per second than steps
+without, at the current number of running sequences; a step that prefills verifies none
+(`Scheduler._take_states`).
+
 Rows that never draft: a sequence with penalties or a grammar (their token counts and grammar
 state would have to follow each drafted token: not built); those decode one token a step beside
 the speculating ones. What a step counts: `SpeculationTotals`, vLLM's numbers (drafts, drafted
@@ -61,6 +66,55 @@ class Drafter(Protocol):
     needs_hidden: bool  # it reads the target's hidden states (the runner keeps them)
 
     def propose(self, runs: list[DraftRun]) -> None: ...
+
+
+class SpeculationGate:
+    """Whether the running sequences draft for the next step (`speculative_adaptive`): drafts pay
+    only where a verify step's tokens per second beat a plain decode step's at the same load. A
+    verify step computes 1 + k rows a sequence and runs the head k times; where a step's cost grows
+    with its rows (a CPU, or a GPU past its memory-bound batch sizes) that can cost more than the
+    kept tokens give. Measured, not assumed: for each bucket of running sequences (a power of two),
+    moving averages of the tokens per second of decode-only steps with drafts and without (the
+    first of each left out: it pays the compiles of its shapes); a bucket lacking either tries it,
+    and every `REPROBE` steps the way not taken is taken once, so its number follows the load and
+    the acceptance as they change. While the gate is closed, decode-only steps skip the head too
+    (`Engine._verify`): its K/V at their positions stays as it was, and drafting after them reads
+    it so; the gate then measures what such drafts are worth."""
+    REPROBE = 32
+    DECAY = 0.7  # the weight of what was measured before, each new step
+
+    def __init__(self):
+        self._rates: dict[int, list[float | None]] = {}  # bucket -> [tokens/s without drafts, with]
+        self._seen: dict[tuple[int, bool], int] = {}  # (bucket, drafted) -> steps observed
+        self._decisions: dict[int, int] = {}
+
+    @staticmethod
+    def _bucket(running: int) -> int:
+        return 1 << max(running - 1, 0).bit_length()
+
+    def drafting(self, running: int) -> bool:
+        bucket = self._bucket(running)
+        plain, drafted = self._rates.get(bucket, [None, None])
+        if drafted is None:
+            return True
+        if plain is None:
+            return False
+        self._decisions[bucket] = n = self._decisions.get(bucket, 0) + 1
+        better = drafted > plain
+        return better != (n % self.REPROBE == 0)
+
+    def observe(self, running: int, drafted: bool, tokens: int, seconds: float) -> None:
+        """A decode-only step of `running` sequences (`drafted`: it verified drafts) gave `tokens`
+        in `seconds`."""
+        if seconds <= 0 or not running:
+            return
+        bucket = self._bucket(running)
+        self._seen[bucket, drafted] = seen = self._seen.get((bucket, drafted), 0) + 1
+        if seen == 1:  # the first such step at a new shape pays its compiles: not a measure
+            return
+        rates = self._rates.setdefault(bucket, [None, None])
+        rate, old = tokens / seconds, rates[drafted]
+        rates[drafted] = rate if old is None else self.DECAY * old + (1 - self.DECAY) * rate
 
 
 def drafts_allowed(seq: Sequence) -> bool:

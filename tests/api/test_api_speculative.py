@@ -26,7 +26,8 @@ pytestmark = pytest.mark.slow  # the trained demo model: about a minute on CPU, 
 @pytest.fixture(scope="module")
 def clients(trained_spec_model):
     engines = [AsyncEngine.from_pretrained(trained_spec_model, num_pages=512, max_num_seqs=8, page_size=8,
-                                           num_speculative_tokens=k, speculative_exact=True) for k in (0, 2)]
+                                           num_speculative_tokens=k, speculative_exact=True, speculative_adaptive=False)
+               for k in (0, 2)]
     with BackgroundServer(build_app(LocalEngineClient(engines[0]), trained_spec_model,
                                     APIOptions(served_model_name=MODEL))) as a, \
             BackgroundServer(build_app(LocalEngineClient(engines[1]), trained_spec_model,

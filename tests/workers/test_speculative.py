@@ -46,7 +46,8 @@ def prompts(lengths, vocab=211, seed=0):
 
 
 def speculating(path, k: int, continuations, wrong: float, **options) -> Engine:
-    engine = Engine.from_pretrained(path, num_speculative_tokens=k, **{"speculative_exact": True, **options})
+    engine = Engine.from_pretrained(path, num_speculative_tokens=k,
+                                    **{"speculative_exact": True, "speculative_adaptive": False, **options})
     engine.drafter = ScriptedDrafter(continuations, engine.spec.vocab_size, wrong)
     return engine
 
@@ -232,7 +233,7 @@ def test_the_checkpoints_mtp_head_drafts_and_the_output_is_the_target_s(spec_mod
     path = spec_model(arch)
     requests = [(p, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)) for p in prompts([12, 30, 5])]
     expected = drive(Engine.from_pretrained(path, page_size=8), requests)
-    spec = Engine.from_pretrained(path, page_size=8, num_speculative_tokens=3)
+    spec = Engine.from_pretrained(path, page_size=8, num_speculative_tokens=3, speculative_adaptive=False)
     got = drive(spec, requests)
     assert [o.token_ids for o in got] == [o.token_ids for o in expected]
     m = spec.metrics()
@@ -266,8 +267,56 @@ def test_the_trained_demo_head_is_kept_at_a_realistic_rate(trained_spec_model):
     ps = [ids[:16] for ids in (tokenizer.encode(line).ids for line in lines) if len(ids) >= 16][:12]
     requests = [(p, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)) for p in ps]
     expected = drive(Engine.from_pretrained(trained_spec_model, max_num_seqs=16), requests)
-    spec = Engine.from_pretrained(trained_spec_model, max_num_seqs=16, num_speculative_tokens=1)
+    spec = Engine.from_pretrained(trained_spec_model, max_num_seqs=16, num_speculative_tokens=1,
+                                  speculative_adaptive=False)
     got = drive(spec, requests)
     assert [o.token_ids for o in got] == [o.token_ids for o in expected]
     s = spec.speculation
     assert s.accepted_by_position[0] / s.drafts >= 0.6, s
+
+
+def test_the_gate_drafts_where_drafting_gives_more_tokens_per_second():
+    """`speculative_adaptive`: per bucket of running sequences, each way is tried, then the faster
+    one taken, the other again every REPROBE steps."""
+    from cairn.workers.speculation import SpeculationGate
+
+    gate = SpeculationGate()
+    assert gate.drafting(16)  # nothing measured: try drafting
+    gate.observe(16, True, tokens=30, seconds=1.0)  # the first step of a way: its compiles, not counted
+    assert gate.drafting(16)
+    gate.observe(16, True, tokens=30, seconds=0.03)  # 1000 tokens/s with drafts
+    assert not gate.drafting(16)  # then without
+    for _ in range(2):
+        gate.observe(16, False, tokens=16, seconds=0.01)  # 1600 tokens/s without
+    taken = [gate.drafting(16) for _ in range(2 * gate.REPROBE)]
+    assert taken.count(True) == 2 and taken[gate.REPROBE - 1]  # the slower way, once every REPROBE
+    assert gate.drafting(1)  # another bucket: measured on its own
+    for _ in range(2):
+        gate.observe(1, True, tokens=3, seconds=0.01)
+        gate.observe(1, False, tokens=1, seconds=0.006)
+    assert sum(gate.drafting(1) for _ in range(gate.REPROBE)) == gate.REPROBE - 1
+    for _ in range(20):  # drafts slow down at this load: the average follows, and the gate turns
+        gate.observe(1, True, tokens=1, seconds=0.02)
+    assert sum(gate.drafting(1) for _ in range(gate.REPROBE)) == 1
+
+
+def test_a_step_that_prefills_verifies_no_drafts(spec_model):
+    """A prompt's first token comes no later than without speculation: a step that prefills
+    carries the other sequences' decodes without their drafts."""
+    path = spec_model("qwen3_next")
+    requests = [(p, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)) for p in prompts([9, 40, 12])]
+    expected = drive(Engine.from_pretrained(path, page_size=8, max_num_batched_tokens=16), requests)
+    spec = speculating(path, 2, continuations(requests, expected), wrong=0.0, page_size=8, max_num_batched_tokens=16)
+    plans, schedule = [], spec.scheduler.schedule
+    spec.scheduler.schedule = lambda *a, **k: plans.append(schedule(*a, **k)) or plans[-1]
+    ids = [spec.add_request(*requests[0])]
+    for _ in range(3):
+        spec.step()  # the first request decodes with drafts
+    ids += [spec.add_request(*r) for r in requests[1:]]  # the others prefill in 16-token chunks beside it
+    final = {}
+    while spec.has_unfinished():
+        final.update({o.request_id: o for o in spec.step() if o.finished})
+    assert [final[i].token_ids for i in ids] == [o.token_ids for o in expected]
+    prefilling = [p for p in plans if any(not s.verify for s in p.prefills)]
+    assert len(prefilling) >= 3 and all(not s.drafts for p in prefilling for s in p.segments)
+    assert any(s.drafts for p in plans for s in p.segments)

@@ -28,6 +28,7 @@ import torch
 from cairn import kernels
 from cairn.workers.execution.runner import ModelRunner
 from cairn.workers.model import ModelCaches
+from cairn.workers.model import packed_linear
 from cairn.workers.model.packed_linear import pack_linears
 from cairn.workers.model.mtp import MultiTokenPredictor
 from cairn.workers.plan import COPY, MOVE, Segment, StepPlan
@@ -48,6 +49,11 @@ class MtpDrafter:
         self.caches = ModelCaches(list(runner.caches.kv) + [self.kv], runner.caches.conv_states,
                                   runner.caches.ssm_states)
         runner.block_copy_hooks.append(self._copy_blocks)
+
+    def warm_up(self, max_rows: int) -> int:
+        """The head's packed linears at every row count a pass of at most `max_rows` rows gives
+        them (CPU; cairn.workers.model.packed_linear.warm_up); the products run."""
+        return packed_linear.warm_up(self.head, max_rows, 0)
 
     @property
     def memory_bytes(self) -> int:
