@@ -18,8 +18,9 @@ are demo-corpus lines the head never saw (past the training lines).
    bf16): how many sequences differ, where each first differs, and the k = 0 run's margin there
    (top-1 minus top-2 logprob: a near-tie flips); the exact mode's count beside it.
 3. Multi-turn (benchmarks/multiturn.py's thinking-drop trace, recorded once, replayed with
-   k = 0 and k = 2): every request's cached_tokens and output compared, and the median TTFT of
-   each turn, k = 2 over k = 0.
+   k = 0 and k = 2 in the exact mode): every request's cached_tokens and output compared, and the
+   median TTFT of each turn, k = 2 over k = 0 (the head runs over every prompt position for its
+   K/V: one decoder layer more, 1/8 of the bench model's, 1/40 of Qwen3.5-35B-A3B's).
 
 Not a test: nothing is asserted. One run's numbers; CPU only (the GPU's verify-step cost is
 benchmarks/step_cost.py's verify row).
@@ -138,14 +139,14 @@ def divergence(model_dir: Path, n: int, tokens: int) -> None:
 def multiturn(model_dir: Path, convs: int, turns: int, tokens: int) -> None:
     from multiturn import Client, record_trace
 
-    print(f"\n== multi-turn (thinking-drop), {convs} conversations x {turns} turns: k = 2 against k = 0 ==")
+    print(f"\n== multi-turn (thinking-drop), {convs} conversations x {turns} turns: k = 2 (exact) against k = 0 ==")
     client = Client(model_dir)
     options = dict(max_num_seqs=convs, num_pages=4096)
     rounds = record_trace(Engine.from_pretrained(model_dir, **options), client, "thinking-drop", convs, turns,
                           system_words=60, user_words=30, answer_tokens=tokens)
     results = {}
     for k in (0, 2):
-        engine = Engine.from_pretrained(model_dir, num_speculative_tokens=k, **options)
+        engine = Engine.from_pretrained(model_dir, num_speculative_tokens=k, speculative_exact=True, **options)
         cached, outputs, ttft = {}, {}, {}
         for reqs in rounds:
             sent = time.perf_counter()
