@@ -164,7 +164,8 @@ def multiturn(model_dir: Path, convs: int, turns: int, tokens: int) -> None:
                 ttft.setdefault(r.turn, []).append(first[rid])
         results[k] = cached, outputs, ttft
     (c0, o0, t0), (c2, o2, t2) = results[0], results[2]
-    print(f"cached_tokens identical: {c0 == c2} ({sum(c0.values())} tokens in all); outputs identical: {o0 == o2}")
+    print(f"identical with k = 0: cached_tokens {c0 == c2}, outputs {o0 == o2} ({len(c0)} requests, "
+          f"{sum(c0.values())} cached tokens in all)")
     print("median TTFT per turn, k = 2 / k = 0: " +
           ", ".join(f"{turn}: {statistics.median(t2[turn]) / statistics.median(t0[turn]):.2f}" for turn in sorted(t0)))
 

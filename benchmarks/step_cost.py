@@ -163,7 +163,8 @@ def count_step(cfg: ModelConfig, tp: int, step: Step) -> tuple[Census, int]:
     census and the number of recurrent-state checkpoints the step saved."""
     census = Census()
     engine = build_engine(tiny(cfg), tp, step.decodes + len(step.prefills), census,
-                          **({"num_speculative_tokens": step.drafts} if step.drafts else {}))
+                          **({"num_speculative_tokens": step.drafts, "speculative_adaptive": False} if step.drafts
+                             else {}))
     driver = StepDriver(engine)
     driver.enter(step)
     works = recorded_works(engine)
@@ -315,8 +316,14 @@ def measure_shape(name: str, cfg: ModelConfig, steps: list[Step], censuses: dict
     warm_up_s = engine.warm_up()
     driver = StepDriver(engine)
     times = measure(driver, [s for s in steps if not s.drafts], args.repeats)
+    if args.profile:
+        wall_s, kernels_s, top = profile(driver, PROFILED)
     for k in sorted({s.drafts for s in steps if s.drafts}):  # verify steps: an engine drafting k tokens
-        driver = StepDriver(full_engine(full, args.measure_device, seqs, num_speculative_tokens=k))
+        del engine, driver  # (one full-size engine at a time)
+        if args.measure_device == "cuda":
+            torch.cuda.empty_cache()
+        engine = full_engine(full, args.measure_device, seqs, num_speculative_tokens=k, speculative_adaptive=False)
+        driver = StepDriver(engine)
         times.update(measure(driver, [s for s in steps if s.drafts == k], args.repeats))
     rows = [measured_row(name, cfg, s, censuses[s.name], times[s.name], gpu, calibration) for s in steps]
     if args.json:
@@ -325,7 +332,6 @@ def measure_shape(name: str, cfg: ModelConfig, steps: list[Step], censuses: dict
     else:
         print_measured(name, args.measure_device, warm_up_s, rows)
     if args.profile:
-        wall_s, kernels_s, top = profile(driver, PROFILED)
         if args.json:
             print(json.dumps(dict(profiled=PROFILED.name, wall_s=wall_s, kernels_s=kernels_s,
                                   top=[vars(k) for k in top])), flush=True)

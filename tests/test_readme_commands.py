@@ -104,6 +104,7 @@ CHECKS: dict[str, object] = {
     "python3 benchmarks/step_cost.py --shapes qwen3.5-35b-a3b --series 200": Elsewhere(
         (("tests/workers/test_step_syncs.py", '"--series", str(SERIES)'),)),
     "python3 benchmarks/decode_series.py": Quick("median step on/off ="),
+    "python3 benchmarks/speculative.py": Quick("identical with k = 0: cached_tokens True, outputs True"),
     "python3 benchmarks/kernel_speed.py": "test_kernel_speed_without_cuda_exits_saying_it_needs_a_cuda_device",
     "bash benchmarks/gpu_check.sh": "test_gpu_check_without_a_gpu_exits_saying_so",
 }
