@@ -75,18 +75,20 @@ class SpeculationGate:
     with its rows (a CPU, or a GPU past its memory-bound batch sizes) that can cost more than the
     kept tokens give. Measured, not assumed: for each bucket of running sequences (a power of two),
     moving averages of the tokens per second of decode-only steps with drafts and without (the
-    first of each left out: it pays the compiles of its shapes); a bucket lacking either tries it,
-    and every `REPROBE` steps the way not taken is taken once, so its number follows the load and
-    the acceptance as they change. While the gate is closed, decode-only steps skip the head too
-    (`Engine._verify`): its K/V at their positions stays as it was, and drafting after them reads
-    it so; the gate then measures what such drafts are worth."""
-    REPROBE = 32
+    first of each left out: it pays the compiles of its shapes); a bucket lacking either tries it.
+    Then the faster way is taken, and the other tried once after `REPROBE` steps, so that its
+    number follows the load and the acceptance as they change; each try that leaves the choice as
+    it was doubles the wait before the next (up to `MAX_REPROBE`), one that changes it resets it.
+    While the gate is closed, decode-only steps skip the head too (`Engine._verify`): its K/V at
+    their positions stays as it was, and drafting after them reads it so; the gate then measures
+    what such drafts are worth."""
+    REPROBE, MAX_REPROBE = 32, 1024
     DECAY = 0.7  # the weight of what was measured before, each new step
 
     def __init__(self):
         self._rates: dict[int, list[float | None]] = {}  # bucket -> [tokens/s without drafts, with]
         self._seen: dict[tuple[int, bool], int] = {}  # (bucket, drafted) -> steps observed
-        self._decisions: dict[int, int] = {}
+        self._wait: dict[int, list] = {}  # bucket -> [steps until the other way is tried, the wait, the choice]
 
     @staticmethod
     def _bucket(running: int) -> int:
@@ -99,9 +101,16 @@ class SpeculationGate:
             return True
         if plain is None:
             return False
-        self._decisions[bucket] = n = self._decisions.get(bucket, 0) + 1
         better = drafted > plain
-        return better != (n % self.REPROBE == 0)
+        wait = self._wait.setdefault(bucket, [self.REPROBE, self.REPROBE, better])
+        if better != wait[2]:  # the choice changed: try the other way soon again
+            wait[:] = [self.REPROBE, self.REPROBE, better]
+        wait[0] -= 1
+        if wait[0] > 0:
+            return better
+        wait[1] = min(2 * wait[1], self.MAX_REPROBE)
+        wait[0] = wait[1]
+        return not better
 
     def observe(self, running: int, drafted: bool, tokens: int, seconds: float) -> None:
         """A decode-only step of `running` sequences (`drafted`: it verified drafts) gave `tokens`

@@ -277,7 +277,8 @@ def test_the_trained_demo_head_is_kept_at_a_realistic_rate(trained_spec_model):
 
 def test_the_gate_drafts_where_drafting_gives_more_tokens_per_second():
     """`speculative_adaptive`: per bucket of running sequences, each way is tried, then the faster
-    one taken, the other again every REPROBE steps."""
+    one taken and the other tried again after REPROBE steps, then after twice as many while the
+    choice stands."""
     from cairn.workers.speculation import SpeculationGate
 
     gate = SpeculationGate()
@@ -288,8 +289,9 @@ def test_the_gate_drafts_where_drafting_gives_more_tokens_per_second():
     assert not gate.drafting(16)  # then without
     for _ in range(2):
         gate.observe(16, False, tokens=16, seconds=0.01)  # 1600 tokens/s without
-    taken = [gate.drafting(16) for _ in range(2 * gate.REPROBE)]
-    assert taken.count(True) == 2 and taken[gate.REPROBE - 1]  # the slower way, once every REPROBE
+    taken = [gate.drafting(16) for _ in range(7 * gate.REPROBE)]
+    tries = [i + 1 for i, t in enumerate(taken) if t]  # the slower way, after 32 steps, then 64, then 128
+    assert tries == [gate.REPROBE, 3 * gate.REPROBE, 7 * gate.REPROBE]
     assert gate.drafting(1)  # another bucket: measured on its own
     for _ in range(2):
         gate.observe(1, True, tokens=3, seconds=0.01)
