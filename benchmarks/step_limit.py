@@ -74,7 +74,7 @@ def step_work(cfg: ModelConfig, tp: int, step: Step, context: int = CONTEXT) -> 
     verify, decodes = (step.decodes, 0) if k else (0, step.decodes)  # a verify's rows go the prefill path
     chunked = [1 + k] * verify + list(step.prefills)  # segments of the prefill path
     prefill_tokens, prefill_seqs = sum(chunked), len(chunked)
-    tokens, seqs = decodes + prefill_tokens, decodes + prefill_seqs
+    tokens = decodes + prefill_tokens
     sampled = decodes + len(step.prefills) + verify * (1 + k)
     attn = H * c.num_attention_heads * c.head_dim * 2 + 2 * H * c.num_key_value_heads * c.head_dim + \
         c.num_attention_heads * c.head_dim * H  # q and its gate, k, v, o
