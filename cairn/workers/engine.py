@@ -108,7 +108,7 @@ class Engine:
             log.info("speculative decoding: %d drafted tokens a step (%s mode); the MTP head's K/V %.1f MiB, %d "
                      "spare state slots %.1f MiB", options.num_speculative_tokens,
                      "exact" if options.speculative_exact else "default", self.drafter.memory_bytes / 2**20,
-                     layout.spare_slots, (layout.arena_bytes - layout.cache_bytes) / 2**20)
+                     layout.spare_slots, layout.spare_bytes / 2**20)
         # decode graphs do not capture a verify step yet: a speculating engine runs eager
         eager = not on_cuda or bool(self.drafter) if options.enforce_eager is None else options.enforce_eager
         if self.drafter is not None and not eager:
@@ -399,13 +399,10 @@ class Engine:
             self.overlapped_steps += bool(plan)
             if (plan.deferred or plan.lookahead) and failure is None:  # next pages, boundary checkpoints
                 self.scheduler.plan_deferred(plan)
-                if plan.snapshots or plan.host_snapshots:
-                    # the copies taking those slots queued (a group emptied: its pages moved) go first
-                    self.flush_block_copies()
-                    self.runner.snapshot(plan)
+                self._snapshot_after(plan)
         else:
             plan = self.scheduler.schedule()
-            rows = plan.sampling_sequences() if self.drafter is None else [seq for seq, _ in plan.sampling_rows()]
+            rows = plan.sampling_sequences()
             logits, failure, seconds = self._forward(plan, None) if plan else (None, None, 0.0)
         if failure is not None:  # the model ran for the whole step: its requests share the fault
             for seg in plan.segments:
@@ -425,7 +422,7 @@ class Engine:
                 applied = self._verify(plan, logits)
                 outputs += self._outputs(applied)
                 self._count(plan, len(applied))
-                if self.gate is not None and all(seg.verify for seg in plan.prefills):  # decode-only
+                if self.gate is not None and not plan.prefilling:  # decode-only
                     self.gate.observe(len(plan.segments), any(seg.drafts for seg in plan.segments), len(applied),
                                       time.perf_counter() - step_began)
             else:
@@ -491,11 +488,8 @@ class Engine:
                 mine = mine[max(n - 1, 0):max(n, 1)]  # the token after them (none kept: the first row's fault)
             seqs.append(seg.seq)
             tokens += mine
-        rollbacks = self.scheduler.settle(plan, kept)
-        self.runner.copy_states(rollbacks)
-        if plan.snapshots or plan.host_snapshots:  # after the copies that made room for their slots
-            self.flush_block_copies()
-            self.runner.snapshot(plan)
+        self.runner.copy_states(self.scheduler.settle(plan, kept))  # the rollbacks, before the snapshots
+        self._snapshot_after(plan)
         for seq in seqs:
             seq.draft = []
         # the computed drafted tokens join the sequences first (none of them stops one:
@@ -506,7 +500,7 @@ class Engine:
         applied = self._in_order(early, self.scheduler.apply_tokens(seqs, tokens))
         k = self.options.num_speculative_tokens
         if self.gate is not None and not self.gate.drafting(len(self.scheduler.running)):
-            if all(seg.verify for seg in plan.prefills):  # decode-only: no head pass either (`SpeculationGate`)
+            if not plan.prefilling:  # decode-only: no head pass either (`SpeculationGate`)
                 return applied
             k = 0  # a prefill: the head runs over it for its K/V there, drafting nothing
         runs = []
@@ -520,6 +514,13 @@ class Engine:
             runs.append(DraftRun(seg, first_row[id(seg)], want))
         self.drafter.propose(runs)
         return applied
+
+    def _snapshot_after(self, plan: StepPlan) -> None:
+        """The snapshots of checkpoints planned after the plan's step ran, behind the block copies
+        that taking their slots queued (a group emptied: its pages moved)."""
+        if plan.snapshots or plan.host_snapshots:
+            self.flush_block_copies()
+            self.runner.snapshot(plan)
 
     @staticmethod
     def _in_order(early: list, last: list) -> list:

@@ -24,6 +24,8 @@ from dataclasses import dataclass, fields, replace
 from cairn.workers.cache.checkpoint_policy import POLICY_KINDS
 from cairn.workers.precision import DTYPE_NAMES
 
+MAX_SPECULATIVE_TOKENS = 4  # the most tokens the MTP head drafts a step (cairn.workers.speculation)
+
 
 class EngineOptionError(ValueError):
     """An engine option that does not exist or is out of its range. `option`: its name."""
@@ -99,9 +101,9 @@ class EngineOptions:
             raise EngineOptionError("collective_timeout_s",
                                     f"collective_timeout_s must be a positive number of seconds, got {timeout!r}")
         k = self.num_speculative_tokens
-        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= 4:
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_SPECULATIVE_TOKENS:
             raise EngineOptionError("num_speculative_tokens", f"num_speculative_tokens must be an integer from 0 "
-                                                              f"(off) to 4, got {k!r}")
+                                                              f"(off) to {MAX_SPECULATIVE_TOKENS}, got {k!r}")
         for name in ("warm_up", "async_scheduling", "speculative_exact", "speculative_adaptive"):
             if not isinstance(getattr(self, name), bool):
                 raise EngineOptionError(name, f"{name} must be true or false, got {getattr(self, name)!r}")

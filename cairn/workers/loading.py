@@ -70,7 +70,7 @@ def load_engine(cls: type, model_dir: str | Path, asked: EngineOptions, worker_i
         device_budget.make_workspaces(device, p.dtype)
         if mtp is not None and asked.memory_utilization is not None:  # the verify steps' spare state slots
             probe = ArenaLayout.plan(model.config, replace(asked, memory_utilization=None, num_pages=1), p.dtype.itemsize)
-            reserve += probe.arena_bytes - probe.cache_bytes + probe.slot_blocks * probe.block_bytes
+            reserve += probe.spare_bytes + probe.slot_blocks * probe.block_bytes  # (aligned to a group at most)
         sized = device_budget.sized(asked, device, reserve=reserve)  # memory_utilization: what weights and graphs left
         if mtp is not None and asked.memory_utilization is not None:
             layers = len(model.config.attention_layers)  # the head's K/V: one more attention layer's pages

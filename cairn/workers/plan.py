@@ -97,6 +97,12 @@ class StepPlan:
         return self.decodes + self.prefills
 
     @property
+    def prefilling(self) -> bool:
+        """A segment of it computes more than a decode (a verify segment, a decode with its drafts,
+        is not a prefill)."""
+        return any(not s.verify for s in self.prefills)
+
+    @property
     def num_tokens(self) -> int:
         return sum(s.num_tokens for s in self.segments)
 

@@ -192,21 +192,21 @@ class Scheduler:
         segment gets as many drafts as slots are left (none: a plain decode). A step that
         prefills verifies no drafts: its rows would make the step longer, and its prompts' first
         tokens later, than without speculation."""
-        prefilling = any(not seg.verify for seg in plan.prefills)
-        chunks = []
-        for in_prefills, seg in [(False, s) for s in plan.decodes] + [(True, s) for s in plan.prefills]:
-            if not seg.drafts:
-                continue
-            take = 0 if prefilling else min(seg.drafts, len(self.spare_slots))
-            seg.states = [self.spare_slots.pop() for _ in range(take)]
-            seg.drafts = take
-            seg.num_tokens = 1 + take
-            if in_prefills:  # the chunked rule takes them (decode rows: `ForwardBatch.level_saves`)
+        prefilling = plan.prefilling
+        for seg in plan.decodes + plan.prefills:
+            if seg.drafts:
+                take = 0 if prefilling else min(seg.drafts, len(self.spare_slots))
+                seg.states = [self.spare_slots.pop() for _ in range(take)]
+                seg.drafts, seg.num_tokens = take, 1 + take
+        # a verify chunk's states the chunked rule takes (verify decode rows: `ForwardBatch.level_saves`);
+        # one left without drafts is a plain decode
+        for seg in plan.prefills:
+            if seg.verify:
                 seg.ckpt_slots = {j + 1: [slot] for j, slot in enumerate(seg.states)}
-                chunks.append(seg)
-        if any(not seg.drafts for seg in chunks):  # none left: a plain decode
+        plain = [seg for seg in plan.prefills if seg.verify and not seg.drafts]
+        if plain:
             plan.prefills = [seg for seg in plan.prefills if seg.drafts or not seg.verify]
-            plan.decodes += [seg for seg in chunks if not seg.drafts]
+            plan.decodes += plain
 
     def settle(self, plan: StepPlan, kept: dict[int, int]) -> list[tuple[int, int]]:
         """After a step with verify segments, once it is known how many tokens of each stand

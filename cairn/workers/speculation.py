@@ -44,10 +44,10 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from cairn.workers.engine_errors import SequenceFault
+from cairn.workers.engine_options import MAX_SPECULATIVE_TOKENS
 from cairn.workers.plan import Segment
 from cairn.workers.sequence import Sequence
 
-MAX_SPECULATIVE_TOKENS = 4
 
 
 @dataclass
@@ -63,7 +63,6 @@ class DraftRun:
 
 class Drafter(Protocol):
     """Proposes drafts (`Sequence.draft`) for the sequences a step's runs name."""
-    needs_hidden: bool  # it reads the target's hidden states (the runner keeps them)
 
     def propose(self, runs: list[DraftRun]) -> None: ...
 

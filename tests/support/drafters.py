@@ -9,7 +9,6 @@ class ScriptedDrafter:
     prompt and output), the tokens that follow there; each drafted token is replaced by another
     with probability `wrong` (1.0: every draft is wrong, so a greedy target rejects it), from a
     seeded stream. A sequence no continuation begins gets random tokens."""
-    needs_hidden = False
 
     def __init__(self, continuations: list[list[int]], vocab: int, wrong: float = 0.0, seed: int = 0):
         self.continuations, self.vocab, self.wrong = continuations, vocab, wrong

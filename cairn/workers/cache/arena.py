@@ -95,6 +95,11 @@ class ArenaLayout:
         return (self.spare_start + self.spare_slots) * self.slot_blocks * self.block_bytes
 
     @property
+    def spare_bytes(self) -> int:
+        """The spare slots' bytes, and the blocks that align them to a group."""
+        return self.arena_bytes - self.cache_bytes
+
+    @property
     def num_groups(self) -> int:
         """Slots the arena could hold at most (every block in a state)."""
         return self.num_blocks // self.slot_blocks if self.slot_blocks else self.virtual_slots

@@ -5,7 +5,7 @@
 head's K/V: one page per arena block, beside the arena ([num_blocks, page_size, H_kv, D], K and
 V, in the model's dtype: 1 / L_attn of the arena's bytes), read through the sequences' page
 tables as the target's layers read theirs. So a page's head K/V moves with it on the device (the
-runner applies MOVE and COPY block copies to it too); a page brought back from the host tier or
+runner's MOVE and COPY block copies move its rows too: `ModelRunner.block_rows`); a page brought back from the host tier or
 a peer brings only the target's K/V, and its head K/V is whatever that block held: it changes
 what the head drafts there, never what the engine outputs (every draft is verified).
 
@@ -31,24 +31,21 @@ from cairn.workers.model import ModelCaches
 from cairn.workers.model import packed_linear
 from cairn.workers.model.packed_linear import pack_linears
 from cairn.workers.model.mtp import MultiTokenPredictor
-from cairn.workers.plan import COPY, MOVE, Segment, StepPlan
+from cairn.workers.plan import Segment, StepPlan
 from cairn.workers.speculation import DraftRun
 
 
 class MtpDrafter:
-    needs_hidden = True
-
     def __init__(self, runner: ModelRunner, head: MultiTokenPredictor):
         self.runner, self.head = runner, head
         runner.keep_hidden = True
         pack_linears(head)
-        cfg = runner.cfg
-        shape = (runner.arena_blocks, runner.page_size, cfg.num_key_value_heads, cfg.head_dim)
+        shape = tuple(runner.caches.kv[0][0].shape)  # [num_blocks, page_size, H_kv, D]: one attention layer's K
         self.kv = (torch.zeros(shape, dtype=runner.dtype, device=runner.device),
                    torch.zeros(shape, dtype=runner.dtype, device=runner.device))
         self.caches = ModelCaches(list(runner.caches.kv) + [self.kv], runner.caches.conv_states,
                                   runner.caches.ssm_states)
-        runner.block_copy_hooks.append(self._copy_blocks)
+        runner.block_rows += self.kv  # it follows the device's page moves and copies
 
     def warm_up(self, max_rows: int) -> int:
         """The head's packed linears at every row count a pass of at most `max_rows` rows gives
@@ -59,18 +56,10 @@ class MtpDrafter:
     def memory_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.kv)
 
-    def _copy_blocks(self, kind: str, sources: list[int], targets: list[int]) -> None:
-        """The head's K/V follows the device's page moves and copies (`ModelRunner`'s hook)."""
-        if kind in (MOVE, COPY):
-            for t in self.kv:
-                for src, dst in zip(sources, targets):  # in order: a block may be written, then read
-                    t[dst] = t[src]
-
     @torch.inference_mode()
     def propose(self, runs: list[DraftRun]) -> None:
-        runs = [r for r in runs if r.segment.num_tokens > 0]
-        for r in runs:
-            r.segment.seq.draft = []
+        """Drafts for `runs` (the engine has emptied the drafts of every sequence the step
+        sampled, and leaves out segments of which nothing stands)."""
         if not runs or self.runner.hidden is None:
             return
         runner, model = self.runner, self.runner.model

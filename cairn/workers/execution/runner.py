@@ -73,8 +73,9 @@ class ModelRunner:
         # the MTP head reads (cairn.workers.execution.mtp_drafter)
         self.keep_hidden = False
         self.hidden: torch.Tensor | None = None
-        self.arena_blocks = layout.num_blocks
-        self.block_copy_hooks: list = []  # called with (kind, sources, targets) of each run of device copies
+        # tensors of one row per arena block beside it (the MTP head's K/V): device block copies
+        # (MOVE, COPY) move their rows too; the host tier and imports carry the arena's alone
+        self.block_rows: list[torch.Tensor] = []
 
     def warm_up(self, max_rows: int, sampled_rows: int) -> int:
         """Runs each packed linear at every row count a step of at most `max_rows` tokens, and of
@@ -214,8 +215,6 @@ class ModelRunner:
         return source[self._index(blocks, source.device)].cpu().numpy()
 
     def _copy_run(self, kind: str, sources: list[int], targets: list[int], staging: torch.Tensor | None = None) -> None:
-        for hook in self.block_copy_hooks:
-            hook(kind, sources, targets)
         src, dst = {MOVE: (self._blocks, self._blocks), COPY: (self._blocks, self._blocks),
                     DEMOTE: (self._blocks, self.host), PROMOTE: (self.host, self._blocks),
                     IMPORT: (staging, self._blocks)}[kind]
@@ -229,9 +228,14 @@ class ModelRunner:
             for s, d in zip(sources, targets):
                 dst[d].copy_(src[s], non_blocking=True)
             return
-        if on_device and not set(sources).isdisjoint(targets):
-            for s, d in zip(sources, targets):
-                dst[d] = src[s]
+        if on_device:
+            in_order = not set(sources).isdisjoint(targets)  # a block written, then read: one by one
+            for rows in (self._blocks, *self.block_rows):
+                if in_order:
+                    for s, d in zip(sources, targets):
+                        rows[d] = rows[s]
+                else:
+                    rows[self._index(targets)] = rows[self._index(sources)]
             return
         began = time.perf_counter()
         dst[self._index(targets, dst.device)] = src[self._index(sources, src.device)]
