@@ -99,6 +99,8 @@ class Engine:
         self.drafter: Drafter | None = None  # speculative decoding (cairn.workers.speculation)
         self.speculation = SpeculationTotals()
         self.gate = SpeculationGate() if options.speculative_adaptive else None
+        # the head's pass over the last step's kept positions, run when the next one begins (`_propose`)
+        self._proposal: list[DraftRun] = []
         if options.num_speculative_tokens:
             if mtp is None or rank_workers is not None:
                 raise EngineOptionError("num_speculative_tokens", "num_speculative_tokens needs the checkpoint's MTP "
@@ -370,6 +372,8 @@ class Engine:
         Such a call returns the last step's outputs: outputs come one call late. Any other step
         runs as without it."""
         step_began = time.perf_counter()
+        if self._proposal:
+            self._propose()
         if self.fetches.has_deliveries:
             self.fetches.adopt(self._requests)
         if self._held:
@@ -512,8 +516,17 @@ class Engine:
             if seq.num_computed == len(seq.token_ids) - 1 and drafts_allowed(seq):
                 want = max(0, min(k, seq.max_total_tokens - len(seq.token_ids) - 1))
             runs.append(DraftRun(seg, first_row[id(seg)], want))
-        self.drafter.propose(runs)
+        self._proposal = runs
         return applied
+
+    def _propose(self) -> None:
+        """The drafts of the last step's sequences (`Drafter.propose` over its kept positions), at
+        the start of the next step or of any other forward pass (which replaces the runner's kept
+        hidden states), so that the last step's tokens go out before the head runs: a prompt's
+        first token waits for the target's prefill alone, not for the head's pass over it too.
+        Sequences that ended in between (aborted) are left out."""
+        runs, self._proposal = self._proposal, []
+        self.drafter.propose([run for run in runs if not run.segment.seq.finished])
 
     def _snapshot_after(self, plan: StepPlan) -> None:
         """The snapshots of checkpoints planned after the plan's step ran, behind the block copies
@@ -615,6 +628,8 @@ class Engine:
         a slot only while it runs (nothing cached). For scoring and tests; refuses when the cache
         cannot make room now."""
         prompt = list(prompt_token_ids)
+        if self._proposal:  # before this pass replaces the hidden states it reads
+            self._propose()
         seq = Sequence("prompt-logits", prompt, SamplingParams(max_tokens=1), hash_root=self.spec.hash_root())
         cold = Match(0, 0, 0, None)  # compute everything: the logits of every position are wanted
         if not prompt or not self.cache.can_admit(seq, cold, len(prompt)):

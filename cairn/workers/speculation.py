@@ -25,7 +25,8 @@ after each offset kept in a free slot (`Scheduler._take_states`). Then:
    registered. The prefix cache, its tiers and the router see only kept tokens.
 3. The drafter proposes the next drafts (`Drafter.propose`): the engine's is the checkpoint's
    MTP head (cairn.workers.execution.mtp_drafter), which also runs over every position the step
-   kept (its own K/V at them).
+   kept (its own K/V at them). It runs when the next step begins, after the step's tokens went
+   out (`Engine._propose`): a prompt's first token does not wait for the head's pass over it.
 
 When drafts are worth it is measured (`SpeculationGate`, `EngineOptions.speculative_adaptive`):
 the engine drafts only while decode steps with drafts give more tokens per second than steps

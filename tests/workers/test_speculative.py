@@ -322,3 +322,30 @@ def test_a_step_that_prefills_verifies_no_drafts(spec_model):
     prefilling = [p for p in plans if any(not s.verify for s in p.prefills)]
     assert len(prefilling) >= 3 and all(not s.drafts for p in prefilling for s in p.segments)
     assert any(s.drafts for p in plans for s in p.segments)
+
+
+def test_the_first_token_goes_out_before_the_head_runs_over_the_prompt(spec_model):
+    """The head's pass over a step's kept positions runs when the next step begins: the step
+    that prefills a prompt returns its first token having run the target alone (TTFT as without
+    speculation). A request aborted in between, and a `prompt_logits` pass in between (which
+    replaces the hidden states the head reads), leave the others' tokens as k = 0's."""
+    path = spec_model("qwen3_5")
+    requests = [(p, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)) for p in prompts([20, 9, 14])]
+    expected = drive(Engine.from_pretrained(path, page_size=8), requests)
+    spec = Engine.from_pretrained(path, page_size=8, num_speculative_tokens=2, speculative_adaptive=False)
+    head_rows, apply = [], spec.drafter._apply
+    spec.drafter._apply = lambda work, hidden: head_rows.append(hidden.shape[0]) or apply(work, hidden)
+    ids = [spec.add_request(*r) for r in requests]
+    first = spec.step()  # every prompt prefilled
+    assert {o.request_id for o in first} == set(ids) and head_rows == []
+    victim = spec.add_request(prompts([7], seed=5)[0], requests[0][1])
+    spec.step()  # the head over the three prompts (43 positions), then the verify step and the victim's prefill
+    assert head_rows[0] == 20 + 9 + 14
+    spec.abort(victim)  # its head pass is pending: it is left out
+    spec.prompt_logits(prompts([11], seed=6)[0])  # runs the pending head pass first
+    final = {}
+    while spec.has_unfinished():
+        final.update({o.request_id: o for o in spec.step() if o.finished})
+    assert [final[i].token_ids for i in ids] == [o.token_ids for o in expected]
+    assert spec.speculation.drafts > 0
+    spec.check()

@@ -10,9 +10,10 @@ a peer brings only the target's K/V, and its head K/V is whatever that block hel
 what the head drafts there, never what the engine outputs (every draft is verified).
 
 `propose(runs)`, after a step's kept tokens are applied:
-1. The head runs over every position each run kept, as the target ran them (one varlen batch,
-   decodes and prefill segments), each position t reading the target's hidden state at t and
-   the embedding of token t + 1 (`ModelRunner.prepare`'s `shift`): it writes its K/V there.
+1. The head runs over every position each run kept (one varlen batch: a run of a few
+   positions, a decode's or a verify's, as that many decode rows; a prompt's chunk as a prefill
+   segment), each position t reading the target's hidden state at t and the embedding of token
+   t + 1 (`ModelRunner.prepare`'s `shift`): it writes its K/V there.
 2. A run that wants drafts takes the argmax of the LM head over the head's state at its last
    position: the first draft. Each further one applies the head again, one row a sequence at the
    next position, reading the drafted token's embedding and the head's own last state, while
@@ -33,6 +34,8 @@ from cairn.workers.model.packed_linear import pack_linears
 from cairn.workers.model.mtp import MultiTokenPredictor
 from cairn.workers.plan import Segment, StepPlan
 from cairn.workers.speculation import DraftRun
+
+SHORT_RUN = 8  # a run of at most this many positions goes through the decode rows (`propose`)
 
 
 class MtpDrafter:
@@ -63,19 +66,24 @@ class MtpDrafter:
         if not runs or self.runner.hidden is None:
             return
         runner, model = self.runner, self.runner.model
-        decodes = [r for r in runs if r.segment.num_tokens == 1]
-        prefills = [r for r in runs if r.segment.num_tokens > 1]
-        order = decodes + prefills
-        plan = StepPlan(decodes=[Segment(r.segment.seq, r.segment.start, 1) for r in decodes],
-                        prefills=[Segment(r.segment.seq, r.segment.start, r.segment.num_tokens) for r in prefills])
+        # a run of a few positions (a decode, a verify's kept tokens) is that many decode rows,
+        # each attending up to its own position (every row's K/V is stored before any attends):
+        # the prefill path's per-segment work is for prompts
+        short = [r for r in runs if r.segment.num_tokens <= SHORT_RUN]
+        prefills = [r for r in runs if r.segment.num_tokens > SHORT_RUN]
+        order = short + prefills
+        decodes = [Segment(r.segment.seq, r.segment.start + j, 1) for r in short for j in range(r.segment.num_tokens)]
+        plan = StepPlan(decodes=decodes, prefills=[Segment(r.segment.seq, r.segment.start, r.segment.num_tokens)
+                                                   for r in prefills])
         work = runner.prepare(plan, shift=1)
         rows = np.concatenate([np.arange(r.row, r.row + r.segment.num_tokens) for r in order])
         hidden = runner.hidden.index_select(0, torch.from_numpy(rows).to(runner.hidden.device))
         x = self._apply(work, hidden)
+        ends = np.cumsum([r.segment.num_tokens for r in order]) - 1  # each run's last row in `x`
         drafting = [(i, r) for i, r in enumerate(order) if r.want > 0]
         if not drafting:
             return
-        last = torch.tensor([int(work.cu_seqlens[i + 1]) - 1 for i, _ in drafting], device=x.device)
+        last = torch.tensor([int(ends[i]) for i, _ in drafting], device=x.device)
         state = x.index_select(0, last)
         active = [r.segment.seq for _, r in drafting]
         wants = {id(r.segment.seq): r.want for _, r in drafting}

@@ -74,11 +74,37 @@ def test_prefill_attention_on_the_tile_unit_equals_the_reference(new, cached, gr
 
 
 def test_prefill_attention_at_other_head_dims_runs_torchs_flash_kernel():
-    q, k_cache = rand(5, 2, 32, dtype=torch.bfloat16), rand(2, 16, 1, 32, dtype=torch.bfloat16)
-    table, cu, lens = torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([0, 5], dtype=torch.int32), \
+    q, k_cache = rand(12, 2, 32, dtype=torch.bfloat16), rand(2, 16, 1, 32, dtype=torch.bfloat16)
+    table, cu, lens = torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([0, 12], dtype=torch.int32), \
         torch.tensor([20], dtype=torch.int32)
     assert torch.equal(attention_cpu.paged_attention_prefill(q, k_cache, k_cache, table, cu, lens, 0.2),
                        attention_torch.paged_attention_prefill(q, k_cache, k_cache, table, cu, lens, 0.2))
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, TOL), (torch.bfloat16, BF16)])
+def test_short_prefill_segments_run_as_decode_rows_and_equal_the_reference(dtype, tol):
+    """Segments of at most `SHORT` new tokens (a verify step's) go through the decode kernel, a
+    row a token, each seeing the keys up to its own position; longer ones beside them through
+    the prefill kernel: together, the reference's causal attention over cached prefixes."""
+    h_kv, group, page_size, d = 2, 4, 16, 64
+    new, cached = [3, 1, 20, attention_cpu.SHORT, 2, 9], [40, 0, 17, 15, 0, 100]
+    totals = [n + c for n, c in zip(new, cached)]
+    width = max(-(-t // page_size) for t in totals)
+    arena = torch.full((len(new) * width + 3, 2, 2, page_size, h_kv, d), math.nan, dtype=dtype)
+    k_cache, v_cache = arena[:, 1, 0], arena[:, 1, 1]
+    table = torch.randperm(arena.shape[0])[:len(new) * width].reshape(len(new), width).to(torch.int32)
+    for b, total in enumerate(totals):
+        for p in range(total):
+            page = table[b, p // page_size]
+            k_cache[page, p % page_size] = rand(h_kv, d, seed=1000 * b + p, dtype=dtype)
+            v_cache[page, p % page_size] = rand(h_kv, d, seed=1000 * b + p + 500, dtype=dtype)
+    q = rand(sum(new), h_kv * group, d, seed=3, dtype=dtype)
+    cu = torch.tensor([0] + torch.tensor(new).cumsum(0).tolist(), dtype=torch.int32)
+    lens = torch.tensor(totals, dtype=torch.int32)
+    got = attention_cpu.paged_attention_prefill(q, k_cache, v_cache, table, cu, lens, 0.125)
+    want = attention_ref.paged_attention_prefill(q, k_cache, v_cache, table, cu, lens, 0.125)
+    assert got.dtype == dtype and not got.isnan().any()
+    torch.testing.assert_close(got.float(), want.float(), **tol)
 
 
 def test_decode_attention_refuses_lengths_past_the_page_table():
