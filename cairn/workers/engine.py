@@ -56,7 +56,7 @@ from cairn.workers.sampling_params import SamplingParams
 from cairn.workers.scheduler import Scheduler
 from cairn.workers.sequence import Sequence, Status
 from cairn.workers.spec import EngineSpec
-from cairn.workers.speculation import (DraftRun, Drafter, SpeculationGate, SpeculationTotals, drafts_allowed,
+from cairn.workers.speculation import (DraftRun, Drafter, SpeculationGate, SpeculationTotals,
                                        kept_tokens)
 from cairn.workers.execution.tp_runner import TensorParallelRunner
 
@@ -131,6 +131,8 @@ class Engine:
             rank_workers.wait_ready(layout.num_blocks, timeout_s=max(120.0, options.collective_timeout_s))
             self.runner = TensorParallelRunner(self.runner, rank_workers)
         self.sampler = Sampler(options.seed, self._eos)
+        if self.drafter is not None:  # a constrained row drafts what its grammar allows
+            self.drafter.constrain = self.sampler.constrain_drafts
         self.events = EventStream(worker_id)
         self.stats = EngineTotals()
         self._requests: dict[str, Sequence] = {}
@@ -485,6 +487,7 @@ class Engine:
             if seg.verify:
                 n, accepted = verdicts[id(seg)]
                 self.speculation.count(seg.drafts, accepted)
+                self.sampler.count_kept(seg.seq, [result[0] for result in mine[1:n]])  # penalties' counts
                 if n:
                     kept[id(seg.seq)] = n
                 drafted_seqs += [seg.seq] * (n - 1)
@@ -513,7 +516,7 @@ class Engine:
             if seq.finished or seg.num_tokens == 0:
                 continue
             want = 0
-            if seq.num_computed == len(seq.token_ids) - 1 and drafts_allowed(seq):
+            if seq.num_computed == len(seq.token_ids) - 1:
                 want = max(0, min(k, seq.max_total_tokens - len(seq.token_ids) - 1))
             runs.append(DraftRun(seg, first_row[id(seg)], want))
         self._proposal = runs

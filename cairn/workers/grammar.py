@@ -182,14 +182,36 @@ class Grammars:
                 self._compiled.popitem(last=False)
         return done
 
-    def mask(self, seq) -> np.ndarray:
+    def mask(self, seq, draft: list[int] | tuple[int, ...] = ()) -> np.ndarray:
         """The allowed next tokens of `seq` (a `Sequence` whose params carry a grammar) as int32
-        words; raises GrammarError."""
+        words; raises GrammarError. With `draft` (speculative decoding: tokens proposed after its
+        output), the tokens allowed after the output and the draft: the matcher steps through
+        the drafted tokens, then rolls back to the output, so it never holds a token its
+        sequence does not. Where a drafted token is not allowed after those before it, the
+        mask is the one there: no row past it can be kept, as the token drawn there is not it."""
+        words = self._mask(seq, seq.output_token_ids)
+        if not draft:
+            return words
+        state: _State = seq.grammar_state
+        held = (state.start, state.scanned, state.consumed, state.ended)
+        try:
+            out = list(seq.output_token_ids)
+            for token in draft:
+                if not words.view(np.uint32)[token // 32] >> np.uint32(token % 32) & 1:
+                    break
+                out.append(token)
+                words = self._mask(seq, out)
+        finally:
+            state.matcher.rollback(state.consumed - held[2])
+            state.start, state.scanned, state.consumed, state.ended = held
+        return words
+
+    def _mask(self, seq, out: list[int]) -> np.ndarray:
+        """`mask` after `out` (the sequence's output, or that and drafted tokens)."""
         grammar: Grammar = seq.params.grammar
         state: _State | None = seq.grammar_state
         if state is None:
             state = seq.grammar_state = _State(self.prepare(grammar).result().copy())
-        out = seq.output_token_ids
         if state.start is not None and len(out) < state.start:  # preempted back into the thinking
             state.matcher.rollback(state.consumed)
             state.start, state.scanned, state.consumed = None, 0, 0

@@ -91,6 +91,7 @@ class _Rows:
         self.logprobs: list[int] = []  # -1: not asked
         self.penalised: list[int] = []  # positions (in these rows) with penalties
         self.penalties: list[tuple[float, float, float]] = []  # (repetition, frequency, presence)
+        self.drafted: list[list[int]] = []  # per penalised position, the drafted tokens before its own
         self.seqs: list[Sequence] = []
         self.bias: list[tuple[int, int, float]] = []  # (position, token, bias)
         self.masked: list[tuple[int, int]] = []  # (position, token): EOS and stop ids under min_tokens
@@ -152,6 +153,31 @@ class Sampler:
                 results = failed(e)
             return self._place(out, rows.pos, results)
         return Draw(ids, read)
+
+    @torch.inference_mode()
+    def constrain_drafts(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        """Masks the drafter's logits [n, vocab] (fp32, one row per sequence in `seqs`) of the
+        rows with a grammar to the tokens it allows after the sequence's output and the tokens
+        drafted so far (`Sequence.draft`); a row whose grammar cannot say drafts nothing (every
+        token masked)."""
+        at = [i for i, seq in enumerate(seqs) if seq.params.grammar is not None]
+        if not at:
+            return
+        words = []
+        for i in at:
+            try:
+                words.append(self.grammars.mask(seqs[i], seqs[i].draft))
+            except Exception:  # its verify row faults it, if it is sampled again
+                words.append(np.zeros(-(-logits.shape[1] // 32), np.int32))
+        kernels.mask_rows(logits, torch.tensor(at, dtype=torch.long, device=logits.device),
+                          torch.from_numpy(np.stack(words)).to(logits.device))
+
+    @torch.inference_mode()
+    def count_kept(self, seq: Sequence, tokens: list[int]) -> None:
+        """Counts, for a penalised sequence's next rows, the tokens a verify step kept past its
+        first row's (which the draw counted: a drafted row's count went to a scratch row)."""
+        if tokens and seq.params.penalised and self.counts is not None:
+            self.counts.add_tokens(seq, tokens)
 
     @staticmethod
     def _place(out: list, pos: list[int], results: list) -> list:
@@ -217,8 +243,6 @@ class Sampler:
         of it is appended). `offset`: see `sample`."""
         p, at = seq.params, len(rows.seqs)
         n_out = len(seq.output_token_ids) + offset
-        if offset and (p.penalised or p.grammar is not None):
-            raise ValueError("a drafted row has no token counts or grammar state of its own")
         if any(token >= vocab for token, _ in p.logit_bias):
             raise ValueError("a logit_bias token is outside the vocabulary")
         masked = []
@@ -226,7 +250,7 @@ class Sampler:
         if p.grammar is not None:
             if self.grammars is None:
                 raise ValueError("this engine has no tokenizer to compile grammars with")
-            mask = self.grammars.mask(seq)
+            mask = self.grammars.mask(seq, seq.draft[:offset])
         if n_out < p.min_tokens:
             stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos))
             masked = [(at, t) for t in sorted(stops) if t < vocab]
@@ -240,6 +264,7 @@ class Sampler:
         if p.penalised:
             rows.penalised.append(at)
             rows.penalties.append((p.repetition_penalty, p.frequency_penalty, p.presence_penalty))
+            rows.drafted.append(seq.draft[:offset])
         rows.bias.extend((at, token, bias) for token, bias in p.logit_bias)
         rows.masked.extend(masked)
         if mask is not None:
@@ -286,6 +311,9 @@ class Sampler:
             if self.counts is None:
                 self.counts = TokenCounts(vocab, device)
             counts_rows = self.counts.rows([rows.seqs[i] for i in rows.penalised])
+            # a drafted row counts its sequence's output and the drafted tokens before it
+            counts_rows = [self.counts.scratch(row, drafted) if drafted else row
+                           for row, drafted in zip(counts_rows, rows.drafted)]
         bias = np.array(rows.bias, np.float64).reshape(-1, 3)
         masked = np.array(rows.masked, np.int64).reshape(-1, 2)
         pen = np.array(rows.penalties, np.float32).reshape(-1, 3)
@@ -328,7 +356,7 @@ class Sampler:
             ids = ids.index_copy(0, samp, drawn)
         ids = torch.where(finite, ids, -1)
         if rows.penalised:
-            self.counts.add(pen_rows, ids.index_select(0, pen_pos))
+            self.counts.add(pen_rows, ids.index_select(0, pen_pos))  # a drafted row's into its scratch row
         every = ids if n == logits.shape[0] else torch.full((logits.shape[0],), -1, dtype=ids.dtype,
                                                             device=device).index_copy(0, pos, ids)
         if logprobs is None:

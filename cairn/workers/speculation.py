@@ -33,9 +33,10 @@ the engine drafts only while decode steps with drafts give more tokens per secon
 without, at the current number of running sequences; a step that prefills verifies none
 (`Scheduler._take_states`).
 
-Rows that never draft: a sequence with penalties or a grammar (their token counts and grammar
-state would have to follow each drafted token: not built); those decode one token a step beside
-the speculating ones. What a step counts: `SpeculationTotals`, vLLM's numbers (drafts, drafted
+Every row drafts, whatever its sampling parameters: a drafted row is sampled as its output
+index would be, after the drafted tokens before it (they are its output there, if it is kept at
+all): penalties count them (`TokenCounts.scratch`; the kept ones are counted after the step), a
+grammar's matcher steps through them and rolls back (`Grammars.mask`'s `draft`). What a step counts: `SpeculationTotals`, vLLM's numbers (drafts, drafted
 tokens, accepted tokens in all and by position; mean acceptance length = 1 + accepted / drafts).
 """
 
@@ -47,8 +48,6 @@ from typing import Protocol
 from cairn.workers.engine_errors import SequenceFault
 from cairn.workers.engine_options import MAX_SPECULATIVE_TOKENS
 from cairn.workers.plan import Segment
-from cairn.workers.sequence import Sequence
-
 
 
 @dataclass
@@ -124,11 +123,6 @@ class SpeculationGate:
         rates = self._rates.setdefault(bucket, [None, None])
         rate, old = tokens / seconds, rates[drafted]
         rates[drafted] = rate if old is None else self.DECAY * old + (1 - self.DECAY) * rate
-
-
-def drafts_allowed(seq: Sequence) -> bool:
-    """Whether `seq`'s rows can be sampled at drafted positions: no penalties, no grammar."""
-    return not seq.params.penalised and seq.params.grammar is None
 
 
 @dataclass

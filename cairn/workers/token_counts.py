@@ -6,7 +6,9 @@ and so do their counts). A row holds `counts` [vocab] int32, how often each toke
 output, and `prompt` [vocab] bool, which tokens are in the prompt (for `repetition_penalty`).
 The row is filled once, from the prompt and the output so far (one upload per sequence); after
 that `add` counts each step's sampled ids on the device, so no step reads or rebuilds a row on
-the host. Rows of finished sequences are reused; the table grows by doubling, so its memory is
+the host. A verify step's drafted row (speculative decoding) reads a scratch row: its
+sequence's counts and the drafted tokens before it (`scratch`); the tokens such a step keeps
+past its first row are counted from the host (`add_tokens`). Rows of finished sequences are reused; the table grows by doubling, so its memory is
 (the most penalised sequences at once) x vocab x 5 bytes.
 """
 
@@ -24,13 +26,15 @@ class TokenCounts:
         self.prompt = torch.zeros(0, vocab_size, dtype=torch.bool, device=self.device)
         self._rows: dict[int, tuple[Sequence, int]] = {}  # id(seq) -> (seq, row)
         self._free: list[int] = []
+        self._scratch: list[int] = []  # rows lent for one draw (`scratch`)
 
     def __len__(self) -> int:
         return len(self._rows)
 
     def rows(self, seqs: list[Sequence]) -> list[int]:
         """Each sequence's row, assigned and filled on first sight; releases the rows of
-        sequences that finished since the last call."""
+        sequences that finished since the last call, and the last draw's scratch rows."""
+        self.release_scratch()
         for key, (seq, row) in list(self._rows.items()):
             if seq.finished:
                 del self._rows[key]
@@ -43,6 +47,30 @@ class TokenCounts:
                 self._rows[id(seq)] = held
             out.append(held[1])
         return out
+
+    def scratch(self, row: int, tokens: list[int]) -> int:
+        """A row lent until the next `rows` call: `row`'s counts and prompt, with `tokens` counted
+        as output too (a verify step's drafted row: its sequence's output and the drafted tokens
+        before it, cairn.workers.speculation)."""
+        if not self._free:
+            self._grow()
+        lent = self._free.pop()
+        self._scratch.append(lent)
+        self.counts[lent] = self.counts[row]
+        self.prompt[lent] = self.prompt[row]
+        ids = torch.tensor(tokens, dtype=torch.long).to(self.device, non_blocking=True)
+        self.counts[lent].index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
+        return lent
+
+    def release_scratch(self) -> None:
+        self._free += self._scratch
+        self._scratch = []
+
+    def add_tokens(self, seq: Sequence, tokens: list[int]) -> None:
+        """Counts `tokens` (host ids) as `seq`'s output (its row must exist)."""
+        row = self._rows[id(seq)][1]
+        ids = torch.tensor(tokens, dtype=torch.long).to(self.device, non_blocking=True)
+        self.counts[row].index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
 
     def _fill(self, seq: Sequence) -> int:
         if not self._free:

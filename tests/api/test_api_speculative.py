@@ -3,7 +3,7 @@ real HTTP, one engine with `num_speculative_tokens` 2 (exact mode) and one witho
 demo model trained for it (`cairn demo-model --mtp trained`: its head's drafts are kept at a
 realistic rate, so steps do yield several tokens), gets the same answers: streamed and not,
 usage with cached_tokens on a repeat, a stop string, n > 1 seeded sampling, structured outputs
-and a constrained tool call (whose rows never draft: a grammar). Streaming sends accepted tokens
+and a constrained tool call (its rows draft under a grammar). Streaming sends accepted tokens
 only: the streamed text equals the whole answer. (The engine-level equalities are
 tests/workers/test_speculative.py.)"""
 

@@ -146,8 +146,7 @@ def test_a_rejected_draft_leaves_no_trace(spec_model):
 
 def test_seeded_sampled_rows_draw_the_same_tokens(spec_model):
     """A seeded row draws its token of output index i at (seed, i) with or without drafts, after
-    the same rules (temperature, top-k/p, min-p, logit_bias, min_tokens); a row with penalties
-    never drafts, and decodes beside the speculating ones."""
+    the same rules (temperature, top-k/p, min-p, logit_bias, min_tokens, penalties)."""
     path = spec_model("qwen3_next")
     ps = prompts([9, 14, 6, 11, 17], seed=2)
     params = [SamplingParams(max_tokens=20, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True, logprobs=1),
@@ -163,7 +162,59 @@ def test_seeded_sampled_rows_draw_the_same_tokens(spec_model):
     got = drive(spec, requests)
     assert_same(expected, got)
     assert spec.speculation.accepted_tokens > 20
-    assert spec.drafter.asked == {tuple(p) for i, p in enumerate(ps) if i != 3}  # all but the penalised row
+    assert spec.drafter.asked == {tuple(p) for p in ps}  # every row drafts, the penalised one too
+
+
+def test_penalised_and_constrained_rows_draft_and_keep_their_tokens(spec_model):
+    """Rows with penalties and with grammars (a JSON schema; a reasoning model's thinking, then
+    JSON) draft like any other. A drafted row is sampled after the drafted tokens before it:
+    its penalties count them, its grammar's matcher steps through them and back (a wrong draft
+    the grammar forbids ends what can be kept there). Greedy and seeded rows give k = 0's
+    tokens; the drafts were kept often (a wrong one is a random token: 30% of them)."""
+    import llguidance
+    from tokenizers import Tokenizer
+
+    from cairn.workers.grammar import Grammar
+
+    path = spec_model("qwen3_5")
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                               "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["name", "n"], "additionalProperties": False}
+    text = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
+    start, end = tok.token_to_id("<think>"), tok.token_to_id("</think>")
+    json_only, thinking = Grammar(text), Grammar(text, think=(start, end), thinking=True)
+    ps = [tok.encode(f"Question {i}: name a cairn.").ids for i in range(3)] + prompts([13, 7], seed=4)
+    params = [SamplingParams(max_tokens=40, temperature=0, grammar=json_only),
+              SamplingParams(max_tokens=40, temperature=1.0, seed=5, grammar=json_only, frequency_penalty=0.4),
+              SamplingParams(max_tokens=48, temperature=1.0, seed=6, grammar=thinking, logit_bias={end: 3.0}),
+              SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, frequency_penalty=1.5,
+                             presence_penalty=0.5),
+              SamplingParams(max_tokens=24, temperature=0.9, seed=8, ignore_eos=True, repetition_penalty=1.4)]
+    requests = list(zip(ps, params))
+    options = dict(page_size=8, num_pages=128, max_num_seqs=8)
+    plain = Engine.from_pretrained(path, **options)
+    for grammar in (json_only, thinking):
+        plain.sampler.grammars.prepare(grammar).result()
+    expected = drive(plain, requests)
+    assert all(o.finish_reason == "stop" for o in expected[:3])
+    spec = speculating(path, 3, continuations(requests, expected), wrong=0.3, **options)
+    for grammar in (json_only, thinking):
+        spec.sampler.grammars.prepare(grammar).result()
+    got = drive(spec, requests)
+    assert_same(expected, got)
+    assert spec.drafter.asked == {tuple(p) for p in ps}
+    s = spec.speculation
+    assert s.accepted_tokens > s.draft_tokens / 3, s
+    spec.check()
+    # the checkpoint's (random) head drafts for constrained rows among what their grammar allows:
+    # where the schema leaves one token (a key, a quote), the draft is kept
+    requests = [(p, SamplingParams(max_tokens=40, temperature=0, grammar=json_only)) for p in ps[:3]]
+    head = Engine.from_pretrained(path, num_speculative_tokens=3, speculative_adaptive=False, **options)
+    head.sampler.grammars.prepare(json_only).result()
+    assert [o.token_ids for o in drive(head, requests)] == [o.token_ids for o in expected[:1]] + \
+        [o.token_ids for o in drive(plain, requests[1:])]
+    assert head.speculation.accepted_tokens >= 10, head.speculation  # unconstrained: none
 
 
 @pytest.mark.parametrize("host_tier", [False, True], ids=["tier-off", "tier-on"])

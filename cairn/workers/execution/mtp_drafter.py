@@ -15,13 +15,16 @@ what the head drafts there, never what the engine outputs (every draft is verifi
    segment), each position t reading the target's hidden state at t and the embedding of token
    t + 1 (`ModelRunner.prepare`'s `shift`): it writes its K/V there.
 2. A run that wants drafts takes the argmax of the LM head over the head's state at its last
-   position: the first draft. Each further one applies the head again, one row a sequence at the
+   position (among the tokens `constrain` leaves: a grammar's, so that a constrained row's
+   drafts are ones its grammar allows): the first draft. Each further one applies the head again, one row a sequence at the
    next position, reading the drafted token's embedding and the head's own last state, while
    that position lies in the pages the sequence holds (its verify step needs them too).
 Each draft round reads its argmax back (one small read a round).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -33,6 +36,7 @@ from cairn.workers.model import packed_linear
 from cairn.workers.model.packed_linear import pack_linears
 from cairn.workers.model.mtp import MultiTokenPredictor
 from cairn.workers.plan import Segment, StepPlan
+from cairn.workers.sequence import Sequence
 from cairn.workers.speculation import DraftRun
 
 SHORT_RUN = 8  # a run of at most this many positions goes through the decode rows (`propose`)
@@ -49,6 +53,9 @@ class MtpDrafter:
         self.caches = ModelCaches(list(runner.caches.kv) + [self.kv], runner.caches.conv_states,
                                   runner.caches.ssm_states)
         runner.block_rows += self.kv  # it follows the device's page moves and copies
+        # masks a round's logits [n, vocab] (fp32) of these sequences to what each may draft next
+        # (the engine's: a grammar's allowed tokens after its output and its drafts so far)
+        self.constrain: Callable[[torch.Tensor, list[Sequence]], None] | None = None
 
     def warm_up(self, max_rows: int) -> int:
         """The head's packed linears at every row count a pass of at most `max_rows` rows gives
@@ -89,7 +96,10 @@ class MtpDrafter:
         wants = {id(r.segment.seq): r.want for _, r in drafting}
         ps = runner.page_size
         for j in range(max(wants.values())):
-            ids = kernels.argmax_rows(model.head_logits(state)).tolist()
+            logits = model.head_logits(state)
+            if self.constrain is not None:
+                self.constrain(logits, active)
+            ids = kernels.argmax_rows(logits).tolist()
             going, keep = [], []
             for i, (seq, token) in enumerate(zip(active, ids)):
                 if token < 0:  # non-finite draft logits: no more drafts for it
