@@ -9,8 +9,8 @@ the deployment's `placement_group_bundles`, `STRICT_PACK`: one node, so the rank
 loopback), with that bundle's CPUs and GPU; each is named `cairn-tp-rank-<engine>-<rank>`.
 Each rank actor gets the `EngineOptions` rank 0 was asked for (the value, pickled as Ray passes
 arguments) and builds its shard, arena and runner exactly as a local rank process does
-(`cairn.workers.execution.tp_runner.build_rank_runner`), then runs the `StepWork`s it is sent
-in order (one caller, one sequential actor: Ray keeps the order). A rank actor that dies makes
+(`cairn.workers.execution.tp_runner.build_rank_runner`), then runs what it is sent
+(`RankExecutor.handle`) in order (one caller, one sequential actor: Ray keeps the order). A rank actor that dies makes
 rank 0's collectives time out, which breaks the engine (`cairn.workers.execution.tp_runner.RankFailure`); the
 replica then fails its health check. `close()` kills the rank actors.
 """
@@ -44,7 +44,7 @@ class RankActor:
 
         torch.set_num_threads(1)
         device = torch.device("cuda") if ray.get_gpu_ids() else torch.device("cpu")  # its bundle's GPU
-        self.runner, self._num_blocks = build_rank_runner(model_dir, options, rank, address, device)
+        self.executor, self._num_blocks = build_rank_runner(model_dir, options, rank, address, device)
 
     def num_blocks(self) -> int:
         return self._num_blocks
@@ -53,7 +53,7 @@ class RankActor:
         return os.getpid()
 
     def run(self, work) -> None:
-        self.runner.run(work)
+        self.executor.handle(work)
 
 
 class RayRankWorkers:

@@ -102,9 +102,9 @@ class Engine:
         # the head's pass over the last step's kept positions, run when the next one begins (`_propose`)
         self._proposal: list[DraftRun] = []
         if options.num_speculative_tokens:
-            if mtp is None or rank_workers is not None:
+            if mtp is None:
                 raise EngineOptionError("num_speculative_tokens", "num_speculative_tokens needs the checkpoint's MTP "
-                                        "head (mtp.* tensors) on one device (tensor_parallel_size 1)")
+                                        "head (mtp.* tensors)")
             from cairn.workers.execution.mtp_drafter import MtpDrafter
             self.drafter = MtpDrafter(self.runner, mtp)
             log.info("speculative decoding: %d drafted tokens a step (%s mode); the MTP head's K/V %.1f MiB, %d "
@@ -130,6 +130,8 @@ class Engine:
         if rank_workers is not None:
             rank_workers.wait_ready(layout.num_blocks, timeout_s=max(120.0, options.collective_timeout_s))
             self.runner = TensorParallelRunner(self.runner, rank_workers)
+            if self.drafter is not None:  # every rank runs the head's share
+                self.drafter.dispatch = self.runner.dispatch
         self.sampler = Sampler(options.seed, self._eos)
         if self.drafter is not None:  # a constrained row drafts what its grammar allows
             self.drafter.constrain = self.sampler.constrain_drafts

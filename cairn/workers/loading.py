@@ -7,23 +7,22 @@ asked.
 `load_engine` takes the `EngineOptions` asked for, whole, and hands the same value to ranks
 1..N-1 and to the sizing; the engine gets the sized value, a new one (the asked one is not
 changed). With `num_speculative_tokens`, the checkpoint's MTP head is loaded too (refused where
-there is none, or with tensor parallelism), and an arena sized from the device's free memory
-leaves the verify steps' spare state slots (cairn.workers.cache.arena) and the head's K/V (a page
-per block beside the arena: cairn.workers.execution.mtp_drafter) their shares."""
+there is none; each rank's share of it under tensor parallelism), and an arena sized from the
+device's free memory leaves the verify steps' spare state slots (cairn.workers.cache.arena) and
+the head's K/V (a page per block beside the arena: cairn.workers.execution.mtp_drafter) their
+shares (`device_budget.sized_for_speculation`)."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from cairn.cache_service.hashing import model_fingerprint
 from cairn.workers.cache import device_budget
-from cairn.workers.cache.arena import ArenaLayout
 from cairn.workers.model import load_model, read_model_config
-from cairn.workers.model.mtp import load_mtp
+from cairn.workers.model.mtp import MultiTokenPredictor, load_mtp
 from cairn.workers.model.sharding import shard_config
 from cairn.workers.engine_options import EngineOptionError, EngineOptions
 from cairn.workers.execution.tp_runner import RankWorkers, free_address, load_rank_model
@@ -39,6 +38,29 @@ def generation_eos_ids(model_dir: Path) -> frozenset[int]:
     return frozenset(i for i in ids if isinstance(i, int) and not isinstance(i, bool))
 
 
+def head_for(model_dir: Path, asked: EngineOptions, model) -> MultiTokenPredictor | None:
+    """The checkpoint's MTP head beside `model` (this rank's share of it under tensor
+    parallelism) when `asked` speculates; refused where the checkpoint has none."""
+    if not asked.num_speculative_tokens:
+        return None
+    p = next(model.parameters())
+    full = read_model_config(model_dir / "config.json")
+    mtp = load_mtp(model_dir, full, p.dtype, p.device, cache_rank=len(model.config.attention_layers),
+                   shard=model.shard, group=model.group)
+    if mtp is None:
+        raise EngineOptionError("num_speculative_tokens", f"num_speculative_tokens {asked.num_speculative_tokens}: "
+                                f"the checkpoint in {model_dir} has no MTP head (no mtp.* tensors) to draft with")
+    return mtp
+
+
+def rank_sized(asked: EngineOptions, model, speculating: bool) -> EngineOptions:
+    """A tensor-parallel rank's sizing (every rank alike: cairn.workers.cache.device_budget)."""
+    p = next(model.parameters())
+    if speculating:
+        return device_budget.sized_for_speculation(asked, model.config, p.dtype.itemsize, p.device, model.group)
+    return device_budget.sized(asked, p.device, model.group)
+
+
 def _pick_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -52,29 +74,18 @@ def load_engine(cls: type, model_dir: str | Path, asked: EngineOptions, worker_i
     replica's actors: cairn.cluster.tp_ranks)."""
     path = Path(model_dir)
     workers = mtp = None
-    if asked.num_speculative_tokens and asked.tensor_parallel_size > 1:
-        raise EngineOptionError("num_speculative_tokens", "speculative decoding runs on one device: the MTP head "
-                                                          "is not tensor parallel (tensor_parallel_size 1)")
     if asked.tensor_parallel_size == 1:
         model = load_model(model_dir, dtype=asked.dtype, device=_pick_device(asked.device))
         p = next(model.parameters())
-        if asked.num_speculative_tokens:
-            mtp = load_mtp(path, model.config, p.dtype, p.device, cache_rank=len(model.config.attention_layers))
-            if mtp is None:
-                raise EngineOptionError("num_speculative_tokens", f"num_speculative_tokens "
-                                        f"{asked.num_speculative_tokens}: the checkpoint in {path} has no MTP head "
-                                        f"(no mtp.* tensors) to draft with")
+        mtp = head_for(path, asked, model)
         device = p.device
         graphs = device.type == "cuda" and not asked.enforce_eager and not mtp
         reserve = device_budget.graph_reserve_bytes(model.config, asked.max_num_seqs) if graphs else 0
         device_budget.make_workspaces(device, p.dtype)
-        if mtp is not None and asked.memory_utilization is not None:  # the verify steps' spare state slots
-            probe = ArenaLayout.plan(model.config, replace(asked, memory_utilization=None, num_pages=1), p.dtype.itemsize)
-            reserve += probe.spare_bytes + probe.slot_blocks * probe.block_bytes  # (aligned to a group at most)
-        sized = device_budget.sized(asked, device, reserve=reserve)  # memory_utilization: what weights and graphs left
-        if mtp is not None and asked.memory_utilization is not None:
-            layers = len(model.config.attention_layers)  # the head's K/V: one more attention layer's pages
-            sized = replace(sized, cache_memory_bytes=sized.cache_memory_bytes * layers // (layers + 1))
+        if mtp is not None:  # the verify steps' spare state slots, the head's K/V
+            sized = device_budget.sized_for_speculation(asked, model.config, p.dtype.itemsize, device, reserve=reserve)
+        else:
+            sized = device_budget.sized(asked, device, reserve=reserve)  # memory_utilization: what weights and graphs left
     else:
         shard_config(read_model_config(path / "config.json"), asked.tensor_parallel_size)  # fits?
         address = free_address()
@@ -82,7 +93,8 @@ def load_engine(cls: type, model_dir: str | Path, asked: EngineOptions, worker_i
     try:
         if workers is not None:
             model = load_rank_model(model_dir, asked, 0, address)
-            sized = device_budget.sized(asked, next(model.parameters()).device, model.group)  # the same on every rank
+            mtp = head_for(path, asked, model)
+            sized = rank_sized(asked, model, mtp is not None)  # the same on every rank
         engine = cls(model, sized, fingerprint=model_fingerprint(model_dir), worker_id=worker_id,
                      eos_token_ids=generation_eos_ids(path), rank_workers=workers, mtp=mtp)
         engine.use_tokenizer(path)

@@ -155,18 +155,18 @@ class Sampler:
         return Draw(ids, read)
 
     @torch.inference_mode()
-    def constrain_drafts(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    def constrain_drafts(self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]]) -> None:
         """Masks the drafter's logits [n, vocab] (fp32, one row per sequence in `seqs`) of the
-        rows with a grammar to the tokens it allows after the sequence's output and the tokens
-        drafted so far (`Sequence.draft`); a row whose grammar cannot say drafts nothing (every
-        token masked)."""
+        rows with a grammar to the tokens it allows after the sequence's output and its tokens
+        drafted so far (`drafts`); a row whose grammar cannot say drafts nothing (every token
+        masked)."""
         at = [i for i, seq in enumerate(seqs) if seq.params.grammar is not None]
         if not at:
             return
         words = []
         for i in at:
             try:
-                words.append(self.grammars.mask(seqs[i], seqs[i].draft))
+                words.append(self.grammars.mask(seqs[i], drafts[i]))
             except Exception:  # its verify row faults it, if it is sampled again
                 words.append(np.zeros(-(-logits.shape[1] // 32), np.int32))
         kernels.mask_rows(logits, torch.tensor(at, dtype=torch.long, device=logits.device),

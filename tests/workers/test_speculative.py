@@ -301,8 +301,6 @@ def test_options_that_cannot_speculate_are_refused(spec_model, tiny_model_dir):
         Engine.from_pretrained(spec_model("qwen3_next"), num_speculative_tokens=5)
     with pytest.raises(EngineOptionError, match="no MTP head"):
         Engine.from_pretrained(tiny_model_dir, num_speculative_tokens=2)
-    with pytest.raises(EngineOptionError, match="one device"):
-        Engine.from_pretrained(spec_model("qwen3_next"), num_speculative_tokens=2, tensor_parallel_size=2)
 
 
 @pytest.mark.slow
@@ -400,3 +398,41 @@ def test_the_first_token_goes_out_before_the_head_runs_over_the_prompt(spec_mode
     assert [final[i].token_ids for i in ids] == [o.token_ids for o in expected]
     assert spec.speculation.drafts > 0
     spec.check()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("exact", [True, False], ids=["exact", "default"])
+def test_tensor_parallel_speculation_matches_one_device(trained_spec_model, exact):
+    """At tensor_parallel_size 2 every rank holds its share of the head (its decoder layer split
+    as the target's) and runs each draft pass in step with rank 0 (rank 0's argmax), and every
+    rank makes the verify steps' rollbacks and snapshots: greedy tokens, logprobs (to TP's
+    summation order) and the next turn's cached_tokens are one device's without speculation, and
+    the head's drafts are kept about as often as on one device."""
+    from tests.workers.test_tensor_parallel import assert_same_outputs
+
+    from tokenizers import Tokenizer
+
+    from cairn.workers.demo.corpus import training_corpus
+
+    tokenizer = Tokenizer.from_file(str(trained_spec_model / "tokenizer.json"))
+    lines = training_corpus(4100)[4000:]
+    ps = [ids[:n] for ids, n in zip((tokenizer.encode(line).ids for line in lines), (5, 16, 30)) if len(ids) >= n]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2)
+    options = dict(page_size=8, num_pages=128, max_num_seqs=4)
+    one = Engine.from_pretrained(trained_spec_model, **options)
+    spec_one = Engine.from_pretrained(trained_spec_model, num_speculative_tokens=2, speculative_exact=exact,
+                                      speculative_adaptive=False, **options)
+    expected = one.generate(ps, params)
+    spec_one.generate(ps, params)
+    tp = Engine.from_pretrained(trained_spec_model, tensor_parallel_size=2, num_speculative_tokens=2,
+                                speculative_exact=exact, speculative_adaptive=False, **options)
+    try:
+        assert_same_outputs(tp.generate(ps, params), expected)
+        turn = [p + o.token_ids + p[:3] for p, o in zip(ps, expected)]  # the next turn resumes each
+        again, again_tp = one.generate(turn, params), tp.generate(turn, params)
+        assert_same_outputs(again_tp, again)
+        assert [o.cached_tokens for o in again_tp] == [o.cached_tokens for o in again] and again[2].cached_tokens > 40
+        s, s1 = tp.speculation, spec_one.speculation
+        assert s.accepted_tokens >= 0.8 * s1.accepted_tokens > 10, (s, s1)
+    finally:
+        tp.runner.close()

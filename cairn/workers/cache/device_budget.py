@@ -14,6 +14,9 @@ Activations of a step come out of the (1 - utilization) share; so does what deco
 (cairn.workers.execution.decode_graphs), except that its estimate, `graph_reserve_bytes`, is
 taken from the arena's share first (`reserve`): captured after the arena, they must not find the
 device full.
+A speculating engine (`num_speculative_tokens`) sizes with `sized_for_speculation`: the verify
+steps' spare state slots (and one group's alignment) are reserved first, and the MTP head's K/V,
+one more attention layer's pages, takes its share of what is left; every rank the same way.
 The engine logs the estimate beside what capture measured. Library workspaces made at the first
 matmul (cuBLAS's, per stream) are made before the sizing (`make_workspaces`, called by
 cairn.workers.loading), so they are in what the weights left, not on top of the arena.
@@ -69,3 +72,17 @@ def sized(asked: EngineOptions, device: torch.device, group=None, reserve: int =
         raise ValueError(f"memory_utilization {asked.memory_utilization} leaves no memory for the cache on "
                          f"{device} ({free} of {total} bytes free after loading)")
     return replace(asked, cache_memory_bytes=budget, memory_utilization=None)
+
+
+def sized_for_speculation(asked: EngineOptions, cfg, itemsize: int, device: torch.device, group=None,
+                          reserve: int = 0) -> EngineOptions:
+    """`sized` for an engine that keeps the MTP head's K/V beside the arena and
+    `ArenaLayout.spare_slots` after it (see the module doc)."""
+    if asked.memory_utilization is None:
+        return asked
+    from cairn.workers.cache.arena import ArenaLayout
+
+    probe = ArenaLayout.plan(cfg, replace(asked, memory_utilization=None, num_pages=1), itemsize)
+    sized_ = sized(asked, device, group, reserve + probe.spare_bytes + probe.slot_blocks * probe.block_bytes)
+    layers = len(cfg.attention_layers)  # the head's K/V: one more attention layer's pages
+    return replace(sized_, cache_memory_bytes=sized_.cache_memory_bytes * layers // (layers + 1))

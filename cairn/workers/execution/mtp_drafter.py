@@ -25,12 +25,14 @@ Each draft round reads its argmax back (one small read a round).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from cairn import kernels
 from cairn.workers.execution.runner import ModelRunner
+from cairn.workers.execution.step_work import StepWork
 from cairn.workers.model import ModelCaches
 from cairn.workers.model import packed_linear
 from cairn.workers.model.packed_linear import pack_linears
@@ -55,7 +57,11 @@ class MtpDrafter:
         runner.block_rows += self.kv  # it follows the device's page moves and copies
         # masks a round's logits [n, vocab] (fp32) of these sequences to what each may draft next
         # (the engine's: a grammar's allowed tokens after its output and its drafts so far)
-        self.constrain: Callable[[torch.Tensor, list[Sequence]], None] | None = None
+        self.constrain: Callable[[torch.Tensor, list[Sequence], list[list[int]]], None] | None = None
+        # runs a `DraftWork` on every rank: (work, this rank's run) -> its result (one device: the run)
+        self.dispatch: Callable[[DraftWork, Callable[[], list[list[int]]]], list[list[int]]] = \
+            lambda work, local: local()
+        self._seqs: list[Sequence] = []  # the sequences of the work `run` runs (rank 0)
 
     def warm_up(self, max_rows: int) -> int:
         """The head's packed linears at every row count a pass of at most `max_rows` rows gives
@@ -69,10 +75,24 @@ class MtpDrafter:
     @torch.inference_mode()
     def propose(self, runs: list[DraftRun]) -> None:
         """Drafts for `runs` (the engine has emptied the drafts of every sequence the step
-        sampled, and leaves out segments of which nothing stands)."""
+        sampled, and leaves out segments of which nothing stands): `plan`, then `run` on every
+        rank (`dispatch`)."""
         if not runs or self.runner.hidden is None:
             return
-        runner, model = self.runner, self.runner.model
+        work, seqs = self.plan(runs)
+        self._seqs = seqs
+        try:
+            drafts = self.dispatch(work, lambda: self.run(work))
+        finally:
+            self._seqs = []
+        for seq, tokens in zip(seqs, drafts):
+            seq.draft = tokens
+
+    def plan(self, runs: list[DraftRun]) -> tuple[DraftWork, list[Sequence]]:
+        """The host's part of `propose` (rank 0, which holds the sequences): the head's first
+        pass over every kept position, and each drafting sequence's numbers; with those
+        sequences, in the work's order."""
+        runner = self.runner
         # a run of a few positions (a decode, a verify's kept tokens) is that many decode rows,
         # each attending up to its own position (every row's K/V is stored before any attends):
         # the prefill path's per-segment work is for prompts
@@ -80,44 +100,76 @@ class MtpDrafter:
         prefills = [r for r in runs if r.segment.num_tokens > SHORT_RUN]
         order = short + prefills
         decodes = [Segment(r.segment.seq, r.segment.start + j, 1) for r in short for j in range(r.segment.num_tokens)]
-        plan = StepPlan(decodes=decodes, prefills=[Segment(r.segment.seq, r.segment.start, r.segment.num_tokens)
-                                                   for r in prefills])
-        work = runner.prepare(plan, shift=1)
+        first = runner.prepare(StepPlan(decodes=decodes, prefills=[
+            Segment(r.segment.seq, r.segment.start, r.segment.num_tokens) for r in prefills]), shift=1)
         rows = np.concatenate([np.arange(r.row, r.row + r.segment.num_tokens) for r in order])
-        hidden = runner.hidden.index_select(0, torch.from_numpy(rows).to(runner.hidden.device))
-        x = self._apply(work, hidden)
-        ends = np.cumsum([r.segment.num_tokens for r in order]) - 1  # each run's last row in `x`
+        ends = np.cumsum([r.segment.num_tokens for r in order]) - 1  # each run's last row in the first pass
         drafting = [(i, r) for i, r in enumerate(order) if r.want > 0]
-        if not drafting:
-            return
-        last = torch.tensor([int(ends[i]) for i, _ in drafting], device=x.device)
-        state = x.index_select(0, last)
-        active = [r.segment.seq for _, r in drafting]
-        wants = {id(r.segment.seq): r.want for _, r in drafting}
+        seqs = [r.segment.seq for _, r in drafting]
         ps = runner.page_size
-        for j in range(max(wants.values())):
+        limit = np.array([len(seq.cache.page_ids) * ps for seq in seqs], np.int64)
+        width = int(-(-limit.max() // ps)) if seqs else 1
+        return DraftWork(first=first, rows=rows, last=np.array([ends[i] for i, _ in drafting], np.int64),
+                         want=np.array([r.want for _, r in drafting], np.int64),
+                         start=np.array([seq.num_computed for seq in seqs], np.int64), limit=limit,
+                         page_table=runner.page_table_rows([seq.cache.row for seq in seqs], width),
+                         slots=np.array([seq.cache.state_slot for seq in seqs], np.int64)), seqs
+
+    @torch.inference_mode()
+    def run(self, work: DraftWork) -> list[list[int]]:
+        """The device's part (every rank of a tensor-parallel engine, in step: the head's layer
+        is sharded as the target's are): the first pass, then the draft rounds. Each round's
+        argmax is rank 0's (`constrain` applies there; the ranks take its ids, one small
+        collective); returns each drafting sequence's drafts."""
+        runner, model = self.runner, self.runner.model
+        hidden = runner.hidden.index_select(0, torch.from_numpy(work.rows).to(runner.hidden.device))
+        x = self._apply(work.first, hidden)
+        drafts: list[list[int]] = [[] for _ in work.want]
+        if not drafts:
+            return drafts
+        state = x.index_select(0, torch.from_numpy(work.last).to(x.device))
+        active = list(range(len(drafts)))
+        for j in range(int(work.want.max())):
             logits = model.head_logits(state)
-            if self.constrain is not None:
-                self.constrain(logits, active)
-            ids = kernels.argmax_rows(logits).tolist()
+            if self.constrain is not None and self._seqs:
+                self.constrain(logits, [self._seqs[i] for i in active], [drafts[i] for i in active])
+            ids = kernels.argmax_rows(logits)
+            if model.group is not None:  # rank 0's ids on every rank
+                ids = model.group.all_reduce(ids if model.group.rank == 0 else torch.zeros_like(ids))
             going, keep = [], []
-            for i, (seq, token) in enumerate(zip(active, ids)):
+            for at, (i, token) in enumerate(zip(active, ids.tolist())):
                 if token < 0:  # non-finite draft logits: no more drafts for it
                     continue
-                seq.draft.append(token)
-                position = seq.num_computed + j  # where the next round reads this token
-                if len(seq.draft) < wants[id(seq)] and position < len(seq.cache.page_ids) * ps:
-                    going.append(seq)
-                    keep.append(i)
+                drafts[i].append(token)
+                position = int(work.start[i]) + j  # where the next round reads this token
+                if len(drafts[i]) < work.want[i] and position < work.limit[i]:
+                    going.append(i)
+                    keep.append(at)
             if not going:
-                return
-            step = StepPlan(decodes=[Segment(seq, seq.num_computed + j, 1) for seq in going])
-            work = runner.prepare(step, input_ids=[seq.draft[-1] for seq in going])
-            state = self._apply(work, state.index_select(0, torch.tensor(keep, device=state.device)))
+                break
+            step = StepWork.decode_rows(work.page_table[going], work.start[going] + j,
+                                        [drafts[i][-1] for i in going], work.slots[going], runner.page_size)
+            state = self._apply(step, state.index_select(0, torch.tensor(keep, device=state.device)))
             active = going
+        return drafts
 
-    def _apply(self, work, hidden: torch.Tensor) -> torch.Tensor:
+    def _apply(self, work: StepWork, hidden: torch.Tensor) -> torch.Tensor:
         """The head over one prepared batch: its normed states [T, H]."""
         tensors = self.runner.upload(work.arrays())
         batch = work.batch(tensors)
         return self.head(self.runner.model.embed(batch.input_ids), hidden, batch, self.caches)
+
+
+@dataclass
+class DraftWork:
+    """One `MtpDrafter.propose` as plain host data: what every rank runs (`MtpDrafter.run`).
+    Per drafting sequence (the arrays after `last`): its drafts wanted, where its first draft
+    is read (its computed tokens), the positions its pages hold, its page-table row, its slot."""
+    first: StepWork  # the head over every kept position (`ModelRunner.prepare`'s shift 1)
+    rows: np.ndarray  # their rows in the step's hidden states
+    last: np.ndarray  # each drafting sequence's last row in the first pass
+    want: np.ndarray
+    start: np.ndarray
+    limit: np.ndarray
+    page_table: np.ndarray
+    slots: np.ndarray

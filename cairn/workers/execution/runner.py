@@ -39,7 +39,7 @@ from cairn.workers.execution.decode_graphs import DecodeGraphs
 from cairn.workers.model import HybridForCausalLM, ModelCaches, packed_linear
 from cairn.workers.model.packed_linear import pack_linears
 from cairn.workers.plan import COPY, DEMOTE, IMPORT, MOVE, PROMOTE, BlockCopy, StepPlan
-from cairn.workers.execution.step_work import StepWork, checkpoint_tables, feed
+from cairn.workers.execution.step_work import SideWork, StepWork, checkpoint_tables, feed
 
 UPLOAD_ALIGN = 16  # bytes: Triton specialises a pointer on 16-byte alignment
 
@@ -162,6 +162,13 @@ class ModelRunner:
         (async scheduling, `Scheduler.plan_deferred`)."""
         self.copy_states(plan.snapshots)
         self._host_snapshots(plan.host_snapshots)
+
+    def side(self, work: SideWork) -> None:
+        """The copies between two steps (`SideWork`), in its order."""
+        if work.block_copies:
+            self.apply_copies(work.block_copies)
+        self.copy_states(work.state_copies)
+        self._host_snapshots(work.host_snapshots)
 
     def copy_states(self, pairs: list[tuple[int, int]]) -> None:
         """Copies recurrent states between slots, (source, target) pairs with no slot both (a
@@ -322,6 +329,13 @@ class ModelRunner:
         return (self.graphs is not None and work.num_decodes == len(work.cu_seqlens) - 1
                 and len(work.logits_indices) == work.num_decodes and self.graphs.bucket(work.num_decodes) is not None
                 and not (work.restores or work.fresh_state_slots or work.snapshots or work.host_snapshots))
+
+    def page_table_rows(self, rows: list[int], width: int) -> np.ndarray:
+        """A copy of page-table rows `rows`, their first `width` pages (zeros past what is written)."""
+        out = np.zeros((len(rows), width), np.int32)
+        have = min(width, self._table.shape[1])
+        out[:, :have] = self._table[rows, :have]
+        return out
 
     def _write_page_table(self, writes: list) -> None:
         """Applies the cache's page-table writes to the persistent table (rows: sequences)."""

@@ -1,5 +1,6 @@
 """One step as plain host data (`StepWork`): what `cairn.workers.execution.runner.ModelRunner.run` needs, and all
-a tensor-parallel rank is sent (`cairn.workers.execution.tp_runner`). Arrays are numpy; the runner puts every one
+a tensor-parallel rank is sent for it (`cairn.workers.execution.tp_runner`); the copies between
+two steps (`SideWork`). Arrays are numpy; the runner puts every one
 of them on the device in one copy. `checkpoint_tables` lays out where each checkpoint of the
 step's prefill segments takes its states from (see cairn.workers.model.batch); `feed` puts the
 last step's drawn ids, still on the device, into the rows that decode them (async scheduling)."""
@@ -52,6 +53,24 @@ class StepWork:
     level_save_counts: tuple[int, ...] = ()
     segment_rows: np.ndarray | None = None
 
+    @classmethod
+    def decode_rows(cls, page_table: np.ndarray, positions: np.ndarray, input_ids: list[int], slots: np.ndarray,
+                    page_size: int) -> "StepWork":
+        """A decode-only step of one row a sequence, from plain numbers: each row's page-table
+        row, position, token and state slot (the MTP head's draft rounds,
+        cairn.workers.execution.mtp_drafter, on every rank)."""
+        n = len(input_ids)
+        positions = np.asarray(positions, np.int64)
+        width = int(positions.max() // page_size) + 1
+        slot_mapping = page_table[np.arange(n), positions // page_size].astype(np.int64) * page_size + positions % page_size
+        empty = np.zeros(0, np.int64)
+        return cls(input_ids=np.array(input_ids, np.int64), positions=positions,
+                   cu_seqlens=np.arange(n + 1, dtype=np.int32), seq_lens=(positions + 1).astype(np.int32),
+                   page_table=np.ascontiguousarray(page_table[:, :width]), slot_mapping=slot_mapping,
+                   state_slots=np.asarray(slots, np.int64), num_decodes=n, logits_indices=np.arange(n, dtype=np.int64),
+                   prefill=VarlenPlan.build([0]), checkpoint_rows=empty.reshape(0, 1), checkpoint_targets=empty,
+                   checkpoint_states=empty)
+
     def arrays(self) -> dict[str, np.ndarray]:
         """Every per-step array the device reads, by name: the batch's, the prefill plan's tables
         (`prefill.<name>`), and the slot copies made around the forward."""
@@ -74,6 +93,16 @@ class StepWork:
     def batch(self, tensors: dict[str, torch.Tensor]) -> ForwardBatch:
         """The forward's view of this step, over its uploaded arrays."""
         return ForwardBatch.over(tensors, self.num_decodes, self.prefill, self.decode_levels, self.level_save_counts)
+
+
+@dataclass
+class SideWork:
+    """Copies between two steps, in this order: block copies (the cache's, flushed early), state
+    slot copies (a verify step's rollbacks, snapshots planned after a step), state slots to the
+    host tier. What `ModelRunner.side` makes, and what a tensor-parallel rank is sent for it."""
+    block_copies: list[BlockCopy] = field(default_factory=list)
+    state_copies: list[tuple[int, int]] = field(default_factory=list)
+    host_snapshots: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)
 
 
 def checkpoint_tables(prefills, plan: VarlenPlan, width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -5,8 +5,9 @@ Contract:
   `options.tensor_parallel_size`), each a process that joins the `TPGroup` at `address`, loads its
   shard of the checkpoint (cairn.workers.model.sharding: only its part is read from disk), lays out its
   own arena from the same options (per device: a rank's pages and state slots are its K/V heads
-  and its recurrent heads of the same page and slot ids), and then runs whatever `StepWork` rank
-  0 sends, in order, until told to stop.
+  and its recurrent heads of the same page and slot ids), and then runs whatever rank 0 sends
+  (`RankExecutor`: steps, the copies between them, the MTP head's drafting), in order, until told
+  to stop.
 - `TensorParallelRunner(runner, workers)` is rank 0's runner: `execute(plan)` turns the plan into
   a `StepWork` once (cairn.workers.execution.runner), sends it to every rank, and runs it on its own shard. The
   model's collectives keep the ranks in step; rank 0 gets the full vocabulary's logits and
@@ -30,15 +31,19 @@ import socket
 import time
 import traceback
 import weakref
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
 from cairn.workers.engine_errors import EngineBroken
 from cairn.workers.engine_options import EngineOptions
 from cairn.workers.execution.runner import ModelRunner
-from cairn.workers.execution.step_work import StepWork
-from cairn.workers.plan import StepPlan
+from cairn.workers.execution.step_work import SideWork, StepWork
+from cairn.workers.plan import BlockCopy, StepPlan
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -81,18 +86,41 @@ def load_rank_model(model_dir: str | Path, options: EngineOptions, rank: int, ad
 
 
 def build_rank_runner(model_dir: str | Path, asked: EngineOptions, rank: int, address: str,
-                      device: torch.device | None = None) -> tuple[ModelRunner, int]:
-    """A rank above 0: its shard, its arena laid out as rank 0's engine lays out its own (the
-    options rank 0 was asked for, sized the same way, as many page-table rows), and the runner
-    over it; with the arena's block count, which must equal rank 0's."""
-    from cairn.workers.cache import device_budget
+                      device: torch.device | None = None) -> tuple[RankExecutor, int]:
+    """A rank above 0: its shard (and its share of the MTP head when speculating), its arena
+    laid out as rank 0's engine lays out its own (the options rank 0 was asked for, sized the
+    same way, as many page-table rows), and the runner over it; with the arena's block count,
+    which must equal rank 0's."""
     from cairn.workers.cache.arena import ArenaLayout
+    from cairn.workers.loading import head_for, rank_sized
 
     model = load_rank_model(model_dir, asked, rank, address, device)
-    device = next(model.parameters()).device
-    sized = device_budget.sized(asked, device, model.group)  # the arena every rank agrees on
+    head = head_for(Path(model_dir), asked, model)
+    sized = rank_sized(asked, model, head is not None)  # the arena every rank agrees on
     layout = ArenaLayout.plan(model.config, sized, next(model.parameters()).dtype.itemsize)
-    return ModelRunner(model, layout, sized.page_size, sized.max_num_seqs + 1), layout.num_blocks
+    runner = ModelRunner(model, layout, sized.page_size, sized.max_num_seqs + 1)
+    drafter = None
+    if head is not None:
+        from cairn.workers.execution.mtp_drafter import MtpDrafter
+
+        drafter = MtpDrafter(runner, head)
+    return RankExecutor(runner, drafter), layout.num_blocks
+
+
+class RankExecutor:
+    """What a rank above 0 runs: each `StepWork` (a step), `SideWork` (copies between steps) and
+    `DraftWork` (the MTP head's pass and draft rounds) rank 0 sends, in order."""
+
+    def __init__(self, runner: ModelRunner, drafter=None):
+        self.runner, self.drafter = runner, drafter
+
+    def handle(self, work) -> None:
+        if isinstance(work, StepWork):
+            self.runner.run(work)
+        elif isinstance(work, SideWork):
+            self.runner.side(work)
+        else:
+            self.drafter.run(work)
 
 
 MAIN_GUARD = ("a script that builds a tensor-parallel engine must do so under `if __name__ == \"__main__\":`: "
@@ -100,14 +128,14 @@ MAIN_GUARD = ("a script that builds a tensor-parallel engine must do so under `i
 
 
 def _rank_main(model_dir: str, options: EngineOptions, rank: int, address: str, conn) -> None:
-    """A rank's process: say it started, build, report its layout, then run every StepWork it is sent."""
+    """A rank's process: say it started, build, report its layout, then run everything it is sent."""
     torch.set_num_threads(1)
     conn.send(("started", None))
     try:
-        runner, num_blocks = build_rank_runner(model_dir, options, rank, address)
+        executor, num_blocks = build_rank_runner(model_dir, options, rank, address)
         conn.send(("ready", num_blocks))
         while (work := conn.recv()) is not None:
-            runner.run(work)
+            executor.handle(work)
     except EOFError:  # rank 0 went away
         return
     except BaseException as e:  # reported to rank 0, whose collectives time out meanwhile
@@ -220,7 +248,9 @@ class RankWorkers:
 
 
 class TensorParallelRunner:
-    """Rank 0's runner: the same interface as `ModelRunner` for the engine."""
+    """Rank 0's runner: the same interface as `ModelRunner` for the engine. What changes the
+    ranks' devices (a step, copies between steps, the MTP head's drafting) is sent to every rank
+    and made on rank 0's own (`dispatch`); everything else is rank 0's runner's."""
 
     def __init__(self, runner: ModelRunner, workers: RankWorkers):
         self.local, self.workers = runner, workers
@@ -231,13 +261,36 @@ class TensorParallelRunner:
         if self.failure is not None:
             raise RankFailure(self.failure)
         work = self.local.prepare(plan, all_logits)
+        return self.dispatch(work, lambda: self.local.run(work))
+
+    def dispatch(self, work, local: Callable[[], T]) -> T:
+        """Sends `work` (a `StepWork`, `SideWork` or `DraftWork`) to every rank, then runs
+        `local()` (rank 0's part of it); a fault of either breaks the engine (`RankFailure`,
+        from this call and every later one)."""
+        if self.failure is not None:
+            raise RankFailure(self.failure)
         try:
             self.workers.send(work)
-            return self.local.run(work)
+            return local()
         except Exception as e:
             cause = str(e).splitlines()[0][:200] if str(e) else ""
             self.failure = f"tensor-parallel step failed ({type(e).__name__}: {cause}); {self.workers.report()}"
             raise RankFailure(self.failure) from e
+
+    def copy_states(self, pairs: list[tuple[int, int]]) -> None:
+        if pairs:
+            self.dispatch(SideWork(state_copies=list(pairs)), lambda: self.local.copy_states(pairs))
+
+    def snapshot(self, plan: StepPlan) -> None:
+        if plan.snapshots or plan.host_snapshots:
+            self.dispatch(SideWork(state_copies=list(plan.snapshots), host_snapshots=list(plan.host_snapshots)),
+                          lambda: self.local.snapshot(plan))
+
+    def apply_copies(self, copies: list[BlockCopy], staging=None) -> None:
+        if staging is not None:  # (peer fetch is refused with tensor parallelism: cairn.workers.engine_peer_fetch)
+            raise ValueError("imported blocks are one rank's bytes: no import under tensor parallelism")
+        if copies:
+            self.dispatch(SideWork(block_copies=list(copies)), lambda: self.local.apply_copies(copies))
 
     def __getattr__(self, name: str):  # everything else (arena views, page table) is rank 0's runner's
         return getattr(self.local, name)

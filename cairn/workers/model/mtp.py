@@ -16,10 +16,13 @@ the embedding of the token at t + 1 (the target's embedding table: the head has 
 over a varlen paged batch, as the target's layers do (cairn.workers.model.hybrid): the head's
 K/V at position t is written at t's KV slot. Norms are the model's (1 + w) RMSNorm.
 
-`load_mtp(model_dir, cfg, dtype, device, cache_rank)` reads only the `mtp.*` tensors (per-expert
-or fused experts, as the main loader fuses them): the head, or None when the checkpoint has none.
-One head layer only (`mtp_num_hidden_layers` 1, as every published Qwen checkpoint has); one
-device (tensor parallelism of the head is not built).
+`load_mtp(model_dir, cfg, dtype, device, cache_rank, shard, group)` reads only the `mtp.*`
+tensors (per-expert or fused experts, as the main loader fuses them): the head, or None when the
+checkpoint has none. One head layer only (`mtp_num_hidden_layers` 1, as every published Qwen
+checkpoint has). Tensor parallel as the target (`cfg` the full config, `shard` the rank): its
+decoder layer split as the target's layers are (cairn.workers.model.sharding; only the rank's
+part is read), `fc` and the norms replicated (the inputs and the output are the whole hidden
+state on every rank).
 """
 
 from __future__ import annotations
@@ -35,20 +38,22 @@ from cairn.workers.model.gated_deltanet import GatedDeltaNet
 from cairn.workers.model.hybrid import DecoderLayer, ModelCaches
 from cairn.workers.model.layers import RMSNorm, Rotary
 from cairn.workers.model.model_config import FULL, CheckpointError, ModelConfig
+from cairn.workers.model.sharding import Shard, shard_config
 
 PREFIX = "mtp."
 
 
 class MultiTokenPredictor(nn.Module):
-    def __init__(self, cfg: ModelConfig, cache_rank: int):
-        """cache_rank: the index of the head's K/V pages in `ModelCaches.kv`."""
+    def __init__(self, cfg: ModelConfig, cache_rank: int, group=None):
+        """cache_rank: the index of the head's K/V pages in `ModelCaches.kv`; `cfg` a rank's
+        (`shard_config`) and `group` the ranks' TPGroup under tensor parallelism."""
         super().__init__()
         hidden = cfg.hidden_size
         self.pre_fc_norm_embedding = RMSNorm(hidden, cfg.rms_norm_eps)
         self.pre_fc_norm_hidden = RMSNorm(hidden, cfg.rms_norm_eps)
         self.fc = nn.Linear(2 * hidden, hidden, bias=False)
         layer_cfg = replace(cfg, layer_types=(FULL,) + tuple(cfg.layer_types[1:]))  # its first layer, attention
-        self.layers = nn.ModuleList([DecoderLayer(layer_cfg, 0, 0, cache_rank, GatedDeltaNet)])
+        self.layers = nn.ModuleList([DecoderLayer(layer_cfg, 0, 0, cache_rank, GatedDeltaNet, group)])
         self.norm = RMSNorm(hidden, cfg.rms_norm_eps)
 
     def forward(self, embeddings: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch,
@@ -67,7 +72,7 @@ def mtp_tensor_name(name: str) -> str | None:
 
 
 def load_mtp(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device,
-             cache_rank: int) -> MultiTokenPredictor | None:
+             cache_rank: int, shard: Shard = Shard(), group=None) -> MultiTokenPredictor | None:
     from cairn.workers.model.family import Family
     from cairn.workers.model.loader import fused_name, read_tensors, weight_files
 
@@ -76,11 +81,11 @@ def load_mtp(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device
                               f"cairn reads heads of one layer, as every published Qwen checkpoint has")
     files = weight_files(Path(model_dir))
     reader = Family(name="mtp", model_class=MultiTokenPredictor, tensor_name=mtp_tensor_name)
-    state = {fused_name(k): v for k, v in read_tensors(files, dtype, reader).items()}
+    state = {fused_name(k): v for k, v in read_tensors(files, dtype, reader, cfg, shard).items()}
     if not state:
         return None
     with torch.device("meta"):
-        head = MultiTokenPredictor(cfg, cache_rank)
+        head = MultiTokenPredictor(shard_config(cfg, shard.world), cache_rank, group)
     expected = head.state_dict()
     where = files[0].parent
     for name in sorted(set(expected) | set(state)):
