@@ -111,18 +111,17 @@ class Engine:
                      "spare state slots %.1f MiB", options.num_speculative_tokens,
                      "exact" if options.speculative_exact else "default", self.drafter.memory_bytes / 2**20,
                      layout.spare_slots, layout.spare_bytes / 2**20)
-        # decode graphs do not capture a verify step yet: a speculating engine runs eager
-        eager = not on_cuda or bool(self.drafter) if options.enforce_eager is None else options.enforce_eager
-        if self.drafter is not None and not eager:
-            raise EngineOptionError("enforce_eager", "decode graphs do not capture a verify step: speculative "
-                                                     "decoding runs eager (leave enforce_eager unset)")
+        eager = not on_cuda if options.enforce_eager is None else options.enforce_eager
         if rank_workers is None and not eager:
             # decode steps at fixed batch sizes over fixed buffers; graphs captured on CUDA (a
-            # tensor-parallel engine stays eager: its collectives are not captured)
+            # tensor-parallel engine stays eager: its collectives are not captured). In the exact
+            # mode verify steps too: k + 1 levels of rows a bucket (the default mode's verify is a
+            # prefill chunk, eager); their padding rows' state saves go to the last spare slot
+            depth = options.num_speculative_tokens if self.drafter is not None and options.speculative_exact else 0
             self.runner.use_decode_graphs(options.max_num_seqs, -(-self.spec.max_model_len // options.page_size),
-                                          capture=on_cuda)
+                                          capture=on_cuda, depth=depth, padding_slot=layout.padding_slot)
             if on_cuda:
-                estimate = graph_reserve_bytes(cfg, options.max_num_seqs)
+                estimate = graph_reserve_bytes(cfg, options.max_num_seqs * (1 + depth))
                 (log.warning if self.runner.graphs.memory_bytes > estimate else log.info)(
                     "decode graphs hold %.1f MiB (the arena was sized leaving %.1f MiB for them under "
                     "memory_utilization); capture took %.1f s", self.runner.graphs.memory_bytes / 2**20,
@@ -167,7 +166,7 @@ class Engine:
         cache = PrefixCache(layout, policy, options.page_size, recurrent=self.config.recurrent,
                             max_rows=options.max_num_seqs + 1, record_events=False)
         scheduler = Scheduler(options, cache, policy, self._eos)
-        scheduler.spare_slots = list(range(layout.spare_start, layout.spare_start + layout.spare_slots))
+        scheduler.spare_slots = list(range(layout.spare_start, layout.spare_start + layout.spare_slots - 1))
         scheduler.overlap_promotions = bool(layout.host_blocks) and self.runner.device.type == "cuda"
         return policy, cache, scheduler
 

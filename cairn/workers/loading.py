@@ -79,8 +79,9 @@ def load_engine(cls: type, model_dir: str | Path, asked: EngineOptions, worker_i
         p = next(model.parameters())
         mtp = head_for(path, asked, model)
         device = p.device
-        graphs = device.type == "cuda" and not asked.enforce_eager and not mtp
-        reserve = device_budget.graph_reserve_bytes(model.config, asked.max_num_seqs) if graphs else 0
+        graphs = device.type == "cuda" and not asked.enforce_eager
+        rows = asked.max_num_seqs * (1 + (asked.num_speculative_tokens if asked.speculative_exact else 0))
+        reserve = device_budget.graph_reserve_bytes(model.config, rows) if graphs else 0
         device_budget.make_workspaces(device, p.dtype)
         if mtp is not None:  # the verify steps' spare state slots, the head's K/V
             sized = device_budget.sized_for_speculation(asked, model.config, p.dtype.itemsize, device, reserve=reserve)

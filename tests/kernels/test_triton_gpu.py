@@ -377,7 +377,8 @@ def test_decode_graphs_replay_the_eager_tokens_and_logprobs_at_every_batch_size(
                                         cache_memory_bytes=48 * 8192, host_cache_bytes=2000 * 8192)
         if not eager:
             graphs = engine.runner.graphs
-            assert sorted(graphs._graphs) == [1, 2, 4, 8] and graphs.capture_s > 0 and graphs.memory_bytes > 0
+            assert sorted(graphs._graphs) == [(1, 0), (2, 0), (4, 0), (8, 0)] and graphs.capture_s > 0 \
+                and graphs.memory_bytes > 0
         turn1 = engine.generate(first, params)
         second = [p + o.token_ids + [7, 8, 9] for p, o in zip(first, turn1)]
         turn2 = engine.generate(second, params)
@@ -387,3 +388,38 @@ def test_decode_graphs_replay_the_eager_tokens_and_logprobs_at_every_batch_size(
     assert [r[:2] for r in results[False]] == [r[:2] for r in results[True]]
     for graphed, eager in zip(results[False], results[True]):
         torch.testing.assert_close(torch.tensor(graphed[2]), torch.tensor(eager[2]), atol=1e-4, rtol=0)
+
+
+@compiled_only
+def test_verify_steps_replay_as_graphs_with_the_eager_tokens(tmp_path):
+    """Speculative decoding's exact mode with decode graphs: verify steps (k = 2) captured at
+    every bucket, replayed as sequences finish one by one, give the eager engine's tokens and
+    cached tokens (logprobs within 1e-4: a padded batch may take another GEMM algorithm), the
+    drafts being kept often (a scripted drafter that knows the answers, 30% wrong)."""
+    from cairn.workers import Engine, SamplingParams
+    from cairn.workers.demo import write_demo_model
+    from tests.support.drafters import ScriptedDrafter
+
+    path = write_demo_model(tmp_path / "spec", size="tiny", arch="qwen3_5_moe", mtp=True)
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 200, (9 + 7 * i,), generator=gen).tolist() for i in range(6)]
+    params = [SamplingParams(max_tokens=12 + 4 * i, temperature=0, ignore_eos=True, logprobs=2) for i in range(6)]
+    options = dict(device=CUDA, max_num_seqs=8, page_size=8, num_pages=256, dtype="bfloat16")
+    expected = Engine.from_pretrained(path, enforce_eager=True, **options).generate(prompts, params)
+    known = [p + o.token_ids for p, o in zip(prompts, expected)]
+    results = {}
+    for eager in (True, False):
+        engine = Engine.from_pretrained(path, enforce_eager=eager, num_speculative_tokens=2, speculative_exact=True,
+                                        speculative_adaptive=False, **options)
+        if not eager:
+            graphs = engine.runner.graphs
+            assert {(b, d) for b, d in graphs._graphs} == {(b, d) for b in (1, 2, 4, 8) for d in (0, 2)}
+        engine.drafter = ScriptedDrafter(known, engine.spec.vocab_size, wrong=0.3)
+        outs = engine.generate(prompts, params)
+        assert engine.speculation.accepted_tokens > 20
+        results[eager] = outs
+        engine.check()
+    for graphed, eager, want in zip(results[False], results[True], expected):
+        assert graphed.token_ids == eager.token_ids == want.token_ids
+        torch.testing.assert_close(torch.tensor([lp.logprob for lp in graphed.logprobs]),
+                                   torch.tensor([lp.logprob for lp in eager.logprobs]), atol=1e-4, rtol=0)

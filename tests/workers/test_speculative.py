@@ -436,3 +436,29 @@ def test_tensor_parallel_speculation_matches_one_device(trained_spec_model, exac
         assert s.accepted_tokens >= 0.8 * s1.accepted_tokens > 10, (s, s1)
     finally:
         tp.runner.close()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_graphed_verify_steps_give_the_eager_tokens_bit_for_bit(spec_model, arch):
+    """Decode graphs capture the exact mode's verify step (part 6): at each batch bucket, k + 1
+    levels of rows, a level padded to the bucket (fewer drafts pad up; padding rows write no
+    page and no state, and their state saves go to the layout's padding slot, which no verify
+    segment is given). On CPU the same padded batches run eagerly over the same buffers: the
+    tokens, logprobs and cache are k = 0's, bit for bit (bf16), as sequences finish and the
+    batch passes through the buckets."""
+    path = spec_model(arch)
+    requests = [(p, SamplingParams(max_tokens=20 + 4 * i, temperature=0, ignore_eos=True, logprobs=2))
+                for i, p in enumerate(prompts([5 + 3 * i for i in range(6)], seed=11))]
+    options = dict(page_size=8, num_pages=256, max_num_seqs=8, dtype="bfloat16")
+    plain = Engine.from_pretrained(path, **options)
+    expected = drive(plain, requests)
+    spec = speculating(path, 2, continuations(requests, expected), wrong=0.3, enforce_eager=False, **options)
+    graphs = spec.runner.graphs
+    assert graphs.depth == 2 and graphs.padding_slot == spec.layout.padding_slot >= 0
+    assert graphs.padding_slot not in spec.scheduler.spare_slots
+    got = drive(spec, requests)
+    assert_same(expected, got)
+    assert_cache_same(plain, spec)
+    verified = {size for size, depth in graphs._static if depth == 2}
+    assert len(verified) >= 3, graphs._static.keys()  # verify steps ran graphed at several buckets
+    assert spec.speculation.accepted_tokens > 20

@@ -20,9 +20,11 @@ answers where, and counts.
 A model without recurrent layers has no state bytes: its slots are ids that index nothing
 (`slot_blocks` 0), handed out up to `virtual_slots`.
 
-Speculative decoding (`num_speculative_tokens` k) adds `spare_slots` = k x `max_num_seqs` state
+Speculative decoding (`num_speculative_tokens` k) adds `spare_slots` = k x `max_num_seqs` + 1 state
 slots after the cache's blocks, from group `spare_start` on: a verify step keeps the state after
-each drafted token there until it knows which stand (cairn.workers.speculation). The cache never
+each drafted token there until it knows which stand (cairn.workers.speculation); the last one,
+`padding_slot`, takes the state saves of a graphed verify step's padding rows
+(cairn.workers.execution.decode_graphs). The cache never
 places anything there, so it holds what it holds without speculation; `arena_bytes` counts them,
 `cache_bytes` does not.
 """
@@ -83,6 +85,11 @@ class ArenaLayout:
         return self.num_blocks * self.block_bytes
 
     @property
+    def padding_slot(self) -> int:
+        """The last spare slot (module doc); -1 without spare slots."""
+        return self.spare_start + self.spare_slots - 1 if self.spare_slots else -1
+
+    @property
     def spare_start(self) -> int:
         """The first spare slot: the first group wholly after the cache's blocks."""
         return -(-self.num_blocks // self.slot_blocks) if self.slot_blocks else 0
@@ -135,7 +142,8 @@ class ArenaLayout:
                    max_checkpoints=ckpts if slot_blocks else 0,
                    virtual_slots=0 if slot_blocks else options.max_num_seqs,
                    host_blocks=options.host_cache_bytes // block,
-                   spare_slots=options.num_speculative_tokens * options.max_num_seqs if slot_blocks else 0)
+                   spare_slots=options.num_speculative_tokens * options.max_num_seqs + 1
+                   if slot_blocks and options.num_speculative_tokens else 0)
 
 
 class Arena:

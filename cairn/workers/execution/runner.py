@@ -129,7 +129,10 @@ class ModelRunner:
             if work.promotions_for_now:
                 self._wait_for_promotions()
         if self._graphed(work):
-            return self.graphs.run(work, fed)
+            logits, hidden = self.graphs.run(work, fed)
+            if self.keep_hidden:
+                self.hidden = hidden
+            return logits
         tensors = self.upload(work.arrays())
         if fed is not None and work.fed_from is not None:
             feed(tensors["input_ids"], tensors["fed_from"], fed)
@@ -318,16 +321,19 @@ class ModelRunner:
             out[name] = host[offsets[name]:offsets[name] + a.nbytes].view(dtype).view(a.shape)
         return out
 
-    def use_decode_graphs(self, max_num_seqs: int, width: int, capture: bool) -> None:
+    def use_decode_graphs(self, max_num_seqs: int, width: int, capture: bool, depth: int = 0,
+                          padding_slot: int = -1) -> None:
         """Decode-only steps run at fixed batch sizes over fixed buffers (cairn.workers.execution.decode_graphs),
-        replaying CUDA graphs when `capture` (made here, now: after the arena, before any step)."""
-        self.graphs = DecodeGraphs(self, max_num_seqs, width, capture)
+        replaying CUDA graphs when `capture` (made here, now: after the arena, before any step);
+        with `depth`, verify steps too (speculative decoding's exact mode: up to `depth` drafted
+        tokens a sequence, padding rows' state saves at `padding_slot`)."""
+        self.graphs = DecodeGraphs(self, max_num_seqs, width, capture, depth, padding_slot)
         self.graphs.capture()
 
     def _graphed(self, work: StepWork) -> bool:
         """Whether this step runs as a decode graph: decodes only, nothing copied around them."""
         return (self.graphs is not None and work.num_decodes == len(work.cu_seqlens) - 1
-                and len(work.logits_indices) == work.num_decodes and self.graphs.bucket(work.num_decodes) is not None
+                and len(work.logits_indices) == work.num_decodes and self.graphs.key(work) is not None
                 and not (work.restores or work.fresh_state_slots or work.snapshots or work.host_snapshots))
 
     def page_table_rows(self, rows: list[int], width: int) -> np.ndarray:
