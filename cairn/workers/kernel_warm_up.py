@@ -19,6 +19,9 @@ no cache entries, no sampler state):
    length), and the budget itself: a prompt of T tokens, prefilled in one step, then decoded;
 2. a mixed step: a sequence decoding while another one's prompt is prefilled;
 3. that prompt sent again with more after it: a resume from its checkpoint.
+A speculating engine's steps need nothing more: a verify segment is a prefill chunk saving states
+at its offsets (as a prompt's chunk saves checkpoints) or decode rows, and the MTP head's passes
+run the target's kernels (held by tests/workers/test_kernel_warm_up.py).
 Compiled, the autotune choices are read from disk first and written after
 (cairn.kernels.common.tuning_cache), so a restarted replica benchmarks nothing again.
 """

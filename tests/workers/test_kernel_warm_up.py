@@ -94,3 +94,28 @@ def test_scratch_bookkeeping_refuses_an_engine_with_requests(tiny_model_dir):
     with pytest.raises(Exception, match="without requests"):
         with engine.scratch_bookkeeping():
             pass
+
+
+@pytest.mark.slow
+def test_a_speculating_engine_compiles_nothing_after_warm_up(tmp_path, fresh_compile_watch, interpreted_cuda):
+    """With `num_speculative_tokens` 2 (the default mode: a verify segment is a prefill chunk
+    that saves its states at each offset), requests that decode with drafts beside a prefill
+    compile nothing the warm-up did not: verify steps and the MTP head's passes take the
+    kernels and specialisations prompts and decodes do."""
+    from cairn.workers.demo import write_demo_model
+
+    path = write_demo_model(tmp_path / "spec", size="tiny", arch="qwen3_5_moe", mtp=True)
+    engine = Engine.from_pretrained(path, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64,
+                                    enforce_eager=False, num_speculative_tokens=2, speculative_adaptive=False)
+    engine.warm_up()
+    warmed = compile_watch.compiles()
+    rng = random.Random(3)
+    first = engine.add_request([rng.randrange(200) for _ in range(7)],
+                               SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    engine.add_request([rng.randrange(200) for _ in range(11)], SamplingParams(max_tokens=6, temperature=0.8, seed=1))
+    while engine.has_unfinished():
+        engine.step()
+    assert first not in engine._requests and engine.speculation.drafts > 0
+    assert compile_watch.compiles() == warmed, compile_watch.seen()[warmed:]
