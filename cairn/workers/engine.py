@@ -107,10 +107,10 @@ class Engine:
                                         "head (mtp.* tensors)")
             from cairn.workers.execution.mtp_drafter import MtpDrafter
             self.drafter = MtpDrafter(self.runner, mtp)
-            log.info("speculative decoding: %d drafted tokens a step (%s mode); the MTP head's K/V %.1f MiB, %d "
-                     "spare state slots %.1f MiB", options.num_speculative_tokens,
+            log.info("speculative decoding: %d drafted tokens a step (%s mode); the MTP head's K/V %.1f MiB "
+                     "(%.1f MiB more on the host tier), %d spare state slots %.1f MiB", options.num_speculative_tokens,
                      "exact" if options.speculative_exact else "default", self.drafter.memory_bytes / 2**20,
-                     layout.spare_slots, layout.spare_bytes / 2**20)
+                     self.drafter.host_bytes / 2**20, layout.spare_slots, layout.spare_bytes / 2**20)
         eager = not on_cuda if options.enforce_eager is None else options.enforce_eager
         if rank_workers is None and not eager:
             # decode steps at fixed batch sizes over fixed buffers; graphs captured on CUDA (a

@@ -462,3 +462,26 @@ def test_graphed_verify_steps_give_the_eager_tokens_bit_for_bit(spec_model, arch
     verified = {size for size, depth in graphs._static if depth == 2}
     assert len(verified) >= 3, graphs._static.keys()  # verify steps ran graphed at several buckets
     assert spec.speculation.accepted_tokens > 20
+
+
+def test_the_heads_kv_follows_its_pages_to_the_host_tier_and_back(spec_model):
+    """A page demoted to the host tier and promoted into another block brings the head's K/V
+    at its positions with it (host rows of their own, beside `host_cache_bytes`), as device
+    moves do: drafts after a resume from the host tier read what the head wrote there."""
+    from cairn.workers.plan import COPY, DEMOTE, PROMOTE, BlockCopy
+
+    engine = Engine.from_pretrained(spec_model("qwen3_5"), page_size=8, num_pages=64, host_cache_bytes=2 * 2**20,
+                                    num_speculative_tokens=2)
+    runner, kv = engine.runner, engine.drafter.kv
+    assert engine.layout.host_blocks > 8 and engine.drafter.host_bytes > 0
+    g = torch.Generator().manual_seed(0)
+    written = [torch.randn(kv[0][3].shape, generator=g).to(kv[0].dtype) for _ in kv]
+    for t, w in zip(kv, written):
+        t[3] = w
+    engine.flush_block_copies([BlockCopy(DEMOTE, 3, 5)])
+    for t in kv:
+        t[3].zero_()
+    engine.flush_block_copies([BlockCopy(PROMOTE, 5, 7), BlockCopy(COPY, 7, 9)])
+    for t, w in zip(kv, written):
+        assert torch.equal(t[7], w) and torch.equal(t[9], w) and not t[3].any()
+    assert runner.host_rows[0].shape[0] == engine.layout.host_blocks

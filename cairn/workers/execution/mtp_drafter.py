@@ -4,10 +4,11 @@
 `MtpDrafter(runner, head)` makes the runner keep each step's final hidden states and holds the
 head's K/V: one page per arena block, beside the arena ([num_blocks, page_size, H_kv, D], K and
 V, in the model's dtype: 1 / L_attn of the arena's bytes), read through the sequences' page
-tables as the target's layers read theirs. So a page's head K/V moves with it on the device (the
-runner's MOVE and COPY block copies move its rows too: `ModelRunner.block_rows`); a page brought back from the host tier or
-a peer brings only the target's K/V, and its head K/V is whatever that block held: it changes
-what the head drafts there, never what the engine outputs (every draft is verified).
+tables as the target's layers read theirs. So a page's head K/V moves with it (the runner's
+MOVE and COPY block copies move its rows too, and DEMOTE and PROMOTE carry them through host rows
+of their own: `ModelRunner.add_block_rows`); a page imported from a peer brings only the
+target's K/V, and its head K/V is whatever that block held: it changes what the head drafts
+there, never what the engine outputs (every draft is verified).
 
 `propose(runs)`, after a step's kept tokens are applied:
 1. The head runs over every position each run kept (one varlen batch: a run of a few
@@ -54,7 +55,8 @@ class MtpDrafter:
                    torch.zeros(shape, dtype=runner.dtype, device=runner.device))
         self.caches = ModelCaches(list(runner.caches.kv) + [self.kv], runner.caches.conv_states,
                                   runner.caches.ssm_states)
-        runner.block_rows += self.kv  # it follows the device's page moves and copies
+        # it follows its pages: device moves and copies, and the host tier (a host row a block)
+        self.host_bytes = runner.add_block_rows(*self.kv)
         # masks a round's logits [n, vocab] (fp32) of these sequences to what each may draft next
         # (the engine's: a grammar's allowed tokens after its output and its drafts so far)
         self.constrain: Callable[[torch.Tensor, list[Sequence], list[list[int]]], None] | None = None

@@ -73,9 +73,24 @@ class ModelRunner:
         # the MTP head reads (cairn.workers.execution.mtp_drafter)
         self.keep_hidden = False
         self.hidden: torch.Tensor | None = None
-        # tensors of one row per arena block beside it (the MTP head's K/V): device block copies
-        # (MOVE, COPY) move their rows too; the host tier and imports carry the arena's alone
+        # tensors of one row per arena block beside it (the MTP head's K/V, `add_block_rows`):
+        # device block copies (MOVE, COPY) move their rows too, and the host tier keeps a row of
+        # each per host block (`host_rows`), which DEMOTE and PROMOTE copy; imports carry the
+        # arena's bytes alone
         self.block_rows: list[torch.Tensor] = []
+        self.host_rows: list[torch.Tensor] = []
+
+    def add_block_rows(self, *tensors: torch.Tensor) -> int:
+        """Tensors of one row per arena block ([num_blocks, ...]) that follow the blocks: moved
+        and copied with them on the device, demoted and promoted with them through host rows of
+        their own (beside the host tier's `host_cache_bytes`). Returns those host rows' bytes."""
+        host = 0
+        for t in tensors:
+            self.block_rows.append(t)
+            rows = torch.zeros((self.host.shape[0], *t.shape[1:]), dtype=t.dtype, pin_memory=self.device.type == "cuda")
+            self.host_rows.append(rows)
+            host += rows.numel() * rows.element_size()
+        return host
 
     def warm_up(self, max_rows: int, sampled_rows: int) -> int:
         """Runs each packed linear at every row count a step of at most `max_rows` tokens, and of
@@ -232,11 +247,14 @@ class ModelRunner:
             dst[self._index(targets)] = src[self._index(sources, src.device)].to(dst.device)
             return
         on_device = kind in (MOVE, COPY)
+        pairs = [(src, dst)] + [(rows, host) if kind == DEMOTE else (host, rows)
+                                for rows, host in zip(self.block_rows, self.host_rows)] if not on_device else []
         if not on_device and self.device.type != "cpu":
             # Across the bus, block by block, each queued on the step's stream from or to pinned
             # memory: asynchronous to the host, ordered with every other copy and the step.
-            for s, d in zip(sources, targets):
-                dst[d].copy_(src[s], non_blocking=True)
+            for a, b in pairs:
+                for s, d in zip(sources, targets):
+                    b[d].copy_(a[s], non_blocking=True)
             return
         if on_device:
             in_order = not set(sources).isdisjoint(targets)  # a block written, then read: one by one
@@ -248,10 +266,10 @@ class ModelRunner:
                     rows[self._index(targets)] = rows[self._index(sources)]
             return
         began = time.perf_counter()
-        dst[self._index(targets, dst.device)] = src[self._index(sources, src.device)]
-        if not on_device:
-            self._timed[0] += len(sources) * self._blocks.shape[1]
-            self._timed[1] += time.perf_counter() - began
+        for a, b in pairs:
+            b[self._index(targets, b.device)] = a[self._index(sources, a.device)]
+            self._timed[0] += len(sources) * (a[0].numel() * a.element_size() if len(a) else 0)
+        self._timed[1] += time.perf_counter() - began
 
     def take_copy_timing(self) -> tuple[int, float]:
         """(bytes, seconds) of the host copies timed since the last call: on CPU, every one; on
