@@ -396,7 +396,7 @@ def main() -> None:
         for step in steps:
             if step.drafts and tp > 1:
                 if not args.json:
-                    print(f"{name:<24}{step.name:<16}(speculative decoding runs on one device)")
+                    print(f"{name:<24}{step.name:<16}(verify steps are counted at tensor_parallel_size 1)")
                 continue
             census, checkpoints = count_step(cfg, tp, step)
             censuses[step.name] = census
