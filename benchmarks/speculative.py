@@ -7,8 +7,8 @@ are demo-corpus lines the head never saw (past the training lines).
 
 1. Decode throughput: `--running` sequences (1, 4, 16) decode `--tokens` tokens each after a
    short prompt, greedy, with k = 0 (the baseline, this run), 1, 2, 3: output tokens per second
-   of the decode phase (from the step after every prompt's prefill to the end; one warm-up run
-   first), the ratio to k = 0, the share of steps that verified drafts, the acceptance rate
+   of the decode phase (from the step after every prompt's prefill to the end; the engine's
+   warm-up and one warm-up run first), the ratio to k = 0, the share of steps that verified drafts, the acceptance rate
    (accepted / drafted), the mean acceptance length (1 + accepted / drafts) and the acceptance by
    position. Each k drafting every step ("always") and as the engine does by default
    ("adaptive": only while its measured tokens/s with drafts beat those without); for the best
@@ -18,9 +18,10 @@ are demo-corpus lines the head never saw (past the training lines).
    bf16): how many sequences differ, where each first differs, and the k = 0 run's margin there
    (top-1 minus top-2 logprob: a near-tie flips); the exact mode's count beside it.
 3. Multi-turn (benchmarks/multiturn.py's thinking-drop trace, recorded once, replayed with
-   k = 0 and k = 2 in the exact mode): every request's cached_tokens and output compared, and the
-   median TTFT of each turn, k = 2 over k = 0 (the head runs over every prompt position for its
-   K/V: one decoder layer more, 1/8 of the bench model's, 1/40 of Qwen3.5-35B-A3B's).
+   k = 0 and k = 2 in the exact mode, REPEATS times each, alternating, on fresh engines): every
+   request's cached_tokens and output compared, and the median TTFT of each turn over the
+   replays, k = 2 over k = 0 (the head's pass over a step's prompt positions runs when the next
+   step begins: a first token waits for it only where a prompt's prefill took several steps).
 
 Not a test: nothing is asserted. One run's numbers; CPU only (the GPU's verify-step cost is
 benchmarks/step_cost.py's verify row).
@@ -46,6 +47,7 @@ from cairn.workers import Engine, SamplingParams  # noqa: E402
 from cairn.workers.demo import demo_model_dir  # noqa: E402
 from cairn.workers.demo.corpus import training_corpus  # noqa: E402
 
+REPEATS = 3  # replays of the multi-turn trace per k
 HELD_OUT = 4000  # corpus lines from here on: the training (cairn.workers.demo.speculative_training) read fewer
 PROMPT = 16  # tokens of each prompt
 
@@ -92,6 +94,7 @@ def throughput(model_dir: Path, running: list[int], ks: list[int], tokens: int) 
             engine = Engine.from_pretrained(model_dir, max_num_seqs=max(n, 1), num_pages=4096,
                                             num_speculative_tokens=k, speculative_exact=mode == "exact",
                                             speculative_adaptive=mode != "always")
+            engine.warm_up()  # as `cairn serve` does: the packed linears at every row count
             decode_run(engine, prompts[:1], 8)  # warm: the kernels at these shapes
             engine.speculation.__init__()
             seconds, out = decode_run(engine, prompts, tokens)
@@ -144,10 +147,12 @@ def multiturn(model_dir: Path, convs: int, turns: int, tokens: int) -> None:
     options = dict(max_num_seqs=convs, num_pages=4096)
     rounds = record_trace(Engine.from_pretrained(model_dir, **options), client, "thinking-drop", convs, turns,
                           system_words=60, user_words=30, answer_tokens=tokens)
-    results = {}
-    for k in (0, 2):
+    runs = {0: [], 2: []}  # per k, each replay's (cached_tokens, outputs) by (conversation, turn)
+    ttft = {0: {}, 2: {}}  # per k, per turn, every replay's TTFTs
+    for k in (0, 2) * REPEATS:  # alternating, a fresh engine each time: one step's time is noisy here
         engine = Engine.from_pretrained(model_dir, num_speculative_tokens=k, speculative_exact=True, **options)
-        cached, outputs, ttft = {}, {}, {}
+        engine.warm_up()
+        cached, outputs = {}, {}
         for reqs in rounds:
             sent = time.perf_counter()
             ids = {engine.add_request(r.prompt, SamplingParams(max_tokens=r.output_len, temperature=0,
@@ -161,14 +166,15 @@ def multiturn(model_dir: Path, convs: int, turns: int, tokens: int) -> None:
                         r = ids[out.request_id]
                         cached[(r.conv, r.turn)], outputs[(r.conv, r.turn)] = out.cached_tokens, out.token_ids
             for rid, r in ids.items():
-                ttft.setdefault(r.turn, []).append(first[rid])
-        results[k] = cached, outputs, ttft
-    (c0, o0, t0), (c2, o2, t2) = results[0], results[2]
-    print(f"identical with k = 0: cached_tokens {c0 == c2}, outputs {o0 == o2} ({len(c0)} requests, "
-          f"{sum(c0.values())} cached tokens in all)")
+                ttft[k].setdefault(r.turn, []).append(first[rid])
+        runs[k].append((cached, outputs))
+    (c0, o0) = runs[0][0]
+    print(f"identical with k = 0: cached_tokens {all(c == c0 for c, _ in runs[0] + runs[2])}, outputs "
+          f"{all(o == o0 for _, o in runs[0] + runs[2])} ({len(c0)} requests x {REPEATS} replays, "
+          f"{sum(c0.values())} cached tokens in each)")
+    t0, t2 = ttft[0], ttft[2]
     print("median TTFT per turn, k = 2 / k = 0: " +
           ", ".join(f"{turn}: {statistics.median(t2[turn]) / statistics.median(t0[turn]):.2f}" for turn in sorted(t0)))
-
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -8,8 +8,9 @@ The row is filled once, from the prompt and the output so far (one upload per se
 that `add` counts each step's sampled ids on the device, so no step reads or rebuilds a row on
 the host. A verify step's drafted row (speculative decoding) reads a scratch row: its
 sequence's counts and the drafted tokens before it (`scratch`); the tokens such a step keeps
-past its first row are counted from the host (`add_tokens`). Rows of finished sequences are reused; the table grows by doubling, so its memory is
-(the most penalised sequences at once) x vocab x 5 bytes.
+past its first row are counted from the host (`add_tokens`). Rows of finished sequences are
+reused; the table grows by doubling, so its memory is (the most penalised sequences at once,
+and the drafted rows of one step) x vocab x 5 bytes.
 """
 
 from __future__ import annotations
