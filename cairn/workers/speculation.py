@@ -42,6 +42,8 @@ tokens, accepted tokens in all and by position; mean acceptance length = 1 + acc
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -73,42 +75,54 @@ class SpeculationGate:
     verify step computes 1 + k rows a sequence and runs the head k times; where a step's cost grows
     with its rows (a CPU, or a GPU past its memory-bound batch sizes) that can cost more than the
     kept tokens give. Measured, not assumed: for each bucket of running sequences (a power of two),
-    moving averages of the tokens per second of decode-only steps with drafts and without (the
-    first of each left out: it pays the compiles of its shapes); a bucket lacking either tries it.
-    Then the faster way is taken, and the other tried once after `REPROBE` steps, so that its
-    number follows the load and the acceptance as they change; each try that leaves the choice as
-    it was doubles the wait before the next (up to `MAX_REPROBE`), one that changes it resets it.
-    While the gate is closed, decode-only steps skip the head too (`Engine._verify`): its K/V at
-    their positions stays as it was, and drafting after them reads it so; the gate then measures
-    what such drafts are worth."""
+    the tokens per second of decode-only steps with drafts and without, each way's rate the median
+    of its last `WINDOW` steps (the first step of each left out: it pays the compiles of its
+    shapes), so that one step slowed by something else (another process, a collection) decides
+    nothing; a bucket lacking either tries it. Then the faster way is taken, and the other tried
+    for `PROBE` steps after `REPROBE` steps, so that its rate follows the load and the acceptance
+    as they change; each try that leaves the choice as it was doubles the wait before the next (up
+    to `MAX_REPROBE`), one that changes it resets it. While the gate is closed, decode-only steps
+    skip the head too (`Engine._verify`): its K/V at their positions stays as it was, and drafting
+    after them reads it so; the gate then measures what such drafts are worth."""
     REPROBE, MAX_REPROBE = 32, 1024
-    DECAY = 0.7  # the weight of what was measured before, each new step
+    WINDOW = 8  # steps a way's rate is the median of
+    PROBE = 2  # steps a try of the other way takes
 
     def __init__(self):
-        self._rates: dict[int, list[float | None]] = {}  # bucket -> [tokens/s without drafts, with]
+        self._samples: dict[tuple[int, bool], deque] = {}  # (bucket, drafted) -> the last tokens/s
         self._seen: dict[tuple[int, bool], int] = {}  # (bucket, drafted) -> steps observed
-        self._wait: dict[int, list] = {}  # bucket -> [steps until the other way is tried, the wait, the choice]
+        # bucket -> [steps until the other way is tried, the wait, the choice, steps of the try left]
+        self._wait: dict[int, list] = {}
 
     @staticmethod
     def _bucket(running: int) -> int:
         return 1 << max(running - 1, 0).bit_length()
 
+    def rate(self, running: int, drafted: bool) -> float | None:
+        """Tokens per second of decode-only steps at this load, with drafts or without (None:
+        not measured yet)."""
+        samples = self._samples.get((self._bucket(running), drafted))
+        return statistics.median(samples) if samples else None
+
     def drafting(self, running: int) -> bool:
         bucket = self._bucket(running)
-        plain, drafted = self._rates.get(bucket, [None, None])
+        drafted, plain = self.rate(running, True), self.rate(running, False)
         if drafted is None:
             return True
         if plain is None:
             return False
         better = drafted > plain
-        wait = self._wait.setdefault(bucket, [self.REPROBE, self.REPROBE, better])
+        wait = self._wait.setdefault(bucket, [self.REPROBE, self.REPROBE, better, 0])
+        if wait[3] > 0:  # trying the other way
+            wait[3] -= 1
+            return not wait[2]
         if better != wait[2]:  # the choice changed: try the other way soon again
-            wait[:] = [self.REPROBE, self.REPROBE, better]
+            wait[:] = [self.REPROBE, self.REPROBE, better, 0]
         wait[0] -= 1
         if wait[0] > 0:
             return better
         wait[1] = min(2 * wait[1], self.MAX_REPROBE)
-        wait[0] = wait[1]
+        wait[0], wait[3] = wait[1], self.PROBE - 1
         return not better
 
     def observe(self, running: int, drafted: bool, tokens: int, seconds: float) -> None:
@@ -116,13 +130,11 @@ class SpeculationGate:
         in `seconds`."""
         if seconds <= 0 or not running:
             return
-        bucket = self._bucket(running)
-        self._seen[bucket, drafted] = seen = self._seen.get((bucket, drafted), 0) + 1
+        key = self._bucket(running), drafted
+        self._seen[key] = seen = self._seen.get(key, 0) + 1
         if seen == 1:  # the first such step at a new shape pays its compiles: not a measure
             return
-        rates = self._rates.setdefault(bucket, [None, None])
-        rate, old = tokens / seconds, rates[drafted]
-        rates[drafted] = rate if old is None else self.DECAY * old + (1 - self.DECAY) * rate
+        self._samples.setdefault(key, deque(maxlen=self.WINDOW)).append(tokens / seconds)
 
 
 @dataclass

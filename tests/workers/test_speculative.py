@@ -326,7 +326,8 @@ def test_the_trained_demo_head_is_kept_at_a_realistic_rate(trained_spec_model):
 
 def test_the_gate_drafts_where_drafting_gives_more_tokens_per_second():
     """`speculative_adaptive`: per bucket of running sequences, each way is tried, then the faster
-    one taken and the other tried again after REPROBE steps, then after twice as many while the
+    one taken (each way's rate the median of its last steps: one odd step decides nothing) and
+    the other tried for PROBE steps after REPROBE steps, then after twice as many while the
     choice stands."""
     from cairn.workers.speculation import SpeculationGate
 
@@ -338,17 +339,20 @@ def test_the_gate_drafts_where_drafting_gives_more_tokens_per_second():
     assert not gate.drafting(16)  # then without
     for _ in range(2):
         gate.observe(16, False, tokens=16, seconds=0.01)  # 1600 tokens/s without
-    taken = [gate.drafting(16) for _ in range(7 * gate.REPROBE)]
-    tries = [i + 1 for i, t in enumerate(taken) if t]  # the slower way, after 32 steps, then 64, then 128
-    assert tries == [gate.REPROBE, 3 * gate.REPROBE, 7 * gate.REPROBE]
+    taken = [gate.drafting(16) for _ in range(8 * gate.REPROBE)]
+    tries = [i + 1 for i, t in enumerate(taken) if t]  # the slower way for 2 steps, after 32 steps, then 64, 128
+    assert tries == [32, 33, 97, 98, 226, 227] and gate.PROBE == 2 and gate.REPROBE == 32
     assert gate.drafting(1)  # another bucket: measured on its own
     for _ in range(2):
         gate.observe(1, True, tokens=3, seconds=0.01)
         gate.observe(1, False, tokens=1, seconds=0.006)
     assert sum(gate.drafting(1) for _ in range(gate.REPROBE)) == gate.REPROBE - 1
-    for _ in range(20):  # drafts slow down at this load: the average follows, and the gate turns
+    for _ in range(20):  # drafts slow down at this load: the rate follows, and the gate turns
         gate.observe(1, True, tokens=1, seconds=0.02)
-    assert sum(gate.drafting(1) for _ in range(gate.REPROBE)) == 1
+    # the rest of the try under way (plain), then plain, and drafting tried after REPROBE steps
+    assert [i for i in range(gate.REPROBE + 1) if gate.drafting(1)] == [gate.REPROBE]
+    gate.observe(1, True, tokens=3, seconds=0.0001)  # one odd step (30000 tokens/s): the median holds
+    assert gate.rate(1, True) == 50.0 < gate.rate(1, False)
 
 
 def test_a_step_that_prefills_verifies_no_drafts(spec_model):
