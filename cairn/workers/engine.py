@@ -528,9 +528,19 @@ class Engine:
         the start of the next step or of any other forward pass (which replaces the runner's kept
         hidden states), so that the last step's tokens go out before the head runs: a prompt's
         first token waits for the target's prefill alone, not for the head's pass over it too.
-        Sequences that ended in between (aborted) are left out."""
+        Sequences that ended in between (aborted) are left out. Drafts are only ever proposals:
+        a head pass that fails costs its sequences their drafts for one step, nothing else (a
+        tensor-parallel rank lost breaks the engine, as in a step)."""
         runs, self._proposal = self._proposal, []
-        self.drafter.propose([run for run in runs if not run.segment.seq.finished])
+        try:
+            self.drafter.propose([run for run in runs if not run.segment.seq.finished])
+        except EngineBroken as e:
+            self.broken = str(e)
+            raise
+        except Exception:
+            log.exception("the MTP head's pass failed; %d sequence(s) decode this step without drafts", len(runs))
+            for run in runs:
+                run.segment.seq.draft = []
 
     def _snapshot_after(self, plan: StepPlan) -> None:
         """The snapshots of checkpoints planned after the plan's step ran, behind the block copies

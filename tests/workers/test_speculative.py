@@ -489,3 +489,23 @@ def test_the_heads_kv_follows_its_pages_to_the_host_tier_and_back(spec_model):
     for t, w in zip(kv, written):
         assert torch.equal(t[7], w) and torch.equal(t[9], w) and not t[3].any()
     assert runner.host_rows[0].shape[0] == engine.layout.host_blocks
+
+
+def test_a_head_pass_that_fails_costs_drafts_and_nothing_else(spec_model):
+    """Drafts are proposals: when the MTP head's pass raises (a fault in its kernels), its
+    sequences decode that step without drafts, and every request still gets k = 0's tokens."""
+    path = spec_model("qwen3_next")
+    requests = [(p, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)) for p in prompts([8, 13])]
+    expected = drive(Engine.from_pretrained(path, page_size=8), requests)
+    spec = Engine.from_pretrained(path, page_size=8, num_speculative_tokens=2, speculative_adaptive=False)
+    run, calls = spec.drafter.run, []
+
+    def failing(work):
+        calls.append(1)
+        if len(calls) % 3 == 2:
+            raise RuntimeError("a kernel fault in the head")
+        return run(work)
+    spec.drafter.run = failing
+    assert [o.token_ids for o in drive(spec, requests)] == [o.token_ids for o in expected]
+    assert len(calls) >= 6 and spec.speculation.drafts > 0 and spec.broken is None
+    spec.check()

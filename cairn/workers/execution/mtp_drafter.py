@@ -10,16 +10,20 @@ of their own: `ModelRunner.add_block_rows`); a page imported from a peer brings 
 target's K/V, and its head K/V is whatever that block held: it changes what the head drafts
 there, never what the engine outputs (every draft is verified).
 
-`propose(runs)`, after a step's kept tokens are applied:
+`propose(runs)`, when the step after the one that kept those tokens begins (`Engine._propose`):
+`plan` (rank 0, which holds the sequences) makes a `DraftWork` of host arrays, and `run` (every
+rank of a tensor-parallel engine, in step: `dispatch`) carries it out:
 1. The head runs over every position each run kept (one varlen batch: a run of a few
    positions, a decode's or a verify's, as that many decode rows; a prompt's chunk as a prefill
    segment), each position t reading the target's hidden state at t and the embedding of token
    t + 1 (`ModelRunner.prepare`'s `shift`): it writes its K/V there.
 2. A run that wants drafts takes the argmax of the LM head over the head's state at its last
-   position (among the tokens `constrain` leaves: a grammar's, so that a constrained row's
-   drafts are ones its grammar allows): the first draft. Each further one applies the head again, one row a sequence at the
-   next position, reading the drafted token's embedding and the head's own last state, while
-   that position lies in the pages the sequence holds (its verify step needs them too).
+   position (among the tokens `constrain` leaves on rank 0: a grammar's, so that a constrained
+   row's drafts are ones its grammar allows; the other ranks take rank 0's ids): the first
+   draft. Each further one applies the head again, one row a sequence at the next position
+   (`StepWork.decode_rows`), reading the drafted token's embedding and the head's own last
+   state, while that position lies in the pages the sequence holds (its verify step needs them
+   too).
 Each draft round reads its argmax back (one small read a round).
 """
 
