@@ -163,8 +163,8 @@ def count_step(cfg: ModelConfig, tp: int, step: Step) -> tuple[Census, int]:
     census and the number of recurrent-state checkpoints the step saved."""
     census = Census()
     engine = build_engine(tiny(cfg), tp, step.decodes + len(step.prefills), census,
-                          **({"num_speculative_tokens": step.drafts, "speculative_adaptive": False} if step.drafts
-                             else {}))
+                          **({"num_speculative_tokens": step.drafts, "speculative_adaptive": False,
+                              "speculative_exact": step.exact} if step.drafts else {}))
     driver = StepDriver(engine)
     driver.enter(step)
     works = recorded_works(engine)
@@ -202,7 +202,8 @@ def projection(cfg: ModelConfig, tp: int, step: Step, census: Census, gpu: dict,
                work={kind: dict(bytes=w.bytes, flops=w.flops, tokens=w.tokens, limit_s=w.limit_s(gpu))
                      for kind, w in work.items()},
                efficiency={kind: dict(fraction=e.fraction, measured_at=e.measured_at) for kind, e in taken.items()})
-    return {**out, **project(census, limit, device_s, gpu, graphed=not step.prefills and not step.drafts)}
+    graphed = not step.prefills and (not step.drafts or step.exact)  # what decode graphs capture
+    return {**out, **project(census, limit, device_s, gpu, graphed=graphed)}
 
 
 def report(name: str, cfg: ModelConfig, tp: int, step: Step, census: Census, checkpoints: int, gpu_name: str,
@@ -237,7 +238,7 @@ def print_header(gpu_name: str, gpu: dict, calibration: Calibration | None) -> N
             print(f"NOTE: the calibration was measured on {calibration.gpu}, the projection is onto {gpu_name}.")
     print(f"graph (decode steps): max(device, {GRAPH_LAUNCH_US} us + forward launches x {gpu['graph_node_us']} us "
           f"+ the step's other launches x {gpu['launch_us']} us) + syncs x {gpu['sync_us'][1]} us.")
-    print(f"{'shape':<24}{'step':<16}{'launches':>9}{'syncs':>7}{'in fwd':>9}{'uploads':>8}{'aten ops':>9}"
+    print(f"{'shape':<24}{'step':<21}{'launches':>9}{'syncs':>7}{'in fwd':>9}{'uploads':>8}{'aten ops':>9}"
           f"{'limit ms':>10}{'projected ms':>19}{'ratio':>13}{'graph ms':>10}{'ratio':>8}")
 
 
@@ -246,7 +247,7 @@ def print_row(r: dict) -> None:
     forward = r["phases"].get("forward", {})
     per = ", ".join(f"{k} {v['launches']:.0f} launches/{v['syncs']:.0f} syncs per layer"
                     for k, v in sorted(r["per_layer"].items()))
-    print(f"{r['shape']:<24}{r['step']:<16}{r['launches']:>9}{r['syncs']:>7}{forward.get('syncs', 0):>9}"
+    print(f"{r['shape']:<24}{r['step']:<21}{r['launches']:>9}{r['syncs']:>7}{forward.get('syncs', 0):>9}"
           f"{r['uploads']:>8}{r['aten_ops']:>9}{r['limit_s'] * 1e3:>10.3f}"
           f"{r['projected_s'][0] * 1e3:>10.2f}-{r['projected_s'][1] * 1e3:<8.2f}{lo:>6.1f}-{hi:<5.1f}x"
           + (f"{r['graph_s'] * 1e3:>10.2f}{r['graph_ratio']:>7.1f}x" if "graph_s" in r else ""))
@@ -284,12 +285,12 @@ def print_measured(name: str, device: str, warm_up_s: float, rows: list[dict]) -
           f"at that context.")
     if device == "cpu":
         print("(CPU at tiny widths: this proves the measuring path; its times are not the projection's)")
-    print(f"{'step':<16}{'warm ms':>10}{'min-max ms':>19}{'first ms':>10}{'first/warm':>11}"
+    print(f"{'step':<21}{'warm ms':>10}{'min-max ms':>19}{'first ms':>10}{'first/warm':>11}"
           f"{'projected ms (' + label + ')':>30}{'warm/proj':>10}{'limit ms':>10}{'warm/limit':>11}")
     for r in rows:
         spread = f"{r['warm_min_s'] * 1e3:.2f}-{r['warm_max_s'] * 1e3:.2f}"
         over = " over goal" if r["first_over_warm"] > FIRST_GOAL else ""
-        print(f"{r['step']:<16}{r['warm_median_s'] * 1e3:>10.2f}{spread:>19}{r['first_s'] * 1e3:>10.2f}"
+        print(f"{r['step']:<21}{r['warm_median_s'] * 1e3:>10.2f}{spread:>19}{r['first_s'] * 1e3:>10.2f}"
               f"{r['first_over_warm']:>10.2f}x{r['projected_s'] * 1e3:>30.2f}{r['warm_over_projected']:>9.2f}x"
               f"{r['limit_s'] * 1e3:>10.2f}{r['warm_over_limit']:>10.1f}x{over}")
     decode64 = next((r for r in rows if r["step"] == "decode x64"), None)
@@ -318,13 +319,14 @@ def measure_shape(name: str, cfg: ModelConfig, steps: list[Step], censuses: dict
     times = measure(driver, [s for s in steps if not s.drafts], args.repeats)
     if args.profile:
         wall_s, kernels_s, top = profile(driver, PROFILED)
-    for k in sorted({s.drafts for s in steps if s.drafts}):  # verify steps: an engine drafting k tokens
+    for k, exact in sorted({(s.drafts, s.exact) for s in steps if s.drafts}):  # verify steps: an engine a mode
         del engine, driver  # (one full-size engine at a time)
         if args.measure_device == "cuda":
             torch.cuda.empty_cache()
-        engine = full_engine(full, args.measure_device, seqs, num_speculative_tokens=k, speculative_adaptive=False)
+        engine = full_engine(full, args.measure_device, seqs, num_speculative_tokens=k, speculative_adaptive=False,
+                             speculative_exact=exact)
         driver = StepDriver(engine)
-        times.update(measure(driver, [s for s in steps if s.drafts == k], args.repeats))
+        times.update(measure(driver, [s for s in steps if (s.drafts, s.exact) == (k, exact)], args.repeats))
     rows = [measured_row(name, cfg, s, censuses[s.name], times[s.name], gpu, calibration) for s in steps]
     if args.json:
         for r in rows:
@@ -396,7 +398,7 @@ def main() -> None:
         for step in steps:
             if step.drafts and tp > 1:
                 if not args.json:
-                    print(f"{name:<24}{step.name:<16}(verify steps are counted at tensor_parallel_size 1)")
+                    print(f"{name:<24}{step.name:<21}(verify steps are counted at tensor_parallel_size 1)")
                 continue
             census, checkpoints = count_step(cfg, tp, step)
             censuses[step.name] = census

@@ -7,7 +7,10 @@ The steps (`STEPS`): decode at 1, 64 and 256 running sequences, one 4k-token pre
 (speculative decoding, k = 2 drafted tokens after each of 1, 64, 256 decoding sequences: each
 sequence's 3 tokens a chunk of the prefill path, every position sampled, then the MTP head's
 drafting, `mtp head`: its pass over the step's 3 positions a sequence and one more application a
-further draft, each one decoder layer, `fc` and the LM head). `step_work` counts one
+further draft, each one decoder layer, `fc` and the LM head; at 1 and 64 also in the exact mode,
+"exact": each sequence's 3 tokens decode rows, level by level, each reading its context and
+stepping the recurrent state, the states after the first two copied, and graphed on a GPU as
+decode steps are). `step_work` counts one
 tensor-parallel rank's bytes and FLOPs at full size (bf16 weights and K/V, fp32 delta-rule states,
 `context` tokens of K/V per decoding sequence) in these classes: the kernel ops of kernel_speed.py,
 by the same names (`KERNEL_CLASSES`), "dense GEMMs" (every projection, the router, the LM head:
@@ -46,12 +49,14 @@ class Step:
     decodes: int  # sequences already running (one token each in the step)
     prefills: tuple[int, ...]  # prompt lengths prefilled in the step
     drafts: int = 0  # tokens drafted after each decoding sequence's (a verify step)
+    exact: bool = False  # the verify rows as decode rows, level by level (`speculative_exact`; graphed)
 
 
 STEPS = (Step("decode x1", 1, ()), Step("decode x64", 64, ()), Step("decode x256", 256, ()),
          Step("prefill 4k", 0, (4096,)), Step("prefill 16x256", 0, (256,) * 16),
          Step("mixed 64+512", 64, (512,)), Step("verify x1 k=2", 1, (), 2), Step("verify x64 k=2", 64, (), 2),
-         Step("verify x256 k=2", 256, (), 2))
+         Step("verify x256 k=2", 256, (), 2), Step("verify x1 k=2 exact", 1, (), 2, True),
+         Step("verify x64 k=2 exact", 64, (), 2, True))
 QUICK_STEPS = ("decode x64", "prefill 4k", "mixed 64+512")
 
 
@@ -71,7 +76,11 @@ def step_work(cfg: ModelConfig, tp: int, step: Step, context: int = CONTEXT) -> 
     H, E, top, L = c.hidden_size, c.num_experts, c.num_experts_per_tok, c.num_hidden_layers
     n_att, n_lin = len(c.attention_layers), len(c.linear_layers)
     k = step.drafts
-    verify, decodes = (step.decodes, 0) if k else (0, step.decodes)  # a verify's rows go the prefill path
+    speculating = step.decodes if k else 0  # sequences verifying drafts
+    if k and step.exact:  # each drafted token a decode row, level by level, the states after each copied
+        verify, decodes, saves = 0, step.decodes * (1 + k), k * step.decodes
+    else:  # a verify's rows go the prefill path
+        verify, decodes, saves = (step.decodes, 0, 0) if k else (0, step.decodes, 0)
     chunked = [1 + k] * verify + list(step.prefills)  # segments of the prefill path
     prefill_tokens, prefill_seqs = sum(chunked), len(chunked)
     tokens = decodes + prefill_tokens
@@ -107,11 +116,11 @@ def step_work(cfg: ModelConfig, tp: int, step: Step, context: int = CONTEXT) -> 
         "prefill attention": Work((kv_token + query_rows) * prefill_tokens + kv_token * verify * context,
                                   pair_flops * (sum(n * n / 2 for n in step.prefills) + verify * (1 + k) * context),
                                   prefill_tokens),
-        "recurrent step": Work(2 * decodes * state + delta_rows * decodes, delta_flops * decodes, decodes),
+        "recurrent step": Work(2 * (decodes + saves) * state + delta_rows * decodes, delta_flops * decodes, decodes),
         "chunked delta rule": Work((2 * prefill_seqs + k * verify) * state + delta_rows * prefill_tokens,
                                    delta_flops * prefill_tokens, prefill_tokens),  # (a verify keeps k states)
-        "conv1d update": Work(conv_weights + 2 * decodes * conv_state + conv_rows * decodes, conv_flops * decodes,
-                              decodes),
+        "conv1d update": Work(conv_weights + 2 * (decodes + saves) * conv_state + conv_rows * decodes,
+                              conv_flops * decodes, decodes),
         "conv1d varlen": Work(conv_weights + 2 * prefill_seqs * conv_state + conv_rows * prefill_tokens,
                               conv_flops * prefill_tokens, prefill_tokens),
         "other": Work(tokens * L * H * 2 * 16, 0, tokens),
@@ -119,9 +128,9 @@ def step_work(cfg: ModelConfig, tp: int, step: Step, context: int = CONTEXT) -> 
     if k:  # the head: over the 1 + k positions a sequence, then k - 1 more applications
         layer = attn // n_att + router + (top * expert + shared if E else 3 * H * c.intermediate_size)
         weights = layer + 2 * H * H + vocab_rows * H
-        rows = verify * (1 + k) + verify * (k - 1)
+        rows = speculating * (1 + k) + speculating * (k - 1)
         head_kv = 2 * c.num_key_value_heads * c.head_dim * 2  # one attention layer's K and V of a token
-        work["mtp head"] = Work(2 * k * (weights - top * expert + touched * expert) + head_kv * verify * context * k,
+        work["mtp head"] = Work(2 * k * (weights - top * expert + touched * expert) + head_kv * speculating * context * k,
                                 2 * rows * weights + pair_flops / n_att * rows * context, rows)
     return {kind: w for kind, w in work.items() if w.tokens}
 

@@ -105,7 +105,7 @@ def test_a_speculating_engine_compiles_nothing_after_warm_up(tmp_path, fresh_com
     from cairn.workers.demo import write_demo_model
 
     path = write_demo_model(tmp_path / "spec", size="tiny", arch="qwen3_5_moe", mtp=True)
-    engine = Engine.from_pretrained(path, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64,
+    engine = Engine.from_pretrained(path, max_num_seqs=2, max_num_batched_tokens=8, max_model_len=48,
                                     enforce_eager=False, num_speculative_tokens=2, speculative_adaptive=False)
     engine.warm_up()
     warmed = compile_watch.compiles()
