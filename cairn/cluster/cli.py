@@ -211,8 +211,11 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
                              "always eager)")
     parser.add_argument("--speculative-tokens", type=int, default=None, metavar="K", dest="num_speculative_tokens",
                         help="speculative decoding: the checkpoint's MTP head drafts K tokens (1-4) after each "
-                             "sequence's last, and one step verifies them (outputs unchanged; one device per replica; "
-                             "off by default)")
+                             "sequence's last, and one step verifies them (outputs unchanged; off by default)")
+    parser.add_argument("--speculative-max-seqs", type=int, default=None, metavar="N", dest="speculative_max_num_seqs",
+                        help="speculative decoding: a step verifies at most N x K drafted tokens (default N: "
+                             "--max-num-seqs), each holding a copy of its sequence's recurrent state, so N x K states "
+                             "of memory are set aside")
     parser.add_argument("--async-scheduling", action="store_true", default=None,
                         help="plan and launch each decode step before the last one's tokens are read back, so the "
                              "host's work hides behind the device's (one device per replica; outputs unchanged; "

@@ -133,7 +133,7 @@ def resolve_models(config: dict[str, Any]) -> None:
 
 ENGINE_FLAGS = ("max_num_seqs", "cache_policy", "cache_memory_bytes", "memory_utilization", "host_cache_bytes",
                 "tensor_parallel_size", "dtype", "enforce_eager", "async_scheduling",
-                "num_speculative_tokens")  # `cairn serve`'s flags named as EngineOptions fields
+                "num_speculative_tokens", "speculative_max_num_seqs")  # `cairn serve`'s flags named as EngineOptions fields
 
 
 def engine_option_flags(args: argparse.Namespace) -> dict[str, Any]:

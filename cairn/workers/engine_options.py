@@ -63,6 +63,14 @@ class EngineOptions:
     num_speculative_tokens: int = 0           # tokens the checkpoint's MTP head drafts a step, 0-4 (0: off; cairn.workers.speculation)
     speculative_exact: bool = False           # verify drafts through the decode kernels, row by row: output exactly k = 0's
     speculative_adaptive: bool = True         # draft only while verify steps give more tokens/s than plain ones (measured)
+    speculative_max_num_seqs: int | None = None  # N: a step verifies at most k x N drafted tokens (None: max_num_seqs), each a state slot
+
+    @property
+    def verifying_seqs(self) -> int:
+        """N sequences' worth of drafts one step verifies at most: k x N spare state slots, one a
+        drafted token (cairn.workers.cache.arena); past them, a sequence decodes without drafts
+        that step."""
+        return min(self.speculative_max_num_seqs or self.max_num_seqs, self.max_num_seqs)
 
     def __post_init__(self) -> None:
         def positive(name: str, allow_none: bool = False) -> None:
@@ -76,7 +84,7 @@ class EngineOptions:
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "checkpoint_interval_pages",
                      "tensor_parallel_size"):
             positive(name)
-        for name in ("num_pages", "cache_memory_bytes"):
+        for name in ("num_pages", "cache_memory_bytes", "speculative_max_num_seqs"):
             positive(name, allow_none=True)
         if isinstance(self.host_cache_bytes, bool) or not isinstance(self.host_cache_bytes, int) or \
                 self.host_cache_bytes < 0:

@@ -336,6 +336,9 @@ def test_flags_override_the_config_and_absent_flags_leave_it_alone(tmp_path):
     serve_yaml = deploy.apply_overrides(load("serve.yaml"), serve_args(["--replicas", "8", "--max-num-seqs", "32"]))
     engine_options = serve_yaml["applications"][0]["args"]["engine_options"]
     assert engine_options["max_num_seqs"] == 32 and engine_options["page_size"] == 16, "merged, not replaced"
+    speculating = deploy.apply_overrides(local, serve_args(["--speculative-tokens", "2", "--speculative-max-seqs", "4"]))
+    assert speculating["applications"][0]["args"]["engine_options"] == {"num_speculative_tokens": 2,
+                                                                        "speculative_max_num_seqs": 4}
 
 
 @pytest.mark.parametrize("native, gpus, want", [(True, 0, "bfloat16"), (False, 0, "float32"), (False, 1, "float32")])

@@ -509,3 +509,24 @@ def test_a_head_pass_that_fails_costs_drafts_and_nothing_else(spec_model):
     assert [o.token_ids for o in drive(spec, requests)] == [o.token_ids for o in expected]
     assert len(calls) >= 6 and spec.speculation.drafts > 0 and spec.broken is None
     spec.check()
+
+
+def test_speculative_max_num_seqs_bounds_the_states_set_aside(spec_model):
+    """`speculative_max_num_seqs` N: k x N spare state slots (and the padding one) instead of
+    k x `max_num_seqs`; a step verifies at most k x N drafted tokens (N sequences' worth), the
+    others decode plainly beside them, and the tokens are k = 0's."""
+    path = spec_model("qwen3_5")
+    requests = [(p, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)) for p in prompts([6, 9, 4, 11, 7, 5])]
+    options = dict(page_size=8, num_pages=256, max_num_seqs=8)
+    expected = drive(Engine.from_pretrained(path, **options), requests)
+    spec = speculating(path, 2, continuations(requests, expected), wrong=0.2, speculative_max_num_seqs=2, **options)
+    assert spec.layout.spare_slots == 2 * 2 + 1 and len(spec.scheduler.spare_slots) == 4
+    full = Engine.from_pretrained(path, num_speculative_tokens=2, **options)
+    assert full.layout.spare_slots == 2 * 8 + 1 and full.layout.spare_bytes > spec.layout.spare_bytes
+    plans, schedule = [], spec.scheduler.schedule
+    spec.scheduler.schedule = lambda *a, **k: plans.append(schedule(*a, **k)) or plans[-1]
+    assert [o.token_ids for o in drive(spec, requests)] == [o.token_ids for o in expected]
+    drafted = [sum(s.drafts for s in p.segments) for p in plans]  # a drafted token takes a slot
+    assert max(drafted) == 2 * 2 and spec.speculation.accepted_tokens > 20
+    with pytest.raises(EngineOptionError, match="speculative_max_num_seqs"):
+        Engine.from_pretrained(path, num_speculative_tokens=2, speculative_max_num_seqs=0)

@@ -21,7 +21,7 @@ A model without recurrent layers has no state bytes: its slots are ids that inde
 (`slot_blocks` 0), handed out up to `virtual_slots`.
 
 Speculative decoding (`num_speculative_tokens` k) adds `spare_slots` = k x `max_num_seqs` + 1 state
-slots after the cache's blocks, from group `spare_start` on: a verify step keeps the state after
+slots (k x `speculative_max_num_seqs` + 1 where that is given) after the cache's blocks, from group `spare_start` on: a verify step keeps the state after
 each drafted token there until it knows which stand (cairn.workers.speculation); the last one,
 `padding_slot`, takes the state saves of a graphed verify step's padding rows
 (cairn.workers.execution.decode_graphs). The cache never
@@ -142,7 +142,7 @@ class ArenaLayout:
                    max_checkpoints=ckpts if slot_blocks else 0,
                    virtual_slots=0 if slot_blocks else options.max_num_seqs,
                    host_blocks=options.host_cache_bytes // block,
-                   spare_slots=options.num_speculative_tokens * options.max_num_seqs + 1
+                   spare_slots=options.num_speculative_tokens * options.verifying_seqs + 1
                    if slot_blocks and options.num_speculative_tokens else 0)
 
 
