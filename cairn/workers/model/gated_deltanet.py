@@ -23,6 +23,8 @@ from cairn.workers.model.batch import ForwardBatch
 from cairn.workers.model.model_config import ModelConfig
 from cairn.workers.model.layers import GatedRMSNorm
 
+JOINED_ROWS = 64  # at most this many prefill tokens: a checkpoint's conv rows from one joined source
+
 
 class GatedDeltaNet(nn.Module):
     """The recurrent layer. A family subclass adds its input projections (the checkpoint's
@@ -94,14 +96,19 @@ class GatedDeltaNet(nn.Module):
         """Copies the states after each checkpoint offset into the slots asking for them, all at
         once from the step's tables (cairn.workers.model.batch): the conv window ending there, gathered
         from the segments' starting windows and their tokens, and the delta-rule state the
-        chunked rule saved there. The rows are gathered from the two sources apart: joining them
-        first would copy every token's conv input (a 4k prefill's, per layer) for a few rows."""
+        chunked rule saved there. The rows are gathered from the two sources apart where the
+        tokens are many: joining them first would copy every token's conv input (a 4k prefill's,
+        per layer) for a few rows; a few tokens (a verify step's) are joined, which takes fewer
+        ops. Each target slot is written once (a checkpoint's slots are distinct)."""
         windows = before.transpose(1, 2).reshape(-1, before.shape[1])  # [segments * (K-1), conv_dim]
-        rows, n = batch.checkpoint_rows, windows.shape[0]
-        conv_pool[batch.checkpoint_targets] = torch.where(
-            (rows < n)[..., None], windows[rows.clamp(max=n - 1)],
-            mixed[(rows - n).clamp(min=0)].to(windows.dtype)).transpose(1, 2)
-        ssm_pool[batch.checkpoint_targets] = states[batch.checkpoint_states]
+        rows, n, targets = batch.checkpoint_rows, windows.shape[0], batch.checkpoint_targets
+        if mixed.shape[0] <= JOINED_ROWS:
+            gathered = torch.cat((windows, mixed.to(windows.dtype)))[rows]
+        else:
+            gathered = torch.where((rows < n)[..., None], windows[rows.clamp(max=n - 1)],
+                                   mixed[(rows - n).clamp(min=0)].to(windows.dtype))
+        conv_pool.index_copy_(0, targets, gathered.transpose(1, 2))
+        ssm_pool.index_copy_(0, targets, states.index_select(0, batch.checkpoint_states))
 
     def _heads(self, y: torch.Tensor):
         n = y.shape[0]
