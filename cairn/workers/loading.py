@@ -53,12 +53,15 @@ def head_for(model_dir: Path, asked: EngineOptions, model) -> MultiTokenPredicto
     return mtp
 
 
-def rank_sized(asked: EngineOptions, model, speculating: bool) -> EngineOptions:
-    """A tensor-parallel rank's sizing (every rank alike: cairn.workers.cache.device_budget)."""
+def arena_sized(asked: EngineOptions, model, speculating: bool, reserve: int = 0) -> EngineOptions:
+    """The options the arena is laid out from, sized from what `model`'s device has left less
+    `reserve` (cairn.workers.cache.device_budget; under tensor parallelism, every rank alike over
+    `model.group`), with the spare state slots and the head's K/V when `speculating`."""
     p = next(model.parameters())
     if speculating:
-        return device_budget.sized_for_speculation(asked, model.config, p.dtype.itemsize, p.device, model.group)
-    return device_budget.sized(asked, p.device, model.group)
+        return device_budget.sized_for_speculation(asked, model.config, p.dtype.itemsize, p.device, model.group,
+                                                   reserve)
+    return device_budget.sized(asked, p.device, model.group, reserve)
 
 
 def _pick_device(name: str) -> torch.device:
@@ -83,10 +86,7 @@ def load_engine(cls: type, model_dir: str | Path, asked: EngineOptions, worker_i
         rows = asked.max_num_seqs * (1 + (asked.num_speculative_tokens if asked.speculative_exact else 0))
         reserve = device_budget.graph_reserve_bytes(model.config, rows) if graphs else 0
         device_budget.make_workspaces(device, p.dtype)
-        if mtp is not None:  # the verify steps' spare state slots, the head's K/V
-            sized = device_budget.sized_for_speculation(asked, model.config, p.dtype.itemsize, device, reserve=reserve)
-        else:
-            sized = device_budget.sized(asked, device, reserve=reserve)  # memory_utilization: what weights and graphs left
+        sized = arena_sized(asked, model, mtp is not None, reserve)  # memory_utilization: what weights and graphs left
     else:
         shard_config(read_model_config(path / "config.json"), asked.tensor_parallel_size)  # fits?
         address = free_address()
@@ -95,7 +95,7 @@ def load_engine(cls: type, model_dir: str | Path, asked: EngineOptions, worker_i
         if workers is not None:
             model = load_rank_model(model_dir, asked, 0, address)
             mtp = head_for(path, asked, model)
-            sized = rank_sized(asked, model, mtp is not None)  # the same on every rank
+            sized = arena_sized(asked, model, mtp is not None)  # the same on every rank
         engine = cls(model, sized, fingerprint=model_fingerprint(model_dir), worker_id=worker_id,
                      eos_token_ids=generation_eos_ids(path), rank_workers=workers, mtp=mtp)
         engine.use_tokenizer(path)

@@ -67,7 +67,6 @@ class MtpDrafter:
         # runs a `DraftWork` on every rank: (work, this rank's run) -> its result (one device: the run)
         self.dispatch: Callable[[DraftWork, Callable[[], list[list[int]]]], list[list[int]]] = \
             lambda work, local: local()
-        self._seqs: list[Sequence] = []  # the sequences of the work `run` runs (rank 0)
 
     def warm_up(self, max_rows: int) -> int:
         """The head's packed linears at every row count a pass of at most `max_rows` rows gives
@@ -86,11 +85,7 @@ class MtpDrafter:
         if not runs or self.runner.hidden is None:
             return
         work, seqs = self.plan(runs)
-        self._seqs = seqs
-        try:
-            drafts = self.dispatch(work, lambda: self.run(work))
-        finally:
-            self._seqs = []
+        drafts = self.dispatch(work, lambda: self.run(work, seqs))
         for seq, tokens in zip(seqs, drafts):
             seq.draft = tokens
 
@@ -122,11 +117,12 @@ class MtpDrafter:
                          slots=np.array([seq.cache.state_slot for seq in seqs], np.int64)), seqs
 
     @torch.inference_mode()
-    def run(self, work: DraftWork) -> list[list[int]]:
+    def run(self, work: DraftWork, seqs: list[Sequence] = ()) -> list[list[int]]:
         """The device's part (every rank of a tensor-parallel engine, in step: the head's layer
         is sharded as the target's are): the first pass, then the draft rounds. Each round's
-        argmax is rank 0's (`constrain` applies there; the ranks take its ids, one small
-        collective); returns each drafting sequence's drafts."""
+        argmax is rank 0's (`constrain` applies there, to `seqs`, the work's drafting sequences
+        that rank 0 holds; the ranks take its ids, one small collective); returns each drafting
+        sequence's drafts."""
         runner, model = self.runner, self.runner.model
         hidden = runner.hidden.index_select(0, torch.from_numpy(work.rows).to(runner.hidden.device))
         x = self._apply(work.first, hidden)
@@ -137,8 +133,8 @@ class MtpDrafter:
         active = list(range(len(drafts)))
         for j in range(int(work.want.max())):
             logits = model.head_logits(state)
-            if self.constrain is not None and self._seqs:
-                self.constrain(logits, [self._seqs[i] for i in active], [drafts[i] for i in active])
+            if self.constrain is not None and seqs:
+                self.constrain(logits, [seqs[i] for i in active], [drafts[i] for i in active])
             ids = kernels.argmax_rows(logits)
             if model.group is not None:  # rank 0's ids on every rank
                 ids = model.group.all_reduce(ids if model.group.rank == 0 else torch.zeros_like(ids))

@@ -372,15 +372,14 @@ class ModelRunner:
             self._table[w.row, w.start:end] = w.page_ids
 
     def prepare(self, plan: StepPlan, all_logits: bool = False, fed: dict[int, int] | None = None,
-                shift: int = 0, input_ids: list[int] | None = None) -> StepWork:
+                shift: int = 0) -> StepWork:
         """The host's part of a step: the plan as plain arrays (`StepWork`). Per-segment numbers
         are gathered in one pass, the per-token ones computed with numpy; page-table rows come
         from the persistent table. `fed`: by `id(seq)`, the row of the last step's drawn ids that
         holds a decoding sequence's token (`execute`). A verify segment's drafted tokens follow
         its first (`Sequence.draft`), and each of its rows samples. `shift`: each position takes
         the token `shift` places after its own (the MTP head reads the next token's embedding:
-        cairn.workers.execution.mtp_drafter). `input_ids`: a decode-only plan's ids, given (drafted
-        tokens, which no sequence holds), instead of its sequences' tokens."""
+        cairn.workers.execution.mtp_drafter)."""
         self._write_page_table(plan.page_table_writes)
         ps, table = self.page_size, self._table
         decodes, prefills = plan.decodes, plan.prefills
@@ -394,10 +393,7 @@ class ModelRunner:
             lengths.append(len(seq.token_ids) + j)
             shared.append(c.shared_pages)
             slots.append(c.state_slot)
-            if input_ids is None:
-                ids.append(seq.token_ids[seg.start + shift] if j == 0 else seq.draft[j - 1])
-        if input_ids is not None:
-            ids = list(input_ids)
+            ids.append(seq.token_ids[seg.start + shift] if j == 0 else seq.draft[j - 1])
         nd = len(starts)
         counts = [1] * nd
         fed_from = None if fed is None else np.array([fed.get(id(seg.seq), -1) for seg in decodes] +

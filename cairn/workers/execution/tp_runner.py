@@ -92,11 +92,11 @@ def build_rank_runner(model_dir: str | Path, asked: EngineOptions, rank: int, ad
     same way, as many page-table rows), and the runner over it; with the arena's block count,
     which must equal rank 0's."""
     from cairn.workers.cache.arena import ArenaLayout
-    from cairn.workers.loading import head_for, rank_sized
+    from cairn.workers.loading import arena_sized, head_for
 
     model = load_rank_model(model_dir, asked, rank, address, device)
     head = head_for(Path(model_dir), asked, model)
-    sized = rank_sized(asked, model, head is not None)  # the arena every rank agrees on
+    sized = arena_sized(asked, model, head is not None)  # the arena every rank agrees on
     layout = ArenaLayout.plan(model.config, sized, next(model.parameters()).dtype.itemsize)
     runner = ModelRunner(model, layout, sized.page_size, sized.max_num_seqs + 1)
     drafter = None
