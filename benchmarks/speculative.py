@@ -14,10 +14,14 @@ are demo-corpus lines the head never saw (past the training lines).
    ("adaptive": only while its measured tokens/s with drafts beat those without); for the best
    k, the exact mode (decode rows) too.
    Goals (issue 41): >= 1.6x at 1 running for the best k; no slowdown at 16 running with k = 1.
-2. Divergence of the default mode from k = 0 in the served dtype (bf16 on a CPU with native
+2. Sampled rows (seeded, at temperature 0.6 and 1.0, 4 running, k = 2 every step, exact mode):
+   tokens/s against k = 0 and the acceptance, with the engine's drafts (drawn from the head's
+   distribution by the row's rules, with the uniform its verify row draws with) and with the
+   head's argmax instead; and how many outputs equal k = 0's (all, by construction).
+3. Divergence of the default mode from k = 0 in the served dtype (bf16 on a CPU with native
    bf16): how many sequences differ, where each first differs, and the k = 0 run's margin there
    (top-1 minus top-2 logprob: a near-tie flips); the exact mode's count beside it.
-3. Multi-turn (benchmarks/multiturn.py's thinking-drop trace, recorded once, replayed with
+4. Multi-turn (benchmarks/multiturn.py's thinking-drop trace, recorded once, replayed with
    k = 0 and k = 2 in the exact mode, REPEATS times each, alternating, on fresh engines): every
    request's cached_tokens and output compared, and the median TTFT of each turn over the
    replays, k = 2 over k = 0 (the head's pass over a step's prompt positions runs when the next
@@ -43,6 +47,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's packages
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import torch  # noqa: E402
+
 from cairn.workers import Engine, SamplingParams  # noqa: E402
 from cairn.workers.demo import demo_model_dir  # noqa: E402
 from cairn.workers.demo.corpus import training_corpus  # noqa: E402
@@ -61,11 +67,13 @@ def corpus_prompts(model_dir: Path, n: int) -> list[list[int]]:
     return [p for p in prompts if len(p) == PROMPT][:n]
 
 
-def decode_run(engine: Engine, prompts: list[list[int]], tokens: int) -> tuple[float, int]:
+def decode_run(engine: Engine, prompts: list[list[int]], tokens: int, temperature: float = 0.0,
+               outputs: dict | None = None) -> tuple[float, int]:
     """(seconds of the decode phase, output tokens in it): from the first step after every
-    prompt has its first token to the last."""
-    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
-    ids = {engine.add_request(p, params) for p in prompts}
+    prompt has its first token to the last. A sampled run (`temperature`) seeds prompt i with i;
+    `outputs` gets each prompt's tokens."""
+    ids = {engine.add_request(p, SamplingParams(max_tokens=tokens, temperature=temperature, ignore_eos=True,
+                                                seed=i if temperature else None)): i for i, p in enumerate(prompts)}
     seen: dict[str, int] = {}
     began, before = None, 0
     while engine.has_unfinished():
@@ -73,6 +81,8 @@ def decode_run(engine: Engine, prompts: list[list[int]], tokens: int) -> tuple[f
             began, before = time.perf_counter(), sum(seen.values())
         for out in engine.step():
             seen[out.request_id] = out.num_output_tokens
+            if out.finished and outputs is not None:
+                outputs[ids[out.request_id]] = out.token_ids
     return time.perf_counter() - began, sum(seen.values()) - before
 
 
@@ -114,6 +124,67 @@ def throughput(model_dir: Path, running: list[int], ks: list[int], tokens: int) 
             positions = " ".join(f"{a / s.drafts:.2f}" for a in s.accepted_by_position[:k]) if s.drafts else ""
             print(f"{n:>7} {k:>2} {mode:>8} {rate:>9.1f} {rate / base:>6.2f} {drafted:>8} {accept:>7} {mean:>8}"
                   f"  {positions}")
+
+
+def overlap_probe(engine: Engine, temperature: float) -> list[float]:
+    """Fills a list, for each first draft the engine verifies, with sum(min(p, q)) there: p the
+    target's distribution, q the head's, both at `temperature` (no other rule applies in these
+    runs): the rate at which rejection sampling with drafts drawn from q would keep it."""
+    heads, overlaps = {}, []
+    draft_tokens, sample = engine.sampler.draft_tokens, engine.sampler.sample
+
+    def drafting(logits, seqs, drafts):
+        for row, (seq, drafted) in enumerate(zip(seqs, drafts)):
+            if not drafted:
+                heads[seq.request_id, len(seq.output_token_ids)] = torch.softmax(logits[row].float() / temperature, -1)
+        return draft_tokens(logits, seqs, drafts)
+
+    def sampling(logits, seqs, offsets=None):
+        for row, (seq, offset) in enumerate(zip(seqs, offsets or [0] * len(seqs))):
+            q = heads.pop((seq.request_id, len(seq.output_token_ids)), None) if offset == 0 else None
+            if q is not None and seq.draft:
+                overlaps.append(float(torch.minimum(torch.softmax(logits[row].float() / temperature, -1), q).sum()))
+        return sample(logits, seqs, offsets)
+    engine.sampler.draft_tokens, engine.sampler.sample = drafting, sampling
+    return overlaps
+
+
+def sampled(model_dir: Path, n: int, k: int, temperatures: list[float], tokens: int) -> None:
+    print(f"\n== sampled rows: {n} running, seeded, k = {k} drafting every step (exact mode) ==")
+    print("drafts: drawn = the engine's (the head's distribution, the row's rules and its verify row's uniform); "
+          "argmax = the head's most likely token")
+    print("rejection = the mean of sum(min(p, q)) at the first drafts: what rejection sampling (a second uniform, "
+          "a residual draw) would keep there with the head's distribution q")
+    print(f"{'temp':>5} {'drafts':>7} {'tok/s':>9} {'x k=0':>6} {'accept':>7} {'mean len':>8}  by position "
+          f"(rejection); outputs equal to k = 0's")
+    prompts = corpus_prompts(model_dir, n)
+    for temperature in temperatures:
+        base, expected = None, {}
+        for name in ("k=0", "drawn", "argmax"):
+            engine = Engine.from_pretrained(model_dir, max_num_seqs=n, num_pages=4096, speculative_exact=True,
+                                            num_speculative_tokens=0 if name == "k=0" else k,
+                                            speculative_adaptive=False)
+            if name == "argmax":
+                engine.drafter.pick = None
+            engine.warm_up()
+            decode_run(engine, prompts[:1], 8)
+            engine.speculation.__init__()
+            overlaps = overlap_probe(engine, temperature) if name == "drawn" else []
+            rates, got = [], {}
+            for _ in range(REPEATS):
+                seconds, made = decode_run(engine, prompts, tokens, temperature, got)
+                rates.append(made / seconds)
+            rate = statistics.median(rates)
+            base = base or rate
+            expected = expected or got
+            s = engine.speculation
+            accept = f"{s.accepted_tokens / s.draft_tokens:.2f}" if s.draft_tokens else "-"
+            mean = f"{s.mean_acceptance_length:.2f}" if s.drafts else "-"
+            positions = " ".join(f"{a / s.drafts:.2f}" for a in s.accepted_by_position[:k]) if s.drafts else ""
+            same = sum(got[i] == expected[i] for i in expected)
+            rejection = f" ({statistics.mean(overlaps):.2f})" if overlaps else ""
+            print(f"{temperature:>5} {name:>7} {rate:>9.1f} {rate / base:>6.2f} {accept:>7} {mean:>8}  {positions}"
+                  f"{rejection}; {same}/{len(expected)}")
 
 
 def divergence(model_dir: Path, n: int, tokens: int) -> None:
@@ -190,12 +261,14 @@ def main() -> None:
     if args.quick:
         model = args.model or demo_model_dir("tiny", trained_mtp=True)
         throughput(model, [1, 4], [0, 2], 24)
+        sampled(model, 4, 2, [1.0], 16)
         divergence(model, 4, 16)
         multiturn(model, 2, 2, 12)
         return
     model = args.model or demo_model_dir("bench", trained_mtp=True)
     print(f"model: {model}")
     throughput(model, [1, 4, 16], [0, 1, 2, 3], args.tokens)
+    sampled(model, 4, 2, [0.6, 1.0], args.tokens)
     divergence(model, 16, args.tokens)
     multiturn(model, 8, 4, 48)
 

@@ -58,7 +58,8 @@ def _add_demo_model(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--mtp", choices=("random", "trained"), default=None,
                         help="with an MTP head (mtp.* tensors) for speculative decoding (serve --speculative-tokens): "
                              "random weights, or trained on CPU in minutes (the model trained a little on the demo "
-                             "corpus, the head on its greedy continuations, so drafts are kept at a realistic rate)")
+                             "corpus, the head to its distribution over its greedy continuations, so drafts are "
+                             "kept at a realistic rate)")
     parser.set_defaults(run=_demo_model)
 
 

@@ -132,16 +132,16 @@ class Engine:
             if self.drafter is not None:  # every rank runs the head's share
                 self.drafter.dispatch = self.runner.dispatch
         self.sampler = Sampler(options.seed, self._eos)
-        if self.drafter is not None:  # a constrained row drafts what its grammar allows
-            self.drafter.constrain = self.sampler.constrain_drafts
+        if self.drafter is not None:  # drafts drawn as the sampler would draw them (its current one)
+            self.drafter.pick = lambda logits, seqs, drafts: self.sampler.draft_tokens(logits, seqs, drafts)
         self.events = EventStream(worker_id)
         self.stats = EngineTotals()
         self._requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self.broken: str | None = None  # why the engine can run nothing more (EngineBroken)
-        self.fetches = EnginePeerFetch(self.cache, lambda: transfer.BlockIO(self.runner.read_blocks,
-                                                                         self.flush_block_copies),
-                                   options.tensor_parallel_size > 1)
+        self.fetches = EnginePeerFetch(self.cache, lambda: transfer.BlockIO(
+            self.runner.read_blocks, self.flush_block_copies, self.runner.read_block_rows, self.runner.block_row_bytes),
+            options.tensor_parallel_size > 1)
         self.on_runnable: Callable[[], None] | None = None  # called from other threads when held work may run
         self._held: list[Sequence] = []  # held back until their grammars compile and their fetches arrive
         self._compiles_seen: int | None = None  # kernel compiles at warm-up's end (None: not warmed up)
@@ -691,12 +691,13 @@ class Engine:
         host_pages, host_states = self.cache.host_snapshot()
         return frozenset(h for h, _ in host_pages), frozenset(host_states)
 
-    def flush_block_copies(self, extra: list[BlockCopy] = (), staging=None) -> None:
-        """Makes the block copies the cache queued (then `extra`, reading `staging`) now,
-        between steps, instead of before the next step."""
+    def flush_block_copies(self, extra: list[BlockCopy] = (), staging=None, row_staging=()) -> None:
+        """Makes the block copies the cache queued (then `extra`, reading `staging`, and
+        `row_staging` for the rows beside the arena: `ModelRunner.apply_copies`) now, between
+        steps, instead of before the next step."""
         copies = self.cache.take_block_copies() + list(extra)
         if copies:
-            self.runner.apply_copies(copies, staging)
+            self.runner.apply_copies(copies, staging, row_staging)
 
     def clear_cache(self) -> None:
         """Drops every cached page and checkpoint no running request holds."""

@@ -23,8 +23,10 @@ and every step below is a batched op over the rows that need it.
    one C++ pass per row (cairn/kernels/sample/sample.cpp), on CUDA batched torch ops.
    The draw takes one uniform per row, from a counter-based hash (SplitMix64) of (seed, output
    index) on the device: a seeded request draws the same tokens alone, batched, chunked or preempted, and successive indices are
-   independent draws. A request without a seed gets a fresh key from the engine's generator
-   each step.
+   independent draws. A request without a seed gets a key of its own from the engine's
+   generator at its first sampled row (`Sequence.sample_key`).
+5. A speculating engine's drafts are drawn by the same rules from the MTP head's logits
+   (`draft_tokens`), with the uniform the verify step's row will draw with.
 
 Faults stay in their row: a row whose logits are not finite, or whose parameters cannot be
 prepared (its grammar's mask included), yields a `SequenceFault` in its place; every other row
@@ -155,22 +157,23 @@ class Sampler:
         return Draw(ids, read)
 
     @torch.inference_mode()
-    def constrain_drafts(self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]]) -> None:
-        """Masks the drafter's logits [n, vocab] (fp32, one row per sequence in `seqs`) of the
-        rows with a grammar to the tokens it allows after the sequence's output and its tokens
-        drafted so far (`drafts`); a row whose grammar cannot say drafts nothing (every token
-        masked)."""
-        at = [i for i, seq in enumerate(seqs) if seq.params.grammar is not None]
-        if not at:
-            return
-        words = []
-        for i in at:
-            try:
-                words.append(self.grammars.mask(seqs[i], drafts[i]))
-            except Exception:  # its verify row faults it, if it is sampled again
-                words.append(np.zeros(-(-logits.shape[1] // 32), np.int32))
-        kernels.mask_rows(logits, torch.tensor(at, dtype=torch.long, device=logits.device),
-                          torch.from_numpy(np.stack(words)).to(logits.device))
+    def draft_tokens(self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]]) -> torch.Tensor:
+        """The drafter's next tokens (cairn.workers.speculation): from its logits [n, vocab], one
+        row per sequence in `seqs`, each drawn as the sequence's output token of the next index
+        would be after its output and its tokens drafted so far (`drafts`): its bias, `min_tokens`,
+        penalties and grammar, its temperature, top-k/p and min-p, and its uniform at (key, that
+        index), the very uniform the verify step's row draws with. So where the head's
+        distribution is the target's, the draft is the target's token. Nothing is counted; [n]
+        int64 on the device, -1 where a row drafts nothing (its parameters or its grammar cannot
+        say, or its logits are not finite)."""
+        offsets = [len(d) for d in drafts]
+        if all(self._plain_greedy(s, o) for s, o in zip(seqs, offsets)):
+            return kernels.argmax_rows(logits)
+        rows = self._rows(seqs, logits.shape[-1], [None] * len(seqs), offsets, drafts)
+        if not rows.pos:
+            return torch.full((len(seqs),), -1, dtype=torch.long, device=logits.device)
+        rows.logprobs = [-1] * len(rows.pos)
+        return self._sample_rows(logits, rows, count=False)
 
     @torch.inference_mode()
     def count_kept(self, seq: Sequence, tokens: list[int]) -> None:
@@ -221,12 +224,16 @@ class Sampler:
             raise ValueError("a row's sampling parameters could not be prepared")
         return self._sample_rows(logits.clone(), rows, adjusted_only=True)
 
-    def _rows(self, seqs: list[Sequence], vocab: int, out: list, offsets: list[int] | None = None) -> _Rows:
-        """Every row's parameters; a row that cannot be prepared gets its fault in `out`."""
+    def _rows(self, seqs: list[Sequence], vocab: int, out: list, offsets: list[int] | None = None,
+              drafted: list[list[int]] | None = None) -> _Rows:
+        """Every row's parameters; a row that cannot be prepared gets its fault in `out`.
+        `drafted`: each row's tokens before its own past its sequence's output (default: the
+        first `offsets` of its draft)."""
         rows = _Rows()
         for i, seq in enumerate(seqs):
+            offset = offsets[i] if offsets else 0
             try:
-                self._row_params(rows, seq, vocab, offsets[i] if offsets else 0)
+                self._row_params(rows, seq, vocab, offset, drafted[i] if drafted is not None else seq.draft[:offset])
                 rows.pos.append(i)
             except Exception as e:  # this row's preparation only: the others go on
                 out[i] = SequenceFault(f"sampling failed: {type(e).__name__}")
@@ -238,9 +245,10 @@ class Sampler:
         return (p.greedy and p.logprobs is None and not p.logit_bias and not p.penalised and p.grammar is None
                 and len(seq.output_token_ids) + offset >= p.min_tokens)
 
-    def _row_params(self, rows: _Rows, seq: Sequence, vocab: int, offset: int = 0) -> None:
+    def _row_params(self, rows: _Rows, seq: Sequence, vocab: int, offset: int = 0, drafted: list[int] = ()) -> None:
         """Appends one row's parameters to `rows`, or raises (that row alone faults, and nothing
-        of it is appended). `offset`: see `sample`."""
+        of it is appended). `offset`: see `sample`; `drafted`: the tokens before the row's own
+        past the sequence's output (`offset` of them)."""
         p, at = seq.params, len(rows.seqs)
         n_out = len(seq.output_token_ids) + offset
         if any(token >= vocab for token, _ in p.logit_bias):
@@ -250,7 +258,7 @@ class Sampler:
         if p.grammar is not None:
             if self.grammars is None:
                 raise ValueError("this engine has no tokenizer to compile grammars with")
-            mask = self.grammars.mask(seq, seq.draft[:offset])
+            mask = self.grammars.mask(seq, list(drafted))
         if n_out < p.min_tokens:
             stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos))
             masked = [(at, t) for t in sorted(stops) if t < vocab]
@@ -264,7 +272,7 @@ class Sampler:
         if p.penalised:
             rows.penalised.append(at)
             rows.penalties.append((p.repetition_penalty, p.frequency_penalty, p.presence_penalty))
-            rows.drafted.append(seq.draft[:offset])
+            rows.drafted.append(list(drafted))
         rows.bias.extend((at, token, bias) for token, bias in p.logit_bias)
         rows.masked.extend(masked)
         if mask is not None:
@@ -294,16 +302,17 @@ class Sampler:
         out.append(host[at:].view(torch.int32).view(words.shape))
         return out
 
-    def _sample_rows(self, logits: torch.Tensor, rows: _Rows, adjusted_only: bool = False):
+    def _sample_rows(self, logits: torch.Tensor, rows: _Rows, adjusted_only: bool = False, count: bool = True):
         """The rows' adjusted logits (`adjusted_only`), or their draw: (every row's id on the
-        device, -1 where it faulted; what reads the results back)."""
+        device, -1 where it faulted; what reads the results back); without `count` (a draft),
+        the ids alone, and the penalised rows' counts are left as they were."""
         n, vocab, device = len(rows.pos), logits.shape[-1], logits.device
         temperature = np.array(rows.temperature, np.float32)
         sampled = np.flatnonzero(temperature > 0)
         unseeded = np.array(rows.seed) < 0
         keys = np.array(rows.seed, np.int64)
-        if unseeded.any():  # a fresh key each step, from the engine's generator
-            keys[unseeded] = torch.randint(0, 2**62, (int(unseeded.sum()),), generator=self._generator).numpy()
+        for i in np.flatnonzero(unseeded[sampled]):  # a sequence's own key, from the engine's generator
+            keys[sampled[i]] = self._key(rows.seqs[sampled[i]])
         asked = np.flatnonzero(np.array(rows.logprobs) >= 0)
         k_top = int(max((rows.logprobs[i] for i in asked), default=0))
         counts_rows = []
@@ -355,6 +364,9 @@ class Sampler:
                       [rows.min_p[i] for i in sampled]))
             ids = ids.index_copy(0, samp, drawn)
         ids = torch.where(finite, ids, -1)
+        if not count:
+            return ids if n == logits.shape[0] else torch.full(
+                (logits.shape[0],), -1, dtype=ids.dtype, device=device).index_copy(0, pos, ids)
         if rows.penalised:
             self.counts.add(pen_rows, ids.index_select(0, pen_pos))  # a drafted row's into its scratch row
         every = ids if n == logits.shape[0] else torch.full((logits.shape[0],), -1, dtype=ids.dtype,
@@ -387,6 +399,14 @@ class Sampler:
             pairs = [(int(alts[j * k_top + c]), vals[j * k_top + c]) for c in range(k)]
             results.append((t, TokenLogprob(t, chosen_list[j], pairs)))
         return results
+
+    def _key(self, seq: Sequence) -> int:
+        """An unseeded sequence's key: drawn from the engine's generator at its first sampled
+        row, then kept (`Sequence.sample_key`), so that its draws follow (key, output index) as a
+        seeded one's do: a draft drawn ahead of its verify step draws with the same uniform."""
+        if seq.sample_key is None:
+            seq.sample_key = int(torch.randint(0, 2**62, (1,), generator=self._generator))
+        return seq.sample_key
 
     @staticmethod
     def _not_finite() -> SequenceFault:

@@ -7,16 +7,21 @@ prefills and decodes, each position sampled (`cairn.workers.plan.Segment.drafts`
 after each offset kept in a free slot (`Scheduler._take_states`). Then:
 
 1. `kept_tokens`: every row is sampled as the sequence's output token of its index would be
-   without speculation (the sampler's rules, and its seeded uniform at (seed, output index):
-   `Sampler.sample`'s `offsets`); the drafted tokens equal to the draws before them stand, then
-   the first draw that differs (or the bonus after all of them): `accept_greedy`'s rule
-   (cairn.workers.acceptance) over the draws, on the host. The drafts are the head's argmax, a one-point distribution q, and
-   for such a q this is rejection sampling: a draft d is kept with probability p(d) =
-   min(1, p(d) / q(d)), and a rejected position's token is a draw from p without d, which is
-   the residual max(0, p - q) normalised. So each output token is distributed as the target's
-   at its position, and a seeded request gives the very tokens it gives without speculation
-   wherever the logits are the same. The tokens kept also end at the first that stops the
-   sequence (a stop id, EOS, its length).
+   without speculation (the sampler's rules, and its uniform at (key, output index): the
+   request's seed, or the key the sampler gave the sequence; `Sampler.sample`'s `offsets`); the
+   drafted tokens equal to the draws before them stand, then the first draw that differs (or the
+   bonus after all of them): `accept_greedy`'s rule (cairn.workers.acceptance) over the draws, on
+   the host. So every output token is the very draw the target makes at its index without
+   speculation: the output's distribution is the target's, and a request gives the tokens it
+   gives with k = 0 wherever the logits are the same (a seeded one always, an unseeded one where
+   the engine gave it the same key). The drafts decide only how many of those draws one step
+   makes. They are drawn to match them (`Sampler.draft_tokens`): from the head's logits, by the
+   sequence's own rules, with the uniform its verify row will draw with (a coupled draw). Where
+   the head's distribution is the target's, the draft is the target's token; a greedy row's draft
+   is the argmax. This is speculative sampling whose acceptance test is the shared uniform rather
+   than a second one (rejection sampling's min(1, p(d) / q(d)) with a residual draw gives the
+   same distribution, but not the same tokens as k = 0 for a seeded request). The tokens kept
+   also end at the first that stops the sequence (a stop id, EOS, its length).
 2. `Scheduler.settle`: the segment ends after its kept tokens; the state after its last kept
    token is copied back into the sequence's slot from the slot that kept it (the rollback), the
    checkpoints at the page boundaries the kept tokens reach are planned then, and the other
@@ -91,8 +96,7 @@ class SpeculationGate:
     def __init__(self):
         self._samples: dict[tuple[int, bool], deque] = {}  # (bucket, drafted) -> the last tokens/s
         self._seen: dict[tuple[int, bool], int] = {}  # (bucket, drafted) -> steps observed
-        # bucket -> [steps until the other way is tried, the wait, the choice, steps of the try left]
-        self._wait: dict[int, list] = {}
+        self._choices: dict[int, _Choice] = {}  # bucket -> its choice and when the other way is tried
 
     @staticmethod
     def _bucket(running: int) -> int:
@@ -112,17 +116,18 @@ class SpeculationGate:
         if plain is None:
             return False
         better = drafted > plain
-        wait = self._wait.setdefault(bucket, [self.REPROBE, self.REPROBE, better, 0])
-        if wait[3] > 0:  # trying the other way
-            wait[3] -= 1
-            return not wait[2]
-        if better != wait[2]:  # the choice changed: try the other way soon again
-            wait[:] = [self.REPROBE, self.REPROBE, better, 0]
-        wait[0] -= 1
-        if wait[0] > 0:
+        choice = self._choices.get(bucket)
+        if choice is None or (choice.trying == 0 and better != choice.drafting):
+            # a first choice, or it changed: try the other way soon (again)
+            choice = self._choices[bucket] = _Choice(better, self.REPROBE, self.REPROBE)
+        if choice.trying > 0:
+            choice.trying -= 1
+            return not choice.drafting
+        choice.until -= 1
+        if choice.until > 0:
             return better
-        wait[1] = min(2 * wait[1], self.MAX_REPROBE)
-        wait[0], wait[3] = wait[1], self.PROBE - 1
+        choice.wait = min(2 * choice.wait, self.MAX_REPROBE)
+        choice.until, choice.trying = choice.wait, self.PROBE - 1
         return not better
 
     def observe(self, running: int, drafted: bool, tokens: int, seconds: float) -> None:
@@ -135,6 +140,16 @@ class SpeculationGate:
         if seen == 1:  # the first such step at a new shape pays its compiles: not a measure
             return
         self._samples.setdefault(key, deque(maxlen=self.WINDOW)).append(tokens / seconds)
+
+
+@dataclass
+class _Choice:
+    """A bucket's choice (`SpeculationGate`): drafting or not, the steps until the other way is
+    tried, the wait that set them, and the steps of a try of the other way left."""
+    drafting: bool
+    until: int
+    wait: int
+    trying: int = 0
 
 
 @dataclass

@@ -156,10 +156,45 @@ def test_seeded_draws_are_the_same_alone_and_batched_and_independent_across_indi
     assert 0 <= float(u.min()) and float(u.max()) < 1 and abs(float(u.mean()) - 0.5) < 0.02
 
 
-def test_unseeded_draws_differ_step_to_step():
+def test_unseeded_draws_differ_across_sequences_and_indices_and_keep_a_sequences_key():
+    """An unseeded sequence draws at (its key, output index), the key drawn once from the
+    sampler's generator: other sequences and other indices draw independently, and the same
+    index draws the same token again (what a draft drawn ahead of its verify row relies on)."""
     sampler = Sampler(0)
     got = {sampler.sample(torch.zeros(1, 1000), [seq(SamplingParams())])[0][0] for _ in range(10)}
     assert len(got) > 5
+    row = seq(SamplingParams())
+    by_index = []
+    for index in range(10):
+        row.token_ids[3:] = [0] * index
+        by_index.append(sampler.sample(torch.zeros(1, 1000), [row])[0][0])
+        assert sampler.sample(torch.zeros(1, 1000), [row])[0][0] == by_index[-1]
+    assert len(set(by_index)) > 5
+
+
+def test_a_draft_is_the_token_its_row_would_draw_at_that_index():
+    """`Sampler.draft_tokens` (speculative decoding's drafts): from the same logits, each row's
+    draft after its drafts so far is the token `sample` draws for it as a verify row at that
+    offset: greedy with bias and penalties, seeded and unseeded with top-k/p and min-p; it counts
+    nothing (the penalised row's next draw is unchanged)."""
+    g = torch.Generator().manual_seed(4)
+    params = [SamplingParams(temperature=0, logit_bias={7: 3.0}), SamplingParams(temperature=0.9, top_p=0.9, seed=5),
+              SamplingParams(temperature=1.1, top_k=20, min_p=0.01),
+              SamplingParams(temperature=0.8, seed=2, presence_penalty=1.0, frequency_penalty=0.5)]
+    rows = [seq(p, outputs=[9, 4], rid=f"r{i}") for i, p in enumerate(params)]
+    drafts = [[9], [11], [3, 12], []]
+    for trial in range(20):
+        logits = torch.randn(4, 64, generator=g) * 3
+        sampler = Sampler(0)
+        sampler.sample(torch.randn(4, 64, generator=g), rows)  # the unseeded row's key, the penalised row's counts
+        drafted = sampler.draft_tokens(logits.clone(), rows, drafts).tolist()
+        assert drafted == sampler.draft_tokens(logits.clone(), rows, drafts).tolist()  # nothing counted
+        for row, draft in zip(rows, drafts):
+            row.draft = list(draft)
+        verified = sampler.sample(logits.clone(), rows, [len(d) for d in drafts])
+        assert drafted == [token for token, _ in verified], trial
+        for row in rows:
+            row.draft = []
 
 
 def test_an_overflowing_temperature_is_greedy_and_a_non_finite_row_fails_alone():

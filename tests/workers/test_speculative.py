@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from cairn.workers import Engine, SamplingParams
-from tests.support.stepping import drive
+from tests.support.stepping import drive, run_alone
 from cairn.workers.engine_options import EngineOptionError
 from tests.support.drafters import ScriptedDrafter
 
@@ -324,6 +324,34 @@ def test_the_trained_demo_head_is_kept_at_a_realistic_rate(trained_spec_model):
     assert s.accepted_by_position[0] / s.drafts >= 0.6, s
 
 
+@pytest.mark.slow
+def test_sampled_rows_draft_their_own_draws_and_give_k0s_tokens(trained_spec_model):
+    """A sampled row's drafts are drawn from the head's distribution by the row's rules, with the
+    uniform its verify row draws with (`Sampler.draft_tokens`). Its tokens are k = 0's, seeded
+    or not (an unseeded row's key comes from the engine's generator, in the same order), and the
+    drafts are kept more often than the head's argmax would be (the trained head's distribution
+    is near the target's; an argmax draft is kept only with the target's probability of it)."""
+    from tokenizers import Tokenizer
+
+    from cairn.workers.demo.corpus import training_corpus
+
+    tokenizer = Tokenizer.from_file(str(trained_spec_model / "tokenizer.json"))
+    lines = training_corpus(4200)[4000:]
+    ps = [ids[:16] for ids in (tokenizer.encode(line).ids for line in lines) if len(ids) >= 16][:12]
+    requests = [(p, SamplingParams(max_tokens=32, temperature=0.6, top_p=0.95, ignore_eos=True,
+                                   seed=i if i % 2 else None)) for i, p in enumerate(ps)]
+    expected = drive(Engine.from_pretrained(trained_spec_model, max_num_seqs=16), requests)
+    first_kept = {}
+    for drafts in ("drawn", "argmax"):
+        spec = Engine.from_pretrained(trained_spec_model, max_num_seqs=16, num_speculative_tokens=2,
+                                      speculative_exact=True, speculative_adaptive=False)
+        if drafts == "argmax":
+            spec.drafter.pick = None
+        assert [o.token_ids for o in drive(spec, requests)] == [o.token_ids for o in expected]
+        first_kept[drafts] = spec.speculation.accepted_by_position[0] / spec.speculation.drafts
+    assert first_kept["drawn"] > first_kept["argmax"] + 0.05, first_kept
+
+
 def test_the_gate_drafts_where_drafting_gives_more_tokens_per_second():
     """`speculative_adaptive`: per bucket of running sequences, each way is tried, then the faster
     one taken (each way's rate the median of its last steps: one odd step decides nothing) and
@@ -489,6 +517,47 @@ def test_the_heads_kv_follows_its_pages_to_the_host_tier_and_back(spec_model):
     for t, w in zip(kv, written):
         assert torch.equal(t[7], w) and torch.equal(t[9], w) and not t[3].any()
     assert runner.host_rows[0].shape[0] == engine.layout.host_blocks
+
+
+def test_a_peer_fetch_brings_the_heads_kv_with_its_pages(spec_model):
+    """A page fetched from a peer (cairn.workers.cache.transfer) brings the holder's head K/V at
+    its positions to a receiver that speculates too: after resuming from the fetched pages, the
+    receiver drafts what the holder drafts resuming from its own. A receiver without a head takes
+    the same pages, and the same `cached_tokens` come out."""
+    path = spec_model("qwen3_5")
+    options = dict(page_size=8, num_pages=64, cache_policy="all")
+    spec = dict(num_speculative_tokens=2, speculative_adaptive=False)
+    holder = Engine.from_pretrained(path, worker_id="holder", **options, **spec)
+    receivers = [Engine.from_pretrained(path, worker_id="receiver", **options, **spec),
+                 Engine.from_pretrained(path, worker_id="plain", **options)]
+    prompt = prompts([41], seed=5)[0]
+    greedy = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    run_alone(holder, prompt, SamplingParams(max_tokens=2, temperature=0))
+    hashes = holder.spec.page_hashes(prompt, holder.spec.hash_root(None))
+    for receiver in receivers:
+        plan = receiver.fetches.plan(hashes, len(prompt), 5)
+        export = holder.fetches.export(hashes, plan.first, plan.depth)
+        assert len(export.page_rows) == 2  # the head's K and V, whoever asks
+        assert receiver.fetches.import_(export, hashes, plan.first) == 5
+    head = receivers[0].drafter.kv
+    for h in hashes[:5]:
+        a, b = holder.cache.pages.page_of(h), receivers[0].cache.pages.page_of(h)
+        for mine, theirs in zip(head, holder.drafter.kv):
+            assert theirs[a].any() and torch.equal(mine[b], theirs[a])
+
+    def drafts_of(engine):
+        seen, propose = [], engine.drafter.propose
+
+        def recording(runs):
+            propose(runs)
+            seen.extend(list(run.segment.seq.draft) for run in runs if run.want)
+        engine.drafter.propose = recording
+        return seen
+    drafted = [drafts_of(holder), drafts_of(receivers[0])]
+    longer = prompt + [7, 8, 9]
+    outs = [run_alone(engine, longer, greedy) for engine in (holder, *receivers)]
+    assert [o.cached_tokens for o in outs] == [40] * 3 and len({tuple(o.token_ids) for o in outs}) == 1
+    assert drafted[0] == drafted[1] and len(drafted[0]) >= 5
 
 
 def test_a_head_pass_that_fails_costs_drafts_and_nothing_else(spec_model):

@@ -11,7 +11,9 @@ Each function takes the replica's `PrefixCache` and, where blocks move, the runn
 - `export_resume(cache, io, page_hashes, first, depth)`: on the holder, between its steps: a copy
   of pages [first, depth) of the chain and of the checkpoint after page `depth` (a recurrent
   model), from whichever tier holds them, as plain host arrays (`ResumeExport`, what crosses
-  Ray's object store). None if any of them is no longer resident: the caller recomputes. The
+  Ray's object store), with the pages' rows beside the arena (a speculating engine's MTP head
+  K/V), which a receiver with the same rows imports too, so that it drafts there as the holder
+  would. None if any of them is no longer resident: the caller recomputes. The
   copy is one request's resume point, so the holder's loop pauses for at most that copy.
 - `import_resume(cache, io, export, page_hashes, first)`: on the receiver, between its steps: the pages
   become cached device pages under the very hashes the request carries (so a fetch never crosses
@@ -44,8 +46,11 @@ from cairn.workers.plan import IMPORT, BlockCopy
 class BlockIO:
     """The runner's block I/O, as a transfer uses it."""
     read: Callable[..., np.ndarray]  # (blocks, host=False) -> [len(blocks), block_bytes] uint8 rows
-    copy: Callable[[list[BlockCopy], np.ndarray | None], None]  # makes the cache's queued copies, then
-    # these (IMPORT copies reading rows of the staging array), now
+    copy: Callable[..., None]  # (copies, staging, row_staging=()): makes the cache's queued copies,
+    # then these (IMPORT copies reading rows of the staging array, and of `row_staging`), now
+    # the tensors beside the arena, one row a block (the MTP head's K/V: `ModelRunner.add_block_rows`)
+    read_rows: Callable[..., tuple[np.ndarray, ...]] = lambda blocks, host=False: ()  # per tensor, [n, bytes]
+    row_bytes: tuple[int, ...] = ()  # each tensor's bytes a block
 
 
 @dataclass(frozen=True)
@@ -64,10 +69,14 @@ class ResumeExport:
     checkpoint_kinds: tuple[str, ...] = ()
     exact_tail: tuple[int, ...] | None = None
     block_bytes: int = 0
+    # the pages' rows in the holder's tensors beside the arena (`BlockIO.read_rows`): its MTP
+    # head's K/V at their positions, when it speculates
+    page_rows: tuple[np.ndarray, ...] = ()
 
     @property
     def nbytes(self) -> int:
-        return self.pages.nbytes + (self.checkpoint.nbytes if self.checkpoint is not None else 0)
+        return self.pages.nbytes + (self.checkpoint.nbytes if self.checkpoint is not None else 0) + \
+            sum(rows.nbytes for rows in self.page_rows)
 
 
 def plan_fetch(cache: PrefixCache, page_hashes: list[bytes], num_tokens: int, depth: int) -> FetchPlan | None:
@@ -95,6 +104,7 @@ def export_resume(cache: PrefixCache, io: BlockIO, page_hashes: list[bytes], fir
         return None  # evicted since the router looked
     device_pages, host_blocks = found
     rows = [io.read(device_pages), io.read(host_blocks, host=True)]
+    page_rows = tuple(np.concatenate(parts) for parts in zip(io.read_rows(device_pages), io.read_rows(host_blocks, host=True)))
     ckpt, blocks = None, None
     if cache.recurrent and depth:
         found_ckpt = _checkpoint_blocks(cache, page_hashes[depth - 1])
@@ -104,7 +114,7 @@ def export_resume(cache: PrefixCache, io: BlockIO, page_hashes: list[bytes], fir
         blocks = io.read(ckpt_blocks, host=on_host)
     return ResumeExport(tuple(wanted), np.concatenate(rows), blocks,
                         tuple(sorted(ckpt.kinds)) if ckpt is not None else (),
-                        ckpt.exact_tail if ckpt is not None else None, cache.layout.block_bytes)
+                        ckpt.exact_tail if ckpt is not None else None, cache.layout.block_bytes, page_rows)
 
 
 def _page_blocks(cache: PrefixCache, hashes: list[bytes]) -> tuple[list[int], list[int]] | None:
@@ -163,7 +173,12 @@ def import_resume(cache: PrefixCache, io: BlockIO, export: ResumeExport, page_ha
                     staging.append(row)
                     copies.append(BlockCopy(IMPORT, len(staging) - 1, block))
                 cache.slots.store(slot, tail, depth, set(export.checkpoint_kinds), export.exact_tail)
-        io.copy(copies, np.stack(staging) if staging else None)
+        # the pages' rows beside the arena, where the holder's are this engine's (else those
+        # blocks keep what they held: the MTP head drafts worse there, nothing else changes)
+        same_rows = io.row_bytes and tuple(rows.shape for rows in export.page_rows) == \
+            tuple((n, size) for size in io.row_bytes)
+        io.copy(copies, np.stack(staging) if staging else None,
+                tuple(rows[fresh] for rows in export.page_rows) if same_rows and fresh else ())
         for block in blocks:
             placement.release_page(block)
         stored = export.checkpoint is None or cache.checkpoints.get(tail) is not None

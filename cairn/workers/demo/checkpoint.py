@@ -73,7 +73,10 @@ def demo_model_dir(size: str = "tiny", arch: str = "qwen3_next", trained_mtp: bo
     `trained_mtp`: the one trained for speculative decoding, with its MTP head
     (cairn.workers.demo.speculative_training: minutes on CPU, the first time)."""
     home = Path(os.environ.get("CAIRN_HOME") or Path.home() / ".cache" / "cairn")
-    name = (f"demo-{size}" if arch == "qwen3_next" else f"demo-{arch}-{size}") + ("-mtp-trained" if trained_mtp else "")
+    from cairn.workers.demo.speculative_training import RECIPE
+
+    name = (f"demo-{size}" if arch == "qwen3_next" else f"demo-{arch}-{size}") + \
+        (f"-mtp-trained{RECIPE}" if trained_mtp else "")
     out = home / name
     if not (out / "model.safetensors").exists():
         tmp = home / f".{name}-{os.getpid()}"

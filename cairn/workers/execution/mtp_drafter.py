@@ -17,14 +17,14 @@ rank of a tensor-parallel engine, in step: `dispatch`) carries it out:
    positions, a decode's or a verify's, as that many decode rows; a prompt's chunk as a prefill
    segment), each position t reading the target's hidden state at t and the embedding of token
    t + 1 (`ModelRunner.prepare`'s `shift`): it writes its K/V there.
-2. A run that wants drafts takes the argmax of the LM head over the head's state at its last
-   position (among the tokens `constrain` leaves on rank 0: a grammar's, so that a constrained
-   row's drafts are ones its grammar allows; the other ranks take rank 0's ids): the first
-   draft. Each further one applies the head again, one row a sequence at the next position
-   (`StepWork.decode_rows`), reading the drafted token's embedding and the head's own last
-   state, while that position lies in the pages the sequence holds (its verify step needs them
-   too).
-Each draft round reads its argmax back (one small read a round).
+2. A run that wants drafts picks a token from the LM head's logits over the head's state at its
+   last position (`pick`, on rank 0: the engine's draws it as the sequence's sampler would draw
+   its next output token, its grammar, penalties and uniform included; the other ranks take rank
+   0's ids; without `pick`, the argmax): the first draft. Each further one applies the head
+   again, one row a sequence at the next position (`StepWork.decode_rows`), reading the drafted
+   token's embedding and the head's own last state, while that position lies in the pages the
+   sequence holds (its verify step needs them too).
+Each draft round reads its tokens back (one small read a round).
 """
 
 from __future__ import annotations
@@ -61,9 +61,10 @@ class MtpDrafter:
                                   runner.caches.ssm_states)
         # it follows its pages: device moves and copies, and the host tier (a host row a block)
         self.host_bytes = runner.add_block_rows(*self.kv)
-        # masks a round's logits [n, vocab] (fp32) of these sequences to what each may draft next
-        # (the engine's: a grammar's allowed tokens after its output and its drafts so far)
-        self.constrain: Callable[[torch.Tensor, list[Sequence], list[list[int]]], None] | None = None
+        # a round's drafts from its logits [n, vocab] of these sequences after their drafts so far
+        # ([n] int64, -1: none; the engine's: drawn as its sampler draws, `Sampler.draft_tokens`);
+        # None: the argmax
+        self.pick: Callable[[torch.Tensor, list[Sequence], list[list[int]]], torch.Tensor] | None = None
         # runs a `DraftWork` on every rank: (work, this rank's run) -> its result (one device: the run)
         self.dispatch: Callable[[DraftWork, Callable[[], list[list[int]]]], list[list[int]]] = \
             lambda work, local: local()
@@ -120,8 +121,8 @@ class MtpDrafter:
     def run(self, work: DraftWork, seqs: list[Sequence] = ()) -> list[list[int]]:
         """The device's part (every rank of a tensor-parallel engine, in step: the head's layer
         is sharded as the target's are): the first pass, then the draft rounds. Each round's
-        argmax is rank 0's (`constrain` applies there, to `seqs`, the work's drafting sequences
-        that rank 0 holds; the ranks take its ids, one small collective); returns each drafting
+        tokens are rank 0's (`pick` applies there, to `seqs`, the work's drafting sequences that
+        rank 0 holds; the ranks take its ids, one small collective); returns each drafting
         sequence's drafts."""
         runner, model = self.runner, self.runner.model
         hidden = runner.hidden.index_select(0, torch.from_numpy(work.rows).to(runner.hidden.device))
@@ -133,9 +134,10 @@ class MtpDrafter:
         active = list(range(len(drafts)))
         for j in range(int(work.want.max())):
             logits = model.head_logits(state)
-            if self.constrain is not None and seqs:
-                self.constrain(logits, [seqs[i] for i in active], [drafts[i] for i in active])
-            ids = kernels.argmax_rows(logits)
+            if self.pick is not None and seqs:
+                ids = self.pick(logits, [seqs[i] for i in active], [drafts[i] for i in active])
+            else:
+                ids = kernels.argmax_rows(logits)
             if model.group is not None:  # rank 0's ids on every rank
                 ids = model.group.all_reduce(ids if model.group.rank == 0 else torch.zeros_like(ids))
             going, keep = [], []

@@ -74,9 +74,9 @@ class ModelRunner:
         self.keep_hidden = False
         self.hidden: torch.Tensor | None = None
         # tensors of one row per arena block beside it (the MTP head's K/V, `add_block_rows`):
-        # device block copies (MOVE, COPY) move their rows too, and the host tier keeps a row of
-        # each per host block (`host_rows`), which DEMOTE and PROMOTE copy; imports carry the
-        # arena's bytes alone
+        # device block copies (MOVE, COPY) move their rows too, the host tier keeps a row of
+        # each per host block (`host_rows`), which DEMOTE and PROMOTE copy, and a peer fetch
+        # carries them where both ends have the same (`read_block_rows`, `apply_copies`)
         self.block_rows: list[torch.Tensor] = []
         self.host_rows: list[torch.Tensor] = []
 
@@ -224,20 +224,44 @@ class ModelRunner:
             self._copy_run(kind, [c.src for c in copies[start:end]], [c.dst for c in copies[start:end]], staging)
             start = end
 
-    def apply_copies(self, copies: list[BlockCopy], staging=None) -> None:
+    def apply_copies(self, copies: list[BlockCopy], staging=None, row_staging: tuple[np.ndarray, ...] = ()) -> None:
         """Block copies outside a step (an import, or an export's flush), `staging` a numpy
-        array of rows for IMPORT copies."""
+        array of rows for IMPORT copies; `row_staging`, per tensor beside the arena, the rows of
+        IMPORT copies whose source row it has (`read_block_rows`' layout: a peer's pages)."""
         self._wait_for_promotions()
         self._copy_blocks(copies, None if staging is None else torch.from_numpy(staging))
+        imports = [c for c in copies if c.kind == IMPORT and row_staging and c.src < len(row_staging[0])]
+        for rows, staged in zip(self.block_rows if imports else (), row_staging):
+            source = torch.from_numpy(staged).view(rows.dtype).view(len(staged), *rows.shape[1:])
+            rows[self._index([c.dst for c in imports])] = \
+                source[self._index([c.src for c in imports], source.device)].to(rows.device)
         self._wait_for_promotions()
 
     def read_blocks(self, blocks: list[int], host: bool = False):
         """A copy of device (or host tier) blocks as a numpy array [len(blocks), block_bytes]."""
-        self._wait_for_promotions()
-        if host and self._copy_stream is not None:  # demotions into them may still be in flight
-            torch.cuda.current_stream(self.device).synchronize()
+        self._wait_for_flight(host)
         source = self.host if host else self._blocks
         return source[self._index(blocks, source.device)].cpu().numpy()
+
+    @property
+    def block_row_bytes(self) -> tuple[int, ...]:
+        """Bytes a block has in each tensor beside the arena (`add_block_rows`)."""
+        return tuple(rows[0].numel() * rows.element_size() for rows in self.block_rows)
+
+    def read_block_rows(self, blocks: list[int], host: bool = False) -> tuple[np.ndarray, ...]:
+        """A copy of device (or host tier) blocks' rows in the tensors beside the arena: per
+        tensor, [len(blocks), its bytes a block] uint8."""
+        self._wait_for_flight(host)
+        return tuple(rows[self._index(blocks, rows.device)].reshape(len(blocks), size // rows.element_size())
+                     .view(torch.uint8).cpu().numpy()
+                     for rows, size in zip(self.host_rows if host else self.block_rows, self.block_row_bytes))
+
+    def _wait_for_flight(self, host: bool) -> None:
+        """Before a read of blocks: promotions into device blocks are in; on the host tier, the
+        demotions queued into it too."""
+        self._wait_for_promotions()
+        if host and self._copy_stream is not None:
+            torch.cuda.current_stream(self.device).synchronize()
 
     def _copy_run(self, kind: str, sources: list[int], targets: list[int], staging: torch.Tensor | None = None) -> None:
         src, dst = {MOVE: (self._blocks, self._blocks), COPY: (self._blocks, self._blocks),

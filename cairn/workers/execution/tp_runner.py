@@ -286,8 +286,8 @@ class TensorParallelRunner:
             self.dispatch(SideWork(state_copies=list(plan.snapshots), host_snapshots=list(plan.host_snapshots)),
                           lambda: self.local.snapshot(plan))
 
-    def apply_copies(self, copies: list[BlockCopy], staging=None) -> None:
-        if staging is not None:  # (peer fetch is refused with tensor parallelism: cairn.workers.engine_peer_fetch)
+    def apply_copies(self, copies: list[BlockCopy], staging=None, row_staging=()) -> None:
+        if staging is not None or row_staging:  # (peer fetch is refused with tensor parallelism: cairn.workers.engine_peer_fetch)
             raise ValueError("imported blocks are one rank's bytes: no import under tensor parallelism")
         if copies:
             self.dispatch(SideWork(block_copies=list(copies)), lambda: self.local.apply_copies(copies))
