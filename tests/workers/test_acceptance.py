@@ -77,8 +77,9 @@ def test_sampled_rows_of_a_speculating_engine_follow_the_targets_distribution(tr
                                   speculative_exact=True, speculative_adaptive=False)
     outputs = []
     for start in range(0, n, wave):  # in waves: a step that prefills verifies no drafts
-        outputs += [o.token_ids for o in drive(spec, [(prompt, SamplingParams(max_tokens=3, temperature=1.0, top_k=3,
-                                                                              seed=i)) for i in range(start, start + wave)])]
+        requests = [(prompt, SamplingParams(max_tokens=3, temperature=1.0, top_k=3, seed=i))
+                    for i in range(start, start + wave)]
+        outputs += [o.token_ids for o in drive(spec, requests)]
     first = max(top3(prompt).items(), key=lambda kv: kv[1])[0]
     counts = joint_counts(outputs, first)
     expected = {}

@@ -104,7 +104,8 @@ def export_resume(cache: PrefixCache, io: BlockIO, page_hashes: list[bytes], fir
         return None  # evicted since the router looked
     device_pages, host_blocks = found
     rows = [io.read(device_pages), io.read(host_blocks, host=True)]
-    page_rows = tuple(np.concatenate(parts) for parts in zip(io.read_rows(device_pages), io.read_rows(host_blocks, host=True)))
+    page_rows = tuple(np.concatenate(parts)
+                      for parts in zip(io.read_rows(device_pages), io.read_rows(host_blocks, host=True)))
     ckpt, blocks = None, None
     if cache.recurrent and depth:
         found_ckpt = _checkpoint_blocks(cache, page_hashes[depth - 1])

@@ -6,9 +6,10 @@ head's K/V: one page per arena block, beside the arena ([num_blocks, page_size, 
 V, in the model's dtype: 1 / L_attn of the arena's bytes), read through the sequences' page
 tables as the target's layers read theirs. So a page's head K/V moves with it (the runner's
 MOVE and COPY block copies move its rows too, and DEMOTE and PROMOTE carry them through host rows
-of their own: `ModelRunner.add_block_rows`); a page imported from a peer brings only the
-target's K/V, and its head K/V is whatever that block held: it changes what the head drafts
-there, never what the engine outputs (every draft is verified).
+of their own: `ModelRunner.add_block_rows`), and a page fetched from a speculating peer brings
+its head K/V too (`cairn.workers.cache.transfer`). One from a peer without a head keeps whatever
+that block held: it changes what the head drafts there, never what the engine outputs (every
+draft is verified).
 
 `propose(runs)`, when the step after the one that kept those tokens begins (`Engine._propose`):
 `plan` (rank 0, which holds the sequences) makes a `DraftWork` of host arrays, and `run` (every

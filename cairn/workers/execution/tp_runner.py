@@ -287,7 +287,8 @@ class TensorParallelRunner:
                           lambda: self.local.snapshot(plan))
 
     def apply_copies(self, copies: list[BlockCopy], staging=None, row_staging=()) -> None:
-        if staging is not None or row_staging:  # (peer fetch is refused with tensor parallelism: cairn.workers.engine_peer_fetch)
+        # (peer fetch is refused with tensor parallelism: cairn.workers.engine_peer_fetch)
+        if staging is not None or row_staging:
             raise ValueError("imported blocks are one rank's bytes: no import under tensor parallelism")
         if copies:
             self.dispatch(SideWork(block_copies=list(copies)), lambda: self.local.apply_copies(copies))
