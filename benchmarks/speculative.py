@@ -9,7 +9,8 @@ are demo-corpus lines the head never saw (past the training lines).
    short prompt, greedy, with k = 0 (the baseline, this run), 1, 2, 3: output tokens per second
    of the decode phase (from the step after every prompt's prefill to the end; the engine's
    warm-up and one warm-up run of the same prompts first, in which the gate makes its first
-   tries at this load; the median of REPEATS runs on the same engine), the ratio to k = 0, the
+   tries at this load; the median of REPEATS runs on the same engine, the engines of one load
+   run in turn, round after round: `interleaved`), the ratio to k = 0, the
    share of steps that verified drafts, the acceptance rate (accepted / drafted), the mean
    acceptance length (1 + accepted / drafts) and the acceptance by position. Each k drafting
    every step ("always") and as the engine does by default ("adaptive": only while its measured
@@ -87,46 +88,64 @@ def decode_run(engine: Engine, prompts: list[list[int]], tokens: int, temperatur
     return time.perf_counter() - began, sum(seen.values()) - before
 
 
+def interleaved(engines: dict, prompts: list[list[int]], tokens: int, temperature: float = 0.0,
+                outputs: dict | None = None) -> dict:
+    """Each engine's decode runs, REPEATS rounds of one run each in turn (so a slow stretch of
+    this shared machine falls on every engine alike): label -> (tokens/s of each run, output
+    tokens in all). Each engine is warmed first (`Engine.warm_up`, as `cairn serve` does, and one
+    run of the same prompts: the kernels at these shapes, and the gate's first tries at this
+    load, made once per bucket of running sequences on a server), its counts then reset. A
+    sampled run: `decode_run`'s `temperature`; `outputs` gets label -> each prompt's tokens."""
+    for engine in engines.values():
+        engine.warm_up()
+        decode_run(engine, prompts, 32)
+        engine.speculation.__init__()
+    runs = {label: ([], 0) for label in engines}
+    for _ in range(REPEATS):
+        for label, engine in engines.items():  # the same engine each round (its gate keeps what it learned)
+            seconds, made = decode_run(engine, prompts, tokens, temperature,
+                                       None if outputs is None else outputs.setdefault(label, {}))
+            rates, out = runs[label]
+            runs[label] = (rates + [made / seconds], out + made)
+    return runs
+
+
 def throughput(model_dir: Path, running: list[int], ks: list[int], tokens: int) -> None:
     print(f"\n== decode throughput: {tokens} tokens a sequence after {PROMPT}-token prompts, greedy ==")
     print("modes: always = drafts every step; adaptive = the engine's default (drafts only while its measured "
-          "tokens/s with them beat those without); exact = adaptive, verified as decode rows")
+          "tokens/s with them beat those without); exact = adaptive, verified as decode rows (its ratio against "
+          "k = 0 measured again beside it)")
     print(f"{'running':>7} {'k':>2} {'mode':>8} {'tok/s':>9} {'x k=0':>6} {'drafted':>8} {'accept':>7} {'mean len':>8}"
           f"  by position")
+
+    def engine(n: int, k: int, mode: str) -> Engine:
+        return Engine.from_pretrained(model_dir, max_num_seqs=max(n, 1), num_pages=4096, num_speculative_tokens=k,
+                                      speculative_exact=mode == "exact", speculative_adaptive=mode != "always")
+
+    def row(n: int, k: int, mode: str, e: Engine, rates: list[float], out: int, base: float) -> None:
+        rate, s = statistics.median(rates), e.speculation
+        # a sequence's step gives 1 + its accepted tokens: steps = tokens - accepted
+        drafted = f"{s.drafts / max(1, out - s.accepted_tokens):.2f}" if k else "-"
+        accept = f"{s.accepted_tokens / s.draft_tokens:.2f}" if s.draft_tokens else "-"
+        mean = f"{s.mean_acceptance_length:.2f}" if s.drafts else "-"
+        positions = " ".join(f"{a / s.drafts:.2f}" for a in s.accepted_by_position[:k]) if s.drafts else ""
+        print(f"{n:>7} {k:>2} {mode:>8} {rate:>9.1f} {rate / base:>6.2f} {drafted:>8} {accept:>7} {mean:>8}"
+              f"  {positions}")
+
     for n in running:
         prompts = corpus_prompts(model_dir, n)
-        base, best = None, (0.0, 0)
-        runs = [(0, "always")] + [(k, mode) for k in ks if k for mode in ("always", "adaptive")]
-        for k, mode in runs + [(None, "exact")]:
-            if k is None:
-                k = best[1]
-                if not k:
-                    continue
-            engine = Engine.from_pretrained(model_dir, max_num_seqs=max(n, 1), num_pages=4096,
-                                            num_speculative_tokens=k, speculative_exact=mode == "exact",
-                                            speculative_adaptive=mode != "always")
-            engine.warm_up()  # as `cairn serve` does: the packed linears at every row count
-            # warm: the kernels at these shapes, and the gate's first tries at this load (as on a
-            # server that has run a while: those are made once per bucket of running sequences)
-            decode_run(engine, prompts, 32)
-            engine.speculation.__init__()
-            rates, out = [], 0
-            for _ in range(REPEATS):  # the same engine (its gate keeps what it learned)
-                seconds, made = decode_run(engine, prompts, tokens)
-                rates.append(made / seconds)
-                out += made
-            rate = statistics.median(rates)
-            base = base or rate
-            s = engine.speculation
-            if mode == "always" and rate > best[0] and k:
-                best = (rate, k)
-            # a sequence's step gives 1 + its accepted tokens: steps = tokens - accepted
-            drafted = f"{s.drafts / max(1, out - s.accepted_tokens):.2f}" if k else "-"
-            accept = f"{s.accepted_tokens / s.draft_tokens:.2f}" if s.draft_tokens else "-"
-            mean = f"{s.mean_acceptance_length:.2f}" if s.drafts else "-"
-            positions = " ".join(f"{a / s.drafts:.2f}" for a in s.accepted_by_position[:k]) if s.drafts else ""
-            print(f"{n:>7} {k:>2} {mode:>8} {rate:>9.1f} {rate / base:>6.2f} {drafted:>8} {accept:>7} {mean:>8}"
-                  f"  {positions}")
+        rows = [(0, "always")] + [(k, mode) for k in ks if k for mode in ("always", "adaptive")]
+        engines = {(k, mode): engine(n, k, mode) for k, mode in rows}
+        runs = interleaved(engines, prompts, tokens)
+        base = statistics.median(runs[0, "always"][0])
+        for (k, mode), (rates, out) in runs.items():
+            row(n, k, mode, engines[k, mode], rates, out, base)
+        best = max((k for k, mode in rows if k and mode == "always"),
+                   key=lambda k: statistics.median(runs[k, "always"][0]), default=0)
+        if best:
+            pair = {(0, "always"): engine(n, 0, "always"), (best, "exact"): engine(n, best, "exact")}
+            again = interleaved(pair, prompts, tokens)
+            row(n, best, "exact", pair[best, "exact"], *again[best, "exact"], statistics.median(again[0, "always"][0]))
 
 
 def overlap_probe(engine: Engine, temperature: float) -> list[float]:
@@ -162,32 +181,23 @@ def sampled(model_dir: Path, n: int, k: int, temperatures: list[float], tokens: 
           f"(rejection); outputs equal to k = 0's")
     prompts = corpus_prompts(model_dir, n)
     for temperature in temperatures:
-        base, expected = None, {}
-        for name in ("k=0", "drawn", "argmax"):
-            engine = Engine.from_pretrained(model_dir, max_num_seqs=n, num_pages=4096, speculative_exact=True,
-                                            num_speculative_tokens=0 if name == "k=0" else k,
-                                            speculative_adaptive=False)
-            if name == "argmax":
-                engine.drafter.pick = None
-            engine.warm_up()
-            decode_run(engine, prompts[:1], 8)
-            engine.speculation.__init__()
-            overlaps = overlap_probe(engine, temperature) if name == "drawn" else []
-            rates, got = [], {}
-            for _ in range(REPEATS):
-                seconds, made = decode_run(engine, prompts, tokens, temperature, got)
-                rates.append(made / seconds)
-            rate = statistics.median(rates)
-            base = base or rate
-            expected = expected or got
-            s = engine.speculation
+        engines = {name: Engine.from_pretrained(model_dir, max_num_seqs=n, num_pages=4096, speculative_exact=True,
+                                                num_speculative_tokens=0 if name == "k=0" else k,
+                                                speculative_adaptive=False) for name in ("k=0", "drawn", "argmax")}
+        engines["argmax"].drafter.pick = None
+        overlaps = overlap_probe(engines["drawn"], temperature)
+        outputs: dict = {}
+        runs = interleaved(engines, prompts, tokens, temperature, outputs)
+        base = statistics.median(runs["k=0"][0])
+        for name, (rates, _) in runs.items():
+            rate, s = statistics.median(rates), engines[name].speculation
             accept = f"{s.accepted_tokens / s.draft_tokens:.2f}" if s.draft_tokens else "-"
             mean = f"{s.mean_acceptance_length:.2f}" if s.drafts else "-"
             positions = " ".join(f"{a / s.drafts:.2f}" for a in s.accepted_by_position[:k]) if s.drafts else ""
-            same = sum(got[i] == expected[i] for i in expected)
-            rejection = f" ({statistics.mean(overlaps):.2f})" if overlaps else ""
+            same = sum(outputs[name][i] == outputs["k=0"][i] for i in outputs["k=0"])
+            rejection = f" ({statistics.mean(overlaps):.2f})" if name == "drawn" and overlaps else ""
             print(f"{temperature:>5} {name:>7} {rate:>9.1f} {rate / base:>6.2f} {accept:>7} {mean:>8}  {positions}"
-                  f"{rejection}; {same}/{len(expected)}")
+                  f"{rejection}; {same}/{len(outputs['k=0'])}")
 
 
 def divergence(model_dir: Path, n: int, tokens: int) -> None:

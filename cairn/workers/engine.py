@@ -142,6 +142,8 @@ class Engine:
         self.fetches = EnginePeerFetch(self.cache, lambda: transfer.BlockIO(
             self.runner.read_blocks, self.flush_block_copies, self.runner.read_block_rows, self.runner.block_row_bytes),
             options.tensor_parallel_size > 1)
+        if self.drafter is not None:  # an export's pages carry the head's K/V at every position they hold
+            self.fetches.before_export = lambda: self._proposal and self._propose()
         self.on_runnable: Callable[[], None] | None = None  # called from other threads when held work may run
         self._held: list[Sequence] = []  # held back until their grammars compile and their fetches arrive
         self._compiles_seen: int | None = None  # kernel compiles at warm-up's end (None: not warmed up)

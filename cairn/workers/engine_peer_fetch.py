@@ -34,6 +34,8 @@ class EnginePeerFetch:
         self.fallbacks: dict[str, int] = {}
         self._plans: dict[str, FetchPlan] = {}  # held requests' fetches under way, by request id
         self._deliveries: deque[tuple[str, ResumeExport | str | None]] = deque()  # arrived, any thread
+        # runs before an export: the engine's pending MTP head pass, so the pages' head K/V is written
+        self.before_export: Callable[[], None] = lambda: None
 
     # ---- receiving ---------------------------------------------------------------------------
     def plan(self, page_hashes: list[bytes], num_tokens: int, depth: int) -> FetchPlan | None:
@@ -101,6 +103,7 @@ class EnginePeerFetch:
         None if they are no longer all here."""
         if self.tensor_parallel:
             return None
+        self.before_export()
         out = transfer.export_resume(self.cache, self._block_io(), page_hashes, first, depth)
         if out is not None:
             self.counts["exported_bytes"] += out.nbytes

@@ -173,7 +173,11 @@ class Sampler:
         if not rows.pos:
             return torch.full((len(seqs),), -1, dtype=torch.long, device=logits.device)
         rows.logprobs = [-1] * len(rows.pos)
-        return self._sample_rows(logits, rows, count=False)
+        try:
+            return self._sample_rows(logits, rows, count=False)
+        except Exception:  # drafts are proposals: none this round (a tensor-parallel rank must not fail on it)
+            log.exception("drawing drafts for %d row(s) failed", len(rows.pos))
+            return torch.full((len(seqs),), -1, dtype=torch.long, device=logits.device)
 
     @torch.inference_mode()
     def count_kept(self, seq: Sequence, tokens: list[int]) -> None:
@@ -311,8 +315,9 @@ class Sampler:
         sampled = np.flatnonzero(temperature > 0)
         unseeded = np.array(rows.seed) < 0
         keys = np.array(rows.seed, np.int64)
-        for i in np.flatnonzero(unseeded[sampled]):  # a sequence's own key, from the engine's generator
-            keys[sampled[i]] = self._key(rows.seqs[sampled[i]])
+        if not adjusted_only:  # (a sequence's key is drawn at its first draw, not by a look at its logits)
+            for i in np.flatnonzero(unseeded[sampled]):  # a sequence's own key, from the engine's generator
+                keys[sampled[i]] = self._key(rows.seqs[sampled[i]])
         asked = np.flatnonzero(np.array(rows.logprobs) >= 0)
         k_top = int(max((rows.logprobs[i] for i in asked), default=0))
         counts_rows = []

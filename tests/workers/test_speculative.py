@@ -521,9 +521,10 @@ def test_the_heads_kv_follows_its_pages_to_the_host_tier_and_back(spec_model):
 
 def test_a_peer_fetch_brings_the_heads_kv_with_its_pages(spec_model):
     """A page fetched from a peer (cairn.workers.cache.transfer) brings the holder's head K/V at
-    its positions to a receiver that speculates too: after resuming from the fetched pages, the
-    receiver drafts what the holder drafts resuming from its own. A receiver without a head takes
-    the same pages, and the same `cached_tokens` come out."""
+    its positions to a receiver that speculates too (written first if the holder's head pass over
+    them is still to run): after resuming from the fetched pages, the receiver drafts what the
+    holder drafts resuming from its own. A receiver without a head takes the same pages, and the
+    same `cached_tokens` come out."""
     path = spec_model("qwen3_5")
     options = dict(page_size=8, num_pages=64, cache_policy="all")
     spec = dict(num_speculative_tokens=2, speculative_adaptive=False)
@@ -532,7 +533,8 @@ def test_a_peer_fetch_brings_the_heads_kv_with_its_pages(spec_model):
                  Engine.from_pretrained(path, worker_id="plain", **options)]
     prompt = prompts([41], seed=5)[0]
     greedy = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
-    run_alone(holder, prompt, SamplingParams(max_tokens=2, temperature=0))
+    holder.add_request(prompt, SamplingParams(max_tokens=2, temperature=0))
+    holder.step()  # the prompt's prefill; the head's pass over it waits for the next step, or an export
     hashes = holder.spec.page_hashes(prompt, holder.spec.hash_root(None))
     for receiver in receivers:
         plan = receiver.fetches.plan(hashes, len(prompt), 5)

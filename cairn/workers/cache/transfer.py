@@ -12,8 +12,9 @@ Each function takes the replica's `PrefixCache` and, where blocks move, the runn
   of pages [first, depth) of the chain and of the checkpoint after page `depth` (a recurrent
   model), from whichever tier holds them, as plain host arrays (`ResumeExport`, what crosses
   Ray's object store), with the pages' rows beside the arena (a speculating engine's MTP head
-  K/V), which a receiver with the same rows imports too, so that it drafts there as the holder
-  would. None if any of them is no longer resident: the caller recomputes. The
+  K/V: written where its head ran, which skips decode steps while its gate is closed), which a
+  receiver with the same rows imports too, so that it drafts there as the holder would. None if
+  any of them is no longer resident: the caller recomputes. The
   copy is one request's resume point, so the holder's loop pauses for at most that copy.
 - `import_resume(cache, io, export, page_hashes, first)`: on the receiver, between its steps: the pages
   become cached device pages under the very hashes the request carries (so a fetch never crosses

@@ -169,6 +169,7 @@ def _save(model_dir: Path, target: nn.Module, head: dict[str, torch.Tensor]) -> 
         tensors.pop("lm_head.weight", None)
     tensors.update(head)
     save_file(tensors, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
+    (model_dir / "model.safetensors").chmod(0o644)  # as write_demo_model leaves it: other users read it too
     if head:
         path = model_dir / "config.json"
         config = json.loads(path.read_text())
