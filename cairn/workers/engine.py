@@ -56,8 +56,8 @@ from cairn.workers.sampling_params import SamplingParams
 from cairn.workers.scheduler import Scheduler
 from cairn.workers.sequence import Sequence, Status
 from cairn.workers.spec import EngineSpec
-from cairn.workers.speculation import (DraftRun, Drafter, SpeculationGate, SpeculationTotals,
-                                       kept_tokens)
+from cairn.workers.speculation import (WAITING_STEPS, DraftRun, Drafter, SpeculationGate, SpeculationTotals,
+                                       held_back, kept_tokens)
 from cairn.workers.execution.tp_runner import TensorParallelRunner
 
 log = logging.getLogger(__name__)
@@ -101,6 +101,7 @@ class Engine:
         self.gate = SpeculationGate() if options.speculative_adaptive else None
         # the head's pass over the last step's kept positions, run when the next one begins (`_propose`)
         self._proposal: list[DraftRun] = []
+        self._waiting: dict[int, DraftRun] = {}  # runs over prompts' earlier chunks (`held_back`)
         if options.num_speculative_tokens:
             if mtp is None:
                 raise EngineOptionError("num_speculative_tokens", "num_speculative_tokens needs the checkpoint's MTP "
@@ -143,7 +144,7 @@ class Engine:
             self.runner.read_blocks, self.flush_block_copies, self.runner.read_block_rows, self.runner.block_row_bytes),
             options.tensor_parallel_size > 1)
         if self.drafter is not None:  # an export's pages carry the head's K/V at every position they hold
-            self.fetches.before_export = lambda: self._proposal and self._propose()
+            self.fetches.before_export = lambda: (self._proposal or self._waiting) and self._propose(flush=True)
         self.on_runnable: Callable[[], None] | None = None  # called from other threads when held work may run
         self._held: list[Sequence] = []  # held back until their grammars compile and their fetches arrive
         self._compiles_seen: int | None = None  # kernel compiles at warm-up's end (None: not warmed up)
@@ -525,15 +526,19 @@ class Engine:
         self._proposal = runs
         return applied
 
-    def _propose(self) -> None:
+    def _propose(self, flush: bool = False) -> None:
         """The drafts of the last step's sequences (`Drafter.propose` over its kept positions), at
         the start of the next step or of any other forward pass (which replaces the runner's kept
         hidden states), so that the last step's tokens go out before the head runs: a prompt's
-        first token waits for the target's prefill alone, not for the head's pass over it too.
-        Sequences that ended in between (aborted) are left out. Drafts are only ever proposals:
+        first token waits for the target's prefill alone, not for the head's pass over it too,
+        however many steps it takes (`held_back`; `flush`: none waits). Sequences that ended in
+        between (aborted) are left out. Drafts are only ever proposals:
         a head pass that fails costs its sequences their drafts for one step, nothing else (a
         tensor-parallel rank lost breaks the engine, as in a step)."""
         runs, self._proposal = self._proposal, []
+        if self.options.tensor_parallel_size == 1:  # (a rank's hidden states stay on it: none held back there)
+            runs, self._waiting = held_back(runs, self._waiting, self.runner.hidden,
+                                            WAITING_STEPS * self.options.max_num_batched_tokens, flush)
         try:
             self.drafter.propose([run for run in runs if not run.segment.seq.finished])
         except EngineBroken as e:

@@ -432,6 +432,44 @@ def test_the_first_token_goes_out_before_the_head_runs_over_the_prompt(spec_mode
     spec.check()
 
 
+def test_a_prompt_over_several_steps_is_one_head_pass_after_its_first_token(spec_model):
+    """A prompt computed over several steps (chunked by `max_num_batched_tokens`): the head's
+    passes over its earlier chunks wait for its last (`held_back`), so the step that computes the
+    last chunk runs the target alone and returns the first token; the next step begins with one
+    head pass over the whole prompt, which writes the head K/V a one-step prefill's pass writes,
+    and the drafts are that engine's."""
+    path = spec_model("qwen3_5")
+    prompt = prompts([40], seed=7)[0]
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    engines, passes, drafted = [], [], []
+    for budget in (16, 64):
+        engine = Engine.from_pretrained(path, page_size=8, num_pages=64, max_num_batched_tokens=budget,
+                                        num_speculative_tokens=2, speculative_adaptive=False)
+        rows, apply, propose = [], engine.drafter._apply, engine.drafter.propose
+        engine.drafter._apply = lambda work, hidden, rows=rows, apply=apply: rows.append(hidden.shape[0]) or \
+            apply(work, hidden)
+        seen = []
+        engine.drafter.propose = lambda runs, seen=seen, propose=propose: propose(runs) or \
+            seen.extend(list(run.segment.seq.draft) for run in runs if run.want)
+        engine.add_request(prompt, greedy)
+        steps = []  # per step: head passes before it, its outputs' token counts
+        while engine.has_unfinished():
+            before = len(rows)
+            steps.append((before, [o.num_output_tokens for o in engine.step()]))
+        engines.append((engine, steps))
+        passes.append(rows)
+        drafted.append(seen)
+    (chunked, steps), (whole, _) = engines
+    assert [o for _, o in steps[:3]] == [[], [], [1]]  # the first token from the third step
+    assert steps[3][0] == 0 and passes[0][0] == 40  # no head pass before it; one over the prompt, after
+    assert passes[1][0] == 40 and drafted[0] == drafted[1] and len(drafted[0]) >= 2
+    hashes = chunked.spec.page_hashes(prompt, chunked.spec.hash_root(None))[:5]
+    at = [[e.cache.pages.page_of(h) for h in hashes] for e in (chunked, whole)]
+    for a, b in zip(chunked.drafter.kv, whole.drafter.kv):
+        torch.testing.assert_close(a[at[0]], b[at[1]], atol=1e-4, rtol=0)  # (the target's chunked prefill sums
+        assert a[at[0]].any()  # in another order: its hidden states are equal to float32 rounding)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("exact", [True, False], ids=["exact", "default"])
 def test_tensor_parallel_speculation_matches_one_device(trained_spec_model, exact):

@@ -84,10 +84,19 @@ class MtpDrafter:
         """Drafts for `runs` (the engine has emptied the drafts of every sequence the step
         sampled, and leaves out segments of which nothing stands): `plan`, then `run` on every
         rank (`dispatch`)."""
-        if not runs or self.runner.hidden is None:
+        hidden = self.runner.hidden
+        kept = [run.hidden for run in runs if run.hidden is not None]  # runs with hidden states of their own
+        if kept:  # (one device: `held_back`) after the step's rows, in the order of the runs
+            at, placed = 0 if hidden is None else hidden.shape[0], []
+            for run in runs:
+                if run.hidden is not None:
+                    run, at = DraftRun(run.segment, at, run.want), at + run.hidden.shape[0]
+                placed.append(run)
+            runs, hidden = placed, torch.cat(([] if hidden is None else [hidden]) + kept)
+        if not runs or hidden is None:
             return
         work, seqs = self.plan(runs)
-        drafts = self.dispatch(work, lambda: self.run(work, seqs))
+        drafts = self.dispatch(work, lambda: self.run(work, seqs, hidden))
         for seq, tokens in zip(seqs, drafts):
             seq.draft = tokens
 
@@ -119,14 +128,16 @@ class MtpDrafter:
                          slots=np.array([seq.cache.state_slot for seq in seqs], np.int64)), seqs
 
     @torch.inference_mode()
-    def run(self, work: DraftWork, seqs: list[Sequence] = ()) -> list[list[int]]:
+    def run(self, work: DraftWork, seqs: list[Sequence] = (), hidden: torch.Tensor | None = None) -> list[list[int]]:
         """The device's part (every rank of a tensor-parallel engine, in step: the head's layer
         is sharded as the target's are): the first pass, then the draft rounds. Each round's
         tokens are rank 0's (`pick` applies there, to `seqs`, the work's drafting sequences that
         rank 0 holds; the ranks take its ids, one small collective); returns each drafting
-        sequence's drafts."""
+        sequence's drafts. `hidden`: the final hidden states `work.rows` index (default: the
+        runner's, the last step's)."""
         runner, model = self.runner, self.runner.model
-        hidden = runner.hidden.index_select(0, torch.from_numpy(work.rows).to(runner.hidden.device))
+        hidden = runner.hidden if hidden is None else hidden
+        hidden = hidden.index_select(0, torch.from_numpy(work.rows).to(hidden.device))
         x = self._apply(work.first, hidden)
         drafts: list[list[int]] = [[] for _ in work.want]
         if not drafts:
