@@ -16,10 +16,12 @@ are demo-corpus lines the head never saw (past the training lines).
    every step ("always") and as the engine does by default ("adaptive": only while its measured
    tokens/s with drafts beat those without); for the best k, the exact mode (decode rows) too.
    Goals (issue 41): >= 1.6x at 1 running for the best k; no slowdown at 16 running with k = 1.
-2. Sampled rows (seeded, at temperature 0.6 and 1.0, 4 running, k = 2 every step, exact mode):
-   tokens/s against k = 0 and the acceptance, with the engine's drafts (drawn from the head's
-   distribution by the row's rules, with the uniform its verify row draws with) and with the
-   head's argmax instead; and how many outputs equal k = 0's (all, by construction).
+2. Sampled rows (at temperature 0.6 and 1.0, 4 running, k = 2 every step, exact mode): tokens/s
+   against k = 0 and the acceptance, with the engine's drafts (drawn from the head's
+   distribution by the row's rules: a seeded row's with the uniforms its verify rows draw with,
+   an unseeded row's apart, kept by rejection sampling) and with the head's argmax instead;
+   beside them, sum(min(p, q)) at the first drafts (what rejection sampling keeps), and how many
+   seeded outputs equal k = 0's (all, by construction).
 3. Divergence of the default mode from k = 0 in the served dtype (bf16 on a CPU with native
    bf16): how many sequences differ, where each first differs, and the k = 0 run's margin there
    (top-1 minus top-2 logprob: a near-tie flips); the exact mode's count beside it.
@@ -70,12 +72,13 @@ def corpus_prompts(model_dir: Path, n: int) -> list[list[int]]:
 
 
 def decode_run(engine: Engine, prompts: list[list[int]], tokens: int, temperature: float = 0.0,
-               outputs: dict | None = None) -> tuple[float, int]:
+               outputs: dict | None = None, seeded: bool = True) -> tuple[float, int]:
     """(seconds of the decode phase, output tokens in it): from the first step after every
-    prompt has its first token to the last. A sampled run (`temperature`) seeds prompt i with i;
-    `outputs` gets each prompt's tokens."""
+    prompt has its first token to the last. A sampled run (`temperature`) seeds prompt i with i
+    (`seeded`); `outputs` gets each prompt's tokens."""
     ids = {engine.add_request(p, SamplingParams(max_tokens=tokens, temperature=temperature, ignore_eos=True,
-                                                seed=i if temperature else None)): i for i, p in enumerate(prompts)}
+                                                seed=i if temperature and seeded else None)): i
+           for i, p in enumerate(prompts)}
     seen: dict[str, int] = {}
     began, before = None, 0
     while engine.has_unfinished():
@@ -89,13 +92,14 @@ def decode_run(engine: Engine, prompts: list[list[int]], tokens: int, temperatur
 
 
 def interleaved(engines: dict, prompts: list[list[int]], tokens: int, temperature: float = 0.0,
-                outputs: dict | None = None) -> dict:
+                outputs: dict | None = None, unseeded: tuple = ()) -> dict:
     """Each engine's decode runs, REPEATS rounds of one run each in turn (so a slow stretch of
     this shared machine falls on every engine alike): label -> (tokens/s of each run, output
     tokens in all). Each engine is warmed first (`Engine.warm_up`, as `cairn serve` does, and one
     run of the same prompts: the kernels at these shapes, and the gate's first tries at this
     load, made once per bucket of running sequences on a server), its counts then reset. A
-    sampled run: `decode_run`'s `temperature`; `outputs` gets label -> each prompt's tokens."""
+    sampled run: `decode_run`'s `temperature` (the engines labelled in `unseeded` without
+    seeds); `outputs` gets label -> each prompt's tokens."""
     for engine in engines.values():
         engine.warm_up()
         decode_run(engine, prompts, 32)
@@ -104,7 +108,8 @@ def interleaved(engines: dict, prompts: list[list[int]], tokens: int, temperatur
     for _ in range(REPEATS):
         for label, engine in engines.items():  # the same engine each round (its gate keeps what it learned)
             seconds, made = decode_run(engine, prompts, tokens, temperature,
-                                       None if outputs is None else outputs.setdefault(label, {}))
+                                       None if outputs is None else outputs.setdefault(label, {}),
+                                       seeded=label not in unseeded)
             rates, out = runs[label]
             runs[label] = (rates + [made / seconds], out + made)
     return runs
@@ -172,32 +177,34 @@ def overlap_probe(engine: Engine, temperature: float) -> list[float]:
 
 
 def sampled(model_dir: Path, n: int, k: int, temperatures: list[float], tokens: int) -> None:
-    print(f"\n== sampled rows: {n} running, seeded, k = {k} drafting every step (exact mode) ==")
-    print("drafts: drawn = the engine's (the head's distribution, the row's rules and its verify row's uniform); "
-          "argmax = the head's most likely token")
-    print("rejection = the mean of sum(min(p, q)) at the first drafts: what rejection sampling (a second uniform, "
-          "a residual draw) would keep there with the head's distribution q")
-    print(f"{'temp':>5} {'drafts':>7} {'tok/s':>9} {'x k=0':>6} {'accept':>7} {'mean len':>8}  by position "
-          f"(rejection); outputs equal to k = 0's")
+    print(f"\n== sampled rows: {n} running, k = {k} drafting every step (exact mode) ==")
+    print("drafts drawn from the head's distribution by the row's rules: shared = seeded rows, with the uniforms "
+          "their verify rows draw with (outputs k = 0's); rejection = unseeded rows, drawn apart and kept by "
+          "rejection sampling; argmax = seeded rows, the head's most likely token")
+    print("(sum min) = the mean of sum(min(p, q)) at the first drafts: what rejection sampling keeps there")
+    print(f"{'temp':>5} {'drafts':>9} {'tok/s':>9} {'x k=0':>6} {'accept':>7} {'mean len':>8}  by position "
+          f"(sum min); outputs equal to k = 0's")
     prompts = corpus_prompts(model_dir, n)
     for temperature in temperatures:
+        names = ("k=0", "shared", "rejection", "argmax")
         engines = {name: Engine.from_pretrained(model_dir, max_num_seqs=n, num_pages=4096, speculative_exact=True,
                                                 num_speculative_tokens=0 if name == "k=0" else k,
-                                                speculative_adaptive=False) for name in ("k=0", "drawn", "argmax")}
+                                                speculative_adaptive=False) for name in names}
         engines["argmax"].drafter.pick = None
-        overlaps = overlap_probe(engines["drawn"], temperature)
+        overlaps = {name: overlap_probe(engines[name], temperature) for name in ("shared", "rejection")}
         outputs: dict = {}
-        runs = interleaved(engines, prompts, tokens, temperature, outputs)
+        runs = interleaved(engines, prompts, tokens, temperature, outputs, unseeded=("rejection",))
         base = statistics.median(runs["k=0"][0])
         for name, (rates, _) in runs.items():
             rate, s = statistics.median(rates), engines[name].speculation
             accept = f"{s.accepted_tokens / s.draft_tokens:.2f}" if s.draft_tokens else "-"
             mean = f"{s.mean_acceptance_length:.2f}" if s.drafts else "-"
             positions = " ".join(f"{a / s.drafts:.2f}" for a in s.accepted_by_position[:k]) if s.drafts else ""
-            same = sum(outputs[name][i] == outputs["k=0"][i] for i in outputs["k=0"])
-            rejection = f" ({statistics.mean(overlaps):.2f})" if name == "drawn" and overlaps else ""
-            print(f"{temperature:>5} {name:>7} {rate:>9.1f} {rate / base:>6.2f} {accept:>7} {mean:>8}  {positions}"
-                  f"{rejection}; {same}/{len(outputs['k=0'])}")
+            same = "-" if name == "rejection" else \
+                f"{sum(outputs[name][i] == outputs['k=0'][i] for i in outputs['k=0'])}/{len(outputs['k=0'])}"
+            overlap = f" ({statistics.mean(overlaps[name]):.2f})" if overlaps.get(name) else ""
+            print(f"{temperature:>5} {name:>9} {rate:>9.1f} {rate / base:>6.2f} {accept:>7} {mean:>8}  {positions}"
+                  f"{overlap}; {same}")
 
 
 def divergence(model_dir: Path, n: int, tokens: int) -> None:

@@ -10,7 +10,7 @@ Callers import ops from here (`from cairn.kernels import store_kv`), never from 
 - `norms/`: the fused row ops (`rms_norm`, `gated_rms_norm`, `qk_norm_rope`, `delta_gates`,
   `sigmoid_gate`, `silu_mul`);
 - `moe/`: `fused_moe` (with a `SharedExpert`);
-- `sample/`: `argmax_rows`, `sample_rows`, `penalise_rows`, `mask_rows`;
+- `sample/`: `argmax_rows`, `sample_rows`, `row_probs`, `draw_rows`, `penalise_rows`, `mask_rows`;
 - `state/`: `copy_state_slots`.
 An op folder holds its Triton kernels (`triton_ops.py`; the delta rule's `triton_chunk.py` and
 `triton_recurrent.py`), its C++ CPU kernel (`*.cpp`) and launcher (`cpu_ops.py`), torch
@@ -41,7 +41,7 @@ from cairn.kernels.delta_rule import (
 )
 from cairn.kernels.moe import SharedExpert, fused_moe
 from cairn.kernels.norms import delta_gates, gated_rms_norm, qk_norm_rope, rms_norm, sigmoid_gate, silu_mul
-from cairn.kernels.sample import argmax_rows, mask_rows, penalise_rows, sample_rows
+from cairn.kernels.sample import argmax_rows, draw_rows, mask_rows, penalise_rows, row_probs, sample_rows
 from cairn.kernels.state import copy_state_slots
 
 __all__ = [
@@ -51,7 +51,7 @@ __all__ = [
     "chunk_gated_delta_rule_varlen", "gated_delta_rule_step_slots",
     "rms_norm", "gated_rms_norm", "qk_norm_rope", "delta_gates", "sigmoid_gate", "silu_mul",
     "fused_moe", "SharedExpert",
-    "argmax_rows", "sample_rows", "penalise_rows", "mask_rows",
+    "argmax_rows", "sample_rows", "row_probs", "draw_rows", "penalise_rows", "mask_rows",
     "copy_state_slots",
     "VarlenPlan", "force_reference", "load_native",
 ]

@@ -11,9 +11,10 @@ Returns (tokens [R, k + 1] int64, -1 past each row's end; counts [R]: tokens kep
 plus the one after them, 1 to k + 1).
 
 The engine applies this rule on the host to its rows' draws, sampled or greedy
-(cairn.workers.speculation.kept_tokens, held to it in tests/workers/test_acceptance.py): a sampled
+(cairn.workers.speculation.kept_tokens, held to it in tests/workers/test_acceptance.py): a seeded
 row's choice at each position is its draw with the uniform of (key, output index), so what stands
-is what k = 0 draws, and the drafts are drawn with the same uniforms to match it
+is what k = 0 draws, and its drafts are drawn with the same uniforms to match it; an unseeded
+row's choice is its rejection test's outcome, the draft or a residual draw
 (`Sampler.draft_tokens`).
 """
 

@@ -26,7 +26,14 @@ and every step below is a batched op over the rows that need it.
    independent draws. A request without a seed gets a key of its own from the engine's
    generator at its first sampled row (`Sequence.sample_key`).
 5. A speculating engine's drafts are drawn by the same rules from the MTP head's logits
-   (`draft_tokens`), with the uniform the verify step's row will draw with.
+   (`draft_tokens`). A seeded row's with the uniform its verify row will draw with: the verify
+   row's draw is the token, and the drafts equal to the draws stand (the output is k = 0's). An
+   unseeded row's apart (uniforms of another stream) from q, the head's distribution after the
+   rules, which the sequence keeps (`Sequence.draft_q`): its verify row keeps the draft d with
+   probability min(1, p(d) / q(d)), p the target's distribution after the rules (`row_probs`),
+   and otherwise draws from the residual max(0, p - q) (rejection sampling: the token is
+   distributed as p, and a draft is kept at sum(min(p, q)), more often than a shared uniform's
+   inverse CDFs agree).
 
 Faults stay in their row: a row whose logits are not finite, or whose parameters cannot be
 prepared (its grammar's mask included), yields a `SequenceFault` in its place; every other row
@@ -51,6 +58,9 @@ from cairn.workers.token_counts import TokenCounts
 log = logging.getLogger(__name__)
 
 _GOLDEN = 0x9E3779B97F4A7C15 - 2**64  # SplitMix64's increment, as an int64
+# the streams of an unseeded row's draft draws and keep tests (`draft_tokens`): other uniforms
+# than its token draws' of the same key
+DRAFT_SALT, KEEP_SALT = 0x0D2AF7ED5A17, 0x5EC0DEC0FFEE
 _MIX1, _MIX2 = 0xBF58476D1CE4E5B9 - 2**64, 0x94D049BB133111EB - 2**64
 
 
@@ -99,6 +109,9 @@ class _Rows:
         self.masked: list[tuple[int, int]] = []  # (position, token): EOS and stop ids under min_tokens
         self.constrained: list[int] = []  # positions with a grammar's mask
         self.masks: list[np.ndarray] = []  # their allowed tokens, int32 words
+        # speculative decoding, rows of sampled sequences without a seed (cairn.workers.speculation):
+        self.apart: list[tuple[int, Sequence, int]] = []  # drafting: (position, sequence, draft index)
+        self.verified: list[tuple[int, int, torch.Tensor]] = []  # verifying: (position, its draft, q)
 
 
 class Sampler:
@@ -161,15 +174,17 @@ class Sampler:
         """The drafter's next tokens (cairn.workers.speculation): from its logits [n, vocab], one
         row per sequence in `seqs`, each drawn as the sequence's output token of the next index
         would be after its output and its tokens drafted so far (`drafts`): its bias, `min_tokens`,
-        penalties and grammar, its temperature, top-k/p and min-p, and its uniform at (key, that
-        index), the very uniform the verify step's row draws with. So where the head's
-        distribution is the target's, the draft is the target's token. Nothing is counted; [n]
-        int64 on the device, -1 where a row drafts nothing (its parameters or its grammar cannot
-        say, or its logits are not finite)."""
+        penalties and grammar, its temperature, top-k/p and min-p; a greedy or seeded row with
+        its uniform at (key, that index), the very uniform the verify step's row draws with (so
+        where the head's distribution is the target's, the draft is the target's token), an
+        unseeded sampled row with a uniform of another stream, its distribution kept in
+        `Sequence.draft_q` for the verify row's rejection test (module doc, 5). No token is
+        counted; [n] int64 on the device, -1 where a row drafts nothing (its parameters or its
+        grammar cannot say, or its logits are not finite)."""
         offsets = [len(d) for d in drafts]
         if all(self._plain_greedy(s, o) for s, o in zip(seqs, offsets)):
             return kernels.argmax_rows(logits)
-        rows = self._rows(seqs, logits.shape[-1], [None] * len(seqs), offsets, drafts)
+        rows = self._rows(seqs, logits.shape[-1], [None] * len(seqs), offsets, drafts, drafting=True)
         if not rows.pos:
             return torch.full((len(seqs),), -1, dtype=torch.long, device=logits.device)
         rows.logprobs = [-1] * len(rows.pos)
@@ -229,15 +244,16 @@ class Sampler:
         return self._sample_rows(logits.clone(), rows, adjusted_only=True)
 
     def _rows(self, seqs: list[Sequence], vocab: int, out: list, offsets: list[int] | None = None,
-              drafted: list[list[int]] | None = None) -> _Rows:
+              drafted: list[list[int]] | None = None, drafting: bool = False) -> _Rows:
         """Every row's parameters; a row that cannot be prepared gets its fault in `out`.
         `drafted`: each row's tokens before its own past its sequence's output (default: the
-        first `offsets` of its draft)."""
+        first `offsets` of its draft); `drafting`: the rows are the drafter's (`draft_tokens`)."""
         rows = _Rows()
         for i, seq in enumerate(seqs):
             offset = offsets[i] if offsets else 0
             try:
-                self._row_params(rows, seq, vocab, offset, drafted[i] if drafted is not None else seq.draft[:offset])
+                self._row_params(rows, seq, vocab, offset, drafted[i] if drafted is not None else seq.draft[:offset],
+                                 drafting)
                 rows.pos.append(i)
             except Exception as e:  # this row's preparation only: the others go on
                 out[i] = SequenceFault(f"sampling failed: {type(e).__name__}")
@@ -249,10 +265,11 @@ class Sampler:
         return (p.greedy and p.logprobs is None and not p.logit_bias and not p.penalised and p.grammar is None
                 and len(seq.output_token_ids) + offset >= p.min_tokens)
 
-    def _row_params(self, rows: _Rows, seq: Sequence, vocab: int, offset: int = 0, drafted: list[int] = ()) -> None:
+    def _row_params(self, rows: _Rows, seq: Sequence, vocab: int, offset: int = 0, drafted: list[int] = (),
+                    drafting: bool = False) -> None:
         """Appends one row's parameters to `rows`, or raises (that row alone faults, and nothing
         of it is appended). `offset`: see `sample`; `drafted`: the tokens before the row's own
-        past the sequence's output (`offset` of them)."""
+        past the sequence's output (`offset` of them); `drafting`: see `_rows`."""
         p, at = seq.params, len(rows.seqs)
         n_out = len(seq.output_token_ids) + offset
         if any(token >= vocab for token, _ in p.logit_bias):
@@ -277,6 +294,11 @@ class Sampler:
             rows.penalised.append(at)
             rows.penalties.append((p.repetition_penalty, p.frequency_penalty, p.presence_penalty))
             rows.drafted.append(list(drafted))
+        if not p.greedy and p.seed is None:  # a sampled row without a seed: its drafts are drawn apart
+            if drafting:
+                rows.apart.append((at, seq, offset))
+            elif offset < len(seq.draft) and offset < len(seq.draft_q):
+                rows.verified.append((at, seq.draft[offset], seq.draft_q[offset]))
         rows.bias.extend((at, token, bias) for token, bias in p.logit_bias)
         rows.masked.extend(masked)
         if mask is not None:
@@ -368,6 +390,21 @@ class Sampler:
                 host=([rows.top_k[i] for i in sampled], [rows.top_p[i] for i in sampled],
                       [rows.min_p[i] for i in sampled]))
             ids = ids.index_copy(0, samp, drawn)
+        if rows.apart:  # drafts of unseeded sampled rows: drawn from q with uniforms of their own
+            at = [a for a, _, _ in rows.apart]
+            q = self._probs(x, rows, at, device)
+            drafts = kernels.draw_rows(q, self._uniforms(keys, rows, at, device, DRAFT_SALT))
+            ids = ids.index_copy(0, torch.tensor(at, device=device), drafts)
+            for (_, seq, j), row in zip(rows.apart, q):
+                seq.draft_q[j:] = [row]  # (the draft before it was drawn from draft_q[j - 1])
+        if rows.verified:  # a draft drawn apart: kept with probability min(1, p / q), else a residual draw
+            at = [a for a, _, _ in rows.verified]
+            p = self._probs(x, rows, at, device)
+            q = torch.stack([q for _, _, q in rows.verified])
+            d = torch.tensor([d for _, d, _ in rows.verified], device=device)[:, None]
+            keep = self._uniforms(keys, rows, at, device, KEEP_SALT) * q.gather(1, d)[:, 0] < p.gather(1, d)[:, 0]
+            residual = kernels.draw_rows((p - q).clamp_(min=0), self._uniforms(keys, rows, at, device))
+            ids = ids.index_copy(0, torch.tensor(at, device=device), torch.where(keep, d[:, 0], residual))
         ids = torch.where(finite, ids, -1)
         if not count:
             return ids if n == logits.shape[0] else torch.full(
@@ -404,6 +441,21 @@ class Sampler:
             pairs = [(int(alts[j * k_top + c]), vals[j * k_top + c]) for c in range(k)]
             results.append((t, TokenLogprob(t, chosen_list[j], pairs)))
         return results
+
+    @staticmethod
+    def _probs(x: torch.Tensor, rows: _Rows, at: list[int], device: torch.device) -> torch.Tensor:
+        """The distribution each of rows `at` (sampled ones) draws from, from its changed logits."""
+        tensor = lambda values, dtype: torch.tensor(values, dtype=dtype, device=device)  # noqa: E731
+        k, top_p, min_p = ([rows.top_k[a] for a in at], [rows.top_p[a] for a in at], [rows.min_p[a] for a in at])
+        return kernels.row_probs(x.index_select(0, tensor(at, torch.long)),
+                                 tensor([rows.temperature[a] for a in at], torch.float32), tensor(k, torch.long),
+                                 tensor(top_p, torch.float32), tensor(min_p, torch.float32), host=(k, top_p, min_p))
+
+    @staticmethod
+    def _uniforms(keys: np.ndarray, rows: _Rows, at: list[int], device: torch.device, salt: int = 0) -> torch.Tensor:
+        """Rows `at`'s uniforms at (key ^ salt, output index)."""
+        return uniforms(torch.tensor(keys[at] ^ salt, device=device),
+                        torch.tensor([rows.index[a] for a in at], device=device))
 
     def _key(self, seq: Sequence) -> int:
         """An unseeded sequence's key: drawn from the engine's generator at its first sampled

@@ -67,6 +67,7 @@ class Sequence:
     grammar_pending: bool = False  # its grammar is still compiling: the engine holds it back until it is
     draft: list[int] = field(default_factory=list)  # tokens drafted after token_ids, to verify (cairn.workers.speculation)
     sample_key: int | None = None  # its draws' key without a seed: the sampler's, from its first sampled row
+    draft_q: list = field(default_factory=list)  # without a seed: the distribution each drafted token was drawn from
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -11,17 +11,18 @@ after each offset kept in a free slot (`Scheduler._take_states`). Then:
    request's seed, or the key the sampler gave the sequence; `Sampler.sample`'s `offsets`); the
    drafted tokens equal to the draws before them stand, then the first draw that differs (or the
    bonus after all of them): `accept_greedy`'s rule (cairn.workers.acceptance) over the draws, on
-   the host. So every output token is the very draw the target makes at its index without
-   speculation: the output's distribution is the target's, and a request gives the tokens it
-   gives with k = 0 wherever the logits are the same (a seeded one always, an unseeded one where
-   the engine gave it the same key). The drafts decide only how many of those draws one step
-   makes. They are drawn to match them (`Sampler.draft_tokens`): from the head's logits, by the
-   sequence's own rules, with the uniform its verify row will draw with (a coupled draw). Where
-   the head's distribution is the target's, the draft is the target's token; a greedy row's draft
-   is the argmax. This is speculative sampling whose acceptance test is the shared uniform rather
-   than a second one (rejection sampling's min(1, p(d) / q(d)) with a residual draw gives the
-   same distribution, but not the same tokens as k = 0 for a seeded request). The tokens kept
-   also end at the first that stops the sequence (a stop id, EOS, its length).
+   the host. The drafts are drawn by the row's own rules from the head's logits
+   (`Sampler.draft_tokens`; a greedy row's is the argmax):
+   - a seeded row's with the uniform its verify row draws with: every output token is then the
+     very draw k = 0 makes at its index, and a seeded request gives its k = 0 tokens wherever the
+     logits are the same; a draft stands where the head's and the target's inverse CDFs agree at
+     that uniform;
+   - an unseeded row's with a uniform of its own, from the head's distribution q, which its
+     verify row tests by rejection sampling (the draft d kept with probability min(1, p(d) /
+     q(d)); else a draw from the residual max(0, p - q), which never draws d, so the rule above
+     ends there): each token is distributed as the target's, and a draft stands at sum(min(p,
+     q)), the most any test can keep.
+   The tokens kept also end at the first that stops the sequence (a stop id, EOS, its length).
 2. `Scheduler.settle`: the segment ends after its kept tokens; the state after its last kept
    token is copied back into the sequence's slot from the slot that kept it (the rollback), the
    checkpoints at the page boundaries the kept tokens reach are planned then, and the other

@@ -1,31 +1,19 @@
 """What a verify step keeps of a draft: greedy rows keep exactly what one-at-a-time greedy decoding
 gives (cairn/workers/acceptance.py's `accept_greedy`, the rule the engine applies on the host:
 cairn.workers.speculation.kept_tokens); sampled rows through a speculating engine give each output
-token the target's distribution at its position: checked by a chi-square test over many seeded
-rows on a three-token vocabulary, of the second and third tokens jointly, against a cold engine's
-logits. The chi-square test is held to a false-alarm rate of at most 1e-6 (its critical value from
-the Wilson-Hilferty approximation of the chi-square quantile, slightly above the exact one), and
-its draws are seeded: it gives the same verdict every run. Penalties, bias and the other sampling
-rules act on the target's logits before the draw: the sampler's tests hold those."""
-
-import math
+token the target's distribution at its position, seeded (drafts drawn with the verify row's
+uniform) or not (drafts drawn apart, kept by rejection sampling): checked by a chi-square test
+over many rows on a three-token vocabulary, of the second and third tokens jointly, against a
+cold engine's logits. The chi-square test is held to a false-alarm rate of at most 1e-6
+(tests/support/chi_square.py), and every draw is a function of the engine's and the requests'
+seeds: it gives the same verdict every run. Penalties, bias and the other sampling rules act on
+the target's logits before the draw: the sampler's tests hold those."""
 
 import pytest
 import torch
 
 from cairn.workers.acceptance import accept_greedy
-
-Z_1E6 = 4.7534  # the standard normal's upper 1e-6 quantile
-
-
-def critical(df: int, z: float = Z_1E6) -> float:
-    """The chi-square upper quantile at the normal quantile z (Wilson-Hilferty)."""
-    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
-
-
-def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    expected = probs * counts.sum()
-    return float(((counts - expected) ** 2 / expected).sum())
+from tests.support.chi_square import chi_square, critical
 
 
 def test_greedy_keeps_the_drafts_matching_prefix_then_the_targets_token():
@@ -48,14 +36,16 @@ def joint_counts(outputs: list[list[int]], first: int) -> dict[tuple[int, int], 
 
 
 @pytest.mark.slow
-def test_sampled_rows_of_a_speculating_engine_follow_the_targets_distribution(trained_spec_model):
+@pytest.mark.parametrize("seeded", [True, False], ids=["seeded", "unseeded"])
+def test_sampled_rows_of_a_speculating_engine_follow_the_targets_distribution(trained_spec_model, seeded):
     """Sampled rows through a speculating engine (drafts drawn from the trained head, the exact
-    mode), many seeds on a 3-token vocabulary (top_k 3), 3 tokens each: the verify step after the
-    first token checks one draft. The second and third output tokens after the commonest first
-    one, jointly, have the target's distribution, from a cold k = 0 engine's logits (the third
-    token comes from the verify row past a kept draft, or from the next step after a rejected
-    one); pairs expected fewer than 5 times are one cell. A rule that kept a draft without its
-    draw fails it by a wide margin."""
+    mode), many of them on a 3-token vocabulary (top_k 3), 3 tokens each: the verify step after
+    the first token checks one draft. The second and third output tokens after the commonest
+    first one, jointly, have the target's distribution, from a cold k = 0 engine's logits (the
+    third token comes from the verify row past a kept draft, or from the next step after a
+    rejected one); pairs expected fewer than 5 times are one cell. A rule that kept a draft
+    without its draw, or drew a rejected one's token from the target instead of the residual,
+    fails it by a wide margin."""
     from tokenizers import Tokenizer
 
     from cairn.workers import Engine, SamplingParams
@@ -78,7 +68,7 @@ def test_sampled_rows_of_a_speculating_engine_follow_the_targets_distribution(tr
                                   speculative_exact=True, speculative_adaptive=False)
     outputs = []
     for start in range(0, n, wave):  # in waves: a step that prefills verifies no drafts
-        requests = [(prompt, SamplingParams(max_tokens=3, temperature=1.0, top_k=3, seed=i))
+        requests = [(prompt, SamplingParams(max_tokens=3, temperature=1.0, top_k=3, seed=i if seeded else None))
                     for i in range(start, start + wave)]
         outputs += [o.token_ids for o in drive(spec, requests)]
     first = max(top3(prompt).items(), key=lambda kv: kv[1])[0]

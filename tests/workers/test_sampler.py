@@ -173,20 +173,20 @@ def test_unseeded_draws_differ_across_sequences_and_indices_and_keep_a_sequences
 
 
 def test_a_draft_is_the_token_its_row_would_draw_at_that_index():
-    """`Sampler.draft_tokens` (speculative decoding's drafts): from the same logits, each row's
-    draft after its drafts so far is the token `sample` draws for it as a verify row at that
-    offset: greedy with bias and penalties, seeded and unseeded with top-k/p and min-p; it counts
+    """`Sampler.draft_tokens` (speculative decoding's drafts): from the same logits, each greedy
+    or seeded row's draft after its drafts so far is the token `sample` draws for it as a verify
+    row at that offset: greedy with bias and penalties, seeded with top-k/p and min-p; it counts
     nothing (the penalised row's next draw is unchanged)."""
     g = torch.Generator().manual_seed(4)
     params = [SamplingParams(temperature=0, logit_bias={7: 3.0}), SamplingParams(temperature=0.9, top_p=0.9, seed=5),
-              SamplingParams(temperature=1.1, top_k=20, min_p=0.01),
+              SamplingParams(temperature=1.1, top_k=20, min_p=0.01, seed=9),
               SamplingParams(temperature=0.8, seed=2, presence_penalty=1.0, frequency_penalty=0.5)]
     rows = [seq(p, outputs=[9, 4], rid=f"r{i}") for i, p in enumerate(params)]
     drafts = [[9], [11], [3, 12], []]
     for trial in range(20):
         logits = torch.randn(4, 64, generator=g) * 3
         sampler = Sampler(0)
-        sampler.sample(torch.randn(4, 64, generator=g), rows)  # the unseeded row's key, the penalised row's counts
+        sampler.sample(torch.randn(4, 64, generator=g), rows)  # the penalised row's counts
         drafted = sampler.draft_tokens(logits.clone(), rows, drafts).tolist()
         assert drafted == sampler.draft_tokens(logits.clone(), rows, drafts).tolist()  # nothing counted
         for row, draft in zip(rows, drafts):
@@ -195,6 +195,38 @@ def test_a_draft_is_the_token_its_row_would_draw_at_that_index():
         assert drafted == [token for token, _ in verified], trial
         for row in rows:
             row.draft = []
+
+
+def test_an_unseeded_rows_drafts_are_drawn_apart_and_kept_by_rejection_sampling():
+    """A sampled row without a seed drafts from the head's distribution q (after its rules) with
+    uniforms of its own, and keeps q (`Sequence.draft_q`); its verify row keeps the draft with
+    probability min(1, p / q) and otherwise draws from the residual max(0, p - q): over many
+    sequences the drafts follow q, the verified tokens the target's p (chi-square, false alarm
+    1e-6), and a draft is kept at the rate sum(min(p, q))."""
+    from cairn.kernels.sample import reference
+    from tests.support.chi_square import chi_square, critical
+
+    V, n = 6, 20_000
+    g = torch.Generator().manual_seed(8)
+    target, head = torch.randn(V, generator=g) * 1.5, torch.randn(V, generator=g) * 1.5
+    params = SamplingParams(temperature=0.9, top_k=5, logit_bias={2: 1.0})
+    rules = dict(temperature=torch.tensor([0.9]), top_k=torch.tensor([5]), top_p=torch.tensor([1.0]),
+                 min_p=torch.tensor([0.0]))
+    biased = torch.zeros(V).index_fill_(0, torch.tensor([2]), 1.0)
+    p, q = (reference.row_probs((x + biased)[None], **rules)[0].double() for x in (target, head))
+    rows = [seq(params, outputs=[1], rid=f"r{i}") for i in range(n)]
+    sampler = Sampler(3)
+    drafted = sampler.draft_tokens(head.expand(n, V).clone(), rows, [[] for _ in rows])
+    torch.testing.assert_close(rows[0].draft_q[0].double(), q, atol=1e-6, rtol=0)
+    drafts = torch.bincount(drafted, minlength=V).double()
+    assert chi_square(drafts[q > 0], q[q > 0]) < critical(int((q > 0).sum()) - 1) and drafts[q == 0].sum() == 0
+    for row, token in zip(rows, drafted.tolist()):
+        row.draft = [token]
+    out = torch.tensor([token for token, _ in sampler.sample(target.expand(n, V).clone(), rows, [0] * n)])
+    counts = torch.bincount(out, minlength=V).double()
+    assert chi_square(counts[p > 0], p[p > 0]) < critical(int((p > 0).sum()) - 1) and counts[p == 0].sum() == 0
+    kept = (out == drafted).double().mean()
+    assert abs(kept - torch.minimum(p, q).sum()) < 0.015, (kept, torch.minimum(p, q).sum())
 
 
 def test_an_overflowing_temperature_is_greedy_and_a_non_finite_row_fails_alone():

@@ -76,3 +76,23 @@ def penalise_rows(x: torch.Tensor, at: torch.Tensor, rows: torch.Tensor, counts:
         row = x[r]
         row = torch.where(seen | prompt[c], torch.where(row > 0, row / repetition, row * repetition), row)
         x[r] = row - frequency * count - presence * seen.to(x.dtype)
+
+
+def row_probs(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+              min_p: torch.Tensor, host=None) -> torch.Tensor:
+    check_rows("x", x)
+    out = []
+    for r in range(x.shape[0]):
+        row, t = x[r].double(), float(temperature[r])
+        peak = float(row.max())
+        if not abs(peak / t) < float("inf"):
+            out.append(torch.nn.functional.one_hot(row.argmax(), row.shape[0]).double())
+            continue
+        w = _kept(((row - peak) / t).exp(), int(top_k[r]), float(top_p[r]), float(min_p[r]))
+        out.append(w / w.sum())
+    return torch.stack(out).float()
+
+
+def draw_rows(w: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    cum = w.double().cumsum(-1)
+    return torch.searchsorted(cum, u.double()[:, None] * cum[:, -1:], right=True)[:, 0].clamp_(max=w.shape[1] - 1)

@@ -23,6 +23,10 @@ a token in the output) are subtracted.
 `mask_rows(x, at, words)`: in place, row at[i] of x keeps the tokens allowed by the packed words
 [M, ceil(V / 32)] int32 (bit j of word k: token 32 k + j; a grammar's mask) and the others become
 -inf.
+`row_probs(x, temperature, top_k, top_p, min_p)`: the distribution [N, V] fp32 (rows summing to
+1) that `sample_rows` draws from (an overflowing temperature: one-hot at the argmax);
+`draw_rows(w, u)`: `sample_rows`' inverse CDF over any non-negative weights w [N, V] (speculative
+decoding's residual draws).
 `argmax_rows(logits)`: greedy sampling's ids, [N] int64, the first index of each row's maximum, or
 -1 for a row whose maximum is not finite (a NaN, a +inf, all -inf).
 `host` (optional): the rows' top_k, top_p and min_p as Python lists, so that on CUDA the branches
@@ -41,6 +45,25 @@ _BLOCK = 1024  # tokens per block of the two-level draw
 def sample_rows(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                 min_p: torch.Tensor, u: torch.Tensor,
                 host: tuple[list[int], list[float], list[float]] | None = None) -> torch.Tensor:
+    w, overflow, greedy = _weights(x, temperature, top_k, top_p, min_p, host)
+    return torch.where(overflow, greedy, draw(w, u))
+
+
+def row_probs(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+              min_p: torch.Tensor, host: tuple[list[int], list[float], list[float]] | None = None) -> torch.Tensor:
+    w, overflow, greedy = _weights(x, temperature, top_k, top_p, min_p, host)
+    p = w / w.sum(-1, keepdim=True)
+    return torch.where(overflow[:, None], torch.nn.functional.one_hot(greedy, x.shape[1]).to(p.dtype), p)
+
+
+def draw_rows(w: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    return draw(w, u)
+
+
+def _weights(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+             min_p: torch.Tensor, host: tuple[list[int], list[float], list[float]] | None = None):
+    """`sample_rows`' weights [N, V] (not normalised) after its rules, each row's overflow (its
+    temperature too small: the argmax) and argmax."""
     k_host, p_host, min_p_host = host if host is not None else (top_k.tolist(), top_p.tolist(), min_p.tolist())
     ns = x.shape[0]
     inv = (1.0 / temperature)[:, None]
@@ -74,7 +97,7 @@ def sample_rows(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
             w.mul_(keep)
         else:
             w.index_copy_(0, at, sub * keep)
-    return torch.where(overflow, greedy, draw(w, u))
+    return w, overflow, greedy
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
