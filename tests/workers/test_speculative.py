@@ -614,11 +614,11 @@ def test_a_head_pass_that_fails_costs_drafts_and_nothing_else(spec_model):
     spec = Engine.from_pretrained(path, page_size=8, num_speculative_tokens=2, speculative_adaptive=False)
     run, calls = spec.drafter.run, []
 
-    def failing(work, seqs=()):
+    def failing(work, seqs=(), hidden=None):
         calls.append(1)
         if len(calls) % 3 == 2:
             raise RuntimeError("a kernel fault in the head")
-        return run(work, seqs)
+        return run(work, seqs, hidden)
     spec.drafter.run = failing
     assert [o.token_ids for o in drive(spec, requests)] == [o.token_ids for o in expected]
     assert len(calls) >= 6 and spec.speculation.drafts > 0 and spec.broken is None

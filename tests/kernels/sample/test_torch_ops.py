@@ -28,7 +28,7 @@ def test_the_draw_takes_the_oracles_token_at_every_uniform(vocab):
         assert (got[:, r] != want[:, r]).sum() <= 3, (SAMPLING_ROWS[r], (got[:, r] != want[:, r]).sum())
 
 
-@pytest.mark.parametrize("vocab", [1000, 4099])
+@pytest.mark.parametrize("vocab", [4099])  # several blocks of the two-level draw, and a tail
 def test_row_probs_is_the_distribution_the_draw_takes_and_draw_rows_its_inverse_cdf(vocab):
     """`row_probs` (speculative decoding's p and q) equals the oracle's normalised kept weights
     row by row (an overflowing temperature: one-hot at the argmax), and `draw_rows` over those
