@@ -180,22 +180,24 @@ class Scheduler:
                         plan.deferred.append(seg)
                     else:
                         self._checkpoints_or_fail(plan, seg)
-            self._take_states(plan)
+            self._take_states(plan, whole=budget > 0 or not self.waiting)
         if plan:
             plan.page_table_writes = self.cache.take_page_table_writes()
             plan.block_copies = self.cache.take_block_copies()
         return plan
 
-    def _take_states(self, plan: StepPlan) -> None:
+    def _take_states(self, plan: StepPlan, whole: bool = True) -> None:
         """A spare slot (`spare_slots`: beside the cache's arena, so the cache is as without
         speculation) for the state after each drafted token of the plan's verify segments: a
         segment gets as many drafts as slots are left (none: a plain decode). A step that
-        prefills verifies no drafts: its rows would make the step longer, and its prompts' first
-        tokens later, than without speculation."""
-        prefilling = plan.prefilling
+        prefills verifies drafts beside its prompts' chunks where the token budget held them
+        all: every running prompt's chunk is the rest of it, and the budget was not spent before
+        the waiting prompts (`whole`); else none (drafts never take a prompt's tokens)."""
+        cut = plan.prefilling and (not whole or any(
+            seg.end < seg.seq.num_tokens for seg in plan.prefills if not seg.verify))
         for seg in plan.decodes + plan.prefills:
             if seg.drafts:
-                take = 0 if prefilling else min(seg.drafts, len(self.spare_slots))
+                take = 0 if cut else min(seg.drafts, len(self.spare_slots))
                 seg.states = [self.spare_slots.pop() for _ in range(take)]
                 seg.drafts, seg.num_tokens = take, 1 + take
         # a verify chunk's states the chunked rule takes (verify decode rows: `ForwardBatch.level_saves`);

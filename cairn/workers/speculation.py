@@ -37,7 +37,8 @@ after each offset kept in a free slot (`Scheduler._take_states`). Then:
 
 When drafts are worth it is measured (`SpeculationGate`, `EngineOptions.speculative_adaptive`):
 the engine drafts only while decode steps with drafts give more tokens per second than steps
-without, at the current number of running sequences; a step that prefills verifies none
+without, at the current number of running sequences. Drafts never take a prompt's tokens: a
+step verifies them beside prompt chunks only where the token budget held every chunk whole
 (`Scheduler._take_states`).
 
 Every row drafts, whatever its sampling parameters: a drafted row is sampled as its output

@@ -67,7 +67,7 @@ def test_sampled_rows_of_a_speculating_engine_follow_the_targets_distribution(tr
     spec = Engine.from_pretrained(trained_spec_model, max_num_seqs=wave, num_speculative_tokens=2,
                                   speculative_exact=True, speculative_adaptive=False)
     outputs = []
-    for start in range(0, n, wave):  # in waves: a step that prefills verifies no drafts
+    for start in range(0, n, wave):  # in waves of max_num_seqs: each request verifies its one draft
         requests = [(prompt, SamplingParams(max_tokens=3, temperature=1.0, top_k=3, seed=i if seeded else None))
                     for i in range(start, start + wave)]
         outputs += [o.token_ids for o in drive(spec, requests)]

@@ -388,11 +388,13 @@ def test_the_gate_drafts_where_drafting_gives_more_tokens_per_second():
     assert gate.rate(1, True) == 50.0 < gate.rate(1, False)
 
 
-def test_a_step_that_prefills_verifies_no_drafts(spec_model):
-    """A prompt's first token comes no later than without speculation: a step that prefills
-    carries the other sequences' decodes without their drafts."""
+def test_a_step_that_prefills_verifies_drafts_only_beside_whole_prompt_chunks(spec_model):
+    """Drafts never take a prompt's tokens: a step whose prompt chunks are cut by the token budget
+    (`max_num_batched_tokens`) carries the other sequences' decodes without their drafts; one
+    where the budget holds every prompt's chunk whole verifies them in the same forward. Every
+    request gets k = 0's tokens."""
     path = spec_model("qwen3_next")
-    requests = [(p, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)) for p in prompts([9, 40, 12])]
+    requests = [(p, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)) for p in prompts([9, 40, 12, 5])]
     expected = drive(Engine.from_pretrained(path, page_size=8, max_num_batched_tokens=16), requests)
     spec = speculating(path, 2, continuations(requests, expected), wrong=0.0, page_size=8, max_num_batched_tokens=16)
     plans, schedule = [], spec.scheduler.schedule
@@ -400,14 +402,18 @@ def test_a_step_that_prefills_verifies_no_drafts(spec_model):
     ids = [spec.add_request(*requests[0])]
     for _ in range(3):
         spec.step()  # the first request decodes with drafts
-    ids += [spec.add_request(*r) for r in requests[1:]]  # the others prefill in 16-token chunks beside it
+    ids += [spec.add_request(*r) for r in requests[1:3]]  # two more prefill in 16-token chunks beside it
     final = {}
+    for _ in range(8):
+        final.update({o.request_id: o for o in spec.step() if o.finished})
+    ids.append(spec.add_request(*requests[3]))  # a short prompt beside three decodes: its chunk is whole
     while spec.has_unfinished():
         final.update({o.request_id: o for o in spec.step() if o.finished})
     assert [final[i].token_ids for i in ids] == [o.token_ids for o in expected]
     prefilling = [p for p in plans if any(not s.verify for s in p.prefills)]
-    assert len(prefilling) >= 3 and all(not s.drafts for p in prefilling for s in p.segments)
-    assert any(s.drafts for p in plans for s in p.segments)
+    cut = [p for p in prefilling if any(s.end < s.seq.num_prompt_tokens for s in p.prefills if not s.verify)]
+    assert len(cut) >= 3 and all(not s.drafts for p in cut for s in p.segments)
+    assert any(s.drafts for p in prefilling if p not in cut for s in p.segments)  # verified beside a prefill
 
 
 def test_the_first_token_goes_out_before_the_head_runs_over_the_prompt(spec_model):
