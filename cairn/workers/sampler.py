@@ -390,29 +390,38 @@ class Sampler:
                 host=([rows.top_k[i] for i in sampled], [rows.top_p[i] for i in sampled],
                       [rows.min_p[i] for i in sampled]))
             ids = ids.index_copy(0, samp, drawn)
+        def apart(at: list[int]) -> tuple[torch.Tensor, Callable[[int], torch.Tensor]]:
+            """Rows `at` (sampled ones, of an unseeded sequence): the distribution each draws from,
+            from its changed logits, and its uniforms at (key ^ salt, output index), from the
+            sampled rows' uploaded parameters."""
+            sub = torch.from_numpy(np.searchsorted(sampled, at)).to(device)
+            host = tuple([values[a] for a in at] for values in (rows.top_k, rows.top_p, rows.min_p))
+            dist = kernels.row_probs(x.index_select(0, samp.index_select(0, sub)), temp.index_select(0, sub),
+                                     top_k.index_select(0, sub), top_p.index_select(0, sub),
+                                     min_p.index_select(0, sub), host)
+            return dist, lambda salt: uniforms(key.index_select(0, sub) ^ salt, index.index_select(0, sub))
+
         if rows.apart:  # drafts of unseeded sampled rows: drawn from q with uniforms of their own
             at = [a for a, _, _ in rows.apart]
-            q = self._probs(x, rows, at, device)
-            drafts = kernels.draw_rows(q, self._uniforms(keys, rows, at, device, DRAFT_SALT))
-            ids = ids.index_copy(0, torch.tensor(at, device=device), drafts)
+            q, u = apart(at)
+            ids = ids.index_copy(0, torch.tensor(at, device=device), kernels.draw_rows(q, u(DRAFT_SALT)))
             for (_, seq, j), row in zip(rows.apart, q):
                 seq.draft_q[j:] = [row]  # (the draft before it was drawn from draft_q[j - 1])
         if rows.verified:  # a draft drawn apart: kept with probability min(1, p / q), else a residual draw
             at = [a for a, _, _ in rows.verified]
-            p = self._probs(x, rows, at, device)
+            p, u = apart(at)
             q = torch.stack([q for _, _, q in rows.verified])
             d = torch.tensor([d for _, d, _ in rows.verified], device=device)[:, None]
-            keep = self._uniforms(keys, rows, at, device, KEEP_SALT) * q.gather(1, d)[:, 0] < p.gather(1, d)[:, 0]
-            residual = kernels.draw_rows((p - q).clamp_(min=0), self._uniforms(keys, rows, at, device))
+            keep = u(KEEP_SALT) * q.gather(1, d)[:, 0] < p.gather(1, d)[:, 0]
+            residual = kernels.draw_rows((p - q).clamp_(min=0), u(0))
             ids = ids.index_copy(0, torch.tensor(at, device=device), torch.where(keep, d[:, 0], residual))
         ids = torch.where(finite, ids, -1)
-        if not count:
-            return ids if n == logits.shape[0] else torch.full(
-                (logits.shape[0],), -1, dtype=ids.dtype, device=device).index_copy(0, pos, ids)
-        if rows.penalised:
-            self.counts.add(pen_rows, ids.index_select(0, pen_pos))  # a drafted row's into its scratch row
         every = ids if n == logits.shape[0] else torch.full((logits.shape[0],), -1, dtype=ids.dtype,
                                                             device=device).index_copy(0, pos, ids)
+        if not count:
+            return every
+        if rows.penalised:
+            self.counts.add(pen_rows, ids.index_select(0, pen_pos))  # a drafted row's into its scratch row
         if logprobs is None:
             return every, self._tokens(ids)
         chosen = logprobs.gather(1, ids.index_select(0, asked_t).clamp(min=0)[:, None])[:, 0]
@@ -441,21 +450,6 @@ class Sampler:
             pairs = [(int(alts[j * k_top + c]), vals[j * k_top + c]) for c in range(k)]
             results.append((t, TokenLogprob(t, chosen_list[j], pairs)))
         return results
-
-    @staticmethod
-    def _probs(x: torch.Tensor, rows: _Rows, at: list[int], device: torch.device) -> torch.Tensor:
-        """The distribution each of rows `at` (sampled ones) draws from, from its changed logits."""
-        tensor = lambda values, dtype: torch.tensor(values, dtype=dtype, device=device)  # noqa: E731
-        k, top_p, min_p = ([rows.top_k[a] for a in at], [rows.top_p[a] for a in at], [rows.min_p[a] for a in at])
-        return kernels.row_probs(x.index_select(0, tensor(at, torch.long)),
-                                 tensor([rows.temperature[a] for a in at], torch.float32), tensor(k, torch.long),
-                                 tensor(top_p, torch.float32), tensor(min_p, torch.float32), host=(k, top_p, min_p))
-
-    @staticmethod
-    def _uniforms(keys: np.ndarray, rows: _Rows, at: list[int], device: torch.device, salt: int = 0) -> torch.Tensor:
-        """Rows `at`'s uniforms at (key ^ salt, output index)."""
-        return uniforms(torch.tensor(keys[at] ^ salt, device=device),
-                        torch.tensor([rows.index[a] for a in at], device=device))
 
     def _key(self, seq: Sequence) -> int:
         """An unseeded sequence's key: drawn from the engine's generator at its first sampled

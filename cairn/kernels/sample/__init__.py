@@ -1,7 +1,8 @@
 """Sampling's row ops: `argmax_rows` (greedy), `sample_rows` (the draw), `row_probs` (the
 distribution it draws from) and `draw_rows` (its inverse CDF over any weights: speculative
-decoding's residual draws), `penalise_rows`, `mask_rows` (a grammar's mask). The op's one entry point (`cairn.kernels.common.dispatch`);
-contracts: sample/torch_ops.py; oracle: sample/reference.py.
+decoding's residual draws), `penalise_rows`, `mask_rows` (a grammar's mask). The op's one entry
+point (`cairn.kernels.common.dispatch`); contracts: sample/torch_ops.py; oracle:
+sample/reference.py.
 
 | device | every op |
 |---|---|
