@@ -6,7 +6,9 @@ A hash names a page *and everything before it*, so equal hashes mean equal prefi
 2^-128 collision). Nothing here depends on the process, the machine or Python's `hash()`:
 the ingress, every worker and the index compute identical values.
 
-Partial pages have no hash: a prompt of n tokens has n // page_size page hashes. Requests with
+Partial pages have no chain hash: a prompt of n tokens has n // page_size page hashes. (A
+sequence's last page kept for partial matches gets a key of its own, `partial_page_hash`, which
+no prompt's chain contains.) Requests with
 different `cache_salt` values, or from different tenants, get different roots, so they never
 share a page.
 """
@@ -42,6 +44,13 @@ def root_hash(model_fingerprint: str, page_size: int, cache_salt: str | None = N
 
 def next_page_hash(parent: bytes, page_tokens: Sequence[int]) -> bytes:
     return _digest([parent, list(page_tokens)])
+
+
+def partial_page_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
+    """The key of a partial page: a sequence's last page, kept with K/V for `tokens` (fewer than
+    a page) after the page `parent` (a hash root before page 0). Tagged apart from
+    `next_page_hash`, so it never names a whole page nor the sub-page checkpoint at its end."""
+    return _digest(["cairn-partial", parent, list(tokens)])
 
 
 def branch_root(shared_parent: bytes, root: bytes) -> bytes:

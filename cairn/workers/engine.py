@@ -54,7 +54,7 @@ from cairn.workers.execution.runner import ModelRunner
 from cairn.workers.sampler import Draw, Sampler
 from cairn.workers.sampling_params import SamplingParams
 from cairn.workers.scheduler import Scheduler
-from cairn.workers.sequence import Sequence, Status
+from cairn.workers.sequence import PENDING, Sequence, Status
 from cairn.workers.spec import EngineSpec
 from cairn.workers.speculation import (WAITING_STEPS, DraftRun, Drafter, SpeculationGate, SpeculationTotals,
                                        held_back, kept_tokens)
@@ -62,7 +62,6 @@ from cairn.workers.execution.tp_runner import TensorParallelRunner
 
 log = logging.getLogger(__name__)
 
-PENDING = -1  # a sequence's token while a step that decodes it is planned before it is read (async scheduling)
 
 
 @dataclass

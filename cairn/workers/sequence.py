@@ -25,6 +25,8 @@ from cairn.workers.sequence_cache import SequenceCache
 
 _arrival = itertools.count()
 
+PENDING = -1  # a sequence's token while a step that decodes it is planned before it is read (async scheduling)
+
 
 class Status(enum.Enum):
     WAITING = "waiting"

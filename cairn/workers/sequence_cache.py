@@ -9,6 +9,8 @@ pages (page j covers tokens [j * page_size, (j + 1) * page_size)).
 - `shared_pages`: the first pages came from the cache and are never written again (their K/V
   is already there); `registered_pages` are named in the cache.
 - `resumed_from`: (hash, depth) of the checkpoint it resumed from, until it stores a deeper one.
+- `copied_partial`: (key, page index) of the partial page (a finished sequence's last page) whose
+  head it copied at admission, until it stores a page there of its own (the partial goes cold).
 - `checkpoint_targets`: page boundaries of the prompt to checkpoint, with the kinds asking.
 - `finish_slot` / `finish_page`: the state at the last boundary crossed during decode, stored as
   a finish checkpoint when the sequence ends; `finish_admitted`: the policy's verdict, asked once.
@@ -31,6 +33,7 @@ class SequenceCache:
     registered_pages: int = 0
     register_stopped: bool = False
     resumed_from: tuple[bytes, int] | None = None
+    copied_partial: tuple[bytes, int] | None = None
     checkpoint_targets: dict[int, set[str]] = field(default_factory=dict)
     finish_slot: Slot | None = None
     finish_page: int | None = None

@@ -61,6 +61,7 @@ class Harness:
         self.refused = 0
         self.copied = 0  # admissions that resumed past the page floor by copying a cached page's head
         self.sub_page = 0  # of those (recurrent), resumed from a sub-page checkpoint
+        self.partial_kept = 0  # finished sequences whose last page, ended inside, was kept
 
     # ---- the fake device -------------------------------------------------------------------------
     def slot_blocks(self, slot: int) -> range:
@@ -112,7 +113,7 @@ class Harness:
         """(the token prefixes of the pages resident on either tier, of the states checkpointed
         on either tier), read from the fake device and host."""
         cache = self.cache
-        pages = {self.device[cache.pages.page_of(h)][1] for h, _ in cache.pages.registered()} | \
+        pages = {self.device[cache.pages.page_of(h)][1] for h, _ in cache.pages.registered() + cache.pages.partial_pages()} | \
             {self.host[page.block][1] for page in cache.host.pages.values()}
         states = {self.device[next(iter(self.slot_blocks(cache.checkpoints.get(h).slot)))][1]
                   for h in cache.checkpoints.hashes()} | \
@@ -132,9 +133,9 @@ class Harness:
         within that K/V (recurrent), or the K/V alone."""
         n, h = len(tokens), self.run_of(tokens, pages)
         kv = h * PS
-        if h * PS < n:  # a page after page h - 1 (h = 0: a first page) shares the head of this prompt's page h
-            kv += max((shared(p[h * PS:], tokens[h * PS:]) for p in pages
-                       if len(p) == (h + 1) * PS and p[:h * PS] == tuple(tokens[:h * PS])), default=0)
+        if h * PS < n:  # a page after page h - 1 (h = 0: a first page), whole or a sequence's last page
+            kv += max((shared(p[h * PS:], tokens[h * PS:]) for p in pages  # kept partial, shares its head
+                       if h * PS < len(p) <= (h + 1) * PS and p[:h * PS] == tuple(tokens[:h * PS])), default=0)
         if self.cache.recurrent:
             return max((L for L in range(1, min(kv, n - 1) + 1) if tuple(tokens[:L]) in states), default=0)
         return min(kv, n - 1) if kv > h * PS else min(h * PS, n - 1)
@@ -245,7 +246,13 @@ class Harness:
         for j, p in enumerate(seq.cache.page_ids):  # nothing it held was touched
             assert self.device[p] == ("page", tuple(seq.token_ids[:(j + 1) * PS]))
         assert self.holds_state(seq.cache.state_slot, tuple(seq.token_ids))
+        kept = self.cache.stats.partial_pages_kept
         self.cache.release(seq)
+        self.partial_kept += self.cache.stats.partial_pages_kept - kept
+        tokens, n = seq.token_ids, seq.num_tokens
+        if n % PS and (not self.cache.recurrent or  # its last page, ended inside: kept under a state there
+                       any(tuple(tokens[:L]) in self.stored_ckpts for L in range(n // PS * PS + 1, n + 1))):
+            self.stored_pages.add(tuple(tokens))
 
     def finish_everything_and_clear(self) -> None:
         while self.computing:

@@ -5,7 +5,8 @@ An item is listed while it is evictable: a page nobody holds, a checkpoint no ad
 pinned; both are named by their chain hash (a page keeps its name when the cache moves it to
 another block). Both kinds share one clock, so "least recently used" compares a page with a checkpoint;
 they are kept as two queues (each in clock order) so either kind's coldest is found at once.
-A demoted checkpoint (its conversation moved on: rule 7) goes colder than anything used.
+A demoted checkpoint (its conversation moved on: rule 7) goes colder than anything used, and so
+does a demoted page (a partial page a deeper one superseded).
 
 Units: an evicted page frees one arena block, a checkpoint `slot_blocks`; `evictable_blocks`
 counts what evicting everything listed would free, `evictable_bytes` the same in bytes. Plain
@@ -39,6 +40,7 @@ class CacheBudget:
         self._page_order: deque[tuple[int, bytes]] = deque()  # (tick, page hash) as listed; stale ones skipped
         self._ckpts: OrderedDict[bytes, int] = OrderedDict()  # checkpoint hash -> tick of last use
         self._tick = 0
+        self._cold = -1  # demoted pages' ticks count down from here: colder than anything listed
 
     # ---- counts ------------------------------------------------------------------------------
     @property
@@ -98,6 +100,13 @@ class CacheBudget:
         """A listed checkpoint goes colder than anything used (its conversation moved on)."""
         self._ckpts[page_hash] = -1
         self._ckpts.move_to_end(page_hash, last=False)
+
+    def demote_page(self, page_hash: bytes) -> None:
+        """A listed page goes colder than anything used (a partial page a deeper one superseded)."""
+        if page_hash in self._pages:
+            self._cold -= 1
+            self._pages[page_hash] = self._cold
+            self._page_order.appendleft((self._cold, page_hash))
 
     # ---- order -----------------------------------------------------------------------------------
     def _first_page(self) -> tuple[int, bytes] | None:

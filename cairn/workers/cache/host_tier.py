@@ -44,6 +44,7 @@ class HostPage:
     parent: bytes | None
     tokens: tuple[int, ...] | None = None  # what its K/V was computed over (None: unknown)
     root: bytes = b""  # the hash root it was computed under (`PagePool.partial_match`)
+    partial: bool = False  # a sequence's last page, kept for partial matches (the index never hears of it)
 
 
 class HostTier:
@@ -138,8 +139,8 @@ class HostTier:
 
     # ---- adding ------------------------------------------------------------------------------
     def add_page(self, page_hash: bytes, parent: bytes | None, block: int,
-                 tokens: tuple[int, ...] | None = None, root: bytes = b"") -> None:
-        self.pages[page_hash] = HostPage(block, parent, tokens, root)
+                 tokens: tuple[int, ...] | None = None, root: bytes = b"", partial: bool = False) -> None:
+        self.pages[page_hash] = HostPage(block, parent, tokens, root, partial)
         if parent is not None:
             self._children.setdefault(parent, set()).add(page_hash)
         elif tokens is not None:
@@ -156,6 +157,11 @@ class HostTier:
     def touch(self, kind: str, page_hash: bytes) -> None:
         """Used again: to the hot end."""
         self._lru.move_to_end((kind, page_hash))
+
+    def demote(self, kind: str, page_hash: bytes) -> None:
+        """Superseded: to the cold end."""
+        if (kind, page_hash) in self._lru:
+            self._lru.move_to_end((kind, page_hash), last=False)
 
     def pin(self, page_hash: bytes) -> None:
         """The checkpoint is being restored in this scheduling pass: not evictable until its end."""
@@ -238,10 +244,11 @@ class HostTier:
         states = [h for h in pages if h in self.checkpoints] + \
             [k for h in pages for k in self._floors.get(h, ())]
         state_pages = self._forget_checkpoints(states)
+        told = [h for h in pages if not self.pages[h].partial]  # the index never heard of a partial page
         for h in reversed(pages):  # deepest first
             self._free.append(self.pop_page(h))
             self._children.pop(h, None)
-        self._on_removed(pages, state_pages)
+        self._on_removed(told, state_pages)
 
     def _drop_checkpoints(self, hashes: list[bytes]) -> None:
         self._on_removed([], self._forget_checkpoints(hashes))
@@ -275,13 +282,15 @@ class HostTier:
 
     # ---- reporting -------------------------------------------------------------------------------
     def registered(self) -> list[tuple[bytes, bytes | None]]:
-        """Every (hash, parent) here, parents before children (for snapshots)."""
+        """Every (hash, parent) here, parents before children (for snapshots): whole pages only,
+        as on the device (`PagePool.registered`)."""
         out: list[tuple[bytes, bytes | None]] = []
-        stack = sorted((h for h, p in self.pages.items() if p.parent not in self.pages), reverse=True)
+        pages = self.pages
+        stack = sorted((h for h, p in pages.items() if p.parent not in pages and not p.partial), reverse=True)
         while stack:
             h = stack.pop()
-            out.append((h, self.pages[h].parent))
-            stack.extend(sorted(self._children.get(h, ()), reverse=True))
+            out.append((h, pages[h].parent))
+            stack.extend(sorted((c for c in self._children.get(h, ()) if not pages[c].partial), reverse=True))
         return out
 
     def check(self, device_has: Callable[[bytes], bool]) -> None:

@@ -8,7 +8,11 @@ unregistered one is free again (its block goes back to the arena). A page regist
 tokens can also serve part of itself: `partial_match` finds, among a page's registered children
 (or a hash root's first pages) computed under the same hash root (a tenant's, a salt's: never
 another's), the one sharing the most leading tokens with a prompt's next page (copy-on-write
-reuse). The prefix cache decides
+reuse). A partial page (`register(..., partial=True)`) is a sequence's last page kept when it
+ended inside it (`PrefixCache.release`): it holds K/V for its tokens only, under a key of its own
+(`cairn.cache_service.hashing.partial_page_hash`) that no whole page's hash equals, and it serves
+only partial matches; the index never hears of it (`registered` leaves it out), as of a page
+nobody can name by a prompt's chain. The prefix cache decides
 eviction order; `evict` unregisters a cached page and, with it, every cached descendant on its
 chain (they are unreachable from the root without it).
 
@@ -27,6 +31,7 @@ class EvictedPage(NamedTuple):
     parent: bytes | None
     tokens: tuple[int, ...] | None  # what it was computed over, when known
     root: bytes  # the hash root it was computed under
+    partial: bool = False  # a sequence's last page, kept for partial matches (its tokens: its length)
 
 
 class PagePool:
@@ -38,6 +43,7 @@ class PagePool:
         self._children: dict[bytes, set[bytes]] = {}
         self._tokens: dict[bytes, tuple[bytes, tuple[int, ...]]] = {}  # (hash root, tokens): partial matches
         self._firsts: dict[bytes, set[bytes]] = {}  # hash root -> its first pages with tokens (no parent)
+        self._partial: set[bytes] = set()  # the partial pages' keys
         self._num_cached = 0
 
     # ---- counts ----------------------------------------------------------------------------
@@ -126,12 +132,16 @@ class PagePool:
         return self._hash_of.get(page)
 
     def register(self, page: int, page_hash: bytes, parent: bytes | None,
-                 tokens: tuple[int, ...] | None = None, root: bytes = b"") -> bool:
+                 tokens: tuple[int, ...] | None = None, root: bytes = b"", partial: bool = False) -> bool:
         """Names a held, full page by its chain hash (with its `tokens` and the hash `root` of
-        the sequence that computed it, when known, for `partial_match`). False if that hash
-        already names another page (a duplicate computed concurrently): this page stays private."""
-        if page_hash in self._page_of or page in self._hash_of:
+        the sequence that computed it, when known, for `partial_match`); with `partial`, a page
+        holding K/V for its `tokens` alone, fewer than a page, named by its partial key. False if
+        that hash already names another page (a duplicate computed concurrently): this page
+        stays private."""
+        if page_hash in self._page_of or page in self._hash_of or (partial and tokens is None):
             return False
+        if partial:
+            self._partial.add(page_hash)
         self._page_of[page_hash] = page
         self._hash_of[page] = page_hash
         self._parent[page_hash] = parent
@@ -162,6 +172,20 @@ class PagePool:
             if m > best_m:
                 best, best_m = self._page_of[child], m
         return best, best_m
+
+    def is_partial(self, page_hash: bytes) -> bool:
+        """Whether `page_hash` names a partial page (a sequence's last page, kept)."""
+        return page_hash in self._partial
+
+    def partial_children(self, parent: bytes | None, root: bytes) -> list[bytes]:
+        """The partial pages after `parent` (None: `root`'s first pages)."""
+        under = self._children.get(parent, ()) if parent is not None else self._firsts.get(root, ())
+        return [h for h in under if h in self._partial]
+
+    def tokens_of(self, page_hash: bytes) -> tuple[int, ...] | None:
+        """What the page was computed over, when known."""
+        entry = self._tokens.get(page_hash)
+        return entry[1] if entry is not None else None
 
     def move(self, src: int, dst: int) -> None:
         """A cached page now lives on block `dst` (its K/V copied there): same hash, new id."""
@@ -201,18 +225,25 @@ class PagePool:
                 del self._children[parent]
         self._children.pop(page_hash, None)
         self._num_cached -= 1
-        freed.append(EvictedPage(page, page_hash, parent, tokens, root))
+        partial = page_hash in self._partial
+        self._partial.discard(page_hash)
+        freed.append(EvictedPage(page, page_hash, parent, tokens, root, partial))
 
     def registered(self) -> list[tuple[bytes, bytes | None]]:
-        """Every (hash, parent) registered, parents before children (for snapshots)."""
+        """Every (hash, parent) registered, parents before children (for snapshots): whole pages
+        only (the index never hears of a partial page)."""
         out: list[tuple[bytes, bytes | None]] = []
-        roots = [h for h, p in self._parent.items() if p is None or p not in self._page_of]
+        roots = [h for h, p in self._parent.items() if (p is None or p not in self._page_of) and h not in self._partial]
         stack = list(reversed(roots))
         while stack:
             h = stack.pop()
             out.append((h, self._parent[h]))
-            stack.extend(sorted(self._children.get(h, ())))
+            stack.extend(sorted(c for c in self._children.get(h, ()) if c not in self._partial))
         return out
+
+    def partial_pages(self) -> list[tuple[bytes, bytes | None]]:
+        """Every partial page's (key, parent)."""
+        return [(h, self._parent[h]) for h in self._partial]
 
     def check(self) -> None:
         cached = set(self._hash_of) - set(self._refs)

@@ -276,10 +276,12 @@ class Placement:
             if self.checkpoints.get(e.page_hash) is not None:  # a pinned one goes all the same
                 states.append((e.page_hash, self.budget.unlist_checkpoint(e.page_hash)))
         blocks = self.host_blocks(len(evicted) + len(states) * self.slot_blocks)
+        told = [e for e in evicted if not e.partial]  # the index never hears of a partial page
         if blocks is None:
             for key, listed in states:
                 self.remove_checkpoint(key, listed)
-            self.events.put(PagesRemoved(tuple(e.page_hash for e in evicted)))
+            if told:
+                self.events.put(PagesRemoved(tuple(e.page_hash for e in told)))
             if self.host:
                 for e in evicted:
                     self.host.drop_below(e.page_hash)
@@ -287,7 +289,7 @@ class Placement:
         for e in evicted:
             block = blocks.pop()
             self.copies.append(BlockCopy(DEMOTE, e.page, block))
-            self.host.add_page(e.page_hash, e.parent, block, e.tokens, e.root)
+            self.host.add_page(e.page_hash, e.parent, block, e.tokens, e.root, e.partial)
         self.stats.pages_demoted += len(evicted)
         self.stats.bytes_to_host += len(evicted) * self.layout.block_bytes
         state_pages = []
@@ -295,12 +297,13 @@ class Placement:
             state_pages.append(self.checkpoints.get(key).state_page)  # on an evicted page: never None
             self.demote_checkpoint(key, [blocks.pop() for _ in range(self.slot_blocks)], listed)
         run: list[bytes] = []  # parents first, one PagesStored per run of a chain
-        for e in reversed(evicted):
+        for e in reversed(told):
             if run and e.parent != run[-1]:
                 self.events.put(PagesStored(tuple(run), self.host.pages[run[0]].parent, HOST))
                 run = []
             run.append(e.page_hash)
-        self.events.put(PagesStored(tuple(run), self.host.pages[run[0]].parent, HOST))
+        if run:
+            self.events.put(PagesStored(tuple(run), self.host.pages[run[0]].parent, HOST))
         for page_hash in dict.fromkeys(state_pages):
             self.events.put(StateStored(page_hash, HOST))
 

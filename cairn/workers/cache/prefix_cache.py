@@ -21,7 +21,8 @@ protocol, per sequence:
   next plan (`take_page_table_writes`), so the runner keeps its table without rebuilding it.
 - `take_checkpoint_slot`, `finish_capture`, `commit_checkpoint`, `register_pages` during steps.
 - `finish` (stores the finish capture) or `release` (abort, preemption): give everything back,
-  pages tail first, so chains are evicted tail first.
+  pages tail first, so chains are evicted tail first; a last page the sequence ended inside
+  stays cached as a partial page (`cairn.workers.cache.partial_pages`).
 
 Eviction (rule 7, `cairn.workers.cache.placement`): the least recently used evictable item
 (`cairn.workers.cache.cache_budget`) goes first; a page goes with its cached descendants and every
@@ -49,6 +50,7 @@ from cairn.workers.cache.event_queue import EventQueue
 from cairn.workers.cache.host_tier import HostTier
 from cairn.workers.cache.lookup import Lookup, Match, extend_hashes
 from cairn.workers.cache.page_pool import PagePool
+from cairn.workers.cache.partial_pages import PartialPages
 from cairn.workers.cache.placement import Placement
 from cairn.workers.cache.stats import CacheStats
 from cairn.workers.cache.tier_cost import TierCost
@@ -83,6 +85,7 @@ class PrefixCache:
         self.lookup = Lookup(layout, page_size, recurrent, self.pages, self.checkpoints, self.host, TierCost())
         self.placement = Placement(layout, page_size, self.pages, self.arena, self.budget, self.checkpoints,
                                    self.host, self.events, self.stats)
+        self.partial = PartialPages(page_size, recurrent, self.pages, self.budget, self.host, self.lookup, self.stats)
         self.slots = CheckpointSlots(layout, page_size, policy, self.pages, self.arena, self.budget,
                                      self.checkpoints, self.host, self.placement, self.stats)
 
@@ -194,6 +197,7 @@ class PrefixCache:
             self.stats.checkpoints_from_host += 1
             self.stats.bytes_to_device += self.slot_blocks * self.layout.block_bytes
         c.page_ids += self.placement.take_pages(self._new_pages(m, num_tokens) - len(m.promote))
+        self.partial.copied(seq, m)
         if m.copy_from is not None:  # copy-on-write: the cached page's head becomes this one's
             self.placement.copies.append(BlockCopy(COPY, m.copy_from, c.page_ids[m.hit_pages]))
             self.placement.unhold(m.copy_from)
@@ -316,6 +320,7 @@ class PrefixCache:
                 run.append(page_hash)
                 if page_hash in self.host.pages:  # computed again: the device copy supersedes it
                     self.host.free_blocks([self.host.pop_page(page_hash)])
+                self.partial.stored(seq, j)
             else:
                 c.register_stopped = True  # cannot happen while every chain is held whole
                 break
@@ -338,8 +343,11 @@ class PrefixCache:
         self.release(seq)
 
     def release(self, seq: Sequence) -> None:
-        """Returns everything `seq` holds: pages tail first, its state slot, its finish capture."""
+        """Returns everything `seq` holds: pages tail first (its last page kept as a partial
+        page when it ended inside it: `PartialPages.keep`), its state slot, its finish capture."""
         c = seq.cache
+        if c.page_ids:
+            self.partial.keep(seq)
         for page in reversed(c.page_ids):
             self.placement.unhold(page)
         c.page_ids = []

@@ -20,6 +20,8 @@ class CacheStats:
     checkpoints_from_host: int = 0  # resumes that copied their checkpoint from the host
     bytes_to_host: int = 0
     bytes_to_device: int = 0
+    partial_pages_kept: int = 0  # sequences' last pages kept for partial matches (`partial_pages`)
+    partial_pages_superseded: int = 0  # of those, sent to the cold end by a page stored after them
     state_bytes_peak: int = 0  # the most arena bytes checkpoints (pending and stored) held at once
     by_kind: dict[str, dict[str, int]] = field(default_factory=dict)  # kind -> {"stored": n, "used": n}
 

@@ -79,7 +79,8 @@ def test_eviction_follows_an_lru_model_of_what_sequences_released(seed):
     """Random prompts, many sharing prefixes, one at a time through an attention-only cache capped
     at 12 pages. The model: a page becomes evictable when the sequence holding it ends (a chain is
     released tail first, so its head is the newest), stops being so when a prompt hits it, and is
-    just used when a prompt copies the head of it (a partly shared page).
+    just used when a prompt copies the head of it (a partly shared page). A sequence's last page,
+    when it ended inside it, is kept too (a partial page), released first.
     Every eviction takes the model's least recently released page, with every cached page under
     it, and nothing else."""
     rng = random.Random(seed)
@@ -88,6 +89,7 @@ def test_eviction_follows_an_lru_model_of_what_sequences_released(seed):
     root = root_hash("model", PS, None)
     lru: OrderedDict[bytes, None] = OrderedDict()  # evictable pages, least recently released first
     parent: dict[bytes, bytes | None] = {}
+    whole: set[bytes] = set()  # whole pages ever registered (a partial page is never announced)
     history: list[list[int]] = []
     evictions = 0
     for i in range(400):
@@ -105,32 +107,49 @@ def test_eviction_follows_an_lru_model_of_what_sequences_released(seed):
         copied = cache.pages.hash_of(m.copy_from) if m.copy_from is not None else None  # a partly shared page
         for h in hits + [copied] * (copied is not None):  # held again (the copied one while it is read)
             lru.pop(h, None)
+        before = resident(cache)
         cache.admit(seq, m, len(tokens) - m.resume_token)
-        for event in cache.drain_events():
-            if isinstance(event, PagesRemoved):
-                gone = set(event.hashes)
-                top = [h for h in gone if parent[h] not in gone]
-                assert top == [next(iter(lru))], "the least recently released page goes first"
-                under = {h for h in lru if any(a == top[0] for a in ancestors(h, parent))}
-                assert gone == {top[0]} | under, "with every cached page under it, and nothing else"
-                for h in gone:
-                    del lru[h]
-                evictions += 1
+        gone = before - resident(cache)  # partial pages too: the events never name them
+        announced = {h for e in cache.drain_events() if isinstance(e, PagesRemoved) for h in e.hashes}
+        assert announced == gone & whole, "every whole page evicted is announced, no partial page"
+        while gone:  # one eviction at a time, in LRU order
+            top = next(iter(lru))
+            assert top in gone, "the least recently released page goes first"
+            under = {h for h in lru if any(a == top for a in ancestors(h, parent))}
+            assert under <= gone, "with every cached page under it"
+            for h in {top} | under:
+                del lru[h]
+            gone -= {top} | under
+            evictions += 1
         if copied is not None:  # read for its head, then released: just used
             lru[copied] = None
         seq.num_computed = len(tokens)
+        superseded = cache.stats.partial_pages_superseded
         cache.register_pages(seq)
         chain = seq.cache.page_hashes[:len(tokens) // PS]
         for j, h in enumerate(chain):
             parent[h] = chain[j - 1] if j else None
+        whole.update(chain)
         cache.end_pass()
+        partials = set(cache.pages.partial_pages())
         cache.release(seq)  # tail first: the chain's head is the most recently released
+        for key, floor in set(cache.pages.partial_pages()) - partials:  # its last page, ended inside
+            assert len(tokens) % PS and floor == (chain[-1] if chain else None)
+            parent[key] = floor
+            lru[key] = None
         for h in reversed(chain):
             lru[h] = None
             lru.move_to_end(h)
+        if cache.stats.partial_pages_superseded > superseded:  # it stored a page where it copied a
+            assert copied is not None and cache.pages.is_partial(copied)  # partial one's head: that one
+            lru.move_to_end(copied, last=False)  # goes to the cold end
         cache.drain_events()
         cache.check()
     assert evictions > 20
+
+
+def resident(cache: PrefixCache) -> set[bytes]:
+    return {h for h, _ in cache.pages.registered() + cache.pages.partial_pages()}
 
 
 def ancestors(page_hash: bytes, parent: dict[bytes, bytes | None]):

@@ -93,7 +93,8 @@ def test_divergence_inside_page_k_resumes_at_the_divergence_attention_only(hf_ch
     assert warm.token_ids == cold.token_ids
     torch.testing.assert_close(torch.tensor([lp.logprob for lp in warm.logprobs]),
                                torch.tensor([lp.logprob for lp in cold.logprobs]), atol=1e-4, rtol=0)
-    assert engine.generate([a], GREEDY)[0].cached_tokens == 6 * PS  # a's last page never filled: nothing to copy
+    # a's last page never filled; kept as a partial page when a ended, its head is copied back
+    assert engine.generate([a], GREEDY)[0].cached_tokens == len(a) - 1
     engine.check()
 
 
@@ -139,13 +140,12 @@ def cairn_resume(base_len: int, limit: int) -> int:
     """Where the `cairn` policy resumes a prompt that shares `limit` tokens (capped at n - 1) with
     an unhinted earlier prompt of `base_len` tokens run alone with GREEDY: the deepest of that
     prompt's checkpoints at or under `limit` (design rule 6: `tail` n - 4, `prompt_end` n, the
-    finish capture at the last page boundary it computed), a position inside a page usable only
-    when that page of the earlier prompt was computed whole (its K/V is the head copied), and
-    nothing inside the first page."""
+    finish capture at the last page boundary it computed), a position inside a page usable when
+    the earlier sequence computed K/V up to it (a whole page, or its last page, kept partial when
+    it ended inside it: the head copied), and nothing inside the first page."""
     computed = base_len + GREEDY.max_tokens - 1
     finish = computed // PS * PS
-    usable = [p for p in (base_len - 4, base_len, finish)
-              if PS <= p <= limit and (p % PS == 0 or (p // PS + 1) * PS <= computed)]
+    usable = [p for p in (base_len - 4, base_len, finish) if PS <= p <= limit and p <= computed]
     return max(usable, default=0)
 
 

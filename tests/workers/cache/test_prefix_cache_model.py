@@ -1,5 +1,6 @@
 """The prefix cache against a brute-force model of what must hit, over thousands of random
-operations (admit, compute, checkpoint, hold, finish, evict under tiny arenas).
+operations (admit, compute, checkpoint, hold, finish, evict under tiny arenas). A sequence that
+ends inside its last page leaves that page, partial, under a state checkpoint inside it.
 
 No model runs (`tests.support.cache_harness`): a fake device records, for each arena block, what it holds: a page (the token
 prefix its K/V belongs to) or a part of a state slot (the prefix the state was computed over),
@@ -29,6 +30,7 @@ def test_with_memory_to_spare_hits_are_exactly_the_brute_force_ones(seed):
         harness.check()
     assert harness.hits > 0 and harness.refused == 0
     assert harness.copied > 20 and harness.sub_page > 50, (harness.copied, harness.sub_page)
+    assert harness.partial_kept > 20, harness.partial_kept  # finished inside their last page
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -39,7 +41,8 @@ def test_attention_only_with_memory_to_spare_resumes_exactly_at_the_divergence(s
     for _ in range(1500):
         harness.step(unlimited=True)
         harness.check()
-    assert harness.refused == 0 and harness.copied > 100, harness.copied
+    assert harness.refused == 0 and harness.copied > 100 and harness.partial_kept > 50, \
+        (harness.copied, harness.partial_kept)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
@@ -50,7 +53,7 @@ def test_under_tiny_arenas_every_hit_is_sound_and_nothing_held_is_touched(seed, 
     for _ in range(2000):
         harness.step(unlimited=False)
         harness.check()
-    assert harness.cache.stats.pages_evicted > 0
+    assert harness.cache.stats.pages_evicted > 0 and harness.partial_kept > 10
     harness.finish_everything_and_clear()
     assert harness.cache.pages.num_held == 0 and harness.cache.used_bytes == 0
 
@@ -66,6 +69,7 @@ def test_with_a_host_tier_to_spare_tiny_arenas_lose_nothing_and_every_hit_is_sou
     stats = harness.cache.stats
     assert stats.pages_demoted > 0 and stats.pages_promoted > 0 and stats.checkpoints_demoted > 0
     assert stats.checkpoints_from_host > 0 and stats.pages_demoted == stats.pages_evicted
+    assert harness.partial_kept > 10, harness.partial_kept
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -75,7 +79,7 @@ def test_under_tiny_arenas_and_a_tiny_host_tier_every_hit_is_sound(seed, pages, 
     for _ in range(1200):
         harness.step(unlimited=False)
         harness.check()
-    assert harness.cache.host.pages_evicted > 0
+    assert harness.cache.host.pages_evicted > 0 and harness.partial_kept > 10
     harness.finish_everything_and_clear()
     assert harness.cache.used_bytes == 0 and harness.cache.host.used_blocks == 0
 
