@@ -128,6 +128,11 @@ class CacheIndexActor:
         return {w: (s.hit_pages, s.state_pages, s.device_pages, s.state_on_host)
                 for w, s in self._index.score(page_hashes).items() if s.hit_pages}
 
+    async def states_at(self, keys: list[bytes]) -> dict[str, list[tuple[int, bool]]]:
+        """`CacheIndex.states_at`: worker -> [(i, on host)] for the sub-page states at `keys[i]`."""
+        self._watch()
+        return self._index.states_at(keys)
+
     async def drop_worker(self, worker_id: str) -> None:
         self._drop(worker_id)
 

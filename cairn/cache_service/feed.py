@@ -202,6 +202,9 @@ class IndexMirror:
     def score(self, page_hashes: Sequence[bytes]) -> dict[str, WorkerScore]:
         return self.index.score(page_hashes)
 
+    def states_at(self, keys: Sequence[bytes]) -> dict[str, list[tuple[int, bool]]]:
+        return self.index.states_at(keys)
+
     def known_workers(self) -> int:
         """Workers the mirror knows, as of its last chunk (counted there, off the request path)."""
         return int(self._gauges.get("index_mirror_workers", 0))

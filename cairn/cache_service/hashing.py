@@ -53,6 +53,21 @@ def partial_page_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
     return _digest(["cairn-partial", parent, list(tokens)])
 
 
+def sub_state_keys(base: bytes, tokens: Sequence[int]) -> list[bytes]:
+    """The index's names of the sub-page states after each of `tokens` inside a page: key t - 1
+    names the state t tokens into the page whose chain continues from `base`
+    (`branch_root(floor, root)`: the request's own root, as a sub-page checkpoint is keyed). A
+    rolling hash, one short digest a token, so a router names every position of a page in one
+    pass: k_0 = H(["cairn-sub", base]), k_t = blake2b(k_{t-1} + token as 4 little-endian bytes).
+    The checkpoint store keys a sub-page checkpoint otherwise (`next_page_hash` of its tail)."""
+    key = _digest(["cairn-sub", base])
+    out = []
+    for token in tokens:
+        key = hashlib.blake2b(key + int(token).to_bytes(4, "little", signed=True), digest_size=DIGEST_BYTES).digest()
+        out.append(key)
+    return out
+
+
 def branch_root(shared_parent: bytes, root: bytes) -> bytes:
     """Where a chain leaves a prefix shared across roots: the parent of the first page after a
     public prefix (hashed under the shared root) is this, so every page after it is again the

@@ -49,7 +49,7 @@ import msgpack
 
 from cairn.cache_service.events import (HOST, AllCleared, Event, EventBatch, PagesRemoved, PagesStored,
                                   StateRemoved, StateStored)
-from cairn.cache_service.scoring import WorkerScore, walk_scores
+from cairn.cache_service.scoring import WorkerScore, held_states, walk_scores
 
 COUNTERS = ("batches_applied", "batches_ignored", "batches_refused", "gaps_detected", "pages_dropped")
 
@@ -71,6 +71,7 @@ class IndexStore(Protocol):
     def commit(self, worker: str, seq: int, events: Sequence[Event]) -> None: ...
     def forget(self, worker: str) -> None: ...
     def score(self, page_hashes: Sequence[bytes]) -> dict[str, WorkerScore]: ...
+    def states_at(self, keys: Sequence[bytes]) -> dict[str, list[tuple[int, bool]]]: ...
     def workers(self) -> set[str]: ...
     def needing_resync(self) -> set[str]: ...
     def contents(self, worker: str) -> tuple[frozenset[bytes], frozenset[bytes]]: ...
@@ -237,6 +238,13 @@ class MemoryStore:
             masks = zip(column(self.pages), column(self.states), column(self.host_pages), column(self.host_states))
         return walk_scores(masks, trusted, self.bits)
 
+    def _trusted(self) -> int:
+        return sum(1 << bit for w, bit in self.bits.items() if w not in self.resync)
+
+    def states_at(self, keys: Sequence[bytes]) -> dict[str, list[tuple[int, bool]]]:
+        g = (self.pages.get, self.states.get, self.host_pages.get, self.host_states.get)
+        return held_states(([get(k, 0) for get in g] for k in keys), self._trusted(), self.bits)
+
     def workers(self) -> set[str]:
         return set(self.last_seq)
 
@@ -324,6 +332,11 @@ class CacheIndex:
     def score(self, page_hashes: Sequence[bytes]) -> dict[str, WorkerScore]:
         """Every known worker's hit for this prompt (units: pages); 0/0 for untrusted ones."""
         return self._store.score(page_hashes)
+
+    def states_at(self, keys: Sequence[bytes]) -> dict[str, list[tuple[int, bool]]]:
+        """worker -> [(i, on host)]: the trusted workers holding a state at `keys[i]` named as a
+        page of its own (a sub-page state: `cairn.cache_service.scoring.held_states`)."""
+        return self._store.states_at(keys) if keys else {}
 
     def drop_worker(self, worker_id: str) -> None:
         self._store.forget(worker_id)

@@ -40,7 +40,7 @@ import redis
 
 from cairn.cache_service.events import AllCleared, Event, PagesRemoved, PagesStored, StateRemoved, StateStored
 from cairn.cache_service.index import COUNTERS, MemoryStore, WorkerStatus
-from cairn.cache_service.scoring import WorkerScore, walk_scores
+from cairn.cache_service.scoring import WorkerScore, held_states, walk_scores
 
 
 class StoreSuperseded(RuntimeError):
@@ -243,13 +243,27 @@ class RedisStore:
             if first:
                 reads.hmget(self._k_pages, first)
             workers, *masks = reads.execute()
+        bits, trusted = self._bits(workers)
+        return walk_scores(self._masks(page_hashes, masks[0] if masks else []), trusted, bits)
+
+    def states_at(self, keys: Sequence[bytes]) -> dict[str, list[tuple[int, bool]]]:
+        with self._r.pipeline(transaction=True) as reads:
+            reads.hgetall(self._k_workers)
+            reads.hmget(self._k_pages, list(keys))
+            workers, raw = reads.execute()
+        bits, trusted = self._bits(workers)
+        return held_states(map(_unpack_masks, raw), trusted, bits)
+
+    @staticmethod
+    def _bits(workers: dict) -> tuple[dict[str, int], int]:
+        """(worker -> bit, the mask of trusted workers) from the `workers` hash."""
         bits, trusted = {}, 0
         for w, raw in workers.items():
             bit, _, resync = msgpack.unpackb(raw)
             bits[w.decode()] = bit
             if not resync:
                 trusted |= 1 << bit
-        return walk_scores(self._masks(page_hashes, masks[0] if masks else []), trusted, bits)
+        return bits, trusted
 
     def _masks(self, page_hashes: Sequence[bytes], first: list) -> Iterator[Masks]:
         chunk = first

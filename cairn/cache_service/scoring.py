@@ -32,11 +32,15 @@ class WorkerScore:
     state_pages: deepest j in 1..hit_pages with a state at page_hashes[j-1] there, 0 if none.
     device_pages: longest k with page_hashes[0:k] all on the worker's device (<= hit_pages);
     None, the default, means hit_pages: a score built from two numbers is all on the device.
-    state_on_host: the state at state_pages is in the worker's host memory."""
+    state_on_host: the state at state_pages is in the worker's host memory.
+    sub_tokens: a sub-page state the router found there (`held_states`), in tokens: the prompt's
+    tokens before it, past state_pages' (0: none); sub_on_host: that state is in host memory."""
     hit_pages: int
     state_pages: int
     device_pages: int | None = None  # an int once made: None becomes hit_pages
     state_on_host: bool = False
+    sub_tokens: int = 0
+    sub_on_host: bool = False
 
     def __post_init__(self) -> None:
         if self.device_pages is None:
@@ -67,6 +71,15 @@ def resume_at_token(hit_pages: int, state_pages: int, num_prompt_tokens: int, pa
     """Tokens a worker holding (hit_pages, state_pages) of a prompt skips: the resume point."""
     pages = resume_pages(hit_pages, state_pages, recurrent)
     return max(0, min(pages * page_size, last_resumable_token(num_prompt_tokens)))
+
+
+def score_resume_token(score: WorkerScore, num_prompt_tokens: int, page_size: int, recurrent: bool) -> int:
+    """Where a worker scoring `score` resumes the prompt: `resume_at_token` of its pages, or a
+    sub-page state deeper than that (a recurrent model), capped as every resume point is."""
+    base = resume_at_token(score.hit_pages, score.state_pages, num_prompt_tokens, page_size, recurrent)
+    if recurrent and score.sub_tokens > base:
+        return min(score.sub_tokens, last_resumable_token(num_prompt_tokens))
+    return base
 
 
 def walk_scores(masks: Iterable[tuple[int, int, int, int]], trusted: int, bits: dict[str, int]
@@ -112,4 +125,20 @@ def walk_scores(masks: Iterable[tuple[int, int, int, int]], trusted: int, bits: 
         device = next(d for d, ended in device_ends if ended & m)
         state, on_host = next(((j, bool(h & m)) for j, s, h in reversed(marks) if s & m), (0, False))
         out[worker] = WorkerScore(hit, state, device, on_host)
+    return out
+
+
+def held_states(masks: Iterable[tuple[int, int, int, int]], trusted: int, bits: dict[str, int]
+                ) -> dict[str, list[tuple[int, bool]]]:
+    """worker -> [(i, on host)] for each key i whose (page mask, state mask, host page mask, host
+    state mask) says a trusted worker holds both a page and a state there: a sub-page state, which
+    a worker announces as a page of its own after its floor with a state
+    (`cairn.workers.cache.checkpoint_store.Checkpoint.index_key`)."""
+    out: dict[str, list[tuple[int, bool]]] = {}
+    for i, (page_mask, state_mask, _, host_state_mask) in enumerate(masks):
+        held = page_mask & state_mask & trusted
+        if held:
+            for worker, bit in bits.items():
+                if held >> bit & 1:
+                    out.setdefault(worker, []).append((i, bool(host_state_mask >> bit & 1)))
     return out

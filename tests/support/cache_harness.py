@@ -273,7 +273,7 @@ class Harness:
         host_pages, host_states = cache.host_snapshot()
         assert self.index.contents("w") == (frozenset(h for h, _ in pages + host_pages),
                                             frozenset(states + host_states))
-        for page_hash, _ in host_pages:  # what the host holds is what was demoted
+        for page_hash, _ in cache.host.registered():  # what the host holds is what was demoted
             assert self.page_content(page_hash)[0] == "page"
 
 

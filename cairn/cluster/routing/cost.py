@@ -2,10 +2,11 @@
 
     cost = prefill tokens left after the resume point + host copy tokens + load_weight * load tokens
 
-- resume point: `cairn.cache_service.scoring.resume_at_token` of the replica's score (hit pages,
-  state pages) from the cache index (design rule 4): for a hybrid model its deepest state
-  checkpoint under the page hit, pages without a usable state counting for nothing; for an
-  attention-only model the page hit itself.
+- resume point: `cairn.cache_service.scoring.score_resume_token` of the replica's score (hit
+  pages, state pages) from the cache index (design rule 4): for a hybrid model its deepest state
+  checkpoint under the page hit, or a sub-page state deeper than that which the ranker found
+  there (a prompt's end inside a page: `sub_tokens`), pages without a usable state counting for
+  nothing; for an attention-only model the page hit itself.
 - host copy tokens (`host_copy_tokens`): a hit in the replica's host memory is not free. What
   the resume point needs from there is copied back first: the pages from its `device_pages` up
   to the resume point's pages (`page_bytes` each) and the state it resumes from when that is on
@@ -36,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cairn.cache_service import scoring
-from cairn.cache_service.scoring import ZERO, WorkerScore, resume_at_token
+from cairn.cache_service.scoring import ZERO, WorkerScore, score_resume_token
 from cairn.cluster.routing.routing_config import RoutingConfig
 from cairn.workers.engine_metrics import EngineMetrics
 
@@ -98,17 +99,20 @@ def load_tokens(load: ReplicaLoad, config: RoutingConfig) -> float:
 
 def prefill_tokens(score: Score, num_prompt_tokens: int, config: RoutingConfig) -> int:
     """Prompt tokens the replica computes: those after its resume point."""
-    return num_prompt_tokens - resume_at_token(score.hit_pages, score.state_pages, num_prompt_tokens,
-                                               config.page_size, config.recurrent)
+    return num_prompt_tokens - score_resume_token(score, num_prompt_tokens, config.page_size, config.recurrent)
 
 
 def host_copy_tokens(score: Score, config: RoutingConfig, load: ReplicaLoad | None = None) -> float:
     """The time to copy back from host memory what the replica's resume point needs, in tokens:
     at the rates the replica measured (`load`), the config's until it has."""
     load = load or ReplicaLoad()
-    copy_bytes = max(0, resume_pages(score, config) - score.device_pages) * config.page_bytes
-    if config.recurrent and score.state_on_host and score.state_pages:
-        copy_bytes += config.state_bytes
+    if config.recurrent and score.sub_tokens > score.state_pages * config.page_size:  # from a sub-page state:
+        copy_bytes = max(0, score.sub_tokens // config.page_size - score.device_pages) * config.page_bytes
+        copy_bytes += config.state_bytes if score.sub_on_host else 0  # the pages under it, the state
+    else:
+        copy_bytes = max(0, resume_pages(score, config) - score.device_pages) * config.page_bytes
+        if config.recurrent and score.state_on_host and score.state_pages:
+            copy_bytes += config.state_bytes
     bandwidth = load.host_copy_bytes_per_s or config.host_bandwidth_bytes_per_s
     return copy_bytes / bandwidth * (load.prefill_tokens_per_s or config.prefill_tokens_per_s)
 
@@ -121,7 +125,8 @@ def resume_pages(score: Score, config: RoutingConfig) -> int:
 def deepest_holder(scores: Mapping[str, Score], config: RoutingConfig) -> tuple[str, Score] | None:
     """The replica resuming the request deepest (more device pages breaking ties); None if none
     resumes it at all."""
-    best = max(scores.items(), key=lambda item: (resume_pages(item[1], config), item[1].device_pages), default=None)
+    best = max(scores.items(), key=lambda item: (resume_pages(item[1], config), item[1].sub_tokens,
+                                                 item[1].device_pages), default=None)
     return best if best is not None and resume_pages(best[1], config) > 0 else None
 
 

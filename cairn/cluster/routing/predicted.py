@@ -34,12 +34,15 @@ class PredictedHolders:
         self.keep_s, self._clock, self._max = keep_s, clock, max_hashes
         self._at: dict[str, dict[bytes, float]] = {}  # replica -> hash -> when last recorded
         self._states: dict[str, dict[bytes, float]] = {}  # replica -> hash a state ends at -> when
-        self._log: deque[tuple[float, str, list[bytes], list[bytes]]] = deque()
+        self._subs: dict[str, dict[bytes, float]] = {}  # replica -> a prompt end's sub-page state key -> when
+        self._log: deque[tuple[float, str, list[bytes], list[bytes], list[bytes]]] = deque()
         self._size, self._last = 0, float("-inf")
 
-    def record(self, replica: str, page_hashes: Sequence[bytes], state_pages: Iterable[int] | None = None) -> None:
+    def record(self, replica: str, page_hashes: Sequence[bytes], state_pages: Iterable[int] | None = None,
+               sub_keys: Sequence[bytes] = ()) -> None:
         """`replica` was sent a prompt of `page_hashes`; it will hold a state at each depth (pages)
-        of `state_pages` (None: at every page, as a model without recurrent layers resumes)."""
+        of `state_pages` (None: at every page, as a model without recurrent layers resumes), and
+        the sub-page states named by `sub_keys` (its end, inside a page: `subs`)."""
         if self.keep_s <= 0 or not page_hashes or self._max <= 0:
             return
         at = self._last = max(self._clock(), math.nextafter(self._last, math.inf))  # distinct: a record's identity
@@ -52,7 +55,11 @@ class PredictedHolders:
             states = self._states.setdefault(replica, {})
             for h in ends:
                 states[h] = at
-        self._log.append((at, replica, list(page_hashes), ends))
+        if sub_keys:
+            subs = self._subs.setdefault(replica, {})
+            for h in sub_keys:
+                subs[h] = at
+        self._log.append((at, replica, list(page_hashes), ends, list(sub_keys)))
         self._size += len(page_hashes)
         self._purge()
 
@@ -87,16 +94,28 @@ class PredictedHolders:
             out[replica] = (lo, state)
         return out
 
+    def subs(self, keys: Sequence[bytes], max_age_s: float) -> dict[str, list[int]]:
+        """replica -> the indices of `keys` (sub-page state keys) it was sent a prompt ending at,
+        in records younger than `max_age_s`."""
+        self._purge()
+        since, out = self._clock() - max_age_s, {}
+        for replica, held in self._subs.items():
+            found = [i for i, k in enumerate(keys) if held.get(k, since) > since]
+            if found:
+                out[replica] = found
+        return out
+
     def forget(self, replica: str) -> None:
         self._at.pop(replica, None)  # its log entries are skipped as they age out
         self._states.pop(replica, None)
+        self._subs.pop(replica, None)
 
     def _purge(self) -> None:
         since = self._clock() - self.keep_s
         while self._log and (self._log[0][0] <= since or self._size > self._max):
-            at, replica, hashes, ends = self._log.popleft()
+            at, replica, hashes, ends, subs = self._log.popleft()
             self._size -= len(hashes)
-            for table, keys in ((self._at, hashes), (self._states, ends)):
+            for table, keys in ((self._at, hashes), (self._states, ends), (self._subs, subs)):
                 held = table.get(replica)
                 if held is None:
                     continue

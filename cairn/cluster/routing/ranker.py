@@ -32,9 +32,10 @@ import random
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
+from cairn.cache_service.hashing import branch_root, sub_state_keys
 from cairn.cache_service.scoring import ZERO, WorkerScore, last_resumable_page
 from cairn.cluster.routing.routing_config import RoutingConfig
 from cairn.cluster.routing.cost import (ReplicaLoad, Score, deepest_holder, prefill_tokens, rank_replicas, reported_load,
@@ -49,6 +50,9 @@ logger = logging.getLogger(__name__)
 # (hit_pages, state_pages) pairs are all on the device)
 IndexAnswer = Mapping[str, Score | tuple]
 ScoreFn = Callable[[list[bytes]], Awaitable[IndexAnswer] | IndexAnswer]
+# the index's sub-page states at keys (`CacheIndex.states_at`): worker -> [(key index, on host)]
+StatesAnswer = Mapping[str, list]
+ProbeFn = Callable[[list[bytes]], Awaitable[StatesAnswer] | StatesAnswer]
 
 
 @dataclass(frozen=True)
@@ -87,19 +91,22 @@ class AffinityRanker:
         self._tentative: OrderedDict[str, tuple[str, int, float]] = OrderedDict()
         self._failures, self._skip_index_until = 0, float("-inf")
         self.counts = dict(ranked=0, routed=0, index_fallbacks=0, index_timeouts=0, index_errors=0, index_skipped=0,
-                           index_unavailable=0)
+                           index_unavailable=0, index_probe_failures=0)
         self.gauges: Callable[[], dict[str, float]] = lambda: {}  # set by the adapter (its mirror's)
 
     async def rank(self, request_id: str, request: GenerateRequest, replicas: Mapping[str, Mapping[str, Any] | None],
-                   score: ScoreFn) -> Ranking:
+                   score: ScoreFn, probe: ProbeFn | None = None) -> Ranking:
         """Replica ids best first, for the request, and (routing config `fetch`) the replica
         resuming it deepest, which whichever replica takes it may pull from; `replicas` maps each
-        candidate to its reported routing stats. The request is read, never written."""
+        candidate to its reported routing stats; `probe` (a hybrid model) asks the index for
+        sub-page states (`sub_states`). The request is read, never written."""
         cfg, self.counts["ranked"] = self.config, self.counts["ranked"] + 1
         hashes = list(request.page_hashes or ())
         n = request.num_prompt_tokens
         self._tentative.pop(request_id, None)  # ranked again (a retry): its earlier pick no longer stands
         scores = await self._scores(hashes, score) if hashes else {}
+        if scores and cfg.recurrent:
+            scores = await self.sub_states(request, scores, probe)
         loads = {r: reported_load(self._own_load(r), stats) for r, stats in replicas.items()}
         order = rank_replicas(list(replicas), scores, loads, cfg, n, self._rng)
         fetch = None  # whichever replica takes it may pull from there
@@ -192,7 +199,61 @@ class AffinityRanker:
         load.requests += 1
         load.tokens += prefill
         self.predicted.record(replica, request.page_hashes or (),
-                              self._states_left(request, resumed) if self.config.recurrent else None)
+                              self._states_left(request, resumed) if self.config.recurrent else None,
+                              self._prompt_end(request) if self.config.recurrent else ())
+
+    async def sub_states(self, request: GenerateRequest, scores: dict[str, Score], probe: ProbeFn | None
+                         ) -> dict[str, Score]:
+        """`scores` with each replica's deepest sub-page state (`WorkerScore.sub_tokens`): a state
+        inside the page after its hit run, where an earlier prompt ended (a reply that ended inside
+        that page keeps its head: `cairn.workers.cache.partial_pages`). Every position of that
+        page is named (`sub_state_keys`, one short hash a token) and asked of the index (`probe`)
+        and of what this router sent where (fresh predicted holders: the prompts' ends). An index
+        that cannot answer costs the sub-page depth, nothing else."""
+        cfg, ps, n = self.config, self.config.page_size, request.num_prompt_tokens
+        hashes, root, tokens = request.page_hashes or [], request.hash_root, request.prompt_token_ids
+        if root is None:
+            return scores
+        keys: list[bytes] = []
+        at: list[tuple[int, int]] = []  # (floor pages, tokens into the page after it) of each key
+        for j in sorted({s.hit_pages for s in scores.values() if 1 <= s.hit_pages <= len(hashes)}):
+            span = tokens[j * ps:min((j + 1) * ps - 1, n - 1)]  # a state at n - 1 at most is usable
+            keys += sub_state_keys(branch_root(hashes[j - 1], root), span)
+            at += [(j, t) for t in range(1, len(span) + 1)]
+        if not keys:
+            return scores
+        found: dict[str, list[tuple[int, bool]]] = {}
+        for replica, held in self.predicted.subs(keys, cfg.predicted_holder_ttl_s).items():
+            found.setdefault(replica, []).extend((i, False) for i in held)
+        if probe is not None and self._clock() >= self._skip_index_until:
+            try:
+                answer = probe(keys)
+                if inspect.isawaitable(answer):
+                    answer = await asyncio.wait_for(answer, cfg.index_timeout_ms / 1000)
+                for replica, held in answer.items():
+                    found.setdefault(replica, []).extend((int(i), bool(h)) for i, h in held)
+            except Exception as e:  # the pages' scores stand: a sub-page depth is a refinement
+                logger.debug("index sub-page probe failed: %r", e)
+                self.counts["index_probe_failures"] += 1
+        out = dict(scores)
+        for replica, held in found.items():
+            s = out.get(replica)
+            usable = [(at[i][0] * ps + at[i][1], on_host) for i, on_host in held
+                      if 0 <= i < len(at) and s is not None and s.hit_pages >= at[i][0]]
+            if usable:
+                depth, on_host = max(usable, key=lambda u: (u[0], not u[1]))
+                if depth > s.sub_tokens:
+                    out[replica] = replace(s, sub_tokens=depth, sub_on_host=on_host)
+        return out
+
+    def _prompt_end(self, request: GenerateRequest) -> list[bytes]:
+        """The index key of the state a hybrid engine leaves at the request's end, when that lies
+        inside a page (its `prompt_end` checkpoint): what its next turn resumes from."""
+        ps, n, hashes = self.config.page_size, request.num_prompt_tokens, request.page_hashes or []
+        j, t = divmod(n, ps)
+        if not t or not j or request.hash_root is None or len(hashes) < j:
+            return []
+        return sub_state_keys(branch_root(hashes[j - 1], request.hash_root), request.prompt_token_ids[j * ps:n])[-1:]
 
     def _states_left(self, request: GenerateRequest, resumed_pages: int) -> list[int]:
         """Depths (pages) where a hybrid model's engine leaves states computing `request` from

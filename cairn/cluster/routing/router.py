@@ -37,7 +37,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 from cairn.cache_service.feed import IndexMirror
 from cairn.cluster.routing.routing_config import RoutingConfig
 from cairn.cluster.routing.index_handle import IndexHandle
-from cairn.cluster.routing.ranker import AffinityRanker, IndexAnswer, IndexUnavailable
+from cairn.cluster.routing.ranker import AffinityRanker, IndexAnswer, IndexUnavailable, StatesAnswer
 from cairn.cluster.routing.router_registry import register_router
 from cairn.workers.request import ExportRequest, GenerateRequest
 
@@ -115,6 +115,16 @@ class CacheAffinityRouter(RequestRouter):
             raise IndexUnavailable(self._config.index_actor_name)
         return self.index.call("score", page_hashes)
 
+    def _probe(self, keys: list[bytes]) -> StatesAnswer | Awaitable[StatesAnswer]:
+        """The index's sub-page states at `keys` (`CacheIndex.states_at`), where `_score` reads."""
+        if self.mirror is not None and not self._feed_missing:
+            if not self.mirror.fresh(self._config.index_staleness_s):
+                raise IndexUnavailable(f"mirror of {self._config.index_actor_name} is stale")
+            return self.mirror.states_at(keys)
+        if self.index.current() is None:
+            raise IndexUnavailable(self._config.index_actor_name)
+        return self.index.call("states_at", keys)
+
     async def _sync_mirror(self) -> None:
         """Keeps `mirror` following the index actor's change feed, for the router's lifetime.
         Failures are logged (a warning at most every WARN_EVERY_S); an index actor without a
@@ -165,7 +175,7 @@ class CacheAffinityRouter(RequestRouter):
         if not isinstance(request, GenerateRequest):  # not ours to rank (a health probe, a test): by load
             request = GenerateRequest(request_id, [])
         ranking = await self.ranker.rank(request_id, request, {w: r.routing_stats for w, r in by_id.items()},
-                                         self._score)
+                                         self._score, self._probe)
         if ranking.fetch is not None and pending_request is not None:  # sent along with a copy: the
             pending_request.args[0] = dataclasses.replace(request, fetch=ranking.fetch)  # request stays as it was
         return [[by_id[w]] for w in ranking.order]  # singleton ranks: Serve tries them strictly in order

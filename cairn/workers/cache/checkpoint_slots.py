@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+from cairn.cache_service.events import DEVICE, HOST
 from cairn.cache_service.hashing import branch_root, next_page_hash
 from cairn.workers.cache.arena import Arena, ArenaLayout
 from cairn.workers.cache.cache_budget import CacheBudget
@@ -150,10 +151,11 @@ class CheckpointSlots:
             return False
         if on_host:  # written to the host tier (no device slot could be had)
             self._host_pending.remove(slot)
-            self.host.add_checkpoint(Checkpoint(key, -1, depth, set(kinds), exact_tail, tail, floor if tail else None,
-                                                self.policy.clock, seq.hash_root),
-                                     list(slot.blocks))
+            ckpt = Checkpoint(key, -1, depth, set(kinds), exact_tail, tail, floor if tail else None,
+                              self.policy.clock, seq.hash_root)
+            self.host.add_checkpoint(ckpt, list(slot.blocks))
             self.placement.state_event(floor if depth else None)
+            self.placement.sub_event(ckpt, HOST)
             self.stats.checkpoints_stored += 1
             self.stats.checkpoints_to_host += 1
             self.stats.count("stored", kinds)
@@ -175,10 +177,11 @@ class CheckpointSlots:
         """Pending `slot` (written) becomes the checkpoint keyed `page_hash`: after that page,
         which is on the device and has none yet, or, with `floor`, the sub-page one `tail`
         tokens into the page after `floor` (a host copy of either is superseded)."""
-        self.checkpoints.store(slot, page_hash, depth, kinds, exact_tail, tail, floor, self.policy.clock, root)
+        ckpt = self.checkpoints.store(slot, page_hash, depth, kinds, exact_tail, tail, floor, self.policy.clock, root)
         self.host.drop_checkpoint(page_hash)  # a host copy is superseded (the state event below tells the index)
         self.budget.list_checkpoint(page_hash)
         self.arena.slot_evictable(slot, True)
         self.placement.state_event(page_hash if floor is None else floor if depth else None)
+        self.placement.sub_event(ckpt, DEVICE)
         self.stats.checkpoints_stored += 1
         self.stats.count("stored", kinds)

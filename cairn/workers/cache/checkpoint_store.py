@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from cairn.cache_service.hashing import branch_root, sub_state_keys
+
 
 @dataclass
 class Checkpoint:
@@ -33,6 +35,19 @@ class Checkpoint:
     floor: bytes | None = None  # sub-page: the hash of the page under it
     admitted_at: int = 0  # the policy's clock when it was stored (how long its hits take to come back)
     root: bytes | None = None  # sub-page: the hash root it was computed under (only that root's prompts use it)
+    _index_key: bytes | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def index_key(self) -> bytes | None:
+        """What the index knows a sub-page checkpoint by, beside its floor's state: a page of its
+        own after the floor page, with a state (`cairn.cache_service.hashing.sub_state_keys`), so
+        a router can tell which replica resumes a prompt inside that page. None for a whole-page
+        checkpoint, and inside the first page (no page under it)."""
+        if self.floor is None or not self.depth:
+            return None
+        if self._index_key is None:
+            self._index_key = sub_state_keys(branch_root(self.floor, self.root), self.tail)[-1]
+        return self._index_key
 
     @property
     def state_page(self) -> bytes | None:
@@ -118,6 +133,10 @@ class CheckpointStore:
     def state_pages(self) -> list[bytes]:
         """The pages with a state at their end or inside the page after them (the index's view)."""
         return [p for p in dict.fromkeys(c.state_page for c in self._by_hash.values()) if p is not None]
+
+    def sub_pages(self) -> list[Checkpoint]:
+        """The sub-page checkpoints."""
+        return [c for at in self._floors.values() for c in at.values()]
 
     def hashes(self) -> list[bytes]:
         return list(self._by_hash)

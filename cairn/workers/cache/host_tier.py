@@ -49,7 +49,7 @@ class HostPage:
 
 class HostTier:
     def __init__(self, num_blocks: int, slot_blocks: int,
-                 on_removed: Callable[[list[bytes], list[bytes]], None] = lambda pages, states: None):
+                 on_removed: Callable[[list[bytes], list[bytes], list[bytes]], None] = lambda pages, states, subs: None):
         self.num_blocks, self.slot_blocks = num_blocks, slot_blocks
         self._free = list(range(num_blocks - 1, -1, -1))
         self.pages: dict[bytes, HostPage] = {}
@@ -243,22 +243,24 @@ class HostTier:
             stack.extend(self._children.get(h, ()))
         states = [h for h in pages if h in self.checkpoints] + \
             [k for h in pages for k in self._floors.get(h, ())]
-        state_pages = self._forget_checkpoints(states)
+        state_pages, subs = self._forget_checkpoints(states)
         told = [h for h in pages if not self.pages[h].partial]  # the index never heard of a partial page
         for h in reversed(pages):  # deepest first
             self._free.append(self.pop_page(h))
             self._children.pop(h, None)
-        self._on_removed(told, state_pages)
+        self._on_removed(told, state_pages, subs)
 
     def _drop_checkpoints(self, hashes: list[bytes]) -> None:
-        self._on_removed([], self._forget_checkpoints(hashes))
+        self._on_removed([], *self._forget_checkpoints(hashes))
 
-    def _forget_checkpoints(self, hashes: list[bytes]) -> list[bytes]:
-        """Forgets them; returns the pages whose state they were (a sub-page one's floor), once each."""
-        pages = [self.checkpoints[h].state_page for h in hashes]
+    def _forget_checkpoints(self, hashes: list[bytes]) -> tuple[list[bytes], list[bytes]]:
+        """Forgets them; returns the pages whose state they were (a sub-page one's floor), once
+        each, and the sub-page ones' index keys (`Checkpoint.index_key`)."""
+        gone = [self.checkpoints[h] for h in hashes]
         for h in hashes:
             self._forget_checkpoint(h)
-        return [p for p in dict.fromkeys(pages) if p is not None]
+        pages = [p for p in dict.fromkeys(c.state_page for c in gone) if p is not None]
+        return pages, [c.index_key for c in gone if c.index_key is not None]
 
     def _forget_checkpoint(self, page_hash: bytes) -> None:
         ckpt = self.checkpoints.pop(page_hash)

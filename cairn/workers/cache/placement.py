@@ -228,9 +228,24 @@ class Placement:
         finally:
             self.dropping = False
         self.host.clear()
-        self.events.restart([AllCleared(), *(PagesStored((page_hash,), parent) for page_hash, parent in
-                                             self.pages.registered()),
-                             *(StateStored(h) for h in self.checkpoints.state_pages())])
+        pages, states = self.device_picture()
+        self.events.restart([AllCleared(), *(PagesStored((page_hash,), parent) for page_hash, parent in pages),
+                             *(StateStored(h) for h in states)])
+
+    def device_picture(self) -> tuple[list[tuple[bytes, bytes | None]], list[bytes]]:
+        """What the index knows of the device: (page hash, parent) pairs parents first, the
+        sub-page checkpoints' index keys after their floors; the pages with a state (whole-page,
+        or a sub-page one's floor) and those keys."""
+        subs = [(c.index_key, c.floor) for c in self.checkpoints.sub_pages() if c.index_key is not None]
+        return self.pages.registered() + subs, self.checkpoints.state_pages() + [k for k, _ in subs]
+
+    def host_picture(self) -> tuple[list[tuple[bytes, bytes | None]], list[bytes]]:
+        """The same for the host tier (a state there whose page also has one on the device, at its
+        end or inside the page after it, is the device's, as its events say: `state_event`)."""
+        device, host = self.checkpoints, self.host
+        subs = [(c.index_key, c.floor) for c in host.checkpoints.values() if c.index_key is not None]
+        return host.registered() + subs, [h for h in host.state_pages()
+                                          if device.get(h) is None and not device.has_sub_page(h)] + [k for k, _ in subs]
 
     def evict_coldest(self) -> None:
         kind, item = self.budget.coldest()
@@ -242,9 +257,10 @@ class Placement:
         if blocks is None:
             self.remove_checkpoint(page_hash, listed=True)
             return
-        state_page = self.checkpoints.get(page_hash).state_page
+        ckpt = self.checkpoints.get(page_hash)
         self.demote_checkpoint(page_hash, blocks, listed=True)
-        self.state_event(state_page)
+        self.state_event(ckpt.state_page)
+        self.sub_event(ckpt, HOST)
 
     def state_event(self, page_hash: bytes | None) -> None:
         """Tells the index where the state at the end of page `page_hash` now is: on the device
@@ -260,6 +276,19 @@ class Placement:
             self.events.put(StateStored(page_hash, HOST))
         else:
             self.events.put(StateRemoved(page_hash))
+
+    def sub_event(self, ckpt: Checkpoint, medium: str | None) -> None:
+        """Tells the index a sub-page checkpoint is now in `medium` (None: gone), by its
+        `index_key`: a page after its floor, with a state there (the floor's own state is
+        `state_event`'s). Nothing for a whole-page one, or one inside the first page."""
+        key = ckpt.index_key
+        if key is None:
+            return
+        if medium is None:
+            self.events.put(PagesRemoved((key,)))
+        else:
+            self.events.put(PagesStored((key,), ckpt.floor, medium))
+            self.events.put(StateStored(key, medium))
 
     def evict_page(self, first: int) -> None:
         """Evicts a cached page with its cached descendants, their checkpoints and the sub-page
@@ -292,9 +321,10 @@ class Placement:
             self.host.add_page(e.page_hash, e.parent, block, e.tokens, e.root, e.partial)
         self.stats.pages_demoted += len(evicted)
         self.stats.bytes_to_host += len(evicted) * self.layout.block_bytes
-        state_pages = []
+        state_pages, demoted = [], []
         for key, listed in states:
-            state_pages.append(self.checkpoints.get(key).state_page)  # on an evicted page: never None
+            demoted.append(self.checkpoints.get(key))
+            state_pages.append(demoted[-1].state_page)  # on an evicted page: never None
             self.demote_checkpoint(key, [blocks.pop() for _ in range(self.slot_blocks)], listed)
         run: list[bytes] = []  # parents first, one PagesStored per run of a chain
         for e in reversed(told):
@@ -306,6 +336,8 @@ class Placement:
             self.events.put(PagesStored(tuple(run), self.host.pages[run[0]].parent, HOST))
         for page_hash in dict.fromkeys(state_pages):
             self.events.put(StateStored(page_hash, HOST))
+        for ckpt in demoted:
+            self.sub_event(ckpt, HOST)
 
     def host_blocks(self, n: int) -> list[int] | None:
         """`n` host blocks for a demotion; None: no host tier, no room, or the cache is clearing."""
@@ -321,10 +353,11 @@ class Placement:
         self.stats.checkpoints_demoted += 1
         self.stats.bytes_to_host += self.slot_blocks * self.layout.block_bytes
 
-    def host_removed(self, pages: list[bytes], states: list[bytes]) -> None:
-        """The host tier let these go (evicted, or dropped with a device page): tell the index."""
-        if pages:
-            self.events.put(PagesRemoved(tuple(pages)))
+    def host_removed(self, pages: list[bytes], states: list[bytes], subs: list[bytes] = ()) -> None:
+        """The host tier let these go (evicted, or dropped with a device page): tell the index.
+        `subs`: the index keys of the sub-page checkpoints among them."""
+        if pages or subs:
+            self.events.put(PagesRemoved(tuple(pages) + tuple(subs)))
         for page_hash in states:
             self.state_event(page_hash)
 
@@ -333,4 +366,5 @@ class Placement:
         self.arena.free_slot(ckpt.slot, blocked=not listed)
         self.stats.checkpoints_evicted += 1
         self.state_event(ckpt.state_page)
+        self.sub_event(ckpt, None)
 

@@ -78,7 +78,7 @@ class PrefixCache:
         self.budget = CacheBudget(layout.block_bytes, layout.slot_blocks, is_held=self.pages.is_held_hash,
                                   cached_pages=lambda: self.pages.num_cached)
         self.host = HostTier(layout.host_blocks, layout.slot_blocks,
-                             on_removed=lambda pages, states: self.placement.host_removed(pages, states))
+                             on_removed=lambda pages, states, subs: self.placement.host_removed(pages, states, subs))
         self.events = EventQueue(record_events)
         self.stats = CacheStats()
         # the parts that work on them
@@ -379,17 +379,14 @@ class PrefixCache:
         return self.events.drain()
 
     def snapshot(self) -> tuple[list[tuple[bytes, bytes | None]], list[bytes]]:
-        """What is resident on the device now: (page hash, parent) pairs parents first, and the
-        pages with a state (`CheckpointStore.state_pages`)."""
-        return self.pages.registered(), self.checkpoints.state_pages()
+        """What the index knows of the device now (`Placement.device_picture`): (page hash,
+        parent) pairs parents first, and the pages with a state; a sub-page checkpoint is both,
+        by its index key, after its floor."""
+        return self.placement.device_picture()
 
     def host_snapshot(self) -> tuple[list[tuple[bytes, bytes | None]], list[bytes]]:
-        """What the host tier holds now, in the same form (a state there whose page also has one
-        on the device, at its end or inside the page after it, is the device's, as its events
-        say: `Placement.state_event`)."""
-        device = self.checkpoints
-        return self.host.registered(), [h for h in self.host.state_pages()
-                                        if device.get(h) is None and not device.has_sub_page(h)]
+        """The same for the host tier (`Placement.host_picture`)."""
+        return self.placement.host_picture()
 
     def forget_events(self) -> None:
         self.events.forget()
