@@ -51,7 +51,7 @@ class ReplicaPeerFetch:
         """The receiver's side: the export of what `plan` asks of the holder the request's hint
         names, or the reason there is none (module doc)."""
         holder = request.fetch.holder
-        ask = ExportRequest(holder, list(request.page_hashes), plan.first, plan.depth)
+        ask = ExportRequest(holder, list(request.page_hashes), plan.first, plan.depth, plan.tail, plan.root)
         try:
             export = await asyncio.wait_for(self._peers().export_resume.remote(ask), self.timeout_s)
         except asyncio.TimeoutError:

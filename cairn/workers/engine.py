@@ -291,7 +291,9 @@ class Engine:
         self._requests[request_id] = seq
         hint, plan = request.fetch, None
         if fetch and hint is not None and hint.holder != self.worker_id and request.page_hashes:
-            plan = self.fetches.plan(request.page_hashes, len(checked.prompt), hint.depth)
+            ps = self.spec.page_size
+            tail = tuple(checked.prompt[hint.depth * ps:hint.depth * ps + hint.tail]) if hint.tail else ()
+            plan = self.fetches.plan(request.page_hashes, len(checked.prompt), hint.depth, tail, checked.hash_root)
         if plan is not None:  # held until the holder's export is delivered
             seq.fetch_pending = True
             self.fetches.hold(request_id, plan)

@@ -38,11 +38,13 @@ class EnginePeerFetch:
         self.before_export: Callable[[], None] = lambda: None
 
     # ---- receiving ---------------------------------------------------------------------------
-    def plan(self, page_hashes: list[bytes], num_tokens: int, depth: int) -> FetchPlan | None:
-        """What to ask a peer resuming this prompt at `depth` pages for (None: nothing)."""
+    def plan(self, page_hashes: list[bytes], num_tokens: int, depth: int, tail: tuple[int, ...] = (),
+             root: bytes | None = None) -> FetchPlan | None:
+        """What to ask a peer resuming this prompt at `depth` pages (and `tail` tokens into the
+        next page, under hash `root`) for (None: nothing)."""
         if self.tensor_parallel:
             return None
-        return transfer.plan_fetch(self.cache, page_hashes, num_tokens, depth)
+        return transfer.plan_fetch(self.cache, page_hashes, num_tokens, depth, tail, root)
 
     def hold(self, request_id: str, plan: FetchPlan) -> None:
         self._plans[request_id] = plan
@@ -72,18 +74,18 @@ class EnginePeerFetch:
                 if isinstance(export, str):
                     self.count_fallback(export)
                 elif export is not None:
-                    self.import_(export, seq.cache.page_hashes, plan.first)
+                    self.import_(export, seq.cache.page_hashes, plan.first, seq.hash_root)
             except Exception:
                 log.exception("adopting a fetched resume point for %s failed", request_id)
                 self.count_fallback("refused")
 
-    def import_(self, export: ResumeExport, page_hashes: list[bytes], first: int) -> int:
+    def import_(self, export: ResumeExport, page_hashes: list[bytes], first: int, root: bytes | None = None) -> int:
         """Adopts a peer's export (pages imported). An import the request cannot resume from is
         counted as a fallback, by reason (`refused`: nothing imported; `no_checkpoint_slot`: the
         pages came, the checkpoint found no state slot), and not as a fetch: the request
         recomputes from the deepest resume point it has here."""
         pages, missing = (0, "refused") if self.tensor_parallel else \
-            transfer.import_resume(self.cache, self._block_io(), export, page_hashes, first)
+            transfer.import_resume(self.cache, self._block_io(), export, page_hashes, first, root)
         if missing is not None:
             self.count_fallback(missing)
         elif pages or export.checkpoint is not None:
@@ -98,13 +100,14 @@ class EnginePeerFetch:
         self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
 
     # ---- holding -------------------------------------------------------------------------------
-    def export(self, page_hashes: list[bytes], first: int, depth: int) -> ResumeExport | None:
-        """A copy of pages [first, depth) of the chain and the checkpoint at `depth`, for a peer;
-        None if they are no longer all here."""
+    def export(self, page_hashes: list[bytes], first: int, depth: int, tail: tuple[int, ...] = (),
+               root: bytes | None = None) -> ResumeExport | None:
+        """A copy of pages [first, depth) of the chain and the checkpoint at `depth` (with `tail`:
+        the sub-page resume point there), for a peer; None if they are no longer all here."""
         if self.tensor_parallel:
             return None
         self.before_export()
-        out = transfer.export_resume(self.cache, self._block_io(), page_hashes, first, depth)
+        out = transfer.export_resume(self.cache, self._block_io(), page_hashes, first, depth, tail, root)
         if out is not None:
             self.counts["exported_bytes"] += out.nbytes
         return out

@@ -27,6 +27,7 @@ from cairn.workers.sampling_params import SamplingParams
 class FetchHint:
     holder: str  # the worker id of the replica resuming the request deepest
     depth: int  # its resume point, in pages
+    tail: int = 0  # ... or, a sub-page state: this many tokens into the page after them
 
 
 @dataclass
@@ -49,9 +50,12 @@ class GenerateRequest:
 
 @dataclass(frozen=True)
 class ExportRequest:
-    """Pages [first, depth) of a prompt's chain and the checkpoint at `depth`, asked of the
-    replica `target_worker` (the router routes it there and nowhere else)."""
+    """Pages [first, depth) of a prompt's chain and the checkpoint at `depth` (with `tail`: the
+    sub-page one `tail` into the next page, and that page's head), asked of the replica
+    `target_worker` (the router routes it there and nowhere else)."""
     target_worker: str
     page_hashes: list[bytes]
     first: int
     depth: int
+    tail: tuple[int, ...] = ()  # a sub-page state's tokens after page `depth`, asked for with the
+    root: bytes | None = None   # head of the page they begin (under the request's hash root)

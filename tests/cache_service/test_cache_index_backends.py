@@ -337,6 +337,23 @@ def test_a_state_under_a_missing_page_does_not_count(backend):
     assert index.score(H[:4])["a"] == WorkerScore(1, 0)
 
 
+def test_states_at_names_the_trusted_workers_holding_a_sub_page_state_and_its_medium(backend):
+    """A sub-page state travels as a page of its own after its floor, with a state there
+    (`Checkpoint.index_key`); `states_at` tells who holds one at each key asked, never a page
+    without a state, an untrusted worker, or a key gone with its page."""
+    index, a, b, c = backend.make(), EventStream("a"), EventStream("b"), EventStream("c")
+    sub_a, sub_b, bare = H[-1], H[-2], H[-3]
+    index.apply(a.batch([chain(2), PagesStored((sub_a,), H[1]), StateStored(sub_a)]))
+    index.apply(b.batch([chain(2), PagesStored((sub_a, sub_b), H[1], HOST), StateStored(sub_b, HOST),
+                         StateStored(sub_a, HOST), PagesStored((bare,), H[1])]))
+    index.apply(c.batch([chain(2), PagesStored((sub_b,), H[1]), StateStored(sub_b)]))
+    index.distrust("c")
+    assert index.states_at([bare, sub_b, H[9], sub_a]) == {"a": [(3, False)], "b": [(1, True), (3, True)]}
+    index.apply(a.batch([PagesRemoved((sub_a,))]))
+    assert index.states_at([sub_a]) == {"b": [(0, True)]}
+    assert index.states_at([]) == {}
+
+
 def test_all_cleared_empties_only_that_worker(backend):
     index, a, b = backend.make(), EventStream("a"), EventStream("b")
     index.apply(a.batch([chain(3), StateStored(H[2])]))

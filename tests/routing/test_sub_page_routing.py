@@ -92,3 +92,16 @@ def test_a_router_that_sent_the_prompt_finds_its_end_before_the_index_hears_of_i
     async def main():
         return await ranker.sub_states(nxt, {"a": (await ranker._scores(nxt.page_hashes, index))["a"]}, None)
     assert asyncio.run(main())["a"].sub_tokens == len(first)
+
+
+def test_with_fetch_the_hint_names_the_holders_sub_page_resume_point():
+    from cairn.cache_service.scoring import WorkerScore
+    from cairn.cluster.routing.cost import deepest_holder, fetch_hint
+    from cairn.workers.request import FetchHint
+
+    config = RoutingConfig(fetch=True, page_size=PS, recurrent=True, page_bytes=4096, state_bytes=14592)
+    scores = {"a": WorkerScore(3, 3, sub_tokens=3 * PS + 5), "b": WorkerScore(3, 3), "c": WorkerScore(2, 2)}
+    holder = deepest_holder(scores, config)
+    assert holder[0] == "a" and fetch_hint(holder, config) == FetchHint("a", 3, 5)
+    assert fetch_hint(("b", scores["b"]), config) == FetchHint("b", 3)
+

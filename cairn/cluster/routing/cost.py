@@ -40,6 +40,7 @@ from cairn.cache_service import scoring
 from cairn.cache_service.scoring import ZERO, WorkerScore, score_resume_token
 from cairn.cluster.routing.routing_config import RoutingConfig
 from cairn.workers.engine_metrics import EngineMetrics
+from cairn.workers.request import FetchHint
 
 Score = WorkerScore  # what the index answers for a replica: its hit, state and how much is on the device
 
@@ -123,11 +124,22 @@ def resume_pages(score: Score, config: RoutingConfig) -> int:
 
 
 def deepest_holder(scores: Mapping[str, Score], config: RoutingConfig) -> tuple[str, Score] | None:
-    """The replica resuming the request deepest (more device pages breaking ties); None if none
-    resumes it at all."""
-    best = max(scores.items(), key=lambda item: (resume_pages(item[1], config), item[1].sub_tokens,
-                                                 item[1].device_pages), default=None)
-    return best if best is not None and resume_pages(best[1], config) > 0 else None
+    """The replica resuming the request deepest, a sub-page state's depth counted (more device
+    pages breaking ties); None if none resumes it at all."""
+    def depth(score: Score) -> int:
+        return score_resume_token(score, 1 << 62, config.page_size, config.recurrent)
+    best = max(scores.items(), key=lambda item: (depth(item[1]), item[1].device_pages), default=None)
+    return best if best is not None and depth(best[1]) > 0 else None
+
+
+def fetch_hint(holder: tuple[str, Score], config: RoutingConfig) -> FetchHint:
+    """What a replica pulling the holder's resume point asks for: pages, and a sub-page state
+    inside the next page when that is where the holder resumes."""
+    name, score = holder
+    pages = resume_pages(score, config)
+    if config.recurrent and score.sub_tokens > pages * config.page_size:
+        return FetchHint(name, *divmod(score.sub_tokens, config.page_size))
+    return FetchHint(name, pages)
 
 
 def fetch_tokens(score: Score, holder: Score, config: RoutingConfig, load: ReplicaLoad | None = None) -> float:

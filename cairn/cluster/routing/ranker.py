@@ -38,8 +38,8 @@ from typing import Any
 from cairn.cache_service.hashing import branch_root, sub_state_keys
 from cairn.cache_service.scoring import ZERO, WorkerScore, last_resumable_page
 from cairn.cluster.routing.routing_config import RoutingConfig
-from cairn.cluster.routing.cost import (ReplicaLoad, Score, deepest_holder, prefill_tokens, rank_replicas, reported_load,
-                                  resume_pages)
+from cairn.cluster.routing.cost import (ReplicaLoad, Score, deepest_holder, fetch_hint, prefill_tokens, rank_replicas,
+                                  reported_load, resume_pages)
 from cairn.cluster.routing.predicted import PredictedHolders
 from cairn.workers.request import FetchHint, GenerateRequest
 
@@ -112,7 +112,7 @@ class AffinityRanker:
         fetch = None  # whichever replica takes it may pull from there
         if cfg.fetch:
             deepest = deepest_holder({r: s for r, s in scores.items() if r in replicas}, cfg)
-            fetch = FetchHint(deepest[0], resume_pages(deepest[1], cfg)) if deepest is not None else None
+            fetch = fetch_hint(deepest, cfg) if deepest is not None else None
         prefill = {r: prefill_tokens(scores.get(r, ZERO), n, cfg) for r in replicas}
         resumes = {r: max(resume_pages(scores.get(r, ZERO), cfg), fetch.depth if fetch and fetch.holder != r else 0)
                    for r in replicas}

@@ -16,7 +16,13 @@ Each function takes the replica's `PrefixCache` and, where blocks move, the runn
   receiver with the same rows imports too, so that it drafts there as the holder would. None if
   any of them is no longer resident: the caller recomputes. The
   copy is one request's resume point, so the holder's loop pauses for at most that copy.
-- `import_resume(cache, io, export, page_hashes, first)`: on the receiver, between its steps: the pages
+- A sub-page resume point (`FetchPlan.tail`: a state `tail` tokens into the page after `depth`,
+  where the holder's prompt ended inside that page, under the request's hash root) travels the
+  same way: the export adds the head of the holder's page holding those tokens' K/V (its partial
+  page, `cairn.workers.cache.partial_pages`, or any page sharing them) and the sub-page state, and
+  the state at `depth` only when it has one; the receiver adopts them as a partial page and a
+  sub-page checkpoint.
+- `import_resume(cache, io, export, page_hashes, first, root)`: on the receiver, between its steps: the pages
   become cached device pages under the very hashes the request carries (so a fetch never crosses
   a `cache_salt`: another salt's chain has other hashes, and the holder finds none of them) and
   the checkpoint a stored one; events tell the index. The chain's device run is held while
@@ -37,6 +43,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from cairn.cache_service.events import PagesStored
+from cairn.cache_service.hashing import branch_root, next_page_hash, partial_page_hash
 from cairn.cache_service.scoring import last_resumable_page
 from cairn.workers.cache.checkpoint_store import Checkpoint
 from cairn.workers.cache.prefix_cache import PrefixCache
@@ -58,6 +65,8 @@ class BlockIO:
 class FetchPlan:
     first: int  # the receiver's device run: pages [first, depth) are asked for
     depth: int  # pages; the checkpoint after page `depth` is asked for too (recurrent model)
+    tail: tuple[int, ...] = ()  # or the sub-page one after these tokens of page `depth`, with its head
+    root: bytes | None = None  # the request's hash root (a sub-page state is keyed under it)
 
 
 @dataclass
@@ -73,28 +82,44 @@ class ResumeExport:
     # the pages' rows in the holder's tensors beside the arena (`BlockIO.read_rows`): its MTP
     # head's K/V at their positions, when it speculates
     page_rows: tuple[np.ndarray, ...] = ()
+    # a sub-page resume point (`FetchPlan.tail`): the tokens of the next page it lies after, the
+    # head of a page holding their K/V ([1, block_bytes]) and the state there ([slot_blocks, ...])
+    tail: tuple[int, ...] = ()
+    head: np.ndarray | None = None
+    sub_checkpoint: np.ndarray | None = None
+    sub_kinds: tuple[str, ...] = ()
 
     @property
     def nbytes(self) -> int:
-        return self.pages.nbytes + (self.checkpoint.nbytes if self.checkpoint is not None else 0) + \
+        return sum(a.nbytes for a in (self.pages, self.checkpoint, self.head, self.sub_checkpoint) if a is not None) + \
             sum(rows.nbytes for rows in self.page_rows)
 
 
-def plan_fetch(cache: PrefixCache, page_hashes: list[bytes], num_tokens: int, depth: int) -> FetchPlan | None:
-    """What the receiver asks a holder resuming at `depth` pages for (module doc)."""
-    depth = min(depth, len(page_hashes), last_resumable_page(num_tokens, cache.page_size))
+def plan_fetch(cache: PrefixCache, page_hashes: list[bytes], num_tokens: int, depth: int,
+               tail: tuple[int, ...] = (), root: bytes | None = None) -> FetchPlan | None:
+    """What the receiver asks a holder resuming at `depth` pages (and `tail` tokens into the next
+    page: a sub-page state, under hash `root`) for (module doc)."""
+    if tail and (not cache.recurrent or root is None or not 1 <= depth <= len(page_hashes) or
+                 depth * cache.page_size + len(tail) > num_tokens - 1 or len(tail) >= cache.page_size):
+        tail = ()
+    if not tail:
+        depth = min(depth, len(page_hashes), last_resumable_page(num_tokens, cache.page_size))
     if depth <= 0:
         return None
     first = min(cache.device_run(page_hashes), depth)
-    tail = page_hashes[depth - 1]
-    local = cache.checkpoints.get(tail) is not None or tail in cache.host.checkpoints  # on either tier
+    floor = page_hashes[depth - 1]
+    if tail:
+        if first == depth and _sub_page(cache, floor, tail, root) is not None:
+            return None  # held here, head and state
+        return FetchPlan(first, depth, tail, root)
+    local = cache.checkpoints.get(floor) is not None or floor in cache.host.checkpoints  # on either tier
     if first == depth and (local or not cache.recurrent):
         return None
     return FetchPlan(first, depth)
 
 
 def export_resume(cache: PrefixCache, io: BlockIO, page_hashes: list[bytes], first: int,
-                  depth: int) -> ResumeExport | None:
+                  depth: int, tail: tuple[int, ...] = (), root: bytes | None = None) -> ResumeExport | None:
     """The holder's copy of what a `FetchPlan` asks for (module doc)."""
     if not 0 <= first <= depth <= len(page_hashes):
         return None
@@ -107,16 +132,45 @@ def export_resume(cache: PrefixCache, io: BlockIO, page_hashes: list[bytes], fir
     rows = [io.read(device_pages), io.read(host_blocks, host=True)]
     page_rows = tuple(np.concatenate(parts)
                       for parts in zip(io.read_rows(device_pages), io.read_rows(host_blocks, host=True)))
-    ckpt, blocks = None, None
+    ckpt, blocks, sub = None, None, None
     if cache.recurrent and depth:
         found_ckpt = _checkpoint_blocks(cache, page_hashes[depth - 1])
-        if found_ckpt is None:
+        if found_ckpt is None and not tail:
             return None
-        ckpt, ckpt_blocks, on_host = found_ckpt
-        blocks = io.read(ckpt_blocks, host=on_host)
-    return ResumeExport(tuple(wanted), np.concatenate(rows), blocks,
-                        tuple(sorted(ckpt.kinds)) if ckpt is not None else (),
-                        ckpt.exact_tail if ckpt is not None else None, cache.layout.block_bytes, page_rows)
+        if found_ckpt is not None:  # beside a sub-page state, the state at the floor comes if there
+            ckpt, ckpt_blocks, on_host = found_ckpt
+            blocks = io.read(ckpt_blocks, host=on_host)
+    if tail:
+        sub = _sub_page(cache, page_hashes[depth - 1], tail, root)
+        if sub is None:
+            return None
+    out = ResumeExport(tuple(wanted), np.concatenate(rows), blocks,
+                       tuple(sorted(ckpt.kinds)) if ckpt is not None else (),
+                       ckpt.exact_tail if ckpt is not None else None, cache.layout.block_bytes, page_rows)
+    if sub is not None:
+        (head, head_on_host), (sub_ckpt, sub_blocks, sub_on_host) = sub
+        out.tail, out.head, out.sub_kinds = tail, io.read([head], host=head_on_host), tuple(sorted(sub_ckpt.kinds))
+        out.sub_checkpoint = io.read(sub_blocks, host=sub_on_host)
+    return out
+
+
+def _sub_page(cache: PrefixCache, floor: bytes, tail: tuple[int, ...], root: bytes
+              ) -> tuple[tuple[int, bool], tuple[Checkpoint, list[int], bool]] | None:
+    """The sub-page resume point `tail` tokens after page `floor`: ((the block of a page whose
+    head holds their K/V, whether a host block), (the checkpoint, its blocks, whether host
+    blocks)), from either tier; None unless both are there."""
+    key = next_page_hash(branch_root(floor, root), tail)
+    found = _checkpoint_blocks(cache, key)
+    if found is None:
+        return None
+    page, shared = cache.pages.partial_match(floor, list(tail), root) if cache.pages.page_of(floor) is not None \
+        else (None, 0)
+    if shared >= len(tail):
+        return (page, False), found
+    on_host, shared = cache.host.partial_match(floor, list(tail), root) if cache.host else (None, 0)
+    if shared >= len(tail):
+        return (cache.host.pages[on_host].block, True), found
+    return None
 
 
 def _page_blocks(cache: PrefixCache, hashes: list[bytes]) -> tuple[list[int], list[int]] | None:
@@ -140,7 +194,7 @@ def _checkpoint_blocks(cache: PrefixCache, page_hash: bytes) -> tuple[Checkpoint
 
 
 def import_resume(cache: PrefixCache, io: BlockIO, export: ResumeExport, page_hashes: list[bytes],
-                  first: int) -> tuple[int, str | None]:
+                  first: int, root: bytes | None = None) -> tuple[int, str | None]:
     """Adopts a holder's export as cached pages and a stored checkpoint (module doc): (pages
     imported, None or why the request cannot resume there: "refused", "no_checkpoint_slot")."""
     layout, placement = cache.layout, cache.placement
@@ -175,6 +229,7 @@ def import_resume(cache: PrefixCache, io: BlockIO, export: ResumeExport, page_ha
                     staging.append(row)
                     copies.append(BlockCopy(IMPORT, len(staging) - 1, block))
                 cache.slots.store(slot, tail, depth, set(export.checkpoint_kinds), export.exact_tail)
+        sub_key = _import_sub_page(cache, export, tail, depth, root, staging, copies, blocks) if export.tail else None
         # the pages' rows beside the arena, where the holder's are this engine's (else those
         # blocks keep what they held: the MTP head drafts worse there, nothing else changes)
         same_rows = io.row_bytes and tuple(rows.shape for rows in export.page_rows) == \
@@ -183,7 +238,38 @@ def import_resume(cache: PrefixCache, io: BlockIO, export: ResumeExport, page_ha
                 tuple(rows[fresh] for rows in export.page_rows) if same_rows and fresh else ())
         for block in blocks:
             placement.release_page(block)
-        stored = export.checkpoint is None or cache.checkpoints.get(tail) is not None
+        stored = (export.checkpoint is None or cache.checkpoints.get(tail) is not None) and \
+            (not export.tail or (sub_key is not None and cache.checkpoints.get(sub_key) is not None))
         return len(fresh), None if stored else "no_checkpoint_slot"
     finally:
         placement.release_chain(held)
+
+
+def _import_sub_page(cache: PrefixCache, export: ResumeExport, floor: bytes, depth: int, root: bytes | None,
+                     staging: list, copies: list, blocks: list[int]) -> bytes | None:
+    """Adopts an export's sub-page resume point after page `floor` (on the device now, held):
+    its head as a partial page (`cairn.workers.cache.partial_pages`) and its state as a sub-page
+    checkpoint, each unless already here. Its block joins `blocks` (released with the pages).
+    Returns the checkpoint's key (None: the export is malformed or `root` unknown)."""
+    layout, tail = cache.layout, export.tail
+    if root is None or export.head is None or export.sub_checkpoint is None or \
+            export.head.shape != (1, layout.block_bytes) or \
+            export.sub_checkpoint.shape != (layout.slot_blocks, layout.block_bytes):
+        return None
+    base = branch_root(floor, root)
+    page_key = partial_page_hash(base, tail)
+    if cache.pages.page_of(page_key) is None and cache.placement.room_for_pages(1):
+        [block] = cache.placement.take_free_pages(1)
+        blocks.append(block)
+        cache.pages.register(block, page_key, floor, tuple(tail), root, partial=True)
+        staging.append(export.head[0])
+        copies.append(BlockCopy(IMPORT, len(staging) - 1, block))
+    key = next_page_hash(base, tail)
+    if cache.checkpoints.get(key) is None:
+        slot = cache.take_checkpoint_slot()
+        if slot is not None:
+            for row, block in zip(export.sub_checkpoint, cache.arena.pages_of_group(slot)):
+                staging.append(row)
+                copies.append(BlockCopy(IMPORT, len(staging) - 1, block))
+            cache.slots.store(slot, key, depth, set(export.sub_kinds), None, tail, floor, root)
+    return key

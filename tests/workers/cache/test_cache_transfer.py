@@ -167,3 +167,44 @@ def test_a_holder_exports_what_its_host_tier_keeps(tiny_model_dir):
     got = run(receiver, turn2)
     assert got.cached_tokens >= 6 * PS
     assert_same_output(got, run(receiver, turn2, salt="cold"))
+
+
+@pytest.mark.parametrize("host", [False, True], ids=["device", "holder's host tier"])
+def test_a_prompt_end_inside_a_page_is_fetched_with_its_head_and_resumed_there(demo_model, host):
+    """The holder's reply ended inside the page its prompt ended in: it keeps that page's head
+    and the state at the prompt's end (`cairn.workers.cache.partial_pages`). A fetch of that
+    sub-page resume point (the router's hint: `FetchHint.tail`) brings both, and the receiver
+    resumes at the prompt's end, computing what a cold engine computes, and tells the index."""
+    model = demo_model("qwen3_5")
+    tiers = dict(cache_memory_bytes=80 * 4096, host_cache_bytes=4000 * 4096) if host else dict(num_pages=256)
+    holder = Engine.from_pretrained(model, dtype="float32", worker_id="h", **tiers)
+    receiver = Engine.from_pretrained(model, dtype="float32", num_pages=256, worker_id="r")
+    index = CacheIndex()
+    index.apply(receiver.drain_events())
+    short = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    first = prompt(4 * PS + 6, seed=21)
+    run_alone(holder, first, short)
+    if host:  # other conversations push it out to the holder's host tier
+        for i in range(6):
+            run_alone(holder, prompt(8 * PS, seed=60 + i), short)
+        assert holder.cache.stats.pages_demoted > 0
+    nxt = first + prompt(9, seed=22)
+    root = receiver.spec.hash_root()
+    hashes = receiver.spec.page_hashes(nxt, root)
+    if host:
+        assert any(h in holder.cache.host.pages for h in hashes[:4]) and holder.cache.host.checkpoints
+    plan = receiver.fetches.plan(hashes, len(nxt), 4, tuple(first[4 * PS:]), root)
+    assert (plan.first, plan.depth, plan.tail) == (0, 4, tuple(first[4 * PS:]))
+    export = holder.fetches.export(hashes, plan.first, plan.depth, plan.tail, root)
+    assert export is not None and export.head is not None and export.sub_checkpoint is not None
+    assert receiver.fetches.import_(export, hashes, plan.first, root) == 4
+    index.apply(receiver.drain_events())
+    assert index.contents("r") == receiver.cache_contents()
+    assert receiver.fetches.plan(hashes, len(nxt), 4, tuple(first[4 * PS:]), root) is None, "held here now"
+    got = run(receiver, nxt)
+    assert got.cached_tokens == len(first)
+    cold = run(receiver, nxt, salt="cold")
+    assert cold.cached_tokens == 0
+    assert_same_output(got, cold)
+    receiver.check()
+    holder.check()
