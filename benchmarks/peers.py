@@ -56,8 +56,11 @@ then the speed table, then the exact command each system ran. Writes benchmarks/
 and peers.json (--cluster: peers-cluster.*). Not a test: nothing here asserts; tests never need
 a peer.
 
+With `--host-tier H`, cairn keeps what its device cache evicts in a host tier of H of the working
+set (per replica); the peers keep their own settings.
+
 Usage: python3 benchmarks/peers.py [--quick] [--traces thinking-drop,agent,...] [--systems cairn,vllm,llama]
-                                   [--budget 0.25] [--model DIR] [--cluster]
+                                   [--budget 0.25] [--model DIR] [--cluster] [--max-tokens N] [--host-tier H]
   --quick: the tiny Qwen3.5 demo model, 2 conversations x 3 turns, 512 MiB caches, smaller speed rows (checks that
   the script runs; vLLM's CPU Gated DeltaNet needs head dims that are multiples of 32, which the
   tiny model's are not: its requests fail there, counted as errors).
@@ -186,9 +189,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+HOST_TIER_BYTES = 0  # --host-tier: cairn's host tier per replica (0: off)
+
+
 def cairn(model_dir: Path, cache_bytes: int, replicas: int = 1, fetch: bool = False) -> System:
     argv = [sys.executable, "-m", "cairn.cluster.cli", "serve", "--replicas", str(replicas), "--model", str(model_dir),
             "--served-model-name", MODEL, "--dtype", "bfloat16", "--cache-memory-bytes", str(cache_bytes)]
+    if HOST_TIER_BYTES:
+        argv += ["--host-cache-bytes", str(HOST_TIER_BYTES)]
     if fetch:  # move and fetch: a replica pulls the resume point another holds (cairn.cluster.replica_peer_fetch)
         OUT.mkdir(parents=True, exist_ok=True)
         routing = OUT / "peers-routing-fetch.yaml"
@@ -612,7 +620,10 @@ def main() -> None:
     parser.add_argument("--budget", type=float, default=None, metavar="F", help="cache bytes: F of the working set")
     parser.add_argument("--model", default=None, help="checkpoint directory (default: the peer model, see above)")
     parser.add_argument("--max-tokens", type=int, default=None, help="tokens each turn generates (16; --quick 8)")
+    parser.add_argument("--host-tier", type=float, default=None, metavar="H",
+                        help="cairn's host tier: H of the working set per replica (default: off)")
     args = parser.parse_args()
+    global HOST_TIER_BYTES
     from cairn.workers.demo.checkpoint import demo_model_dir
 
     peer_model = PEERS / "peer-bench"
@@ -622,6 +633,7 @@ def main() -> None:
     traces = [build_trace(t, args.quick) for t in args.traces.split(",") if t and t != "none"]  # none: speed only
     spare = SPARE_BYTES >> 3 if args.quick else SPARE_BYTES
     budget = int(args.budget * working_set_bytes(traces, renderer, model_dir)) if args.budget else spare
+    HOST_TIER_BYTES = int(args.host_tier * working_set_bytes(traces, renderer, model_dir)) if args.host_tier else 0
     long_tokens, streams, out_tokens = (500, 4, 16) if args.quick else (6000, 16, 64)
     max_tokens = args.max_tokens or (8 if args.quick else 16)
     results: dict = {"model": str(model_dir), "cache_bytes": budget, "traces": {t.name: {} for t in traces},
@@ -651,7 +663,9 @@ def main() -> None:
     print(f"model: {model_dir.name}; cache budget: "
           + (f"{budget / 2**20:.1f} MiB = {args.budget:g} of the working set" if args.budget
              else f"memory to spare ({budget >> 20} MiB each)")
-          + (" per replica or server" if args.cluster else "") + f"; {max_tokens} tokens per turn")
+          + (" per replica or server" if args.cluster else "") + f"; {max_tokens} tokens per turn"
+          + (f"; cairn's host tier {HOST_TIER_BYTES / 2**20:.1f} MiB = {args.host_tier:g} of the working set"
+             if HOST_TIER_BYTES else ""))
     for trace in traces:
         print_trace(trace.name, results["traces"][trace.name])
     if not args.cluster:

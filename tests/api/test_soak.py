@@ -71,7 +71,7 @@ async def soak_round(url: str, seed: int) -> list[str]:
 def settled(engine: AsyncEngine, timeout_s: float = 20) -> None:
     """Waits until the engine holds nothing for any request (aborts land a step or two late)."""
     core, deadline = engine.engine, time.monotonic() + timeout_s
-    while core.has_unfinished() or core.cache.pages.num_held or core.cache.num_running_slots:
+    while core.has_unfinished() or core.cache.pages.num_held or core.cache.running_slots:
         assert time.monotonic() < deadline, (f"never settled: running {len(core.scheduler.running)}, waiting "
                                              f"{len(core.scheduler.waiting)}, pages held {core.cache.pages.num_held}")
         time.sleep(0.05)

@@ -132,7 +132,7 @@ def test_abort_frees_pages_and_slot(path):
     assert engine.cache.pages.num_held > 0
     final = engine.abort(rid)
     assert final.finish_reason == "abort" and final.request_id == rid
-    assert engine.cache.pages.num_held == 0 and engine.cache.num_running_slots == 0
+    assert engine.cache.pages.num_held == 0 and not engine.cache.running_slots
     assert not engine.has_unfinished()
     assert engine.abort(rid) is None
 

@@ -124,7 +124,7 @@ def test_a_fault_in_one_sequence_ends_it_alone_and_its_neighbours_run_on(tiny_mo
     assert [final[rid].token_ids for rid in ids] == expected, "the neighbours' tokens changed"
     assert all(final[rid].finish_reason == "length" for rid in ids)
     engine.check()
-    assert engine.cache.pages.num_held == 0 and engine.cache.num_running_slots == 0, "the victim's holdings leaked"
+    assert engine.cache.pages.num_held == 0 and not engine.cache.running_slots, "the victim's holdings leaked"
     assert not engine.has_unfinished()
     again = run(engine, [(bystanders[0], GREEDY)])  # the engine serves on
     assert next(iter(again.values())).token_ids == expected[0]

@@ -15,7 +15,12 @@ predicted holders (`cairn.cluster.routing.predicted`) and ranks replicas by cost
   replica.
 - What it routed where stands in for the index until the index hears of it (predicted holders):
   the pages, and for a hybrid model the states the request leaves past where it resumes there
-  (its message starts and its end), never a state merely where a later prompt parts from it.
+  (its message starts and its end, inside a page too), never a state merely where a later prompt
+  parts from it.
+- A hybrid model's replica may resume inside the page after its hit run, where an earlier prompt
+  ended (`sub_states`): every position of that page is named and asked of the index
+  (`ProbeFn`: `CacheIndex.states_at`) and of the predicted holders, and the replica is scored
+  there. A probe that fails costs that depth alone.
 - A request's prefill tokens count as load on its replica until its first output
   (`on_prefill_done`, called through `cairn.cluster.routing.router_registry.prefill_done` by the ingress).
 - `counts` (and the adapter's `gauges`) are what the ingress's /metrics exports as

@@ -396,11 +396,6 @@ class PrefixCache:
         return self.events.dropped
 
     @property
-    def num_running_slots(self) -> int:
-        """State slots held by admitted sequences."""
-        return len(self._running_slots)
-
-    @property
     def used_bytes(self) -> int:
         """Arena bytes in use: held and cached pages, running states, checkpoints."""
         return self.arena.used_bytes

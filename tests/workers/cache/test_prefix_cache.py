@@ -362,7 +362,7 @@ def test_in_a_tight_arena_pages_and_states_share_blocks_and_resumed_equals_cold(
         hits += sum(o.cached_tokens for o in got)
         tight.check()
     assert hits > 0 and tight.cache.stats.pages_evicted > 0
-    assert tight.cache.pages.num_held == 0 and tight.cache.num_running_slots == 0
+    assert tight.cache.pages.num_held == 0 and not tight.cache.running_slots
 
 
 def test_the_exact_baseline_stores_every_finished_chat_under_pressure_whatever_its_hints(tiny_model_dir):
