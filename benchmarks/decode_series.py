@@ -52,14 +52,14 @@ def series(engine: Engine, running: int, steps: int) -> tuple[list[float], float
         engine.step()
     for _ in range(WARM):
         engine.step()
-    ahead, times = engine.overlapped_steps, []
+    ahead, times = engine.async_steps.overlapped_steps, []
     for _ in range(steps):
         began = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - began)
     if engine.runner.device.type == "cuda":
         torch.cuda.synchronize()
-    share = (engine.overlapped_steps - ahead) / steps
+    share = (engine.async_steps.overlapped_steps - ahead) / steps
     for request_id in ids:
         engine.abort(request_id)
     while engine.has_unfinished():

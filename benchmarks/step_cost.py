@@ -155,7 +155,7 @@ def census_series(cfg: ModelConfig, running: int, steps: int, async_scheduling: 
     after = {size: entry[0].data_ptr() for size, entry in graphs._static.items()}
     return dict(series=steps, running=running, async_scheduling=async_scheduling, steps=rows,
                 new_input_buffers=sum(1 for size, ptr in after.items() if buffers.get(size) != ptr),
-                overlapped_steps=engine.overlapped_steps)
+                overlapped_steps=engine.async_steps.overlapped_steps)
 
 
 def count_step(cfg: ModelConfig, tp: int, step: Step) -> tuple[Census, int]:

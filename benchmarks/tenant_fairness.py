@@ -40,7 +40,7 @@ from cairn.cluster.api import APIOptions, build_app  # noqa: E402
 from cairn.cluster.api.engine_client import LocalEngineClient  # noqa: E402
 from cairn.cluster.api.server import BackgroundServer  # noqa: E402
 from cairn.cluster.api.tenants import Tenants  # noqa: E402
-from cairn.workers import AsyncEngine  # noqa: E402
+from cairn.workers import EngineFront  # noqa: E402
 from cairn.workers.demo import demo_model_dir  # noqa: E402
 
 MODEL = "demo"
@@ -117,13 +117,13 @@ class Flood:
         return got
 
 
-def wait_running(engine: AsyncEngine, n: int, timeout_s: float = 300) -> None:
+def wait_running(engine: EngineFront, n: int, timeout_s: float = 300) -> None:
     deadline = time.monotonic() + timeout_s
     while len(engine.engine.scheduler.running) < n and time.monotonic() < deadline:
         time.sleep(0.05)
 
 
-def settle(engine: AsyncEngine) -> None:
+def settle(engine: EngineFront) -> None:
     while engine.engine.has_unfinished():
         time.sleep(0.1)
 
@@ -139,7 +139,7 @@ def main() -> None:
     long = args.long or (48 if args.quick else 1500)
     args.tries = args.tries or (2 if args.quick else 5)
     model_dir = demo_model_dir(args.size or ("tiny" if args.quick else "bench"))
-    engine = AsyncEngine.from_pretrained(model_dir, max_num_seqs=64)
+    engine = EngineFront.from_pretrained(model_dir, max_num_seqs=64)
     keyed = build_app(LocalEngineClient(engine), model_dir, APIOptions(served_model_name=MODEL),
                       tenants=Tenants.load(["alice:key-alice", "bob:key-bob"]))
     open_app = build_app(LocalEngineClient(engine), model_dir, APIOptions(served_model_name=MODEL))

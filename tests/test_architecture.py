@@ -13,7 +13,8 @@ PKG = ROOT / "cairn"
 ROOMS = ("cluster", "workers", "cache_service", "kernels", "configs")  # cairn's subpackages
 PLAN_MAKING = sorted({p.relative_to(ROOT).as_posix() for p in (PKG / "workers" / "cache").glob("*.py")}
                      - {"cairn/workers/cache/device_budget.py"}) + \
-    ["cairn/workers/scheduler.py", "cairn/workers/plan.py", "cairn/workers/slot.py", "cairn/workers/sequence.py",
+    ["cairn/workers/scheduler.py", "cairn/workers/checkpoint_planning.py", "cairn/workers/shared_prefill.py",
+     "cairn/workers/speculative/verify_slots.py", "cairn/workers/plan.py", "cairn/workers/slot.py", "cairn/workers/sequence.py",
      "cairn/workers/sequence_cache.py", "cairn/workers/sampling_params.py", "cairn/workers/engine_options.py",
      "cairn/workers/spec.py", "cairn/workers/tenant_queue.py"]
 
@@ -32,6 +33,89 @@ def imported_modules(path: Path) -> set[str]:
             package = path.relative_to(ROOT).with_suffix("").parts[:-node.level]
             modules.add(".".join(package + ((node.module,) if node.module else ())))
     return modules
+
+
+def module_name(path: Path) -> str:
+    """The dotted name `path` (a file under cairn/) is imported as: a package by its folder."""
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def cairn_modules() -> dict[str, Path]:
+    """Every module of cairn by its dotted name (a package's is its __init__.py)."""
+    return {module_name(path): path for path in sorted(PKG.rglob("*.py"))}
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the modules of cairn it imports, at module level or inside a function alike.
+    `from cairn.x import y` imports the module cairn.x.y where there is one, else (a name defined
+    in, or handed on by, cairn/x/__init__.py) the package cairn.x; a dotted name that is no module
+    of cairn is its nearest enclosing one."""
+    modules = cairn_modules()
+
+    def nearest(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph = {}
+    for name, path in modules.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets |= {nearest(a.name) for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: resolved against the file's own package
+                    package = path.relative_to(ROOT).with_suffix("").parts[:-node.level]
+                    base = ".".join(package + ((base,) if base else ()))
+                for a in node.names:
+                    targets.add(f"{base}.{a.name}" if f"{base}.{a.name}" in modules else nearest(base))
+        graph[name] = {t for t in targets if t is not None and t != name}
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of `graph` with more than one node (Tarjan's, without
+    recursion), each sorted: the groups of nodes that reach each other through imports."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
 
 
 def imported_roots(path: Path) -> set[str]:
@@ -56,6 +140,53 @@ def test_dependencies_point_one_way():
         for path in (PKG / package).rglob("*.py"):
             bad = (imported_roots(path) & ours) - may_import - {package}
             assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
+
+
+def described(found: list[list[str]], graph: dict[str, set[str]]) -> str:
+    return "\n".join(f"circle of {len(c)}: " + "; ".join(f"{m} -> {sorted(graph[m] & set(c))}" for m in c)
+                     for c in found)
+
+
+def test_no_module_of_cairn_imports_itself_through_others():
+    """No circle of imports: not at module level, nor through an import inside a function (a
+    lazy import hides a circle from Python at load time, not from whoever reads the code)."""
+    graph = import_graph()
+    found = circles(graph)
+    assert not found, "import circles:\n" + described(found, graph)
+
+
+def test_in_every_folder_imports_run_one_way_between_its_rooms():
+    """In each folder of cairn, each file and each folder directly in it is a room (a folder
+    with all it holds): no room reaches another that reaches it back, so they stand on floors,
+    every import pointing down (what `farm-studio look cairn/workers` draws, for one, with no
+    arrow running back up)."""
+    graph = import_graph()
+    found = []
+    for folder in sorted({m.rpartition(".")[0] for m in graph} - {""}):
+        inside = f"{folder}."
+        rooms: dict[str, set[str]] = {}
+        for module, imported in graph.items():
+            if module.startswith(inside):
+                room = module.removeprefix(inside).split(".")[0]
+                rooms.setdefault(room, set()).update(
+                    m.removeprefix(inside).split(".")[0] for m in imported if m.startswith(inside))
+        rooms = {room: imported - {room} for room, imported in rooms.items()}
+        found += [f"{folder}: " + described([c], rooms) for c in circles(rooms)]
+    assert not found, "rooms of a folder that import each other:\n" + "\n".join(found)
+
+
+def test_the_circle_finder_finds_circles_and_only_them():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": {"e"}, "e": {"d"}, "f": {"a"}, "g": set()}
+    assert sorted(circles(graph)) == [["a", "b", "c"], ["d", "e"]]
+    assert circles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
+
+
+def test_the_import_graph_reads_submodules_packages_and_lazy_imports():
+    graph = import_graph()
+    assert "cairn.workers.execution.tp_runner" in graph["cairn.workers.loading"]
+    assert "cairn.workers.model" in graph["cairn.workers.loading"]  # a name the package hands on
+    assert "cairn.workers.model.qwen3_5_config" in graph["cairn.workers.model.model_types"]  # a submodule by name
+    assert "cairn.kernels.common.triton_helpers" in graph["cairn.kernels.common.dispatch"]  # inside a function
 
 
 def test_only_the_index_actor_imports_ray_below_cluster():

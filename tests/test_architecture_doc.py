@@ -1,11 +1,19 @@
-"""docs/ARCHITECTURE.md stays true to the code it maps: every design rule the code cites has a
-heading there with its number, and every path the document names exists."""
+"""docs/ARCHITECTURE.md, the map, and the area pages beside it stay true to the code: every design
+rule the code cites has a heading in the map with its number; every path a page names exists, and
+every type a page places in a module is defined there; the map stays short enough to read in one
+sitting, names every area page, and every link between the pages reaches a heading that exists."""
 
 import re
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
-DOC = ROOT / "docs" / "ARCHITECTURE.md"
+DOCS = ROOT / "docs"
+DOC = DOCS / "ARCHITECTURE.md"  # the map
+AREA_PAGES = ("cache.md", "speculative.md", "kernels.md", "cluster.md")  # the detail, next to what it describes
+PAGES = (DOC, *(DOCS / name for name in AREA_PAGES))
+MAP_MAX_LINES = 450
 CITING = ("cairn", "benchmarks", "tests")
 ROOT_FILE_SUFFIXES = (".py", ".md", ".toml", ".yaml", ".yml", ".sh")
 
@@ -74,11 +82,12 @@ def looks_like_path(token: str) -> bool:
     return "/" in token or token.endswith(ROOT_FILE_SUFFIXES)
 
 
-def test_every_path_the_doc_names_exists():
-    paths = sorted({t for t in BACKTICKED.findall(doc_text()) if looks_like_path(t)})
-    assert len(paths) > 20, f"too few paths found to trust the reader: {paths}"
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_every_path_a_page_names_exists(page):
+    paths = sorted({t for t in BACKTICKED.findall(page.read_text()) if looks_like_path(t)})
+    assert len(paths) > (20 if page == DOC else 5), f"too few paths found to trust the reader: {paths}"
     missing = [p for p in paths if not (ROOT / p).exists()]
-    assert not missing, f"docs/ARCHITECTURE.md names paths that do not exist: {missing}"
+    assert not missing, f"docs/{page.name} names paths that do not exist: {missing}"
 
 
 def test_the_readme_points_to_the_design():
@@ -110,9 +119,62 @@ def test_the_type_reader_finds_a_type_and_its_module_across_a_line_break():
     assert found == [("GenerateRequest", "cairn/workers/request.py"), ("EngineSpec", "cairn/workers/spec.py")]
 
 
-def test_every_type_the_doc_places_in_a_module_is_defined_there():
-    placed = [(m["name"], m["path"]) for m in TYPE_AT.finditer(doc_text())]
-    assert len(placed) > 10, f"too few types found to trust the reader: {placed}"
-    wrong = [(name, path) for name, path in placed
-             if (ROOT / path).exists() and name not in defined_names(ROOT / path)]
-    assert not wrong, f"docs/ARCHITECTURE.md places types in modules that do not define them: {wrong}"
+def test_every_type_a_page_places_in_a_module_is_defined_there():
+    placed = {page.name: [(m["name"], m["path"]) for m in TYPE_AT.finditer(page.read_text())] for page in PAGES}
+    assert len(placed[DOC.name]) > 10, f"too few types found in the map to trust the reader: {placed[DOC.name]}"
+    assert sum(map(len, placed.values())) > 30, f"too few types found to trust the reader: {placed}"
+    wrong = {page: [(name, path) for name, path in types
+                    if (ROOT / path).exists() and name not in defined_names(ROOT / path)]
+             for page, types in placed.items()}
+    wrong = {page: types for page, types in wrong.items() if types}
+    assert not wrong, f"pages place types in modules that do not define them: {wrong}"
+
+
+def test_the_map_is_read_in_one_sitting_and_names_every_area_page():
+    text = doc_text()
+    lines = len(text.splitlines())
+    assert lines <= MAP_MAX_LINES, f"docs/ARCHITECTURE.md has {lines} lines: move detail to an area page"
+    for name in (*AREA_PAGES, "operations.md", "serving.md"):
+        assert f"]({name})" in text, f"the map does not link docs/{name}"
+    for name in AREA_PAGES:
+        assert "](ARCHITECTURE.md" in (DOCS / name).read_text(), f"docs/{name} does not link back to the map"
+
+
+LINK = re.compile(r"\]\((?P<file>[\w.\-/]*?\.md)?(?:#(?P<anchor>[\w\-]+))?\)")  # a link to a page, a heading or both
+FENCED = re.compile(r"^```.*?^```", re.MULTILINE | re.DOTALL)
+
+
+def anchors(text: str) -> set[str]:
+    """The anchors GitHub gives a page's headings: lower case, punctuation dropped, spaces made
+    hyphens, a repeated one suffixed -1, -2, ..."""
+    seen: dict[str, int] = {}
+    out = set()
+    for heading in re.findall(r"^#{1,6}\s+(.+?)\s*$", FENCED.sub("", text), re.MULTILINE):
+        slug = re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        out.add(slug if n == 0 else f"{slug}-{n}")
+    return out
+
+
+def test_the_anchor_reader_slugs_as_github_does():
+    assert anchors("## 5. Design rules\n### Rule 1 — One page hash\n## Triton: tuning, warm-up\n## Not built\n"
+                   "```bash\n# a comment, not a heading\n```\n## Not built\n") == {
+        "5-design-rules", "rule-1--one-page-hash", "triton-tuning-warm-up", "not-built", "not-built-1"}
+    found = [m.group("file", "anchor") for m in LINK.finditer("[a](cache.md) [b](#rules) [c](../README.md#on-a-gpu) "
+                                                             "[d](https://example.com/x)")]
+    assert found == [("cache.md", None), (None, "rules"), ("../README.md", "on-a-gpu")]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_every_link_between_the_pages_reaches_its_heading(page):
+    links = [m for m in LINK.finditer(page.read_text()) if m["file"] or m["anchor"]]
+    assert links, f"no links found in docs/{page.name} to trust the reader"
+    broken = []
+    for m in links:
+        target = (page.parent / m["file"]).resolve() if m["file"] else page
+        if not target.exists():
+            broken.append(m.group())
+        elif m["anchor"] and m["anchor"] not in anchors(target.read_text()):
+            broken.append(m.group())
+    assert not broken, f"docs/{page.name} links to files or headings that do not exist: {broken}"

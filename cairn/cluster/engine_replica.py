@@ -1,4 +1,4 @@
-"""The engine deployment's replica: one `AsyncEngine`, its cache reported to the index.
+"""The engine deployment's replica: one `EngineFront`, its cache reported to the index.
 
 `EngineReplica` owns one engine (`num_gpus: 1` on GPU nodes, fractional CPUs here) and serves
 `generate`, `abort`, `metrics`, `cache_contents` and `ready` to the ingress through a DeploymentHandle,
@@ -29,7 +29,7 @@ Rules it keeps:
   Serve stops routing to it and waits for its ongoing requests, up to the deployment's
   `graceful_shutdown_timeout_s`, before calling `__del__`; then the index forgets it
   (`EventPublisher.close(drop_worker=True)`), so no router scores a replica that is gone.
-It touches the engine only through `AsyncEngine`'s public methods.
+It touches the engine only through `EngineFront`'s public methods.
 """
 
 from __future__ import annotations
@@ -65,12 +65,12 @@ class EngineReplica:
 
     async def __init__(self, model: str, engine_options: EngineOptions, routing: dict[str, Any],
                        spec: EngineSpec):
-        from cairn.workers import AsyncEngine, ModelSource
+        from cairn.workers import EngineFront, ModelSource
 
         cfg = RoutingConfig.model_validate(routing)
         self.worker_id = replica_worker_id(serve.get_replica_context().replica_id)
         model_dir = ModelSource.parse(model).local_dir()
-        self.engine = AsyncEngine.from_pretrained(model_dir, engine_options, worker_id=self.worker_id,
+        self.engine = EngineFront.from_pretrained(model_dir, engine_options, worker_id=self.worker_id,
                                                   start_ranks=RayRankWorkers.start)
         if self.engine.spec != spec:  # e.g. another copy of the model on this node
             raise RuntimeError(f"this replica's engine is {self.engine.spec}, but the deployment was built for "

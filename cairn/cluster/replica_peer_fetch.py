@@ -4,11 +4,11 @@ config `fetch`).
 The router names, beside its choice, the replica resuming a request deepest and how deep (a
 `cairn.workers.request.FetchHint`, sent as the request's `fetch`: a hint, whichever replica takes the
 request). A receiving replica hands the request to its engine with this `ReplicaPeerFetch` as the
-fetcher (`AsyncEngine.stream`): if it resumes less deep (`cairn.workers.cache.transfer.plan_fetch`),
+fetcher (`EngineFront.stream`): if it resumes less deep (`cairn.workers.cache.transfer.plan_fetch`),
 the engine holds the request and returns what to ask for, and `ReplicaPeerFetch` pulls it:
 - the ask is an `ExportRequest` through the engine deployment's own handle, which the router
   sends to exactly the replica it names (`target_worker`); the holder copies the pages and the
-  checkpoint between two of its steps (`AsyncEngine.export_resume`: one request's resume
+  checkpoint between two of its steps (`EngineFront.export_resume`: one request's resume
   point, a bounded pause) and the reply crosses Ray's object store;
 - the export is delivered to the receiving engine, which adopts it under the request's own
   hashes before the request's first step (so a fetch never crosses a cache salt) and whose
@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from cairn.workers import AsyncEngine
+from cairn.workers import EngineFront
 from cairn.workers.cache.transfer import FetchPlan, ResumeExport
 from cairn.workers.request import ExportRequest, GenerateRequest
 
@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 
 class ReplicaPeerFetch:
-    def __init__(self, worker_id: str, engine: AsyncEngine, timeout_s: float):
+    def __init__(self, worker_id: str, engine: EngineFront, timeout_s: float):
         self.worker_id, self.engine, self.timeout_s = worker_id, engine, timeout_s
         self._handle = None
 

@@ -41,10 +41,12 @@ class RankActor:
         import torch
 
         from cairn.workers.execution.tp_runner import build_rank_runner
+        from cairn.workers.speculative.mtp_drafter import MtpDrafter
 
         torch.set_num_threads(1)
         device = torch.device("cuda") if ray.get_gpu_ids() else torch.device("cpu")  # its bundle's GPU
-        self.executor, self._num_blocks = build_rank_runner(model_dir, options, rank, address, device)
+        self.executor, self._num_blocks = build_rank_runner(model_dir, options, rank, address, device,
+                                                                 drafter_type=MtpDrafter)
 
     def num_blocks(self) -> int:
         return self._num_blocks

@@ -1,6 +1,6 @@
 """One inference engine per device: model, page and state pools, scheduler, runner, sampler.
 
-Public surface: `Engine` (synchronous, batch `generate`), `AsyncEngine` (streams tokens per
+Public surface: `Engine` (synchronous, batch `generate`), `EngineFront` (the asyncio front end: streams tokens per
 request, abortable), `EngineSpec` (the facts a deployment shares), `SamplingParams`,
 `RequestOutput` and `TokenLogprob`, `EngineOptions`, the errors `RequestRejected`
 (`SamplingParamError`: a sampling field's), `EngineOptionError` (an engine option's) and
@@ -18,7 +18,7 @@ from __future__ import annotations
 from cairn.workers.lazy import lazy_exports
 
 _WHERE = {
-    "AsyncEngine": "cairn.workers.async_engine", "demo_model_dir": "cairn.workers.demo", "Engine": "cairn.workers.engine",
+    "EngineFront": "cairn.workers.engine_front", "demo_model_dir": "cairn.workers.demo", "Engine": "cairn.workers.engine",
     "RequestOutput": "cairn.workers.output", "EngineError": "cairn.workers.engine_errors",
     "RequestRejected": "cairn.workers.engine_errors", "SamplingParamError": "cairn.workers.engine_errors",
     "ModelNotFound": "cairn.workers.model_source", "ModelSource": "cairn.workers.model_source",

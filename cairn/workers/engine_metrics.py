@@ -82,7 +82,7 @@ class EngineMetrics(EngineTotals):
     # tokens were read, and rows of those steps computed for sequences that had stopped
     steps_planned_ahead_total: int = 0
     rows_dropped_total: int = 0
-    # speculative decoding (cairn.workers.speculation), as vLLM counts it: verify segments that
+    # speculative decoding (cairn.workers.speculative), as vLLM counts it: verify segments that
     # drafted, tokens drafted, drafted tokens accepted (in all, and by position: "0" the first);
     # mean acceptance length = 1 + accepted / drafts, acceptance rate = accepted / drafted
     spec_drafts_total: int = 0
@@ -128,7 +128,7 @@ class EngineMetrics(EngineTotals):
             fetches_total=fetches.counts["fetches"], fetched_pages_total=fetches.counts["fetched_pages"],
             fetched_bytes_total=fetches.counts["fetched_bytes"], exported_bytes_total=fetches.counts["exported_bytes"],
             kernel_compiles_total=engine.kernel_compiles, kernel_compiles_after_warm_up_total=engine.late_compiles,
-            steps_planned_ahead_total=engine.overlapped_steps, rows_dropped_total=engine.dropped_rows,
+            steps_planned_ahead_total=engine.async_steps.overlapped_steps, rows_dropped_total=engine.async_steps.dropped_rows,
             spec_drafts_total=spec.drafts, spec_draft_tokens_total=spec.draft_tokens,
             spec_accepted_tokens_total=spec.accepted_tokens, spec_mean_acceptance_length=spec.mean_acceptance_length,
             spec_accepted_tokens_by_position_total={str(j): n for j, n in enumerate(spec.accepted_by_position)

@@ -21,10 +21,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 
-from cairn.workers.cache.checkpoint_policy import POLICY_KINDS
 from cairn.workers.precision import DTYPE_NAMES
 
-MAX_SPECULATIVE_TOKENS = 4  # the most tokens the MTP head drafts a step (cairn.workers.speculation)
+MAX_SPECULATIVE_TOKENS = 4  # the most tokens the MTP head drafts a step (cairn.workers.speculative)
+# `cache_policy`'s values: where checkpoints go and which kinds earn their keep
+# (cairn.workers.cache.checkpoint_policy, whose `POLICY_KINDS` names each one's kinds)
+CACHE_POLICIES = ("cairn", "exact", "all", "interval", "end_branch")
 
 
 class EngineOptionError(ValueError):
@@ -60,7 +62,7 @@ class EngineOptions:
     enforce_eager: bool | None = None         # no decode graphs (None: graphs on CUDA, eager on CPU; cairn.workers.execution.decode_graphs)
     warm_up: bool = False                     # compile every kernel shape at load (Engine.warm_up); servers turn it on
     async_scheduling: bool = False            # plan and launch a decode step before the last one's tokens are read (Engine.step)
-    num_speculative_tokens: int = 0           # tokens the checkpoint's MTP head drafts a step, 0-4 (0: off; cairn.workers.speculation)
+    num_speculative_tokens: int = 0           # tokens the checkpoint's MTP head drafts a step, 0-4 (0: off; cairn.workers.speculative)
     speculative_exact: bool = False           # verify drafts through the decode kernels, row by row: output exactly k = 0's
     speculative_adaptive: bool = True         # draft only while verify steps give more tokens/s than plain ones (measured)
     speculative_max_num_seqs: int | None = None  # N: a step verifies at most k x N drafted tokens (None: max_num_seqs), each a state slot
@@ -118,8 +120,8 @@ class EngineOptions:
         if self.enforce_eager not in (None, True, False):
             raise EngineOptionError("enforce_eager", f"enforce_eager must be true, false or None (graphs on CUDA "
                                                      f"only), got {self.enforce_eager!r}")
-        if not isinstance(self.cache_policy, str) or self.cache_policy not in POLICY_KINDS:
-            raise EngineOptionError("cache_policy", f"cache_policy must be one of {sorted(POLICY_KINDS)}, "
+        if not isinstance(self.cache_policy, str) or self.cache_policy not in CACHE_POLICIES:
+            raise EngineOptionError("cache_policy", f"cache_policy must be one of {sorted(CACHE_POLICIES)}, "
                                                     f"got {self.cache_policy!r}")
         if self.dtype not in ("auto", *DTYPE_NAMES):
             raise EngineOptionError("dtype", f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")

@@ -87,3 +87,15 @@ def warm_kernels(engine) -> KernelWarmUp:
     if compiled:
         tuning_cache.save()
     return KernelWarmUp(steps, time.perf_counter() - began, compile_watch.compiles() - before, loaded)
+
+
+def check_late_compiles(engine) -> None:
+    """After warm-up, after each step: logs and counts (`Engine.late_compiles`) the kernels the
+    step compiled, each a shape the warm-up missed."""
+    now = compile_watch.compiles()
+    if now != engine._compiles_seen:
+        late = compile_watch.seen()[engine._compiles_seen:now]
+        engine.late_compiles += len(late)
+        engine._compiles_seen = now
+        log.warning("a step compiled %d kernel(s) after warm-up (a shape it missed): %s", len(late),
+                    "; ".join(f"{kernel}[{key}]" for kernel, key in late))

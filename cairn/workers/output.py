@@ -1,4 +1,5 @@
-"""What an engine hands back per step and per request: `RequestOutput`. Plain data, no torch.
+"""What an engine hands back per step and per request: `RequestOutput`, and `outputs_of`, which
+turns a step's applied tokens into one output a sequence. Plain data, no torch.
 (The engine's running totals are `cairn.workers.engine_metrics.EngineTotals`.)"""
 
 from __future__ import annotations
@@ -43,3 +44,30 @@ class RequestOutput:
             out.logprobs = list(seq.logprobs) if asked else None
             out.error = seq.error
         return out
+
+
+def outputs_of(applied: list, requests: dict, worker: str) -> list[RequestOutput]:
+    """The outputs of the sequences `Scheduler.apply_tokens` gave tokens: one a sequence, with
+    its tokens of the step in order (a verify step gives several). A finished one leaves
+    `requests` (the engine's, by id); `worker`: the engine's id, stamped on each."""
+    outputs = []
+    i = 0
+    while i < len(applied):
+        seq, token, logprob = applied[i]
+        i += 1
+        new, logprobs = [token], [logprob] if logprob else []
+        while i < len(applied) and applied[i][0] is seq:
+            new.append(applied[i][1])
+            if applied[i][2]:
+                logprobs.append(applied[i][2])
+            i += 1
+        if seq.finish_reason is not None:
+            requests.pop(seq.request_id, None)
+            outputs.append(RequestOutput.of(seq, new, logprobs, worker))
+        else:  # the common case, inline: one small object per request and step
+            n_out = len(seq.token_ids) - len(seq.prompt_token_ids)
+            outputs.append(RequestOutput(
+                seq.request_id, new, None if seq.params.logprobs is None else logprobs,
+                n_out, seq.cached_tokens, None, seq.num_preemptions, worker,
+                queue_s=seq.queue_s if n_out == len(new) else None))
+    return outputs

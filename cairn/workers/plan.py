@@ -3,9 +3,9 @@ runner carries it out, the scheduler's `postprocess` reads it back. Plain data, 
 
 - `Segment`: one sequence's tokens this step (a decode is a segment of one), with the offsets
   inside it where a state is to be taken (`ckpt_slots`). A verify segment (speculative decoding,
-  cairn.workers.speculation) is a decode followed by `drafts` drafted tokens (`Sequence.draft`): it
+  cairn.workers.speculative) is a decode followed by `drafts` drafted tokens (`Sequence.draft`): it
   samples at each of its 1 + drafts positions, and its states after each offset are kept in
-  `states` until the scheduler knows how many of its tokens stand (`Scheduler.settle`).
+  `states` until the scheduler knows how many of its tokens stand (cairn.workers.speculative.verify_slots.settle).
 - `Commit`: a state the step leaves in a checkpoint slot, stored after the step.
 - `PageTableWrite`: a change to one row of the runner's page table (pages taken, a twin's page
   swapped in), applied before the step.
@@ -54,7 +54,7 @@ class Segment:
     num_tokens: int  # tokens computed in this step
     ckpt_slots: dict[int, list[int]] = field(default_factory=dict)  # offset inside -> slots to fill
     drafts: int = 0  # drafted tokens after its first one (`seq.draft[:drafts]`), each sampled at
-    verify: bool = False  # a speculating sequence's decode: its checkpoints wait for `Scheduler.settle`
+    verify: bool = False  # a speculating sequence's decode: its checkpoints wait for `verify_slots.settle`
     states: list[int] = field(default_factory=list)  # slots taking the state after offsets 1..drafts
 
     @property
@@ -88,7 +88,7 @@ class StepPlan:
     block_copies: list[BlockCopy] = field(default_factory=list)  # first of all, in order
     promotions_for_now: bool = False  # a segment of this step reads what this step promotes from the host
     # planned ahead (async scheduling): decodes reaching a page boundary, whose checkpoints are
-    # planned once the tokens before them are read (`Scheduler.plan_deferred`)
+    # planned once the tokens before them are read (`async_scheduling.plan_deferred`)
     deferred: list[Segment] = field(default_factory=list)
     lookahead: list[Sequence] = field(default_factory=list)  # decodes whose next page waits likewise
 

@@ -6,7 +6,7 @@ it, checkpoint hints at message starts), who asked (`tenant`), and the prompt te
 which text-matching routers read. The router reads it and never writes it: its choice of replica
 comes back beside a `FetchHint` (the replica resuming the request deepest, and how deep), which
 the Serve adapter sends along as a copy of the request with `fetch` set. The replica hands the
-request whole to its `AsyncEngine`, and the engine validates it (`Engine.add`).
+request whole to its `EngineFront`, and the engine validates it (`Engine.add`).
 
 `ExportRequest` is what a receiving replica asks of the holder a hint named
 (`cairn.cluster.replica_peer_fetch`): pages [first, depth) of the prompt's chain and the checkpoint at

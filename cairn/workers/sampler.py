@@ -4,7 +4,8 @@ Contract (`Sampler.sample`): one result per row, and the only read of the device
 ids (with the logprobs asked, in the same copy). `Sampler.draw` is `sample` left on the device:
 the ids there (they feed the next step under async scheduling) and their copy to the host
 started; `Draw.read()` waits for that copy alone. No Python runs per row on the logits: the host
-builds each row's parameters into a few arrays (one upload, pinned and non-blocking on CUDA),
+builds each row's parameters into a few arrays (one aligned upload, pinned and non-blocking on
+CUDA: cairn.workers.execution.pinned_upload),
 and every step below is a batched op over the rows that need it.
 
 1. Logprobs, when asked, are log_softmax of the raw logits (before anything below), for the
@@ -21,19 +22,14 @@ and every step below is a batched op over the rows that need it.
    temperature, then min-p, top-k and top-p each only where a row asks, by radix selects over
    the weights' float bits instead of sorts; an overflowing temperature is greedy). On CPU it is
    one C++ pass per row (cairn/kernels/sample/sample.cpp), on CUDA batched torch ops.
-   The draw takes one uniform per row, from a counter-based hash (SplitMix64) of (seed, output
-   index) on the device: a seeded request draws the same tokens alone, batched, chunked or preempted, and successive indices are
+   The draw takes one uniform per row, from a counter-based hash (cairn.workers.uniforms) of
+   (seed, output index) on the device: a seeded request draws the same tokens alone, batched, chunked or preempted, and successive indices are
    independent draws. A request without a seed gets a key of its own from the engine's
    generator at its first sampled row (`Sequence.sample_key`).
 5. A speculating engine's drafts are drawn by the same rules from the MTP head's logits
-   (`draft_tokens`). A seeded row's with the uniform its verify row will draw with: the verify
-   row's draw is the token, and the drafts equal to the draws stand (the output is k = 0's). An
-   unseeded row's apart (uniforms of another stream) from q, the head's distribution after the
-   rules, which the sequence keeps (`Sequence.draft_q`): its verify row keeps the draft d with
-   probability min(1, p(d) / q(d)), p the target's distribution after the rules (`row_probs`),
-   and otherwise draws from the residual max(0, p - q) (rejection sampling: the token is
-   distributed as p, and a draft is kept at sum(min(p, q)), more often than a shared uniform's
-   inverse CDFs agree).
+   (`draft_tokens`): a seeded row's with the uniform its verify row will draw with, an unseeded
+   sampled row's apart and tested by rejection sampling in its verify row
+   (cairn.workers.speculative.draft_sampling).
 
 Faults stay in their row: a row whose logits are not finite, or whose parameters cannot be
 prepared (its grammar's mask included), yields a `SequenceFault` in its place; every other row
@@ -51,36 +47,14 @@ import torch
 
 from cairn import kernels
 from cairn.workers.engine_errors import SequenceFault
+from cairn.workers.execution.pinned_upload import PinnedUpload
 from cairn.workers.grammar import Grammars
 from cairn.workers.sequence import Sequence, TokenLogprob
+from cairn.workers.speculative.draft_sampling import SampledRows, draw_apart, keep_or_resample
 from cairn.workers.token_counts import TokenCounts
+from cairn.workers.uniforms import uniforms
 
 log = logging.getLogger(__name__)
-
-_GOLDEN = 0x9E3779B97F4A7C15 - 2**64  # SplitMix64's increment, as an int64
-# the streams of an unseeded row's draft draws and keep tests (`draft_tokens`): other uniforms
-# than its token draws' of the same key
-DRAFT_SALT, KEEP_SALT = 0x0D2AF7ED5A17, 0x5EC0DEC0FFEE
-_MIX1, _MIX2 = 0xBF58476D1CE4E5B9 - 2**64, 0x94D049BB133111EB - 2**64
-
-
-def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
-    """Logical right shift of int64 (torch's >> is arithmetic)."""
-    return (x >> s) & ((1 << (64 - s)) - 1)
-
-
-def _mix(x: torch.Tensor) -> torch.Tensor:
-    """SplitMix64's finaliser over int64 tensors (multiplications wrap)."""
-    x = (x ^ _shr(x, 30)) * _MIX1
-    x = (x ^ _shr(x, 27)) * _MIX2
-    return x ^ _shr(x, 31)
-
-
-def uniforms(keys: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """One uniform in [0, 1) per row, a function of (key, index) only: fp32 with 24 random bits."""
-    h = _mix(_mix(keys) + (index + 1) * _GOLDEN)
-    return _shr(h, 40).to(torch.float32) * 2.0 ** -24
-
 
 @dataclass
 class Draw:
@@ -109,7 +83,7 @@ class _Rows:
         self.masked: list[tuple[int, int]] = []  # (position, token): EOS and stop ids under min_tokens
         self.constrained: list[int] = []  # positions with a grammar's mask
         self.masks: list[np.ndarray] = []  # their allowed tokens, int32 words
-        # speculative decoding, rows of sampled sequences without a seed (cairn.workers.speculation):
+        # speculative decoding, rows of sampled sequences without a seed (cairn.workers.speculative):
         self.apart: list[tuple[int, Sequence, int]] = []  # drafting: (position, sequence, draft index)
         self.verified: list[tuple[int, int, torch.Tensor]] = []  # verifying: (position, its draft, q)
 
@@ -119,7 +93,7 @@ class Sampler:
         self._generator = torch.Generator().manual_seed(seed)
         self.eos = tuple(sorted(eos_token_ids))
         self.counts: TokenCounts | None = None  # made for the first penalised row
-        self._staging: list[torch.Tensor | None] = [None, None]  # pinned upload buffers on CUDA
+        self._uploads: PinnedUpload | None = None  # the rows' parameters, in one aligned copy
         # pinned read-back buffers on CUDA, two a dtype: a draw's copy lands in one while the last
         # draw's, maybe unread yet (async scheduling), stays in the other
         self._readback: dict[torch.dtype, list[torch.Tensor | None]] = {}
@@ -129,7 +103,7 @@ class Sampler:
     def sample(self, logits: torch.Tensor, seqs: list[Sequence], offsets: list[int] | None = None
                ) -> list[tuple[int, TokenLogprob | None] | SequenceFault]:
         """logits: [N, vocab] fp32, one row per sequence in `seqs`; one result per row. `offsets`
-        (a verify step's rows, cairn.workers.speculation): per row, the output tokens before its
+        (a verify step's rows, cairn.workers.speculative): per row, the output tokens before its
         own past those its sequence has (its drafted ones): the row is sampled as the sequence's
         output token of that index (its seeded draw, `min_tokens`); 0 for all when None."""
         return self.draw(logits, seqs, offsets).read()
@@ -171,7 +145,7 @@ class Sampler:
 
     @torch.inference_mode()
     def draft_tokens(self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]]) -> torch.Tensor:
-        """The drafter's next tokens (cairn.workers.speculation): from its logits [n, vocab], one
+        """The drafter's next tokens (cairn.workers.speculative): from its logits [n, vocab], one
         row per sequence in `seqs`, each drawn as the sequence's output token of the next index
         would be after its output and its tokens drafted so far (`drafts`): its bias, `min_tokens`,
         penalties and grammar, its temperature, top-k/p and min-p; a greedy or seeded row with
@@ -306,28 +280,6 @@ class Sampler:
             rows.masks.append(mask)
         rows.seqs.append(seq)
 
-    def _upload(self, device: torch.device, ints: list[np.ndarray], floats: list[np.ndarray],
-                words: np.ndarray):
-        """The host arrays on the device in one copy (pinned and non-blocking on CUDA): int64s,
-        float32s, then int32 `words` (last, so every view stays aligned)."""
-        parts = [a.astype(np.int64).view(np.uint8) for a in ints] + [a.astype(np.float32).view(np.uint8) for a in floats]
-        parts.append(np.ascontiguousarray(words, np.int32).reshape(-1).view(np.uint8))
-        host = torch.from_numpy(np.concatenate(parts) if parts else np.zeros(0, np.uint8))
-        if device.type == "cuda":
-            self._staging = self._staging[::-1]
-            if self._staging[0] is None or self._staging[0].numel() < host.numel():
-                self._staging[0] = torch.empty(2 * host.numel(), dtype=torch.uint8, pin_memory=True)
-            pinned = self._staging[0][:host.numel()]
-            pinned.copy_(host)
-            host = pinned.to(device, non_blocking=True)
-        out, at = [], 0
-        for a, dtype in [(a, torch.int64) for a in ints] + [(a, torch.float32) for a in floats]:
-            size = a.size * 8 if dtype == torch.int64 else a.size * 4
-            out.append(host[at:at + size].view(dtype))
-            at += size
-        out.append(host[at:].view(torch.int32).view(words.shape))
-        return out
-
     def _sample_rows(self, logits: torch.Tensor, rows: _Rows, adjusted_only: bool = False, count: bool = True):
         """The rows' adjusted logits (`adjusted_only`), or their draw: (every row's id on the
         device, -1 where it faulted; what reads the results back); without `count` (a draft),
@@ -353,15 +305,19 @@ class Sampler:
         bias = np.array(rows.bias, np.float64).reshape(-1, 3)
         masked = np.array(rows.masked, np.int64).reshape(-1, 2)
         pen = np.array(rows.penalties, np.float32).reshape(-1, 3)
+        if self._uploads is None or self._uploads.device != device:
+            self._uploads = PinnedUpload(device)
+        up = self._uploads.upload(dict(
+            pos=np.array(rows.pos, np.int64), samp=sampled.astype(np.int64), key=keys[sampled],
+            index=np.array(rows.index, np.int64)[sampled], top_k=np.array(rows.top_k, np.int64)[sampled],
+            asked=asked.astype(np.int64), pen_pos=np.array(rows.penalised, np.int64),
+            pen_rows=np.array(counts_rows, np.int64), bias_at=bias[:, :2].astype(np.int64).reshape(-1),
+            masked_at=masked.reshape(-1), cons_at=np.array(rows.constrained, np.int64),
+            temp=temperature[sampled], top_p=np.array(rows.top_p, np.float32)[sampled],
+            min_p=np.array(rows.min_p, np.float32)[sampled], bias_val=bias[:, 2].astype(np.float32),
+            pen_val=pen.reshape(-1), words=np.stack(rows.masks) if rows.masks else np.zeros((0, 0), np.int32)))
         (pos, samp, key, index, top_k, asked_t, pen_pos, pen_rows, bias_at, masked_at, cons_at,
-         temp, top_p, min_p, bias_val, pen_val, words) = self._upload(device, [
-            np.array(rows.pos), sampled, keys[sampled], np.array(rows.index)[sampled],
-            np.array(rows.top_k)[sampled], asked, np.array(rows.penalised), np.array(counts_rows),
-            bias[:, :2].astype(np.int64).reshape(-1), masked.reshape(-1), np.array(rows.constrained)],
-            [temperature[sampled], np.array(rows.top_p, np.float32)[sampled],
-             np.array(rows.min_p, np.float32)[sampled], bias[:, 2].astype(np.float32), pen.reshape(-1)],
-            np.stack(rows.masks) if rows.masks else np.zeros((0, 0), np.int32))
-
+         temp, top_p, min_p, bias_val, pen_val, words) = up.values()
         x = logits.float()
         if n < logits.shape[0]:  # some rows faulted before: the others, compacted
             x = x.index_select(0, pos)
@@ -390,31 +346,13 @@ class Sampler:
                 host=([rows.top_k[i] for i in sampled], [rows.top_p[i] for i in sampled],
                       [rows.min_p[i] for i in sampled]))
             ids = ids.index_copy(0, samp, drawn)
-        def apart(at: list[int]) -> tuple[torch.Tensor, Callable[[int], torch.Tensor]]:
-            """Rows `at` (sampled ones, of an unseeded sequence): the distribution each draws from,
-            from its changed logits, and its uniforms at (key ^ salt, output index), from the
-            sampled rows' uploaded parameters."""
-            sub = torch.from_numpy(np.searchsorted(sampled, at)).to(device)
-            host = tuple([values[a] for a in at] for values in (rows.top_k, rows.top_p, rows.min_p))
-            dist = kernels.row_probs(x.index_select(0, samp.index_select(0, sub)), temp.index_select(0, sub),
-                                     top_k.index_select(0, sub), top_p.index_select(0, sub),
-                                     min_p.index_select(0, sub), host)
-            return dist, lambda salt: uniforms(key.index_select(0, sub) ^ salt, index.index_select(0, sub))
-
-        if rows.apart:  # drafts of unseeded sampled rows: drawn from q with uniforms of their own
-            at = [a for a, _, _ in rows.apart]
-            q, u = apart(at)
-            ids = ids.index_copy(0, torch.tensor(at, device=device), kernels.draw_rows(q, u(DRAFT_SALT)))
-            for (_, seq, j), row in zip(rows.apart, q):
-                seq.draft_q[j:] = [row]  # (the draft before it was drawn from draft_q[j - 1])
-        if rows.verified:  # a draft drawn apart: kept with probability min(1, p / q), else a residual draw
-            at = [a for a, _, _ in rows.verified]
-            p, u = apart(at)
-            q = torch.stack([q for _, _, q in rows.verified])
-            d = torch.tensor([d for _, d, _ in rows.verified], device=device)[:, None]
-            keep = u(KEEP_SALT) * q.gather(1, d)[:, 0] < p.gather(1, d)[:, 0]
-            residual = kernels.draw_rows((p - q).clamp_(min=0), u(0))
-            ids = ids.index_copy(0, torch.tensor(at, device=device), torch.where(keep, d[:, 0], residual))
+        if rows.apart or rows.verified:  # unseeded sampled rows' drafts, and their keep tests
+            params = SampledRows(sampled, samp, temp, top_k, top_p, min_p, key, index,
+                                 (rows.top_k, rows.top_p, rows.min_p))
+            if rows.apart:
+                ids = draw_apart(ids, x, params, rows.apart)
+            if rows.verified:
+                ids = keep_or_resample(ids, x, params, rows.verified)
         ids = torch.where(finite, ids, -1)
         every = ids if n == logits.shape[0] else torch.full((logits.shape[0],), -1, dtype=ids.dtype,
                                                             device=device).index_copy(0, pos, ids)

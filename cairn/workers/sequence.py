@@ -10,7 +10,7 @@ What it holds in the cache (pages, state slot, hash chain, checkpoints to leave)
 page-hash chain, salted by the ingress) and `hints` (token positions of message starts, where a
 checkpoint may pay off). A preempted sequence keeps its tokens and recomputes them later.
 Under speculative decoding, `draft` holds tokens proposed after `token_ids`: never part of them
-until a verify step keeps them (cairn.workers.speculation).
+until a verify step keeps them (cairn.workers.speculative).
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ class Sequence:
     grammar_state: object = None  # its place in its grammar (cairn.workers.grammar), from its first sampled step
     fetch_pending: bool = False  # a peer fetch for it is under way: the engine holds it back until it arrives
     grammar_pending: bool = False  # its grammar is still compiling: the engine holds it back until it is
-    draft: list[int] = field(default_factory=list)  # tokens drafted after token_ids, to verify (cairn.workers.speculation)
+    draft: list[int] = field(default_factory=list)  # tokens drafted after token_ids, to verify (cairn.workers.speculative)
     sample_key: int | None = None  # its draws' key without a seed: the sampler's, from its first sampled row
     draft_q: list = field(default_factory=list)  # without a seed: the distribution each drafted token was drawn from
 

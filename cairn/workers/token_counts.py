@@ -52,7 +52,7 @@ class TokenCounts:
     def scratch(self, row: int, tokens: list[int]) -> int:
         """A row lent until the next `rows` call: `row`'s counts and prompt, with `tokens` counted
         as output too (a verify step's drafted row: its sequence's output and the drafted tokens
-        before it, cairn.workers.speculation)."""
+        before it, cairn.workers.speculative)."""
         if not self._free:
             self._grow()
         lent = self._free.pop()

@@ -14,7 +14,7 @@ import pytest
 from cairn.cluster.api import APIOptions, build_app
 from cairn.cluster.api.engine_client import LocalEngineClient
 from cairn.cluster.api.server import BackgroundServer
-from cairn.workers import AsyncEngine
+from cairn.workers import EngineFront
 
 MODEL = "tiny"
 LOOK_UP = {"type": "function", "function": {"name": "look_up", "description": "Looks a cairn up by name.",
@@ -49,7 +49,7 @@ def common_prefix(a: list[int], b: list[int]) -> int:
                          ids=["device", "host tier under pressure"])
 def test_every_request_of_an_agent_trace_with_short_replies_resumes_within_2_tokens_of_its_oracle(demo_model, tiers):
     model_dir = demo_model("qwen3_5")
-    engine = AsyncEngine.from_pretrained(model_dir, **tiers)
+    engine = EngineFront.from_pretrained(model_dir, **tiers)
     recording = Recording(engine)
     rows = []  # (oracle, cached, prompt tokens, max_tokens)
     with BackgroundServer(build_app(recording, model_dir,

@@ -13,7 +13,7 @@ import pytest
 from cairn.cluster.api import APIOptions, build_app
 from cairn.cluster.api.engine_client import LocalEngineClient
 from cairn.cluster.api.server import BackgroundServer
-from cairn.workers import AsyncEngine
+from cairn.workers import EngineFront
 
 MODEL = "tiny"
 MESSAGES = [{"role": "system", "content": "You answer questions about stone piles, briefly and kindly."},
@@ -31,13 +31,13 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters":
 @pytest.fixture(scope="module")
 def clients(demo_model):
     model = demo_model("qwen3_5")
-    engines = [AsyncEngine.from_pretrained(model, num_pages=512, max_num_seqs=8, page_size=8, async_scheduling=on)
+    engines = [EngineFront.from_pretrained(model, num_pages=512, max_num_seqs=8, page_size=8, async_scheduling=on)
                for on in (False, True)]
     with BackgroundServer(build_app(LocalEngineClient(engines[0]), model, APIOptions(served_model_name=MODEL))) as a, \
             BackgroundServer(build_app(LocalEngineClient(engines[1]), model, APIOptions(served_model_name=MODEL))) as b:
         yield [openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=120) for s in (a, b)]
-    assert engines[1].engine.overlapped_steps > 0, "the async engine planned steps ahead"
-    assert engines[0].engine.overlapped_steps == 0
+    assert engines[1].engine.async_steps.overlapped_steps > 0, "the async engine planned steps ahead"
+    assert engines[0].engine.async_steps.overlapped_steps == 0
 
 
 def both(clients, **params) -> list:

@@ -13,7 +13,7 @@ import pytest
 from cairn.cluster.api import APIOptions, build_app
 from cairn.cluster.api.engine_client import LocalEngineClient
 from cairn.cluster.api.server import BackgroundServer
-from cairn.workers import AsyncEngine, EngineSpec
+from cairn.workers import EngineFront, EngineSpec
 from cairn.workers.engine_metrics import EngineMetrics
 
 MODEL, KEY = "tiny", "k3y"
@@ -26,7 +26,7 @@ GOOD_COMP = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
-    return AsyncEngine.from_pretrained(tiny_model_dir, num_pages=512, max_num_seqs=8)
+    return EngineFront.from_pretrained(tiny_model_dir, num_pages=512, max_num_seqs=8)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from cairn.cluster.api import APILimits, APIOptions, build_app
 from cairn.cluster.api.engine_client import LocalEngineClient
 from cairn.cluster.api.server import BackgroundServer
-from cairn.workers import AsyncEngine, SamplingParamError, SamplingParams
+from cairn.workers import EngineFront, SamplingParamError, SamplingParams
 from tests.support.fake_clients import OneTokenClient
 
 MODEL, KEY = "tiny", "k3y"
@@ -327,7 +327,7 @@ def test_the_corpus_has_more_than_two_hundred_cases():
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
-    return AsyncEngine.from_pretrained(tiny_model_dir, num_pages=512, max_num_seqs=16)
+    return EngineFront.from_pretrained(tiny_model_dir, num_pages=512, max_num_seqs=16)
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from cairn.cluster.api import APIOptions, build_app
 from cairn.cluster.api.engine_client import LocalEngineClient
 from cairn.cluster.api.api_metrics import engine_families
 from cairn.cluster.api.server import BackgroundServer
-from cairn.workers import AsyncEngine
+from cairn.workers import EngineFront
 from cairn.workers.engine_metrics import EngineMetrics
 
 MODEL = "tiny"
@@ -21,7 +21,7 @@ MESSAGES = [{"role": "user", "content": "Count the stones in the old wall by the
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
-    return AsyncEngine.from_pretrained(tiny_model_dir, num_pages=512, max_num_seqs=8)
+    return EngineFront.from_pretrained(tiny_model_dir, num_pages=512, max_num_seqs=8)
 
 
 def scrape(url: str) -> dict:

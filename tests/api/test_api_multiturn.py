@@ -18,7 +18,7 @@ from cairn.cluster.api import APIOptions, build_app
 from cairn.cluster.api.chat_template import ChatTemplate
 from cairn.cluster.api.engine_client import LocalEngineClient
 from cairn.cluster.api.server import BackgroundServer
-from cairn.workers import AsyncEngine
+from cairn.workers import EngineFront
 
 MODEL, TURNS = "tiny", 4
 QUESTIONS = ["How do I build a cairn that lasts through the winter storms on the ridge?",
@@ -44,7 +44,7 @@ def thinking_model_dir(tiny_model_dir, tmp_path_factory):
 
 
 def converse(model_dir, echo_reasoning: bool):
-    engine = AsyncEngine.from_pretrained(model_dir, num_pages=1024)
+    engine = EngineFront.from_pretrained(model_dir, num_pages=1024)
     template, tok = ChatTemplate.from_dir(model_dir), Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     shared = []  # tokens each turn's prompt shares with the previous one's
     with BackgroundServer(build_app(LocalEngineClient(engine), model_dir,
@@ -152,7 +152,7 @@ def test_a_new_conversation_resumes_past_the_first_messages_role_header(demo_mod
     from the first inside the first page, past `<|im_start|>system\\n`. A state there (keyed by
     the hash root: no page lies under it) and the first page's head give it those tokens."""
     model_dir = keep_thinking_model_dir(demo_model, tmp_path) if arch == "keeps thinking" else demo_model(arch)
-    engine = AsyncEngine.from_pretrained(model_dir, num_pages=256)
+    engine = EngineFront.from_pretrained(model_dir, num_pages=256)
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     template = ChatTemplate.from_dir(model_dir)
     with BackgroundServer(build_app(LocalEngineClient(engine), model_dir,
@@ -174,7 +174,7 @@ def test_an_edit_inside_a_message_resumes_at_most_a_page_short_of_where_it_parts
     what was the newest message's text had states kept (with memory to spare), so the edit
     resumes at the page boundary before it parts, not at the message's start."""
     model_dir = demo_model("qwen3_5")
-    engine = AsyncEngine.from_pretrained(model_dir, num_pages=256)
+    engine = EngineFront.from_pretrained(model_dir, num_pages=256)
     tok, template = Tokenizer.from_file(str(model_dir / "tokenizer.json")), ChatTemplate.from_dir(model_dir)
     long_question = " ".join(QUESTIONS) * 2
     edited = long_question[:len(long_question) * 2 // 3] + " Actually, what about moss on the stones?"

@@ -17,7 +17,7 @@ from cairn.cluster.api.engine_client import LocalEngineClient
 from cairn.cluster.api.server import BackgroundServer
 from tests.support.checkpoints import byte_tokens, with_template
 from tests.support.fake_clients import ScriptedClient, background_apps
-from cairn.workers import AsyncEngine
+from cairn.workers import EngineFront
 
 MODEL = "tiny"
 GREEDY = dict(temperature=0, max_tokens=12, extra_body={"ignore_eos": True})
@@ -27,7 +27,7 @@ MESSAGES = [{"role": "system", "content": "You answer questions about stone pile
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
-    return AsyncEngine.from_pretrained(tiny_model_dir, num_pages=512, max_num_seqs=16)
+    return EngineFront.from_pretrained(tiny_model_dir, num_pages=512, max_num_seqs=16)
 
 
 @pytest.fixture(scope="module")

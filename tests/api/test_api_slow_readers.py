@@ -1,6 +1,6 @@
 """A client that stops reading its stream costs a bounded buffer and, after the stall timeout,
 nothing: each engine stream of a request buffers at most `Fanout.BUFFERED` outputs for its reader,
-an engine request whose reader is behind is paused (tests/workers/test_async_engine.py), and a stream
+an engine request whose reader is behind is paused (tests/workers/test_engine_front.py), and a stream
 whose client took no output for `HTTPLimits.stream_stall_timeout_s` is ended, its sequences freed
 and its connection closed, while other clients are served. The memory this returns is measured by
 the soak (tests/api/test_soak.py)."""
@@ -19,7 +19,7 @@ from cairn.cluster.api.fanout import Fanout
 from cairn.cluster.api.http_limits import HTTPLimits
 from cairn.cluster.api.server import BackgroundServer
 from tests.support.fake_clients import OneTokenClient
-from cairn.workers import AsyncEngine, RequestOutput
+from cairn.workers import EngineFront, RequestOutput
 
 MODEL = "tiny"
 
@@ -84,7 +84,7 @@ def closed_by_server(s: socket.socket, timeout_s: float) -> bool:
 
 @pytest.mark.slow
 def test_streams_whose_clients_stop_reading_end_after_the_stall_timeout_and_free_their_sequences(tiny_model_dir):
-    engine = AsyncEngine.from_pretrained(tiny_model_dir, max_num_seqs=64)
+    engine = EngineFront.from_pretrained(tiny_model_dir, max_num_seqs=64)
     limits = HTTPLimits(stream_stall_timeout_s=2.0)
     app = build_app(LocalEngineClient(engine), tiny_model_dir, APIOptions(served_model_name=MODEL, http_limits=limits))
     body = {"model": MODEL, "stream": True, "n": 16, "max_tokens": 2000, "ignore_eos": True, "logprobs": True,

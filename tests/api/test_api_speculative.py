@@ -12,7 +12,7 @@ import pytest
 from cairn.cluster.api import APIOptions, build_app
 from cairn.cluster.api.engine_client import LocalEngineClient
 from cairn.cluster.api.server import BackgroundServer
-from cairn.workers import AsyncEngine
+from cairn.workers import EngineFront
 from tests.api.test_api_async_scheduling import MESSAGES, MODEL, NO_THINKING, both
 from tests.api.test_api_async_scheduling import test_answers_usage_and_streams_are_the_same as _answers
 from tests.api.test_api_async_scheduling import test_a_stop_string_cuts_alike_streamed_and_not as _stop_string
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow  # the trained demo model: about a minute on CPU, 
 
 @pytest.fixture(scope="module")
 def clients(trained_spec_model):
-    engines = [AsyncEngine.from_pretrained(trained_spec_model, num_pages=512, max_num_seqs=8, page_size=8,
+    engines = [EngineFront.from_pretrained(trained_spec_model, num_pages=512, max_num_seqs=8, page_size=8,
                                            num_speculative_tokens=k, speculative_exact=True, speculative_adaptive=False)
                for k in (0, 2)]
     with BackgroundServer(build_app(LocalEngineClient(engines[0]), trained_spec_model,

@@ -15,7 +15,7 @@ import pytest
 from cairn.cluster.api import APIOptions, build_app
 from cairn.cluster.api.engine_client import LocalEngineClient
 from cairn.cluster.api.server import BackgroundServer
-from cairn.workers import AsyncEngine
+from cairn.workers import EngineFront
 
 MODEL = "tiny"
 ASK = [{"role": "user", "content": "Describe a cairn for me."}]
@@ -37,7 +37,7 @@ SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER,
 @pytest.fixture(scope="module", params=["qwen3_next", "qwen3_5"])
 def client(request, demo_model):
     model = demo_model(request.param)
-    engine = AsyncEngine.from_pretrained(model, num_pages=512, max_num_seqs=16)
+    engine = EngineFront.from_pretrained(model, num_pages=512, max_num_seqs=16)
     with BackgroundServer(build_app(LocalEngineClient(engine), model, APIOptions(served_model_name=MODEL))) as server:
         yield openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
 

@@ -14,7 +14,7 @@ from cairn.cluster.api import APIOptions, build_app
 from cairn.cluster.api.engine_client import LocalEngineClient
 from cairn.cluster.api.server import BackgroundServer
 from cairn.cluster.api.tenants import Tenants, bare_tenant_id, read_keys_file
-from cairn.workers import AsyncEngine
+from cairn.workers import EngineFront
 from tests.support.fake_clients import OneTokenClient
 
 MODEL = "tiny"
@@ -24,7 +24,7 @@ MESSAGES = [{"role": "user", "content": "Which stones last longest in a cairn on
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
-    return AsyncEngine.from_pretrained(tiny_model_dir, num_pages=512, max_num_seqs=8)
+    return EngineFront.from_pretrained(tiny_model_dir, num_pages=512, max_num_seqs=8)
 
 
 @pytest.fixture(scope="module")

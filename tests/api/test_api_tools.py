@@ -23,7 +23,7 @@ from cairn.cluster.api.tool_call_formats import detect_format, resolve_format, t
 from cairn.cluster.api.tool_calls import ToolCallParser
 from tests.support.checkpoints import byte_tokens, with_template
 from tests.support.fake_clients import OneTokenClient, ScriptedClient, background_apps
-from cairn.workers import AsyncEngine
+from cairn.workers import EngineFront
 
 MODEL = "tiny"
 WEATHER = {"type": "function", "function": {
@@ -497,7 +497,7 @@ def test_what_openai_accepts_is_accepted(api):
 
 # ---- an agent loop on the real engine keeps its cache -------------------------------------------
 def test_ten_tool_rounds_each_resume_within_2_tokens_of_the_previous_prompts_end(tiny_model_dir):
-    engine = AsyncEngine.from_pretrained(tiny_model_dir, num_pages=1024)
+    engine = EngineFront.from_pretrained(tiny_model_dir, num_pages=1024)
     with BackgroundServer(build_app(LocalEngineClient(engine), tiny_model_dir,
                                     APIOptions(served_model_name=MODEL))) as server:
         client = client_of(server.url)

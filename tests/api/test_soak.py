@@ -26,7 +26,7 @@ from cairn.cluster.api import APIOptions, build_app
 from cairn.cluster.api.engine_client import LocalEngineClient
 from cairn.cluster.api.http_limits import HTTPLimits
 from cairn.cluster.api.server import BackgroundServer
-from cairn.workers import AsyncEngine
+from cairn.workers import EngineFront
 from tests.support.paths import REPO
 
 MODEL = "tiny"
@@ -68,7 +68,7 @@ async def soak_round(url: str, seed: int) -> list[str]:
         return await asyncio.gather(*(one_stream(client, i, rng) for i in range(STREAMS)))
 
 
-def settled(engine: AsyncEngine, timeout_s: float = 20) -> None:
+def settled(engine: EngineFront, timeout_s: float = 20) -> None:
     """Waits until the engine holds nothing for any request (aborts land a step or two late)."""
     core, deadline = engine.engine, time.monotonic() + timeout_s
     while core.has_unfinished() or core.cache.pages.num_held or core.cache.running_slots:
@@ -118,7 +118,7 @@ def stalled_reader(url: str) -> socket.socket:
     return s
 
 
-def slow_readers(url: str, engine: AsyncEngine) -> tuple[int, int, int]:
+def slow_readers(url: str, engine: EngineFront) -> tuple[int, int, int]:
     """RSS before three stalled readers, at its highest while they stall, and after they ended."""
     gc.collect()
     before = peak = rss_bytes()
@@ -145,7 +145,7 @@ def soak(model_dir: Path, results) -> None:
     torch.set_num_threads(1)  # as conftest sets it for the test process
     try:
         # a small arena, full from the first round on: what the cache keeps is at its steady state
-        engine = AsyncEngine.from_pretrained(model_dir, max_num_seqs=64, cache_memory_bytes=4 << 20)
+        engine = EngineFront.from_pretrained(model_dir, max_num_seqs=64, cache_memory_bytes=4 << 20)
         limits = HTTPLimits(stream_stall_timeout_s=STALL_S, keep_alive_timeout_s=0.5)  # idle ones close at once
         app = build_app(LocalEngineClient(engine), model_dir,
                         APIOptions(served_model_name=MODEL, max_waiting=STREAMS, http_limits=limits))

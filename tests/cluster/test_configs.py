@@ -413,9 +413,9 @@ def test_the_grafana_dashboard_reads_only_metrics_cairn_exports(tiny_model_dir):
     from cairn.cluster.api.engine_client import LocalEngineClient
     from cairn.cluster.api.api_options import APIOptions
     from cairn.cluster.routing.ranker import AffinityRanker
-    from cairn.workers import AsyncEngine
+    from cairn.workers import EngineFront
 
-    engine = AsyncEngine.from_pretrained(tiny_model_dir, num_pages=64, max_num_seqs=2)
+    engine = EngineFront.from_pretrained(tiny_model_dir, num_pages=64, max_num_seqs=2)
     with TestClient(build_app(LocalEngineClient(engine), tiny_model_dir, APIOptions(served_model_name="tiny"))) as c:
         assert c.post("/v1/completions", json={"model": "tiny", "prompt": "cairn " * 40, "max_tokens": 2}).status_code == 200
         text = c.get("/metrics").text

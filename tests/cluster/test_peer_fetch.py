@@ -12,7 +12,7 @@ from ray.exceptions import ActorDiedError
 
 from cairn.cluster.replica_peer_fetch import ReplicaPeerFetch
 from tests.support.chat import assert_same_output
-from cairn.workers import AsyncEngine, SamplingParams
+from cairn.workers import EngineFront, SamplingParams
 from cairn.workers.request import FetchHint, GenerateRequest
 
 PS = 16
@@ -54,8 +54,8 @@ async def run(engine, tokens, salt=None, fetch=None, hint=None):
 
 
 async def scenario(tiny_model_dir, fault):
-    holder = AsyncEngine.from_pretrained(tiny_model_dir, cache_policy="all", num_pages=256, worker_id="holder")
-    receiver = AsyncEngine.from_pretrained(tiny_model_dir, cache_policy="all", num_pages=256, worker_id="receiver")
+    holder = EngineFront.from_pretrained(tiny_model_dir, cache_policy="all", num_pages=256, worker_id="holder")
+    receiver = EngineFront.from_pretrained(tiny_model_dir, cache_policy="all", num_pages=256, worker_id="receiver")
     try:
         held, mine = ReplicaPeerFetch("holder", holder, 1.0), ReplicaPeerFetch("receiver", receiver, 1.0)
         mine._handle = peers = Peers(held, fault)
@@ -90,7 +90,7 @@ def test_a_holder_that_fails_mid_fetch_costs_a_recomputation_counted_by_reason(t
 
 def test_no_fetch_for_a_hint_naming_this_replica_or_a_shallower_holder(tiny_model_dir):
     async def go():
-        engine = AsyncEngine.from_pretrained(tiny_model_dir, cache_policy="all", num_pages=256, worker_id="me")
+        engine = EngineFront.from_pretrained(tiny_model_dir, cache_policy="all", num_pages=256, worker_id="me")
         try:
             fetch = ReplicaPeerFetch("me", engine, 1.0)
             fetch._handle = peers = Peers(fetch)
@@ -105,7 +105,7 @@ def test_no_fetch_for_a_hint_naming_this_replica_or_a_shallower_holder(tiny_mode
 
 def test_a_request_waits_outside_the_scheduler_while_its_fetch_runs_and_a_cancel_frees_it(tiny_model_dir):
     async def go():
-        engine = AsyncEngine.from_pretrained(tiny_model_dir, cache_policy="all", num_pages=256, worker_id="me")
+        engine = EngineFront.from_pretrained(tiny_model_dir, cache_policy="all", num_pages=256, worker_id="me")
         try:
             started = asyncio.Event()
 

@@ -1,4 +1,4 @@
-"""A drafter for tests of speculative decoding (cairn.workers.speculation): it drafts from known
+"""A drafter for tests of speculative decoding (cairn.workers.speculative): it drafts from known
 continuations, so a test controls which drafted tokens the target keeps."""
 
 import random

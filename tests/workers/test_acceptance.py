@@ -1,6 +1,6 @@
 """What a verify step keeps of a draft: greedy rows keep exactly what one-at-a-time greedy decoding
-gives (cairn/workers/acceptance.py's `accept_greedy`, the rule the engine applies on the host:
-cairn.workers.speculation.kept_tokens); sampled rows through a speculating engine give each output
+gives (the oracle tests/support/acceptance_oracle.py, `accept_greedy`, and the rule the engine applies
+on the host, cairn.workers.speculative.acceptance.kept_tokens); sampled rows through a speculating engine give each output
 token the target's distribution at its position, seeded (drafts drawn with the verify row's
 uniform) or not (drafts drawn apart, kept by rejection sampling): checked by a chi-square test
 over many rows on a three-token vocabulary, of the second and third tokens jointly, against a
@@ -12,7 +12,7 @@ the target's logits before the draw: the sampler's tests hold those."""
 import pytest
 import torch
 
-from cairn.workers.acceptance import accept_greedy
+from tests.support.acceptance_oracle import accept_greedy
 from tests.support.chi_square import chi_square, critical
 
 
@@ -91,14 +91,14 @@ def test_sampled_rows_of_a_speculating_engine_follow_the_targets_distribution(tr
 
 def test_the_engines_rule_on_the_host_is_accept_greedy_over_the_targets_draws():
     """The engine keeps a verify segment's drafts by comparing them with the target's own draws at
-    each position (cairn.workers.speculation.kept_tokens, on the host): `accept_greedy` with the
+    each position (cairn.workers.speculative.acceptance.kept_tokens, on the host): `accept_greedy` with the
     draws as the target's choices. It also ends at a faulted row and after a token that stops the
     sequence."""
     from cairn.workers.engine_errors import SequenceFault
     from cairn.workers.plan import Segment
     from cairn.workers.sampling_params import SamplingParams
     from cairn.workers.sequence import Sequence
-    from cairn.workers.speculation import kept_tokens
+    from cairn.workers.speculative.acceptance import kept_tokens
 
     g = torch.Generator().manual_seed(3)
     segments, results = [], []

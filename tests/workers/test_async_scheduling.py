@@ -82,9 +82,9 @@ def test_every_request_gets_what_it_gets_without_async_scheduling(path, graph_bu
     assert expected[2].finish_reason == "stop" and len(expected[2].token_ids) == 5
     assert_same(expected, got)
     assert_cache_same(sync, overlapped)
-    assert sync.overlapped_steps == 0
-    assert overlapped.overlapped_steps >= sync.stats.steps // 2, "most decode steps are planned ahead"
-    assert overlapped.dropped_rows >= 3, "requests that stopped mid-batch had a row in the step after"
+    assert sync.async_steps.overlapped_steps == 0
+    assert overlapped.async_steps.overlapped_steps >= sync.stats.steps // 2, "most decode steps are planned ahead"
+    assert overlapped.async_steps.dropped_rows >= 3, "requests that stopped mid-batch had a row in the step after"
 
 
 def test_a_sequence_that_stops_at_a_step_gets_no_token_from_the_next(path):
@@ -97,9 +97,9 @@ def test_a_sequence_that_stops_at_a_step_gets_no_token_from_the_next(path):
     expected, got = drive(sync, requests), drive(overlapped, requests)  # (drive fails on a late output)
     assert [len(o.token_ids) for o in got] == [5, 2, 30] and got[0].token_ids[-1] == stop
     assert_same(expected, got)
-    assert overlapped.dropped_rows == 3  # each of the three ends was read after a step planned past it
+    assert overlapped.async_steps.dropped_rows == 3  # each of the three ends was read after a step planned past it
     m = overlapped.metrics()  # /metrics: cairn_engine_steps_planned_ahead_total, cairn_engine_rows_dropped_total
-    assert (m.steps_planned_ahead_total, m.rows_dropped_total) == (overlapped.overlapped_steps, 3)
+    assert (m.steps_planned_ahead_total, m.rows_dropped_total) == (overlapped.async_steps.overlapped_steps, 3)
     assert m.steps_planned_ahead_total > 0 and sync.metrics().steps_planned_ahead_total == 0
     assert_cache_same(sync, overlapped)
 
@@ -113,7 +113,7 @@ def test_preemption_under_a_tiny_page_pool_is_the_same(path):
     assert sync.scheduler.num_preemptions > 0
     assert overlapped.scheduler.num_preemptions == sync.scheduler.num_preemptions
     assert_same(expected, got)
-    assert overlapped.overlapped_steps > 0
+    assert overlapped.async_steps.overlapped_steps > 0
     assert_cache_same(sync, overlapped)
 
 
@@ -162,5 +162,5 @@ def test_multi_turn_conversations_under_memory_pressure_resume_alike(path, host_
     assert m.pages_evicted_total == m_sync.pages_evicted_total > 0
     if host_tier:
         assert m.pages_promoted_total == m_sync.pages_promoted_total > 0
-    assert overlapped.overlapped_steps > 0 and overlapped.dropped_rows > 0
+    assert overlapped.async_steps.overlapped_steps > 0 and overlapped.async_steps.dropped_rows > 0
     assert_cache_same(sync, overlapped)

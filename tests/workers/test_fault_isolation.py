@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from cairn.workers import AsyncEngine, Engine, RequestRejected, SamplingParams
+from cairn.workers import EngineFront, Engine, RequestRejected, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 
@@ -78,7 +78,7 @@ def inject(engine: Engine, point: str, target: str) -> None:
         only_for_target(cache, "register_pages")
     elif point == "checkpoint slot":
         take = cache.take_checkpoint_slot
-        planning = scheduler._plan_checkpoints
+        planning = scheduler.checkpoints_or_fail
 
         def plan_for(plan, seg):  # the slot is taken while the victim's checkpoints are planned
             cache.take_checkpoint_slot = (lambda: (_ for _ in ()).throw(RuntimeError("injected"))) \
@@ -87,7 +87,7 @@ def inject(engine: Engine, point: str, target: str) -> None:
                 planning(plan, seg)
             finally:
                 cache.take_checkpoint_slot = take
-        scheduler._plan_checkpoints = plan_for
+        scheduler.checkpoints_or_fail = plan_for
     elif point == "checkpoint commit":
         only_for_target(cache, "commit_checkpoint")
     elif point == "finish capture":
@@ -206,7 +206,7 @@ def test_every_accepted_request_finishes_under_tiny_caches(tiny_model_dir, polic
 
 def test_a_reused_request_id_is_refused_and_the_running_request_finishes(tiny_model_dir):
     async def main():
-        engine = AsyncEngine.from_pretrained(tiny_model_dir, num_pages=128)
+        engine = EngineFront.from_pretrained(tiny_model_dir, num_pages=128)
         long = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
         first = engine.generate(prompts([30])[0], long, "same-id")
         first_out = await anext(first)

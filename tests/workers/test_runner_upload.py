@@ -22,7 +22,8 @@ def test_every_uploaded_array_keeps_its_values_and_starts_16_byte_aligned(runner
     rng = np.random.default_rng(sum(sizes))
     arrays = {"a": rng.integers(-9, 9, sizes[0]).astype(np.int32),
               "b": rng.integers(-9, 9, (sizes[1], 3)).astype(np.int64),
-              "c": rng.integers(-9, 9, sizes[2]).astype(np.int32)}
+              "c": rng.integers(-9, 9, sizes[2]).astype(np.int32),
+              "d": rng.standard_normal(sizes[0]).astype(np.float32)}
     for into in (None, torch.empty(runner.packed_bytes(arrays), dtype=torch.uint8)):
         out = runner.upload(arrays, into=into)
         for name, a in arrays.items():
@@ -31,5 +32,5 @@ def test_every_uploaded_array_keeps_its_values_and_starts_16_byte_aligned(runner
 
 
 def test_arrays_of_another_dtype_are_refused(runner):
-    with pytest.raises(TypeError, match="int64 or int32"):
-        runner.upload({"x": np.zeros(3, dtype=np.float32)})
+    with pytest.raises(TypeError, match="int64, int32 or float32"):
+        runner.upload({"x": np.zeros(3, dtype=np.float64)})

@@ -8,7 +8,8 @@ import torch
 
 from cairn.workers import Engine, SamplingParams
 from cairn.kernels.sample.torch_ops import nucleus
-from cairn.workers.sampler import Sampler, uniforms
+from cairn.workers.sampler import Sampler
+from cairn.workers.uniforms import uniforms
 from cairn.workers.sequence import Sequence, Status
 
 EOS = 3

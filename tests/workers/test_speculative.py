@@ -1,4 +1,4 @@
-"""Speculative decoding (`num_speculative_tokens`, cairn.workers.speculation) changes how many
+"""Speculative decoding (`num_speculative_tokens`, cairn.workers.speculative) changes how many
 tokens a step yields, never which: against the same engine with k = 0, every request gets the
 same tokens (greedy, and seeded sampled rows, whose draws are made at (seed, output index)), the
 same logprobs, finish reasons and `cached_tokens`, and the cache holds the same pages and
@@ -362,7 +362,7 @@ def test_the_gate_drafts_where_drafting_gives_more_tokens_per_second():
     one taken (each way's rate the median of its last steps: one odd step decides nothing) and
     the other tried for PROBE steps after REPROBE steps, then after twice as many while the
     choice stands."""
-    from cairn.workers.speculation import SpeculationGate
+    from cairn.workers.speculative.gate import SpeculationGate
 
     gate = SpeculationGate()
     assert gate.drafting(16)  # nothing measured: try drafting

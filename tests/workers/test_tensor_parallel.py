@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import cairn.workers.model.loader as loader
-from cairn.workers import AsyncEngine, Engine, SamplingParams
+from cairn.workers import EngineFront, Engine, SamplingParams
 from cairn.workers.engine_errors import EngineBroken
 from cairn.workers.model import read_model_config
 from cairn.workers.model.family_registry import family_for
@@ -125,7 +125,7 @@ def test_a_rank_that_dies_fails_the_engine_within_the_timeout_and_nothing_hangs(
         with pytest.raises(EngineBroken, match="rank 1: exited"):  # broken for good: replace the replica
             engine.generate([[4, 5, 6]], SamplingParams(max_tokens=2))
         with pytest.raises(EngineBroken):
-            AsyncEngine(engine).check_health()  # what the replica's Serve health check calls
+            EngineFront(engine).check_health()  # what the replica's Serve health check calls
     finally:
         engine.close()
 

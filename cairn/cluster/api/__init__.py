@@ -5,7 +5,8 @@
 Reading order: `routes` (build_app: the endpoints), `api_options` (`APIOptions`: everything the app
 is told but the keys), `protocol` (request models) and `responses`
 (response models), `serving` (what both generation endpoints share: prompts, sampling,
-admission, running, streaming, counting), `chat_completions` and `completions`, then the
+admission, running, counting), `reply` (what they share past that: the answer, streamed or
+whole), `chat_completions` and `completions`, then the
 pieces they use: `limits` (what one request may ask, checked while its body is parsed),
 `prep_pool` (the threads that do the work before the engine), `prompts` (that work: `chat_template`,
 `tokenizer`, `special_tokens`), `choice` (one choice's text, stop strings via `stop_strings`,

@@ -14,30 +14,25 @@ unless `response_format` or `structured_outputs` constrains the content instead 
 parsed as written, and given out whole once they parse). `parallel_tool_calls: false` keeps only the first call, and
 a constrained output makes only one. `response_format` and `structured_outputs` constrain the
 content (`structured`); one source of constraint per request.
-Streaming sends a role delta per choice first, then content / reasoning / tool-call deltas with
-their tokens' logprobs, each choice's finish_reason, a usage chunk when
-`stream_options.include_usage` asks for it, and `[DONE]`. A fault after the stream started is
-sent as an error event.
+Streaming (`reply`: the usage chunk, `[DONE]`, a fault as an error event) sends a role delta per
+choice first, then content / reasoning / tool-call deltas (one tool-call item a chunk) with their
+tokens' logprobs, and each choice's finish_reason.
 """
 
 from __future__ import annotations
 
-import time
-import uuid
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 
-from fastapi.responses import JSONResponse
 from starlette.responses import Response
 
-from cairn.cluster.api.choice import MIN_LOGPROB, Choice, PlacedLogprob
+from cairn.cluster.api.choice import MIN_LOGPROB, Choice, Delta, PlacedLogprob
 from cairn.cluster.api.api_errors import bad_request
-from cairn.cluster.api.fanout import Fanout
 from cairn.cluster.api.protocol import ChatCompletionRequest, NamedToolChoice
 from cairn.cluster.api.reasoning import ReasoningParser
+from cairn.cluster.api.reply import Reply
 from cairn.cluster.api.responses import (ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk, ChatDelta,
-                               ChatLogprobs, ChatMessageOut, TokenLogprob, TopLogprob, Usage)
-from cairn.cluster.api.serving import CLIENT_CLOSED_REQUEST, Prepared, Serving
-from cairn.cluster.api.sse import SSEResponse
+                               ChatLogprobs, ChatMessageOut, TokenLogprob, TopLogprob)
+from cairn.cluster.api.serving import Endpoint
 from cairn.cluster.api.structured import response_format_grammar, structured_outputs_grammar
 from cairn.cluster.api.tenants import Caller
 from cairn.cluster.api.text_tokenizer import TextTokenizer
@@ -57,10 +52,7 @@ def chat_logprobs(tokenizer: TextTokenizer, placed: list[PlacedLogprob]) -> Chat
         for p in placed])
 
 
-class ChatCompletions:
-    def __init__(self, serving: Serving):
-        self.serving = serving
-
+class ChatCompletions(Endpoint):
     async def __call__(self, req: ChatCompletionRequest, request_id: str, arrived: float,
                        client_gone: Callable[[], Awaitable[None]], caller: Caller = Caller()) -> Response:
         s = self.serving
@@ -84,22 +76,15 @@ class ChatCompletions:
                           self._tool_parser(req, stream_arguments=tool_constraint is not None))
                    for i in range(req.n)]
         fan, first = await s.start(request_id, req, [prompt], params, caller, "messages", "n", arrived)
-        completion_id = f"chatcmpl-{uuid.uuid4().hex}"
+        reply = Reply(s, req, request_id, [prompt], choices, fan, first, arrived, caller, "chatcmpl")
         if req.stream:
-            return SSEResponse(self._stream(req, completion_id, request_id, prompt, fan, first, choices, arrived,
-                                            caller), s.stream_stall_timeout_s)
-        if not await s.collect(fan, first, choices, arrived, client_gone, caller):
-            s.record([prompt], choices, arrived, caller)
-            return Response(status_code=CLIENT_CLOSED_REQUEST)
-        usage = Usage.of(*s.record([prompt], choices, arrived, caller))
-        body = ChatCompletion(id=completion_id, model=s.model_name, usage=usage, choices=[
-            ChatChoice(index=c.index, finish_reason=c.finish_reason,
-                       message=ChatMessageOut(content=None if c.tool_calls and not c.content else c.content,
-                                              reasoning_content=c.reasoning or None,
-                                              tool_calls=[call.message() for call in c.tool_calls] or None),
-                       logprobs=chat_logprobs(s.tokenizer, c.logprobs) if req.logprobs else None)
-            for c in choices])
-        return JSONResponse(body.model_dump(mode="json"))
+            return reply.stream(ChatCompletionChunk, opening, lambda c, d: self._chunk_choices(req, c, d))
+        return await reply.whole(client_gone, ChatCompletion, lambda c: ChatChoice(
+            index=c.index, finish_reason=c.finish_reason,
+            message=ChatMessageOut(content=None if c.tool_calls and not c.content else c.content,
+                                   reasoning_content=c.reasoning or None,
+                                   tool_calls=[call.message() for call in c.tool_calls] or None),
+            logprobs=chat_logprobs(s.tokenizer, c.logprobs) if req.logprobs else None))
 
     def _tool_grammar(self, req: ChatCompletionRequest, content_constrained: bool) -> tuple[str, str] | None:
         """(field, grammar) of the request's tool calls, or None: forced calls and calls to strict
@@ -135,34 +120,24 @@ class ChatCompletions:
                               max_calls=1 if req.parallel_tool_calls is False else None,
                               stream_arguments=stream_arguments)
 
-    def _stream(self, req: ChatCompletionRequest, completion_id: str, request_id: str, prompt: Prepared,
-                fan: Fanout, first: tuple, choices: list[Choice], arrived: float,
-                caller: Caller) -> AsyncGenerator[str, None]:
-        s = self.serving
-        created = int(time.time())
+    def _chunk_choices(self, req: ChatCompletionRequest, c: Choice, d: Delta) -> Iterator[ChatChunkChoice]:
+        """A delta's chunk choices: its content, reasoning and first tool-call item, then one
+        chunk choice per further item; the last carries the finish_reason, the first the logprobs."""
+        calls = d.tool_calls
+        deltas = [ChatDelta(content=d.content or None, reasoning_content=d.reasoning or None,
+                            tool_calls=calls[:1] or None)]
+        deltas += [ChatDelta(tool_calls=[item]) for item in calls[1:]]  # one tool-call item per chunk
+        for k, delta in enumerate(deltas):
+            last = k == len(deltas) - 1
+            yield ChatChunkChoice(
+                index=c.index, finish_reason=d.finish_reason if last else None, delta=delta,
+                logprobs=chat_logprobs(self.serving.tokenizer, d.logprobs) if k == 0 and req.logprobs and d.logprobs
+                else None)
 
-        def chunk(parts: list[ChatChunkChoice], usage: Usage | None = None) -> str:
-            return ChatCompletionChunk(id=completion_id, created=created, model=s.model_name, choices=parts,
-                                       usage=usage).sse()
 
-        async def events() -> AsyncGenerator[str, None]:
-            for c in choices:
-                yield chunk([ChatChunkChoice(index=c.index, delta=ChatDelta(role="assistant", content=""))])
-            async for c, d in s.drive(fan, first, choices, arrived, caller):
-                calls = d.tool_calls
-                deltas = [ChatDelta(content=d.content or None, reasoning_content=d.reasoning or None,
-                                    tool_calls=calls[:1] or None)]
-                deltas += [ChatDelta(tool_calls=[item]) for item in calls[1:]]  # one tool-call item per chunk
-                for k, delta in enumerate(deltas):
-                    last = k == len(deltas) - 1
-                    yield chunk([ChatChunkChoice(
-                        index=c.index, finish_reason=d.finish_reason if last else None, delta=delta,
-                        logprobs=chat_logprobs(s.tokenizer, d.logprobs) if k == 0 and req.logprobs and d.logprobs
-                        else None)])
-
-        include_usage = req.stream_options is not None and req.stream_options.include_usage
-        return s.stream(request_id, fan, events(), [prompt], choices, arrived,
-                        (lambda usage: chunk([], usage)) if include_usage else None, caller)
+def opening(c: Choice) -> list[ChatChunkChoice]:
+    """A streamed choice's first chunk choice: the assistant's role, empty content."""
+    return [ChatChunkChoice(index=c.index, delta=ChatDelta(role="assistant", content=""))]
 
 
 def one_constraint(found: list[tuple[str, str] | None]) -> tuple[str, str] | None:

@@ -9,20 +9,16 @@ constrains each choice (`structured`; raw prompts have no thinking to leave free
 
 from __future__ import annotations
 
-import time
-import uuid
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
-from fastapi.responses import JSONResponse
 from starlette.responses import Response
 
 from cairn.cluster.api.choice import MIN_LOGPROB, Choice, PlacedLogprob
 from cairn.cluster.api.api_errors import bad_request
-from cairn.cluster.api.fanout import Fanout
 from cairn.cluster.api.protocol import CompletionRequest
-from cairn.cluster.api.responses import Completion, CompletionChoice, CompletionLogprobs, Usage
-from cairn.cluster.api.serving import CLIENT_CLOSED_REQUEST, Prepared, Serving
-from cairn.cluster.api.sse import SSEResponse
+from cairn.cluster.api.reply import Reply
+from cairn.cluster.api.responses import Completion, CompletionChoice, CompletionLogprobs
+from cairn.cluster.api.serving import Endpoint, Prepared
 from cairn.cluster.api.structured import structured_outputs_grammar
 from cairn.cluster.api.tenants import Caller
 from cairn.cluster.api.text_tokenizer import TextTokenizer
@@ -36,10 +32,7 @@ def completion_logprobs(tokenizer: TextTokenizer, placed: list[PlacedLogprob], b
         text_offset=[base + p.text_offset for p in placed])
 
 
-class Completions:
-    def __init__(self, serving: Serving):
-        self.serving = serving
-
+class Completions(Endpoint):
     async def __call__(self, req: CompletionRequest, request_id: str, arrived: float,
                        client_gone: Callable[[], Awaitable[None]], caller: Caller = Caller()) -> Response:
         s = self.serving
@@ -63,46 +56,22 @@ class Completions:
         echoes = [self._echo(req, p) for p in prompts for _ in range(req.n)]
         fan, first = await s.start(request_id, req, prompts, params, caller, "prompt",
                                    "n" if len(prompts) == 1 else "prompt", arrived)
-        completion_id = f"cmpl-{uuid.uuid4().hex}"
+        reply = Reply(s, req, request_id, prompts, choices, fan, first, arrived, caller, "cmpl")
+
+        def logprobs(c: Choice, placed: list[PlacedLogprob]) -> CompletionLogprobs | None:
+            return completion_logprobs(s.tokenizer, placed, len(echoes[c.index])) if req.logprobs is not None else None
+
         if req.stream:
-            return SSEResponse(self._stream(req, completion_id, request_id, prompts, echoes, fan, first, choices,
-                                            arrived, caller), s.stream_stall_timeout_s)
-        if not await s.collect(fan, first, choices, arrived, client_gone, caller):
-            s.record(prompts, choices, arrived, caller)
-            return Response(status_code=CLIENT_CLOSED_REQUEST)
-        usage = Usage.of(*s.record(prompts, choices, arrived, caller))
-        body = Completion(id=completion_id, model=s.model_name, usage=usage, choices=[
-            CompletionChoice(index=c.index, text=echoes[c.index] + c.content, finish_reason=c.finish_reason,
-                             logprobs=completion_logprobs(s.tokenizer, c.logprobs, len(echoes[c.index]))
-                             if req.logprobs is not None else None)
-            for c in choices])
-        return JSONResponse(body.model_dump(mode="json"))
+            return reply.stream(Completion, lambda c: [CompletionChoice(index=c.index, text=echoes[c.index])]
+                                if echoes[c.index] else [],  # the echo first, where there is one
+                                lambda c, d: [CompletionChoice(index=c.index, text=d.content,
+                                                               logprobs=logprobs(c, d.logprobs),
+                                                               finish_reason=d.finish_reason)])
+        return await reply.whole(client_gone, Completion, lambda c: CompletionChoice(
+            index=c.index, text=echoes[c.index] + c.content, finish_reason=c.finish_reason,
+            logprobs=logprobs(c, c.logprobs)))
 
     def _echo(self, req: CompletionRequest, prompt: Prepared) -> str:
         if not req.echo:
             return ""
         return prompt.text if prompt.text is not None else self.serving.tokenizer.decode(prompt.ids)
-
-    def _stream(self, req: CompletionRequest, completion_id: str, request_id: str, prompts: list[Prepared],
-                echoes: list[str], fan: Fanout, first: tuple, choices: list[Choice], arrived: float,
-                caller: Caller) -> AsyncGenerator[str, None]:
-        s = self.serving
-        created = int(time.time())
-
-        def chunk(parts: list[CompletionChoice], usage: Usage | None = None) -> str:
-            return Completion(id=completion_id, created=created, model=s.model_name, choices=parts,
-                              usage=usage).sse()
-
-        async def events() -> AsyncGenerator[str, None]:
-            for c in choices:
-                if echoes[c.index]:
-                    yield chunk([CompletionChoice(index=c.index, text=echoes[c.index])])
-            async for c, d in s.drive(fan, first, choices, arrived, caller):
-                lp = completion_logprobs(s.tokenizer, d.logprobs, len(echoes[c.index])) \
-                    if req.logprobs is not None else None
-                yield chunk([CompletionChoice(index=c.index, text=d.content, logprobs=lp,
-                                              finish_reason=d.finish_reason)])
-
-        include_usage = req.stream_options is not None and req.stream_options.include_usage
-        return s.stream(request_id, fan, events(), prompts, choices, arrived,
-                        (lambda usage: chunk([], usage)) if include_usage else None, caller)

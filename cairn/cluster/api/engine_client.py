@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Protocol
 
-from cairn.workers import AsyncEngine, EngineSpec, RequestOutput
+from cairn.workers import EngineFront, EngineSpec, RequestOutput
 from cairn.workers.engine_metrics import EngineMetrics
 from cairn.workers.request import GenerateRequest
 
@@ -45,9 +45,9 @@ class EngineClient(Protocol):
 
 
 class LocalEngineClient:
-    """An `EngineClient` over an `AsyncEngine` in this process."""
+    """An `EngineClient` over an `EngineFront` in this process."""
 
-    def __init__(self, engine: AsyncEngine):
+    def __init__(self, engine: EngineFront):
         self.engine = engine
         self.spec = engine.spec
         self._waiting: set[str] = set()

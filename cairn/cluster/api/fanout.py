@@ -12,7 +12,7 @@ however it ends, closed before it ran included.
 Each stream holds at most `BUFFERED` outputs the reader has not taken: past that it stops reading
 its engine stream until the reader catches up, so a reader that falls behind (a client that does
 not read its response) is held in a bounded buffer here and, in-process, pauses its engine
-requests (`cairn.workers.async_engine`) instead of filling memory.
+requests (`cairn.workers.engine_front`) instead of filling memory.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """`serve_in_process`: the HTTP API over one engine in this process (no Ray).
 
 For `cairn serve --replicas 1` debugging and local use: loads the checkpoint into an
-`AsyncEngine`, builds the app over a `LocalEngineClient` and runs uvicorn until stopped.
+`EngineFront`, builds the app over a `LocalEngineClient` and runs uvicorn until stopped.
 Both it and `BackgroundServer` (tests, notebooks) serve every connection under `HTTPLimits`
 (`cairn.cluster.api.connection.uvicorn_config`): header size and time, body time, keep-alive.
 """
@@ -31,13 +31,13 @@ def serve_in_process(model_dir: str | Path | None = None, options: APIOptions | 
 
     from cairn.cluster.api import build_app
     from cairn.cluster.api.engine_client import LocalEngineClient
-    from cairn.workers import AsyncEngine, ModelSource, demo_model_dir
+    from cairn.workers import EngineFront, ModelSource, demo_model_dir
 
     options = options or APIOptions()
     source = ModelSource.parse(model_dir if model_dir is not None else demo_model_dir("tiny"))
     model_dir = source.local_dir()
     options = options.model_copy(update=dict(served_model_name=options.served_model_name or source.served_name))
-    engine = AsyncEngine.from_pretrained(model_dir, engine_options)
+    engine = EngineFront.from_pretrained(model_dir, engine_options)
     gc.collect()
     gc.freeze()  # this process serves one engine: its long-lived objects need no cyclic scans (as a replica)
     app = build_app(LocalEngineClient(engine), model_dir, options, tenants=tenants, api_key=api_key,

@@ -1,4 +1,4 @@
-"""From a validated request to engine requests, and from engine outputs to an OpenAI response.
+"""From a validated request to engine requests, and their outputs to choices (`reply` answers with them).
 
 The ingress does its share of the prefix cache's work here, once per prompt: render the chat
 template, tokenize and turn message starts into checkpoint hints (`prompts`, on the threads of
@@ -8,14 +8,14 @@ numbers, fields we cannot honour, queue room: 429 when full, 413 for a request t
 the queue or makes more than `max_engine_requests`; the tenant's quotas, `quotas`), starts one
 engine request per choice (`seed + i` for choice i; a sampling field left out keeps
 `SamplingParams`' default), each carrying its tenant for the engine's fair scheduling, and waits
-for the first output, so a request the engine refuses is still a 400 even when streaming. A
-non-streaming request whose client disconnects is aborted too. With `request_timeout_s` (the
-operator's end-to-end limit) a request still running that long after its arrival is ended: a 408,
-or an error event in a stream, its engine requests aborted; behind Serve's proxy this holds
-whatever `x-request-timeout-seconds` a client sends, since the proxy obeys that header and the
-ingress does not. Prompt tokens are counted once per prompt, completion tokens summed over choices;
-cached_tokens is a prompt's smallest over its choices; each is counted for the tenant too, with
-each engine request's queue time.
+for the first output, so a request the engine refuses is still a 400 even when streaming. With
+`request_timeout_s` (the operator's end-to-end limit) a request still running that long after its
+arrival is ended: a 408 (`reply` makes it an error event in a stream), its engine requests
+aborted; behind Serve's proxy this holds whatever `x-request-timeout-seconds` a client sends,
+since the proxy obeys that header and the ingress does not. Prompt tokens are counted once per
+prompt, completion tokens summed over choices; cached_tokens is a prompt's smallest over its
+choices; each is counted for the tenant too, with each engine request's queue time. Both
+endpoints are an `Endpoint`: a callable that holds the one `Serving`.
 """
 
 from __future__ import annotations
@@ -24,13 +24,13 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 from cairn.cluster.api.chat_template import ChatTemplate
 from cairn.cluster.api.choice import Choice, Delta
 from cairn.cluster.api.engine_client import EngineClient
-from cairn.cluster.api.api_errors import CLIENT_CLOSED_REQUEST, APIError, bad_request, fault, request_timed_out
+from cairn.cluster.api.api_errors import APIError, bad_request, request_timed_out
 from cairn.cluster.api.fanout import Fanout
 from cairn.cluster.api.api_metrics import APIMetrics
 from cairn.cluster.api.api_options import APIOptions
@@ -38,7 +38,6 @@ from cairn.cluster.api.prep_pool import PrepPool
 from cairn.cluster.api.prompts import Prepared, Prompts
 from cairn.cluster.api.protocol import SamplingFields
 from cairn.cluster.api.quotas import Admission, TenantQuotas
-from cairn.cluster.api.responses import DONE, Usage
 from cairn.cluster.api.structured import GrammarCompiler
 from cairn.cluster.api.tenants import Caller
 from cairn.cluster.api.text_tokenizer import TextTokenizer
@@ -47,7 +46,7 @@ from cairn.workers import MAX_SEED, RequestRejected, SamplingParamError, Samplin
 from cairn.workers.grammar import Grammar
 from cairn.workers.request import GenerateRequest
 
-__all__ = ["CLIENT_CLOSED_REQUEST", "Prepared", "Serving"]
+__all__ = ["Endpoint", "Prepared", "Serving"]
 
 log = logging.getLogger("cairn.cluster.api")
 
@@ -230,56 +229,6 @@ class Serving:
                 yield choice, delta
             item = await self._next(fan, arrived)
 
-    async def collect(self, fan: Fanout, first: tuple[int, Any], choices: list[Choice], arrived: float,
-                      client_gone: Callable[[], Awaitable[None]], caller: Caller) -> bool:
-        """Runs every choice to its end for a non-streaming response. False if the client went
-        away first: its engine requests are then aborted, not left to run for no one."""
-        async def consume() -> None:
-            async for _ in self.drive(fan, first, choices, arrived, caller):
-                pass
-
-        work, gone = asyncio.ensure_future(consume()), asyncio.ensure_future(client_gone())
-        try:
-            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-            if not work.done():
-                work.cancel()
-            await fan.close()
-        if work.cancelled():
-            return False
-        work.result()  # raises what the engine raised
-        return True
-
-    async def stream(self, request_id: str, fan: Fanout, events: AsyncGenerator[str, None], prompts: list[Prepared],
-                     choices: list[Choice], arrived: float, usage_chunk: Callable[[Usage], str] | None,
-                     caller: Caller) -> AsyncGenerator[str, None]:
-        """A streamed response: the endpoint's `events`, then `usage_chunk(usage)` if given, then
-        [DONE]. A fault after the stream started becomes an error event naming only the request
-        id, then [DONE]. Whatever happens (the client leaving included) the engine requests are
-        closed and the request is counted into the metrics once."""
-        counted = False
-        try:
-            async for event in events:
-                yield event
-            usage = Usage.of(*self.record(prompts, choices, arrived, caller))
-            counted = True
-            if usage_chunk is not None:
-                yield usage_chunk(usage)
-            yield DONE
-        except APIError as e:  # the request's own limit (a 408 past its deadline)
-            yield f"data: {e.response().body.decode()}\n\n"
-            yield DONE
-        except Exception as e:
-            log.exception("request %s failed while streaming", request_id)
-            yield f"data: {fault(request_id, e).response().body.decode()}\n\n"
-            yield DONE
-        finally:
-            await events.aclose()
-            await fan.close()
-            if not counted:
-                self.record(prompts, choices, arrived, caller)
-
     def record(self, prompts: list[Prepared], choices: list[Choice], arrived: float,
                caller: Caller) -> tuple[int, int, int]:
         """(prompt, completion, cached) tokens of the request, counted into the metrics, the
@@ -292,3 +241,11 @@ class Serving:
         if self.quotas is not None and caller.tenant_id is not None:
             self.quotas.charge_tokens(caller.tenant_id, completion)
         return prompt_tokens, completion, cached
+
+
+class Endpoint:
+    """A generation endpoint over one `Serving` (`chat_completions`, `completions`): the routes
+    await `endpoint(req, request_id, arrived, client_gone, caller)` for its response."""
+
+    def __init__(self, serving: Serving):
+        self.serving = serving

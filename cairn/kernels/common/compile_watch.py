@@ -8,7 +8,8 @@ its key. A compile inside a request's step costs that request seconds, so `cairn
 compiles every specialisation a step can take at start (`Engine.warm_up`), and a compile after
 that is a bug: the engine logs it and exports the count (`kernel_compiles_total` in /metrics).
 
-`install()` (idempotent; triton_helpers calls it on import, so every launcher of ours has it):
+`install(interpreted)` (idempotent; triton_helpers calls it on import with whether this process
+runs Triton interpreted, its `INTERPRETED`, so every launcher of ours has it):
 - compiled Triton: Triton's `jit_post_compile_hook` (triton.knobs.runtime), chained to any hook
   set before it, counts every in-process compile (from Triton's disk cache or not);
 - interpreted Triton (the CPU tests): nothing compiles, so every launch computes the key a
@@ -49,14 +50,12 @@ def _note(kernel: str, key: str, fresh_only: bool) -> None:
         _seen.append((kernel, key))
 
 
-def install() -> None:
+def install(interpreted: bool) -> None:
     global _installed
     if _installed:
         return
     _installed = True
-    from cairn.kernels.common.triton_helpers import INTERPRETED
-
-    if INTERPRETED:
+    if interpreted:
         _watch_interpreted()
     else:
         _watch_compiled()

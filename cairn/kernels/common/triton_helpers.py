@@ -10,7 +10,8 @@ its warm-up, before any request; the choices are kept on disk, `tuning_cache`). 
 cannot run, at the first config, fixed. Launchers pass none of a config's names, and give a grid
 that depends on them as a function of them (`grid(meta)`).
 
-Importing it installs `compile_watch` (every Triton compile of the process counted).
+Importing it installs `compile_watch` (every Triton compile of the process counted), telling it
+`INTERPRETED`.
 
 `FILL`: when set (tests set NaN), every buffer a launcher allocates, outputs and scratch alike, is
 filled with it instead of left uninitialised (integer buffers with their dtype's minimum), so a kernel that reads memory nobody wrote, or
@@ -79,7 +80,7 @@ def tuned(configs: list[dict] | dict, key: list[str], reset_to_zero: tuple[str, 
     return wrap
 
 
-compile_watch.install()
+compile_watch.install(INTERPRETED)
 
 
 def empty(*shape: int, dtype: torch.dtype, device: torch.device) -> Tensor:

@@ -23,7 +23,7 @@ A model without recurrent layers has no state bytes: its slots are ids that inde
 Speculative decoding (`num_speculative_tokens` k) adds `spare_slots` = k x `max_num_seqs` + 1 state
 slots (k x `speculative_max_num_seqs` + 1 where that is given) after the cache's blocks, from group
 `spare_start` on: a verify step keeps the state after each drafted token there until it knows which
-stand (cairn.workers.speculation); the last one, `padding_slot`, takes the state saves of a graphed
+stand (cairn.workers.speculative); the last one, `padding_slot`, takes the state saves of a graphed
 verify step's padding rows (cairn.workers.execution.decode_graphs). The cache never places anything
 there, so it holds what it holds without speculation; `arena_bytes` counts them, `cache_bytes` does
 not.

@@ -49,10 +49,13 @@ import random
 from collections import deque
 from dataclasses import dataclass, field
 
+from cairn.workers.engine_options import CACHE_POLICIES
+
 TAIL, PROMPT_END, HINT, CONTENT, FINISH, BRANCH, INTERVAL, EVERY, END = (
     "tail", "prompt_end", "hint", "content", "finish", "branch", "interval", "every", "end")
 ALL_KINDS = (TAIL, PROMPT_END, HINT, CONTENT, FINISH, BRANCH, INTERVAL, EVERY, END)
 
+# the kinds each of `cache_policy`'s values (engine_options.CACHE_POLICIES, every one) captures
 POLICY_KINDS = {
     "cairn": frozenset({TAIL, PROMPT_END, HINT, CONTENT, FINISH, BRANCH, INTERVAL}),
     "exact": frozenset({END}),
@@ -89,8 +92,8 @@ class CheckpointPolicy:
     records: dict[str, KindRecord] = field(default_factory=lambda: {k: KindRecord() for k in ALL_KINDS})
 
     def __post_init__(self) -> None:
-        if self.name not in POLICY_KINDS:
-            raise ValueError(f"cache_policy must be one of {sorted(POLICY_KINDS)}, got {self.name!r}")
+        if self.name not in CACHE_POLICIES:
+            raise ValueError(f"cache_policy must be one of {sorted(CACHE_POLICIES)}, got {self.name!r}")
         if not isinstance(self.tail_guard, int) or self.tail_guard < 0:
             raise ValueError(f"tail_guard must be an integer >= 0, got {self.tail_guard!r}")
         if not isinstance(self.interval_pages, int) or self.interval_pages < 1:

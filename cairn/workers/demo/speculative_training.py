@@ -18,9 +18,9 @@ text's structure (the same lookups: 75% and 52%), as a real model's continuation
    at [0 | I] (the hidden half passed through); `head_steps` AdamW steps teach it, at each
    position t of a continuation, from the target's final hidden state at t and the embedding of
    token t + 1, the target's distribution of token t + 2 (cross-entropy to its softmax, through
-   the target's LM head, frozen), as the engine applies it (cairn.workers.execution.mtp_drafter).
+   the target's LM head, frozen), as the engine applies it (cairn.workers.speculative.mtp_drafter).
    The distribution, not the greedy token alone: a sampled row's drafts are drawn from the head's
-   distribution (cairn.workers.speculation), and a real head, trained with the LM loss on text,
+   distribution (cairn.workers.speculative), and a real head, trained with the LM loss on text,
    has one. Measured on tiny (12 held-out prompts, k = 2, one run each): the first draft of a
    row at temperature 0.6 kept 0.56 of the time drawn, 0.46 as the argmax (a head trained to the
    greedy token alone: 0.43 and 0.44); greedy rows keep 0.76 and 0.34 at the two positions

@@ -18,7 +18,7 @@ of their own after the rest: a step waits for them only when one of its segments
 has its copies overlap the other sequences' step. Their measured rate feeds the cache's cost rule
 (`cairn.workers.cache.tier_cost`).
 Page and slot ids come from the prefix cache; the runner never decides who holds what. It keeps
-the page table (one row of page ids per running sequence, rows assigned by the cache) across
+the page table (cairn.workers.execution.page_table: a row of page ids per sequence) across
 steps and applies the plan's `page_table_writes` to it, so a step's cost does not grow with its
 sequences' lengths. Fresh state slots are zeroed before a step, so every segment starts from its
 slot.
@@ -36,12 +36,13 @@ from cairn.kernels import VarlenPlan
 from cairn.workers import heap
 from cairn.workers.cache.arena import ArenaLayout
 from cairn.workers.execution.decode_graphs import DecodeGraphs
+from cairn.workers.execution.page_table import PageTable
+from cairn.workers.execution.pinned_upload import PinnedUpload, packed_bytes
 from cairn.workers.model import HybridForCausalLM, ModelCaches, packed_linear
 from cairn.workers.model.packed_linear import pack_linears
 from cairn.workers.plan import COPY, DEMOTE, IMPORT, MOVE, PROMOTE, BlockCopy, StepPlan
 from cairn.workers.execution.step_work import SideWork, StepWork, checkpoint_tables, feed
-
-UPLOAD_ALIGN = 16  # bytes: Triton specialises a pointer on 16-byte alignment
+from cairn.workers.execution.verify_rows import VerifyRows
 
 
 class ModelRunner:
@@ -66,11 +67,11 @@ class ModelRunner:
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._promoted = None
         self.caches = ModelCaches(*self._views(layout))
-        self._table = np.zeros((max_rows, 64), dtype=np.int32)  # row -> page ids, widened on demand
-        self._staging: list[torch.Tensor | None] = [None, None]  # CUDA: pinned buffers `upload` alternates
+        self.page_table = PageTable(max_rows)  # across steps, from the plans' page-table writes
+        self._uploads = PinnedUpload(self.device)  # a step's arrays, in one aligned copy
         self.graphs: DecodeGraphs | None = None  # decode steps at fixed batch sizes (`use_decode_graphs`)
         # speculative decoding: each eager step keeps its rows' final normed hidden states, which
-        # the MTP head reads (cairn.workers.execution.mtp_drafter)
+        # the MTP head reads (cairn.workers.speculative.mtp_drafter)
         self.keep_hidden = False
         self.hidden: torch.Tensor | None = None
         # tensors of one row per arena block beside it (the MTP head's K/V, `add_block_rows`):
@@ -177,7 +178,7 @@ class ModelRunner:
     def snapshot(self, plan: StepPlan) -> None:
         """The plan's snapshots (state slots into checkpoint slots, or to the host tier), made
         after the last step launched: for a plan whose checkpoints were planned after it ran
-        (async scheduling, `Scheduler.plan_deferred`)."""
+        (async scheduling, cairn.workers.async_scheduling.plan_deferred)."""
         self.copy_states(plan.snapshots)
         self._host_snapshots(plan.host_snapshots)
 
@@ -317,51 +318,13 @@ class ModelRunner:
     def _index(self, values: list[int], device: torch.device | None = None) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=device or self.device)
 
-    @staticmethod
-    def _layout(arrays: dict[str, np.ndarray]) -> tuple[dict[str, int], int]:
-        """Where `upload` puts each array in its packed buffer (byte offsets, each a multiple of
-        UPLOAD_ALIGN, so every view starts as aligned as a fresh allocation: the kernels that read
-        them compile once, not once per alignment a step's sizes happen to give), and the size."""
-        offsets, end = {}, 0
-        for name, a in arrays.items():
-            if a.dtype not in (np.int64, np.int32):
-                raise TypeError(f"step arrays are int64 or int32, got {a.dtype} for {name}")
-            offsets[name] = end
-            end += -(-a.nbytes // UPLOAD_ALIGN) * UPLOAD_ALIGN
-        return offsets, max(UPLOAD_ALIGN, end)
-
     def packed_bytes(self, arrays: dict[str, np.ndarray]) -> int:
-        return self._layout(arrays)[1]
+        """The bytes `upload` packs `arrays` into (cairn.workers.execution.pinned_upload)."""
+        return packed_bytes(arrays)
 
     def upload(self, arrays: dict[str, np.ndarray], into: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-        """The arrays on the device, in one copy: packed into one host buffer, each at an offset
-        aligned to UPLOAD_ALIGN bytes (on CUDA a pinned buffer, copied without blocking the host;
-        the next step's sampled ids, read back, come after that copy, so the two alternating
-        buffers are free again by then), then viewed by name: a handful of ops whatever the
-        number of arrays. `into`: a device buffer of `packed_bytes` to copy into (a decode graph's
-        inputs), instead of a new one."""
-        offsets, size = self._layout(arrays)
-        packed = np.zeros(size, dtype=np.uint8)
-        for name, a in arrays.items():
-            packed[offsets[name]:offsets[name] + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
-        host = torch.from_numpy(packed)
-        if self.device.type == "cuda":
-            self._staging = self._staging[::-1]
-            if self._staging[0] is None or self._staging[0].numel() < host.numel():
-                self._staging[0] = torch.empty(2 * host.numel(), dtype=torch.uint8, pin_memory=True)
-            pinned = self._staging[0][:host.numel()]
-            pinned.copy_(host)
-            host = pinned
-        if into is not None:
-            into.copy_(host, non_blocking=True)
-            host = into
-        elif self.device.type == "cuda":
-            host = host.to(self.device, non_blocking=True)
-        out = {}
-        for name, a in arrays.items():
-            dtype = torch.int64 if a.dtype == np.int64 else torch.int32
-            out[name] = host[offsets[name]:offsets[name] + a.nbytes].view(dtype).view(a.shape)
-        return out
+        """A step's arrays on the device in one aligned copy, by name (`PinnedUpload.upload`)."""
+        return self._uploads.upload(arrays, into)
 
     def use_decode_graphs(self, max_num_seqs: int, width: int, capture: bool, depth: int = 0,
                           padding_slot: int = -1) -> None:
@@ -378,23 +341,6 @@ class ModelRunner:
                 and len(work.logits_indices) == work.num_decodes and self.graphs.key(work) is not None
                 and not (work.restores or work.fresh_state_slots or work.snapshots or work.host_snapshots))
 
-    def page_table_rows(self, rows: list[int], width: int) -> np.ndarray:
-        """A copy of page-table rows `rows`, their first `width` pages (zeros past what is written)."""
-        out = np.zeros((len(rows), width), np.int32)
-        have = min(width, self._table.shape[1])
-        out[:, :have] = self._table[rows, :have]
-        return out
-
-    def _write_page_table(self, writes: list) -> None:
-        """Applies the cache's page-table writes to the persistent table (rows: sequences)."""
-        for w in writes:
-            end = w.start + len(w.page_ids)
-            if end > self._table.shape[1]:  # a longer sequence than any before: widen
-                wider = np.zeros((self._table.shape[0], max(end, 2 * self._table.shape[1])), dtype=np.int32)
-                wider[:, :self._table.shape[1]] = self._table
-                self._table = wider
-            self._table[w.row, w.start:end] = w.page_ids
-
     def prepare(self, plan: StepPlan, all_logits: bool = False, fed: dict[int, int] | None = None,
                 shift: int = 0) -> StepWork:
         """The host's part of a step: the plan as plain arrays (`StepWork`). Per-segment numbers
@@ -403,11 +349,11 @@ class ModelRunner:
         holds a decoding sequence's token (`execute`). A verify segment's drafted tokens follow
         its first (`Sequence.draft`), and each of its rows samples. `shift`: each position takes
         the token `shift` places after its own (the MTP head reads the next token's embedding:
-        cairn.workers.execution.mtp_drafter)."""
-        self._write_page_table(plan.page_table_writes)
-        ps, table = self.page_size, self._table
+        cairn.workers.speculative.mtp_drafter)."""
+        self.page_table.write(plan.page_table_writes)
+        ps, table = self.page_size, self.page_table.table
         decodes, prefills = plan.decodes, plan.prefills
-        verify = _VerifyRows(decodes) if any(seg.drafts for seg in decodes) else None
+        verify = VerifyRows(decodes) if any(seg.drafts for seg in decodes) else None
         rows, starts, counts, lengths, shared, slots, ids = [], [], [], [], [], [], []
         for seg, j in (verify.rows if verify else ((seg, 0) for seg in decodes)):
             seq = seg.seq
@@ -471,36 +417,3 @@ class ModelRunner:
             restores=plan.restores, fresh_state_slots=plan.fresh_state_slots, snapshots=plan.snapshots,
             host_snapshots=plan.host_snapshots, promotions_for_now=plan.promotions_for_now, fed_from=fed_from,
             **(verify.arrays(prefills, cu) if verify else {}))
-
-
-class _VerifyRows:
-    """The decode rows of a plan whose decodes include verify segments with drafted tokens
-    (speculative decoding's exact mode; cairn.workers.model.batch): level 0, every decode's first
-    row; level j, the j-th drafted row of those with j drafts or more. `rows`: (segment, j) in
-    that order; `of`: by segment id, its rows (positions in order)."""
-
-    def __init__(self, decodes):
-        depth = max(seg.drafts for seg in decodes)
-        levels = [[seg for seg in decodes if seg.drafts >= j] for j in range(depth + 1)]
-        self.levels = levels
-        self.rows = [(seg, j) for j, level in enumerate(levels) for seg in level]
-        self.of: dict[int, list[int]] = {}
-        for i, (seg, _) in enumerate(self.rows):
-            self.of.setdefault(id(seg), []).append(i)
-
-    def arrays(self, prefills, cu: np.ndarray) -> dict:
-        """`StepWork`'s verify-row fields: the rows per level, the states kept after each
-        (sequence's slot, `Segment.states[j]`: its state after j + 1 tokens), the rows by
-        segment."""
-        saves, counts = [], []
-        for j, level in enumerate(self.levels):
-            kept = [(seg.seq.cache.state_slot, seg.states[j]) for seg in level if len(seg.states) > j]
-            saves += kept
-            counts.append(len(kept))
-        nd = len(self.rows)
-        by_segment = [self.of[id(seg)] for seg in self.levels[0]] + \
-            [list(range(cu[nd + i], cu[nd + i + 1])) for i in range(len(prefills))]
-        return dict(decode_levels=tuple(len(level) for level in self.levels),
-                    level_saves=np.array(saves, np.int64).reshape(-1, 2), level_save_counts=tuple(counts),
-                    segment_rows=np.array([r for rows in by_segment for r in rows], np.int64))
-

@@ -58,7 +58,7 @@ class StepWork:
                     page_size: int) -> "StepWork":
         """A decode-only step of one row a sequence, from plain numbers: each row's page-table
         row, position, token and state slot (the MTP head's draft rounds,
-        cairn.workers.execution.mtp_drafter, on every rank)."""
+        cairn.workers.speculative.mtp_drafter, on every rank)."""
         n = len(input_ids)
         positions = np.asarray(positions, np.int64)
         width = int(positions.max() // page_size) + 1

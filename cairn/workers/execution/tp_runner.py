@@ -3,9 +3,10 @@
 Contract:
 - `RankWorkers.start(model_dir, options, address)` starts ranks 1..N-1 (N =
   `options.tensor_parallel_size`), each a process that joins the `TPGroup` at `address`, loads its
-  shard of the checkpoint (cairn.workers.model.sharding: only its part is read from disk), lays out its
-  own arena from the same options (per device: a rank's pages and state slots are its K/V heads
-  and its recurrent heads of the same page and slot ids), and then runs whatever rank 0 sends
+  shard of the checkpoint (cairn.workers.model.sharding: only its part is read from disk) and,
+  when speculating, its share of the MTP head, lays out its own arena from the same options, sized as rank 0 sizes its
+  own (cairn.workers.sizing; per device: a rank's pages and state slots are its K/V heads and its
+  recurrent heads of the same page and slot ids), and then runs whatever rank 0 sends
   (`RankExecutor`: steps, the copies between them, the MTP head's drafting), in order, until told
   to stop.
 - `TensorParallelRunner(runner, workers)` is rank 0's runner: `execute(plan)` turns the plan into
@@ -42,6 +43,7 @@ from cairn.workers.engine_options import EngineOptions
 from cairn.workers.execution.runner import ModelRunner
 from cairn.workers.execution.step_work import SideWork, StepWork
 from cairn.workers.plan import BlockCopy, StepPlan
+from cairn.workers.sizing import arena_sized, head_for
 
 T = TypeVar("T")
 
@@ -86,13 +88,13 @@ def load_rank_model(model_dir: str | Path, options: EngineOptions, rank: int, ad
 
 
 def build_rank_runner(model_dir: str | Path, asked: EngineOptions, rank: int, address: str,
-                      device: torch.device | None = None) -> tuple[RankExecutor, int]:
-    """A rank above 0: its shard (and its share of the MTP head when speculating), its arena
-    laid out as rank 0's engine lays out its own (the options rank 0 was asked for, sized the
-    same way, as many page-table rows), and the runner over it; with the arena's block count,
-    which must equal rank 0's."""
+                      device: torch.device | None = None, drafter_type=None) -> tuple[RankExecutor, int]:
+    """A rank above 0: its shard (and its share of the MTP head when speculating, run by
+    `drafter_type(runner, head)`: the engine's drafter class, cairn.workers.speculative.mtp_drafter,
+    handed down by whoever starts the ranks), its arena laid out as rank 0's engine lays out its
+    own (the options rank 0 was asked for, sized the same way, as many page-table rows), and the
+    runner over it; with the arena's block count, which must equal rank 0's."""
     from cairn.workers.cache.arena import ArenaLayout
-    from cairn.workers.loading import arena_sized, head_for
 
     model = load_rank_model(model_dir, asked, rank, address, device)
     head = head_for(Path(model_dir), asked, model)
@@ -101,9 +103,9 @@ def build_rank_runner(model_dir: str | Path, asked: EngineOptions, rank: int, ad
     runner = ModelRunner(model, layout, sized.page_size, sized.max_num_seqs + 1)
     drafter = None
     if head is not None:
-        from cairn.workers.execution.mtp_drafter import MtpDrafter
-
-        drafter = MtpDrafter(runner, head)
+        if drafter_type is None:
+            raise ValueError("a speculating rank needs the drafter that runs its share of the MTP head")
+        drafter = drafter_type(runner, head)
     return RankExecutor(runner, drafter), layout.num_blocks
 
 
@@ -127,12 +129,12 @@ MAIN_GUARD = ("a script that builds a tensor-parallel engine must do so under `i
               "its ranks are spawned processes, which import the script again")
 
 
-def _rank_main(model_dir: str, options: EngineOptions, rank: int, address: str, conn) -> None:
+def _rank_main(model_dir: str, options: EngineOptions, rank: int, address: str, conn, drafter_type=None) -> None:
     """A rank's process: say it started, build, report its layout, then run everything it is sent."""
     torch.set_num_threads(1)
     conn.send(("started", None))
     try:
-        executor, num_blocks = build_rank_runner(model_dir, options, rank, address)
+        executor, num_blocks = build_rank_runner(model_dir, options, rank, address, drafter_type=drafter_type)
         conn.send(("ready", num_blocks))
         while (work := conn.recv()) is not None:
             executor.handle(work)
@@ -155,15 +157,16 @@ class RankWorkers:
     START_TIMEOUT_S = 120.0  # a rank's process imports torch and cairn before it says it started
 
     @classmethod
-    def start(cls, model_dir: str | Path, options: EngineOptions, address: str) -> RankWorkers:
-        """Spawns ranks 1..N-1 and waits until each has started (before any loads its shard)."""
+    def start(cls, model_dir: str | Path, options: EngineOptions, address: str, drafter_type=None) -> RankWorkers:
+        """Spawns ranks 1..N-1 and waits until each has started (before any loads its shard);
+        `drafter_type`: see `build_rank_runner` (pickled by reference into each rank)."""
         if getattr(mp.current_process(), "_inheriting", False):  # a spawned process importing its parent's script
             raise RuntimeError(MAIN_GUARD)
         ctx = mp.get_context("spawn")
         processes, conns = [], []
         for rank in range(1, options.tensor_parallel_size):
             ours, theirs = ctx.Pipe()
-            p = ctx.Process(target=_rank_main, args=(str(model_dir), options, rank, address, theirs),
+            p = ctx.Process(target=_rank_main, args=(str(model_dir), options, rank, address, theirs, drafter_type),
                             name=f"cairn-tp-rank-{rank}", daemon=True)
             p.start()
             theirs.close()

@@ -20,7 +20,7 @@ Everything a step's kernels need to know about its lengths is computed on the ho
 step and arrives with it (`prefill`, the checkpoint tables), so that the forward never reads a
 value back from the device: the tensors here are the device's, every int and list is the host's.
 
-Verify rows (speculative decoding's exact mode, cairn.workers.speculation): a sequence's
+Verify rows (speculative decoding's exact mode, cairn.workers.speculative): a sequence's
 drafted tokens can be decode rows too, each at its own position over the sequence's one state
 slot. The decode rows then come in `decode_levels`: level 0 holds every decoding sequence's first
 row, level j the j-th drafted row of those with j drafts or more; the recurrent layers run the

@@ -6,7 +6,9 @@ so the next workload that needs it finds its checkpoints. A prompt's targets are
 is worth a state: near positions fold into one, and under pressure only the end, the newest hint
 and branch points are taken.""" 
 
-from cairn.workers.cache.checkpoint_policy import BRANCH, CONTENT, HINT, INTERVAL, PROMPT_END, TAIL, CheckpointPolicy
+from cairn.workers.cache.checkpoint_policy import (BRANCH, CONTENT, HINT, INTERVAL, POLICY_KINDS, PROMPT_END, TAIL,
+                                                   CheckpointPolicy)
+from cairn.workers.engine_options import CACHE_POLICIES
 
 CONVERSATIONS, SETTLE = 64, 4 * 16  # the engine's settle_after: 4 x max_num_seqs (16 here)
 
@@ -43,6 +45,10 @@ def test_kinds_that_are_never_resumed_from_stop_being_admitted_and_the_one_that_
     last = counts[-1]
     assert last[HINT] == CONVERSATIONS, counts
     assert last[TAIL] <= CONVERSATIONS // 5 and last[PROMPT_END] <= CONVERSATIONS // 5, counts
+
+
+def test_every_cache_policy_an_engine_option_may_name_has_its_kinds_and_no_other_has():
+    assert sorted(POLICY_KINDS) == sorted(CACHE_POLICIES)
 
 
 def test_baselines_admit_their_kinds_always():

@@ -1,4 +1,4 @@
-"""The engine behind an asyncio interface: many callers stream tokens, one thread steps.
+"""The engine's asyncio front end (`EngineFront`): many callers stream tokens, one thread steps.
 
 Every call into the `Engine` (add, abort, step) runs on one dedicated worker thread, in order,
 so the engine needs no locks and the event loop never blocks on a model step. `from_pretrained`
@@ -53,7 +53,7 @@ log = logging.getLogger(__name__)
 Fetcher = Callable[[GenerateRequest, FetchPlan], Awaitable[ResumeExport | str | None]]
 
 
-class AsyncEngine:
+class EngineFront:
     MAX_BUFFERED, RESUME_BUFFERED = 32, 8  # outputs waiting in a request's queue: pause at, resume at
 
     def __init__(self, engine: Engine, executor: ThreadPoolExecutor | None = None):
@@ -67,7 +67,7 @@ class AsyncEngine:
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, options: EngineOptions | None = None,
-                        **kwargs: object) -> "AsyncEngine":
+                        **kwargs: object) -> "EngineFront":
         """`Engine.from_pretrained(model_dir, options, **kwargs)`, loaded on the thread that will
         step it (see the module doc)."""
         executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cairn-engine")

@@ -6,7 +6,7 @@ import asyncio
 import pytest
 import torch
 
-from cairn.workers import AsyncEngine, Engine, EngineError, SamplingParams
+from cairn.workers import EngineFront, Engine, EngineError, SamplingParams
 
 PARAMS = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
@@ -30,7 +30,7 @@ def test_concurrent_streams_equal_the_batch_engine(path):
     expected = [o.token_ids for o in Engine.from_pretrained(path, num_pages=64).generate(ps, PARAMS)]
 
     async def main():
-        engine = AsyncEngine.from_pretrained(path, num_pages=64)
+        engine = EngineFront.from_pretrained(path, num_pages=64)
         streams = await asyncio.gather(*(collect(engine, p) for p in ps))
         await engine.close()
         return streams
@@ -43,7 +43,7 @@ def test_concurrent_streams_equal_the_batch_engine(path):
 
 def test_a_caller_that_stops_reading_aborts_its_request_and_frees_its_pages(path):
     async def main():
-        engine = AsyncEngine.from_pretrained(path, num_pages=64)
+        engine = EngineFront.from_pretrained(path, num_pages=64)
         agen = engine.generate(prompts(1, 40)[0], SamplingParams(max_tokens=200, ignore_eos=True))
         await agen.__anext__()
         assert engine.engine.cache.pages.num_held > 0
@@ -60,7 +60,7 @@ def test_a_caller_that_stops_reading_aborts_its_request_and_frees_its_pages(path
 
 def test_abort_ends_the_stream_with_finish_reason_abort(path):
     async def main():
-        engine = AsyncEngine.from_pretrained(path, num_pages=64)
+        engine = EngineFront.from_pretrained(path, num_pages=64)
         outs = []
         async for out in engine.generate(prompts(1)[0], SamplingParams(max_tokens=500, ignore_eos=True),
                                          request_id="r1"):
@@ -76,7 +76,7 @@ def test_abort_ends_the_stream_with_finish_reason_abort(path):
 
 def test_a_refused_request_raises_at_once_and_others_continue(path):
     async def main():
-        engine = AsyncEngine.from_pretrained(path, num_pages=64)
+        engine = EngineFront.from_pretrained(path, num_pages=64)
         with pytest.raises(ValueError, match="at least one token"):
             await collect(engine, [])
         good = await collect(engine, prompts(1)[0])
@@ -88,7 +88,7 @@ def test_a_refused_request_raises_at_once_and_others_continue(path):
 
 def test_an_engine_fault_fails_requests_in_flight_but_not_the_loop(path, monkeypatch):
     async def main():
-        engine = AsyncEngine.from_pretrained(path, num_pages=64)
+        engine = EngineFront.from_pretrained(path, num_pages=64)
         real_step = engine.engine.step
         calls = {"n": 0}
 
@@ -117,7 +117,7 @@ def test_a_reader_that_falls_behind_pauses_its_request_and_the_others_go_on(path
     alone = Engine.from_pretrained(path, num_pages=64).generate([prompts(1, 20)[0]], long)[0].token_ids
 
     async def main():
-        engine = AsyncEngine.from_pretrained(path, num_pages=64)
+        engine = EngineFront.from_pretrained(path, num_pages=64)
         behind = engine.generate(prompts(1, 20)[0], long, "behind")
         first = await behind.__anext__()
         other = await collect(engine, prompts(2)[1], SamplingParams(max_tokens=60, temperature=0, ignore_eos=True))
@@ -129,7 +129,7 @@ def test_a_reader_that_falls_behind_pauses_its_request_and_the_others_go_on(path
 
     first, computed, paused, other, rest = asyncio.run(main())
     assert other[-1].finished and len(other[-1].token_ids) == 60
-    assert paused and computed <= AsyncEngine.MAX_BUFFERED + 2, f"{computed} tokens computed for nobody"
+    assert paused and computed <= EngineFront.MAX_BUFFERED + 2, f"{computed} tokens computed for nobody"
     assert [t for out in [first, *rest] for t in out.new_token_ids] == alone and rest[-1].finished
 
 
@@ -153,7 +153,7 @@ def test_the_engine_is_loaded_on_the_thread_that_steps_it(path, monkeypatch):
     monkeypatch.setattr(Engine, "step", stepping)
 
     async def main():
-        engine = AsyncEngine.from_pretrained(path, num_pages=64)
+        engine = EngineFront.from_pretrained(path, num_pages=64)
         await collect(engine, prompts(1)[0])
         await engine.close()
 

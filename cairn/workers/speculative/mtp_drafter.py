@@ -1,5 +1,5 @@
 """Drafting with the checkpoint's MTP head (cairn.workers.model.mtp): the engine's `Drafter`
-(cairn.workers.speculation).
+(cairn.workers.speculative.drafts).
 
 `MtpDrafter(runner, head)` makes the runner keep each step's final hidden states and holds the
 head's K/V: one page per arena block, beside the arena ([num_blocks, page_size, H_kv, D], K and
@@ -11,7 +11,7 @@ its head K/V too (`cairn.workers.cache.transfer`). One from a peer without a hea
 that block held: it changes what the head drafts there, never what the engine outputs (every
 draft is verified).
 
-`propose(runs)`, when the step after the one that kept those tokens begins (`Engine._propose`):
+`propose(runs)`, when the step after the one that kept those tokens begins (`Verifier.propose`):
 `plan` (rank 0, which holds the sequences) makes a `DraftWork` of host arrays, and `run` (every
 rank of a tensor-parallel engine, in step: `dispatch`) carries it out:
 1. The head runs over every position each run kept (one varlen batch: a run of a few
@@ -45,7 +45,7 @@ from cairn.workers.model.packed_linear import pack_linears
 from cairn.workers.model.mtp import MultiTokenPredictor
 from cairn.workers.plan import Segment, StepPlan
 from cairn.workers.sequence import Sequence
-from cairn.workers.speculation import DraftRun
+from cairn.workers.speculative.drafts import DraftRun
 
 SHORT_RUN = 8  # a run of at most this many positions goes through the decode rows (`propose`)
 
@@ -124,7 +124,7 @@ class MtpDrafter:
         return DraftWork(first=first, rows=rows, last=np.array([ends[i] for i, _ in drafting], np.int64),
                          want=np.array([r.want for _, r in drafting], np.int64),
                          start=np.array([seq.num_computed for seq in seqs], np.int64), limit=limit,
-                         page_table=runner.page_table_rows([seq.cache.row for seq in seqs], width),
+                         page_table=runner.page_table.rows([seq.cache.row for seq in seqs], width),
                          slots=np.array([seq.cache.state_slot for seq in seqs], np.int64)), seqs
 
     @torch.inference_mode()

@@ -1,7 +1,9 @@
-"""What a verify step keeps of a draft (speculative decoding): each speculating row drafted k
-tokens; the target's forward over them gave k + 1 choices; `accept_greedy` says which of the
-drafted tokens stand and which token follows them. Batched torch over rows, on any device, no
-host sync.
+"""The tests' oracle for what a verify step keeps of a draft (speculative decoding): each
+speculating row drafted k tokens; the target's forward over them gave k + 1 choices;
+`accept_greedy` says which of the drafted tokens stand and which token follows them. Batched
+torch over rows, on any device: a second, independent form of the rule the engine applies on
+the host (cairn.workers.speculative.acceptance.kept_tokens), held against it in
+tests/workers/test_acceptance.py.
 
 Contract: `accept_greedy(draft, target)`: draft [R, k] ids, target [R, k + 1] the target's token at
 each position (given the draft before it). A row keeps the longest prefix of its draft equal to
@@ -9,13 +11,6 @@ the target's choices, then the target's own token: at the first mismatch, or the
 matches. So its tokens are exactly those one-at-a-time decoding gives from the same choices.
 Returns (tokens [R, k + 1] int64, -1 past each row's end; counts [R]: tokens kept, drafted ones
 plus the one after them, 1 to k + 1).
-
-The engine applies this rule on the host to its rows' draws, sampled or greedy
-(cairn.workers.speculation.kept_tokens, held to it in tests/workers/test_acceptance.py): a seeded
-row's choice at each position is its draw with the uniform of (key, output index), so what stands
-is what k = 0 draws, and its drafts are drawn with the same uniforms to match it; an unseeded
-row's choice is its rejection test's outcome, the draft or a residual draw
-(`Sampler.draft_tokens`).
 """
 
 from __future__ import annotations
