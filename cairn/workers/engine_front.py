@@ -58,6 +58,10 @@ class EngineFront:
 
     def __init__(self, engine: Engine, executor: ThreadPoolExecutor | None = None):
         self.engine = engine
+        # the engine's fixed facts, read without a call onto its thread
+        self.spec: EngineSpec = engine.spec
+        self.worker_id: str = engine.worker_id
+        self.max_num_seqs: int = engine.options.max_num_seqs
         self._executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="cairn-engine")
         self._queues: dict[str, asyncio.Queue] = {}
         self._paused: set[str] = set()
@@ -78,17 +82,6 @@ class EngineFront:
             raise
         return cls(engine, executor)
 
-    @property
-    def spec(self) -> EngineSpec:
-        return self.engine.spec
-
-    @property
-    def worker_id(self) -> str:
-        return self.engine.worker_id
-
-    @property
-    def max_num_seqs(self) -> int:
-        return self.engine.options.max_num_seqs
 
     async def _call(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
