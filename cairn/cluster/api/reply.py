@@ -66,7 +66,7 @@ class Reply:
             for c in self.choices:
                 for part in opening(c):
                     yield chunk([part])
-            async for c, d in s.drive(self.fan, self.first, self.choices, self.arrived, self.caller):
+            async for c, d in self._drive():
                 for part in parts(c, d):
                     yield chunk([part])
 
@@ -74,16 +74,23 @@ class Reply:
         return SSEResponse(self._framed(events(), (lambda usage: chunk([], usage)) if include_usage else None),
                            s.stream_stall_timeout_s)
 
+    def _drive(self):
+        """The choices' deltas as they come (`Serving.drive`)."""
+        return self.serving.drive(self.fan, self.first, self.choices, self.arrived, self.caller)
+
+    def _record(self):
+        """The request counted (`Serving.record`): its (prompt, completion, cached) tokens."""
+        return self.serving.record(self.prompts, self.choices, self.arrived, self.caller)
+
     async def _framed(self, events: AsyncGenerator[str, None],
                       usage_chunk: Callable[[Usage], str] | None) -> AsyncGenerator[str, None]:
         """`events`, then `usage_chunk(usage)` if given, then [DONE]; a fault as an error event,
         then [DONE]; the engine requests closed and the request counted once, however it ends."""
-        s = self.serving
         counted = False
         try:
             async for event in events:
                 yield event
-            usage = Usage.of(*s.record(self.prompts, self.choices, self.arrived, self.caller))
+            usage = Usage.of(*self._record())
             counted = True
             if usage_chunk is not None:
                 yield usage_chunk(usage)
@@ -99,7 +106,7 @@ class Reply:
             await events.aclose()
             await self.fan.close()
             if not counted:
-                s.record(self.prompts, self.choices, self.arrived, self.caller)
+                self._record()
 
     async def whole(self, client_gone: Callable[[], Awaitable[None]], body_model: Callable[..., BaseModel],
                     part: Callable[[Choice], BaseModel]) -> Response:
@@ -107,9 +114,9 @@ class Reply:
         if the client went away first."""
         s = self.serving
         if not await self._collect(client_gone):
-            s.record(self.prompts, self.choices, self.arrived, self.caller)
+            self._record()
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        usage = Usage.of(*s.record(self.prompts, self.choices, self.arrived, self.caller))
+        usage = Usage.of(*self._record())
         body = body_model(id=self.id, model=s.model_name, usage=usage, choices=[part(c) for c in self.choices])
         return JSONResponse(body.model_dump(mode="json"))
 
@@ -117,7 +124,7 @@ class Reply:
         """Runs every choice to its end. False if the client went away first: its engine
         requests are then aborted."""
         async def consume() -> None:
-            async for _ in self.serving.drive(self.fan, self.first, self.choices, self.arrived, self.caller):
+            async for _ in self._drive():
                 pass
 
         work, gone = asyncio.ensure_future(consume()), asyncio.ensure_future(client_gone())
