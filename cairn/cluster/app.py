@@ -10,7 +10,8 @@ cairn/configs/serve.yaml and cairn/configs/local.yaml). The parts:
   With `engine_options.tensor_parallel_size` N > 1 a replica is a placement group of N bundles
   (each `num_cpus` and `num_gpus`, `STRICT_PACK`: one node), Serve's `placement_group_bundles`:
   the replica runs in the first as rank 0 and starts its other ranks in the rest
-  (`cairn.cluster.tp_ranks`). To the index and the router it is one worker.
+  (`cairn.cluster.tp_ranks`). To the index and the router it is one worker, which fetches
+  nothing from its peers, so the router's `fetch` is off for it.
 - `Ingress` deployment: `cairn.cluster.ingress.Ingress`, the OpenAI-compatible HTTP API.
 
 Engine options: `build_application` takes one `EngineOptions` (default `SERVED`: warm-up on,
@@ -103,6 +104,8 @@ def build_application(model_dir: str | Path | None = None, replicas: int = 2, *,
         options = replace(options, dtype=choose_dtype("auto", config_dtype, "cuda" if num_gpus else "cpu"))
     spec = EngineSpec.from_model_dir(local_dir, options)
     routing = (routing or RoutingConfig()).for_engines(spec)
+    if options.tensor_parallel_size > 1 and routing.fetch:  # a rank cannot fetch its slice (engine_peer_fetch)
+        routing = routing.model_copy(update=dict(fetch=False))  # so the router must not price a fetch
     placement: dict[str, Any] = dict(num_cpus=num_cpus, num_gpus=num_gpus)
     extra: dict[str, Any] = dict(graceful_shutdown_timeout_s=graceful_shutdown_timeout_s,
                                  graceful_shutdown_wait_loop_s=graceful_shutdown_wait_loop_s)

@@ -38,6 +38,7 @@ import asyncio
 import dataclasses
 import gc
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -85,7 +86,7 @@ class EngineReplica:
         await self.index.get()  # found, or created, before the first request
         self.publisher = EventPublisher(self.worker_id, self.index, snapshot=self.engine.snapshot_events)
         self.fetch = ReplicaPeerFetch(self.worker_id, self.engine, cfg.fetch_timeout_s)
-        self._metrics = EngineMetrics()
+        self._metrics, self._metrics_at = EngineMetrics(), time.time()
         self._mirror, self._exported_at = RayMetricsMirror(), 0.0
         self._drain = asyncio.get_running_loop().create_task(self._drain_loop())
 
@@ -97,7 +98,7 @@ class EngineReplica:
             try:
                 batch = await self.engine.drain_events()
                 self.publisher.publish(batch)
-                self._metrics = await self.engine.metrics()
+                self._metrics, self._metrics_at = await self.engine.metrics(), time.time()
                 if loop.time() - self._exported_at >= ENGINE_EXPORT_INTERVAL_S:
                     self._exported_at = loop.time()
                     self._mirror.export(engine_families(self._metrics))
@@ -135,7 +136,7 @@ class EngineReplica:
         return self.worker_id, pages, states
 
     def record_routing_stats(self) -> dict[str, float]:
-        return routing_stats(self._metrics, self.max_num_seqs)
+        return routing_stats(self._metrics, self.max_num_seqs, self._metrics_at)
 
     async def __del__(self) -> None:
         self._drain.cancel()

@@ -31,7 +31,8 @@ COPY = "copy"        # device -> device: a cached page's K/V, the head of a new 
 DEMOTE = "demote"    # device -> host: evicted from the device, kept on the host
 PROMOTE = "promote"  # host -> device: brought back for a request
 IMPORT = "import"    # staging row -> device: fetched from a peer (cairn.workers.cache.transfer)
-COPY_KINDS = (MOVE, COPY, DEMOTE, PROMOTE, IMPORT)
+IMPORT_HOST = "import_host"  # staging row -> host: fetched, no device room (cairn.workers.cache.host_adoption)
+COPY_KINDS = (MOVE, COPY, DEMOTE, PROMOTE, IMPORT, IMPORT_HOST)
 
 
 class BlockCopy(NamedTuple):

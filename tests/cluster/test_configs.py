@@ -250,6 +250,13 @@ def test_local_yaml_builds_two_cpu_replicas_of_the_demo_model_with_the_in_memory
         == "qwen3_next"
 
 
+def test_replicas_fetch_from_their_peers_when_asked_but_never_under_tensor_parallelism():
+    assert engine_of(app_builder({}))[1][2]["fetch"] is False
+    assert engine_of(app_builder({"routing": {"fetch": True}}))[1][2]["fetch"] is True
+    tp = {"engine_options": {"tensor_parallel_size": 2}, "routing": {"fetch": True}}
+    assert engine_of(app_builder(tp))[1][2]["fetch"] is False, "a rank cannot fetch its slice: nothing to price"
+
+
 def test_routing_takes_page_size_recurrent_and_sizes_from_the_engines_and_refuses_others():
     from cairn.workers import EngineSpec
 

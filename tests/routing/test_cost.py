@@ -58,11 +58,26 @@ def test_reported_stats_count_load_the_router_did_not_send():
         ReplicaLoad(2, 7, 0, 0.0), "malformed stats count as none"
 
 
+def test_requests_finished_since_the_report_leave_its_count_and_free_their_share():
+    stats = dict(running_requests=2, waiting_requests=0, pages_in_use=40, pages_total=100, states_in_use=2,
+                 states_total=8)
+    assert reported_load(None, stats, finished=1) == ReplicaLoad(0, 0, 1, pytest.approx(0.2))
+    assert reported_load(None, stats, finished=2) == ReplicaLoad(0, 0, 0, 0.0)
+    assert reported_load(None, stats, finished=5) == ReplicaLoad(0, 0, 0, 0.0), "never below nothing"
+    # a home whose report still shows its last turn running: its 3 pages of resume win once that turn is gone
+    stale = reported_load(None, dict(running_requests=1, states_in_use=1, states_total=8))
+    assert rank({"a": (3, 3)}, {"a": stale}, replicas=("a", "b"))[0] == "b"
+    assert rank({"a": (3, 3)}, {"a": reported_load(None, dict(running_requests=1, states_in_use=1,
+                                                              states_total=8), finished=1)},
+                replicas=("a", "b"))[0] == "a"
+
+
 def test_routing_stats_come_from_engine_metrics():
     stats = routing_stats(EngineMetrics(running_requests=2, waiting_requests=1, pages_held=30, pages_total=120),
-                          max_num_seqs=8)
-    assert reported_load(None, stats) == ReplicaLoad(0, 0, 3, 0.25)
-    measured = routing_stats(EngineMetrics(host_copy_bytes_per_s=5e9, prefill_tokens_per_s=2000.0), max_num_seqs=8)
+                          max_num_seqs=8, taken_at=100.0)
+    assert reported_load(None, stats) == ReplicaLoad(0, 0, 3, 0.25) and stats["taken_at"] == 100.0
+    measured = routing_stats(EngineMetrics(host_copy_bytes_per_s=5e9, prefill_tokens_per_s=2000.0), max_num_seqs=8,
+                             taken_at=100.0)
     load = reported_load(None, measured)
     assert (load.host_copy_bytes_per_s, load.prefill_tokens_per_s) == (5e9, 2000.0)
     assert reported_load(None, {"host_copy_bytes_per_s": "x", "prefill_tokens_per_s": -1}) == ReplicaLoad(), \

@@ -259,6 +259,36 @@ def test_the_ranker_spreads_a_burst_frees_finished_prefill_and_keeps_turns_when_
     asyncio.run(main())
 
 
+def test_a_report_taken_before_the_last_turn_finished_does_not_count_that_turn():
+    wall = Clock()
+    ranker = AffinityRanker(CFG, rng=random.Random(0), wall_clock=wall)
+
+    async def index(hashes):
+        return {"a": (20, 20)}  # the conversation's home holds its first turn: 3 pages more than b's
+
+    async def main():
+        turn = routed(H[:20], 20 * PAGE + 5)
+        ranker.on_routed("t1", "a", turn)
+        wall.now += 1.0
+        report = dict(running_requests=1, states_in_use=1, states_total=8, taken_at=wall.now)  # t1 running
+        wall.now += 0.5
+        ranker.on_completed("t1", "a")
+        wall.now += 0.5
+        other = {"b": {}}
+        home = (await ranker.rank("t2", routed(H[:23], 23 * PAGE + 5), {"a": report, **other}, index)).order
+        # a request routed there after the report and finished since was never in it: it frees nothing
+        ranker.on_routed("x", "a", turn)
+        wall.now += 0.1
+        ranker.on_completed("x", "a")
+        busy = dict(report, running_requests=3, states_in_use=3)
+        later = (await ranker.rank("t3", routed(H[:23], 23 * PAGE + 5), {"a": busy, **other}, index)).order
+        return home, later
+
+    home, later = asyncio.run(main())
+    assert home[0] == "a", "the home's report still shows the finished turn, which the router knows is gone"
+    assert later[0] == "b", "two requests of others still run there: the report stands, less t1 alone"
+
+
 def test_in_flight_accounting_follows_routing_and_completion():
     async def main():
         ranker = AffinityRanker(CFG, rng=random.Random(0))

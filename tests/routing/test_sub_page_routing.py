@@ -105,3 +105,33 @@ def test_with_fetch_the_hint_names_the_holders_sub_page_resume_point():
     assert holder[0] == "a" and fetch_hint(holder, config) == FetchHint("a", 3, 5)
     assert fetch_hint(("b", scores["b"]), config) == FetchHint("b", 3)
 
+
+
+def test_a_turn_sent_as_the_last_one_ends_finds_its_end_however_long_that_one_ran(engines):
+    """The index hears of a prompt-end state only after the request ends (events drained, fed,
+    mirrored), and an agent sends its next turn at once: the router's own record of what it sent,
+    refreshed as the request completes, stands in for the index meanwhile."""
+    from tests.support.routing_cases import Clock
+
+    spec = engines["a"].spec
+    root = spec.hash_root("long")
+    first = tokens(2 * PS + 9, seed=5)
+    clock = Clock()
+    ranker = AffinityRanker(RoutingConfig(load_weight=0.0).for_engines(spec), clock=clock, rng=random.Random(0))
+
+    def req(rid, prompt):
+        return GenerateRequest(rid, prompt, SHORT, hash_root=root, page_hashes=spec.page_hashes(prompt, root))
+
+    async def index(hashes):  # the index has not heard of it yet
+        return {}
+    nxt = req("r2", first + tokens(10, seed=6))
+
+    async def depth():  # how deep the router thinks "a" resumes the next turn (None: not at all)
+        scores = await ranker._scores(nxt.page_hashes, index)
+        return (await ranker.sub_states(nxt, scores, None))["a"].sub_tokens if "a" in scores else None
+    ranker.on_routed("r1", "a", req("r1", first))
+    clock.now += 10 * ranker.config.predicted_holder_ttl_s  # a long reply: its routing's record is stale
+    ranker.on_completed("r1", "a")
+    assert asyncio.run(depth()) == len(first)
+    clock.now += 10 * ranker.config.predicted_holder_ttl_s
+    assert asyncio.run(depth()) is None, "long after it, the index is the one to ask"

@@ -24,6 +24,11 @@
   the replica's reported running + waiting), plus `occupancy_load_tokens` times the fraction of
   its pages or state slots in use. The reported numbers are what the replica's
   `record_routing_stats()` returns (`routing_stats`); missing or malformed numbers count as 0.
+  A report is a snapshot taken at `taken_at` (the replica's wall clock) and read up to
+  `routing_stats_period_s` later: requests this router sent there before then that have finished
+  since (`finished`) are no longer running there, so they leave the reported count, and the
+  occupancy shrinks in proportion. Without that, a conversation's next turn sees its own last
+  turn still running at its home and is priced away from its cache.
 `rank_replicas` sorts replicas by cost; a replica with `spill_limit` more in-flight requests than
 the least-loaded one ranks after all others, so a hot prefix spills over instead of piling onto
 one replica. Ties break at random. Every function here is pure: no I/O, no clock.
@@ -45,13 +50,14 @@ from cairn.workers.request import FetchHint
 Score = WorkerScore  # what the index answers for a replica: its hit, state and how much is on the device
 
 
-def routing_stats(m: EngineMetrics, max_num_seqs: int) -> dict[str, float]:
-    """What an engine replica's record_routing_stats() returns, from its `Engine.metrics()`: pages
-    held by running requests and state slots in use (one per running sequence), with totals, and
-    the rates the engine measured (host copies, prefill) once it has."""
+def routing_stats(m: EngineMetrics, max_num_seqs: int, taken_at: float) -> dict[str, float]:
+    """What an engine replica's record_routing_stats() returns, from its `Engine.metrics()` read
+    at `taken_at` (wall clock): pages held by running requests and state slots in use (one per
+    running sequence), with totals, and the rates the engine measured (host copies, prefill)
+    once it has."""
     out = dict(running_requests=m.running_requests, waiting_requests=m.waiting_requests,
                pages_in_use=m.pages_held, pages_total=m.pages_total,
-               states_in_use=m.running_requests, states_total=max_num_seqs)
+               states_in_use=m.running_requests, states_total=max_num_seqs, taken_at=taken_at)
     for name in ("host_copy_bytes_per_s", "prefill_tokens_per_s"):
         if getattr(m, name) is not None:
             out[name] = getattr(m, name)
@@ -68,8 +74,9 @@ class ReplicaLoad:
     prefill_tokens_per_s: float | None = None   # its prefill, as it measured it (None: not yet)
 
 
-def reported_load(own: ReplicaLoad | None, stats: Mapping[str, Any] | None) -> ReplicaLoad:
-    """This router's own load on a replica, with what the replica reported (`routing_stats`)."""
+def reported_load(own: ReplicaLoad | None, stats: Mapping[str, Any] | None, finished: int = 0) -> ReplicaLoad:
+    """This router's own load on a replica, with what the replica reported (`routing_stats`),
+    less the `finished` requests of this router that the report still counts (module doc)."""
     own, stats = own or ReplicaLoad(), stats or {}
 
     def fraction(used: str, total: str) -> float:
@@ -81,6 +88,8 @@ def reported_load(own: ReplicaLoad | None, stats: Mapping[str, Any] | None) -> R
         reported = int(stats.get("running_requests", 0)) + int(stats.get("waiting_requests", 0))
     except (TypeError, ValueError):
         reported = 0
+    left = max(0, reported - finished)
+    still = left / reported if reported > 0 else 1.0  # what the finished requests held is free again
 
     def rate(name: str) -> float | None:  # a positive finite number, else unknown
         try:
@@ -88,8 +97,8 @@ def reported_load(own: ReplicaLoad | None, stats: Mapping[str, Any] | None) -> R
         except (KeyError, TypeError, ValueError):
             return None
         return value if 0 < value < float("inf") else None
-    return ReplicaLoad(own.requests, own.tokens, reported,
-                       max(fraction("pages_in_use", "pages_total"), fraction("states_in_use", "states_total")),
+    return ReplicaLoad(own.requests, own.tokens, left,
+                       still * max(fraction("pages_in_use", "pages_total"), fraction("states_in_use", "states_total")),
                        rate("host_copy_bytes_per_s"), rate("prefill_tokens_per_s"))
 
 

@@ -17,15 +17,22 @@ predicted holders (`cairn.cluster.routing.predicted`) and ranks replicas by cost
   the pages, and for a hybrid model the states the request leaves past where it resumes there
   (its message starts and its end, inside a page too), never a state merely where a later prompt
   parts from it.
+  Recorded when the request is routed and again when it completes: a request that ran longer
+  than `predicted_holder_ttl_s` leaves its prompt-end state as it ends, and its conversation's
+  next turn, sent at once, arrives before the index has heard of that state.
 - A hybrid model's replica may resume inside the page after its hit run, where an earlier prompt
   ended (`sub_states`): every position of that page is named and asked of the index
   (`ProbeFn`: `CacheIndex.states_at`) and of the predicted holders, and the replica is scored
   there. A probe that fails costs that depth alone.
+- A replica's report of its load is a snapshot (`taken_at`): requests this router routed there
+  before it and saw finish after it leave the reported count (`cost.reported_load`), so a
+  conversation's next turn is not priced away from its home by its own finished turn.
 - A request's prefill tokens count as load on its replica until its first output
   (`on_prefill_done`, called through `cairn.cluster.routing.router_registry.prefill_done` by the ingress).
 - `counts` (and the adapter's `gauges`) are what the ingress's /metrics exports as
   `cairn_router_*`.
-Every number is in tokens or requests; the clock and the random source are injectable.
+Every number is in tokens or requests; the clocks (monotonic, and the wall clock reports are
+stamped by) and the random source are injectable.
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ import inspect
 import logging
 import random
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -78,18 +85,25 @@ class AffinityRanker:
     BREAKER_FAILURES, BREAKER_COOLDOWN_S = 3, 1.0
     MIN_PREDICTED_HASHES = 10_000  # the fresh predictions work even with fallback_memory_pages 0
     TENTATIVE_TTL_S = 5.0  # a ranked request Serve never reports as routed (cancelled) stops counting
+    FINISHED_KEPT = 1024  # finished requests remembered per replica, to read its reports against
 
     def __init__(self, config: RoutingConfig, clock: Callable[[], float] = time.monotonic,
-                 rng: random.Random | None = None, on_fallback: Callable[[str], None] | None = None):
+                 rng: random.Random | None = None, on_fallback: Callable[[str], None] | None = None,
+                 wall_clock: Callable[[], float] = time.time):
         if None in (config.page_size, config.recurrent, config.page_bytes, config.state_bytes):
             raise ValueError("the routing config lacks the engines' page_size, recurrent, page_bytes and "
                              "state_bytes: use RoutingConfig.for_engines(spec) (build_application does)")
         self.config, self._clock, self._rng, self._on_fallback = config, clock, rng or random.Random(), on_fallback
+        self._wall = wall_clock
         self.predicted = PredictedHolders(max(config.predicted_holder_ttl_s, config.fallback_memory_s), clock,
                                           max(config.fallback_memory_pages, self.MIN_PREDICTED_HASHES))
         self.loads: dict[str, ReplicaLoad] = {}
         self._in_flight: dict[tuple[str, str], int] = {}  # (replica, request id) -> prefill tokens left
         self._engine_ids: dict[str, tuple[str, str]] = {}  # the request's own id -> (replica, request id)
+        self._routed_at: dict[tuple[str, str], float] = {}  # in flight: (replica, request id) -> wall clock
+        # in flight: (replica, request id) -> what it leaves there (predicted holders' record), for its completion
+        self._leaves: dict[tuple[str, str], tuple[list[bytes], list[int] | None, list[bytes]]] = {}
+        self._finished: dict[str, deque[tuple[float, float]]] = {}  # replica -> (routed, finished) wall clock
         self._prefill: OrderedDict[str, dict[str, int]] = OrderedDict()  # request id -> replica -> tokens
         self._resume: OrderedDict[str, dict[str, int]] = OrderedDict()  # request id -> replica -> resume pages
         # ranked, not yet routed: request id -> (replica ranked first, its prefill tokens, expiry)
@@ -112,7 +126,8 @@ class AffinityRanker:
         scores = await self._scores(hashes, score) if hashes else {}
         if scores and cfg.recurrent:
             scores = await self.sub_states(request, scores, probe)
-        loads = {r: reported_load(self._own_load(r), stats) for r, stats in replicas.items()}
+        loads = {r: reported_load(self._own_load(r), stats, self._finished_since(r, stats))
+                 for r, stats in replicas.items()}
         order = rank_replicas(list(replicas), scores, loads, cfg, n, self._rng)
         fetch = None  # whichever replica takes it may pull from there
         if cfg.fetch:
@@ -143,6 +158,20 @@ class AffinityRanker:
             return base
         base = base or ReplicaLoad()
         return ReplicaLoad(base.requests + len(pending), base.tokens + sum(pending))
+
+    def _finished_since(self, replica: str, stats: Mapping[str, Any] | None) -> int:
+        """This router's requests the replica's report counts that have finished since: routed
+        there before the report was taken, finished after."""
+        try:
+            taken = float((stats or {})["taken_at"])
+        except (KeyError, TypeError, ValueError):
+            return 0
+        count = 0
+        for routed, done in reversed(self._finished.get(replica, ())):  # newest first, in finishing order
+            if done <= taken:
+                break
+            count += routed <= taken
+        return count
 
     async def _scores(self, hashes: list[bytes], score: ScoreFn) -> dict[str, Score]:
         """The index's scores merged with the fresh predicted holders (routed within
@@ -199,13 +228,15 @@ class AffinityRanker:
             return
         self.counts["routed"] += 1
         self._in_flight[(replica, request_id)] = prefill
+        self._routed_at[(replica, request_id)] = self._wall()
         self._engine_ids[request.request_id] = (replica, request_id)
         load = self.loads.setdefault(replica, ReplicaLoad())
         load.requests += 1
         load.tokens += prefill
-        self.predicted.record(replica, request.page_hashes or (),
-                              self._states_left(request, resumed) if self.config.recurrent else None,
-                              self._prompt_end(request) if self.config.recurrent else ())
+        leaves = (list(request.page_hashes or ()), self._states_left(request, resumed) if self.config.recurrent else None,
+                  self._prompt_end(request) if self.config.recurrent else [])
+        self._leaves[(replica, request_id)] = leaves
+        self.predicted.record(replica, *leaves)
 
     async def sub_states(self, request: GenerateRequest, scores: dict[str, Score], probe: ProbeFn | None
                          ) -> dict[str, Score]:
@@ -274,6 +305,9 @@ class AffinityRanker:
             load = self.loads[replica]
             load.requests -= 1
             load.tokens -= prefill
+            self._finished.setdefault(replica, deque(maxlen=self.FINISHED_KEPT)).append(
+                (self._routed_at.pop((replica, request_id)), self._wall()))
+            self.predicted.record(replica, *self._leaves.pop((replica, request_id)))  # fresh as it ends
         if len(self._engine_ids) > len(self._in_flight) + 4096:  # drop ids of completed requests
             self._engine_ids = {e: k for e, k in self._engine_ids.items() if k in self._in_flight}
 
@@ -291,5 +325,8 @@ class AffinityRanker:
         self.predicted.forget(replica)
         for request_id in [k for k, (r, _, _) in self._tentative.items() if r == replica]:
             del self._tentative[request_id]
+        self._finished.pop(replica, None)
         for key in [k for k in self._in_flight if k[0] == replica]:
             del self._in_flight[key]
+            del self._routed_at[key]
+            del self._leaves[key]

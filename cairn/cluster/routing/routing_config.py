@@ -108,13 +108,18 @@ class RoutingConfig(BaseModel):
         False, description="Move and fetch: a replica resuming a request less deep than another one pulls the "
         "pages and checkpoint it lacks from that holder (cairn.cluster.replica_peer_fetch) instead of recomputing them, and "
         "the router prices that option (the bytes to move over fetch_bandwidth_bytes_per_s), so it can balance "
-        "load without losing the cache. Off: a request resumes only from what its replica holds.")
+        "load without losing the cache. Off: a request resumes only from what its replica holds, so a turn the "
+        "load term sends away from its conversation's replica recomputes what that replica holds. Off by default "
+        "until the price includes the wait for the holder's step: priced by its bytes alone, a fetch looks free, "
+        "and the router moves turns over load gaps of one request.")
     fetch_bandwidth_bytes_per_s: float = Field(
         1.25e9, gt=0, description="Bytes per second one replica pulls from another (Ray's object store here; "
         "on GPU nodes the NIC, 100-400 Gb/s): a fetched resume point costs its transfer time in tokens.")
     fetch_timeout_s: float = Field(
-        2.0, gt=0, description="How long a replica waits for a holder's pages before recomputing them "
-        "(counted in cairn_engine_fetch_fallbacks_total{kind=\"timeout\"}).")
+        10.0, gt=0, description="How long a replica waits for a holder's pages before recomputing them "
+        "(counted in cairn_engine_fetch_fallbacks_total{kind=\"timeout\"}). The holder copies them between two "
+        "of its steps, so the wait includes the rest of its current step: milliseconds on a GPU, up to 6 s "
+        "measured on 2 CPU cores with 4 conversations in flight (2 s timed out 10 of 16 fetches there).")
     routing_stats_period_s: float = Field(
         2.0, gt=0, description="How often Serve collects each replica's record_routing_stats().")
     redis_url: str | None = Field(

@@ -34,6 +34,16 @@ def expect(ok: bool, what: str, got: object) -> None:
 # ---------------------------------------------------------------- paged KV and attention
 
 
+def check_rope_axes(positions: Tensor, rope_axes: Tensor, tokens: int, pairs: int) -> None:
+    """M-RoPE's arguments, as every backend checks them: positions [3, T] and rope_axes [R] (contiguous),
+    both int32 or int64."""
+    expect_shape("positions", positions, "3, T", (3, tokens))
+    expect_shape("rope_axes", rope_axes, "R", (pairs,))
+    expect(positions.dtype in (torch.int32, torch.int64) and rope_axes.dtype in (torch.int32, torch.int64),
+           "positions and rope_axes of dtype int32 or int64", (positions.dtype, rope_axes.dtype))
+    expect(rope_axes.is_contiguous(), "a contiguous rope_axes", rope_axes.stride())
+
+
 def check_caches(k_cache: Tensor, v_cache: Tensor) -> None:
     """Paged caches: [num_pages, page_size, H_kv, D], K and V alike, D contiguous. Pages may be
     strided (views over the engine's arena, one page per arena block)."""

@@ -30,8 +30,9 @@ def gated_rms_norm(x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tenso
 
 
 def qk_norm_rope(q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor, positions: Tensor, inv_freq: Tensor,
-                 eps: float) -> tuple[Tensor, Tensor]:
-    return OPS.pick("qk_norm_rope", q)(q, k, q_weight, k_weight, positions, inv_freq, eps)
+                 eps: float, *, rope_axes: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """positions [T]; with rope_axes [R] (M-RoPE), positions [3, T] (reference.qk_norm_rope)."""
+    return OPS.pick("qk_norm_rope", q)(q, k, q_weight, k_weight, positions, inv_freq, eps, rope_axes=rope_axes)
 
 
 def delta_gates(a: Tensor, b: Tensor, A_log: Tensor, dt_bias: Tensor) -> tuple[Tensor, Tensor]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from cairn.kernels.common.checks import expect_shape
+from cairn.kernels.common.checks import check_rope_axes, expect_shape
 
 NATIVE = True  # runs only where the C++ library is loaded
 _ops = torch.ops.cairn_cpu
@@ -27,11 +27,15 @@ def gated_rms_norm(x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tenso
 
 
 def qk_norm_rope(q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor, positions: Tensor, inv_freq: Tensor,
-                 eps: float) -> tuple[Tensor, Tensor]:
+                 eps: float, *, rope_axes: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """With rope_axes, the op also refuses an axis outside 0..2."""
     expect_shape("q", q, "T, H_q, D", (None, None, None))
     expect_shape("k", k, "T, H_kv, D", (q.shape[0], None, q.shape[2]))
-    expect_shape("positions", positions, "T", (q.shape[0],))
-    return _ops.qk_norm_rope(q, k, q_weight, k_weight, positions, inv_freq, eps)
+    if rope_axes is None:
+        expect_shape("positions", positions, "T", (q.shape[0],))
+    else:
+        check_rope_axes(positions, rope_axes, q.shape[0], inv_freq.shape[0])
+    return _ops.qk_norm_rope(q, k, q_weight, k_weight, positions, inv_freq, eps, rope_axes)
 
 
 def delta_gates(a: Tensor, b: Tensor, A_log: Tensor, dt_bias: Tensor) -> tuple[Tensor, Tensor]:

@@ -9,9 +9,11 @@
 //       rd<T>(rd<P>(w * rd<T>(normed)) * silu(gate)), P = T if round_product else fp32
 //   silu_mul(gate, up) -> rd<T>(rd<T>(silu(gate)) * up)            (SwiGLU's activation)
 //   sigmoid_mul(x, gate) -> rd<T>(x * rd<T>(sigmoid(gate)))          (gated attention's output)
-//   qk_norm_rope(q [T, H_q, D], k [T, H_kv, D], q_weight, k_weight, positions [T], inv_freq [R], eps)
-//       -> (q, k): each head zero-centred-normed and rounded, then rotate-half over its first 2R
-//       channels at angle position * inv_freq (fp32), cos/sin rounded to T, products and sums rounded
+//   qk_norm_rope(q [T, H_q, D], k [T, H_kv, D], q_weight, k_weight, positions [T], inv_freq [R], eps,
+//                rope_axes? [R]) -> (q, k): each head zero-centred-normed and rounded, then rotate-half over
+//       its first 2R channels at angle position * inv_freq (fp32), cos/sin rounded to T, products and
+//       sums rounded. With rope_axes (M-RoPE), positions [3, T] (int32 or int64) and frequency j
+//       turns by row rope_axes[j]'s position (an axis outside 0..2 is refused)
 //   delta_gates(a, b [T, H], A_log, dt_bias [H]) -> (g fp32, beta in b's dtype)
 //       g = -exp(A_log) * softplus(a + dt_bias) (softplus(x) = x past 20), beta = sigmoid(b)
 #include <ATen/Parallel.h>
@@ -211,21 +213,35 @@ void norm_rope_rows(const at::Tensor& x, const float* w, const float* cos, const
 
 std::tuple<at::Tensor, at::Tensor> qk_norm_rope(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& q_weight,
                                                 const at::Tensor& k_weight, const at::Tensor& positions,
-                                                const at::Tensor& inv_freq, double eps) {
+                                                const at::Tensor& inv_freq, double eps,
+                                                const std::optional<at::Tensor>& rope_axes) {
   TORCH_CHECK(q_in.dim() == 3 && k_in.dim() == 3 && k_in.size(0) == q_in.size(0) && k_in.size(2) == q_in.size(2) &&
                   k_in.scalar_type() == q_in.scalar_type(),
               "expected q [T, H_q, D] and k [T, H_kv, D] of one dtype");
   const int64_t tokens = q_in.size(0), d = q_in.size(2), pairs = inv_freq.numel();
-  TORCH_CHECK(positions.numel() == tokens && 2 * pairs <= d, "expected a position per token and 2R <= D");
-  TORCH_CHECK(positions.scalar_type() == at::kLong, "expected int64 positions");
-  const at::Tensor pos = positions.contiguous();
+  TORCH_CHECK(2 * pairs <= d, "expected 2R <= D");
+  std::vector<int64_t> row(pairs, 0);  // frequency j's positions start at row[j] * tokens
+  if (rope_axes) {
+    TORCH_CHECK(positions.dim() == 2 && positions.size(0) == 3 && positions.size(1) == tokens &&
+                    rope_axes->numel() == pairs,
+                "expected positions [3, T] and an axis per frequency");
+    const at::Tensor axes = rope_axes->to(at::kLong).contiguous();
+    for (int64_t j = 0; j < pairs; ++j) {
+      TORCH_CHECK(0 <= axes.data_ptr<int64_t>()[j] && axes.data_ptr<int64_t>()[j] < 3, "expected axes in 0..2");
+      row[j] = axes.data_ptr<int64_t>()[j] * tokens;
+    }
+  } else {
+    TORCH_CHECK(positions.numel() == tokens, "expected a position per token");
+    TORCH_CHECK(positions.scalar_type() == at::kLong, "expected int64 positions");
+  }
+  const at::Tensor pos = positions.to(at::kLong).contiguous();
+  const int64_t* pp = pos.data_ptr<int64_t>();
   const std::vector<float> freq = as_floats(inv_freq);
   std::vector<float> cos(tokens * pairs), sin(tokens * pairs);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q_in.scalar_type(), "qk_rope_angles", [&] {
     for (int64_t t = 0; t < tokens; ++t) {
-      const float p = static_cast<float>(pos.data_ptr<int64_t>()[t]);
       for (int64_t j = 0; j < pairs; ++j) {
-        const float f = p * freq[j];
+        const float f = static_cast<float>(pp[row[j] + t]) * freq[j];
         cos[t * pairs + j] = rd<scalar_t>(std::cos(f));
         sin[t * pairs + j] = rd<scalar_t>(std::sin(f));
       }
@@ -279,7 +295,7 @@ TORCH_LIBRARY_FRAGMENT(cairn_cpu, m) {
   m.def("silu_mul(Tensor gate, Tensor up) -> Tensor");
   m.def("sigmoid_mul(Tensor x, Tensor gate) -> Tensor");
   m.def("qk_norm_rope(Tensor q, Tensor k, Tensor q_weight, Tensor k_weight, Tensor positions, Tensor inv_freq, "
-        "float eps) -> (Tensor, Tensor)");
+        "float eps, Tensor? rope_axes=None) -> (Tensor, Tensor)");
   m.def("delta_gates(Tensor a, Tensor b, Tensor A_log, Tensor dt_bias) -> (Tensor, Tensor)");
 }
 

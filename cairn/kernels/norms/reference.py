@@ -8,9 +8,14 @@ fallback (`cairn.kernels.common.dispatch`).
   returned.
 - `gated_rms_norm(x, gate, weight, eps)`: plain-weight RMSNorm (w * normed, in x's dtype) times
   silu(gate) in fp32, cast back: the DeltaNet output norm. x, gate [N, D].
-- `qk_norm_rope(q, k, q_weight, k_weight, positions, inv_freq, eps)`: `rms_norm` of every head of
-  q [T, H_q, D] and k [T, H_kv, D], then partial RoPE (rotate-half) on the first 2 * len(inv_freq)
-  channels at `positions` [T] (cos and sin in fp32, cast to the data's dtype). Returns new (q, k).
+- `qk_norm_rope(q, k, q_weight, k_weight, positions, inv_freq, eps, *, rope_axes=None)`: `rms_norm`
+  of every head of q [T, H_q, D] and k [T, H_kv, D], then partial RoPE (rotate-half) on the first
+  2 * len(inv_freq) channels, frequency i at angle position * inv_freq[i] (in fp32; cos and sin cast
+  to the data's dtype), at `positions` [T] int64. M-RoPE (Qwen3.5's images): with `rope_axes` [R]
+  (int32 or int64, an axis 0..2 per frequency: cairn.workers.model.mrope.rope_axes), positions are
+  [3, T] (int32 or int64, rows t, h, w) and frequency i turns by row rope_axes[i]'s position; with
+  three equal rows, exactly the [T] rotation. The axes' values are the caller's contract (the C++
+  op refuses one outside 0..2; Triton reads the row it names). Returns new (q, k).
 - `delta_gates(a, b, A_log, dt_bias)`: g = -exp(A_log) * softplus(a + dt_bias) in fp32 and
   beta = sigmoid(b) in b's dtype, a, b [T, H_v].
 - `sigmoid_gate(x, gate)`: x * sigmoid(gate), both [T, N] in one dtype (the gated attention's
@@ -24,6 +29,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from cairn.kernels.common.checks import check_rope_axes, expect_shape
+
 
 
 def _normed(x: Tensor, eps: float) -> Tensor:
@@ -53,8 +61,13 @@ def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 def qk_norm_rope(q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor, positions: Tensor, inv_freq: Tensor,
-                 eps: float) -> tuple[Tensor, Tensor]:
-    freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, rotary_dim / 2]
+                 eps: float, *, rope_axes: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    if rope_axes is None:
+        expect_shape("positions", positions, "T", (q.shape[0],))
+        freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, rotary_dim / 2]
+    else:
+        check_rope_axes(positions, rope_axes, q.shape[0], inv_freq.shape[0])
+        freqs = positions.float()[rope_axes.long()].T * inv_freq[None, :]  # [T, R]: each at its axis's position
     cos, sin = freqs.cos(), freqs.sin()
     return (_rope(rms_norm(q, q_weight, eps), cos, sin), _rope(rms_norm(k, k_weight, eps), cos, sin))
 

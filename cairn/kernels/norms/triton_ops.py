@@ -5,7 +5,8 @@ dtype rounded there too (the residual sum, the normed row before rotary, cos and
 Launches, one program per row (a token, or a token's head):
 - `_rms_norm_kernel` (N,): optional residual add, then zero-centred RMSNorm;
 - `_gated_rms_norm_kernel` (N,): plain-weight RMSNorm times silu(gate);
-- `_qk_norm_rope_kernel` (T, H_q + H_kv): a head of q or of k, normed, then rotated;
+- `_qk_norm_rope_kernel` (T, H_q + H_kv): a head of q or of k, normed, then rotated (MROPE: each
+  frequency at the position of its axis, positions [3, T]);
 - `_delta_gates_kernel` (cdiv(T * H_v, 256),): g and beta;
 - `_sigmoid_gate_kernel` (T, cdiv(N, 1024)): x * sigmoid(gate);
 - `_silu_mul_kernel` (T, cdiv(N, 1024)): silu(gate) * up.
@@ -21,7 +22,7 @@ import triton.language as tl
 from torch import Tensor
 
 from cairn.kernels.common import triton_helpers as tc
-from cairn.kernels.common.checks import expect, expect_shape
+from cairn.kernels.common.checks import check_rope_axes, expect, expect_shape
 from cairn.kernels.norms.tuning import ROW_WARPS
 
 F32 = tl.float32
@@ -81,11 +82,17 @@ def _norm_rope_row(src, dst, w, inv_freq, pos, s_src, s_dst, D, eps, HALF: tl.co
 
 @tc.tuned(ROW_WARPS, key=["D"])
 @triton.jit(do_not_specialize_on_alignment=["positions"])
-def _qk_norm_rope_kernel(q, k, qo, ko, wq, wk, inv_freq, positions, sq_t, sq_h, sk_t, sk_h, sqo_t, sqo_h, sko_t,
-                         sko_h, HQ, D, eps, HALF: tl.constexpr, BD: tl.constexpr, BH: tl.constexpr):
+def _qk_norm_rope_kernel(q, k, qo, ko, wq, wk, inv_freq, positions, rope_axes, sq_t, sq_h, sk_t, sk_h, sqo_t, sqo_h,
+                         sko_t, sko_h, sp_axis, sp_t, HQ, D, eps, HALF: tl.constexpr, BD: tl.constexpr,
+                         BH: tl.constexpr, MROPE: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
-    pos = tl.load(positions + t).to(F32)
+    if MROPE:  # each frequency at the position of its axis: [BH]
+        j = tl.arange(0, BH)
+        axis = tl.load(rope_axes + j, mask=j < HALF, other=0)
+        pos = tl.load(positions + axis * sp_axis + t * sp_t, mask=j < HALF, other=0).to(F32)
+    else:  # one position for every frequency (sp_axis, sp_t unread: positions [T] are contiguous)
+        pos = tl.load(positions + t).to(F32)
     if h < HQ:
         _norm_rope_row(q + t * sq_t + h * sq_h, qo + t * sqo_t + h * sqo_h, wq, inv_freq, pos, sq_h, sqo_h, D, eps,
                        HALF=HALF, BD=BD, BH=BH)
@@ -169,13 +176,19 @@ def gated_rms_norm(x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tenso
 
 
 def qk_norm_rope(q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor, positions: Tensor, inv_freq: Tensor,
-                 eps: float) -> tuple[Tensor, Tensor]:
-    """See `reference.qk_norm_rope`; one launch for both."""
+                 eps: float, *, rope_axes: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """See `reference.qk_norm_rope`; one launch for both. M-RoPE's positions [3, T] are read through
+    their strides, in the dtype given (no cast launched)."""
     expect_shape("q", q, "T, H_q, D", (None, None, None))
     t, h_q, d = q.shape
     expect_shape("k", k, "T, H_kv, D", (t, None, d))
-    expect_shape("positions", positions, "T", (t,))
     half = inv_freq.shape[0]
+    if rope_axes is None:
+        expect_shape("positions", positions, "T", (t,))
+        axes, sp_axis, sp_t = positions, 0, 1  # `axes` unread
+    else:
+        check_rope_axes(positions, rope_axes, t, half)
+        axes, sp_axis, sp_t = rope_axes, positions.stride(0), positions.stride(1)
     expect(2 * half <= d, f"rotary channels 2 * {half} <= D = {d}", 2 * half)
     q, k = tc.unit_last(q), tc.unit_last(k)
     qo = tc.empty(t, h_q, d, dtype=q.dtype, device=q.device)
@@ -183,9 +196,9 @@ def qk_norm_rope(q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor, posit
     if t:
         bd = tc.pow2(d, least=2)
         _qk_norm_rope_kernel[(t, h_q + k.shape[1])](
-            q, k, qo, ko, q_weight, k_weight, inv_freq, positions, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-            qo.stride(0), qo.stride(1), ko.stride(0), ko.stride(1), h_q, d, float(eps), HALF=half, BD=bd,
-            BH=tc.pow2(half, least=2))
+            q, k, qo, ko, q_weight, k_weight, inv_freq, positions, axes, q.stride(0), q.stride(1), k.stride(0),
+            k.stride(1), qo.stride(0), qo.stride(1), ko.stride(0), ko.stride(1), sp_axis, sp_t, h_q, d, float(eps),
+            HALF=half, BD=bd, BH=tc.pow2(half, least=2), MROPE=rope_axes is not None)
     return qo, ko
 
 

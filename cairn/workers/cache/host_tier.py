@@ -173,6 +173,9 @@ class HostTier:
         self._pinned_pages.add(page_hash)
         self.touch(PAGE, page_hash)
 
+    def unpin_pages(self, hashes: list[bytes]) -> None:
+        self._pinned_pages.difference_update(hashes)
+
     def unpin_all(self) -> None:
         self._pinned.clear()
         self._pinned_pages.clear()

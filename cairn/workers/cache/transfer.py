@@ -7,7 +7,7 @@ Each function takes the replica's `PrefixCache` and, where blocks move, the runn
 - `plan_fetch(cache, page_hashes, num_tokens, depth)`: on the receiver, what to ask for: the
   pages of the chain from the end of its device run up to `depth` (the holder's resume point,
   in pages), and whether the checkpoint there is missing. None when the receiver already resumes
-  as deep (nothing to fetch).
+  as deep, from either tier (nothing to fetch).
 - `export_resume(cache, io, page_hashes, first, depth)`: on the holder, between its steps: a copy
   of pages [first, depth) of the chain and of the checkpoint after page `depth` (a recurrent
   model), from whichever tier holds them, as plain host arrays (`ResumeExport`, what crosses
@@ -26,10 +26,13 @@ Each function takes the replica's `PrefixCache` and, where blocks move, the runn
   become cached device pages under the very hashes the request carries (so a fetch never crosses
   a `cache_salt`: another salt's chain has other hashes, and the holder finds none of them) and
   the checkpoint a stored one; events tell the index. The chain's device run is held while
-  blocks are taken, so making room never evicts what the import hangs from. Returns the
-  pages imported and why the request cannot resume where the export ends, if it cannot:
-  "refused" (nothing changed but what making room evicted) or "no_checkpoint_slot" (the pages
-  came, but no state slot could be had for the checkpoint, which is dropped).
+  blocks are taken, so making room never evicts what the import hangs from. What the device has
+  no room for (its blocks held by running sequences) goes to the host tier instead
+  (`cairn.workers.cache.host_adoption`), and the request resumes from there as from any host hit.
+  Returns the pages imported and why the request cannot resume where the export ends, if it
+  cannot: "refused" (room on neither tier; nothing changed but what making room evicted) or
+  "no_checkpoint_slot" (the pages came, but neither a state slot nor host blocks could be had
+  for the checkpoint, which is dropped).
 Not under tensor parallelism: each rank holds a slice of every page and state, and a fetch
 would have to move every rank's slice (not built: the engine asks for nothing and the caller
 recomputes).
@@ -45,6 +48,7 @@ import numpy as np
 from cairn.cache_service.events import PagesStored
 from cairn.cache_service.hashing import branch_root, next_page_hash, partial_page_hash
 from cairn.cache_service.scoring import last_resumable_page
+from cairn.workers.cache import host_adoption
 from cairn.workers.cache.checkpoint_store import Checkpoint
 from cairn.workers.cache.prefix_cache import PrefixCache
 from cairn.workers.plan import IMPORT, BlockCopy
@@ -106,14 +110,16 @@ def plan_fetch(cache: PrefixCache, page_hashes: list[bytes], num_tokens: int, de
         depth = min(depth, len(page_hashes), last_resumable_page(num_tokens, cache.page_size))
     if depth <= 0:
         return None
-    first = min(cache.device_run(page_hashes), depth)
+    first = held = min(cache.device_run(page_hashes), depth)
+    while held < depth and page_hashes[held] in cache.host.pages:  # the host tier's pages follow the device's
+        held += 1
     floor = page_hashes[depth - 1]
     if tail:
-        if first == depth and _sub_page(cache, floor, tail, root) is not None:
-            return None  # held here, head and state
+        if held == depth and _sub_page(cache, floor, tail, root) is not None:
+            return None  # held here, head and state, on either tier
         return FetchPlan(first, depth, tail, root)
     local = cache.checkpoints.get(floor) is not None or floor in cache.host.checkpoints  # on either tier
-    if first == depth and (local or not cache.recurrent):
+    if held == depth and (local or not cache.recurrent):
         return None
     return FetchPlan(first, depth)
 
@@ -195,7 +201,8 @@ def _checkpoint_blocks(cache: PrefixCache, page_hash: bytes) -> tuple[Checkpoint
 
 def import_resume(cache: PrefixCache, io: BlockIO, export: ResumeExport, page_hashes: list[bytes],
                   first: int, root: bytes | None = None) -> tuple[int, str | None]:
-    """Adopts a holder's export as cached pages and a stored checkpoint (module doc): (pages
+    """Adopts a holder's export as cached pages and a stored checkpoint (module doc), on the
+    device where it has room, else in the host tier (`cairn.workers.cache.host_adoption`): (pages
     imported, None or why the request cannot resume there: "refused", "no_checkpoint_slot")."""
     layout, placement = cache.layout, cache.placement
     n = len(export.page_hashes)
@@ -206,51 +213,64 @@ def import_resume(cache: PrefixCache, io: BlockIO, export: ResumeExport, page_ha
             or run < first
             or (export.checkpoint is not None and export.checkpoint.shape != (layout.slot_blocks, layout.block_bytes))):
         return 0, "refused"
-    staging, copies = [], []
+    staging, copies, blocks = [], [], []
     held = placement.hold_chain(page_hashes[:min(run, depth)])  # what the import hangs from stays while room is made
     try:
         fresh = list(range(min(run, depth) - first, n))  # a chain's device pages are a prefix of it
-        if not placement.room_for_pages(len(fresh)):
+        parent = page_hashes[first + fresh[0] - 1] if fresh and first + fresh[0] else None
+        if placement.room_for_pages(len(fresh)):
+            blocks = placement.take_free_pages(len(fresh))
+            for j, block in zip(fresh, blocks):
+                placement.adopt_page(block, export.page_hashes[j], page_hashes[first + j - 1] if first + j else None)
+                staging.append(export.pages[j])
+                copies.append(BlockCopy(IMPORT, len(staging) - 1, block))
+            if fresh:
+                cache.events.put(PagesStored(tuple(export.page_hashes[j] for j in fresh), parent))
+        elif not host_adoption.adopt_pages(cache, list(export.page_hashes[fresh[0]:]), parent,
+                                           [export.pages[j] for j in fresh], staging, copies):
             return 0, "refused"
-        blocks = placement.take_free_pages(len(fresh))
-        for j, block in zip(fresh, blocks):
-            parent = page_hashes[first + j - 1] if first + j else None
-            placement.adopt_page(block, export.page_hashes[j], parent)
-            staging.append(export.pages[j])
-            copies.append(BlockCopy(IMPORT, len(staging) - 1, block))
-        if fresh:
-            cache.events.put(PagesStored(tuple(export.page_hashes[j] for j in fresh),
-                                         page_hashes[first + fresh[0] - 1] if first + fresh[0] else None))
-        tail = page_hashes[depth - 1]
-        if export.checkpoint is not None and cache.checkpoints.get(tail) is None:
-            slot = cache.take_checkpoint_slot()
+        tail, chain = page_hashes[depth - 1], list(page_hashes[:depth])
+        if export.checkpoint is not None and not _has_checkpoint(cache, tail):
+            slot = cache.take_checkpoint_slot() if len(blocks) == len(fresh) else None  # pages on the device
             if slot is not None:
                 for row, block in zip(export.checkpoint, cache.arena.pages_of_group(slot)):
                     staging.append(row)
                     copies.append(BlockCopy(IMPORT, len(staging) - 1, block))
                 cache.slots.store(slot, tail, depth, set(export.checkpoint_kinds), export.exact_tail)
-        sub_key = _import_sub_page(cache, export, tail, depth, root, staging, copies, blocks) if export.tail else None
-        # the pages' rows beside the arena, where the holder's are this engine's (else those
-        # blocks keep what they held: the MTP head drafts worse there, nothing else changes)
+            else:
+                host_adoption.adopt_checkpoint(
+                    cache, Checkpoint(tail, -1, depth, set(export.checkpoint_kinds), export.exact_tail,
+                                      admitted_at=cache.policy.clock), export.checkpoint, staging, copies, chain)
+        sub_key = _import_sub_page(cache, export, tail, depth, root, staging, copies, blocks, chain) \
+            if export.tail else None
+        # the pages' rows beside the arena, where the holder's are this engine's and the pages
+        # came to the device (else those blocks keep what they held: the MTP head drafts worse
+        # there, nothing else changes)
         same_rows = io.row_bytes and tuple(rows.shape for rows in export.page_rows) == \
-            tuple((n, size) for size in io.row_bytes)
+            tuple((n, size) for size in io.row_bytes) and len(blocks) == len(fresh)
         io.copy(copies, np.stack(staging) if staging else None,
                 tuple(rows[fresh] for rows in export.page_rows) if same_rows and fresh else ())
         for block in blocks:
             placement.release_page(block)
-        stored = (export.checkpoint is None or cache.checkpoints.get(tail) is not None) and \
-            (not export.tail or (sub_key is not None and cache.checkpoints.get(sub_key) is not None))
+        stored = (export.checkpoint is None or _has_checkpoint(cache, tail)) and \
+            (not export.tail or (sub_key is not None and _has_checkpoint(cache, sub_key)))
         return len(fresh), None if stored else "no_checkpoint_slot"
     finally:
         placement.release_chain(held)
 
 
+def _has_checkpoint(cache: PrefixCache, key: bytes) -> bool:
+    """A checkpoint keyed `key` on either tier."""
+    return cache.checkpoints.get(key) is not None or key in cache.host.checkpoints
+
+
 def _import_sub_page(cache: PrefixCache, export: ResumeExport, floor: bytes, depth: int, root: bytes | None,
-                     staging: list, copies: list, blocks: list[int]) -> bytes | None:
-    """Adopts an export's sub-page resume point after page `floor` (on the device now, held):
-    its head as a partial page (`cairn.workers.cache.partial_pages`) and its state as a sub-page
-    checkpoint, each unless already here. Its block joins `blocks` (released with the pages).
-    Returns the checkpoint's key (None: the export is malformed or `root` unknown)."""
+                     staging: list, copies: list, blocks: list[int], chain: list[bytes]) -> bytes | None:
+    """Adopts an export's sub-page resume point after page `floor` (held on the device, or on the
+    host): its head as a partial page (`cairn.workers.cache.partial_pages`) and its state as a
+    sub-page checkpoint, each unless already here; on the device where the floor is and there is
+    room, else on the host. A device block joins `blocks` (released with the pages). Returns the
+    checkpoint's key (None: the export is malformed or `root` unknown)."""
     layout, tail = cache.layout, export.tail
     if root is None or export.head is None or export.sub_checkpoint is None or \
             export.head.shape != (1, layout.block_bytes) or \
@@ -258,18 +278,27 @@ def _import_sub_page(cache: PrefixCache, export: ResumeExport, floor: bytes, dep
         return None
     base = branch_root(floor, root)
     page_key = partial_page_hash(base, tail)
-    if cache.pages.page_of(page_key) is None and cache.placement.room_for_pages(1):
-        [block] = cache.placement.take_free_pages(1)
-        blocks.append(block)
-        cache.pages.register(block, page_key, floor, tuple(tail), root, partial=True)
-        staging.append(export.head[0])
-        copies.append(BlockCopy(IMPORT, len(staging) - 1, block))
+    on_device = cache.pages.page_of(floor) is not None
+    if cache.pages.page_of(page_key) is None:
+        if on_device and cache.placement.room_for_pages(1):
+            [block] = cache.placement.take_free_pages(1)
+            blocks.append(block)
+            cache.pages.register(block, page_key, floor, tuple(tail), root, partial=True)
+            staging.append(export.head[0])
+            copies.append(BlockCopy(IMPORT, len(staging) - 1, block))
+        else:
+            host_adoption.adopt_partial_page(cache, page_key, floor, tuple(tail), root, export.head[0], staging,
+                                             copies)
     key = next_page_hash(base, tail)
-    if cache.checkpoints.get(key) is None:
-        slot = cache.take_checkpoint_slot()
+    if not _has_checkpoint(cache, key):
+        slot = cache.take_checkpoint_slot() if on_device else None
         if slot is not None:
             for row, block in zip(export.sub_checkpoint, cache.arena.pages_of_group(slot)):
                 staging.append(row)
                 copies.append(BlockCopy(IMPORT, len(staging) - 1, block))
             cache.slots.store(slot, key, depth, set(export.sub_kinds), None, tail, floor, root)
+        else:
+            host_adoption.adopt_checkpoint(
+                cache, Checkpoint(key, -1, depth, set(export.sub_kinds), None, tuple(tail), floor,
+                                  cache.policy.clock, root), export.sub_checkpoint, staging, copies, chain)
     return key

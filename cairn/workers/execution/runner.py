@@ -40,7 +40,7 @@ from cairn.workers.execution.page_table import PageTable
 from cairn.workers.execution.pinned_upload import PinnedUpload, packed_bytes
 from cairn.workers.model import HybridForCausalLM, ModelCaches, packed_linear
 from cairn.workers.model.packed_linear import pack_linears
-from cairn.workers.plan import COPY, DEMOTE, IMPORT, MOVE, PROMOTE, BlockCopy, StepPlan
+from cairn.workers.plan import COPY, DEMOTE, IMPORT, IMPORT_HOST, MOVE, PROMOTE, BlockCopy, StepPlan
 from cairn.workers.execution.step_work import SideWork, StepWork, checkpoint_tables, feed
 from cairn.workers.execution.verify_rows import VerifyRows
 
@@ -203,9 +203,10 @@ class ModelRunner:
 
     def _copy_blocks(self, copies: list[BlockCopy], staging: torch.Tensor | None = None) -> None:
         """Makes the cache's block copies in order: each run of one kind at once when no copy in
-        it reads a block an earlier one wrote, else one by one. IMPORT copies read rows of
-        `staging` (blocks fetched from a peer). On CUDA, the promotions go last, on the copy
-        stream, after everything else queued (the cache frees the host blocks they read only at
+        it reads a block an earlier one wrote, else one by one. IMPORT (IMPORT_HOST) copies read
+        rows of `staging` (blocks fetched from a peer) into the device (the host tier). On CUDA,
+        the promotions go last, on the copy stream, after everything else queued (the cache
+        frees the host blocks they read only at
         the pass's end, and the blocks they write are held by their requests: nothing else in
         the list touches them); `_promoted` marks when they are in."""
         if self._copy_stream is not None and any(c.kind == PROMOTE for c in copies):
@@ -267,8 +268,8 @@ class ModelRunner:
     def _copy_run(self, kind: str, sources: list[int], targets: list[int], staging: torch.Tensor | None = None) -> None:
         src, dst = {MOVE: (self._blocks, self._blocks), COPY: (self._blocks, self._blocks),
                     DEMOTE: (self._blocks, self.host), PROMOTE: (self.host, self._blocks),
-                    IMPORT: (staging, self._blocks)}[kind]
-        if kind == IMPORT:
+                    IMPORT: (staging, self._blocks), IMPORT_HOST: (staging, self.host)}[kind]
+        if kind in (IMPORT, IMPORT_HOST):
             dst[self._index(targets)] = src[self._index(sources, src.device)].to(dst.device)
             return
         on_device = kind in (MOVE, COPY)

@@ -68,6 +68,21 @@ def _read(handle, stored: str, part: Ranges | None) -> torch.Tensor:
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
 
 
+def open_weights(f: Path):
+    """A safetensors file opened for reading (a context manager); a CheckpointError if it is not one."""
+    try:
+        return safe_open(str(f), framework="pt")
+    except Exception as e:  # safetensors raises its own error types
+        raise CheckpointError(f"{f}: not a readable safetensors file ({e})") from None
+
+
+def floating(f: Path, stored: str, t: torch.Tensor) -> torch.Tensor:
+    """`t` as stored, refused unless in a floating dtype cairn runs (fp32, bf16, fp16)."""
+    if t.dtype not in DTYPES.values():
+        raise CheckpointError(f"{f}: tensor '{stored}' has dtype {t.dtype}; expected fp32/bf16/fp16")
+    return t
+
+
 def read_tensors(files: list[Path], dtype: torch.dtype, family: Family, cfg: ModelConfig | None = None,
                  shard: Shard = Shard()) -> dict[str, torch.Tensor]:
     """Every tensor the family keeps, renamed, in `dtype`; with a `shard` of more than one rank
@@ -75,11 +90,7 @@ def read_tensors(files: list[Path], dtype: torch.dtype, family: Family, cfg: Mod
     tensors: dict[str, torch.Tensor] = {}
     experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
     for f in files:
-        try:
-            handle = safe_open(str(f), framework="pt")
-        except Exception as e:  # safetensors raises its own error types
-            raise CheckpointError(f"{f}: not a readable safetensors file ({e})") from None
-        with handle:
+        with open_weights(f) as handle:
             for stored in handle.keys():
                 name = family.tensor_name(stored)
                 if name is None:
@@ -87,9 +98,7 @@ def read_tensors(files: list[Path], dtype: torch.dtype, family: Family, cfg: Mod
                 t = _read(handle, stored, ranges(name, cfg, shard, family.shard_rules) if cfg else None)
                 if shard.rank and zero_on_other_ranks(name):
                     t = torch.zeros_like(t)  # a row-parallel bias is added once, by rank 0
-                if t.dtype not in DTYPES.values():
-                    raise CheckpointError(f"{f}: tensor '{stored}' has dtype {t.dtype}; expected fp32/bf16/fp16")
-                t = t.to(dtype)
+                t = floating(f, stored, t).to(dtype)
                 m = PER_EXPERT.match(name)
                 if m:
                     experts.setdefault((m.group(1), m.group(3)), {})[int(m.group(2))] = t

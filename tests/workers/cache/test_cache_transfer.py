@@ -169,35 +169,89 @@ def test_a_holder_exports_what_its_host_tier_keeps(tiny_model_dir):
     assert_same_output(got, run(receiver, turn2, salt="cold"))
 
 
-@pytest.mark.parametrize("host", [False, True], ids=["device", "holder's host tier"])
-def test_a_prompt_end_inside_a_page_is_fetched_with_its_head_and_resumed_there(demo_model, host):
+def no_device_room(monkeypatch, engine):
+    """Every block and state slot of `engine`'s device held by running sequences: an import can
+    take none."""
+    monkeypatch.setattr(engine.cache.placement, "room_for_pages", lambda n: n == 0)
+    monkeypatch.setattr(engine.cache, "take_checkpoint_slot", lambda: None)
+
+
+def test_a_receiver_without_device_room_keeps_the_fetched_resume_point_in_its_host_tier(tiny_model_dir, monkeypatch):
+    holder = Engine.from_pretrained(tiny_model_dir, cache_policy="all", num_pages=256, worker_id="h")
+    receiver = Engine.from_pretrained(tiny_model_dir, cache_policy="all", num_pages=256,
+                                      host_cache_bytes=400 * 8192, worker_id="r")
+    index = CacheIndex()
+    index.apply(receiver.drain_events())
+    conversation = prompt(6 * PS + 3, seed=31)
+    first = run(holder, conversation)
+    run(receiver, conversation[:2 * PS] + [1])  # its own device run: the first two pages
+    turn2 = conversation + first.token_ids + prompt(7, seed=32)
+    hashes = receiver.spec.page_hashes(turn2, receiver.spec.hash_root())
+    no_device_room(monkeypatch, receiver)
+    assert fetch(receiver, holder, turn2) == (len(conversation) + len(first.token_ids)) // PS - 2
+    monkeypatch.undo()
+    assert all(h in receiver.cache.host.pages for h in hashes[2:6]) and receiver.cache.host.checkpoints
+    assert receiver.metrics().fetches_total == 1 and not receiver.metrics().fetch_fallbacks_total
+    index.apply(receiver.drain_events())
+    assert index.contents("r") == receiver.cache_contents(), "the index hears of them, on the host"
+    receiver.check()
+    got = run(receiver, turn2)
+    assert got.cached_tokens == run(holder, turn2).cached_tokens >= 6 * PS
+    assert_same_output(got, run(receiver, turn2, salt="cold"))
+    receiver.check()
+
+
+def test_with_room_on_neither_tier_the_import_is_refused_and_the_request_recomputes(tiny_model_dir, monkeypatch):
+    holder = Engine.from_pretrained(tiny_model_dir, cache_policy="all", num_pages=256)
+    receiver = Engine.from_pretrained(tiny_model_dir, cache_policy="all", num_pages=256)  # no host tier
+    tokens = prompt(5 * PS + 2, seed=33)
+    run(holder, tokens)
+    no_device_room(monkeypatch, receiver)
+    assert fetch(receiver, holder, tokens + [3]) == 0
+    monkeypatch.undo()
+    assert receiver.metrics().fetch_fallbacks_total["refused"] == 1
+    out = run(receiver, tokens + [3])
+    assert out.cached_tokens == 0
+    assert_same_output(out, run(holder, tokens + [3], salt="cold"))
+    receiver.check()
+
+
+@pytest.mark.parametrize("host", [False, True, "receiver"],
+                         ids=["device", "holder's host tier", "receiver's host tier"])
+def test_a_prompt_end_inside_a_page_is_fetched_with_its_head_and_resumed_there(demo_model, host, monkeypatch):
     """The holder's reply ended inside the page its prompt ended in: it keeps that page's head
     and the state at the prompt's end (`cairn.workers.cache.partial_pages`). A fetch of that
     sub-page resume point (the router's hint: `FetchHint.tail`) brings both, and the receiver
     resumes at the prompt's end, computing what a cold engine computes, and tells the index."""
     model = demo_model("qwen3_5")
-    tiers = dict(cache_memory_bytes=80 * 4096, host_cache_bytes=4000 * 4096) if host else dict(num_pages=256)
-    holder = Engine.from_pretrained(model, dtype="float32", worker_id="h", **tiers)
-    receiver = Engine.from_pretrained(model, dtype="float32", num_pages=256, worker_id="r")
+    tiers = dict(cache_memory_bytes=80 * 4096, host_cache_bytes=4000 * 4096) if host is True else dict(num_pages=256)
+    holder = Engine.from_pretrained(model, dtype="float32", worker_id="h", **(tiers if host is True else {}))
+    receiver = Engine.from_pretrained(model, dtype="float32", num_pages=256, worker_id="r",
+                                      **(dict(host_cache_bytes=400 * 4096) if host == "receiver" else {}))
     index = CacheIndex()
     index.apply(receiver.drain_events())
     short = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
     first = prompt(4 * PS + 6, seed=21)
     run_alone(holder, first, short)
-    if host:  # other conversations push it out to the holder's host tier
+    if host is True:  # other conversations push it out to the holder's host tier
         for i in range(6):
             run_alone(holder, prompt(8 * PS, seed=60 + i), short)
         assert holder.cache.stats.pages_demoted > 0
     nxt = first + prompt(9, seed=22)
     root = receiver.spec.hash_root()
     hashes = receiver.spec.page_hashes(nxt, root)
-    if host:
+    if host is True:
         assert any(h in holder.cache.host.pages for h in hashes[:4]) and holder.cache.host.checkpoints
     plan = receiver.fetches.plan(hashes, len(nxt), 4, tuple(first[4 * PS:]), root)
     assert (plan.first, plan.depth, plan.tail) == (0, 4, tuple(first[4 * PS:]))
     export = holder.fetches.export(hashes, plan.first, plan.depth, plan.tail, root)
     assert export is not None and export.head is not None and export.sub_checkpoint is not None
+    if host == "receiver":  # its device full: the pages, the head and the states go to its host tier
+        no_device_room(monkeypatch, receiver)
     assert receiver.fetches.import_(export, hashes, plan.first, root) == 4
+    monkeypatch.undo()
+    if host == "receiver":
+        assert all(h in receiver.cache.host.pages for h in hashes[:4]) and len(receiver.cache.host.checkpoints) >= 1
     index.apply(receiver.drain_events())
     assert index.contents("r") == receiver.cache_contents()
     assert receiver.fetches.plan(hashes, len(nxt), 4, tuple(first[4 * PS:]), root) is None, "held here now"

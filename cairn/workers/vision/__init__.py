@@ -1,0 +1,36 @@
+"""Images for Qwen3.5 / Qwen3.6 vision-language checkpoints: from request bytes to the embeddings
+the language model reads in place of an image's placeholder tokens.
+
+The map:
+- `vision_config`: the tower's shape and the image token ids, from `config.json` (no torch);
+  None for a checkpoint without a vision tower.
+- `image_processing`: bytes to pixel patches and the patch grid, exactly as transformers'
+  Qwen2-VL PIL processor prepares them (no torch: the ingress can count image tokens); the
+  decompression-bomb guard; `ImageError` for what the client must fix.
+- `vision_tower`: the tower (`model.visual.*`), transformers' `Qwen3_5VisionModel` in plain torch,
+  and its loader, which reads only the tower's tensors.
+
+Not yet: nothing here is wired into the engine, the scheduler or the API. The language model's
+side (placing image embeddings at the placeholder tokens, M-RoPE positions for image tokens, the
+prefix cache keyed by image content) comes later; video is open in the grid computation only.
+
+Imported lazily (PEP 562), as `cairn.workers.model` is: the torch-free modules load without torch.
+"""
+
+from __future__ import annotations
+
+from cairn.workers.lazy import lazy_exports
+
+_PROCESSING = "cairn.workers.vision.image_processing"
+_WHERE = {
+    "VisionConfig": "cairn.workers.vision.vision_config", "read_vision_config": "cairn.workers.vision.vision_config",
+    "load_vision_config": "cairn.workers.vision.vision_config",
+    "ImageError": _PROCESSING, "PreprocessorConfig": _PROCESSING, "ProcessedImage": _PROCESSING,
+    "preprocess_image": _PROCESSING, "read_preprocessor_config": _PROCESSING, "load_preprocessor_config": _PROCESSING,
+    "patch_grid": _PROCESSING,
+    "VisionTower": "cairn.workers.vision.vision_tower", "load_vision_tower": "cairn.workers.vision.vision_tower",
+}
+__all__ = sorted(_WHERE)
+
+
+__getattr__, __dir__ = lazy_exports(__name__, _WHERE)
