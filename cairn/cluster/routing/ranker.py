@@ -73,6 +73,14 @@ class Ranking:
     fetch: FetchHint | None = None  # the deepest holder (routing config `fetch`), for whichever takes it
 
 
+@dataclass
+class InFlight:
+    """A request this router routed, until it completes."""
+    prefill: int  # its prompt tokens left to compute there (0 once its first output came)
+    routed_at: float  # wall clock
+    leaves: tuple  # what it leaves there: the predicted holders' record (`PredictedHolders.record`'s arguments)
+
+
 class IndexUnavailable(RuntimeError):
     """The index cannot answer now, and nothing slow stands behind that: no handle to its actor
     (not found yet, or a failed lookup waits to be retried), or the router's mirror is stale."""
@@ -98,11 +106,8 @@ class AffinityRanker:
         self.predicted = PredictedHolders(max(config.predicted_holder_ttl_s, config.fallback_memory_s), clock,
                                           max(config.fallback_memory_pages, self.MIN_PREDICTED_HASHES))
         self.loads: dict[str, ReplicaLoad] = {}
-        self._in_flight: dict[tuple[str, str], int] = {}  # (replica, request id) -> prefill tokens left
+        self._in_flight: dict[tuple[str, str], InFlight] = {}  # (replica, request id) -> it
         self._engine_ids: dict[str, tuple[str, str]] = {}  # the request's own id -> (replica, request id)
-        self._routed_at: dict[tuple[str, str], float] = {}  # in flight: (replica, request id) -> wall clock
-        # in flight: (replica, request id) -> what it leaves there (predicted holders' record), for its completion
-        self._leaves: dict[tuple[str, str], tuple[list[bytes], list[int] | None, list[bytes]]] = {}
         self._finished: dict[str, deque[tuple[float, float]]] = {}  # replica -> (routed, finished) wall clock
         self._prefill: OrderedDict[str, dict[str, int]] = OrderedDict()  # request id -> replica -> tokens
         self._resume: OrderedDict[str, dict[str, int]] = OrderedDict()  # request id -> replica -> resume pages
@@ -227,15 +232,13 @@ class AffinityRanker:
         if (replica, request_id) in self._in_flight:
             return
         self.counts["routed"] += 1
-        self._in_flight[(replica, request_id)] = prefill
-        self._routed_at[(replica, request_id)] = self._wall()
+        leaves = (list(request.page_hashes or ()), self._states_left(request, resumed) if self.config.recurrent else None,
+                  self._prompt_end(request) if self.config.recurrent else [])
+        self._in_flight[(replica, request_id)] = InFlight(prefill, self._wall(), leaves)
         self._engine_ids[request.request_id] = (replica, request_id)
         load = self.loads.setdefault(replica, ReplicaLoad())
         load.requests += 1
         load.tokens += prefill
-        leaves = (list(request.page_hashes or ()), self._states_left(request, resumed) if self.config.recurrent else None,
-                  self._prompt_end(request) if self.config.recurrent else [])
-        self._leaves[(replica, request_id)] = leaves
         self.predicted.record(replica, *leaves)
 
     async def sub_states(self, request: GenerateRequest, scores: dict[str, Score], probe: ProbeFn | None
@@ -300,14 +303,13 @@ class AffinityRanker:
         return [j for j in depths if j > resumed_pages]
 
     def on_completed(self, request_id: str, replica: str) -> None:
-        prefill = self._in_flight.pop((replica, request_id), None)
-        if prefill is not None:
+        done = self._in_flight.pop((replica, request_id), None)
+        if done is not None:
             load = self.loads[replica]
             load.requests -= 1
-            load.tokens -= prefill
-            self._finished.setdefault(replica, deque(maxlen=self.FINISHED_KEPT)).append(
-                (self._routed_at.pop((replica, request_id)), self._wall()))
-            self.predicted.record(replica, *self._leaves.pop((replica, request_id)))  # fresh as it ends
+            load.tokens -= done.prefill
+            self._finished.setdefault(replica, deque(maxlen=self.FINISHED_KEPT)).append((done.routed_at, self._wall()))
+            self.predicted.record(replica, *done.leaves)  # fresh as it ends
         if len(self._engine_ids) > len(self._in_flight) + 4096:  # drop ids of completed requests
             self._engine_ids = {e: k for e, k in self._engine_ids.items() if k in self._in_flight}
 
@@ -315,10 +317,10 @@ class AffinityRanker:
         """The request (by its own id, the routed argument's `request_id`) produced its first
         output: its prompt is computed, so it no longer adds prefill tokens to its replica's load."""
         key = self._engine_ids.pop(engine_request_id, None)
-        prefill = self._in_flight.get(key) if key is not None else None
-        if prefill:
-            self._in_flight[key] = 0
-            self.loads[key[0]].tokens -= prefill
+        running = self._in_flight.get(key) if key is not None else None
+        if running is not None and running.prefill:
+            self.loads[key[0]].tokens -= running.prefill
+            running.prefill = 0
 
     def forget(self, replica: str) -> None:
         self.loads.pop(replica, None)
@@ -328,5 +330,3 @@ class AffinityRanker:
         self._finished.pop(replica, None)
         for key in [k for k in self._in_flight if k[0] == replica]:
             del self._in_flight[key]
-            del self._routed_at[key]
-            del self._leaves[key]

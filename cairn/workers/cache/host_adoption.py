@@ -4,8 +4,8 @@ resumes from host memory as from any host hit (copied back as it is admitted).
 
 `cairn.workers.cache.transfer.import_resume` calls it for what the device cannot take: the pages
 it has no free blocks for (`adopt_pages`), the checkpoint it has no state slot for
-(`adopt_checkpoint`), a sub-page resume point (`adopt_sub_page`: the head of the page holding the
-tail's K/V, as a partial page, and the sub-page state). Rules it keeps, the host tier's own
+(`adopt_checkpoint`), a sub-page resume point (`adopt_partial_page`: the head of the page holding
+the tail's K/V, beside its sub-page state, `adopt_checkpoint` again). Rules it keeps, the host tier's own
 (`cairn.workers.cache.host_tier`):
 - the chain's device pages stay a prefix of it: pages go to the host only after the receiver's
   device run, in chain order, each under its parent (on the device, or here already);
@@ -25,17 +25,8 @@ from cairn.workers.plan import IMPORT_HOST, BlockCopy
 
 
 def _blocks(cache: PrefixCache, n: int, keep: list[bytes]) -> list[int] | None:
-    """`n` host blocks, the host pages in `keep` pinned meanwhile; None without a host tier or room."""
-    host = cache.host
-    if not host or cache.placement.dropping:
-        return None
-    keep = [h for h in keep if h in host.pages]
-    for h in keep:
-        host.pin_page(h)
-    try:
-        return host.take_blocks(n)
-    finally:
-        host.unpin_pages(keep)
+    """`n` host blocks, the host pages in `keep` kept; None without a host tier or room."""
+    return None if not cache.host or cache.placement.dropping else cache.host.take_blocks(n, keep)
 
 
 def adopt_pages(cache: PrefixCache, hashes: list[bytes], parent: bytes | None, rows: list,
@@ -43,7 +34,7 @@ def adopt_pages(cache: PrefixCache, hashes: list[bytes], parent: bytes | None, r
     """Pages `hashes` of a chain (in order, the first under `parent`, which is on the device),
     their K/V in `rows`, as host pages; those the host has already are kept as they are."""
     host = cache.host
-    todo = [j for j, h in enumerate(hashes) if host is None or h not in host.pages]
+    todo = [j for j, h in enumerate(hashes) if h not in host.pages]
     blocks = _blocks(cache, len(todo), hashes)
     if blocks is None:
         return False

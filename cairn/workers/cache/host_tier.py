@@ -110,15 +110,21 @@ class HostTier:
         return best, best_m
 
     # ---- room ----------------------------------------------------------------------------------
-    def take_blocks(self, n: int) -> list[int] | None:
-        """`n` free host blocks, evicting the coldest unpinned items until they are free; None
-        (nothing evicted) when even an empty tier, less what is pinned, has fewer."""
-        if n > self.num_blocks - len(self._pinned) * self.slot_blocks - len(self._pinned_pages):
-            return None
-        while len(self._free) < n:
-            if not self._evict_coldest():
+    def take_blocks(self, n: int, keeping: list[bytes] = ()) -> list[int] | None:
+        """`n` free host blocks, evicting the coldest unpinned items until they are free, the
+        pages here among `keeping` pinned meanwhile; None (nothing evicted) when even an empty
+        tier, less what is pinned, has fewer."""
+        held = [h for h in keeping if h in self.pages and h not in self._pinned_pages]
+        self._pinned_pages.update(held)
+        try:
+            if n > self.num_blocks - len(self._pinned) * self.slot_blocks - len(self._pinned_pages):
                 return None
-        return [self._free.pop() for _ in range(n)]
+            while len(self._free) < n:
+                if not self._evict_coldest():
+                    return None
+            return [self._free.pop() for _ in range(n)]
+        finally:
+            self._pinned_pages.difference_update(held)
 
     def free_blocks(self, blocks: list[int]) -> None:
         self._free.extend(blocks)
@@ -172,9 +178,6 @@ class HostTier:
         """An admission copies this page's head in this pass: not evictable until its end."""
         self._pinned_pages.add(page_hash)
         self.touch(PAGE, page_hash)
-
-    def unpin_pages(self, hashes: list[bytes]) -> None:
-        self._pinned_pages.difference_update(hashes)
 
     def unpin_all(self) -> None:
         self._pinned.clear()
