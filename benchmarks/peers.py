@@ -41,8 +41,8 @@ honours; VLLM_CPU_KVCACHE_SPACE, the older setting, takes whole GiB), llama-serv
 (MiB), with its context (-c) and --ctx-checkpoints sized so that its slots' K/V and states fit
 the same bytes beside that cache.
 
-The cluster row (`--cluster`): cairn with 2 replicas and its cache-affinity routing (and again
-with move and fetch on: a replica pulls a resume point the other holds), against two
+The cluster row (`--cluster`): cairn with 2 replicas and its cache-affinity routing, move and
+fetch on (a replica pulls a resume point the other holds; and again with it off), against two
 vLLM servers (one core each) behind peer_proxy.py, routed round-robin and by session (the
 conversation, sent as x-session-id). Each replica or server gets the cache bytes above. The
 trace tables then add each replica's share of the requests in flight (from x-cairn-replica and
@@ -192,18 +192,18 @@ def free_port() -> int:
 HOST_TIER_BYTES = 0  # --host-tier: cairn's host tier per replica (0: off)
 
 
-def cairn(model_dir: Path, cache_bytes: int, replicas: int = 1, fetch: bool = False) -> System:
+def cairn(model_dir: Path, cache_bytes: int, replicas: int = 1, fetch: bool = True) -> System:
     argv = [sys.executable, "-m", "cairn.cluster.cli", "serve", "--replicas", str(replicas), "--model", str(model_dir),
             "--served-model-name", MODEL, "--dtype", "bfloat16", "--cache-memory-bytes", str(cache_bytes)]
     if HOST_TIER_BYTES:
         argv += ["--host-cache-bytes", str(HOST_TIER_BYTES)]
-    if fetch:  # move and fetch: a replica pulls the resume point another holds (cairn.cluster.replica_peer_fetch)
+    if not fetch:  # without move and fetch (on by default: cairn.cluster.replica_peer_fetch)
         OUT.mkdir(parents=True, exist_ok=True)
-        routing = OUT / "peers-routing-fetch.yaml"
-        routing.write_text("policy: cache_affinity\nfetch: true\n")
+        routing = OUT / "peers-routing-nofetch.yaml"
+        routing.write_text("policy: cache_affinity\nfetch: false\n")
         argv += ["--routing", str(routing)]
     port = free_port()
-    name = "cairn" if replicas == 1 else f"cairn x{replicas}" + (" fetch" if fetch else "")
+    name = "cairn" if replicas == 1 else f"cairn x{replicas}" + ("" if fetch else " no fetch")
     return System(name, argv + ["--port", str(port)], {}, port, replicas=replicas, ready_path="/ready")
 
 
@@ -269,7 +269,7 @@ BUILDERS = {"cairn": cairn, "vllm": vllm, "llama": llama}
 # would be the other yardstick; it needs ray[llm], which installs vLLM's CUDA build beside Ray,
 # so it does not run on this CPU machine.
 CLUSTER_BUILDERS = {"cairn": lambda m, b: cairn(m, b, replicas=2),
-                    "cairn-fetch": lambda m, b: cairn(m, b, replicas=2, fetch=True),
+                    "cairn-nofetch": lambda m, b: cairn(m, b, replicas=2, fetch=False),
                     "vllm-rr": lambda m, b: proxied_vllm(m, b, "round-robin"),
                     "vllm-session": lambda m, b: proxied_vllm(m, b, "session")}
 
@@ -523,7 +523,7 @@ def summary(sent: list[Sent]) -> dict:
     cached_turns = [s for s in sent if s.oracle > 0 and not s.error]
     return {"requests": len(sent), "errors": sum(bool(s.error) for s in sent),
             "first_error": next((s.error for s in sent if s.error), None),
-            "each": [(s.conv, s.prompt_tokens, s.oracle, s.cached, round(s.ttft, 4)) for s in sent],
+            "each": [(s.conv, s.prompt_tokens, s.oracle, s.cached, round(s.ttft, 4), s.backend) for s in sent],
             "cached": sum(min(s.cached, s.bound) for s in sent if not s.error),
             "oracle": sum(s.oracle for s in cached_turns),
             "short": max((s.oracle - s.cached for s in cached_turns), default=0),
@@ -614,7 +614,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--traces", default=",".join(TRACES), help="comma-separated (none: the speed row alone)")
-    parser.add_argument("--systems", default=None, help="cairn,vllm,llama (--cluster: cairn,cairn-fetch,vllm-rr,vllm-session)")
+    parser.add_argument("--systems", default=None, help="cairn,vllm,llama (--cluster: cairn,cairn-nofetch,vllm-rr,vllm-session)")
     parser.add_argument("--cluster", action="store_true",
                         help="the cluster row: 2 cairn replicas against 2 vLLM servers behind proxies (no speed rows)")
     parser.add_argument("--budget", type=float, default=None, metavar="F", help="cache bytes: F of the working set")

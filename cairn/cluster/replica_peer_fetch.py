@@ -7,15 +7,17 @@ request). A receiving replica hands the request to its engine with this `Replica
 fetcher (`EngineFront.stream`): if it resumes less deep (`cairn.workers.cache.transfer.plan_fetch`),
 the engine holds the request and returns what to ask for, and `ReplicaPeerFetch` pulls it:
 - the ask is an `ExportRequest` through the engine deployment's own handle, which the router
-  sends to exactly the replica it names (`target_worker`); the holder copies the pages and the
+  sends to exactly the replica it names (`target_worker`; once Serve has dropped that replica, to
+  another one, which answers that it holds nothing, so the ask never waits for a replica that
+  will not come back); the holder copies the pages and the
   checkpoint between two of its steps (`EngineFront.export_resume`: one request's resume
   point, a bounded pause) and the reply crosses Ray's object store;
 - the export is delivered to the receiving engine, which adopts it under the request's own
   hashes before the request's first step (so a fetch never crosses a cache salt) and whose
   events tell the index;
 - whatever goes wrong (the holder evicted them meanwhile, died, is gone, or does not answer within
-  `fetch_timeout_s`), the request is recomputed as if there had been no hint: never lost, never
-  run twice. Each such fallback is counted by reason (`fetch_fallbacks_total{kind=...}`:
+  `fetch_timeout_s`, not waiting for the call's cancellation either), the request is recomputed
+  as if there had been no hint: never lost, never run twice. Each such fallback is counted by reason (`fetch_fallbacks_total{kind=...}`:
   evicted, timeout, holder_failed here; refused, no_checkpoint_slot by
   `cairn.workers.engine_peer_fetch.EnginePeerFetch.import_`).
 Under tensor parallelism nothing is fetched (the engine plans nothing): each rank would need its
@@ -51,11 +53,15 @@ class ReplicaPeerFetch:
         """The receiver's side: the export of what `plan` asks of the holder the request's hint
         names, or the reason there is none (module doc)."""
         holder = request.fetch.holder
-        ask = ExportRequest(holder, list(request.page_hashes), plan.first, plan.depth, plan.tail, plan.root)
-        try:
-            export = await asyncio.wait_for(self._peers().export_resume.remote(ask), self.timeout_s)
-        except asyncio.TimeoutError:
+        ask = ExportRequest(holder, list(request.page_hashes), plan.first, plan.depth, plan.tail, plan.root,
+                            plan.before)
+        asked = asyncio.ensure_future(self._peers().export_resume.remote(ask))
+        done, _ = await asyncio.wait({asked}, timeout=self.timeout_s)
+        if not done:  # not waiting for the cancellation either: a call to a dead node's actor may take
+            asked.cancel()  # as long as Ray's detection of its death to give up
             return "timeout"
+        try:
+            export = asked.result()
         except Exception as e:  # the holder died, is gone, or failed
             log.info("fetching from %s failed: %r", holder, e)
             return "holder_failed"

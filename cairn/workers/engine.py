@@ -340,12 +340,11 @@ class Engine(EngineIntake, EngineCache):
             self.runner.snapshot(plan)
 
     def _observe_rates(self, plan: StepPlan, seconds: float) -> None:
-        """Feeds the host tier's cost rule: the step's prefill rate (steps mostly prefill), and
-        the host copies' rate."""
-        if not self.layout.host_blocks:
-            return
+        """Feeds the host tier's cost rule (the step's prefill rate, steps mostly prefill, and
+        the host copies' rate) and the step time the router prices a peer's fetch with."""
         cost = self.cache.tier_cost
-        copied, copy_seconds = self.runner.take_copy_timing()
+        cost.observe_step(seconds)
+        copied, copy_seconds = self.runner.take_copy_timing() if self.layout.host_blocks else (0, 0.0)
         cost.observe_copy(copied, copy_seconds)
         tokens = plan.num_tokens
         if 2 * sum(s.num_tokens for s in plan.prefills) >= tokens:

@@ -172,7 +172,7 @@ class EngineFront:
     async def export_resume(self, ask: ExportRequest) -> ResumeExport | None:
         """`EnginePeerFetch.export` for a peer's ask, on the engine thread, between steps."""
         return await self._call(self.engine.fetches.export, ask.page_hashes, ask.first, ask.depth, tuple(ask.tail),
-                                ask.root)
+                                ask.root, tuple(ask.before))
 
     async def call(self, fn, *args):
         """Runs `fn(engine, *args)` on the engine thread, between steps (tests, admin)."""

@@ -62,7 +62,9 @@ class EngineIntake:
         if fetch and hint is not None and hint.holder != self.worker_id and request.page_hashes:
             ps = self.spec.page_size
             tail = tuple(checked.prompt[hint.depth * ps:hint.depth * ps + hint.tail]) if hint.tail else ()
-            plan = self.fetches.plan(request.page_hashes, len(checked.prompt), hint.depth, tail, checked.hash_root)
+            before = tuple(checked.prompt[(hint.depth - 1) * ps:hint.depth * ps]) if hint.depth >= 2 else ()
+            plan = self.fetches.plan(request.page_hashes, len(checked.prompt), hint.depth, tail, checked.hash_root,
+                                     before)
         if plan is not None:  # held until the holder's export is delivered
             seq.fetch_pending = True
             self.fetches.hold(request_id, plan)

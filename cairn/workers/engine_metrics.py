@@ -22,7 +22,7 @@ from typing import Any
 
 LABELLED = ("fetch_fallbacks_total", "tier_hit_tokens_total", "checkpoints_admitted_total", "checkpoint_hits_total",
             "spec_accepted_tokens_by_position_total")
-MEASURED = ("host_copy_bytes_per_s", "prefill_tokens_per_s")
+MEASURED = ("host_copy_bytes_per_s", "prefill_tokens_per_s", "step_seconds")
 
 
 @dataclass
@@ -98,6 +98,7 @@ class EngineMetrics(EngineTotals):
     # measured rates (None: not yet measured)
     host_copy_bytes_per_s: float | None = None
     prefill_tokens_per_s: float | None = None
+    step_seconds: float | None = None  # a step's wall time (moving average): what a peer's fetch waits for
     worker_id: str | None = None  # stamped by the replica that reports it
 
     @classmethod
@@ -137,7 +138,8 @@ class EngineMetrics(EngineTotals):
             tier_hit_tokens_total={tier: scheduler.hit_tokens_by_tier.get(tier, 0) for tier in ("device", "host")},
             checkpoints_admitted_total={kind: rec["admitted"] for kind, rec in policy.items()},
             checkpoint_hits_total={kind: rec["hits"] for kind, rec in policy.items()},
-            host_copy_bytes_per_s=cost.bandwidth, prefill_tokens_per_s=cost.prefill_rate)
+            host_copy_bytes_per_s=cost.bandwidth, prefill_tokens_per_s=cost.prefill_rate,
+            step_seconds=cost.step_seconds)
 
     def samples(self) -> Iterator[tuple[str, str | None, float]]:
         """Every number, as (name, kind label or None, value); unmeasured rates are left out."""

@@ -39,12 +39,12 @@ class EnginePeerFetch:
 
     # ---- receiving ---------------------------------------------------------------------------
     def plan(self, page_hashes: list[bytes], num_tokens: int, depth: int, tail: tuple[int, ...] = (),
-             root: bytes | None = None) -> FetchPlan | None:
+             root: bytes | None = None, before: tuple[int, ...] = ()) -> FetchPlan | None:
         """What to ask a peer resuming this prompt at `depth` pages (and `tail` tokens into the
-        next page, under hash `root`) for (None: nothing)."""
+        next page, under hash `root`; `before`: page `depth - 1`'s tokens) for (None: nothing)."""
         if self.tensor_parallel:
             return None
-        return transfer.plan_fetch(self.cache, page_hashes, num_tokens, depth, tail, root)
+        return transfer.plan_fetch(self.cache, page_hashes, num_tokens, depth, tail, root, before)
 
     def hold(self, request_id: str, plan: FetchPlan) -> None:
         self._plans[request_id] = plan
@@ -101,13 +101,14 @@ class EnginePeerFetch:
 
     # ---- holding -------------------------------------------------------------------------------
     def export(self, page_hashes: list[bytes], first: int, depth: int, tail: tuple[int, ...] = (),
-               root: bytes | None = None) -> ResumeExport | None:
+               root: bytes | None = None, before: tuple[int, ...] = ()) -> ResumeExport | None:
         """A copy of pages [first, depth) of the chain and the checkpoint at `depth` (with `tail`:
-        the sub-page resume point there), for a peer; None if they are no longer all here."""
+        the sub-page resume point there), or of the deepest resume point here within a page
+        before it (`before`: page `depth - 1`'s tokens), for a peer; None if there is none."""
         if self.tensor_parallel:
             return None
         self.before_export()
-        out = transfer.export_resume(self.cache, self._block_io(), page_hashes, first, depth, tail, root)
+        out = transfer.export_resume(self.cache, self._block_io(), page_hashes, first, depth, tail, root, before)
         if out is not None:
             self.counts["exported_bytes"] += out.nbytes
         return out

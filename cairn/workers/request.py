@@ -59,3 +59,4 @@ class ExportRequest:
     depth: int
     tail: tuple[int, ...] = ()  # a sub-page state's tokens after page `depth`, asked for with the
     root: bytes | None = None   # head of the page they begin (under the request's hash root)
+    before: tuple[int, ...] = ()  # page `depth - 1`'s tokens: the holder may answer with a state in it

@@ -250,9 +250,9 @@ def test_local_yaml_builds_two_cpu_replicas_of_the_demo_model_with_the_in_memory
         == "qwen3_next"
 
 
-def test_replicas_fetch_from_their_peers_when_asked_but_never_under_tensor_parallelism():
-    assert engine_of(app_builder({}))[1][2]["fetch"] is False
-    assert engine_of(app_builder({"routing": {"fetch": True}}))[1][2]["fetch"] is True
+def test_replicas_fetch_from_their_peers_by_default_unless_told_not_to_and_never_under_tensor_parallelism():
+    assert engine_of(app_builder({}))[1][2]["fetch"] is True
+    assert engine_of(app_builder({"routing": {"fetch": False}}))[1][2]["fetch"] is False
     tp = {"engine_options": {"tensor_parallel_size": 2}, "routing": {"fetch": True}}
     assert engine_of(app_builder(tp))[1][2]["fetch"] is False, "a rank cannot fetch its slice: nothing to price"
 

@@ -5,6 +5,7 @@ evicted meanwhile costs a recomputation, counted by reason, and the request is n
 run twice."""
 
 import asyncio
+import time
 
 import pytest
 import torch
@@ -36,6 +37,12 @@ class Peers:
             raise ActorDiedError()
         if self.fault == "hangs":
             await asyncio.sleep(30)
+        if self.fault == "deaf":  # a call to a dead node's actor: cancelling it takes until Ray gives up
+            for _ in range(5):
+                try:
+                    await asyncio.sleep(1)
+                except asyncio.CancelledError:
+                    pass
         if self.fault == "evicted":
             await self.holder.engine.call(lambda engine: engine.clear_cache())
         return await self.holder.export(ask)
@@ -63,28 +70,32 @@ async def scenario(tiny_model_dir, fault):
         first = await run(holder, turn1)
         turn2 = turn1 + first.token_ids + prompt(5, seed=9)
         depth = (len(turn1) + len(first.token_ids)) // PS
+        began = time.monotonic()
         got = await run(receiver, turn2, fetch=mine, hint=("holder", depth))
+        took = time.monotonic() - began
         cold = await run(receiver, turn2, salt="cold")
         assert cold.cached_tokens == 0
         assert_same_output(got, cold)
         assert peers.asked == 1, "asked once, never retried: the request ran once"
-        return got, depth, await receiver.metrics(), await holder.metrics()
+        return got, depth, await receiver.metrics(), await holder.metrics(), took
     finally:
         await holder.close()
         await receiver.close()
 
 
 def test_a_fetched_resume_point_is_used_and_counted(tiny_model_dir):
-    got, depth, metrics, holder = asyncio.run(scenario(tiny_model_dir, None))
+    got, depth, metrics, holder, _ = asyncio.run(scenario(tiny_model_dir, None))
     assert got.cached_tokens == depth * PS, "resumed exactly where the holder's checkpoint is"
     assert metrics.fetches_total == 1 and metrics.fetched_pages_total >= 6
     assert holder.exported_bytes_total == metrics.fetched_bytes_total > 0
 
 
-@pytest.mark.parametrize("fault, reason", [("died", "holder_failed"), ("hangs", "timeout"), ("evicted", "evicted")])
+@pytest.mark.parametrize("fault, reason", [("died", "holder_failed"), ("hangs", "timeout"), ("deaf", "timeout"),
+                                           ("evicted", "evicted")])
 def test_a_holder_that_fails_mid_fetch_costs_a_recomputation_counted_by_reason(tiny_model_dir, fault, reason):
-    got, _, metrics, _ = asyncio.run(scenario(tiny_model_dir, fault))
+    got, _, metrics, _, took = asyncio.run(scenario(tiny_model_dir, fault))
     assert got.cached_tokens == 0
+    assert took < 4, "the fetch's timeout (1 s) bounds the wait, however long cancelling the call takes"
     assert metrics.fetch_fallbacks_total[reason] == 1 and metrics.fetches_total == 0
 
 

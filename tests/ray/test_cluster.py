@@ -211,7 +211,9 @@ def test_cairn_serve_starts_its_own_ray_serves_the_api_and_stops_cleanly_on_ctrl
 
 REQUEST_TIMEOUT_S = 600  # Serve's http_options.request_timeout_s here, which the ingress enforces too
 ROUTING = RoutingConfig(index_actor_name=INDEX, index_timeout_ms=500,  # a busy 2-core CI box: be patient
-                        routing_stats_period_s=0.5)
+                        routing_stats_period_s=0.5, fetch=False)  # the affinity and spill rule alone (fetch:
+# test_cluster_fetch.py): with fetch, a tiny model's short steps make a move nearly free, and a hot
+# prompt spreads before its spill limit
 
 
 @dataclass

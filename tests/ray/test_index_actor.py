@@ -302,7 +302,7 @@ def test_a_serve_deployment_routes_to_the_replica_the_index_names(actor_name, in
 
     config = RoutingConfig(index_actor_name=actor_name, index_mode=index_mode, index_timeout_ms=2000,
                            predicted_holder_ttl_s=0, routing_stats_period_s=0.5, page_size=16, recurrent=True,
-                           page_bytes=8192, state_bytes=16896)
+                           page_bytes=8192, state_bytes=16896, fetch=False)  # the index's choice, not a move
     index = index_actor(actor_name, num_cpus=0.01)
 
     @serve.deployment(num_replicas=2, ray_actor_options={"num_cpus": 0},

@@ -76,10 +76,10 @@ def test_routing_stats_come_from_engine_metrics():
     stats = routing_stats(EngineMetrics(running_requests=2, waiting_requests=1, pages_held=30, pages_total=120),
                           max_num_seqs=8, taken_at=100.0)
     assert reported_load(None, stats) == ReplicaLoad(0, 0, 3, 0.25) and stats["taken_at"] == 100.0
-    measured = routing_stats(EngineMetrics(host_copy_bytes_per_s=5e9, prefill_tokens_per_s=2000.0), max_num_seqs=8,
-                             taken_at=100.0)
+    measured = routing_stats(EngineMetrics(host_copy_bytes_per_s=5e9, prefill_tokens_per_s=2000.0, step_seconds=0.03),
+                             max_num_seqs=8, taken_at=100.0)
     load = reported_load(None, measured)
-    assert (load.host_copy_bytes_per_s, load.prefill_tokens_per_s) == (5e9, 2000.0)
+    assert (load.host_copy_bytes_per_s, load.prefill_tokens_per_s, load.step_seconds) == (5e9, 2000.0, 0.03)
     assert reported_load(None, {"host_copy_bytes_per_s": "x", "prefill_tokens_per_s": -1}) == ReplicaLoad(), \
         "malformed rates count as unmeasured"
 
@@ -127,15 +127,41 @@ def test_a_device_hit_beats_the_same_hit_on_the_host_which_beats_a_miss_unless_c
     assert rank({"a": deep_on_host, "b": shallow_on_device}, replicas=("a", "b"), config=slow) == ["b", "a"]
 
 
-def test_with_fetch_a_replica_without_the_cache_costs_the_holders_prefill_plus_the_transfer():
-    fetch = CFG.model_copy(update=dict(fetch=True, fetch_bandwidth_bytes_per_s=10e9))
+def test_with_fetch_a_replica_without_the_cache_costs_the_holders_prefill_plus_the_transfer_and_its_wait():
+    fetch = CFG.model_copy(update=dict(fetch=True, fetch_bandwidth_bytes_per_s=10e9, step_seconds=0.01))
     holder, empty, idle = WorkerScore(40, 30), WorkerScore(0, 0), ReplicaLoad()
     n = 40 * PAGE + 5
-    transfer = (30 * PAGE_BYTES + STATE_BYTES) / 10e9 * fetch.prefill_tokens_per_s
-    assert replica_cost(empty, idle, fetch, n, holder) == pytest.approx(n - 30 * PAGE + transfer)
+    rate, trip = fetch.prefill_tokens_per_s, fetch.fetch_round_trip_s
+    transfer = (30 * PAGE_BYTES + STATE_BYTES) / 10e9 * rate
+    prior = fetch.step_seconds  # the holder's step, until it reports the one it measured
+    assert replica_cost(empty, idle, fetch, n, holder) == \
+        pytest.approx(n - 30 * PAGE + transfer + (prior + trip) * rate)
     assert replica_cost(empty, idle, CFG, n, holder) == n, "fetch off: it recomputes"
     partly = WorkerScore(10, 5)  # its own first 10 pages need not move
     assert replica_cost(partly, idle, fetch, n, holder) == \
-        pytest.approx(n - 30 * PAGE + (20 * PAGE_BYTES + STATE_BYTES) / 10e9 * fetch.prefill_tokens_per_s)
+        pytest.approx(n - 30 * PAGE + ((20 * PAGE_BYTES + STATE_BYTES) / 10e9 + prior + trip) * rate)
+    stepping = ReplicaLoad(step_seconds=0.02)  # the holder copies between its steps: the request waits one out
+    assert replica_cost(empty, idle, fetch, n, holder, stepping) == \
+        pytest.approx(n - 30 * PAGE + transfer + (0.02 + trip) * rate)
+    measured = ReplicaLoad(prefill_tokens_per_s=2000.0)  # seconds become tokens at the receiver's own rate
+    assert replica_cost(empty, measured, fetch, n, holder, stepping) == \
+        pytest.approx(n - 30 * PAGE + (transfer / rate + 0.02 + trip) * 2000.0)
     slow = fetch.model_copy(update=dict(fetch_bandwidth_bytes_per_s=1e6))
     assert replica_cost(empty, idle, slow, n, holder) == n, "a transfer slower than recomputing is not taken"
+
+
+def test_a_conversation_stays_over_a_small_load_gap_because_a_fetch_waits_for_its_holders_step():
+    """A fetch priced by its bytes alone looks free, so one in-flight request at the holder would
+    move the turn, which then waits for that very replica's step anyway. Priced with the holder's
+    measured step, the turn stays until the holder's load outweighs the wait."""
+    fetch = CFG.model_copy(update=dict(fetch=True, fetch_bandwidth_bytes_per_s=100e9))  # a NIC: 12 tokens' transfer
+    scores, n = {"home": (40, 40)}, 40 * PAGE + 20
+    busy = ReplicaLoad(requests=2, step_seconds=0.05)  # two requests decoding at home, 50 ms steps
+    assert rank(scores, {"home": busy}, n, fetch, ("home", "away")) == ["home", "away"]
+    quick = ReplicaLoad(requests=2, step_seconds=0.001)  # a step too short to wait for: the load moves it
+    assert rank(scores, {"home": quick}, n, fetch, ("home", "away")) == ["away", "home"]
+    unmeasured = ReplicaLoad(requests=2)
+    assert rank(scores, {"home": unmeasured}, n, fetch, ("home", "away")) == ["home", "away"], \
+        "a holder that has not measured its steps yet is priced at the config's step"
+    crowded = ReplicaLoad(requests=7, tokens=1000, step_seconds=0.05)  # its queue outweighs one step's wait
+    assert rank(scores, {"home": crowded}, n, fetch, ("home", "away")) == ["away", "home"]

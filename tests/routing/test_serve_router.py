@@ -66,7 +66,7 @@ def pending(req, request_id="req-1"):
                                                                           internal_request_id=request_id))
 
 
-def test_with_fetch_the_serve_router_sends_the_hint_on_a_copy_and_routes_a_peers_ask_to_its_target():
+def test_with_fetch_the_serve_router_sends_the_hint_on_a_copy_and_routes_a_peers_ask_to_its_target_or_to_one_that_says_it_is_gone():
     from cairn.workers.request import ExportRequest
 
     async def main():
@@ -83,8 +83,9 @@ def test_with_fetch_the_serve_router_sends_the_hint_on_a_copy_and_routes_a_peers
         ask = ExportRequest(ids[1], original.page_hashes, 0, 50)
         ranks = await router.choose_replicas(replicas, pending(ask, "req-ask"))
         assert ranks == [[replicas[1]]], "a peer's ask goes to the replica it names, and nowhere else"
-        gone = ExportRequest("no-such-replica", original.page_hashes, 0, 50)
-        assert await router.choose_replicas(replicas, pending(gone, "req-gone")) == []
+        gone = ExportRequest("no-such-replica", original.page_hashes, 0, 50)  # Serve dropped it: one that
+        assert await router.choose_replicas(replicas, pending(gone, "req-gone")) == [replicas[:1]]  # says so
+        assert await router.choose_replicas([], pending(gone, "req-none")) == []
     asyncio.run(main())
 
 

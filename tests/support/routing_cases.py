@@ -17,7 +17,8 @@ PAGE = 16
 PAGE_BYTES, STATE_BYTES = 2 << 20, 64 << 20  # a large hybrid model's page and state, in bytes
 CFG = RoutingConfig(page_size=PAGE, recurrent=True, page_bytes=PAGE_BYTES, state_bytes=STATE_BYTES,
                     load_weight=0.5, request_load_tokens=256, occupancy_load_tokens=2048,
-                    spill_limit=4, predicted_holder_ttl_s=2.0, index_mode="remote", index_timeout_ms=50)
+                    spill_limit=4, predicted_holder_ttl_s=2.0, index_mode="remote", index_timeout_ms=50,
+                    fetch=False)  # the cost rule without fetch; the tests of fetch turn it on
 H = [bytes([i]) * 16 for i in range(200)]
 
 _ids = itertools.count()

@@ -16,9 +16,15 @@
   `prefill_tokens_per_s` only until the replica has measured. Pages past the resume point are
   not charged.
 - move and fetch (`fetch` on): a replica that resumes less deep than the deepest holder may pull
-  the holder's resume point (`cairn.cluster.replica_peer_fetch`): its cost is then the holder's prefill plus
-  the transfer (the pages past its own device run and the state, over
-  `fetch_bandwidth_bytes_per_s`, in tokens), when that is cheaper than its own resume point.
+  the holder's resume point (`cairn.cluster.replica_peer_fetch`): its cost is then the holder's
+  prefill plus the fetch (`fetch_tokens`), when that is cheaper than its own resume point. The
+  fetch is the transfer (the pages past its own device run and the state, over
+  `fetch_bandwidth_bytes_per_s`) and the wait for it: the holder copies between two of its steps,
+  so the request waits out the holder's step (`step_seconds`, as the holder measured it, the
+  config's until then) and a
+  round trip (`fetch_round_trip_s`); seconds, in tokens at the receiver's prefill rate. Priced by
+  its bytes alone a fetch would look free, and any load gap would move a conversation off its
+  replica to wait on that replica's step anyway.
 - load tokens (`load_tokens`): the prefill tokens left of the requests this router has in flight
   there, plus `request_load_tokens` per in-flight request (the larger of this router's count and
   the replica's reported running + waiting), plus `occupancy_load_tokens` times the fraction of
@@ -53,12 +59,12 @@ Score = WorkerScore  # what the index answers for a replica: its hit, state and 
 def routing_stats(m: EngineMetrics, max_num_seqs: int, taken_at: float) -> dict[str, float]:
     """What an engine replica's record_routing_stats() returns, from its `Engine.metrics()` read
     at `taken_at` (wall clock): pages held by running requests and state slots in use (one per
-    running sequence), with totals, and the rates the engine measured (host copies, prefill)
-    once it has."""
+    running sequence), with totals, and the rates the engine measured (host copies, prefill, its
+    step time) once it has."""
     out = dict(running_requests=m.running_requests, waiting_requests=m.waiting_requests,
                pages_in_use=m.pages_held, pages_total=m.pages_total,
                states_in_use=m.running_requests, states_total=max_num_seqs, taken_at=taken_at)
-    for name in ("host_copy_bytes_per_s", "prefill_tokens_per_s"):
+    for name in ("host_copy_bytes_per_s", "prefill_tokens_per_s", "step_seconds"):
         if getattr(m, name) is not None:
             out[name] = getattr(m, name)
     return out
@@ -72,6 +78,7 @@ class ReplicaLoad:
     occupancy: float = 0.0      # fraction of its pages or state slots in use, as reported
     host_copy_bytes_per_s: float | None = None  # its host-to-device copies, as it measured them
     prefill_tokens_per_s: float | None = None   # its prefill, as it measured it (None: not yet)
+    step_seconds: float | None = None           # its step's wall time, as it measured it (None: not yet)
 
 
 def reported_load(own: ReplicaLoad | None, stats: Mapping[str, Any] | None, finished: int = 0) -> ReplicaLoad:
@@ -99,7 +106,7 @@ def reported_load(own: ReplicaLoad | None, stats: Mapping[str, Any] | None, fini
         return value if 0 < value < float("inf") else None
     return ReplicaLoad(own.requests, own.tokens, left,
                        still * max(fraction("pages_in_use", "pages_total"), fraction("states_in_use", "states_total")),
-                       rate("host_copy_bytes_per_s"), rate("prefill_tokens_per_s"))
+                       rate("host_copy_bytes_per_s"), rate("prefill_tokens_per_s"), rate("step_seconds"))
 
 
 def load_tokens(load: ReplicaLoad, config: RoutingConfig) -> float:
@@ -151,24 +158,29 @@ def fetch_hint(holder: tuple[str, Score], config: RoutingConfig) -> FetchHint:
     return FetchHint(name, pages)
 
 
-def fetch_tokens(score: Score, holder: Score, config: RoutingConfig, load: ReplicaLoad | None = None) -> float:
+def fetch_tokens(score: Score, holder: Score, config: RoutingConfig, load: ReplicaLoad | None = None,
+                 holder_load: ReplicaLoad | None = None) -> float:
     """The time to move the holder's resume point to a replica scoring `score`, in tokens (at
-    the prefill rate that replica measured, `load`, else the config's): the pages past that
-    replica's own device run, and the state."""
+    the prefill rate that replica measured, `load`, else the config's): the transfer of the pages
+    past that replica's own device run and of the state, and the wait for the holder's step
+    (`holder_load.step_seconds`, the config's until the holder has measured it) and a round trip."""
     pages = max(0, resume_pages(holder, config) - score.device_pages)
     moved = pages * config.page_bytes + (config.state_bytes if config.recurrent else 0)
     rate = (load.prefill_tokens_per_s if load is not None else None) or config.prefill_tokens_per_s
-    return moved / config.fetch_bandwidth_bytes_per_s * rate
+    wait = ((holder_load.step_seconds if holder_load is not None else None) or config.step_seconds) + \
+        config.fetch_round_trip_s
+    return (moved / config.fetch_bandwidth_bytes_per_s + wait) * rate
 
 
 def replica_cost(score: Score, load: ReplicaLoad, config: RoutingConfig, num_prompt_tokens: int,
-                 holder: Score | None = None) -> float:
+                 holder: Score | None = None, holder_load: ReplicaLoad | None = None) -> float:
     """The request's cost on the replica, in tokens (the module doc's formula). With fetch on and
-    a deeper `holder` elsewhere, the replica may instead move and fetch: the holder's prefill plus
-    the transfer, when that is cheaper."""
+    a deeper `holder` elsewhere (loaded `holder_load`), the replica may instead move and fetch:
+    the holder's prefill plus the fetch, when that is cheaper."""
     work = prefill_tokens(score, num_prompt_tokens, config) + host_copy_tokens(score, config, load)
     if config.fetch and holder is not None and resume_pages(holder, config) > resume_pages(score, config):
-        work = min(work, prefill_tokens(holder, num_prompt_tokens, config) + fetch_tokens(score, holder, config, load))
+        work = min(work, prefill_tokens(holder, num_prompt_tokens, config) +
+                   fetch_tokens(score, holder, config, load, holder_load))
     return work + config.load_weight * load_tokens(load, config)
 
 
@@ -180,9 +192,9 @@ def rank_replicas(replicas: Sequence[str], scores: Mapping[str, Score], loads: M
     busy = {r: max(loads.get(r, empty).requests, loads.get(r, empty).reported_requests) for r in replicas}
     least = min(busy.values(), default=0)
     deepest = deepest_holder({r: s for r, s in scores.items() if r in busy}, config)
-    holder = deepest[1] if deepest is not None else None
+    holder, holder_load = (deepest[1], loads.get(deepest[0], empty)) if deepest is not None else (None, None)
 
     def key(r: str) -> tuple[bool, float, float]:
-        cost = replica_cost(scores.get(r, ZERO), loads.get(r, empty), config, num_prompt_tokens, holder)
+        cost = replica_cost(scores.get(r, ZERO), loads.get(r, empty), config, num_prompt_tokens, holder, holder_load)
         return busy[r] - least >= config.spill_limit, cost, rng.random()
     return sorted(replicas, key=key)

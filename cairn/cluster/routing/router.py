@@ -162,9 +162,9 @@ class CacheAffinityRouter(RequestRouter):
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         request = pending_request.args[0] if pending_request is not None and pending_request.args else None
-        if isinstance(request, ExportRequest):  # a peer's fetch (cairn.cluster.replica_peer_fetch): that replica, or none
+        if isinstance(request, ExportRequest):  # a peer's fetch (cairn.cluster.replica_peer_fetch): that replica,
             match = [r for r in candidate_replicas if replica_worker_id(r.replica_id) == request.target_worker]
-            return [match] if match else []
+            return [match or candidate_replicas[:1]] if candidate_replicas else []  # or, gone, one that says so
         if pending_request is not None:
             pending_request.routing_context.should_backoff = True  # back off when every rank is full
         self._start()  # a no-op if Serve created this router on this loop (initialize_state started it)

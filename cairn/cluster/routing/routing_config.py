@@ -105,16 +105,23 @@ class RoutingConfig(BaseModel):
         "term: a copy slower than recomputing those tokens loses to a replica that recomputes them. Used only "
         "until the replica reports the prefill rate its engine measured (routing stats).")
     fetch: bool = Field(
-        False, description="Move and fetch: a replica resuming a request less deep than another one pulls the "
+        True, description="Move and fetch: a replica resuming a request less deep than another one pulls the "
         "pages and checkpoint it lacks from that holder (cairn.cluster.replica_peer_fetch) instead of recomputing them, and "
-        "the router prices that option (the bytes to move over fetch_bandwidth_bytes_per_s), so it can balance "
-        "load without losing the cache. Off: a request resumes only from what its replica holds, so a turn the "
-        "load term sends away from its conversation's replica recomputes what that replica holds. Off by default "
-        "until the price includes the wait for the holder's step: priced by its bytes alone, a fetch looks free, "
-        "and the router moves turns over load gaps of one request.")
+        "the router prices that option (the transfer over fetch_bandwidth_bytes_per_s, and the wait for the holder's "
+        "step and a round trip), so it can balance load without losing the cache. Off: a request resumes only from "
+        "what its replica holds, so a turn the load term sends away from its conversation's replica recomputes what "
+        "that replica holds. Turned off under tensor parallelism (a rank cannot fetch its slice).")
     fetch_bandwidth_bytes_per_s: float = Field(
         1.25e9, gt=0, description="Bytes per second one replica pulls from another (Ray's object store here; "
         "on GPU nodes the NIC, 100-400 Gb/s): a fetched resume point costs its transfer time in tokens.")
+    step_seconds: float = Field(
+        0.03, gt=0, description="A replica's step time until it reports the one its engine measured (routing "
+        "stats): what a fetch from it waits for, at most (a decode step of a loaded GPU engine; a step that "
+        "prefills takes longer).")
+    fetch_round_trip_s: float = Field(
+        0.005, ge=0, description="Seconds a fetch takes besides its transfer and the holder's step: the ask "
+        "reaching the holder and the answer reaching the receiver's engine. The router prices a fetch's wait as "
+        "the holder's step (the step time it reports) plus this.")
     fetch_timeout_s: float = Field(
         10.0, gt=0, description="How long a replica waits for a holder's pages before recomputing them "
         "(counted in cairn_engine_fetch_fallbacks_total{kind=\"timeout\"}). The holder copies them between two "

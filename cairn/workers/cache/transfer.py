@@ -22,6 +22,13 @@ Each function takes the replica's `PrefixCache` and, where blocks move, the runn
   page, `cairn.workers.cache.partial_pages`, or any page sharing them) and the sub-page state, and
   the state at `depth` only when it has one; the receiver adopts them as a partial page and a
   sub-page checkpoint.
+- The holder exports the deepest resume point it has at or before the asked one, down to the page
+  before it: the asked sub-page state, else a shorter one in the same page, else the state at
+  `depth`, else a sub-page state inside page `depth - 1` (`FetchPlan.before`: that page's
+  tokens, which the holder need not know). What the router predicts (a prompt's end) and where
+  the engine put the state (its policy folds a prompt's end into a hint up to `tail_guard`
+  tokens before it) may differ by those tokens; an exact ask would then find nothing and the
+  receiver recompute everything.
 - `import_resume(cache, io, export, page_hashes, first, root)`: on the receiver, between its steps: the pages
   become cached device pages under the very hashes the request carries (so a fetch never crosses
   a `cache_salt`: another salt's chain has other hashes, and the holder finds none of them) and
@@ -71,6 +78,7 @@ class FetchPlan:
     depth: int  # pages; the checkpoint after page `depth` is asked for too (recurrent model)
     tail: tuple[int, ...] = ()  # or the sub-page one after these tokens of page `depth`, with its head
     root: bytes | None = None  # the request's hash root (a sub-page state is keyed under it)
+    before: tuple[int, ...] = ()  # page `depth - 1`'s tokens: where the holder may fall back to (module doc)
 
 
 @dataclass
@@ -100,9 +108,11 @@ class ResumeExport:
 
 
 def plan_fetch(cache: PrefixCache, page_hashes: list[bytes], num_tokens: int, depth: int,
-               tail: tuple[int, ...] = (), root: bytes | None = None) -> FetchPlan | None:
+               tail: tuple[int, ...] = (), root: bytes | None = None, before: tuple[int, ...] = ()
+               ) -> FetchPlan | None:
     """What the receiver asks a holder resuming at `depth` pages (and `tail` tokens into the next
-    page: a sub-page state, under hash `root`) for (module doc)."""
+    page: a sub-page state, under hash `root`) for, `before` (page `depth - 1`'s tokens) naming
+    where the holder may fall back to (module doc)."""
     if tail and (not cache.recurrent or root is None or not 1 <= depth <= len(page_hashes) or
                  depth * cache.page_size + len(tail) > num_tokens - 1 or len(tail) >= cache.page_size):
         tail = ()
@@ -117,18 +127,25 @@ def plan_fetch(cache: PrefixCache, page_hashes: list[bytes], num_tokens: int, de
     if tail:
         if held == depth and _sub_page(cache, floor, tail, root) is not None:
             return None  # held here, head and state, on either tier
-        return FetchPlan(first, depth, tail, root)
+        return FetchPlan(first, depth, tail, root, before)
     local = cache.checkpoints.get(floor) is not None or floor in cache.host.checkpoints  # on either tier
     if held == depth and (local or not cache.recurrent):
         return None
-    return FetchPlan(first, depth)
+    return FetchPlan(first, depth, root=root, before=before)
 
 
 def export_resume(cache: PrefixCache, io: BlockIO, page_hashes: list[bytes], first: int,
-                  depth: int, tail: tuple[int, ...] = (), root: bytes | None = None) -> ResumeExport | None:
-    """The holder's copy of what a `FetchPlan` asks for (module doc)."""
+                  depth: int, tail: tuple[int, ...] = (), root: bytes | None = None,
+                  before: tuple[int, ...] = ()) -> ResumeExport | None:
+    """The holder's copy of what a `FetchPlan` asks for, or of the deepest resume point it has
+    within a page before that (module doc)."""
     if not 0 <= first <= depth <= len(page_hashes):
         return None
+    if cache.recurrent and depth:
+        point = _resume_point(cache, page_hashes, first, depth, tail, root, before)
+        if point is None:
+            return None
+        depth, tail = point
     io.copy([], None)  # a block read here must hold what the cache says it holds
     wanted = page_hashes[first:depth]
     found = _page_blocks(cache, wanted)
@@ -158,6 +175,25 @@ def export_resume(cache: PrefixCache, io: BlockIO, page_hashes: list[bytes], fir
         out.tail, out.head, out.sub_kinds = tail, io.read([head], host=head_on_host), tuple(sorted(sub_ckpt.kinds))
         out.sub_checkpoint = io.read(sub_blocks, host=sub_on_host)
     return out
+
+
+def _resume_point(cache: PrefixCache, page_hashes: list[bytes], first: int, depth: int, tail: tuple[int, ...],
+                  root: bytes | None, before: tuple[int, ...]) -> tuple[int, tuple[int, ...]] | None:
+    """(depth, tail) of the deepest state the holder has at or before `tail` tokens after page
+    `depth`, down to page `depth - 1` (its tokens: `before`), on either tier; None if none."""
+    floor = page_hashes[depth - 1]
+    for k in range(len(tail), 0, -1) if root is not None else ():
+        if _sub_page(cache, floor, tail[:k], root) is not None:
+            return depth, tail[:k]
+    if _checkpoint_blocks(cache, floor) is not None:
+        return depth, ()
+    if root is None or depth - 1 < max(first, 1) or len(before) != cache.page_size:
+        return None
+    under = page_hashes[depth - 2]
+    for k in range(cache.page_size - 1, 0, -1):
+        if _sub_page(cache, under, before[:k], root) is not None:
+            return depth - 1, before[:k]
+    return None
 
 
 def _sub_page(cache: PrefixCache, floor: bytes, tail: tuple[int, ...], root: bytes

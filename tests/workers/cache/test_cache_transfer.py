@@ -11,7 +11,7 @@ from cairn.cache_service.index import CacheIndex
 from tests.support.chat import assert_same_output
 from cairn.workers import Engine, SamplingParams
 from cairn.workers.sequence import Sequence
-from tests.support.stepping import run_alone
+from tests.support.stepping import finish, run_alone
 
 PS = 16
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=1)
@@ -259,6 +259,47 @@ def test_a_prompt_end_inside_a_page_is_fetched_with_its_head_and_resumed_there(d
     assert got.cached_tokens == len(first)
     cold = run(receiver, nxt, salt="cold")
     assert cold.cached_tokens == 0
+    assert_same_output(got, cold)
+    receiver.check()
+    holder.check()
+
+
+@pytest.mark.parametrize("asked", ["deeper in its page", "in the next page"])
+def test_a_holder_without_the_asked_state_exports_the_deepest_it_has_within_a_page_before(demo_model, asked):
+    """The router predicts a state at a prompt's end; the holder's policy may have put it up to
+    `tail_guard` tokens earlier (folded into a hint), or kept only a shallower one. The holder
+    then exports the deepest resume point it has at or before the asked one, down to the page
+    before it (the plan's `before`: that page's tokens), instead of nothing: the receiver resumes
+    there and computes what a cold engine computes."""
+    model = demo_model("qwen3_5")
+    holder = Engine.from_pretrained(model, dtype="float32", num_pages=256, worker_id="h")
+    receiver = Engine.from_pretrained(model, dtype="float32", num_pages=256, worker_id="r")
+    short = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    if asked == "deeper in its page":  # the holder's prompt ended 6 tokens into page 4; asked: 9
+        first = prompt(4 * PS + 6, seed=31)
+        run_alone(holder, first, short)
+        nxt = first + prompt(12, seed=32)
+        depth, tail = 4, tuple(nxt[4 * PS:4 * PS + 9])
+    else:  # it ended 1 token into page 4, a hint 2 tokens before: the engine folds its end into the hint
+        first = prompt(4 * PS + 1, seed=33)
+        finish(holder, [holder.add_request(first, short, checkpoint_hints=[4 * PS - 1])])
+        nxt = first + prompt(12, seed=34)
+        depth, tail = 4, tuple(nxt[4 * PS:4 * PS + 1])
+        page_4 = holder.spec.page_hashes(nxt, holder.spec.hash_root())[3]
+        holder.cache.placement.evict_checkpoint(page_4)  # and the state at page 4's start went since
+    root = receiver.spec.hash_root()
+    hashes = receiver.spec.page_hashes(nxt, root)
+    plan = receiver.fetches.plan(hashes, len(nxt), depth, tail, root, tuple(nxt[(depth - 1) * PS:depth * PS]))
+    assert plan is not None and plan.tail == tail
+    assert holder.fetches.export(hashes, plan.first, plan.depth, plan.tail, root) is None or asked != "in the next page", \
+        "without the page before's tokens the holder cannot look there"
+    export = holder.fetches.export(hashes, plan.first, plan.depth, plan.tail, root, plan.before)
+    assert export is not None, "the holder answers with what it has"
+    receiver.fetches.import_(export, hashes, plan.first, root)
+    got = run(receiver, nxt)
+    assert got.cached_tokens == (len(first) if asked == "deeper in its page" else 4 * PS - 1), \
+        "resumed where the holder's state was"
+    cold = run(receiver, nxt, salt="cold")
     assert_same_output(got, cold)
     receiver.check()
     holder.check()
