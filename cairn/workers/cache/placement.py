@@ -96,8 +96,9 @@ class Placement:
 
     def end_pass(self, demoted: set[bytes]) -> None:
         """A scheduling pass ended: the checkpoints its admissions pinned are listed again (those
-        in `demoted` at the cold end), the host's pins go and the host blocks promoted out of
-        are freed."""
+        in `demoted` at the cold end, on the device or on the host: a conversation that resumed
+        from a host checkpoint and moved past it leaves it colder than what is still ahead of
+        some conversation), the host's pins go and the host blocks promoted out of are freed."""
         for page_hash in self.pinned:
             ckpt = self.checkpoints.get(page_hash)
             if ckpt is not None and not self.budget.has_checkpoint(page_hash):
@@ -107,6 +108,9 @@ class Placement:
                     self.budget.demote(page_hash)
         self.pinned.clear()
         self.host.unpin_all()
+        for page_hash in demoted:
+            if page_hash in self.host.checkpoints:
+                self.host.demote(CHECKPOINT, page_hash)
         self.host.free_blocks(self.host_released)
         self.host_released = []
 

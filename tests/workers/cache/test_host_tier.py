@@ -241,3 +241,23 @@ def test_a_request_resumed_from_the_host_while_others_run_starts_a_step_later_an
     assert overlapped.metrics().promotions_overlapped_total > 0
     assert [t for t, _ in got] == [t for t, _ in in_step] == [t for t, _ in roomy]
     assert [c for _, c in got] == [c for _, c in in_step] and sum(c for _, c in got) > 0
+
+
+def test_a_host_checkpoint_a_conversation_moved_past_goes_to_the_host_tiers_cold_end(tiny_model_dir):
+    """A turn that resumed from a checkpoint on the host and stored a deeper one leaves the old one
+    colder than anything on the host (rule 7, as on the device): under pressure it goes before the
+    states other conversations have yet to resume from. Restoring it made it the hottest."""
+    engine = tiered(tiny_model_dir)
+    first = prompt(4 * PS + 5, seed=70)
+    reply = run_alone(engine, first, GREEDY).token_ids
+    for i in range(3):  # other conversations push its pages and states out to the host
+        run_salted(engine, prompt(5 * PS, seed=71 + i), salt=f"other-{i}")
+    second = first + reply + prompt(2 * PS, seed=75)
+    got = run_alone(engine, second, GREEDY)
+    host = engine.cache.host
+    resumed = [k for k, c in host.checkpoints.items() if c.position(PS) == got.cached_tokens]
+    assert got.cached_tokens >= 4 * PS and resumed, "resumed from a host checkpoint"
+    run_salted(engine, prompt(PS, seed=76), salt="next")  # a scheduling pass ends after the deeper store
+    coldest = next(key for kind, key in host._lru if key in host.checkpoints)
+    assert coldest == resumed[0]
+    engine.check()
