@@ -17,9 +17,9 @@ the engine holds the request and returns what to ask for, and `ReplicaPeerFetch`
   events tell the index;
 - whatever goes wrong (the holder evicted them meanwhile, died, is gone, or does not answer within
   `fetch_timeout_s`, not waiting for the call's cancellation either), the request is recomputed
-  as if there had been no hint: never lost, never run twice. Each such fallback is counted by reason (`fetch_fallbacks_total{kind=...}`:
-  evicted, timeout, holder_failed here; refused, no_checkpoint_slot by
-  `cairn.workers.engine_peer_fetch.EnginePeerFetch.import_`).
+  as if there had been no hint: never lost, never run twice. Each such fallback is counted by
+  reason (`fetch_fallbacks_total{kind=...}`: evicted, timeout, holder_failed here; refused,
+  no_checkpoint_slot by `cairn.workers.engine_peer_fetch.EnginePeerFetch.import_`).
 Under tensor parallelism nothing is fetched (the engine plans nothing): each rank would need its
 own slice from the holder's same rank.
 """

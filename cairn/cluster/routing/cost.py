@@ -21,8 +21,8 @@
   fetch is the transfer (the pages past its own device run and the state, over
   `fetch_bandwidth_bytes_per_s`) and the wait for it: the holder copies between two of its steps,
   so the request waits out the holder's step (`step_seconds`, as the holder measured it, the
-  config's until then) and a
-  round trip (`fetch_round_trip_s`); seconds, in tokens at the receiver's prefill rate. Priced by
+  config's until then) and a round trip (`fetch_round_trip_s`); seconds, in tokens at the
+  receiver's prefill rate. Priced by
   its bytes alone a fetch would look free, and any load gap would move a conversation off its
   replica to wait on that replica's step anyway.
 - load tokens (`load_tokens`): the prefill tokens left of the requests this router has in flight
