@@ -291,9 +291,12 @@ def run_prompt(harness: Harness, tokens: list[int], checkpoint_at: tuple[int, ..
     for j, page in enumerate(seq.cache.page_ids[:len(tokens) // PS]):  # the fake device, for moves
         harness.write_page(page, tuple(tokens[:(j + 1) * PS]))
     cache.register_pages(seq)
+    harness.write_state(seq.cache.state_slot, tuple(tokens))
     for j in checkpoint_at:
-        cache.commit_checkpoint(seq, cache.take_checkpoint_slot(), j * PS, set(kinds))
-        harness.apply_moves()
+        slot = cache.take_checkpoint_slot()
+        harness.apply_moves()  # what made room for the slot went first (to the host, with a host tier)
+        harness.write_state(slot, tuple(tokens[:j * PS]))
+        cache.commit_checkpoint(seq, slot, j * PS, set(kinds))
     cache.end_pass()
     cache.release(seq)
     harness.check()

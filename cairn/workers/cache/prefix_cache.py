@@ -226,8 +226,13 @@ class PrefixCache:
             if (not depth and not cut) or depth > len(c.page_hashes):
                 continue
             floor = c.page_hashes[depth - 1] if depth else seq.hash_root
-            ckpt, on_host = self.lookup.sub_page_resume(seq, floor, pos) if cut else \
-                (self.checkpoints.get(floor), False)
+            if cut:
+                ckpt, on_host = self.lookup.sub_page_resume(seq, floor, pos)
+            else:  # a state at a page's end: on the device, or demoted to the host tier
+                ckpt, on_host = self.checkpoints.get(floor), False
+                if ckpt is None and self.host:
+                    ckpt = self.host.checkpoints.get(floor)
+                    on_host = ckpt is not None
             if ckpt is not None and ckpt.position(ps) == pos and ckpt.kinds & END_KINDS:
                 if on_host:
                     self.host.touch(CHECKPOINT, ckpt.page_hash)

@@ -61,6 +61,30 @@ def test_a_prompts_end_where_later_prompts_part_stays_warm_while_its_conversatio
                                 hash_root=harness.root)).state_pages == 2  # round 1's end is gone
 
 
+def test_a_prompts_end_where_later_prompts_part_stays_warm_on_the_host_tier_too():
+    # The same query, its end state demoted to the host tier by other conversations before its
+    # tool rounds run. The rounds resume deeper and pass it at their hint: it goes to the host's
+    # hot end, so the host evicts the other conversations' ends, demoted after it, before it.
+    harness = Harness(random.Random(0), num_pages=None, ckpt_slots=2, blocks=60, host_blocks=12)
+    end = frozenset({"tail", "prompt_end"})
+    query = [1] * (2 * PS) + [2]
+    others = [[n] * (2 * PS) + [2] for n in (30, 31, 32)]
+    for tokens in [query] + others:
+        run_prompt(harness, tokens, checkpoint_at=(2,), kinds=end)
+    round1 = query[:2 * PS] + [4] * (2 * PS) + [2]
+    run_prompt(harness, round1, checkpoint_at=(4,), kinds=end, hints=(2 * PS,))
+    run_prompt(harness, round1[:4 * PS] + [5] * (2 * PS) + [2], checkpoint_at=(6,), kinds=end, hints=(2 * PS,))
+    cache = harness.cache
+
+    def resume(tokens):
+        m = cache.match(Sequence("q", tokens[:2 * PS] + [9], SamplingParams(max_tokens=1), hash_root=harness.root))
+        return m.state_pages, m.from_host
+
+    assert resume(query) == (2, True) and resume(others[0]) == (2, True)  # both wait on the host
+    run_prompt(harness, [6] * (2 * PS) + [1], checkpoint_at=(2,), kinds=end)  # the host evicts one
+    assert resume(query) == (2, True) and resume(others[0])[0] == 0
+
+
 def test_an_admission_that_does_not_fit_holds_nothing_and_keeps_the_lru_order():
     harness = Harness(random.Random(0), num_pages=None, ckpt_slots=2, blocks=12)
     for tokens in ([1] * (2 * PS), [2] * (2 * PS)):
