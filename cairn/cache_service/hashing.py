@@ -24,6 +24,7 @@ from typing import Any
 import msgpack
 
 DIGEST_BYTES = 16
+WORD = 1 << 31  # tokens in [-WORD, WORD) roll into a sub-page key as 4 bytes
 HASH_VERSION = 1
 
 
@@ -58,12 +59,16 @@ def sub_state_keys(base: bytes, tokens: Sequence[int]) -> list[bytes]:
     names the state t tokens into the page whose chain continues from `base`
     (`branch_root(floor, root)`: the request's own root, as a sub-page checkpoint is keyed). A
     rolling hash, one short digest a token, so a router names every position of a page in one
-    pass: k_0 = H(["cairn-sub", base]), k_t = blake2b(k_{t-1} + token as 4 little-endian bytes).
+    pass: k_0 = H(["cairn-sub", base]), k_t = blake2b(k_{t-1} + token as 4 little-endian bytes)
+    (a key outside 32 bits, an image token's (cairn.workers.vision.image_input): 0xff then 8 bytes).
     The checkpoint store keys a sub-page checkpoint otherwise (`next_page_hash` of its tail)."""
     key = _digest(["cairn-sub", base])
     out = []
     for token in tokens:
-        key = hashlib.blake2b(key + int(token).to_bytes(4, "little", signed=True), digest_size=DIGEST_BYTES).digest()
+        token = int(token)
+        word = token.to_bytes(4, "little", signed=True) if -WORD <= token < WORD else \
+            b"\xff" + token.to_bytes(8, "little", signed=True)  # an image's key: 9 bytes, no 4-byte one's
+        key = hashlib.blake2b(key + word, digest_size=DIGEST_BYTES).digest()
         out.append(key)
     return out
 

@@ -127,6 +127,7 @@ class Engine(EngineIntake, EngineCache):
         self._requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self.broken: str | None = None  # why the engine can run nothing more (EngineBroken)
+        self.vision = self.images_refused = None  # a vision-language checkpoint's (`use_vision`)
         self.fetches = EnginePeerFetch(self.cache, lambda: transfer.BlockIO(
             self.runner.read_blocks, self.flush_block_copies, self.runner.read_block_rows, self.runner.block_row_bytes),
             options.tensor_parallel_size > 1)

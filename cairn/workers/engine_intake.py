@@ -18,7 +18,11 @@ from cairn.workers.cache.transfer import FetchPlan, ResumeExport
 from cairn.workers.engine_errors import EngineBroken, RequestRejected
 from cairn.workers.output import RequestOutput
 from cairn.workers.request import GenerateRequest
-from cairn.workers.request_check import check
+from cairn.workers.request_check import check, check_images
+from cairn.workers.vision.image_input import prompt_keys
+from cairn.workers.vision.image_encoder import ImageEncoder
+from cairn.workers.vision.vision_config import load_vision_config
+from cairn.workers.vision.vision_tower import load_vision_tower
 from cairn.workers.sampling_params import SamplingParams
 from cairn.workers.sequence import Sequence, Status
 
@@ -36,6 +40,22 @@ class EngineIntake:
                                  checkpoint_hints=list(checkpoint_hints or ()), tenant=tenant))
         return request_id
 
+    def use_vision(self, model_dir) -> None:
+        """Takes images with prompts where the checkpoint in `model_dir` has a vision tower: loads it
+        (in the model's dtype, on its device) behind an `ImageEncoder`. Tensor parallelism and
+        speculative decoding take no images yet: requests with images are refused there."""
+        self.vision = load_vision_config(model_dir)
+        if self.vision is None:
+            return
+        o = self.options
+        self.images_refused = ("tensor parallelism" if o.tensor_parallel_size > 1 else
+                               "speculative decoding" if o.num_speculative_tokens else None)
+        if not self.config.mrope_interleaved:
+            self.images_refused = "a model without interleaved M-RoPE"
+        if self.images_refused is None:
+            tower = load_vision_tower(model_dir, self.vision, self.runner.dtype, self.runner.device)
+            self.runner.encoder = ImageEncoder(tower, self.vision.spatial_merge_size)
+
     def add(self, request: GenerateRequest, fetch: bool = False) -> FetchPlan | None:
         """Queues a request; raises `RequestRejected` naming the field at fault. Its `hash_root`
         (`spec.hash_root(cache_salt)`, default: no salt) roots its page hashes; `page_hashes`
@@ -51,18 +71,23 @@ class EngineIntake:
             raise EngineBroken(self.broken)
         params, request_id = request.params, request.request_id
         checked = check(request, self.spec, self.layout, self.sampler.grammars is not None)
+        images = check_images(request.images, checked.prompt, self.vision, self.images_refused)
         if request_id in self._requests:
             raise RequestRejected(f"request_id {request_id!r} is already in use", "request_id")
         seq = Sequence(request_id, checked.prompt, params, hash_root=checked.hash_root, hints=checked.hints,
                        max_total_tokens=checked.total_tokens, tenant=request.tenant)
+        if images is not None:
+            seq.images, seq.rope = images
+            seq.prompt_keys = prompt_keys(checked.prompt, seq.images, self.vision.spatial_merge_size)
+        keys = seq.cache_tokens
         if request.page_hashes:
             self.cache.adopt_hashes(seq, request.page_hashes)
         self._requests[request_id] = seq
         hint, plan = request.fetch, None
         if fetch and hint is not None and hint.holder != self.worker_id and request.page_hashes:
             ps = self.spec.page_size
-            tail = tuple(checked.prompt[hint.depth * ps:hint.depth * ps + hint.tail]) if hint.tail else ()
-            before = tuple(checked.prompt[(hint.depth - 1) * ps:hint.depth * ps]) if hint.depth >= 2 else ()
+            tail = tuple(keys[hint.depth * ps:hint.depth * ps + hint.tail]) if hint.tail else ()
+            before = tuple(keys[(hint.depth - 1) * ps:hint.depth * ps]) if hint.depth >= 2 else ()
             plan = self.fetches.plan(request.page_hashes, len(checked.prompt), hint.depth, tail, checked.hash_root,
                                      before)
         if plan is not None:  # held until the holder's export is delivered

@@ -75,6 +75,7 @@ def load_engine(cls: type, model_dir: str | Path, asked: EngineOptions, worker_i
         engine = cls(model, sized, fingerprint=model_fingerprint(model_dir), worker_id=worker_id,
                      eos_token_ids=generation_eos_ids(path), rank_workers=workers, mtp=mtp)
         engine.use_tokenizer(path)
+        engine.use_vision(path)
         if asked.warm_up:
             engine.warm_up()
         return engine

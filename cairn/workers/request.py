@@ -42,6 +42,7 @@ class GenerateRequest:
     checkpoint_hints: list[int] = field(default_factory=list)  # token positions of message starts
     tenant: str | None = None                      # who asked (None: no keys), for the engine's fair scheduling
     fetch: FetchHint | None = None                 # the router's (routing config `fetch`): who holds it deepest
+    images: list[Any] = field(default_factory=list)  # the prompt's (cairn.workers.vision.image_input.ImageInput)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -11,6 +11,8 @@ page-hash chain, salted by the ingress) and `hints` (token positions of message 
 checkpoint may pay off). A preempted sequence keeps its tokens and recomputes them later.
 Under speculative decoding, `draft` holds tokens proposed after `token_ids`: never part of them
 until a verify step keeps them (cairn.workers.speculative).
+A prompt with images (a vision-language model) carries them (`images`), their M-RoPE positions
+(`rope`) and its cache keys (`prompt_keys`): the cache reads `cache_tokens`, never `token_ids`.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
+from cairn.workers.cache_tokens import CacheTokens
 from cairn.workers.sampling_params import SamplingParams
 from cairn.workers.sequence_cache import SequenceCache
 
@@ -70,10 +73,23 @@ class Sequence:
     draft: list[int] = field(default_factory=list)  # tokens drafted after token_ids, to verify (cairn.workers.speculative)
     sample_key: int | None = None  # its draws' key without a seed: the sampler's, from its first sampled row
     draft_q: list = field(default_factory=list)  # without a seed: the distribution each drafted token was drawn from
+    images: tuple = ()  # its prompt's images (cairn.workers.vision.image_input.ImageInput), in prompt order
+    rope: object = None  # with images: their M-RoPE positions (cairn.workers.model.mrope.PromptPositions)
+    prompt_keys: list[int] | None = None  # with images: the prompt as the cache keys it (image_input.prompt_keys)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def cache_tokens(self):
+        """Its tokens as every cache path hashes and compares them: `token_ids` itself, or with
+        images a view keying each image token by the image's content (cairn.workers.cache_tokens)."""
+        return self.token_ids if self.prompt_keys is None else CacheTokens(self.token_ids, self.prompt_keys)
+
+    def rope_shift(self) -> int:
+        """What a token past the prompt adds to its index for its rotary position (M-RoPE's delta)."""
+        return 0 if self.rope is None else self.rope.delta
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -50,6 +50,13 @@ Q35_VISION = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, ou
                   num_position_embeddings=16)
 
 
+Q35_VISION_IDS = dict(image_token_id=200, video_token_id=201, vision_start_token_id=198, vision_end_token_id=199)
+# Images move a token's rotary position on three axes: a rotary dim of 16 gives each axis more than
+# one frequency (8 = 3 + 3 + 2 pairs), the fastest of height and width turning 0.3 rad a row.
+Q35_VISION_TEXT = dict(Q35_TEXT, rope_parameters=dict(Q35_TEXT["rope_parameters"], partial_rotary_factor=0.5,
+                                                      mrope_section=[3, 3, 2]))
+
+
 # kind -> (transformers model class, its config class, config kwargs); "vl" kinds are the
 # published vision-language layout (text under model.language_model.*, a vision tower beside it).
 QWEN3_5_CHECKPOINTS = {
@@ -60,6 +67,12 @@ QWEN3_5_CHECKPOINTS = {
     "q35_tied_vl": ("Qwen3_5ForConditionalGeneration", "Qwen3_5Config",
                     dict(text_config=Q35_TEXT, vision_config=Q35_VISION, tie_word_embeddings=True)),
     "q35_moe": ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeTextConfig", Q35_MOE_TEXT),
+    # images in the prompt: the vision token ids inside the tiny vocabulary
+    "q35_vision": ("Qwen3_5ForConditionalGeneration", "Qwen3_5Config",
+                   dict(text_config=Q35_VISION_TEXT, vision_config=Q35_VISION, **Q35_VISION_IDS)),
+    "q35_moe_vision": ("Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeConfig",
+                       dict(text_config=dict(Q35_MOE_TEXT, rope_parameters=Q35_VISION_TEXT["rope_parameters"]),
+                            vision_config=Q35_VISION, **Q35_VISION_IDS)),
     "q35_moe_vl": ("Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeConfig",
                    dict(text_config=Q35_MOE_TEXT, vision_config=Q35_VISION)),
 }

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from cairn.workers.engine import Engine
+from cairn.workers.execution.pinned_upload import packed_bytes
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +25,7 @@ def test_every_uploaded_array_keeps_its_values_and_starts_16_byte_aligned(runner
               "b": rng.integers(-9, 9, (sizes[1], 3)).astype(np.int64),
               "c": rng.integers(-9, 9, sizes[2]).astype(np.int32),
               "d": rng.standard_normal(sizes[0]).astype(np.float32)}
-    for into in (None, torch.empty(runner.packed_bytes(arrays), dtype=torch.uint8)):
+    for into in (None, torch.empty(packed_bytes(arrays), dtype=torch.uint8)):
         out = runner.upload(arrays, into=into)
         for name, a in arrays.items():
             assert out[name].shape == a.shape and np.array_equal(out[name].numpy(), a)

@@ -134,7 +134,7 @@ class CheckpointSlots:
         `HostSlot`)."""
         depth, cut = divmod(position, self.page_size)
         on_host = isinstance(slot, HostSlot)
-        tail = tuple(seq.token_ids[position - cut:position])
+        tail = tuple(seq.cache_tokens[position - cut:position])
         floor = extend_hashes(seq, depth, self.page_size)[depth - 1] if depth else seq.hash_root
         if tail:  # keyed under this sequence's root: a floor may be a public page every tenant shares
             key = next_page_hash(branch_root(floor, seq.hash_root), tail)

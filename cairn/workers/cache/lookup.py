@@ -40,7 +40,7 @@ def extend_hashes(seq: Sequence, upto_pages: int, page_size: int) -> list[bytes]
     hashes, ps = seq.cache.page_hashes, page_size
     while len(hashes) < upto_pages:
         j = len(hashes)
-        hashes.append(next_page_hash(hashes[-1] if hashes else seq.hash_root, seq.token_ids[j * ps:(j + 1) * ps]))
+        hashes.append(next_page_hash(hashes[-1] if hashes else seq.hash_root, seq.cache_tokens[j * ps:(j + 1) * ps]))
     return hashes
 
 
@@ -109,7 +109,7 @@ class Lookup:
             if ckpt is None and host and j:
                 ckpt = host.checkpoints.get(floor)
                 from_host = ckpt is not None
-            if ckpt is not None and ckpt.usable_by(seq.token_ids, ps):
+            if ckpt is not None and ckpt.usable_by(seq.cache_tokens, ps):
                 candidates.append(self._at(h, j, resume_at_token(max(h, j), j, n, ps, recurrent=True), ckpt,
                                            from_host, hashes, partial, top, kv))
             for m in candidates:
@@ -161,7 +161,7 @@ class Lookup:
         ps, n = self.page_size, seq.num_tokens
         if top * ps >= n:
             return _Partial()
-        tokens, parent = seq.token_ids[top * ps:min(n, (top + 1) * ps)], hashes[top - 1] if top else None
+        tokens, parent = seq.cache_tokens[top * ps:min(n, (top + 1) * ps)], hashes[top - 1] if top else None
         device, shared = self.pages.partial_match(parent, tokens, seq.hash_root) if top == h else (None, 0)
         on_host, host_shared = self.host.partial_match(parent, tokens, seq.hash_root) if self.host else (None, 0)
         if host_shared > shared:
@@ -180,7 +180,7 @@ class Lookup:
         for ckpt, host in candidates:
             pos = ckpt.position(ps)
             if pos <= limit and ckpt.root == seq.hash_root and (best is None or pos > best.position(ps)) \
-                    and ckpt.usable_by(seq.token_ids, ps):
+                    and ckpt.usable_by(seq.cache_tokens, ps):
                 best, on_host = ckpt, host
         return best, on_host
 

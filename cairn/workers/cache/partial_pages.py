@@ -82,7 +82,7 @@ class PartialPages:
             ckpt, _ = self.lookup.sub_page_resume(seq, base, end)
             if ckpt is None or ckpt.position(ps) <= depth * ps:
                 return
-        tokens = tuple(seq.token_ids[depth * ps:end])
+        tokens = tuple(seq.cache_tokens[depth * ps:end])
         if PENDING in tokens:  # a token not yet read (async scheduling): its K/V is not known to be there
             return
         key = partial_page_hash(branch_root(base, seq.hash_root), tokens)

@@ -85,7 +85,7 @@ class Placement:
         pages = self.take_pages(len(hashes))
         up, ps = parent, self.page_size
         for j, (page, page_hash, block) in enumerate(zip(pages, hashes, blocks), start=first):
-            self.pages.register(page, page_hash, up, tuple(seq.token_ids[j * ps:(j + 1) * ps]), seq.hash_root)
+            self.pages.register(page, page_hash, up, tuple(seq.cache_tokens[j * ps:(j + 1) * ps]), seq.hash_root)
             self.copies.append(BlockCopy(PROMOTE, block, page))
             up = page_hash
         self.host_released.extend(blocks)  # free at the pass's end: a promotion may still be reading them

@@ -320,7 +320,7 @@ class PrefixCache:
                 self.placement.unhold(c.page_ids[j])
                 c.page_ids[j] = twin
                 self._table_writes.append(PageTableWrite(c.row, j, [twin]))
-            elif self.pages.register(c.page_ids[j], page_hash, parent, tuple(seq.token_ids[j * ps:(j + 1) * ps]),
+            elif self.pages.register(c.page_ids[j], page_hash, parent, tuple(seq.cache_tokens[j * ps:(j + 1) * ps]),
                                      seq.hash_root):
                 run.append(page_hash)
                 if page_hash in self.host.pages:  # computed again: the device copy supersedes it
@@ -342,7 +342,7 @@ class PrefixCache:
         c = seq.cache
         if c.finish_slot is not None and c.finish_page:
             kind = self.policy.captures_finish
-            tail = tuple(seq.token_ids[c.finish_page * self.page_size:]) if kind == END else None
+            tail = tuple(seq.cache_tokens[c.finish_page * self.page_size:]) if kind == END else None
             self.commit_checkpoint(seq, c.finish_slot, c.finish_page * self.page_size, {kind}, exact_tail=tail)
             c.finish_slot = c.finish_page = None
         self.release(seq)

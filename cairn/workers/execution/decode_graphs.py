@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from cairn.kernels import VarlenPlan
+from cairn.workers.execution.pinned_upload import packed_bytes
 from cairn.workers.execution.step_work import feed
 from cairn.workers.model.batch import ForwardBatch, plan_arrays
 
@@ -130,7 +131,7 @@ class DecodeGraphs:
         """Writes `arrays` into the key's buffer (made on first use) and returns its batch."""
         if key not in self._static:
             size, depth = key
-            buffer = torch.empty(self.runner.packed_bytes(arrays), dtype=torch.uint8, device=self.runner.device)
+            buffer = torch.empty(packed_bytes(arrays), dtype=torch.uint8, device=self.runner.device)
             tensors = self.runner.upload(arrays, into=buffer)
             plan = VarlenPlan(self._empty_plan.cu, [], self._empty_plan.tables, 0)  # bound to this bucket's copies
             levels = (size,) * (depth + 1) if depth else ()

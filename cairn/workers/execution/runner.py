@@ -21,7 +21,7 @@ Page and slot ids come from the prefix cache; the runner never decides who holds
 the page table (cairn.workers.execution.page_table: a row of page ids per sequence) across
 steps and applies the plan's `page_table_writes` to it, so a step's cost does not grow with its
 sequences' lengths. Fresh state slots are zeroed before a step, so every segment starts from its
-slot.
+slot; image tokens take the `encoder`'s embeddings (cairn.workers.execution.image_rows).
 """
 
 from __future__ import annotations
@@ -36,8 +36,9 @@ from cairn.kernels import VarlenPlan
 from cairn.workers import heap
 from cairn.workers.cache.arena import ArenaLayout
 from cairn.workers.execution.decode_graphs import DecodeGraphs
+from cairn.workers.execution.image_rows import step_images
 from cairn.workers.execution.page_table import PageTable
-from cairn.workers.execution.pinned_upload import PinnedUpload, packed_bytes
+from cairn.workers.execution.pinned_upload import PinnedUpload
 from cairn.workers.model import HybridForCausalLM, ModelCaches, packed_linear
 from cairn.workers.model.packed_linear import pack_linears
 from cairn.workers.plan import COPY, DEMOTE, IMPORT, IMPORT_HOST, MOVE, PROMOTE, BlockCopy, StepPlan
@@ -48,8 +49,7 @@ from cairn.workers.execution.verify_rows import VerifyRows
 class ModelRunner:
     def __init__(self, model: HybridForCausalLM, layout: ArenaLayout, page_size: int, max_rows: int):
         """max_rows: page-table rows, one per sequence holding pages (the prefix cache's rows)."""
-        self.model = model
-        self.cfg = model.config
+        self.model, self.cfg = model, model.config
         self.packed_linears = pack_linears(model)  # CPU: weights laid out once for oneDNN (none on CUDA)
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
@@ -57,6 +57,7 @@ class ModelRunner:
             kernels.load_native(self.device)  # the C++ kernels, built or loaded now, not in a step
             heap.retain_freed_memory()  # a step reuses the last one's activation pages (cairn.workers.heap)
         self.page_size = page_size
+        self.encoder = None  # a vision-language model's (cairn.workers.vision.image_encoder), set by the engine
         self.arena = torch.zeros(layout.arena_bytes, dtype=torch.uint8, device=self.device)
         self._blocks = self.arena[:layout.cache_bytes].view(layout.num_blocks, layout.block_bytes)  # one row per block
         self.slot_blocks = layout.slot_blocks
@@ -157,12 +158,13 @@ class ModelRunner:
         if work.fresh_state_slots:
             for t in states:
                 t.index_fill_(0, tensors["fresh_state_slots"], 0)
+        batch = work.batch(tensors, self.encoder.embeddings(work.image_parts) if work.image_parts else None)
         if self.keep_hidden:
-            logits, self.hidden = self.model(work.batch(tensors), self.caches, hidden=True)
+            logits, self.hidden = self.model(batch, self.caches, hidden=True)
             if work.segment_rows is not None:  # each segment's rows together, as the drafter reads them
                 self.hidden = self.hidden.index_select(0, torch.from_numpy(work.segment_rows).to(self.device))
         else:
-            logits = self.model(work.batch(tensors), self.caches)
+            logits = self.model(batch, self.caches)
         if work.snapshots:
             kernels.copy_state_slots(states, tensors["snapshot_src"], tensors["snapshot_dst"])
         self._host_snapshots(work.host_snapshots)
@@ -319,10 +321,6 @@ class ModelRunner:
     def _index(self, values: list[int], device: torch.device | None = None) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=device or self.device)
 
-    def packed_bytes(self, arrays: dict[str, np.ndarray]) -> int:
-        """The bytes `upload` packs `arrays` into (cairn.workers.execution.pinned_upload)."""
-        return packed_bytes(arrays)
-
     def upload(self, arrays: dict[str, np.ndarray], into: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """A step's arrays on the device in one aligned copy, by name (`PinnedUpload.upload`)."""
         return self._uploads.upload(arrays, into)
@@ -388,6 +386,7 @@ class ModelRunner:
         rows, counts = np.array(rows), np.array(counts)
         ends = np.array(starts) + counts
         pos = np.concatenate(positions) if prefills else positions[0]
+        rope, image_rows, image_parts = step_images(() if verify else decodes, prefills, pos, self.encoder)
         if prefills:
             token_rows, token_shared = np.repeat(rows, counts), np.repeat(shared, counts)
         else:
@@ -410,11 +409,12 @@ class ModelRunner:
                                    self.cfg.num_attention_heads // self.cfg.num_key_value_heads)
         ck_rows, ck_targets, ck_states = checkpoint_tables(prefills, prefill, self.cfg.linear_conv_kernel_dim - 1)
         return StepWork(
-            input_ids=np.array(ids, dtype=np.int64), positions=pos.astype(np.int64, copy=False), cu_seqlens=cu,
+            input_ids=np.array(ids, dtype=np.int64), positions=rope.astype(np.int64, copy=False), cu_seqlens=cu,
             seq_lens=ends.astype(np.int32), page_table=table[rows, :max_pages], slot_mapping=slot_mapping,
             state_slots=np.array(slots, dtype=np.int64), num_decodes=nd, logits_indices=logits_rows.astype(np.int64),
             prefill=prefill, checkpoint_rows=ck_rows, checkpoint_targets=ck_targets, checkpoint_states=ck_states,
             block_copies=plan.block_copies,
             restores=plan.restores, fresh_state_slots=plan.fresh_state_slots, snapshots=plan.snapshots,
             host_snapshots=plan.host_snapshots, promotions_for_now=plan.promotions_for_now, fed_from=fed_from,
+            image_rows=image_rows, image_parts=image_parts,
             **(verify.arrays(prefills, cu) if verify else {}))

@@ -52,6 +52,10 @@ class StepWork:
     level_saves: np.ndarray | None = None
     level_save_counts: tuple[int, ...] = ()
     segment_rows: np.ndarray | None = None
+    # images (cairn.workers.execution.image_rows): the rows that are image tokens, and the images'
+    # token slices they hold, in row order; positions are then rotary ones, [3, T] with image rows
+    image_rows: np.ndarray | None = None
+    image_parts: tuple = ()
 
     @classmethod
     def decode_rows(cls, page_table: np.ndarray, positions: np.ndarray, input_ids: list[int], slots: np.ndarray,
@@ -87,12 +91,16 @@ class StepWork:
             out["fed_from"] = self.fed_from
         if self.level_saves is not None:
             out["level_saves"] = self.level_saves
+        if self.image_rows is not None:
+            out["image_rows"] = self.image_rows
         out.update(plan_arrays(self.prefill))
         return out
 
-    def batch(self, tensors: dict[str, torch.Tensor]) -> ForwardBatch:
-        """The forward's view of this step, over its uploaded arrays."""
-        return ForwardBatch.over(tensors, self.num_decodes, self.prefill, self.decode_levels, self.level_save_counts)
+    def batch(self, tensors: dict[str, torch.Tensor], image_embeds: torch.Tensor | None = None) -> ForwardBatch:
+        """The forward's view of this step, over its uploaded arrays (and its image rows' embeddings)."""
+        b = ForwardBatch.over(tensors, self.num_decodes, self.prefill, self.decode_levels, self.level_save_counts)
+        b.image_embeds = image_embeds
+        return b
 
 
 @dataclass

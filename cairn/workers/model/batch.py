@@ -6,6 +6,11 @@ orders sequences so the first `num_decodes` have exactly one new token and a sta
 exists (decodes), and the rest are prefill segments; each layer runs the first group through the
 slot-indexed decode ops and the second through the varlen prefill ops: one call per op for all.
 
+Images (a vision-language model): `positions` is then [3, T] (M-RoPE's t, h, w rows, equal for
+text: cairn.workers.model.mrope), and the `image_rows` of the step take `image_embeds` in place of
+their token embeddings. Positions are rotary positions: a token past an image sits at its index
+plus the prompt's shift, while `slot_mapping` holds where its K/V goes.
+
 Units: `positions`, `seq_lens`, `cu_seqlens` are in tokens; `page_table` holds page ids;
 `slot_mapping` holds KV slots (`page * page_size + offset`); `state_slots` index the state pool.
 
@@ -62,7 +67,7 @@ def plan_arrays(plan: VarlenPlan) -> dict[str, np.ndarray]:
 @dataclass
 class ForwardBatch:
     input_ids: torch.Tensor  # [T] int64
-    positions: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64; [3, T] in a step with image tokens
     cu_seqlens: torch.Tensor  # [B+1] int32
     num_seqs: int  # B
     seq_lens: torch.Tensor  # [B] int32, each sequence's length after this step
@@ -78,6 +83,8 @@ class ForwardBatch:
     decode_levels: tuple[int, ...] = ()  # decode rows per level (verify rows; empty: one level)
     level_saves: torch.Tensor | None = None  # [S, 2] int64 (see above)
     level_save_counts: tuple[int, ...] = ()
+    image_rows: torch.Tensor | None = None  # [N] int64: rows whose embedding is an image token's
+    image_embeds: torch.Tensor | None = None  # [N, hidden]: the vision tower's, for those rows
 
     @classmethod
     def over(cls, tensors: dict[str, torch.Tensor], num_decodes: int, prefill: VarlenPlan,
@@ -88,4 +95,5 @@ class ForwardBatch:
         plan = prefill.bind({name[len(PREFILL):]: t for name, t in tensors.items() if name.startswith(PREFILL)})
         return cls(**{name: tensors[name] for name in TENSORS}, num_seqs=tensors["cu_seqlens"].shape[0] - 1,
                    num_decodes=num_decodes, prefill=plan, decode_levels=decode_levels,
-                   level_saves=tensors.get("level_saves"), level_save_counts=level_save_counts)
+                   level_saves=tensors.get("level_saves"), level_save_counts=level_save_counts,
+                   image_rows=tensors.get("image_rows"))

@@ -119,6 +119,8 @@ class HybridForCausalLM(nn.Module):
         """Returns fp32 logits [len(batch.logits_indices), vocab]; with `hidden`, (those logits,
         every row's final normed hidden state [T, hidden]: what the MTP head reads)."""
         x, residual = self._embed(batch.input_ids), None  # [T, hidden]
+        if batch.image_embeds is not None:  # image tokens read the vision tower's embeddings
+            x = x.index_copy(0, batch.image_rows, batch.image_embeds.to(x.dtype))
         for layer in self.model.layers:
             x, residual = layer(x, residual, batch, caches)
         rows = batch.logits_indices

@@ -23,6 +23,7 @@ from torch import nn
 from cairn import kernels
 from cairn.workers.model.batch import ForwardBatch
 from cairn.workers.model.model_config import ModelConfig
+from cairn.workers.model.mrope import rope_axes
 
 
 class RMSNorm(nn.Module):
@@ -53,14 +54,23 @@ class GatedRMSNorm(nn.Module):
 
 class Rotary(nn.Module):
     """Partial RoPE's frequencies for the first `rotary_dim` channels of each head (rotate-half
-    layout); `kernels.qk_norm_rope` applies them."""
+    layout); `kernels.qk_norm_rope` applies them. With interleaved M-RoPE (`mrope_section`),
+    `rope_axes` [rotary_dim / 2] int32 names each frequency's axis (cairn.workers.model.mrope), for
+    steps whose positions are [3, T] (image tokens); None otherwise."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         dim = cfg.rotary_dim
         inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        axes = torch.tensor(rope_axes(cfg.mrope_section, dim), dtype=torch.int32) if cfg.mrope_section else None
+        self.register_buffer("rope_axes", axes, persistent=False)
         self.dim = dim
+
+    def refresh(self, cfg: ModelConfig, device) -> None:
+        """Its buffers made again on `device` (a model built on the meta device has none)."""
+        for name, buf in Rotary(cfg).named_buffers():
+            setattr(self, name, buf.to(device))
 
 
 class Attention(nn.Module):
@@ -83,8 +93,9 @@ class Attention(nn.Module):
         q, gate = self.q_proj(x).view(T, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
         gate = gate.reshape(T, -1)  # [T, H*D]
         k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        axes = self.rotary.rope_axes if batch.positions.dim() == 2 else None  # [3, T]: a step with image tokens
         q, k = kernels.qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, batch.positions,
-                                    self.rotary.inv_freq, self.q_norm.eps)  # [T, H, D], [T, H_kv, D]
+                                    self.rotary.inv_freq, self.q_norm.eps, rope_axes=axes)  # [T, H, D], [T, H_kv, D]
         v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv
         kernels.store_kv(k, v, k_cache, v_cache, batch.slot_mapping)

@@ -169,5 +169,5 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype | None = None,
         model.lm_head.weight = model.model.embed_tokens.weight
     for module in model.modules():  # non-persistent buffers are not in the checkpoint
         if isinstance(module, Rotary):
-            module.inv_freq = Rotary(cfg).inv_freq.to(device)
+            module.refresh(cfg, device)
     return model.eval()

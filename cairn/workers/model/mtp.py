@@ -99,5 +99,5 @@ def load_mtp(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device
     head.load_state_dict({k: v.to(device) for k, v in state.items()}, assign=True)
     for module in head.modules():  # non-persistent buffers are not in the checkpoint
         if isinstance(module, Rotary):
-            module.inv_freq = Rotary(cfg).inv_freq.to(device)
+            module.refresh(cfg, device)
     return head.eval()

@@ -9,10 +9,16 @@ The map:
   decompression-bomb guard; `ImageError` for what the client must fix.
 - `vision_tower`: the tower (`model.visual.*`), transformers' `Qwen3_5VisionModel` in plain torch,
   and its loader, which reads only the tower's tensors.
+- `image_input`: an image as the engine takes it with a prompt (`ImageInput`: where its tokens
+  start, its grid, pixels and content hash), and the prompt's cache keys (`prompt_keys`: image
+  tokens keyed by the image's content, no torch).
+- `image_encoder`: the tower as a step uses it, behind an LRU of its outputs by content hash.
 
-Not yet: nothing here is wired into the engine, the scheduler or the API. The language model's
-side (placing image embeddings at the placeholder tokens, M-RoPE positions for image tokens, the
-prefix cache keyed by image content) comes later; video is open in the grid computation only.
+The engine takes images (`GenerateRequest.images`; `Engine.use_vision` loads the tower), places
+their embeddings and M-RoPE positions in a step (cairn.workers.execution.image_rows) and keys the
+cache by them. Not yet: the API's image parts, the router's hashes of them, tensor parallelism
+and speculative decoding with images, the encoder's per-step budget; video is open in the grid
+computation only.
 
 Imported lazily (PEP 562), as `cairn.workers.model` is: the torch-free modules load without torch.
 """
@@ -29,6 +35,9 @@ _WHERE = {
     "preprocess_image": _PROCESSING, "read_preprocessor_config": _PROCESSING, "load_preprocessor_config": _PROCESSING,
     "patch_grid": _PROCESSING,
     "VisionTower": "cairn.workers.vision.vision_tower", "load_vision_tower": "cairn.workers.vision.vision_tower",
+    "ImageInput": "cairn.workers.vision.image_input", "image_input": "cairn.workers.vision.image_input",
+    "content_hash": "cairn.workers.vision.image_input", "prompt_keys": "cairn.workers.vision.image_input",
+    "ImageEncoder": "cairn.workers.vision.image_encoder",
 }
 __all__ = sorted(_WHERE)
 

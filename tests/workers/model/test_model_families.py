@@ -49,12 +49,20 @@ def test_published_fused_experts_load_the_same_model(q35_moe_vl, tmp_path):
     torch.testing.assert_close(got, expected, atol=2e-4, rtol=1e-4)
 
 
-def test_vision_tower_is_skipped_without_being_read(q35_moe_vl, loader_reads):
-    stored = load_file(q35_moe_vl / "model.safetensors")
-    assert any(k.startswith("model.visual.") for k in stored)
-    engine = Engine.from_pretrained(q35_moe_vl, num_pages=8, max_num_seqs=1)
+def test_the_language_models_loader_skips_the_vision_tower_and_the_engine_reads_it_once(q35_moe_vl, loader_reads):
+    from cairn.workers.model import load_model
+
+    visual = sorted(k for k in load_file(q35_moe_vl / "model.safetensors") if k.startswith("model.visual."))
+    assert visual
+    load_model(q35_moe_vl)
     read = loader_reads["whole"] + loader_reads["sliced"]
     assert read and not [n for n in read if n.startswith("model.visual.")]
+    for names in loader_reads.values():
+        names.clear()
+    engine = Engine.from_pretrained(q35_moe_vl, num_pages=8, max_num_seqs=1)
+    read = loader_reads["whole"] + loader_reads["sliced"]
+    assert sorted(n for n in read if n.startswith("model.visual.")) == visual  # by the tower's loader, once each
+    assert engine.runner.encoder is not None
     assert engine.prompt_logits(IDS[:3]).shape == (3, engine.config.vocab_size)
 
 

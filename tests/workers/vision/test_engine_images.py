@@ -1,0 +1,152 @@
+"""Prompts with images through the engine, on vision-language checkpoints transformers wrote
+(Qwen3.5 dense and MoE): greedy tokens and their logprobs equal transformers'
+`Qwen3_5ForConditionalGeneration`'s for images of three sizes, two images in one prompt, a prefill
+chunked through an image, and an image in the first turn of a two-turn chat; the prefix cache
+keys image tokens by the image's content (the same tokens with another image resume before the
+image, the same image resumes past it without running the tower again); a request with images
+that the engine cannot take is refused, naming `images`, and changes nothing."""
+
+import numpy as np
+import pytest
+import torch
+
+from cairn.workers import Engine, SamplingParams
+from cairn.workers.engine_errors import RequestRejected
+from cairn.workers.request import GenerateRequest
+from cairn.workers.vision.image_input import ImageInput, content_hash
+from tests.support.checkpoints import Q35_VISION_IDS, hf_reference_model
+from tests.support.stepping import finish
+
+START, END, IMAGE = (Q35_VISION_IDS[k] for k in ("vision_start_token_id", "vision_end_token_id", "image_token_id"))
+PATCH_DIM = 3 * 2 * 4 * 4  # channels x temporal patch x patch^2 (tests.support.checkpoints.Q35_VISION)
+VISION_IDS = sorted(Q35_VISION_IDS.values())
+# The random model may pick a vision token: transformers would read a generated one as an image's.
+GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=1,
+                        logit_bias={t: -100.0 for t in VISION_IDS})
+
+
+def image(grid, seed: int) -> np.ndarray:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(grid[0] * grid[1] * grid[2], PATCH_DIM, generator=g).numpy()
+
+
+def text(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 190, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def with_images(parts) -> tuple[list[int], list[ImageInput]]:
+    """A prompt from text runs and (grid, seed) images, each image between start and end tokens."""
+    prompt, images = [], []
+    for part in parts:
+        if isinstance(part, list):
+            prompt += part
+            continue
+        grid, seed = part
+        pixels = image(grid, seed)
+        prompt.append(START)
+        images.append(ImageInput(len(prompt), grid, pixels, content_hash(pixels, grid)))
+        prompt += [IMAGE] * (grid[0] * grid[1] * grid[2] // 4) + [END]
+    return prompt, images
+
+
+def run(engine, prompt, images, params=GREEDY, rid="r", salt=None):
+    root = engine.spec.hash_root(salt) if salt is not None else None
+    engine.add(GenerateRequest(rid, prompt, params, images=images, hash_root=root))
+    return finish(engine, [rid])[rid]
+
+
+@torch.no_grad()
+def reference(model, prompt, images, steps: int):
+    """transformers' greedy tokens after `prompt` (never a vision token, as GREEDY's bias has it), and
+    the logprob of each, one full forward a token."""
+    ids, logprobs = list(prompt), []
+    pixels = torch.cat([torch.from_numpy(i.pixel_values) for i in images]) if images else None
+    grids = torch.tensor([i.grid_thw for i in images]) if images else None
+    for _ in range(steps):
+        x = torch.tensor([ids])
+        kw = dict(pixel_values=pixels, image_grid_thw=grids, mm_token_type_ids=(x == IMAGE).long()) if images else {}
+        lp = torch.log_softmax(model(input_ids=x, **kw).logits[0, -1].float(), -1)
+        choice = int(lp.index_fill(0, torch.tensor(VISION_IDS), -torch.inf).argmax())
+        ids.append(choice)
+        logprobs.append(float(lp[choice]))
+    return ids[len(prompt):], logprobs
+
+
+CASES = {
+    "one_image": [text(5, 1), ((1, 4, 6), 1), text(4, 2)],
+    "a_larger_image_over_pages": [text(3, 3), ((1, 10, 8), 2), text(6, 4)],
+    "a_one_window_image_last": [text(9, 5), ((1, 2, 2), 3)],
+    "two_images": [text(4, 6), ((1, 4, 4), 4), text(3, 7), ((1, 6, 2), 5), text(2, 8)],
+}
+
+
+@pytest.fixture(scope="module", params=["q35_vision", "q35_moe_vision"])
+def vl(request, hf_checkpoint):
+    path = hf_checkpoint(request.param)
+    return path, hf_reference_model(path)
+
+
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_greedy_tokens_and_logprobs_with_images_match_transformers(vl, case):
+    path, model = vl
+    prompt, images = with_images(case)
+    engine = Engine.from_pretrained(path, num_pages=32, max_num_seqs=2)
+    out = run(engine, prompt, images)
+    tokens, logprobs = reference(model, prompt, images, GREEDY.max_tokens)
+    assert out.token_ids == tokens
+    np.testing.assert_allclose([lp.logprob for lp in out.logprobs], logprobs, atol=2e-4)
+    assert engine.runner.encoder.encoded == len(images)
+
+
+def test_a_prefill_chunked_through_an_image_computes_what_one_chunk_computes(vl):
+    path, model = vl
+    prompt, images = with_images(CASES["a_larger_image_over_pages"])  # the image's 20 tokens start at 4
+    engine = Engine.from_pretrained(path, num_pages=32, max_num_seqs=2, max_num_batched_tokens=8)
+    out = run(engine, prompt, images)
+    assert out.token_ids == reference(model, prompt, images, GREEDY.max_tokens)[0]
+    assert engine.runner.encoder.encoded == 1  # encoded in the first chunk, read from the encoder's cache after
+
+
+def test_the_cache_keys_image_tokens_by_the_image(vl):
+    """Turn 2 extends turn 1 (an image in it) and its reply. With the same image it resumes past
+    the image, the tower not run again, and computes transformers' tokens at the right positions;
+    with another image of the same size (the same token ids) it resumes before the image's first
+    token and computes what a cold engine computes."""
+    path, model = vl
+    engine = Engine.from_pretrained(path, num_pages=64, max_num_seqs=2, cache_policy="all")
+    prompt, images = with_images([text(20, 9), ((1, 4, 6), 7), text(14, 10)])
+    first = run(engine, prompt, images, rid="turn1")
+    second = prompt + first.token_ids + text(9, 11)
+    out = run(engine, second, images, rid="turn2")
+    assert out.cached_tokens > images[0].first_token + 6 and engine.runner.encoder.encoded == 1
+    assert out.token_ids == reference(model, second, images, GREEDY.max_tokens)[0]
+
+    other_pixels = image((1, 4, 6), seed=99)
+    other = [ImageInput(images[0].first_token, (1, 4, 6), other_pixels, content_hash(other_pixels, (1, 4, 6)))]
+    swapped = run(engine, second, other, rid="swapped")
+    assert 0 < swapped.cached_tokens <= images[0].first_token
+    cold = Engine.from_pretrained(path, num_pages=64, max_num_seqs=2)
+    assert swapped.token_ids == run(cold, second, other).token_ids
+    assert swapped.token_ids != out.token_ids or swapped.logprobs != out.logprobs
+
+
+def test_requests_with_images_an_engine_cannot_take_are_refused_naming_images(vl, hf_checkpoint):
+    path, _ = vl
+    engine = Engine.from_pretrained(path, num_pages=32, max_num_seqs=2)
+    prompt, images = with_images(CASES["one_image"])
+    bad = {
+        "no image for the placeholders": (prompt, []),
+        "an image over text tokens": (prompt, [ImageInput(0, (1, 4, 6), images[0].pixel_values, b"x" * 16)]),
+        "pixels that do not fit the grid": (prompt, [ImageInput(images[0].first_token, (1, 4, 4),
+                                                                 images[0].pixel_values, b"x" * 16)]),
+        "not an ImageInput": (prompt, [images[0].pixel_values]),
+    }
+    for why, (p, i) in bad.items():
+        with pytest.raises(RequestRejected, match="images") as e:
+            engine.add(GenerateRequest("bad", p, GREEDY, images=i))
+        assert e.value.param == "images", why
+    assert not engine.has_unfinished() and "bad" not in engine._requests
+    text_only = Engine.from_pretrained(hf_checkpoint("q35_dense"), num_pages=32, max_num_seqs=2)
+    with pytest.raises(RequestRejected, match="no images"):
+        text_only.add(GenerateRequest("bad", [1, 2, 3], GREEDY, images=images))
+    assert run(engine, prompt, images).finish_reason == "length"  # the engine still serves
