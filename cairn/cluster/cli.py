@@ -7,8 +7,9 @@ Ray or the engine. Output meant for scripts goes to stdout, one value per line.
 
 Subcommands:
 - `demo-model OUT_DIR [--arch qwen3_next|qwen3_5|qwen3_5_moe] [--size tiny|bench] [--seed N]
-  [--mtp random|trained]` — write a random-weight checkpoint (see `cairn.workers.demo`), with an
-  MTP head if asked (trained: `cairn.workers.demo.speculative_training`), and print the directory.
+  [--mtp random|trained] [--vision]` — write a random-weight checkpoint (see `cairn.workers.demo`),
+  with an MTP head if asked (trained: `cairn.workers.demo.speculative_training`), vision-language
+  with a random tower if asked (Qwen3.5 only), and print the directory.
 - `generate [--model DIR|ID] --prompt TEXT [--chat] [--max-tokens N] [--temperature T]` — load
   the checkpoint (default: the tiny demo model) into an in-process engine, print a completion
   (greedy unless --temperature says otherwise, unlike the API: see its --help).
@@ -60,13 +61,21 @@ def _add_demo_model(subparsers: argparse._SubParsersAction) -> None:
                              "random weights, or trained on CPU in minutes (the model trained a little on the demo "
                              "corpus, the head to its distribution over its greedy continuations, so drafts are "
                              "kept at a realistic rate)")
+    parser.add_argument("--vision", action="store_true",
+                        help="a vision-language checkpoint (qwen3_5 / qwen3_5_moe): the published layout with a "
+                             "random vision tower, the vision tokens and preprocessor_config.json")
     parser.set_defaults(run=_demo_model)
 
 
 def _demo_model(args: argparse.Namespace) -> int:
     from cairn.workers.demo import write_demo_model
 
-    out = write_demo_model(args.out_dir, size=args.size, seed=args.seed, arch=args.arch, mtp=args.mtp == "random")
+    if args.vision and args.arch == "qwen3_next":
+        print("cairn demo-model: --vision needs --arch qwen3_5 or qwen3_5_moe (Qwen3-Next has no vision tower)",
+              file=sys.stderr)
+        return 2
+    out = write_demo_model(args.out_dir, size=args.size, seed=args.seed, arch=args.arch, mtp=args.mtp == "random",
+                           vision=args.vision)
     if args.mtp == "trained":
         from cairn.workers.demo.speculative_training import train_for_speculation
 

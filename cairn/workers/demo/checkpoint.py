@@ -2,7 +2,8 @@
 
 Contract: `write_demo_model(out_dir, size, seed, arch)` creates `out_dir` (parents included) and
 writes `config.json`, `model.safetensors` (fp32), `tokenizer.json`, `tokenizer_config.json`,
-`chat_template.jinja` and `generation_config.json`, overwriting those files and touching
+`chat_template.jinja` and `generation_config.json` (and, with `vision`, `preprocessor_config.json`),
+overwriting those files and touching
 nothing else. Both transformers (`AutoModelForCausalLM` / `AutoTokenizer`, offline) and our
 engine load the result. `arch` is one of `ARCHS` (cairn.workers.demo.shape): `qwen3_next` (the
 default), `qwen3_5` or `qwen3_5_moe`. The output is a pure function of (size, seed, arch): same
@@ -20,24 +21,30 @@ import shutil
 from pathlib import Path
 
 from safetensors.torch import save_file
-from tokenizers import Tokenizer
+from tokenizers import AddedToken, Tokenizer
 
 from cairn.workers.demo.shape import ARCHS, SIZES, hf_config
 from cairn.workers.demo.demo_tokenizer import EOS_TOKEN, PAD_TOKEN, train_tokenizer, write_tokenizer_files
+from cairn.workers.demo.vision_demo import (VISION_TOKENS, preprocessor_config, vision_language_config,
+                                             vision_language_weights)
 from cairn.workers.demo.weights import random_weights
 
 
 def write_demo_model(out_dir: str | Path, size: str = "tiny", seed: int = 0, arch: str = "qwen3_next",
-                     tokenizer: Tokenizer | None = None, vocab_size: int | None = None, mtp: bool = False) -> Path:
+                     tokenizer: Tokenizer | None = None, vocab_size: int | None = None, mtp: bool = False,
+                     vision: bool = False) -> Path:
     """Write the demo checkpoint of `size` ("tiny" or "bench") and `arch` into `out_dir`, with the
     demo tokenizer or `tokenizer` and `vocab_size`, and with `mtp` a random MTP head (`mtp.*`,
-    `mtp_num_hidden_layers` 1); return its path."""
+    `mtp_num_hidden_layers` 1); with `vision` (a Qwen3.5 arch, the demo tokenizer), the published
+    vision-language layout with a random tower (cairn.workers.demo.vision_demo); return its path."""
     if size not in SIZES:
         raise ValueError(f"expected size in {sorted(SIZES)}, got {size!r}")
     if arch not in ARCHS:
         raise ValueError(f"expected arch in {list(ARCHS)}, got {arch!r}")
     if (tokenizer is None) != (vocab_size is None):
         raise ValueError("a tokenizer of the caller's comes with its vocab_size, and only with it")
+    if vision and (arch == "qwen3_next" or tokenizer is not None):
+        raise ValueError("a vision demo model is a Qwen3.5 architecture with the demo tokenizer")
     shape = SIZES[size] if vocab_size is None else dataclasses.replace(SIZES[size], vocab_size=vocab_size)
     if tokenizer is not None and max(tokenizer.get_vocab().values()) >= vocab_size:
         raise ValueError(f"vocab_size {vocab_size} leaves out ids of the tokenizer's")
@@ -45,9 +52,15 @@ def write_demo_model(out_dir: str | Path, size: str = "tiny", seed: int = 0, arc
     out.mkdir(parents=True, exist_ok=True)
 
     tokenizer = tokenizer or train_tokenizer(shape.vocab_size)
+    if vision:  # its tokens after the control tokens: the text keeps its ids
+        tokenizer.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in VISION_TOKENS])
+        shape = dataclasses.replace(shape, vocab_size=tokenizer.get_vocab_size())
     write_tokenizer_files(out, tokenizer, model_max_length=shape.max_position_embeddings, arch=arch)
     eos, pad = tokenizer.token_to_id(EOS_TOKEN), tokenizer.token_to_id(PAD_TOKEN)
     config = hf_config(shape, {"eos": eos, "bos": None, "pad": pad}, arch)
+    if vision:
+        config = vision_language_config(config, shape, {t: tokenizer.token_to_id(t) for t in VISION_TOKENS})
+        _write_json(out / "preprocessor_config.json", preprocessor_config(size))
     if mtp:
         text = config.get("text_config", config)
         text["mtp_num_hidden_layers"] = 1
@@ -62,6 +75,8 @@ def write_demo_model(out_dir: str | Path, size: str = "tiny", seed: int = 0, arc
         "top_k": 20,
     })
     weights = random_weights(shape, seed, arch, mtp)
+    if vision:
+        weights = vision_language_weights(weights, config["vision_config"], seed)
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "model.safetensors").chmod(0o644)  # readable like the other files, by other users too
     return out
