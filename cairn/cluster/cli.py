@@ -173,6 +173,9 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--public-system-prompt", action="append", default=None, metavar="FILE",
                         help="a file holding a system prompt whose pages every tenant shares when a chat "
                              "opens with it (repeat for more)")
+    parser.add_argument("--image-url-allow", action="append", default=None, metavar="PREFIX",
+                        help="a URL prefix (http(s)://host/path/ or file:///dir/) image_url parts may name besides "
+                             "data: URLs (repeat for more; none by default)")
     parser.add_argument("--max-header-bytes", type=int, default=None, help="request line and headers (32768)")
     parser.add_argument("--header-timeout", type=float, default=None, metavar="S",
                         help="seconds to send a request's headers (10; in-process only: Serve's proxy has none)")
@@ -258,6 +261,7 @@ def _serve(args: argparse.Namespace) -> int:
                 shared_cache_tenants=bool(args.shared_cache_tenants),
                 special_tokens_in_content=bool(args.special_tokens_in_content),
                 public_system_prompts=tuple(public_prompt_flags(args)),
+                image_url_allow=tuple(args.image_url_allow or ()),
                 tool_call_parser=args.tool_call_parser or "auto", request_timeout_s=args.request_timeout,
                 **({"max_body_bytes": args.max_body_bytes} if args.max_body_bytes else {}))
             model = None

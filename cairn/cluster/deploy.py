@@ -99,6 +99,8 @@ def apply_overrides(config: dict[str, Any], args: argparse.Namespace) -> dict[st
     tenant_limits = tenant_limit_flags(args)
     if getattr(args, "public_system_prompt", None):
         app_args["public_system_prompts"] = public_prompt_flags(args)
+    if getattr(args, "image_url_allow", None):
+        app_args["image_url_allow"] = list(args.image_url_allow)
     for app in config.get("applications", []):
         merged = dict(app.get("args") or {})
         merged.update(app_args)

@@ -43,6 +43,12 @@ class GenerateRequest:
     tenant: str | None = None                      # who asked (None: no keys), for the engine's fair scheduling
     fetch: FetchHint | None = None                 # the router's (routing config `fetch`): who holds it deepest
     images: list[Any] = field(default_factory=list)  # the prompt's (cairn.workers.vision.image_input.ImageInput)
+    prompt_keys: list[int] | None = None  # with images: the prompt as the cache keys it (what page_hashes hash)
+
+    @property
+    def cache_tokens(self) -> list[int]:
+        """The prompt as the cache keys it: what routers name sub-page states by."""
+        return self.prompt_keys if self.prompt_keys is not None else self.prompt_token_ids
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -181,14 +181,18 @@ def test_a_prompt_too_long_names_both_numbers(http):
     assert any(n > 4096 for n in numbers) and 4095 in numbers, error["message"]
 
 
-def test_an_image_part_is_refused_saying_the_server_reads_text_only(http):
+def test_an_image_part_to_a_text_only_model_and_an_audio_part_are_refused_naming_them(http):
     parts = [{"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": "data:,"}}]
     r = http.post("/v1/chat/completions", headers=AUTH, json={**GOOD_CHAT, "messages": [
         {"role": "user", "content": parts}]})
     assert r.status_code == 400
     error = r.json()["error"]
-    assert error["param"] == "messages[0].content" and "'image_url' part" in error["message"]
-    assert "text only" in error["message"]
+    assert error["param"] == "messages[0].content[1]" and "takes no images" in error["message"]
+    audio = [{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}]
+    r = http.post("/v1/chat/completions", headers=AUTH, json={**GOOD_CHAT, "messages": [
+        {"role": "user", "content": audio}]})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == "messages[0].content" and "'input_audio' part" in error["message"]
 
 
 def test_a_method_that_is_not_allowed_is_405_in_openai_shape(http):

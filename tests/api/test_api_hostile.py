@@ -90,8 +90,12 @@ def wrong_types():
             param = f"messages[0].{field}" + ("[0]" if v == [1] else "")
             yield case(f"message {field}={v!r}", chat(messages=msg(**{field: v})), 400, param)
     for v in [5, {"text": "x"}, ["x"], [{"type": "text", "text": 5}], [{"type": "text"}], [{"text": "x"}],
-              [{"type": "image_url", "image_url": {"url": "http://x"}}], [{"type": "input_audio"}], True]:
+              [{"type": "image_url"}], [{"type": "image_url", "image_url": {"url": 5}}], [{"type": "input_audio"}],
+              True]:
         yield case(f"message content={v!r}", chat(messages=msg(content=v)), 400, "messages[0].content")
+    for url in ["http://x", "data:image/png;base64,AAAA", "file:///etc/passwd"]:  # a text-only model: no images
+        image = [{"type": "image_url", "image_url": {"url": url}}]
+        yield case(f"message image {url!r}", chat(messages=msg(content=image)), 400, "messages[0].content[0]")
     for v in ["hi", {"role": "user"}, None, [None], [1], [[]], 5, []]:
         yield case(f"messages={v!r}", chat(messages=v), 400, "messages" if not isinstance(v, list) or v == [] else
                    "messages[0]")

@@ -46,6 +46,22 @@ class APIOptions(BaseModel):
                                   "qwen3_xml, none (cairn.cluster.api.tool_call_formats).")
     request_timeout_s: float | None = Field(None, gt=0, description="The longest a request may run from its "
                                             "arrival (a 408); None: no limit.")
+    image_url_allow: tuple[str, ...] = Field((), description="URL prefixes an image_url may name besides data: "
+                                             "URLs, each ending in '/': http(s)://host/path/ or file:///dir/ "
+                                             "(none by default: a server that fetches any URL is an SSRF hole).")
+    image_fetch_timeout_s: float = Field(10.0, gt=0, description="The longest one allowed image URL may take to "
+                                         "read (a 400 past it).")
+
+    @field_validator("image_url_allow")
+    @classmethod
+    def _whole_prefixes(cls, prefixes: tuple[str, ...]) -> tuple[str, ...]:
+        for p in prefixes:
+            scheme, _, rest = p.partition("://")
+            where = rest.split("/")[0] if scheme in ("http", "https") else rest.strip("/") if scheme == "file" else ""
+            if not where or not p.endswith("/") or (scheme == "file" and not rest.startswith("/")):
+                raise ValueError(f"image_url_allow: {p!r} must be http(s)://host/... or file:///dir/... (not the "
+                                 f"root), ending in '/'")
+        return prefixes
 
     @field_validator("tool_call_parser")
     @classmethod

@@ -12,7 +12,9 @@ names the field and the message gives the value and the limit by name. Sizes are
 the request or shorten it): messages, tools, completion prompts in a batch, engine requests
 (choices times prompts) and the total text.
 Lists of parameters are 400 (fix the value): stop strings and their length, stop token ids,
-logit_bias entries (refused as unsupported unless empty, but counted first).
+logit_bias entries (refused as unsupported unless empty, but counted first). Images: their count
+is a size (413); one image's bytes and pixels are 400s naming its content part
+(`cairn.cluster.api.prompt_images`). An image's URL is not text: its characters count nowhere.
 
 Total text counts the characters of every string a request carries into the template or the
 tokenizer: message contents and their parts, reasoning, names, tool call ids and tool calls
@@ -70,6 +72,14 @@ class APILimits(BaseModel):
     prepare_wait_s: float = Field(5.0, gt=0, description=(
         "longest a request waits for a thread before a 503 with Retry-After (the server is busy)"))
 
+    max_images: int = Field(16, ge=0, description=(
+        "images in one chat request (413): each is decoded, resized and encoded by the vision tower"))
+    max_image_bytes: int = Field(20 << 20, ge=1, description=(
+        "bytes of one image as sent (decoded from base64, or fetched; 400)"))
+    max_image_pixels: int = Field(8192 * 8192, ge=1, description=(
+        "pixels of one image before resizing, read from its header before it is decoded (400): a "
+        "decompression bomb is refused unread"))
+
     max_grammar_chars: int = Field(262_144, ge=1, description=(
         "characters of one request's compiled grammar (structured outputs, forced tool calls; "
         "400): what one compile may be asked to read"))
@@ -95,7 +105,8 @@ class APILimits(BaseModel):
 
 
 DEFAULT_LIMITS = APILimits()
-SIZE_LIMITS = frozenset({"max_messages", "max_text_chars", "max_tools", "max_prompts", "max_engine_requests"})
+SIZE_LIMITS = frozenset({"max_messages", "max_text_chars", "max_tools", "max_prompts", "max_engine_requests",
+                         "max_images"})
 
 
 def limit_error(limit: str, message: str, param: str | None = None) -> PydanticCustomError:

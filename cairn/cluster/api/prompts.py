@@ -13,9 +13,10 @@ message renders to (`public_tokens`), sent as a string or as text parts: every t
 their whole pages. A text longer than the context could hold whatever its tokens (`max_model_len`
 tokens of `TextTokenizer.max_chars_per_token` characters) is refused before it is tokenized
 (400 `context_length_exceeded`), and so, before it is even rendered, is one whose messages (but
-the assistant's) or tools alone are that long. This is the ingress's pre-engine work: it runs on a `prep_pool`
-thread, after the size limits (`limits`) have been checked, and stops between its steps once its
-`stop` event is set.
+the assistant's) or tools alone are that long. A chat's image parts are read and preprocessed
+before it is rendered, and each image's token expanded after it is tokenized (`prompt_images`).
+This is the ingress's pre-engine work: it runs on a `prep_pool` thread, after the size limits
+(`limits`) have been checked, and stops between its steps once its `stop` event is set.
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ from typing import Any
 from cairn.cluster.api.chat_template import ChatTemplate, TemplateError
 from cairn.cluster.api.api_errors import bad_request
 from cairn.cluster.api.limits import text_chars
+from cairn.cluster.api.image_sources import ImageSources
 from cairn.cluster.api.prep_pool import check
+from cairn.cluster.api.prompt_images import PromptImages
 from cairn.cluster.api.protocol import ChatCompletionRequest, CompletionRequest, FieldError, content_text
 from cairn.cluster.api.reasoning import ReasoningParser
 from cairn.cluster.api.special_tokens import SpecialTokens
@@ -48,13 +51,16 @@ class Prepared:
     opens_think: bool = False
     public_tokens: int = 0  # a public system prompt's tokens at the start, which every tenant shares
     closes_think: bool = False
+    images: list = field(default_factory=list)  # its images (ImageInput), their tokens expanded in `ids`
+    keys: list[int] | None = None  # with images: `ids` as the cache keys them (prompt_images.keys)
 
 
 class Prompts:
     def __init__(self, tokenizer: TextTokenizer, template: ChatTemplate | None, vocab_size: int,
                  special_tokens_in_content: bool = False, public_system_prompts: Sequence[str] = (),
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, images: PromptImages | None = None):
         self.tokenizer, self.template, self.vocab_size = tokenizer, template, vocab_size
+        self.images = images or PromptImages(None, None, ImageSources(), 1)  # none: a text-only model
         per_token = tokenizer.max_chars_per_token
         # a text longer than this is more than max_model_len - 1 tokens, whatever it says
         self.max_fitting_chars = (max_model_len - 1) * per_token if max_model_len and per_token else None
@@ -67,6 +73,7 @@ class Prompts:
         if self.template is None:
             raise bad_request("this model has no chat template; use /v1/completions", "messages")
         self._fits_before_rendering(req)
+        loaded = self.images.load(req, stop)  # a bad image is refused before anything is rendered
         messages = []
         for i, m in enumerate(req.messages):
             try:
@@ -108,8 +115,10 @@ class Prompts:
             self._fits(len(text), "messages")
             ids, ends = self.tokenizer.encode_with_ends(text)
         public = self._public_prefix(messages, text)
-        return Prepared(ids, text, self.tokenizer.token_positions(ends, starts), messages, opens,
-                        self.tokenizer.token_positions(ends, [public])[0] if public else 0, closes)
+        positions = self.tokenizer.token_positions(ends, starts + [public])  # hints, then the public prefix's end
+        ids, positions, images = self.images.place(ids, positions, loaded)
+        return Prepared(ids, text, positions[:-1], messages, opens, positions[-1] if public else 0, closes, images,
+                        self.images.keys(ids, images) if images else None)
 
     def _fits_before_rendering(self, req: ChatCompletionRequest) -> None:
         """What the template surely renders, over the limit, is refused before it is rendered: the

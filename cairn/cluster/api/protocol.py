@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
@@ -70,8 +70,23 @@ class StreamOptions(_Request):
 
 
 class TextPart(_Request):
-    type: Literal["text"] = Field(description="only text parts: this server reads no images or audio")
+    type: Literal["text"] = Field(description="a text part")
     text: str = Field(description="the text")
+
+
+class ImageURL(_Request):
+    url: str = Field(description="a data: URL (base64 PNG, JPEG, WebP, or a GIF's first frame); http(s) and file "
+                                 "URLs only under the server's image_url_allow prefixes")
+    detail: Literal["auto", "low", "high"] | None = Field(None, description="accepted; images are sized by the "
+                                                                            "checkpoint's preprocessor")
+
+
+class ImagePart(_Request):
+    type: Literal["image_url"] = Field(description="an image part (vision-language checkpoints)")
+    image_url: ImageURL
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
 
 
 def content_text(content: str | list[dict[str, Any]] | None) -> str:
@@ -158,7 +173,7 @@ class NamedToolChoice(_Request):
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"] = Field(
         description="who speaks; developer is rendered as system")
-    content: str | list[TextPart] | None = Field(None, description="text, or a list of text parts")
+    content: str | list[ContentPart] | None = Field(None, description="text, or a list of text and image parts")
     name: str | None = Field(None, description="speaker name, passed to the template")
     reasoning_content: str | None = Field(
         None, description="an assistant turn's reasoning, echoed back; the template decides whether to keep it")
@@ -168,14 +183,14 @@ class ChatMessage(_Request):
 
     @field_validator("content", mode="before")
     @classmethod
-    def _text_parts_only(cls, content: Any) -> Any:
-        """Vision-language checkpoints load text-only (cairn.workers.model.qwen3_5): say so for media."""
+    def _known_parts(cls, content: Any) -> Any:
+        """Text and image parts; say so for other media."""
         if isinstance(content, list):
             for i, part in enumerate(content):
                 kind = part.get("type") if isinstance(part, dict) else None
-                if isinstance(kind, str) and kind != "text":
-                    raise ValueError(f"part {i} is a {kind!r} part; this server serves the model's text only "
-                                     f"(images, video and audio are not supported)")
+                if isinstance(kind, str) and kind not in ("text", "image_url"):
+                    raise ValueError(f"part {i} is a {kind!r} part; this server reads text and image_url parts "
+                                     f"(video and audio are not supported)")
         return content
 
     @model_validator(mode="after")
@@ -196,11 +211,11 @@ class ChatMessage(_Request):
         """Characters of the content's text (a template renders it whole)."""
         if self.content is None or isinstance(self.content, str):
             return len(self.content or "")
-        return sum(len(part.text) for part in self.content)
+        return sum(len(part.text) for part in self.content if isinstance(part, TextPart))
 
     def text_chars(self) -> int:
         content = self.content if isinstance(self.content, str) or self.content is None else \
-            [part.text for part in self.content]
+            [part.text for part in self.content if isinstance(part, TextPart)]
         calls = [c.model_dump(exclude_none=True) for c in self.tool_calls or ()]
         return text_chars([content, self.name, self.reasoning_content, self.tool_call_id, calls])
 
@@ -210,6 +225,8 @@ class ChatMessage(_Request):
         message = self.model_dump(exclude_none=True)
         if message["role"] == "developer":
             message["role"] = "system"
+        if isinstance(self.content, list):  # an image as templates read it: where it is, not its URL
+            message["content"] = [p if p["type"] == "text" else {"type": "image"} for p in message["content"]]
         if self.tool_calls is not None:
             calls = []
             for j, call in enumerate(self.tool_calls):
@@ -309,7 +326,13 @@ class ChatCompletionRequest(SamplingFields):
                                     "tools": text_chars([t.for_template() for t in self.tools or ()]),
                                     "chat_template_kwargs": text_chars([self.chat_template_kwargs]),
                                     "stop": self.stop_chars()})
+        limits_of(info).check_count("max_images", len(self.image_parts()), "images")
         return self
+
+    def image_parts(self) -> list[tuple[str, str]]:
+        """(the part's parameter name, its URL) of every image part, in prompt order."""
+        return [(f"messages[{i}].content[{j}]", part.image_url.url) for i, m in enumerate(self.messages)
+                if isinstance(m.content, list) for j, part in enumerate(m.content) if isinstance(part, ImagePart)]
 
     def requested_max_tokens(self) -> tuple[str, int | None]:
         """(field name, value) of the output budget the client asked for."""

@@ -39,6 +39,7 @@ from cairn.cluster.api.limits import DEFAULT_LIMITS, APILimits
 from cairn.cluster.api.api_metrics import CONTENT_TYPE, APIMetrics, TimedClient
 from cairn.cluster.api.middleware import RequestGuard
 from cairn.cluster.api.api_options import APIOptions
+from cairn.cluster.api.prompt_images import PromptImages
 from cairn.cluster.api.protocol import ChatCompletionRequest, CompletionRequest
 from cairn.cluster.api.responses import ModelCard, ModelList
 from cairn.cluster.api.serving import Serving
@@ -133,7 +134,7 @@ def build_app(client: EngineClient, model_dir: str | Path, options: APIOptions |
         defaults = options.tenant_limits
         quotas = TenantQuotas(defaults, {t: defaults.merged(v) for t, v in tenants.limits.items()}, metrics)
     serving = Serving(TimedClient(client, metrics), TextTokenizer.from_dir(model_dir), template, name, options, metrics,
-                      quotas)
+                      quotas, PromptImages.from_dir(model_dir, options))
     chat, completions = ChatCompletions(serving), Completions(serving)
 
     app = FastAPI(title="cairn", summary="OpenAI-compatible API for hybrid LLMs with prefix caching",

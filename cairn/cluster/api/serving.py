@@ -35,6 +35,7 @@ from cairn.cluster.api.fanout import Fanout
 from cairn.cluster.api.api_metrics import APIMetrics
 from cairn.cluster.api.api_options import APIOptions
 from cairn.cluster.api.prep_pool import PrepPool
+from cairn.cluster.api.prompt_images import PromptImages
 from cairn.cluster.api.prompts import Prepared, Prompts
 from cairn.cluster.api.protocol import SamplingFields
 from cairn.cluster.api.quotas import Admission, TenantQuotas
@@ -57,14 +58,15 @@ SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
 
 class Serving:
     def __init__(self, client: EngineClient, tokenizer: TextTokenizer, template: ChatTemplate | None,
-                 model_name: str, options: APIOptions, metrics: APIMetrics, quotas: TenantQuotas | None = None):
+                 model_name: str, options: APIOptions, metrics: APIMetrics, quotas: TenantQuotas | None = None,
+                 images: PromptImages | None = None):
         self.client, self.tokenizer = client, tokenizer
         self.stream_stall_timeout_s = options.http_limits.stream_stall_timeout_s  # SSEResponse's
         self.request_timeout_s = options.request_timeout_s  # from arrival to the last output; None: no limit
         self.model_name, self.max_waiting, self.metrics = model_name, options.max_waiting, metrics
         self.limits, self.quotas = options.api_limits, quotas
         self.prompts = Prompts(tokenizer, template, client.spec.vocab_size, options.special_tokens_in_content,
-                               options.public_system_prompts, client.spec.max_model_len)
+                               options.public_system_prompts, client.spec.max_model_len, images)
         self.reasoning_model = self.prompts.reasoning_model
         self.tool_format = resolve_format(options.tool_call_parser, template.source if template is not None else None)
         limits = options.api_limits
@@ -162,7 +164,7 @@ class Serving:
         out = []
         for p_index, p in enumerate(prompts):
             public = p.public_tokens // spec.page_size if req.cache_salt is None and tenant is not None else 0
-            hashes = spec.page_hashes(p.ids, root, shared_pages=public)
+            hashes = spec.page_hashes(p.keys or p.ids, root, shared_pages=public)  # images: keyed by content
             hints = p.hints
             if public and len(p.ids) // spec.page_size > public:  # the state where the public pages end,
                 hints = sorted({*hints, public * spec.page_size})  # keyed by the last of them: every tenant's
@@ -170,7 +172,7 @@ class Serving:
                 out.append(GenerateRequest(
                     request_id=f"{internal}-{p_index * len(params) + i}", prompt_token_ids=p.ids, params=sp,
                     prompt=p.text, messages=p.messages, hash_root=root, page_hashes=hashes,
-                    checkpoint_hints=hints, tenant=caller.tenant_id))
+                    checkpoint_hints=hints, tenant=caller.tenant_id, images=p.images, prompt_keys=p.keys))
         return out
 
     # ---- running -----------------------------------------------------------------------------

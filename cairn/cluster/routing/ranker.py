@@ -250,7 +250,7 @@ class AffinityRanker:
         and of what this router sent where (fresh predicted holders: the prompts' ends). An index
         that cannot answer costs the sub-page depth, nothing else."""
         cfg, ps, n = self.config, self.config.page_size, request.num_prompt_tokens
-        hashes, root, tokens = request.page_hashes or [], request.hash_root, request.prompt_token_ids
+        hashes, root, tokens = request.page_hashes or [], request.hash_root, request.cache_tokens
         if root is None:
             return scores
         keys: list[bytes] = []
@@ -292,7 +292,7 @@ class AffinityRanker:
         j, t = divmod(n, ps)
         if not t or not j or request.hash_root is None or len(hashes) < j:
             return []
-        return sub_state_keys(branch_root(hashes[j - 1], request.hash_root), request.prompt_token_ids[j * ps:n])[-1:]
+        return sub_state_keys(branch_root(hashes[j - 1], request.hash_root), request.cache_tokens[j * ps:n])[-1:]
 
     def _states_left(self, request: GenerateRequest, resumed_pages: int) -> list[int]:
         """Depths (pages) where a hybrid model's engine leaves states computing `request` from

@@ -7,12 +7,12 @@ outputs and the cache's pages can be shared by it). `image_input(processed, firs
 
 `prompt_keys(prompt, images, merge_size)`: the prompt as every cache path hashes and compares it
 (page hashes, partial pages, sub-page checkpoints' tails, the index's keys; a sequence reads it
-through cairn.workers.cache_tokens.CacheTokens). Token k of an image (0-based) is the key `IMAGE_KEYS + (h + k) mod 2^56`, h the first seven
-bytes of the image's hash: never a vocabulary id (those are below 2^32), and another image's keys
-meet these only by a 2^-56 chance. So a page that overlaps an image hashes the image's content
-with its tokens: the same tokens with a different image share nothing from the image's first
-token on, and the same image resumes past it. Text tokens, and every token past the prompt, key
-as themselves.
+through cairn.workers.cache_tokens.CacheTokens). Token k of an image (0-based) is the key
+`IMAGE_KEYS + (h + k) mod 2^56`, h the first seven bytes of the image's hash: never a vocabulary
+id (those are below 2^32), and another image's keys meet these only by a 2^-56 chance. So a page
+that overlaps an image hashes the image's content with its tokens: the same tokens with a
+different image share nothing from the image's first token on, and the same image resumes past
+it. Text tokens, and every token past the prompt, key as themselves.
 Plain Python and numpy: no torch.
 """
 
