@@ -86,6 +86,7 @@ CHECKS: dict[str, object] = {
     "python3 benchmarks/multiturn.py --arch qwen3_5": Quick("model: tiny qwen3_5 demo", "multiturn.png"),
     "python3 benchmarks/multiturn.py --device-budget 0.25 --host-budget 4": Quick("with the tier:"),
     "python3 benchmarks/tiers.py": Quick("the tier keeps"),
+    "python3 benchmarks/multimodal.py": Quick("cairn with memory to spare:"),
     "python3 benchmarks/routing.py --quick": Quick("cache_affinity vs pow2", "routing.png"),
     "python3 benchmarks/index_scoring.py": Quick("prompt through the actor: p50"),
     "python3 benchmarks/overhead.py": Quick("x goal"),

@@ -1,0 +1,218 @@
+"""Multi-turn chats with images: cached tokens against the oracle, TTFT, and the vision tower's runs.
+
+The workload, on `cairn demo-model --arch qwen3_5 --vision` (size bench, 64 tokens an image; tiny
+with --quick): `--convs` conversations share a system prompt; each sends an image in turn 1 and a
+new one every `--image-every` turns after it, with a question; the model's answers are fed back
+as a client would (the demo template drops earlier turns' thinking, so each prompt parts from the
+previous one inside its generation prompt). All conversations are open at once and advance turn
+by turn. Each image is a random PNG, preprocessed as the server does; two conversations never
+send the same image, and every image has as many tokens as every other (the same size), so a
+cache keyed by token ids alone would hit across images.
+
+The oracle hit of a request is its longest common prefix, to the token, with everything seen
+before it, with image tokens keyed by content (cairn.workers.vision.image_input): what a cache
+with unlimited memory and a state at every token could resume. Printed per run: hit tokens /
+oracle, requests more than 2 tokens short, the last turn's median TTFT, and how many images the
+tower encoded of those sent. Runs, in one process, on the same recorded trace: `cold` (each
+request under its own cache salt: the baseline every ratio is against), `cairn` with memory to
+spare, and under a device budget of `--device-budget` times what the spare run's cache used,
+without the host tier and with one of `--host-budget` times the device budget.
+Not a test: nothing is asserted. vLLM's figure on hybrid models, for the record: 0 prefix hits
+once a conversation carries an image (vllm#43587), which this machine cannot rerun.
+
+Usage: python3 benchmarks/multimodal.py [--convs 6] [--turns 5] [--image-every 2]
+                                       [--device-budget 0.25 --host-budget 2] [--quick]
+  --quick: the tiny vision demo, 2 conversations, 3 turns: checks that the script runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's packages
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from PIL import Image  # noqa: E402
+from tokenizers import Tokenizer  # noqa: E402
+
+from cairn.cluster.api.chat_template import ChatTemplate  # noqa: E402
+from cairn.workers import Engine, SamplingParams  # noqa: E402
+from cairn.workers.demo import write_demo_model  # noqa: E402
+from cairn.workers.request import GenerateRequest  # noqa: E402
+from cairn.workers.vision.image_input import ImageInput, image_input, prompt_keys  # noqa: E402
+from cairn.workers.vision.image_processing import load_preprocessor_config, preprocess_image  # noqa: E402
+from traces import MULTITURN_WORDS, Oracle, sentence  # noqa: E402  (benchmarks/traces.py)
+
+
+@dataclass
+class Request:
+    conv: int
+    turn: int
+    prompt: list[int]
+    images: list[ImageInput]
+    hints: list[int]
+    keys: list[int]
+    oracle: int = 0
+
+
+def vision_demo(size: str) -> Path:
+    home = Path(os.environ.get("CAIRN_HOME") or Path.home() / ".cache" / "cairn")
+    out = home / f"demo-qwen3_5-{size}-vision"
+    if not (out / "model.safetensors").exists():
+        write_demo_model(out, size=size, arch="qwen3_5", vision=True)
+    return out
+
+
+def png(rng: np.random.Generator, side: int) -> bytes:
+    out = io.BytesIO()
+    Image.fromarray((rng.random((side, side, 3)) * 255).astype(np.uint8)).save(out, format="PNG")
+    return out.getvalue()
+
+
+class Client:
+    """Renders a chat as the ingress does: image parts become one pad token each, expanded."""
+
+    def __init__(self, model_dir: Path):
+        self.tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        self.template = ChatTemplate.from_dir(model_dir)
+        self.pad = self.tok.token_to_id("<|image_pad|>")
+        self.preprocessor = load_preprocessor_config(model_dir)
+
+    def encode(self, messages: list[dict], images: list) -> tuple[list[int], list[ImageInput], list[int]]:
+        text, starts = self.template.message_starts(messages)
+        enc = self.tok.encode(text, add_special_tokens=False)
+        ends = [e for _, e in enc.offsets]
+        hints = [sum(1 for e in ends if e <= c) for c in starts]
+        ids, inputs, k = [], [], 0
+        for i, t in enumerate(enc.ids):
+            if t == self.pad:
+                inputs.append(image_input(images[k], len(ids)))
+                ids += [self.pad] * images[k].num_image_tokens
+                hints = [h + images[k].num_image_tokens - 1 if h > i else h for h in hints]
+                k += 1
+            else:
+                ids.append(t)
+        return ids, inputs, hints
+
+
+def record(engine: Engine, client: Client, convs: int, turns: int, every: int, answer: int, side: int
+           ) -> list[list[Request]]:
+    rng, words = np.random.default_rng(0), torch.Generator().manual_seed(1)
+    system = {"role": "system", "content": " ".join(sentence(words, 12, MULTITURN_WORDS) for _ in range(8))}
+    messages, images = [[system] for _ in range(convs)], [[] for _ in range(convs)]
+    oracle, rounds = Oracle(page_tokens=1), []
+    params = SamplingParams(max_tokens=answer, temperature=0, ignore_eos=True)
+    for turn in range(1, turns + 1):
+        reqs = []
+        for c in range(convs):
+            content = [{"type": "text", "text": sentence(words, 10, MULTITURN_WORDS)}]
+            if (turn - 1) % every == 0:
+                images[c].append(preprocess_image(png(rng, side), client.preprocessor, max_source_pixels=10**8))
+                content.insert(0, {"type": "image"})
+            messages[c].append({"role": "user", "content": content})
+            ids, inputs, hints = client.encode(messages[c], images[c])
+            keys = prompt_keys(ids, inputs, 2)
+            reqs.append(Request(c, turn, ids, inputs, hints, keys, oracle.hit_tokens(keys)))
+        outs = run(engine, reqs, params, "record")[0]
+        for r in reqs:
+            out = outs[(r.conv, r.turn)]
+            messages[r.conv].append({"role": "assistant", "content": client.tok.decode(out, skip_special_tokens=True)})
+            oracle.insert(r.keys + out)
+        rounds.append(reqs)
+    return rounds
+
+
+def run(engine: Engine, reqs: list[Request], params: SamplingParams, salt: str | None):
+    """One round at once; (outputs by (conv, turn), cached by (conv, turn), TTFT by (conv, turn))."""
+    ids, first, outs, cached = {}, {}, {}, {}
+    if salt == "cold":  # nothing kept: not even the tower's outputs
+        engine.runner.encoder.clear()
+    sent = time.perf_counter()
+    for r in reqs:
+        rid = f"{salt}-{r.conv}-{r.turn}"
+        root = engine.spec.hash_root(f"{salt}-{r.conv}-{r.turn}") if salt == "cold" else None
+        engine.add(GenerateRequest(rid, r.prompt, params, images=r.images, checkpoint_hints=r.hints, hash_root=root))
+        ids[rid] = (r.conv, r.turn)
+    while engine.has_unfinished():
+        for out in engine.step():
+            key = ids[out.request_id]
+            first.setdefault(key, time.perf_counter() - sent)
+            if out.finished:
+                outs[key], cached[key] = out.token_ids, out.cached_tokens
+    return outs, cached, first
+
+
+def replay(engine: Engine, rounds: list[list[Request]], answer: int, salt: str) -> dict:
+    params = SamplingParams(max_tokens=answer, temperature=0, ignore_eos=True)
+    hit = oracle = short = 0
+    ttft: list[float] = []
+    for reqs in rounds:
+        _, cached, first = run(engine, reqs, params, salt)
+        for r in reqs:
+            got = cached[(r.conv, r.turn)]
+            hit, oracle, short = hit + got, oracle + r.oracle, short + (r.oracle - got > 2)
+        ttft = list(first.values())
+    encoder = engine.runner.encoder
+    sent = sum(len({i.content_hash for i in r.images}) for reqs in rounds for r in reqs)
+    return dict(hit=hit, oracle=oracle, short=short, ttft=statistics.median(ttft), encoded=encoder.encoded,
+                sent=sent, used=engine.cache.used_bytes)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--convs", type=int, default=6)
+    parser.add_argument("--turns", type=int, default=5)
+    parser.add_argument("--image-every", type=int, default=2)
+    parser.add_argument("--answer-tokens", type=int, default=16)
+    parser.add_argument("--device-budget", type=float, default=0.25, metavar="F")
+    parser.add_argument("--host-budget", type=float, default=2.0, metavar="H")
+    parser.add_argument("--quick", action="store_true", help="tiny model, 2 conversations, 3 turns")
+    args = parser.parse_args()
+    size, side, spare = "bench", 256, 2**30
+    if args.quick:
+        size, side, spare, args.convs, args.turns = "tiny", 128, 2**26, 2, 3
+    torch.set_num_threads(os.cpu_count() or 1)
+    model_dir = vision_demo(size)
+    client = Client(model_dir)
+    opts = dict(max_num_seqs=max(4, args.convs), dtype="float32")
+    rounds = record(Engine.from_pretrained(model_dir, cache_memory_bytes=spare, **opts), client, args.convs,
+                    args.turns, args.image_every, args.answer_tokens, side)
+    n = sum(len(reqs) for reqs in rounds)
+    print(f"model: {size} qwen3_5 vision demo; {args.convs} conversations x {args.turns} turns = {n} requests, "
+          f"an image every {args.image_every} turns ({rounds[0][0].images[0].num_tokens(2)} tokens each)")
+    runs = {}
+    runs["cold"] = replay(Engine.from_pretrained(model_dir, cache_memory_bytes=spare, **opts), rounds,
+                          args.answer_tokens, "cold")
+    runs["cairn, memory to spare"] = replay(Engine.from_pretrained(model_dir, cache_memory_bytes=spare, **opts),
+                                           rounds, args.answer_tokens, "cairn")
+    device = int(args.device_budget * runs["cairn, memory to spare"]["used"])
+    for name, host in ((f"cairn, device {args.device_budget:g}x, no host tier", 0),
+                       (f"cairn, device {args.device_budget:g}x, host {args.host_budget:g}x", int(args.host_budget * device))):
+        try:
+            engine = Engine.from_pretrained(model_dir, cache_memory_bytes=device, host_cache_bytes=host, **opts)
+        except ValueError as e:  # a budget too small for one sequence
+            print(f"{name}: not run ({e})")
+            continue
+        runs[name] = replay(engine, rounds, args.answer_tokens, "cairn")
+    cold = runs["cold"]["ttft"]
+    print(f"{'run':40s} {'cached':>7s} {'oracle':>7s} {'ratio':>6s} {'short>2':>7s} {'last TTFT':>10s} "
+          f"{'vs cold':>7s} {'encoded/sent':>12s}")
+    for name, r in runs.items():
+        print(f"{name:40s} {r['hit']:7d} {r['oracle']:7d} {r['hit'] / max(r['oracle'], 1):6.3f} {r['short']:7d} "
+              f"{r['ttft'] * 1e3:8.1f}ms {cold / r['ttft']:6.2f}x {r['encoded']:5d}/{r['sent']:<6d}")
+    spare_run = runs["cairn, memory to spare"]
+    print(f"cairn with memory to spare: {spare_run['hit'] / max(spare_run['oracle'], 1):.3f} of the oracle, "
+          f"last-turn TTFT {cold / spare_run['ttft']:.2f}x lower than cold")
+
+
+if __name__ == "__main__":
+    main()
