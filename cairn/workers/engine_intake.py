@@ -55,6 +55,7 @@ class EngineIntake:
         if self.images_refused is None:
             tower = load_vision_tower(model_dir, self.vision, self.runner.dtype, self.runner.device)
             self.runner.encoder = ImageEncoder(tower, self.vision.spatial_merge_size)
+            self.scheduler.merge_size = self.vision.spatial_merge_size
 
     def add(self, request: GenerateRequest, fetch: bool = False) -> FetchPlan | None:
         """Queues a request; raises `RequestRejected` naming the field at fault. Its `hash_root`

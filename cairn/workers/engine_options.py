@@ -51,6 +51,7 @@ class EngineOptions:
     checkpoint_interval_pages: int = 32       # pages between `interval` checkpoints
     max_num_seqs: int = 64                    # sequences running at once (each holds a state slot)
     max_num_batched_tokens: int = 2048        # tokens computed in one step (decodes + prefill chunks; vLLM's server default)
+    max_image_tokens_per_step: int | None = None  # image tokens one step encodes (cairn.workers.image_budget); None: max_num_batched_tokens
     max_model_len: int | None = None          # prompt + output tokens; None = model's max positions
     dtype: str = "auto"                       # float32 | bfloat16 | float16 | auto (cairn.workers.precision)
     device: str = "auto"                      # cpu | cuda | cuda:N | auto (cuda when present)
@@ -86,7 +87,7 @@ class EngineOptions:
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "checkpoint_interval_pages",
                      "tensor_parallel_size"):
             positive(name)
-        for name in ("num_pages", "cache_memory_bytes", "speculative_max_num_seqs"):
+        for name in ("num_pages", "cache_memory_bytes", "speculative_max_num_seqs", "max_image_tokens_per_step"):
             positive(name, allow_none=True)
         if isinstance(self.host_cache_bytes, bool) or not isinstance(self.host_cache_bytes, int) or \
                 self.host_cache_bytes < 0:

@@ -2,9 +2,10 @@
 from where, and which states are saved on the way; after it, what the step's tokens mean.
 
 `schedule` builds a `StepPlan`: decodes (one token each) and prefill chunks together, at most
-`max_num_batched_tokens` tokens and `max_num_seqs` running sequences. Running sequences are
-served oldest first; when one needs a page and none can be had, the newest running sequence is
-preempted: it gives back what it holds and waits at the head of the queue to recompute later.
+`max_num_batched_tokens` tokens, `max_num_seqs` running sequences and the image tokens
+`cairn.workers.image_budget` lets one step encode. Running sequences are served oldest first;
+when one needs a page and none can be had, the newest running sequence is preempted: it gives
+back what it holds and waits at the head of the queue to recompute later.
 Tenants (each sequence's `tenant`) share the engine (`cairn.workers.tenant_queue`): with more than one
 at work, the slots are shared (a tenant with waiting work below its share of `max_num_seqs`
 takes a slot from the tenant most above it, whose newest sequence is preempted), the step's
@@ -57,6 +58,7 @@ from cairn.workers.shared_prefill import add_inflight, defer_for_twin, inflight_
 from cairn.workers.cache.prefix_cache import Match, PrefixCache
 from cairn.workers.engine_errors import SequenceFault
 from cairn.workers.engine_options import EngineOptions
+from cairn.workers.image_budget import ImageBudget
 from cairn.workers.plan import Segment, StepPlan
 from cairn.workers.sequence import Sequence, Status, TokenLogprob
 from cairn.workers.speculative.verify_slots import take_states
@@ -68,8 +70,7 @@ log = logging.getLogger(__name__)
 class Scheduler:
     def __init__(self, options: EngineOptions, cache: PrefixCache, policy: CheckpointPolicy,
                  eos_token_ids: frozenset[int] = frozenset()):
-        self.options, self.cache, self.policy = options, cache, policy
-        self.eos_token_ids = eos_token_ids
+        self.options, self.cache, self.policy, self.eos_token_ids = options, cache, policy, eos_token_ids
         self.page_size = cache.page_size
         self.waiting = TenantQueue()
         self.running: list[Sequence] = []
@@ -86,6 +87,7 @@ class Scheduler:
         # speculative decoding: state slots beside the cache's arena (`ArenaLayout.spare_slots`)
         # that verify segments keep their intermediate states in (cairn.workers.speculative.verify_slots)
         self.spare_slots: list[int] = []
+        self.merge_size = 1  # a vision-language model's spatial merge size (Engine.use_vision), for ImageBudget
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -105,6 +107,7 @@ class Scheduler:
         go on."""
         plan = StepPlan()
         budget = self.options.max_num_batched_tokens
+        self.images = ImageBudget(self.options.max_image_tokens_per_step or budget, self.merge_size)
         ps, running, decodes, prefills = self.page_size, self.running, plan.decodes, plan.prefills
         # tokens each tenant may take this step (None: one tenant at work)
         left = share_among_tenants(running, self.waiting, self.options.max_num_seqs, budget,
@@ -118,13 +121,11 @@ class Scheduler:
                 continue
             start = seq.num_computed
             n = len(seq.token_ids) - start
-            if n > budget:
-                n = budget
-            if left is not None:
-                n = min(n, left.get(seq.tenant, 0))
-                if n <= 0:  # its tenant's share of the step is spent
-                    i += 1
-                    continue
+            n = min(n, budget if left is None else min(budget, left.get(seq.tenant, 0)))
+            n = self.images.cut(seq, start, n) if seq.images else n
+            if n <= 0:  # its tenant's share of the step is spent, or the step's image budget
+                i += 1
+                continue
             if len(seq.cache.page_ids) * ps < start + n:
                 try:
                     if not self._reserve_pages(seq, start + n, plan, order):
@@ -222,6 +223,9 @@ class Scheduler:
         if defer_for_twin(self.cache, self.policy, seq, m.hit_pages, inflight):
             return None
         n = min(seq.num_tokens - m.resume_token, budget)
+        n = self.images.cut(seq, m.resume_token, n) if seq.images else n
+        if n <= 0:
+            return None  # the step's image budget is spent: it starts next step
         if not cache.can_admit(seq, m, n):
             if self.running:
                 return None  # running sequences will finish and give back what it needs

@@ -15,10 +15,10 @@ The map:
 - `image_encoder`: the tower as a step uses it, behind an LRU of its outputs by content hash.
 
 The engine takes images (`GenerateRequest.images`; `Engine.use_vision` loads the tower), places
-their embeddings and M-RoPE positions in a step (cairn.workers.execution.image_rows) and keys the
-cache by them. Not yet: the API's image parts, the router's hashes of them, tensor parallelism
-and speculative decoding with images, the encoder's per-step budget; video is open in the grid
-computation only.
+their embeddings and M-RoPE positions in a step (cairn.workers.execution.image_rows), bounds the
+image tokens a step encodes (cairn.workers.image_budget) and keys the cache by them; the API
+reads image parts (cairn.cluster.api.prompt_images). Not yet: tensor parallelism and speculative
+decoding with images; video is open in the grid computation only.
 
 Imported lazily (PEP 562), as `cairn.workers.model` is: the torch-free modules load without torch.
 """

@@ -150,3 +150,21 @@ def test_requests_with_images_an_engine_cannot_take_are_refused_naming_images(vl
     with pytest.raises(RequestRejected, match="no images"):
         text_only.add(GenerateRequest("bad", [1, 2, 3], GREEDY, images=images))
     assert run(engine, prompt, images).finish_reason == "length"  # the engine still serves
+
+
+def test_a_step_encodes_at_most_its_image_budget_and_computes_the_same(vl):
+    """Two images of 6 tokens in one prompt, a budget of 8 image tokens a step: the first step's
+    chunk ends before the second image (its first image always fits), the next takes it; a
+    decode running beside it is not held back; the tokens equal an unbudgeted engine's."""
+    path, model = vl
+    prompt, images = with_images(CASES["two_images"])  # images of 4 and 3 tokens, a budget of 5
+    engine = Engine.from_pretrained(path, num_pages=64, max_num_seqs=2, max_image_tokens_per_step=5)
+    other = engine.add_request(text(6, 20), GREEDY)
+    engine.step()  # `other` is decoding from here on
+    engine.add(GenerateRequest("r", prompt, GREEDY, images=images))
+    plan = engine.scheduler.schedule()
+    chunk = next(seg for seg in plan.prefills if seg.seq.request_id == "r")
+    assert chunk.num_tokens == images[1].first_token and [s.seq.request_id for s in plan.decodes] == [other]
+    engine.scheduler.abandon(plan)
+    out = finish(engine, ["r"])["r"]
+    assert out.token_ids == reference(model, prompt, images, GREEDY.max_tokens)[0]
