@@ -19,10 +19,9 @@ from cairn.workers.engine_errors import EngineBroken, RequestRejected
 from cairn.workers.output import RequestOutput
 from cairn.workers.request import GenerateRequest
 from cairn.workers.request_check import check, check_images
+from cairn.workers.execution.tp_runner import image_encoder
 from cairn.workers.vision.image_input import prompt_keys
-from cairn.workers.vision.image_encoder import ImageEncoder
 from cairn.workers.vision.vision_config import load_vision_config
-from cairn.workers.vision.vision_tower import load_vision_tower
 from cairn.workers.sampling_params import SamplingParams
 from cairn.workers.sequence import Sequence, Status
 
@@ -42,19 +41,17 @@ class EngineIntake:
 
     def use_vision(self, model_dir) -> None:
         """Takes images with prompts where the checkpoint in `model_dir` has a vision tower: loads it
-        (in the model's dtype, on its device) behind an `ImageEncoder`. Tensor parallelism and
-        speculative decoding take no images yet: requests with images are refused there."""
+        (in the model's dtype, on its device) behind an `ImageEncoder` (under tensor parallelism,
+        every rank its own: cairn.workers.execution.tp_runner). Speculative decoding takes no
+        images yet: requests with images are refused there, and by a model without interleaved
+        M-RoPE."""
         self.vision = load_vision_config(model_dir)
         if self.vision is None:
             return
-        o = self.options
-        self.images_refused = ("tensor parallelism" if o.tensor_parallel_size > 1 else
-                               "speculative decoding" if o.num_speculative_tokens else None)
-        if not self.config.mrope_interleaved:
-            self.images_refused = "a model without interleaved M-RoPE"
+        self.images_refused = "speculative decoding" if self.options.num_speculative_tokens else \
+            None if self.config.mrope_interleaved else "a model without interleaved M-RoPE"
         if self.images_refused is None:
-            tower = load_vision_tower(model_dir, self.vision, self.runner.dtype, self.runner.device)
-            self.runner.encoder = ImageEncoder(tower, self.vision.spatial_merge_size)
+            getattr(self.runner, "local", self.runner).encoder = image_encoder(model_dir, self.options, self.model)
             self.scheduler.merge_size = self.vision.spatial_merge_size
 
     def add(self, request: GenerateRequest, fetch: bool = False) -> FetchPlan | None:

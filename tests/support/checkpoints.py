@@ -102,6 +102,14 @@ QWEN3_5_CHECKPOINTS["tp_q35_moe_vl"] = ("Qwen3_5MoeForConditionalGeneration", "Q
                                              tie_word_embeddings=True))
 
 
+# Images split 2 ways: the tower is whole on every rank, the language model sharded.
+QWEN3_5_CHECKPOINTS["tp_q35_vision"] = (
+    "Qwen3_5ForConditionalGeneration", "Qwen3_5Config",
+    dict(text_config=dict(TP_TEXT, intermediate_size=96, rope_parameters={
+        "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5, "mrope_section": [2, 1, 1],
+        "mrope_interleaved": True}), vision_config=dict(Q35_VISION, out_hidden_size=64), **Q35_VISION_IDS))
+
+
 def build_hf_checkpoint(path: Path, kind: str, dtype: torch.dtype = torch.float32, seed: int = 0, **save) -> Path:
     """Writes a random model of `kind` (CHECKPOINTS: Qwen3-Next; QWEN3_5_CHECKPOINTS: Qwen3.5)
     with transformers' own save_pretrained."""

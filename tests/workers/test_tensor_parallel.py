@@ -63,6 +63,33 @@ def test_greedy_tokens_and_logprobs_match_one_device(hf_checkpoint, reference, k
         engine.close()
 
 
+def test_prompts_with_images_at_tp_2_match_one_device(hf_checkpoint):
+    """Two prompts with images (two in one, cut by a chunk), and a second turn resuming past its
+    image: at TP 2, the tokens and logprobs of TP 1 (every rank encodes the images itself)."""
+    from cairn.workers.request import GenerateRequest
+    from tests.support.stepping import finish
+    from tests.workers.vision.test_engine_images import CASES, with_images
+
+    path = hf_checkpoint("tp_q35_vision")
+    options = dict(num_pages=64, max_num_seqs=4, max_num_batched_tokens=24)
+    runs = []
+    for tp in (1, 2):
+        engine = Engine.from_pretrained(path, tensor_parallel_size=tp, **options)
+        try:
+            outs = []
+            for name in ("two_images", "a_larger_image_over_pages"):
+                prompt, images = with_images(CASES[name])
+                engine.add(GenerateRequest(name, prompt, GREEDY, images=images))
+                outs.append(finish(engine, [name])[name])
+                engine.add(GenerateRequest(name + "-2", prompt + outs[-1].token_ids + [5, 6, 7], GREEDY, images=images))
+                outs.append(finish(engine, [name + "-2"])[name + "-2"])
+                assert outs[-1].cached_tokens > images[-1].first_token
+            runs.append(outs)
+        finally:
+            engine.close()
+    assert_same_outputs(runs[1], runs[0])
+
+
 @pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5", "qwen3_5_moe"])
 def test_demo_models_at_tp_2_match_one_device(demo_model, arch):
     path = demo_model(arch)

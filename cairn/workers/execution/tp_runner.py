@@ -101,12 +101,27 @@ def build_rank_runner(model_dir: str | Path, asked: EngineOptions, rank: int, ad
     sized = arena_sized(asked, model, head is not None)  # the arena every rank agrees on
     layout = ArenaLayout.plan(model.config, sized, next(model.parameters()).dtype.itemsize)
     runner = ModelRunner(model, layout, sized.page_size, sized.max_num_seqs + 1)
+    runner.encoder = image_encoder(model_dir, asked, model)  # every rank encodes a step's images itself
     drafter = None
     if head is not None:
         if drafter_type is None:
             raise ValueError("a speculating rank needs the drafter that runs its share of the MTP head")
         drafter = drafter_type(runner, head)
     return RankExecutor(runner, drafter), layout.num_blocks
+
+
+def image_encoder(model_dir: str | Path, options: EngineOptions, model):
+    """The checkpoint's vision tower behind an encoder, on the model's device in its dtype, where it
+    has one and the engine takes images (not while speculating); else None."""
+    from cairn.workers.vision.image_encoder import ImageEncoder
+    from cairn.workers.vision.vision_config import load_vision_config
+    from cairn.workers.vision.vision_tower import load_vision_tower
+
+    vision = load_vision_config(model_dir)
+    if vision is None or options.num_speculative_tokens or not model.config.mrope_interleaved:
+        return None
+    p = next(model.parameters())
+    return ImageEncoder(load_vision_tower(model_dir, vision, p.dtype, p.device), vision.spatial_merge_size)
 
 
 class RankExecutor:
