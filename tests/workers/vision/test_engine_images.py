@@ -3,8 +3,10 @@
 `Qwen3_5ForConditionalGeneration`'s for images of three sizes, two images in one prompt, a prefill
 chunked through an image, and an image in the first turn of a two-turn chat; the prefix cache
 keys image tokens by the image's content (the same tokens with another image resume before the
-image, the same image resumes past it without running the tower again); a request with images
-that the engine cannot take is refused, naming `images`, and changes nothing."""
+image, the same image resumes past it without running the tower again), and a peer fetch
+carries an image conversation's resume point; a step encodes at most its image budget; a
+request with images that the engine cannot take is refused, naming `images`, and changes
+nothing."""
 
 import numpy as np
 import pytest
@@ -168,3 +170,29 @@ def test_a_step_encodes_at_most_its_image_budget_and_computes_the_same(vl):
     engine.scheduler.abandon(plan)
     out = finish(engine, ["r"])["r"]
     assert out.token_ids == reference(model, prompt, images, GREEDY.max_tokens)[0]
+
+
+def test_a_peer_fetch_brings_an_image_conversations_resume_point(vl):
+    """A holder served turn 1 (an image in it); a receiver fetches its resume point by the pages'
+    keyed hashes, resumes turn 2 past the image without running its tower, and computes what it
+    computes cold."""
+    from cairn.workers.vision.image_input import prompt_keys
+
+    path, _ = vl
+    holder, receiver = (Engine.from_pretrained(path, num_pages=64, max_num_seqs=2, cache_policy="all", worker_id=w)
+                        for w in ("holder", "receiver"))
+    prompt, images = with_images([text(20, 30), ((1, 4, 6), 31), text(24, 32)])
+    first = run(holder, prompt, images, rid="t1")
+    turn2 = prompt + first.token_ids + text(7, 33)
+    root = receiver.spec.hash_root()
+    hashes = receiver.spec.page_hashes(prompt_keys(turn2, images, 2), root)
+    depth = len(prompt) // 16
+    plan = receiver.fetches.plan(hashes, len(turn2), depth)
+    export = holder.fetches.export(hashes, plan.first, plan.depth)
+    assert export is not None and receiver.fetches.import_(export, hashes, plan.first) == depth
+    receiver.add(GenerateRequest("t2", turn2, GREEDY, images=images, page_hashes=hashes, hash_root=root))
+    got = finish(receiver, ["t2"])["t2"]
+    assert got.cached_tokens >= depth * 16 > images[0].first_token + 6 and receiver.runner.encoder.encoded == 0
+    cold = run(receiver, turn2, images, rid="cold", salt="cold")
+    assert cold.cached_tokens == 0 and cold.token_ids == got.token_ids
+    np.testing.assert_allclose([lp.logprob for lp in got.logprobs], [lp.logprob for lp in cold.logprobs], atol=1e-4)
