@@ -42,14 +42,13 @@ class EngineIntake:
     def use_vision(self, model_dir) -> None:
         """Takes images with prompts where the checkpoint in `model_dir` has a vision tower: loads it
         (in the model's dtype, on its device) behind an `ImageEncoder` (under tensor parallelism,
-        every rank its own: cairn.workers.execution.tp_runner). Speculative decoding takes no
-        images yet: requests with images are refused there, and by a model without interleaved
-        M-RoPE."""
+        every rank its own: cairn.workers.execution.tp_runner). A model without interleaved M-RoPE
+        refuses requests with images. Under speculative decoding, sequences with images do not
+        draft (cairn.workers.speculative.verifier)."""
         self.vision = load_vision_config(model_dir)
         if self.vision is None:
             return
-        self.images_refused = "speculative decoding" if self.options.num_speculative_tokens else \
-            None if self.config.mrope_interleaved else "a model without interleaved M-RoPE"
+        self.images_refused = None if self.config.mrope_interleaved else "a model without interleaved M-RoPE"
         if self.images_refused is None:
             getattr(self.runner, "local", self.runner).encoder = image_encoder(model_dir, self.options, self.model)
             self.scheduler.merge_size = self.vision.spatial_merge_size

@@ -14,8 +14,9 @@ and `encoder` the runner's image encoder (its merge size counts an image's token
 - image rows: [N] int64, the step's rows that are image tokens, in row order; parts: for each
   image a prefill segment overlaps, (image, first, end): the image's tokens [first, end) those
   rows hold (cairn.workers.vision.image_encoder reads them).
-The runner makes no verify rows for sequences with images (speculative decoding is refused with
-images: cairn.workers.request_check). Plain numpy.
+`decodes` are the decode rows' segments, or with verify rows (speculative decoding) their
+(segment, j) rows: a sequence with images never drafts (cairn.workers.speculative.verifier), so
+its one row is a decode beside others' verify rows. Plain numpy.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import numpy as np
 
 def step_images(decodes, prefills, positions: np.ndarray, encoder):
     imaged = [seg for seg in prefills if seg.seq.rope is not None]
-    shifts = [seg.seq.rope_shift() for seg in decodes]
+    shifts = [(row[0] if isinstance(row, tuple) else row).seq.rope_shift() for row in decodes]
     if not imaged and not any(shifts):
         return positions, None, ()
     nd = len(decodes)

@@ -386,7 +386,7 @@ class ModelRunner:
         rows, counts = np.array(rows), np.array(counts)
         ends = np.array(starts) + counts
         pos = np.concatenate(positions) if prefills else positions[0]
-        rope, image_rows, image_parts = step_images(() if verify else decodes, prefills, pos, self.encoder)
+        rope, image_rows, image_parts = step_images(verify.rows if verify else decodes, prefills, pos, self.encoder)
         if prefills:
             token_rows, token_shared = np.repeat(rows, counts), np.repeat(shared, counts)
         else:

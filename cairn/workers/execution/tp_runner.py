@@ -112,13 +112,13 @@ def build_rank_runner(model_dir: str | Path, asked: EngineOptions, rank: int, ad
 
 def image_encoder(model_dir: str | Path, options: EngineOptions, model):
     """The checkpoint's vision tower behind an encoder, on the model's device in its dtype, where it
-    has one and the engine takes images (not while speculating); else None."""
+    has one and the model reads images (interleaved M-RoPE); else None."""
     from cairn.workers.vision.image_encoder import ImageEncoder
     from cairn.workers.vision.vision_config import load_vision_config
     from cairn.workers.vision.vision_tower import load_vision_tower
 
     vision = load_vision_config(model_dir)
-    if vision is None or options.num_speculative_tokens or not model.config.mrope_interleaved:
+    if vision is None or not model.config.mrope_interleaved:
         return None
     p = next(model.parameters())
     return ImageEncoder(load_vision_tower(model_dir, vision, p.dtype, p.device), vision.spatial_merge_size)

@@ -113,7 +113,7 @@ class Verifier:
         runs = []
         for seg in plan.decodes + plan.prefills:
             seq = seg.seq
-            if seq.finished or seg.num_tokens == 0:
+            if seq.finished or seg.num_tokens == 0 or seq.images:  # images: no drafts, no head pass
                 continue
             want = 0
             if seq.num_computed == len(seq.token_ids) - 1:

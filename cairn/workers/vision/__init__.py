@@ -18,8 +18,8 @@ The engine takes images (`GenerateRequest.images`; `Engine.use_vision` loads the
 their embeddings and M-RoPE positions in a step (cairn.workers.execution.image_rows), bounds the
 image tokens a step encodes (cairn.workers.image_budget) and keys the cache by them; the API
 reads image parts (cairn.cluster.api.prompt_images); under tensor parallelism every rank encodes
-them itself. Not yet: speculative decoding with images; video is open in the grid computation
-only.
+them itself; a sequence with images does not draft under speculative decoding. Video is open in
+the grid computation only.
 
 Imported lazily (PEP 562), as `cairn.workers.model` is: the torch-free modules load without torch.
 """

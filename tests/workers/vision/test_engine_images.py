@@ -196,3 +196,34 @@ def test_a_peer_fetch_brings_an_image_conversations_resume_point(vl):
     cold = run(receiver, turn2, images, rid="cold", salt="cold")
     assert cold.cached_tokens == 0 and cold.token_ids == got.token_ids
     np.testing.assert_allclose([lp.logprob for lp in got.logprobs], [lp.logprob for lp in cold.logprobs], atol=1e-4)
+
+
+@pytest.mark.parametrize("exact", [False, True], ids=["default", "exact"])
+def test_under_speculative_decoding_a_sequence_with_images_does_not_draft_and_computes_the_same(tmp_path, exact):
+    """An image chat beside a text one that drafts (the MTP head's drafts, verified): the image
+    sequence drafts nothing and decodes at its positions beside verify rows; both compute what an
+    engine without speculative decoding computes."""
+    from cairn.workers.demo import write_demo_model
+    from cairn.workers.vision.image_input import image_input
+    from cairn.workers.vision.image_processing import load_preprocessor_config, preprocess_image
+    from tests.api.test_api_images import png
+
+    path = write_demo_model(tmp_path / "vl-mtp", arch="qwen3_5", vision=True, mtp=True)
+    pad = Engine.from_pretrained(path, num_pages=64, dtype="float32").vision.image_token_id
+    image = preprocess_image(png(64, 48, seed=3), load_preprocessor_config(path), max_source_pixels=10**6)
+    prompt = list(range(5, 25)) + [pad] * image.num_image_tokens + list(range(30, 40))
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1)
+    outs = []
+    for k in (0, 2):
+        engine = Engine.from_pretrained(path, num_pages=128, dtype="float32", num_speculative_tokens=k,
+                                        speculative_exact=exact, speculative_adaptive=False)
+        engine.add(GenerateRequest("image", prompt, params, images=[image_input(image, 20)]))
+        engine.add(GenerateRequest("text", list(range(50, 90)), params))
+        outs.append(finish(engine, ["image", "text"]))
+        if k:
+            assert engine.speculation.draft_tokens > 0  # the text sequence drafted
+            assert engine.speculation.draft_tokens <= 2 * params.max_tokens  # ... and only it
+    for rid in ("image", "text"):
+        assert outs[1][rid].token_ids == outs[0][rid].token_ids
+        np.testing.assert_allclose([lp.logprob for lp in outs[1][rid].logprobs],
+                                   [lp.logprob for lp in outs[0][rid].logprobs], atol=1e-4)
