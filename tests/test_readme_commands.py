@@ -79,6 +79,9 @@ CHECKS: dict[str, object] = {
     # docs/operations.md: a demo model of another family, written then served
     "cairn demo-model /tmp/cairn-qwen3_5 --arch qwen3_5_moe": "test_the_qwen3_5_demo_model_is_written_then_served",
     "cairn serve --model /tmp/cairn-qwen3_5": "test_the_qwen3_5_demo_model_is_written_then_served",
+    # docs/serving.md: the vision demo model, written, served, and asked about a picture
+    "cairn demo-model /tmp/cairn-vision --arch qwen3_5 --vision": "test_the_vision_demo_is_written_served_and_shown_a_picture",
+    "cairn serve --model /tmp/cairn-vision": "test_the_vision_demo_is_written_served_and_shown_a_picture",
     # docs/operations.md: the benchmarks
     "python3 benchmarks/throughput.py": Quick("ratio cairn 4 concurrent / transformers static batch:",
                                               "throughput.png"),
@@ -287,6 +290,27 @@ def test_the_qwen3_5_demo_model_is_written_then_served(env, tmp_path):
         assert answer["model"] == "cairn-qwen3_5" and answer["usage"]["completion_tokens"] == 8
         # Qwen3.5's generation prompt opens thinking: what the model writes first is reasoning.
         assert answer["choices"][0]["message"]["reasoning_content"]
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def test_the_vision_demo_is_written_served_and_shown_a_picture(env, tmp_path):
+    """docs/serving.md's two commands and its Python example: the second ask of the same picture
+    resumes past it (cached_tokens covers the image's tokens)."""
+    out = tmp_path / "cairn-vision"
+    (write,) = [c for c in shown_commands() if c.startswith("cairn demo-model /tmp/cairn-vision")]
+    proc = run(write.replace("/tmp/cairn-vision", str(out)).replace("cairn ", f"{cairn_script()} ", 1),
+               env, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == str(out), tail(proc)
+    (code,) = [b for b in python_blocks((ROOT / "docs/serving.md").read_text()) if "image_url" in b]
+    server, port = serve_one_engine(env, "--model", str(out))
+    try:
+        proc = subprocess.run([sys.executable, "-c", code.replace("127.0.0.1:8000", f"127.0.0.1:{port}")],
+                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, tail(proc)
+        (p1, c1), (p2, c2) = [tuple(map(int, line.split())) for line in proc.stdout.splitlines()]
+        assert p1 == p2 > 16 and c1 == 0 and c2 >= p1 - 8, proc.stdout  # the image's 16 tokens among them
     finally:
         server.terminate()
         server.wait(timeout=30)
