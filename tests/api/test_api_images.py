@@ -11,6 +11,8 @@ import io
 import numpy as np
 import openai
 import pytest
+import torch
+import transformers
 from PIL import Image
 from tokenizers import Tokenizer
 
@@ -20,6 +22,7 @@ from cairn.cluster.api.engine_client import LocalEngineClient
 from cairn.cluster.api.server import BackgroundServer
 from cairn.workers import EngineFront
 from cairn.workers.demo import write_demo_model
+from cairn.workers.vision.image_processing import load_preprocessor_config, preprocess_image
 
 MODEL = "vl"
 
@@ -87,25 +90,55 @@ def image_start(model_dir, messages) -> int:
     return ids.index(tok.token_to_id("<|image_pad|>"))
 
 
-def test_a_five_turn_chat_with_an_image_in_turn_one_resumes_past_it_every_turn(client, vl_dir):
-    image = data_url(png(64, 64, seed=3))
-    messages = [{"role": "system", "content": "You describe pictures."}, image_message(image)]
-    cached, prompts = [], []
+def rendered(model_dir, messages, image_tokens: int) -> list[int]:
+    """The prompt the server renders for `messages` (one image): its pad token expanded."""
+    start = image_start(model_dir, messages)
+    shown = [dict(m, content=[p if p["type"] == "text" else {"type": "image"} for p in m["content"]])
+             if isinstance(m["content"], list) else m for m in messages]
+    ids = Tokenizer.from_file(str(model_dir / "tokenizer.json")).encode(
+        ChatTemplate.from_dir(model_dir).render(shown), add_special_tokens=False).ids
+    return ids[:start] + ids[start:start + 1] * image_tokens + ids[start + 1:]
+
+
+def shared(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def test_a_five_turn_chat_with_a_png_equals_transformers_and_resumes_each_turn_at_the_last_prompt(client, vl_dir):
+    """The issue's Done-when, through the official client: a PNG in turn 1 of a 5-turn chat (the
+    template drops each answer's thinking); each turn's tokens equal transformers' greedy tokens
+    for the prompt the server rendered, turns 2-5 resume within 2 tokens of what they share with
+    the previous prompt, and the same history with another picture in turn 1 resumes before it."""
+    data = png(64, 64, seed=3)
+    image = preprocess_image(data, load_preprocessor_config(vl_dir), max_source_pixels=10**6)
+    model = transformers.AutoModelForImageTextToText.from_pretrained(vl_dir).eval()
+    tok = Tokenizer.from_file(str(vl_dir / "tokenizer.json"))
+    pad = tok.token_to_id("<|image_pad|>")
+    messages = [{"role": "system", "content": "You describe pictures."}, image_message(data_url(data))]
+    last = None
     for turn in range(5):
-        out = ask(client, messages)
-        prompts.append(out.usage.prompt_tokens)
-        cached.append(out.usage.prompt_tokens_details.cached_tokens)
+        out = ask(client, messages, logprobs=True)
+        ids = rendered(vl_dir, messages, image.num_image_tokens)
+        assert out.usage.prompt_tokens == len(ids)
+        cached = out.usage.prompt_tokens_details.cached_tokens
+        if last is None:
+            assert cached == 0
+        else:
+            assert shared(ids, last) - 2 <= cached <= shared(ids, last), (turn, cached, shared(ids, last))
+        last = ids
+        x = torch.tensor([ids])
+        with torch.no_grad():
+            expected = model.generate(x, pixel_values=torch.from_numpy(image.pixel_values),
+                                      image_grid_thw=torch.tensor([image.grid_thw]), mm_token_type_ids=(x == pad).long(),
+                                      max_new_tokens=4, do_sample=False)[0, len(ids):].tolist()
+        got = b"".join(bytes(t.bytes) for t in out.choices[0].logprobs.content)
+        assert got.decode("utf-8", "replace") == tok.decode(expected, skip_special_tokens=False), (turn, got)
+        assert len(out.choices[0].logprobs.content) == len(expected) == 4
         messages += [{"role": "assistant", "content": out.choices[0].message.content or ""},
                      {"role": "user", "content": f"And what else, in turn {turn + 2}?"}]
-    assert cached[0] == 0
-    for t in range(1, 5):  # each turn shares the last prompt but its generation prompt (thinking dropped)
-        assert prompts[t - 1] - 8 <= cached[t] < prompts[t - 1] + 1, (t, cached, prompts)
-
-    swapped = [{"role": "system", "content": "You describe pictures."}, image_message(data_url(png(64, 64, seed=4)))]
-    first = ask(client, [{"role": "system", "content": "You describe pictures."}, image_message(image)])
-    assert first.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 2
-    other = ask(client, swapped)
-    assert 0 < other.usage.prompt_tokens_details.cached_tokens <= image_start(vl_dir, swapped)  # nothing of the image
+    messages[1] = image_message(data_url(png(64, 64, seed=4)))
+    swapped = ask(client, messages[:-2] + messages[-1:])
+    assert 0 < swapped.usage.prompt_tokens_details.cached_tokens <= image_start(vl_dir, messages)
 
 
 BAD = {

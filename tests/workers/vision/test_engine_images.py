@@ -227,3 +227,32 @@ def test_under_speculative_decoding_a_sequence_with_images_does_not_draft_and_co
         assert outs[1][rid].token_ids == outs[0][rid].token_ids
         np.testing.assert_allclose([lp.logprob for lp in outs[1][rid].logprobs],
                                    [lp.logprob for lp in outs[0][rid].logprobs], atol=1e-4)
+
+
+@pytest.mark.parametrize("tiers", ["spare, host off", "spare, host on", "pressure, host on"])
+def test_a_five_turn_chat_with_an_image_resumes_each_turn_at_the_last_prompt_on_every_tier(vl, tiers):
+    """Each turn extends the last prompt and its reply; between turns two other conversations with
+    images of their own run. With memory to spare (host tier off or on), and with a device cache
+    too small to keep the conversation beside them but a host tier, every turn resumes within 2
+    tokens of the last prompt and computes what a cold engine computes."""
+    path, _ = vl
+    sizes = dict(num_pages=256) if tiers.startswith("spare") else dict(cache_memory_bytes=30 * 4096)  # 30 blocks
+    if tiers.endswith("host on"):
+        sizes["host_cache_bytes"] = 2000 * 4096
+    engine = Engine.from_pretrained(path, max_num_seqs=2, cache_policy="cairn", **sizes)
+    cold = Engine.from_pretrained(path, num_pages=256, max_num_seqs=2)
+    prompt, images = with_images([text(20, 40), ((1, 4, 6), 41), text(10, 42)])
+    for turn in range(5):
+        out = run(engine, prompt, images, rid=f"turn{turn}")
+        if turn:
+            assert out.cached_tokens >= last - 2, (turn, out.cached_tokens, last)
+        reference = run(cold, prompt, images, rid=f"cold{turn}", salt=f"cold{turn}")
+        assert out.token_ids == reference.token_ids
+        for k in range(2):  # other conversations, each with its own picture
+            other, pictures = with_images([text(30, 50 + 10 * turn + k), ((1, 6, 6), 60 + 10 * turn + k), text(20, 7)])
+            run(engine, other, pictures, rid=f"other{turn}-{k}")
+        last = len(prompt)
+        prompt = prompt + out.token_ids + text(12, 70 + turn)
+    if tiers.startswith("pressure"):
+        assert engine.cache.stats.pages_demoted > 0 and engine.metrics().checkpoints_from_host_total > 0
+    engine.check()
