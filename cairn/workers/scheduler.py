@@ -142,7 +142,7 @@ class Scheduler:
                     Segment(seq, start, 1 + max(d, 0), drafts=max(d, 0), verify=True))
                 plan.lookahead.append(seq)
                 n += max(d, 0)
-            elif n == 1:
+            elif n == 1 and seq.decodes_at(start):
                 decodes.append(Segment(seq, start, 1))
                 plan.lookahead.append(seq)
             else:
@@ -274,7 +274,7 @@ class Scheduler:
 
     def _add_segment(self, plan: StepPlan, seq: Sequence, n: int) -> None:
         segment = Segment(seq, seq.num_computed, n)
-        (plan.decodes if n == 1 else plan.prefills).append(segment)
+        (plan.decodes if n == 1 and seq.decodes_at(segment.start) else plan.prefills).append(segment)
 
     # ---- after the step --------------------------------------------------------------------------
     def postprocess(self, plan: StepPlan, sampling: list[Sequence],

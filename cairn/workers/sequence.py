@@ -87,6 +87,12 @@ class Sequence:
         images a view keying each image token by the image's content (cairn.workers.cache_tokens)."""
         return self.token_ids if self.prompt_keys is None else CacheTokens(self.token_ids, self.prompt_keys)
 
+    def decodes_at(self, start: int) -> bool:
+        """Whether one token from `start` runs as a decode row: always, but inside the prompt of a
+        sequence with images, whose rows there need M-RoPE positions and image embeddings (a
+        prefill segment gives them: cairn.workers.execution.image_rows)."""
+        return self.rope is None or start >= len(self.prompt_token_ids)
+
     def rope_shift(self) -> int:
         """What a token past the prompt adds to its index for its rotary position (M-RoPE's delta)."""
         return 0 if self.rope is None else self.rope.delta

@@ -8,7 +8,10 @@
   empty by default: a server that fetches whatever URL a client names is an SSRF hole). A fetch
   follows no redirect (one could leave the allowed prefix), stops reading past `max_bytes`, and
   gives up after `timeout_s`; a file's real path (symlinks and `..` resolved) must lie under the
-  prefix's directory;
+  prefix's directory, and is opened without following a link, a regular file only; a URL with a
+  dot segment or a NUL, raw or percent-encoded, is refused before anything is read. The time
+  limit is checked as bytes arrive: a server that sends nothing times out after `timeout_s`, one
+  that trickles is cut off at the next bytes past it;
 - anything else (other schemes, a URL under no allowed prefix) is refused, naming the prefixes
   allowed.
 Blocking: it runs on the ingress's prepare threads (`prep_pool`), never on the event loop.
@@ -18,8 +21,10 @@ from __future__ import annotations
 
 import base64
 import binascii
+import http.client
 import os
 import re
+import stat
 import time
 import urllib.error
 import urllib.parse
@@ -47,8 +52,11 @@ class ImageSources:
             allowed = f"this server reads only data: URLs and URLs under {list(self.allow)}" if self.allow else \
                 "this server reads only data: URLs (base64 images); remote and local URLs are off"
             raise bad_request(f"{param}: image URL {url[:80]!r} is not allowed: {allowed}", param)
+        path = urllib.parse.unquote(urllib.parse.urlsplit(url).path)
+        if "\x00" in path or any(part in (".", "..") for part in path.split("/")):
+            raise bad_request(f"{param}: image URL {url[:80]!r} has a dot segment or a NUL: not read", param)
         if url.startswith("file:///"):
-            return self._file(url, param)
+            return self._file(path, url, param)
         return self._fetch(url, param)
 
     def _data(self, url: str, param: str) -> bytes:
@@ -68,14 +76,17 @@ class ImageSources:
             raise self._too_large(param, len(out))
         return out
 
-    def _file(self, url: str, param: str) -> bytes:
-        path = os.path.realpath(urllib.parse.unquote(urllib.parse.urlparse(url).path))
+    def _file(self, path: str, url: str, param: str) -> bytes:
+        path = os.path.realpath(path)
         roots = [os.path.realpath(urllib.parse.unquote(p[len("file://"):])) for p in self.allow
                  if p.startswith("file:///")]
         if not any(path.startswith(root.rstrip("/") + "/") for root in roots):
             raise bad_request(f"{param}: {url[:80]!r} leaves the directories this server reads images from", param)
-        try:
-            with open(path, "rb") as f:
+        try:  # the resolved path, opened without following a link swapped in since, a regular file only
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+            with os.fdopen(fd, "rb") as f:
+                if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                    raise bad_request(f"{param}: {url[:80]!r} is not a regular file", param)
                 out = f.read(self.max_bytes + 1)
         except OSError as e:
             raise bad_request(f"{param}: cannot read {url[:80]!r} ({e.strerror})", param) from None
@@ -91,14 +102,14 @@ class ImageSources:
                 while size <= self.max_bytes:
                     if time.monotonic() > deadline:
                         raise TimeoutError
-                    chunk = response.read(min(1 << 16, self.max_bytes + 1 - size))
+                    chunk = response.read1(min(1 << 16, self.max_bytes + 1 - size))  # what has arrived
                     if not chunk:
                         break
                     chunks.append(chunk)
                     size += len(chunk)
         except TimeoutError:
             raise bad_request(f"{param}: fetching {url[:80]!r} took longer than {self.timeout_s:g} s", param) from None
-        except (urllib.error.URLError, OSError, ValueError) as e:
+        except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError) as e:
             raise bad_request(f"{param}: cannot fetch {url[:80]!r} ({getattr(e, 'reason', e)})", param) from None
         if size > self.max_bytes:
             raise self._too_large(param, size)

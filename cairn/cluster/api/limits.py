@@ -76,7 +76,7 @@ class APILimits(BaseModel):
         "images in one chat request (413): each is decoded, resized and encoded by the vision tower"))
     max_image_bytes: int = Field(20 << 20, ge=1, description=(
         "bytes of one image as sent (decoded from base64, or fetched; 400)"))
-    max_image_pixels: int = Field(8192 * 8192, ge=1, description=(
+    max_image_pixels: int = Field(4096 * 4096, ge=1, description=(
         "pixels of one image before resizing, read from its header before it is decoded (400): a "
         "decompression bomb is refused unread"))
 

@@ -144,7 +144,9 @@ class Prompts:
         """Characters of `text` that render a public system prompt opening the conversation (0:
         none). One more render, of that message alone; used only if it is a prefix of `text`."""
         first = messages[0] if messages else {}
-        if first.get("role") != "system" or content_text(first.get("content")) not in self.public_system_prompts:
+        content = first.get("content")
+        if first.get("role") != "system" or content_text(content) not in self.public_system_prompts or \
+                (isinstance(content, list) and any(p.get("type") != "text" for p in content)):  # an image: not shared
             return 0
         try:
             alone = self.template.render([first], add_generation_prompt=False)

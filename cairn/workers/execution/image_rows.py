@@ -7,7 +7,8 @@ and `encoder` the runner's image encoder (its merge size counts an image's token
 - no sequence of the step has images: (positions, None, ()), the step as before;
 - only decodes of sequences with images: [T], each such row at its index plus its prompt's shift
   (M-RoPE's delta: a token past the prompt is text, its three positions equal), so a decode
-  graph runs it as any decode;
+  graph runs it as any decode (a one-token chunk inside such a prompt is a prefill segment:
+  `Sequence.decodes_at`);
 - a prefill segment of a sequence with images: [3, T] (rows t, h, w): that segment's rows from
   its `PromptPositions` (a chunk that cuts an image gets its part), other rows their index (plus
   the shift for decodes) on all three;

@@ -256,3 +256,17 @@ def test_a_five_turn_chat_with_an_image_resumes_each_turn_at_the_last_prompt_on_
     if tiers.startswith("pressure"):
         assert engine.cache.stats.pages_demoted > 0 and engine.metrics().checkpoints_from_host_total > 0
     engine.check()
+
+
+def test_one_token_chunks_through_images_compute_what_one_chunk_computes(vl):
+    """A step of one token (the token budget, a tenant's share or the image budget can leave one)
+    inside a prompt with images runs as a prefill row: image tokens get their embeddings and
+    M-RoPE positions, text between images its shift."""
+    path, model = vl
+    prompt, images = with_images(CASES["two_images"])
+    engine = Engine.from_pretrained(path, num_pages=32, max_num_seqs=2, max_num_batched_tokens=1)
+    out = run(engine, prompt, images)
+    tokens, logprobs = reference(model, prompt, images, GREEDY.max_tokens)
+    assert out.token_ids == tokens
+    np.testing.assert_allclose([lp.logprob for lp in out.logprobs], logprobs, atol=2e-4)
+    assert engine.runner.encoder.encoded == len(images)
