@@ -54,7 +54,10 @@ from cairn.cluster.api.chat_template import ChatTemplate  # noqa: E402
 from cairn.workers import Engine, SamplingParams  # noqa: E402
 from cairn.workers.demo import write_demo_model  # noqa: E402
 from cairn.workers.request import GenerateRequest  # noqa: E402
-from cairn.workers.vision.image_input import ImageInput, image_input, prompt_keys  # noqa: E402
+from cairn.cluster.api.image_sources import ImageSources  # noqa: E402
+from cairn.cluster.api.prompt_images import PromptImages  # noqa: E402
+from cairn.workers.vision.image_input import ImageInput, image_input  # noqa: E402
+from cairn.workers.vision.vision_config import load_vision_config  # noqa: E402
 from cairn.workers.vision.image_processing import load_preprocessor_config, preprocess_image  # noqa: E402
 from traces import MULTITURN_WORDS, Oracle, sentence  # noqa: E402  (benchmarks/traces.py)
 
@@ -85,29 +88,23 @@ def png(rng: np.random.Generator, side: int) -> bytes:
 
 
 class Client:
-    """Renders a chat as the ingress does: image parts become one pad token each, expanded."""
+    """Renders a chat as the ingress does: the template, then each image's pad token expanded and
+    the hints past it moved (the ingress's own `PromptImages.place` and `keys`)."""
 
     def __init__(self, model_dir: Path):
         self.tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         self.template = ChatTemplate.from_dir(model_dir)
-        self.pad = self.tok.token_to_id("<|image_pad|>")
         self.preprocessor = load_preprocessor_config(model_dir)
+        self.images = PromptImages(load_vision_config(model_dir), self.preprocessor, ImageSources(), 10**8)
 
-    def encode(self, messages: list[dict], images: list) -> tuple[list[int], list[ImageInput], list[int]]:
+    def encode(self, messages: list[dict], images: list) -> tuple[list[int], list[ImageInput], list[int], list[int]]:
+        """(ids, their ImageInputs, hints, cache keys)."""
         text, starts = self.template.message_starts(messages)
         enc = self.tok.encode(text, add_special_tokens=False)
         ends = [e for _, e in enc.offsets]
         hints = [sum(1 for e in ends if e <= c) for c in starts]
-        ids, inputs, k = [], [], 0
-        for i, t in enumerate(enc.ids):
-            if t == self.pad:
-                inputs.append(image_input(images[k], len(ids)))
-                ids += [self.pad] * images[k].num_image_tokens
-                hints = [h + images[k].num_image_tokens - 1 if h > i else h for h in hints]
-                k += 1
-            else:
-                ids.append(t)
-        return ids, inputs, hints
+        ids, hints, inputs = self.images.place(enc.ids, hints, [("", image) for image in images])
+        return ids, inputs, hints, self.images.keys(ids, inputs)
 
 
 def record(engine: Engine, client: Client, convs: int, turns: int, every: int, answer: int, side: int
@@ -125,8 +122,7 @@ def record(engine: Engine, client: Client, convs: int, turns: int, every: int, a
                 images[c].append(preprocess_image(png(rng, side), client.preprocessor, max_source_pixels=10**8))
                 content.insert(0, {"type": "image"})
             messages[c].append({"role": "user", "content": content})
-            ids, inputs, hints = client.encode(messages[c], images[c])
-            keys = prompt_keys(ids, inputs, 2)
+            ids, inputs, hints, keys = client.encode(messages[c], images[c])
             reqs.append(Request(c, turn, ids, inputs, hints, keys, oracle.hit_tokens(keys)))
         outs = run(engine, reqs, params, "record")[0]
         for r in reqs:

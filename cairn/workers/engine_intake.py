@@ -19,7 +19,7 @@ from cairn.workers.engine_errors import EngineBroken, RequestRejected
 from cairn.workers.output import RequestOutput
 from cairn.workers.request import GenerateRequest
 from cairn.workers.request_check import check, check_images
-from cairn.workers.execution.tp_runner import image_encoder
+from cairn.workers.vision.image_encoder import ImageEncoder
 from cairn.workers.vision.image_input import prompt_keys
 from cairn.workers.vision.vision_config import load_vision_config
 from cairn.workers.sampling_params import SamplingParams
@@ -42,16 +42,16 @@ class EngineIntake:
     def use_vision(self, model_dir) -> None:
         """Takes images with prompts where the checkpoint in `model_dir` has a vision tower: loads it
         (in the model's dtype, on its device) behind an `ImageEncoder` (under tensor parallelism,
-        every rank its own: cairn.workers.execution.tp_runner). A model without interleaved M-RoPE
+        every rank its own: cairn.workers.execution.tp_runner.build_rank_runner). A model without interleaved M-RoPE
         refuses requests with images. Under speculative decoding, sequences with images do not
         draft (cairn.workers.speculative.verifier)."""
         self.vision = load_vision_config(model_dir)
         if self.vision is None:
             return
-        self.images_refused = None if self.config.mrope_interleaved else "a model without interleaved M-RoPE"
-        if self.images_refused is None:
-            getattr(self.runner, "local", self.runner).encoder = image_encoder(model_dir, self.options, self.model)
-            self.scheduler.merge_size = self.vision.spatial_merge_size
+        encoder = ImageEncoder.load(model_dir, self.model)
+        self.images_refused = None if encoder else "a model without interleaved M-RoPE"
+        getattr(self.runner, "local", self.runner).encoder = encoder
+        self.scheduler.merge_size = self.vision.spatial_merge_size
 
     def add(self, request: GenerateRequest, fetch: bool = False) -> FetchPlan | None:
         """Queues a request; raises `RequestRejected` naming the field at fault. Its `hash_root`

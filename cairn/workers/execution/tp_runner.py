@@ -95,33 +95,20 @@ def build_rank_runner(model_dir: str | Path, asked: EngineOptions, rank: int, ad
     own (the options rank 0 was asked for, sized the same way, as many page-table rows), and the
     runner over it; with the arena's block count, which must equal rank 0's."""
     from cairn.workers.cache.arena import ArenaLayout
+    from cairn.workers.vision.image_encoder import ImageEncoder
 
     model = load_rank_model(model_dir, asked, rank, address, device)
     head = head_for(Path(model_dir), asked, model)
     sized = arena_sized(asked, model, head is not None)  # the arena every rank agrees on
     layout = ArenaLayout.plan(model.config, sized, next(model.parameters()).dtype.itemsize)
     runner = ModelRunner(model, layout, sized.page_size, sized.max_num_seqs + 1)
-    runner.encoder = image_encoder(model_dir, asked, model)  # every rank encodes a step's images itself
+    runner.encoder = ImageEncoder.load(model_dir, model)  # every rank encodes a step's images itself
     drafter = None
     if head is not None:
         if drafter_type is None:
             raise ValueError("a speculating rank needs the drafter that runs its share of the MTP head")
         drafter = drafter_type(runner, head)
     return RankExecutor(runner, drafter), layout.num_blocks
-
-
-def image_encoder(model_dir: str | Path, options: EngineOptions, model):
-    """The checkpoint's vision tower behind an encoder, on the model's device in its dtype, where it
-    has one and the model reads images (interleaved M-RoPE); else None."""
-    from cairn.workers.vision.image_encoder import ImageEncoder
-    from cairn.workers.vision.vision_config import load_vision_config
-    from cairn.workers.vision.vision_tower import load_vision_tower
-
-    vision = load_vision_config(model_dir)
-    if vision is None or not model.config.mrope_interleaved:
-        return None
-    p = next(model.parameters())
-    return ImageEncoder(load_vision_tower(model_dir, vision, p.dtype, p.device), vision.spatial_merge_size)
 
 
 class RankExecutor:

@@ -1,7 +1,8 @@
 """The vision tower as a step uses it: the embeddings of a step's image tokens, each image encoded
 once while its outputs stay in an LRU keyed by content hash.
 
-`ImageEncoder(tower, merge_size, max_bytes)`. `embeddings(parts)`, with `parts` the step's image
+`ImageEncoder(tower, merge_size, max_bytes)`, or `ImageEncoder.load(model_dir, model)`.
+`embeddings(parts)`, with `parts` the step's image
 slices in row order ((image, first, end): tokens [first, end) of the image's, see
 cairn.workers.execution.image_rows), returns their embeddings [sum of end - first, hidden]: the
 images not held are encoded in one batched pass of the tower (every image of the step at once),
@@ -18,7 +19,8 @@ from collections import OrderedDict
 import torch
 
 from cairn.workers.vision.image_input import ImageInput
-from cairn.workers.vision.vision_tower import VisionTower
+from cairn.workers.vision.vision_config import load_vision_config
+from cairn.workers.vision.vision_tower import VisionTower, load_vision_tower
 
 
 class ImageEncoder:
@@ -29,6 +31,16 @@ class ImageEncoder:
         self._held: OrderedDict[bytes, torch.Tensor] = OrderedDict()
         self._bytes = 0
         self.encoded = self.hits = 0
+
+    @classmethod
+    def load(cls, model_dir, model) -> "ImageEncoder | None":
+        """The checkpoint's tower behind an encoder, on `model`'s device in its dtype, where the
+        checkpoint has one and `model` reads images (interleaved M-RoPE); else None."""
+        vision = load_vision_config(model_dir)
+        if vision is None or not model.config.mrope_interleaved:
+            return None
+        p = next(model.parameters())
+        return cls(load_vision_tower(model_dir, vision, p.dtype, p.device), vision.spatial_merge_size)
 
     @torch.inference_mode()
     def embeddings(self, parts: list[tuple[ImageInput, int, int]]) -> torch.Tensor:
